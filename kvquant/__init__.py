@@ -1,0 +1,53 @@
+"""kvquant: a real FP8 paged KV cache for Hugging Face transformers.
+
+Public API. Names are resolved lazily, so ``import kvquant`` imports neither
+transformers nor triton and never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvquant.errors import (
+    BackendError,
+    CacheCapacityError,
+    CheckpointError,
+    FormatRegistrationError,
+    KernelInputError,
+    KVQuantError,
+    ScaleFormatError,
+    UnknownFormatError,
+    UnsupportedModelError,
+)
+
+__version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {}
+
+__all__ = [
+    "BackendError",
+    "CacheCapacityError",
+    "CheckpointError",
+    "FormatRegistrationError",
+    "KVQuantError",
+    "KernelInputError",
+    "ScaleFormatError",
+    "UnknownFormatError",
+    "UnsupportedModelError",
+    "__version__",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvquant' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

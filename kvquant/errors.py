@@ -1,0 +1,68 @@
+"""The kvquant error hierarchy.
+
+Every public error derives from :class:`KVQuantError` and from the builtin
+exception a caller would naturally catch (``ValueError``, ``KeyError``,
+``RuntimeError``). Messages name the object (module path, tensor name), what
+was found, what was expected, and the fix. They never print tensor contents.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "CacheCapacityError",
+    "CheckpointError",
+    "FormatRegistrationError",
+    "KVQuantError",
+    "KernelInputError",
+    "ScaleFormatError",
+    "UnknownFormatError",
+    "UnsupportedModelError",
+]
+
+
+class KVQuantError(Exception):
+    """Base class of every error kvquant raises on purpose."""
+
+
+class ScaleFormatError(KVQuantError, ValueError):
+    """A checkpoint's KV scales cannot be normalised to a canonical form.
+
+    Raised by discovery and by the registry's normalise-or-reject step: wrong
+    shape, non-float dtype, non-finite, zero, negative or underflowing values,
+    K without V, layers without scales.
+    """
+
+
+class CheckpointError(KVQuantError, ValueError):
+    """A path is not a readable checkpoint (missing folder, no config.json, bad header)."""
+
+
+class FormatRegistrationError(KVQuantError, ValueError):
+    """A scale format cannot be registered: the name is taken or its contract is broken."""
+
+
+class UnknownFormatError(KVQuantError, KeyError):
+    """A scale format name is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class KernelInputError(KVQuantError, ValueError):
+    """A kernel entry point got a tensor of the wrong dtype, shape, device or strides."""
+
+
+class CacheCapacityError(KVQuantError, RuntimeError):
+    """The paged cache has too few free pages (or slots) for a request.
+
+    Raised before anything is written: the cache is left as it was.
+    """
+
+
+class BackendError(KVQuantError, RuntimeError):
+    """An explicitly requested backend cannot run here (e.g. ``triton`` without a GPU)."""
+
+
+class UnsupportedModelError(KVQuantError, RuntimeError):
+    """A model (or one of its features) cannot run on kvquant's attention path."""
