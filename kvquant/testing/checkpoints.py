@@ -1,0 +1,563 @@
+"""Synthetic producer checkpoints for tests, demos and benchmarks.
+
+:func:`write_checkpoint` writes a tiny Llama-architecture checkpoint folder
+(``config.json`` loadable by transformers' ``LlamaForCausalLM``, optional random
+weights, safetensors shards) carrying KV scales named, shaped, typed and
+configured the way a given producer exports them:
+
+================================  =============================================  ===============
+convention                        scale tensors (layer ``N``)                    shape, dtype
+================================  =============================================  ===============
+``"compressed-tensors"``          ``model.layers.N.self_attn.k_scale``/``v_scale``  ``(1,)`` or ``(Hkv,1,1)``, bf16
+``"modelopt"``                    ``self_attn.k_proj.k_scale``/``v_proj.v_scale``  ``()``, fp32
+``"quark"``                       ``self_attn.k_proj.output_scale``/``v_proj``    ``()``, bf16
+``"quark-fp8"``                   ``self_attn.k_scale``/``v_scale`` (Quark config)  ``()``, bf16
+``"legacy-kv_scale"``             ``self_attn.kv_scale``                          ``()``, fp32
+``"none"``                        no KV scales, no quantization_config            —
+================================  =============================================  ===============
+
+Test hooks: ``scales`` overrides any value (a float keeps the producer's
+shape/dtype; a tensor is stored exactly as given — NaN, wrong shape, int dtype,
+...), ``drop`` removes particular tensors, ``extra_tensors`` adds arbitrary ones
+(zero points, ``q_scale``, ...), ``quant_config_updates`` edits the producer's
+``quantization_config``.
+
+Example:
+    >>> import tempfile, torch
+    >>> from kvquant.testing.checkpoints import write_checkpoint
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = write_checkpoint(
+    ...         d, convention="compressed-tensors", weights="none",
+    ...         drop=[(1, "v")], scales={(0, "k"): torch.tensor([float("nan")])},
+    ...     )
+    ...     sorted(p.name for p in path.iterdir())
+    ['config.json', 'model.safetensors']
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "CONVENTIONS",
+    "default_scale_values",
+    "scale_tensor_name",
+    "write_checkpoint",
+]
+
+Convention = Literal[
+    "compressed-tensors", "modelopt", "quark", "quark-fp8", "legacy-kv_scale", "none"
+]
+CONVENTIONS: tuple[str, ...] = (
+    "compressed-tensors",
+    "modelopt",
+    "quark",
+    "quark-fp8",
+    "legacy-kv_scale",
+    "none",
+)
+"""The producer conventions :func:`write_checkpoint` can write."""
+
+_DEFAULT_DTYPE: dict[str, torch.dtype] = {
+    "compressed-tensors": torch.bfloat16,
+    "modelopt": torch.float32,
+    "quark": torch.bfloat16,
+    "quark-fp8": torch.bfloat16,
+    "legacy-kv_scale": torch.float32,
+}
+_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def scale_tensor_name(convention: str, layer: int, kind: str) -> str:
+    """Return the tensor name a producer uses for one KV scale.
+
+    Args:
+        convention: one of :data:`CONVENTIONS` (not ``"none"``).
+        layer: decoder layer index.
+        kind: ``"k"`` or ``"v"`` (``"kv"`` for ``"legacy-kv_scale"``).
+
+    Returns:
+        The name, e.g. ``model.layers.0.self_attn.k_proj.k_scale``.
+
+    Raises:
+        ValueError: unknown convention or a kind the convention does not use.
+    """
+    base = f"model.layers.{layer}.self_attn"
+    if convention == "legacy-kv_scale":
+        if kind != "kv":
+            raise ValueError(f"legacy-kv_scale stores one 'kv' scale per layer, got kind {kind!r}")
+        return f"{base}.kv_scale"
+    if kind not in ("k", "v"):
+        raise ValueError(f"{convention} stores 'k' and 'v' scales, got kind {kind!r}")
+    if convention in ("compressed-tensors", "quark-fp8"):
+        return f"{base}.{kind}_scale"
+    if convention == "modelopt":
+        return f"{base}.{kind}_proj.{kind}_scale"
+    if convention == "quark":
+        return f"{base}.{kind}_proj.output_scale"
+    raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
+
+
+def default_scale_values(
+    num_layers: int, num_kv_heads: int, *, per_head: bool = False
+) -> dict[tuple[int, str], torch.Tensor]:
+    """Deterministic, distinct, positive fp32 K/V scales (before producer shaping).
+
+    K of layer ``l`` is ``0.02 * (l + 1)``, V is ``0.01 * (l + 1)``; per-head
+    values add ``0.001 * h`` for head ``h``.
+
+    Args:
+        num_layers: decoder layers.
+        num_kv_heads: KV heads.
+        per_head: return ``[num_kv_heads]`` tensors instead of scalars.
+
+    Returns:
+        ``{(layer, "k"|"v"): fp32 tensor [] or [num_kv_heads]}``.
+    """
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for layer in range(num_layers):
+        for kind, base in (("k", 0.02), ("v", 0.01)):
+            value = base * (layer + 1)
+            if per_head:
+                out[(layer, kind)] = value + 0.001 * torch.arange(num_kv_heads, dtype=torch.float32)
+            else:
+                out[(layer, kind)] = torch.tensor(value, dtype=torch.float32)
+    return out
+
+
+def _producer_config(
+    convention: str, granularity: str, fp8_weights: bool, post_rope: bool, scale_dtype: torch.dtype
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Return (config.json quantization_config, hf_quant_config.json) as the producer writes them."""
+    if convention == "compressed-tensors":
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "dense",
+            "quantization_status": "compressed",
+            "config_groups": {},
+            "ignore": [],
+            "version": "0.19.0",
+            "kv_cache_scheme": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "attn_head" if granularity == "per-head" else "tensor",
+                "dynamic": False,
+                "symmetric": True,
+                "group_size": None,
+                "block_structure": None,
+                "observer": "minmax",
+                "scale_dtype": None,
+                "zp_dtype": None,
+                "actorder": None,
+            },
+        }, None
+    if convention == "modelopt":
+        producer = {"name": "modelopt", "version": "0.47.0"}
+        qcfg: dict[str, Any] = {
+            "quant_method": "modelopt",
+            "ignore": ["lm_head"],
+            "producer": producer,
+            "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+        }
+        hf_quant: dict[str, Any] = {
+            "producer": producer,
+            "quantization": {
+                "quant_algo": None,
+                "kv_cache_quant_algo": "FP8",
+                "exclude_modules": ["lm_head"],
+            },
+        }
+        if fp8_weights:
+            qcfg["quant_algo"] = "FP8"
+            qcfg["config_groups"] = {
+                "group_0": {
+                    "weights": {"num_bits": 8, "type": "float", "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "float", "dynamic": False},
+                    "targets": ["Linear"],
+                }
+            }
+            hf_quant["quantization"]["quant_algo"] = "FP8"
+        else:
+            hf_quant["quantization"]["quantized_layers"] = {}
+        return qcfg, hf_quant
+    if convention in ("quark", "quark-fp8"):
+        dtype_name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+            scale_dtype, "float32"
+        )
+        out_tensors = {
+            "dtype": "fp8_e4m3",
+            "qscheme": "per_tensor",
+            "is_dynamic": False,
+            "symmetric": True,
+            "observer_cls": "PerTensorMinMaxObserver",
+            "round_method": "half_even",
+            "scale_type": "float",
+            "ch_axis": None,
+            "group_size": None,
+        }
+        kv_cfg = {
+            "weight": None,
+            "input_tensors": None,
+            "output_tensors": dict(out_tensors),
+            "bias": None,
+            "target_device": None,
+        }
+        return {
+            "quant_method": "quark",
+            "quant_mode": "eager_mode",
+            "version": "0.13",
+            "global_quant_config": {
+                "weight": None,
+                "input_tensors": None,
+                "output_tensors": None,
+                "bias": None,
+                "target_device": None,
+            },
+            "layer_type_quant_config": {},
+            "layer_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
+            "kv_cache_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
+            "kv_cache_post_rope": post_rope,
+            "exclude": ["lm_head"],
+            "export": {
+                "kv_cache_group": ["*k_proj", "*v_proj"],
+                "min_kv_scale": 0.0,
+                "pack_method": "reorder",
+                "weight_format": "real_quantized",
+                "weight_merge_groups": None,
+                "custom_mode": "fp8" if convention == "quark-fp8" else "quark",
+                "scale_dtype": dtype_name,
+            },
+        }, None
+    return None, None
+
+
+def _shape_scale(
+    value: float | torch.Tensor,
+    convention: str,
+    granularity: str,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Turn a canonical value (scalar or [Hkv]) into the producer's stored tensor."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to(torch.float32).reshape(-1)
+    else:
+        t = torch.tensor([float(value)], dtype=torch.float32)
+    if convention == "compressed-tensors":
+        if granularity == "per-head":
+            if t.numel() == 1:
+                t = t.expand(num_kv_heads)
+            return t.reshape(num_kv_heads, 1, 1).to(dtype).clone()
+        return t.amax().reshape(1).to(dtype).clone()
+    return t.amax().reshape(()).to(dtype).clone()
+
+
+def _kv_scale_tensors(
+    convention: str,
+    granularity: str,
+    num_layers: int,
+    num_kv_heads: int,
+    scale_dtype: torch.dtype,
+    post_rope: bool,
+    scales: Mapping[tuple[int, str], float | torch.Tensor] | None,
+    drop: set[tuple[int, str]],
+) -> dict[str, torch.Tensor]:
+    if convention == "none":
+        explicit = dict(scales or {})
+        if explicit:
+            raise ValueError(
+                "write_checkpoint(convention='none') stores no KV scales; pass a producer "
+                "convention to write scales, or extra_tensors for arbitrary tensors"
+            )
+        return {}
+    per_head = convention == "compressed-tensors" and granularity == "per-head"
+    values: dict[tuple[int, str], float | torch.Tensor] = dict(
+        default_scale_values(num_layers, num_kv_heads, per_head=per_head)
+    )
+    explicit = dict(scales or {})
+    stored_as_given: dict[tuple[int, str], torch.Tensor] = {}
+    for key, value in explicit.items():
+        if isinstance(value, torch.Tensor) and key[1] != "kv":
+            stored_as_given[key] = value
+        values[key] = value
+    out: dict[str, torch.Tensor] = {}
+    if convention == "legacy-kv_scale":
+        for layer in range(num_layers):
+            if (layer, "kv") in drop:
+                continue
+            given = explicit.get((layer, "kv"))
+            if isinstance(given, torch.Tensor):
+                out[scale_tensor_name(convention, layer, "kv")] = given.clone()
+                continue
+            if given is None:
+                k, v = values[(layer, "k")], values[(layer, "v")]
+                kt = k if isinstance(k, torch.Tensor) else torch.tensor(float(k))
+                vt = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+                given = float(torch.maximum(kt.float().amax(), vt.float().amax()))
+            out[scale_tensor_name(convention, layer, "kv")] = _shape_scale(
+                given, convention, "per-tensor", num_kv_heads, scale_dtype
+            )
+        return out
+    merged = (convention == "quark" and not post_rope) or convention == "quark-fp8"
+    for layer in range(num_layers):
+        shaped: dict[str, torch.Tensor] = {}
+        for kind in ("k", "v"):
+            shaped[kind] = _shape_scale(
+                values[(layer, kind)], convention, granularity, num_kv_heads, scale_dtype
+            )
+        if merged:
+            both = torch.maximum(shaped["k"].float(), shaped["v"].float()).to(scale_dtype)
+            shaped = {kind: both.clone() for kind in shaped}
+        for kind in ("k", "v"):
+            if (layer, kind) in drop:
+                continue
+            tensor = stored_as_given.get((layer, kind), shaped[kind])
+            out[scale_tensor_name(convention, layer, kind)] = tensor.clone()
+    return out
+
+
+def _llama_config_dict(
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    vocab_size: int,
+    multimodal: bool,
+) -> dict[str, Any]:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    data = cfg.to_dict()
+    data["dtype"] = "bfloat16"
+    data.pop("torch_dtype", None)
+    if multimodal:
+        text = {k: v for k, v in data.items() if k not in ("architectures", "transformers_version")}
+        data = {
+            "architectures": ["LlavaForConditionalGeneration"],
+            "model_type": "llava",
+            "text_config": text,
+        }
+    return data
+
+
+def _random_weights(
+    config: Mapping[str, Any], seed: int, fp8_weights: bool
+) -> dict[str, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures",)})
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if not fp8_weights:
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.split("layers.")[-1].split(".", 1)[-1] in _LINEARS:
+            amax = tensor.float().abs().amax().clamp_min(1e-12)
+            scale = (amax / 448.0).to(torch.float32)
+            q = (tensor.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            out[name] = q
+            out[f"{module}.weight_scale"] = scale.reshape(())
+            out[f"{module}.input_scale"] = torch.tensor(0.05, dtype=torch.float32)
+        else:
+            out[name] = tensor
+    return out
+
+
+def _write_shards(root: Path, tensors: Mapping[str, torch.Tensor], shards: int) -> list[Path]:
+    from safetensors.torch import save_file
+
+    names = sorted(tensors)
+    if shards == 1:
+        file = root / "model.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names}, str(file), metadata={"format": "pt"})
+        return [file]
+    if len(names) < shards:
+        raise ValueError(f"cannot split {len(names)} tensors into {shards} non-empty shards")
+    base, extra = divmod(len(names), shards)
+    bounds = [0]
+    for i in range(shards):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    chunks = [names[bounds[i] : bounds[i + 1]] for i in range(shards)]
+    weight_map: dict[str, str] = {}
+    files = []
+    total = 0
+    for i, chunk in enumerate(chunks):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in chunk}
+        save_file(part, str(root / fname), metadata={"format": "pt"})
+        files.append(root / fname)
+        for n in chunk:
+            weight_map[n] = fname
+            total += tensors[n].numel() * tensors[n].element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def write_checkpoint(
+    path: str | Path,
+    *,
+    convention: str,
+    granularity: Literal["per-tensor", "per-head"] = "per-tensor",
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int | None = None,
+    vocab_size: int = 128,
+    scale_dtype: torch.dtype | None = None,
+    scales: Mapping[tuple[int, str], float | torch.Tensor] | None = None,
+    drop: Iterable[tuple[int, str]] = (),
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+    weights: Literal["tiny-random", "none"] = "tiny-random",
+    shards: int = 1,
+    fp8_weights: bool = False,
+    post_rope: bool = False,
+    quant_config_updates: Mapping[str, Any] | None = None,
+    multimodal: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny Llama checkpoint whose KV scales follow one producer's convention.
+
+    The folder gets ``config.json`` (a transformers ``LlamaConfig``, plus the
+    producer's ``quantization_config``), ``hf_quant_config.json`` for ModelOpt,
+    and ``model.safetensors`` (or ``shards`` files plus
+    ``model.safetensors.index.json``) holding the weights and the scales.
+
+    Default scale values are :func:`default_scale_values` (K ``0.02·(l+1)``, V
+    ``0.01·(l+1)``), shaped and typed like the producer: compressed-tensors
+    ``(1,)`` (``granularity="per-tensor"``) or ``(Hkv,1,1)`` (``"per-head"``),
+    bf16; ModelOpt ``()`` fp32; Quark ``()`` bf16 holding ``max(K, V)`` in both
+    unless ``post_rope=True``; legacy ``kv_scale`` ``()`` fp32 holding ``max(K, V)``.
+
+    Args:
+        path: the folder to write (created; existing files of the same names are replaced).
+        convention: one of :data:`CONVENTIONS`.
+        granularity: ``"per-head"`` writes compressed-tensors ``attn_head`` scales
+            ``(Hkv,1,1)``; other conventions are per-tensor only.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: KV heads.
+        head_dim: elements per head.
+        hidden_size: model width; default ``num_heads * head_dim``.
+        vocab_size: vocabulary size of the random model.
+        scale_dtype: dtype of the stored scales; default the producer's
+            (bf16 for compressed-tensors and Quark, fp32 for ModelOpt and legacy).
+        scales: explicit values keyed ``(layer, "k"|"v"|"kv")``. A float is
+            shaped, typed and merged like the producer would; a tensor is stored
+            exactly as given, with no merging (use it to corrupt: NaN, zero,
+            shape ``(num_heads,)``, int dtype, ...).
+        drop: ``(layer, kind)`` pairs whose tensor is left out (e.g. ``[(1, "v")]``).
+        extra_tensors: more tensors to store by name (zero points, ``q_scale``, ...).
+        weights: ``"tiny-random"`` writes a random bf16 ``LlamaForCausalLM``;
+            ``"none"`` writes the scales only (fast; not loadable as a model).
+        shards: number of safetensors files (``> 1`` also writes the index).
+        fp8_weights: ModelOpt only: store every decoder Linear weight as
+            float8_e4m3fn with ``weight_scale`` / ``input_scale`` (the FP8-weight export).
+        post_rope: Quark only: ``kv_cache_post_rope: true`` (separate, post-RoPE K and V).
+        quant_config_updates: keys merged into ``quantization_config`` (e.g.
+            ``{"kv_cache_scheme": {...}}``).
+        multimodal: nest the Llama config under ``text_config`` (a Llava-style config).
+        seed: seed of the random weights.
+
+    Returns:
+        The checkpoint folder.
+
+    Raises:
+        ValueError: an unknown convention or an option the convention does not support.
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
+    if granularity not in ("per-tensor", "per-head"):
+        raise ValueError(f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}")
+    if granularity == "per-head" and convention != "compressed-tensors":
+        raise ValueError(
+            f"granularity='per-head' is a compressed-tensors (attn_head) export; {convention} "
+            "writes per-tensor scales (pass explicit tensors in scales= to store other shapes)"
+        )
+    if fp8_weights and convention != "modelopt":
+        raise ValueError("fp8_weights=True is supported for convention='modelopt' only")
+    if fp8_weights and weights != "tiny-random":
+        raise ValueError("fp8_weights=True needs weights='tiny-random'")
+    if post_rope and convention != "quark":
+        raise ValueError("post_rope=True is a Quark option (kv_cache_post_rope)")
+    if weights not in ("tiny-random", "none"):
+        raise ValueError(f"weights must be 'tiny-random' or 'none', got {weights!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    hidden = hidden_size if hidden_size is not None else num_heads * head_dim
+    dtype = scale_dtype or _DEFAULT_DTYPE.get(convention, torch.float32)
+    config = _llama_config_dict(
+        num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=False
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    if weights == "tiny-random":
+        tensors.update(_random_weights(config, seed, fp8_weights))
+    tensors.update(
+        _kv_scale_tensors(
+            convention, granularity, num_layers, num_kv_heads, dtype, post_rope, scales, set(drop)
+        )
+    )
+    if extra_tensors:
+        tensors.update({k: v.detach().clone() for k, v in extra_tensors.items()})
+    if not tensors:
+        # safetensors needs at least one tensor for a valid file
+        tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+
+    if multimodal:
+        config = _llama_config_dict(
+            num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=True
+        )
+    qcfg, hf_quant = _producer_config(convention, granularity, fp8_weights, post_rope, dtype)
+    if quant_config_updates:
+        qcfg = dict(qcfg or {})
+        qcfg.update(quant_config_updates)
+    if qcfg is not None:
+        config["quantization_config"] = qcfg
+
+    for stale in root.glob("*.safetensors"):
+        stale.unlink()
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    _write_shards(root, tensors, shards)
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if hf_quant is not None:
+        (root / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+    elif (root / "hf_quant_config.json").exists():
+        (root / "hf_quant_config.json").unlink()
+    return root
