@@ -1,0 +1,68 @@
+"""Scale formats, their registry, and the normalise-or-reject policy.
+
+* :mod:`~kvquant.registry.types`: :class:`RawScale`, :class:`LayerGeometry`.
+* :mod:`~kvquant.registry.formats`: :class:`ScaleFormat` and the built-ins
+  ``per-tensor``, ``per-head``, ``fp32-group``.
+* :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
+  :func:`temporary_format`, :func:`get_scale_format`.
+* :mod:`~kvquant.registry.policy`: one pure function per policy step.
+* :mod:`~kvquant.registry.resolve`: :func:`resolve_scales` (raises) and
+  :func:`analyze_scales` (records), returning :class:`ModelScales`.
+* :mod:`~kvquant.registry.discovery`: reading scales out of checkpoints.
+
+This package imports torch only (never transformers).
+"""
+
+from __future__ import annotations
+
+from kvquant.registry.formats import (
+    Fp32GroupFormat,
+    PerHeadFormat,
+    PerTensorFormat,
+    ScaleFormat,
+)
+from kvquant.registry.policy import FP8_E4M3_MAX, MAX_SCALE, MIN_SCALE
+from kvquant.registry.registry import (
+    BUILTIN_FORMATS,
+    ScaleFormatRegistry,
+    check_format_contract,
+    default_registry,
+    get_scale_format,
+    register_scale_format,
+    scale_format_names,
+    temporary_format,
+)
+from kvquant.registry.resolve import (
+    LayerScales,
+    ModelScales,
+    ScaleRecord,
+    analyze_scales,
+    resolve_scales,
+)
+from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+
+__all__ = [
+    "BUILTIN_FORMATS",
+    "FP8_E4M3_MAX",
+    "MAX_SCALE",
+    "MIN_SCALE",
+    "Fp32GroupFormat",
+    "Granularity",
+    "LayerGeometry",
+    "LayerScales",
+    "ModelScales",
+    "PerHeadFormat",
+    "PerTensorFormat",
+    "RawScale",
+    "ScaleFormat",
+    "ScaleFormatRegistry",
+    "ScaleRecord",
+    "analyze_scales",
+    "check_format_contract",
+    "default_registry",
+    "get_scale_format",
+    "register_scale_format",
+    "resolve_scales",
+    "scale_format_names",
+    "temporary_format",
+]

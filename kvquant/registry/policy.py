@@ -1,0 +1,499 @@
+"""The normalise-or-reject policy, one pure function per step.
+
+Every function here takes values and returns values (or raises
+:class:`~kvquant.errors.ScaleFormatError`); none of them logs, mutates its
+inputs or keeps state. :func:`kvquant.registry.resolve_scales` chains them and
+records what each step did. The policy, row by row:
+
+| found | kvquant does |
+|---|---|
+| fp16 / bf16 / fp64 / fp8 scale | casts to fp32 (:func:`check_dtype`), noted |
+| integer, bool, complex or sparse scale | rejects (:func:`check_dtype`) |
+| `()`, `(1,)`, `(1, 1)`, `(1, 1, 1)` | per-tensor scalar (format `per-tensor`) |
+| `(Hkv,)`, `(Hkv, 1)`, `(Hkv, 1, 1)` | per-head (format `per-head`) |
+| `(H,)` (query heads), `scale_format="per-tensor"` | max over all (lossy, logged) |
+| any other shape | rejects, naming the expected shapes |
+| NaN, ±inf, zero, negative, < 2^-117 or > 2^100 | rejects with tensor, element and value (:func:`check_values`) |
+| only `kv_scale` | one scale for K and V, noted (:func:`pair_kv`) |
+| only K or only V in a layer | rejects; `missing_kv="reuse"` uses the one present for both, noted |
+| some layers with scales, others without | rejects, naming the layers (:func:`missing_layers`) |
+| no scales at all | `missing_scales`: `"dynamic"` (fp32-group, noted; default), `"error"`, `"unit"` (1.0, warned) |
+| per-head scales, `scale_format="per-tensor"` | max over heads (:func:`reduce_to_per_tensor`), logged once with the max/min ratio |
+| per-tensor scales, `scale_format="per-head"` | broadcast, lossless (:func:`broadcast_to_per_head`) |
+| pre-RoPE K scale (Quark default) | `rope_policy`: `"widen"` (x√2, default) or `"keep"` (:func:`apply_rope_policy`), noted |
+
+Value limits. A scale ``s`` is accepted when ``2^-117 <= s <= 2^100``:
+
+* lower bound: the smallest e4m3fn code (``2^-9``) times ``s`` is still a
+  normal fp32 number and ``1 / s`` is finite, so neither dequantisation nor a
+  kernel that multiplies by the reciprocal produces subnormals or ``inf``;
+* upper bound: ``448 * s < 2^109`` leaves ``2^19`` of headroom below the fp32
+  maximum for the attention dot product over ``head_dim`` elements and for the
+  x2 that e4m3fnuz hardware applies to OCP scales.
+
+No real calibration comes near either bound (scales are ``amax / 448``, about
+``1e-4 .. 10``); values outside them are producer bugs (fp16 underflow, a
+``448 / amax`` inverse stored as-is, uninitialised memory).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvquant.errors import ScaleFormatError
+from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "GRANULARITIES",
+    "MAX_SCALE",
+    "MIN_SCALE",
+    "MISSING_KV_POLICIES",
+    "MISSING_SCALES_POLICIES",
+    "ROPE_POLICIES",
+    "KVPair",
+    "apply_rope_policy",
+    "broadcast_to_per_head",
+    "canonical_shape",
+    "check_dtype",
+    "check_geometry",
+    "check_values",
+    "format_layers",
+    "format_shape",
+    "format_shapes",
+    "missing_layers",
+    "pair_kv",
+    "read_values",
+    "reduce_to_per_tensor",
+    "resolve_group_size",
+]
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite ``float8_e4m3fn`` value; a scale is ``amax / FP8_E4M3_MAX``."""
+
+MIN_SCALE = 2.0**-117
+"""Smallest accepted scale (see the module docstring)."""
+
+MAX_SCALE = 2.0**100
+"""Largest accepted scale (see the module docstring)."""
+
+GRANULARITIES: tuple[Granularity, ...] = ("per-tensor", "per-head", "fp32-group")
+MISSING_SCALES_POLICIES = ("dynamic", "error", "unit")
+MISSING_KV_POLICIES = ("error", "reuse")
+ROPE_POLICIES = ("widen", "keep")
+
+_DEFAULT_GROUP_SIZE = 64
+
+
+def format_shape(shape: Iterable[int]) -> str:
+    """Write a shape the way Python writes a tuple: ``()``, ``(8,)``, ``(4, 1, 1)``."""
+    return str(tuple(int(s) for s in shape))
+
+
+def format_shapes(shapes: Sequence[Iterable[int]]) -> str:
+    """Join shapes for a message: ``() or (4,)``, ``(), (1,) or (4,)``."""
+    texts = list(dict.fromkeys(format_shape(s) for s in shapes))
+    if not texts:
+        return "no static shape"
+    if len(texts) == 1:
+        return texts[0]
+    return ", ".join(texts[:-1]) + " or " + texts[-1]
+
+
+def format_layers(layers: Iterable[int]) -> str:
+    """Compress layer indices into ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    ordered = sorted(set(layers))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _format_value(value: float) -> str:
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.6g}"
+
+
+def check_geometry(geometry: LayerGeometry) -> None:
+    """Reject a geometry that no attention layer can have.
+
+    Args:
+        geometry: the model's attention geometry.
+
+    Raises:
+        ScaleFormatError: a field is not a positive integer.
+    """
+    for field_name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        value = getattr(geometry, field_name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ScaleFormatError(
+                f"LayerGeometry.{field_name} is {value!r}; expected a positive int. "
+                "Fix: build the geometry from the model config (num_hidden_layers, "
+                "num_attention_heads, num_key_value_heads, head_dim)."
+            )
+
+
+def canonical_shape(granularity: str, geometry: LayerGeometry) -> tuple[int, ...] | None:
+    """Shape of a canonical scale tensor for a granularity.
+
+    Args:
+        granularity: ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
+        geometry: the model's attention geometry.
+
+    Returns:
+        ``()`` for per-tensor, ``(num_kv_heads,)`` for per-head, ``None`` for the
+        dynamic fp32-group format (no stored tensor).
+    """
+    if granularity == "per-tensor":
+        return ()
+    if granularity == "per-head":
+        return (geometry.num_kv_heads,)
+    return None
+
+
+def check_dtype(raw: RawScale) -> str | None:
+    """Accept floating-point scales, reject the rest.
+
+    Args:
+        raw: the scale as the checkpoint stores it.
+
+    Returns:
+        ``None`` when the tensor is already fp32, otherwise a note saying it is
+        cast (fp16, bf16, fp64 and the fp8 dtypes are exact or rounded to fp32).
+
+    Raises:
+        ScaleFormatError: integer, bool, complex or other non-float dtype, a
+            sparse tensor, or a tensor whose data cannot be read (meta device).
+    """
+    tensor = raw.tensor
+    if not isinstance(tensor, torch.Tensor):
+        raise ScaleFormatError(
+            f"{raw.name} is a {type(tensor).__name__}, not a tensor; expected a floating-point "
+            "torch.Tensor. Fix: pass the tensor as loaded from the checkpoint."
+        )
+    dtype = tensor.dtype
+    if not dtype.is_floating_point:
+        raise ScaleFormatError(
+            f"{raw.name} has dtype {dtype} (shape {format_shape(tensor.shape)}); expected a "
+            "floating-point scale (float32, bfloat16, float16 or float64). Integer, bool and "
+            "complex tensors are not dequantization multipliers. Fix: export the scale as "
+            "amax / 448 in float32, or check that the tensor name maps to a KV scale."
+        )
+    if tensor.layout != torch.strided:
+        raise ScaleFormatError(
+            f"{raw.name} is a {tensor.layout} tensor (shape {format_shape(tensor.shape)}, "
+            f"{dtype}); expected a dense tensor. Fix: store the scale as a dense tensor "
+            "(tensor.to_dense())."
+        )
+    if tensor.device.type == "meta":
+        raise ScaleFormatError(
+            f"{raw.name} is on the meta device (shape {format_shape(tensor.shape)}, {dtype}); "
+            "expected a tensor with data. Fix: load the scale tensors from the checkpoint "
+            "(discovery reads them to CPU) before resolving scales."
+        )
+    if dtype == torch.float32:
+        return None
+    return f"{raw.name}: {str(dtype).removeprefix('torch.')} scale cast to float32"
+
+
+def read_values(raw: RawScale) -> torch.Tensor:
+    """Copy a scale's values to CPU float64, the exact common ground of every float dtype.
+
+    Args:
+        raw: a scale that passed :func:`check_dtype`.
+
+    Returns:
+        A new float64 CPU tensor with the raw tensor's shape (never a view of it).
+
+    Raises:
+        ScaleFormatError: the dtype has no conversion to float64 (e.g. packed fp4).
+    """
+    try:
+        values = raw.tensor.detach().to(device="cpu", dtype=torch.float64, copy=True)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise ScaleFormatError(
+            f"{raw.name} has dtype {raw.tensor.dtype}, which cannot be converted to float32 "
+            f"({type(exc).__name__}); expected float32, bfloat16, float16 or float64. "
+            "Fix: export the scale as amax / 448 in float32."
+        ) from None
+    return values
+
+
+def check_values(values: torch.Tensor, name: str, *, stage: str = "", fix: str = "") -> None:
+    """Reject non-finite, non-positive, underflowing or overflowing scales.
+
+    Args:
+        values: scale values of any shape, any float dtype (not modified).
+        name: the tensor's checkpoint name, used in the message.
+        stage: where the values come from when it is not the raw tensor, e.g.
+            ``"after format 'inverse-amax' converted it"``.
+        fix: replaces the default likely-cause and fix text (for values a
+            conversion produced rather than a producer stored).
+
+    Raises:
+        ScaleFormatError: naming the tensor, the first offending element and its
+            value, how many elements are bad, the accepted range and the fix.
+    """
+    flat = values.detach().reshape(-1).to(torch.float64)
+    if flat.numel() == 0:
+        raise ScaleFormatError(
+            f"{name} is empty (0 elements); expected at least one positive scale. "
+            "Fix: re-export the checkpoint's KV scales."
+        )
+    checks = (
+        (torch.isnan(flat), "not a number", "calibration never ran or diverged"),
+        (torch.isinf(flat), "infinite", "calibration overflowed"),
+        (flat == 0, "zero", "observers never saw data (a known llm-compressor failure)"),
+        (flat < 0, "negative", "the producer does not store dequantization multipliers"),
+        (flat < MIN_SCALE, "too small", "it underflowed (e.g. stored in fp16) or is not a scale"),
+        (flat > MAX_SCALE, "too large", "it is probably an inverse (448 / amax) or garbage"),
+    )
+    where = f" ({stage})" if stage else ""
+    for mask, what, cause in checks:
+        bad = mask
+        count = int(bad.sum())
+        if count == 0:
+            continue
+        index = int(torch.nonzero(bad)[0, 0])
+        position = _unravel(index, tuple(values.shape))
+        value = _format_value(float(flat[index]))
+        raise ScaleFormatError(
+            f"{name}{where}: element {position} is {value} ({what}; {count} of "
+            f"{flat.numel()} elements); expected finite scales in "
+            f"[{MIN_SCALE:.3g}, {MAX_SCALE:.3g}] (amax / 448). "
+            + (
+                fix
+                or f"Likely cause: {cause}. Fix: re-calibrate and re-export the KV scales, or "
+                'patch(model, scale_format="fp32-group") to ignore them and compute scales '
+                "while writing the cache."
+            )
+        )
+
+
+def _unravel(index: int, shape: tuple[int, ...]) -> str:
+    if not shape:
+        return "()"
+    coords = []
+    for dim in reversed(shape):
+        coords.append(index % dim)
+        index //= dim
+    return "[" + ", ".join(str(c) for c in reversed(coords)) + "]"
+
+
+@dataclass(frozen=True)
+class KVPair:
+    """The raw scales one layer's K and V caches will use.
+
+    Attributes:
+        k: the raw scale for K.
+        v: the raw scale for V (the same object as ``k`` for a single ``kv_scale``
+            or when ``missing_kv="reuse"`` borrowed it).
+        notes: what the pairing did, for the report.
+    """
+
+    k: RawScale
+    v: RawScale
+    notes: tuple[str, ...] = ()
+
+
+def pair_kv(layer: int, raws: Sequence[RawScale], missing_kv: str = "error") -> KVPair:
+    """Decide which raw scale serves K and which serves V in one layer.
+
+    Rules: separate ``k`` and ``v`` tensors win; a lone ``kv`` tensor serves
+    both (noted); ``kv`` fills in for a missing ``k`` or ``v`` (noted); only
+    ``k`` or only ``v`` is rejected unless ``missing_kv="reuse"``, which uses
+    the one present for both (noted: the other cache's range is a guess).
+
+    Args:
+        layer: decoder layer index (for messages).
+        raws: this layer's raw scales, at most one per kind.
+        missing_kv: ``"error"`` or ``"reuse"``.
+
+    Returns:
+        The pair and the notes.
+
+    Raises:
+        ScaleFormatError: no scale at all, duplicated kinds, or only one of K
+            and V with ``missing_kv="error"``.
+    """
+    if missing_kv not in MISSING_KV_POLICIES:
+        raise ScaleFormatError(
+            f"missing_kv={missing_kv!r} is not a policy; expected one of {MISSING_KV_POLICIES}."
+        )
+    by_kind: dict[str, RawScale] = {}
+    for raw in raws:
+        if raw.kind in by_kind:
+            raise ScaleFormatError(
+                f"layer {layer} has two {raw.kind!r} scales: {by_kind[raw.kind].name} and "
+                f"{raw.name}; expected one. Fix: remove the stale tensor from the checkpoint."
+            )
+        if raw.kind not in ("k", "v", "kv"):
+            raise ScaleFormatError(
+                f"{raw.name} has kind {raw.kind!r}; expected 'k', 'v' or 'kv'. "
+                "Fix: build RawScale objects with kvquant's discovery."
+            )
+        by_kind[raw.kind] = raw
+    k, v, kv = by_kind.get("k"), by_kind.get("v"), by_kind.get("kv")
+    notes: list[str] = []
+    if k is not None and v is not None:
+        if kv is not None:
+            notes.append(f"layer {layer}: {kv.name} ignored, separate K and V scales present")
+        return KVPair(k, v, tuple(notes))
+    if kv is not None:
+        if k is None and v is None:
+            notes.append(f"layer {layer}: {kv.name} is one scale for both K and V")
+            return KVPair(kv, kv, tuple(notes))
+        filled = "V" if v is None else "K"
+        notes.append(f"layer {layer}: {kv.name} used for {filled}")
+        return KVPair(k if k is not None else kv, v if v is not None else kv, tuple(notes))
+    if k is not None:
+        present, have, lack = k, "K", "V"
+    elif v is not None:
+        present, have, lack = v, "V", "K"
+    else:
+        raise ScaleFormatError(
+            f"layer {layer} has no KV scale; expected a K and a V scale. "
+            "Fix: re-export the checkpoint with KV scales for every layer."
+        )
+    if missing_kv == "reuse":
+        notes.append(
+            f"layer {layer}: no {lack} scale; {present.name} reused for {lack} "
+            '(missing_kv="reuse"; the range of the other cache is a guess)'
+        )
+        return KVPair(present, present, tuple(notes))
+    raise ScaleFormatError(
+        f"layer {layer} has a {have} scale ({present.name}) but no {lack} scale; expected both. "
+        f"Fix: re-export the checkpoint with {lack} scales, or "
+        f'patch(model, missing_kv="reuse") to use the {have} scale for {lack} too.'
+    )
+
+
+def missing_layers(present: Iterable[int], num_layers: int) -> list[int]:
+    """Layers in ``range(num_layers)`` that have no raw scale.
+
+    Args:
+        present: indices of layers with at least one raw scale.
+        num_layers: decoder layers in the model.
+
+    Returns:
+        The missing indices, ascending.
+    """
+    have = set(present)
+    return [i for i in range(num_layers) if i not in have]
+
+
+def reduce_to_per_tensor(scale: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Reduce canonical per-head scales to one per-tensor scale with max (lossy).
+
+    The max covers every head's range, so nothing saturates; heads with smaller
+    scales lose ``log2(max / own)`` bits of resolution.
+
+    Args:
+        scale: fp32 ``[num_kv_heads]`` (or ``[]``).
+
+    Returns:
+        The fp32 scalar ``[]`` and the max/min ratio (1.0 when lossless).
+    """
+    high = scale.max()
+    ratio = float(high / scale.min())
+    return high.reshape(()).clone(), ratio
+
+
+def broadcast_to_per_head(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Repeat a per-tensor scale for every KV head (lossless).
+
+    Args:
+        scale: fp32 ``[]`` (or already ``[num_kv_heads]``).
+        num_kv_heads: KV heads of the layer.
+
+    Returns:
+        A new fp32 ``[num_kv_heads]`` tensor.
+    """
+    if scale.dim() == 1:
+        return scale.clone()
+    return scale.reshape(()).expand(num_kv_heads).clone()
+
+
+def apply_rope_policy(k: torch.Tensor, raw: RawScale, rope_policy: str) -> tuple[torch.Tensor, str]:
+    """Adapt a K scale calibrated before RoPE to the post-RoPE keys kvquant stores.
+
+    RoPE rotates pairs of channels, so a post-RoPE component can reach
+    ``sqrt(x_i^2 + x_j^2) <= sqrt(2) * max(|x_i|, |x_j|)``: a pre-RoPE scale can
+    under-cover by up to sqrt(2) and saturate at 448.
+
+    * ``"widen"`` (default): multiply K by sqrt(2). Nothing can saturate; costs
+      half a bit of resolution.
+    * ``"keep"``: use the scale as stored; outliers above it saturate.
+
+    Args:
+        k: canonical fp32 K scale, ``[]`` or ``[num_kv_heads]`` (not modified).
+        raw: the raw scale it came from (``pre_rope`` is read from it).
+        rope_policy: ``"widen"`` or ``"keep"``.
+
+    Returns:
+        The (possibly widened) new tensor and a note for the report.
+
+    Raises:
+        ScaleFormatError: unknown policy.
+    """
+    if rope_policy not in ROPE_POLICIES:
+        raise ScaleFormatError(
+            f"rope_policy={rope_policy!r} is not a policy; expected one of {ROPE_POLICIES}."
+        )
+    if rope_policy == "widen":
+        return (
+            k * math.sqrt(2.0),
+            f"{raw.name}: calibrated before RoPE; K widened by sqrt(2) so rotated keys "
+            'cannot saturate (rope_policy="widen")',
+        )
+    return (
+        k.clone(),
+        f"{raw.name}: calibrated before RoPE; kept as stored, rotated keys up to sqrt(2) "
+        'above it saturate at 448 (rope_policy="keep")',
+    )
+
+
+def resolve_group_size(group_size: int | None, head_dim: int) -> int:
+    """Pick the fp32-group group size ``G``.
+
+    Args:
+        group_size: requested ``G``, or ``None`` for the default: 64 capped at
+            ``head_dim``, halved until it divides ``head_dim`` (80 -> 16).
+        head_dim: elements per head.
+
+    Returns:
+        ``G``, a divisor of ``head_dim``.
+
+    Raises:
+        ScaleFormatError: an explicit ``G`` that is not a positive divisor of
+            ``head_dim``.
+    """
+    if group_size is None:
+        size = min(_DEFAULT_GROUP_SIZE, head_dim)
+        while head_dim % size:
+            size //= 2
+        return max(size, 1)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ScaleFormatError(
+            f"group_size={group_size!r}; expected a positive int dividing head_dim={head_dim}. "
+            "Fix: pass group_size=None for the default."
+        )
+    if head_dim % group_size:
+        divisors = [d for d in (8, 16, 32, 64, 128) if head_dim % d == 0 and d <= head_dim]
+        raise ScaleFormatError(
+            f"group_size={group_size} does not divide head_dim={head_dim}; expected a divisor "
+            f"such as {divisors or [head_dim]}. Fix: pass one of those, or group_size=None."
+        )
+    return group_size
