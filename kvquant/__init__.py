@@ -12,6 +12,7 @@ from typing import Any
 from kvquant.errors import (
     BackendError,
     CacheCapacityError,
+    CacheUsageError,
     CheckpointError,
     FormatRegistrationError,
     KernelInputError,
@@ -23,11 +24,29 @@ from kvquant.errors import (
 
 __version__ = "0.1.0"
 
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    # registry
+    "LayerGeometry": "kvquant.registry",
+    "LayerScales": "kvquant.registry",
+    "ModelScales": "kvquant.registry",
+    "RawScale": "kvquant.registry",
+    "ScaleFormat": "kvquant.registry",
+    "ScaleRecord": "kvquant.registry",
+    "analyze_scales": "kvquant.registry",
+    "get_scale_format": "kvquant.registry",
+    "register_scale_format": "kvquant.registry",
+    "resolve_scales": "kvquant.registry",
+    "temporary_format": "kvquant.registry",
+    # discovery and the doctor's report
+    "discover_scales": "kvquant.registry.discovery",
+    "CheckpointReport": "kvquant.report",
+    "inspect_checkpoint": "kvquant.report",
+}
 
 __all__ = [
     "BackendError",
     "CacheCapacityError",
+    "CacheUsageError",
     "CheckpointError",
     "FormatRegistrationError",
     "KVQuantError",

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "CacheCapacityError",
+    "CacheUsageError",
     "CheckpointError",
     "FormatRegistrationError",
     "KVQuantError",
@@ -57,6 +58,16 @@ class CacheCapacityError(KVQuantError, RuntimeError):
     """The paged cache has too few free pages (or slots) for a request.
 
     Raised before anything is written: the cache is left as it was.
+    """
+
+
+class CacheUsageError(KVQuantError, ValueError):
+    """A paged cache is built or called with bad arguments.
+
+    For example: an unknown or repeated sequence id, a negative token count, a
+    layer index out of range, a group size that does not divide the head dim.
+
+    Raised before anything changes: the cache is left as it was.
     """
 
 
