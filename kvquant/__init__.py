@@ -14,6 +14,8 @@ from kvquant.errors import (
     CacheCapacityError,
     CacheUsageError,
     CheckpointError,
+    ExportError,
+    ExportTargetExistsError,
     FormatRegistrationError,
     KernelInputError,
     KVQuantError,
@@ -41,6 +43,8 @@ _LAZY: dict[str, str] = {
     "discover_scales": "kvquant.registry.discovery",
     "CheckpointReport": "kvquant.report",
     "inspect_checkpoint": "kvquant.report",
+    # export for serving engines
+    "export_checkpoint": "kvquant.export",
 }
 
 __all__ = [
@@ -48,6 +52,8 @@ __all__ = [
     "CacheCapacityError",
     "CacheUsageError",
     "CheckpointError",
+    "ExportError",
+    "ExportTargetExistsError",
     "FormatRegistrationError",
     "KVQuantError",
     "KernelInputError",

@@ -9,6 +9,12 @@ Subcommands:
   usage error (missing path, not a checkpoint, bad option).
 * ``kvquant demo``: build tiny checkpoints in each producer's convention in a
   temporary folder and walk through what the doctor says about each.
+* ``kvquant export PATH --engine vllm|sglang|tensorrt-llm --out DIR``: write a
+  copy of the checkpoint whose KV scales follow that engine's loader (names,
+  shapes, fp32, config keys); see :mod:`kvquant.export`. Exit code 0 when
+  written, 1 when the checkpoint cannot be exported for that engine (nothing is
+  written), 2 on a usage error (not a checkpoint, ``--out`` exists without
+  ``--force``).
 
 The demo is a list of steps (:data:`DEMO_STEPS`); later features append steps
 (load, patch, generate) with :func:`add_demo_step`.
@@ -67,6 +73,37 @@ def _doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         print(report.render(), file=out)
     return report.exit_code
+
+
+# ---------------------------------------------------------------------------
+# export
+
+
+def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from kvquant.errors import CheckpointError
+    from kvquant.export import ExportTargetExistsError, export_checkpoint
+
+    granularity = "per-head" if args.per_head else args.granularity
+    try:
+        report = export_checkpoint(
+            args.path,
+            args.out,
+            engine=args.engine,
+            granularity=granularity,
+            rope_policy=args.rope_policy,
+            missing_kv=args.missing_kv,
+            force=args.force,
+            link=not args.copy,
+        )
+    except (CheckpointError, ExportTargetExistsError) as exc:
+        print(f"kvquant export: error: {exc}", file=err)
+        return EXIT_USAGE
+    except KVQuantError as exc:
+        # ExportError (the engine cannot take it) or the registry's ScaleFormatError
+        print(f"kvquant export: refused: {exc}", file=err)
+        return EXIT_REJECTED
+    print(report.to_json() if args.json else report.render(), file=out)
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------
@@ -430,6 +467,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the checkpoints into DIR and keep them (default: a temporary folder)",
     )
     demo.set_defaults(func=_demo)
+
+    export = sub.add_parser(
+        "export",
+        help="write a copy of a checkpoint whose KV scales a serving engine's loader accepts",
+        description="Read the checkpoint's KV scales (discovery + the registry), then write a "
+        "copy into OUT whose KV-scale tensors (names, shapes, fp32) and quantization config "
+        "follow the engine's loader. Weight shards without KV scales are hard-linked (or "
+        "copied); shards holding scales are re-saved with every other tensor unchanged. "
+        "Exit code: 0 written, 1 refused (nothing written), 2 usage error.",
+    )
+    export.add_argument("path", help="source checkpoint folder (config.json + *.safetensors)")
+    export.add_argument(
+        "--engine", required=True, choices=("vllm", "sglang", "tensorrt-llm"), help="target engine"
+    )
+    export.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    export.add_argument(
+        "--granularity",
+        default="per-tensor",
+        choices=("per-tensor", "per-head"),
+        help="per-tensor (every engine; per-head scales reduced with max, cost reported) or "
+        "per-head (vLLM compressed-tensors attn_head only)",
+    )
+    export.add_argument(
+        "--per-head", action="store_true", help="same as --granularity per-head (vLLM only)"
+    )
+    export.add_argument(
+        "--rope-policy",
+        dest="rope_policy",
+        default="widen",
+        choices=("widen", "keep"),
+        help="K scales calibrated before RoPE (Quark default): widen by sqrt(2) (default) or "
+        "export as stored (warned)",
+    )
+    export.add_argument(
+        "--missing-kv",
+        dest="missing_kv",
+        default="error",
+        choices=("error", "reuse"),
+        help="a layer with only K or only V: error (default) or reuse the one present",
+    )
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it exists (after the new copy is complete)",
+    )
+    export.add_argument(
+        "--copy", action="store_true", help="copy unchanged files instead of hard-linking them"
+    )
+    export.add_argument("--json", action="store_true", help="print the export report as JSON")
+    export.set_defaults(func=_export)
     return parser
 
 

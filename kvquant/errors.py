@@ -13,6 +13,8 @@ __all__ = [
     "CacheCapacityError",
     "CacheUsageError",
     "CheckpointError",
+    "ExportError",
+    "ExportTargetExistsError",
     "FormatRegistrationError",
     "KVQuantError",
     "KernelInputError",
@@ -77,3 +79,16 @@ class BackendError(KVQuantError, RuntimeError):
 
 class UnsupportedModelError(KVQuantError, RuntimeError):
     """A model (or one of its features) cannot run on kvquant's attention path."""
+
+
+class ExportError(KVQuantError, ValueError):
+    """A checkpoint cannot be exported for the requested engine.
+
+    Raised before anything is written to the output folder: no static scales to
+    export, a granularity or producer convention the engine's loader cannot
+    take, checkpoint-level errors, or a bad output path.
+    """
+
+
+class ExportTargetExistsError(ExportError, FileExistsError):
+    """The output folder already exists (pass ``force=True`` / ``--force`` to replace it)."""

@@ -1,0 +1,976 @@
+"""``kvquant export``: rewrite a checkpoint's KV scales into what a serving engine's loader accepts.
+
+:func:`export_checkpoint` reads a checkpoint's KV scales with discovery and the
+registry (:func:`~kvquant.registry.discovery.discover_scales`,
+:func:`~kvquant.registry.resolve.resolve_scales`: canonical fp32 scales, or the
+registry's :class:`~kvquant.errors.ScaleFormatError`), then writes a copy of
+the checkpoint into a new folder in which only what must change is rewritten:
+
+* the safetensors shard(s) holding KV scales (every other tensor in them is
+  re-saved byte for byte; shards without KV scales are hard-linked or copied);
+* ``model.safetensors.index.json`` (new names, new ``total_size``);
+* ``config.json``'s ``quantization_config`` and ``hf_quant_config.json``.
+
+Per engine (the sources are listed in ``docs/export.md``):
+
+==============  ===========  ==========================================  ==============
+engine          granularity  tensors per layer ``N``                     shape, dtype
+==============  ===========  ==========================================  ==============
+vllm            per-tensor   ``layers.N.self_attn.k_scale`` / ``v_scale``  ``(1,)`` fp32
+vllm            per-head     same names, ``strategy: attn_head``           ``(Hkv,1,1)`` fp32
+sglang          per-tensor   ``layers.N.self_attn.k_scale`` / ``v_scale``  ``()`` fp32
+tensorrt-llm    per-tensor   ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``  ``()`` fp32
+==============  ===========  ==========================================  ==============
+
+A source whose weights are quantized keeps its weight quantization (and so its
+producer's config): a ModelOpt FP8 checkpoint stays ModelOpt for every engine,
+a compressed-tensors one stays compressed-tensors. A source with unquantized
+weights gets the engine's KV-only convention (compressed-tensors for vLLM and
+SGLang). Per-head scales are reduced to per-tensor with max where the engine
+takes per-tensor scales only, and the cost (max/min ratio per layer) is
+reported. A legacy single ``kv_scale`` becomes separate ``k_scale`` and
+``v_scale``. Quark's pre-RoPE K scales follow the registry's ``rope_policy``
+(``"widen"`` multiplies by sqrt(2), ``"keep"`` exports as stored and warns).
+
+The output is written into a temporary folder beside ``out`` and renamed into
+place only after it has been re-discovered and checked: a failed export leaves
+no ``out`` behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
+from kvquant.registry.discovery import (
+    DiscoveredCheckpoint,
+    discover_scales,
+    scale_tensor_infos,
+)
+from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
+from kvquant.registry.resolve import analyze_scales, resolve_scales
+from kvquant.registry.types import RawScale
+
+__all__ = [
+    "ENGINES",
+    "ExportError",
+    "ExportReport",
+    "ExportTargetExistsError",
+    "LayerExport",
+    "engine_rules",
+    "export_checkpoint",
+]
+
+Engine = Literal["vllm", "sglang", "tensorrt-llm"]
+ExportGranularity = Literal["per-tensor", "per-head"]
+
+ENGINES: tuple[str, ...] = ("vllm", "sglang", "tensorrt-llm")
+"""The serving engines :func:`export_checkpoint` writes for."""
+
+_REPORT_FILE = "kvquant-export.json"
+_INDEX_FILE = "model.safetensors.index.json"
+_FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+_BUFFER_DTYPES = frozenset({"I64", "BOOL"})  # position ids, masks: not quantized weights
+
+
+# ---------------------------------------------------------------------------
+# engine rules
+
+
+@dataclass(frozen=True)
+class _Rule:
+    engine: str
+    granularity: str
+    shape: str  # "()", "(1,)" or "(Hkv,1,1)"
+    note: str
+
+
+_RULES: dict[tuple[str, str], _Rule] = {
+    ("vllm", "per-tensor"): _Rule(
+        "vllm",
+        "per-tensor",
+        "(1,)",
+        "vLLM loads each scale into a one-element fp32 parameter (numel-1 tensors are "
+        "filled, so () loads too) and keeps a Python float per layer",
+    ),
+    ("vllm", "per-head"): _Rule(
+        "vllm",
+        "per-head",
+        "(Hkv,1,1)",
+        "vLLM's compressed-tensors attn_head path: one scale per KV head; vLLM documents "
+        "per-head KV scales for the FlashAttention backend only (other backends use the "
+        "max over heads)",
+    ),
+    ("sglang", "per-tensor"): _Rule(
+        "sglang",
+        "per-tensor",
+        "()",
+        "SGLang keeps 0-dim fp32 k_scale / v_scale parameters and raises 'Only support "
+        "per-tensor scaling factor for fp8 KV cache' for anything else",
+    ),
+    ("tensorrt-llm", "per-tensor"): _Rule(
+        "tensorrt-llm",
+        "per-tensor",
+        "()",
+        "TensorRT-LLM's FP8 linear method reads k_proj.k_scale / v_proj.v_scale as "
+        "single elements into fp32 kv_scales",
+    ),
+}
+
+
+def engine_rules() -> list[dict[str, str]]:
+    """The engine/granularity combinations :func:`export_checkpoint` supports.
+
+    Returns:
+        One dict per combination: ``engine``, ``granularity``, ``shape`` and a ``note``.
+    """
+    return [
+        {"engine": r.engine, "granularity": r.granularity, "shape": r.shape, "note": r.note}
+        for r in _RULES.values()
+    ]
+
+
+# ---------------------------------------------------------------------------
+# report
+
+
+@dataclass(frozen=True)
+class LayerExport:
+    """What was written for one decoder layer.
+
+    Attributes:
+        layer: decoder layer index.
+        k_name: the K scale's tensor name in the output.
+        v_name: the V scale's tensor name in the output.
+        shape: the stored shape of both tensors.
+        k: the fp32 K value(s) written.
+        v: the fp32 V value(s) written.
+        k_ratio: max/min over the KV heads of the K scale before a per-head ->
+            per-tensor reduction (1.0 when nothing was reduced).
+        v_ratio: same for V.
+        sources: the source tensor names.
+    """
+
+    layer: int
+    k_name: str
+    v_name: str
+    shape: tuple[int, ...]
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+    k_ratio: float = 1.0
+    v_ratio: float = 1.0
+    sources: tuple[str, ...] = ()
+
+    @property
+    def reduction_ratio(self) -> float:
+        """The larger of the K and V max/min ratios (1.0: lossless)."""
+        return max(self.k_ratio, self.v_ratio)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "layer": self.layer,
+            "k_name": self.k_name,
+            "v_name": self.v_name,
+            "shape": list(self.shape),
+            "k": list(self.k),
+            "v": list(self.v),
+            "k_ratio": self.k_ratio,
+            "v_ratio": self.v_ratio,
+            "sources": list(self.sources),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class ExportReport:
+    """The result of :func:`export_checkpoint`.
+
+    Attributes:
+        source: the source checkpoint folder.
+        out: the output folder.
+        engine: ``"vllm"``, ``"sglang"`` or ``"tensorrt-llm"``.
+        granularity: ``"per-tensor"`` or ``"per-head"``.
+        source_producer: the producer convention discovery decided for the source.
+        target_convention: the convention written (``"compressed-tensors"`` or ``"modelopt"``).
+        layers: one :class:`LayerExport` per decoder layer.
+        notes: what was converted and why (registry notes included).
+        warnings: what the user must know before serving the output.
+        rewritten_files: output files written anew (shards holding scales, configs, index).
+        linked_files: files hard-linked from the source.
+        copied_files: files copied from the source.
+    """
+
+    source: str
+    out: str
+    engine: str
+    granularity: str
+    source_producer: str
+    target_convention: str
+    layers: tuple[LayerExport, ...]
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    rewritten_files: tuple[str, ...] = ()
+    linked_files: tuple[str, ...] = ()
+    copied_files: tuple[str, ...] = ()
+
+    @property
+    def reduced(self) -> bool:
+        """Whether any per-head scale was reduced to per-tensor (lossy)."""
+        return any(layer.reduction_ratio > 1.0 for layer in self.layers)
+
+    @property
+    def max_reduction_ratio(self) -> float:
+        """The worst per-layer max/min ratio of the reduction (1.0: lossless)."""
+        return max((layer.reduction_ratio for layer in self.layers), default=1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the report."""
+        return {
+            "source": self.source,
+            "out": self.out,
+            "engine": self.engine,
+            "granularity": self.granularity,
+            "source_producer": self.source_producer,
+            "target_convention": self.target_convention,
+            "reduced": self.reduced,
+            "max_reduction_ratio": self.max_reduction_ratio,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "notes": list(self.notes),
+            "warnings": list(self.warnings),
+            "rewritten_files": list(self.rewritten_files),
+            "linked_files": list(self.linked_files),
+            "copied_files": list(self.copied_files),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Return :meth:`to_dict` as strict JSON."""
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def render(self) -> str:
+        """Plain-text summary: header, one row per layer, notes and warnings."""
+        lines = [
+            f"exported:   {self.source} -> {self.out}",
+            f"engine:     {self.engine} ({self.granularity})",
+            f"convention: {self.source_producer} -> {self.target_convention}",
+        ]
+        if self.reduced:
+            worst = max(self.layers, key=lambda layer: layer.reduction_ratio)
+            lines.append(
+                f"cost:       per-head -> per-tensor with max; worst max/min ratio "
+                f"{self.max_reduction_ratio:.3g} (layer {worst.layer}, the smallest head "
+                f"loses up to {math.log2(self.max_reduction_ratio):.2f} bits)"
+            )
+        lines.append("")
+        table = [("layer", "K tensor", "V tensor", "shape", "K", "V", "max/min")]
+        for layer in self.layers:
+            table.append(
+                (
+                    str(layer.layer),
+                    layer.k_name,
+                    layer.v_name,
+                    str(layer.shape),
+                    _fmt_values(layer.k),
+                    _fmt_values(layer.v),
+                    f"{layer.reduction_ratio:.3g}",
+                )
+            )
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            lines.append(
+                "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            )
+        if self.notes:
+            lines.append("")
+            lines.append("notes:")
+            lines.extend(f"  - {n}" for n in self.notes)
+        if self.warnings:
+            lines.append("")
+            lines.append("warnings:")
+            lines.extend(f"  - {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _fmt_values(values: Sequence[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.6g}"
+    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"
+
+
+# ---------------------------------------------------------------------------
+# decisions
+
+
+def _weight_quantization(found: DiscoveredCheckpoint) -> str | None:
+    """Describe the source's weight quantization, or ``None`` when the weights are plain floats."""
+    quantized = {
+        d: n for d, n in found.weight_dtypes.items() if d not in _FLOAT_DTYPES | _BUFFER_DTYPES
+    }
+    if quantized:
+        return f"{sum(quantized.values())} weight tensors stored as {sorted(quantized)}"
+    qcfg = found.quantization_config or {}
+    if qcfg.get("config_groups"):
+        return f"{qcfg.get('quant_method')} config_groups {sorted(qcfg['config_groups'])}"
+    algo = qcfg.get("quant_algo")
+    if found.hf_quant_config:
+        quant = found.hf_quant_config.get("quantization", found.hf_quant_config)
+        if isinstance(quant, Mapping) and quant.get("quant_algo") is not None:
+            algo = quant.get("quant_algo")
+    if algo is not None:
+        return f"ModelOpt quant_algo {algo!r}"
+    for key in ("global_quant_config", "layer_quant_config", "layer_type_quant_config"):
+        section = qcfg.get(key)
+        entries = section.values() if isinstance(section, Mapping) else []
+        if key == "global_quant_config" and isinstance(section, Mapping):
+            entries = [section]
+        for entry in entries:
+            if isinstance(entry, Mapping) and entry.get("weight") is not None:
+                return f"Quark {key} quantizes weights"
+    return None
+
+
+def _target_convention(
+    engine: str, granularity: str, found: DiscoveredCheckpoint, weights: str | None
+) -> str:
+    """Pick the convention to write, or raise :class:`ExportError` naming why none fits."""
+    producer = found.producer
+    if engine == "tensorrt-llm":
+        if producer == "modelopt" and weights is not None:
+            return "modelopt"
+        raise ExportError(
+            f"{found.path}: a {producer} checkpoint "
+            + (f"with {weights}" if weights else "with unquantized weights")
+            + " cannot be exported for TensorRT-LLM. Its HF loader requires "
+            "hf_quant_config.json to name a weight quant_algo ('Pre-quantized checkpoint must "
+            "have quant_algo', tensorrt_llm/llmapi/llm_utils.py) and reads k_scale / v_scale "
+            "only inside its FP8 linear methods, under k_proj / v_proj (ModelOpt naming). "
+            "Fix: quantize the weights with ModelOpt (quant_algo FP8, kv_cache_quant_algo FP8) "
+            "and export that checkpoint, or serve this one with --engine vllm or sglang."
+        )
+    if weights is None:
+        return "compressed-tensors"
+    if producer == "compressed-tensors":
+        return "compressed-tensors"
+    if producer == "modelopt":
+        if granularity == "per-head":
+            raise ExportError(
+                f"{found.path}: ModelOpt weight quantization ({weights}) is kept as is, and "
+                "ModelOpt's config has no per-head KV strategy (vLLM reads ModelOpt KV scales "
+                "per tensor). Fix: export per-tensor (drop --per-head), or re-export the "
+                "weights with llm-compressor (kv_cache_scheme strategy attn_head)."
+            )
+        return "modelopt"
+    raise ExportError(
+        f"{found.path}: the weights are quantized by {producer} ({weights}); kvquant export "
+        "keeps weight quantization untouched and writes KV scales in the weight producer's "
+        f"convention, but it does not write {producer} KV scales for {engine}. Fix: use the "
+        "producer's own export for that engine, or export a KV-only checkpoint "
+        "(unquantized weights) and re-run kvquant export."
+    )
+
+
+def _refuse_unusable(found: DiscoveredCheckpoint) -> None:
+    errors = [f for f in found.findings if f.severity == "error"]
+    if errors:
+        listed = "; ".join(f"{f.code}: {f.message}" for f in errors)
+        raise ExportError(
+            f"{found.path} has checkpoint-level problems that no engine format can carry: "
+            f"{listed} (`kvquant doctor {found.path}` shows them)."
+        )
+    scheme = found.kv_scheme or {}
+    if not found.scales:
+        dynamic = scheme.get("dynamic") is True
+        raise ExportError(
+            f"{found.path} carries no static KV scales"
+            + (" (its KV scheme is dynamic)" if dynamic else "")
+            + "; kvquant would compute dynamic fp32-group scales while writing the cache, and "
+            "that format has no static form an engine could load (vLLM and SGLang would "
+            "silently use 1.0). Fix: calibrate static scales with `kvquant calibrate` (not "
+            "available yet) or with a producer (llm-compressor kv_cache_scheme, ModelOpt "
+            "kv_cache_quant_algo FP8, Quark), then export that checkpoint."
+        )
+    if any(r.convention == "tensorrt-llm" for r in found.scales):
+        raise ExportError(
+            f"{found.path} holds TensorRT-LLM engine-checkpoint scales "
+            "(attention.kv_cache_scaling_factor); that is not a Hugging Face checkpoint. "
+            "Fix: export from the Hugging Face checkpoint the engine was built from."
+        )
+
+
+def _prefix(raw: RawScale) -> str:
+    marker = f"layers.{raw.layer}."
+    index = raw.name.find(marker)
+    return raw.name[:index] if index >= 0 else "model."
+
+
+def _target_names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
+    base = f"{prefix}layers.{layer}.self_attn"
+    if convention == "modelopt":
+        return f"{base}.k_proj.k_scale", f"{base}.v_proj.v_scale"
+    return f"{base}.k_scale", f"{base}.v_scale"
+
+
+def _shape_for(engine: str, granularity: str, num_kv_heads: int) -> tuple[int, ...]:
+    rule = _RULES[(engine, granularity)]
+    if rule.shape == "(Hkv,1,1)":
+        return (num_kv_heads, 1, 1)
+    if rule.shape == "(1,)":
+        return (1,)
+    return ()
+
+
+# ---------------------------------------------------------------------------
+# configs
+
+
+def _kv_scheme(granularity: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    scheme: dict[str, Any] = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "attn_head" if granularity == "per-head" else "tensor",
+        "dynamic": False,
+        "symmetric": True,
+        "group_size": None,
+        "block_structure": None,
+        "observer": "minmax",
+        "scale_dtype": None,
+        "zp_dtype": None,
+        "actorder": None,
+    }
+    if base:
+        merged = dict(base)
+        for key in ("num_bits", "type", "strategy", "dynamic", "symmetric"):
+            merged[key] = scheme[key]
+        return merged
+    return scheme
+
+
+def _new_configs(
+    convention: str,
+    granularity: str,
+    found: DiscoveredCheckpoint,
+    weights: str | None,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Return (quantization_config or None to leave config.json alone, hf_quant_config or None)."""
+    qcfg = dict(found.quantization_config or {})
+    if convention == "compressed-tensors":
+        if weights is not None and found.producer == "compressed-tensors":
+            qcfg["kv_cache_scheme"] = _kv_scheme(granularity, qcfg.get("kv_cache_scheme"))
+            return qcfg, None
+        out: dict[str, Any] = {
+            "quant_method": "compressed-tensors",
+            "format": "dense",
+            "quantization_status": "compressed",
+            "config_groups": {},
+            "ignore": [],
+            "kv_cache_scheme": _kv_scheme(granularity),
+        }
+        if found.producer == "compressed-tensors" and "version" in qcfg:
+            out["version"] = qcfg["version"]
+        return out, None
+    # modelopt, weights quantized by ModelOpt: keep the weight config, declare FP8 KV
+    # (a checkpoint declaring ModelOpt in hf_quant_config.json only keeps no config entry).
+    if qcfg:
+        qcfg["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    hf_quant = json.loads(json.dumps(found.hf_quant_config or {}))
+    if not hf_quant:
+        hf_quant = {
+            "producer": {"name": "modelopt", "version": "unknown"},
+            "quantization": {"quant_algo": qcfg.get("quant_algo", "FP8")},
+        }
+    quant = hf_quant.setdefault("quantization", {})
+    quant["kv_cache_quant_algo"] = "FP8"
+    return qcfg or None, hf_quant
+
+
+# ---------------------------------------------------------------------------
+# files
+
+
+def _link_or_copy(src: Path, dst: Path, link: bool) -> bool:
+    """Hard-link ``src`` to ``dst`` (True) or copy it (False)."""
+    if link:
+        try:
+            os.link(src, dst)
+            return True
+        except OSError:
+            pass
+    shutil.copy2(src, dst)
+    return False
+
+
+def _rewrite_shard(
+    src: Path,
+    dst: Path,
+    drop: set[str],
+    add: Mapping[str, torch.Tensor],
+) -> None:
+    """Re-save a shard without ``drop`` and with ``add``; every other tensor keeps its bytes."""
+    import safetensors
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safetensors.safe_open(str(src), framework="pt", device="cpu") as fh:
+            metadata = fh.metadata() or {}
+            for name in fh.keys():
+                if name not in drop:
+                    tensors[name] = fh.get_tensor(name)
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(
+            f"{src} could not be read while exporting: {exc}. Fix: re-download or re-export it."
+        ) from exc
+    clash = sorted(set(tensors) & set(add))
+    if clash:
+        raise ExportError(
+            f"{src} already holds {clash[:3]} under the names the export writes; expected the "
+            "old KV-scale tensors to be the only ones with those names. Fix: remove the stale "
+            "tensors from the checkpoint."
+        )
+    tensors.update({name: t.contiguous() for name, t in add.items()})
+    save_file(tensors, str(dst), metadata={str(k): str(v) for k, v in metadata.items()})
+
+
+def _total_size(files: Sequence[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                numel = math.prod(sl.get_shape())
+                total += numel * _DTYPE_BYTES.get(sl.get_dtype(), 1)
+    return total
+
+
+_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+
+
+def _check_paths(src: Path, out: Path, force: bool) -> None:
+    src_r = src.resolve()
+    out_r = out.resolve()
+    if out_r == src_r or src_r in out_r.parents:
+        raise ExportError(
+            f"--out {out} is the source checkpoint or inside it; expected a new folder "
+            "elsewhere. Fix: pass another output folder."
+        )
+    if out_r in src_r.parents:
+        raise ExportError(
+            f"--out {out} contains the source checkpoint {src}; replacing it would delete the "
+            "source. Fix: pass another output folder."
+        )
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ExportTargetExistsError(
+                f"{out} already exists; expected a new folder. Fix: pass another --out, or "
+                "--force (force=True) to replace it."
+            )
+        if not out.is_dir() or out.is_symlink():
+            raise ExportTargetExistsError(
+                f"{out} exists and is not a folder; --force replaces folders only. "
+                "Fix: remove it or pass another --out."
+            )
+
+
+# ---------------------------------------------------------------------------
+# main entry point
+
+
+def export_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    engine: str,
+    granularity: str = "per-tensor",
+    rope_policy: str = "widen",
+    missing_kv: str = "error",
+    force: bool = False,
+    link: bool = True,
+) -> ExportReport:
+    """Write a copy of a checkpoint whose KV scales follow one serving engine's loader.
+
+    Args:
+        src: the source checkpoint folder (config.json + *.safetensors).
+        out: the output folder; must not exist unless ``force``.
+        engine: ``"vllm"``, ``"sglang"`` or ``"tensorrt-llm"``.
+        granularity: ``"per-tensor"`` (every engine; per-head scales are reduced
+            with max and the cost reported) or ``"per-head"`` (vLLM only:
+            compressed-tensors ``attn_head``, ``(Hkv,1,1)``; per-tensor sources
+            are broadcast, losslessly).
+        rope_policy: K scales calibrated before RoPE (Quark default):
+            ``"widen"`` (x sqrt(2), default) or ``"keep"`` (as stored, warned).
+        missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
+        force: replace ``out`` if it is an existing folder (only after the new
+            one is complete).
+        link: hard-link the unchanged files (falls back to copying); ``False``
+            always copies.
+
+    Returns:
+        The :class:`ExportReport` (also written to ``out/kvquant-export.json``).
+
+    Raises:
+        CheckpointError: ``src`` is not a readable checkpoint.
+        ScaleFormatError: the registry rejects the source's KV scales (the
+            message lists every problem, as ``kvquant doctor`` does).
+        ExportError: nothing static to export, the engine cannot take this
+            granularity or convention, checkpoint-level errors, or a bad ``out``.
+        ExportTargetExistsError: ``out`` exists and ``force`` is False.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from kvquant.testing.checkpoints import write_checkpoint
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     src = write_checkpoint(Path(d) / "src", convention="modelopt", weights="none")
+        ...     report = export_checkpoint(src, Path(d) / "out", engine="sglang")
+        ...     report.target_convention, report.layers[0].k_name, report.layers[0].shape
+        ('compressed-tensors', 'model.layers.0.self_attn.k_scale', ())
+    """
+    if engine not in ENGINES:
+        raise ExportError(
+            f"engine={engine!r} is not an engine kvquant exports for; expected one of "
+            f"{', '.join(ENGINES)}."
+        )
+    if (engine, granularity) not in _RULES:
+        if granularity not in ("per-tensor", "per-head"):
+            raise ExportError(f"granularity={granularity!r}; expected 'per-tensor' or 'per-head'.")
+        raise ExportError(
+            f"{engine} takes per-tensor KV scales only; per-head export is vLLM's "
+            "compressed-tensors attn_head path. Fix: drop --per-head (per-head scales are then "
+            "reduced with max and the cost reported), or use --engine vllm --per-head."
+        )
+    src_path = Path(src)
+    out_path = Path(out)
+    found = discover_scales(src_path)
+    src_path = found.path
+    _check_paths(src_path, out_path, force)
+    _refuse_unusable(found)
+    scales = resolve_scales(
+        found.scales,
+        found.geometry,
+        scale_format="auto",
+        missing_scales="error",
+        missing_kv=missing_kv,
+        rope_policy=rope_policy,
+    )
+    weights = _weight_quantization(found)
+    convention = _target_convention(engine, granularity, found, weights)
+    geometry = found.geometry
+
+    notes: list[str] = list(scales.notes)
+    warnings: list[str] = []
+    by_layer: dict[int, list[RawScale]] = {}
+    for raw in found.scales:
+        by_layer.setdefault(raw.layer, []).append(raw)
+    shape = _shape_for(engine, granularity, geometry.num_kv_heads)
+
+    layers: list[LayerExport] = []
+    new_tensors: dict[str, torch.Tensor] = {}
+    new_file_for: dict[str, str] = {}
+    infos = scale_tensor_infos(found.files)
+    drop_by_file: dict[str, set[str]] = {}
+    for raw in found.scales:
+        drop_by_file.setdefault(infos[raw.name].file, set()).add(raw.name)
+    broadcast = False
+    for layer_scales in scales.layers:
+        layer = layer_scales.layer
+        raws = by_layer[layer]
+        notes.extend([n for n in layer_scales.notes if n not in notes])
+        k_name, v_name = _target_names(convention, _prefix(raws[0]), layer)
+        written: dict[str, tuple[torch.Tensor, float]] = {}
+        for kind, value in (("k", layer_scales.k), ("v", layer_scales.v)):
+            if value is None:  # resolve_scales raised for rejected layers
+                raise ExportError(f"layer {layer} has no usable {kind.upper()} scale.")
+            ratio = 1.0
+            if granularity == "per-tensor" and value.dim() == 1:
+                value, ratio = reduce_to_per_tensor(value)
+            elif granularity == "per-head" and value.dim() == 0:
+                value = broadcast_to_per_head(value, geometry.num_kv_heads)
+                broadcast = True
+            written[kind] = (value.to(torch.float32).reshape(shape).contiguous(), ratio)
+        kinds = {r.kind: r for r in raws}
+        k_src = kinds.get("k", kinds.get("kv", raws[0]))
+        v_src = kinds.get("v", kinds.get("kv", raws[0]))
+        for name, kind, source in ((k_name, "k", k_src), (v_name, "v", v_src)):
+            new_tensors[name] = written[kind][0]
+            new_file_for[name] = infos[source.name].file
+        layers.append(
+            LayerExport(
+                layer=layer,
+                k_name=k_name,
+                v_name=v_name,
+                shape=shape,
+                k=tuple(float(x) for x in written["k"][0].reshape(-1)),
+                v=tuple(float(x) for x in written["v"][0].reshape(-1)),
+                k_ratio=written["k"][1],
+                v_ratio=written["v"][1],
+                sources=tuple(sorted(r.name for r in raws)),
+            )
+        )
+
+    _conversion_notes(found, layers, broadcast, notes)
+    rule = _RULES[(engine, granularity)]
+    notes.append(f"{engine}: {rule.note}")
+    if convention != found.producer:
+        notes.append(
+            f"KV scales rewritten from the {found.producer} convention to {convention} "
+            f"({'weights are not quantized' if weights is None else weights})"
+        )
+    if rope_policy == "keep" and any(r.pre_rope for r in found.scales):
+        warnings.append(
+            "K scales calibrated before RoPE were exported as stored (rope_policy='keep'); "
+            "the engine applies them to rotated keys, which can exceed them by up to sqrt(2) "
+            "and saturate at 448. Use rope_policy='widen' to export K x sqrt(2) instead."
+        )
+    if convention != found.producer:
+        extra = sorted(
+            name
+            for name in _header_names(found.files)
+            if name.endswith((".output_scale", ".prob_output_scale", ".q_scale"))
+            and name not in {r.name for r in found.scales}
+        )
+        if extra:
+            warnings.append(
+                f"{len(extra)} other activation-scale tensor(s) (e.g. {extra[0]}) were kept "
+                f"under their {found.producer} names; the {engine} {convention} loader may not "
+                "know them. Remove them if the engine refuses to load."
+            )
+
+    qcfg, hf_quant = _new_configs(convention, granularity, found, weights)
+    report_base = ExportReport(
+        source=str(src_path),
+        out=str(out_path),
+        engine=engine,
+        granularity=granularity,
+        source_producer=found.producer,
+        target_convention=convention,
+        layers=tuple(layers),
+        notes=tuple(notes),
+        warnings=tuple(warnings),
+    )
+    return _write(
+        found,
+        out_path,
+        force=force,
+        link=link,
+        qcfg=qcfg,
+        hf_quant=hf_quant,
+        new_tensors=new_tensors,
+        new_file_for=new_file_for,
+        drop_by_file=drop_by_file,
+        report=report_base,
+    )
+
+
+def _header_names(files: Sequence[Path]) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            names.extend(fh.keys())
+    return names
+
+
+def _conversion_notes(
+    found: DiscoveredCheckpoint,
+    layers: Sequence[LayerExport],
+    broadcast: bool,
+    notes: list[str],
+) -> None:
+    reduced = [layer for layer in layers if layer.reduction_ratio > 1.0 + 1e-12]
+    if reduced:
+        worst = max(reduced, key=lambda layer: layer.reduction_ratio)
+        per_layer = ", ".join(f"{layer.layer}: {layer.reduction_ratio:.3g}" for layer in layers)
+        notes.append(
+            "per-head scales reduced to per-tensor with max (lossy); max/min ratio per layer "
+            f"{{{per_layer}}}; worst {worst.reduction_ratio:.3g} (layer {worst.layer}): the head "
+            f"with the smallest scale loses up to {math.log2(worst.reduction_ratio):.2f} bits"
+        )
+    if broadcast:
+        notes.append("per-tensor scales broadcast to every KV head (lossless)")
+    if any(r.kind == "kv" for r in found.scales):
+        notes.append("legacy single kv_scale split into separate k_scale and v_scale (same value)")
+
+
+def _write(
+    found: DiscoveredCheckpoint,
+    out: Path,
+    *,
+    force: bool,
+    link: bool,
+    qcfg: dict[str, Any] | None,
+    hf_quant: dict[str, Any] | None,
+    new_tensors: Mapping[str, torch.Tensor],
+    new_file_for: Mapping[str, str],
+    drop_by_file: Mapping[str, set[str]],
+    report: ExportReport,
+) -> ExportReport:
+    src = found.path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvquant-tmp-", dir=out.parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the usual mode
+    try:
+        rewritten: list[str] = []
+        linked: list[str] = []
+        copied: list[str] = []
+        shard_files = {str(f) for f in drop_by_file} | set(new_file_for.values())
+        skip = {"config.json", "hf_quant_config.json", _INDEX_FILE, _REPORT_FILE}
+        for entry in sorted(src.iterdir()):
+            if entry.name in skip or str(entry) in shard_files:
+                continue
+            target = tmp / entry.name
+            if entry.is_dir():
+                shutil.copytree(entry, target, symlinks=True)
+                copied.append(entry.name)
+            elif _link_or_copy(entry, target, link):
+                linked.append(entry.name)
+            else:
+                copied.append(entry.name)
+        for file in sorted(shard_files):
+            add = {n: t for n, t in new_tensors.items() if new_file_for[n] == file}
+            _rewrite_shard(Path(file), tmp / Path(file).name, drop_by_file.get(file, set()), add)
+            rewritten.append(Path(file).name)
+
+        index = src / _INDEX_FILE
+        if index.is_file():
+            data = json.loads(index.read_text(encoding="utf-8"))
+            weight_map = dict(data.get("weight_map", {}))
+            for names in drop_by_file.values():
+                for name in names:
+                    weight_map.pop(name, None)
+            for name, file in new_file_for.items():
+                weight_map[name] = Path(file).name
+            data["weight_map"] = dict(sorted(weight_map.items()))
+            meta = dict(data.get("metadata") or {})
+            shards = sorted({tmp / f for f in weight_map.values()})
+            meta["total_size"] = _total_size(shards)
+            data["metadata"] = meta
+            (tmp / _INDEX_FILE).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+            rewritten.append(_INDEX_FILE)
+
+        config = json.loads(json.dumps(found.config))
+        text = config.get("text_config")
+        if qcfg is None:
+            pass  # ModelOpt declared in hf_quant_config.json only: leave config.json so
+        elif (
+            "quantization_config" not in config
+            and isinstance(text, dict)
+            and ("quantization_config" in text)
+        ):
+            text["quantization_config"] = qcfg
+        else:
+            config["quantization_config"] = qcfg
+        (tmp / "config.json").write_text(
+            json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+        )
+        rewritten.append("config.json")
+        if hf_quant is not None:
+            (tmp / "hf_quant_config.json").write_text(
+                json.dumps(hf_quant, indent=2) + "\n", encoding="utf-8"
+            )
+            rewritten.append("hf_quant_config.json")
+
+        final = replace(
+            report,
+            rewritten_files=tuple(rewritten),
+            linked_files=tuple(linked),
+            copied_files=tuple(copied),
+        )
+        _verify(tmp, final, found)
+        (tmp / _REPORT_FILE).write_text(final.to_json() + "\n", encoding="utf-8")
+        _move_into_place(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _verify(tmp: Path, report: ExportReport, source: DiscoveredCheckpoint) -> None:
+    """Re-discover the written checkpoint and check it says what the report says."""
+    found = discover_scales(tmp)
+    problems: list[str] = []
+    if found.producer != report.target_convention:
+        problems.append(f"re-discovered as {found.producer}, expected {report.target_convention}")
+    analysis = analyze_scales(found.scales, found.geometry)
+    if not analysis.ok:
+        problems.extend(analysis.problems)
+    if found.has_errors:
+        problems.extend(f.message for f in found.findings if f.severity == "error")
+    expected_gran = "per-head" if report.granularity == "per-head" else "per-tensor"
+    if analysis.ok and analysis.granularity != expected_gran:
+        problems.append(f"re-read as {analysis.granularity}, expected {expected_gran}")
+    written = {r.name: r for r in found.scales}
+    for layer in report.layers:
+        for name, values in ((layer.k_name, layer.k), (layer.v_name, layer.v)):
+            raw = written.get(name)
+            if raw is None:
+                problems.append(f"{name} missing from the output")
+                continue
+            if raw.tensor.dtype != torch.float32 or tuple(raw.tensor.shape) != layer.shape:
+                problems.append(f"{name} written as {raw.tensor.dtype} {tuple(raw.tensor.shape)}")
+            elif tuple(float(x) for x in raw.tensor.reshape(-1)) != values:
+                problems.append(f"{name} holds other values than exported")
+    if len(found.scales) != 2 * len(report.layers):
+        problems.append(
+            f"{len(found.scales)} KV-scale tensors in the output, expected {2 * len(report.layers)}"
+        )
+    if problems:
+        raise ExportError(
+            f"the exported copy of {source.path} failed its own check (nothing was written to "
+            f"{report.out}): " + "; ".join(problems[:5]) + ". This is a kvquant bug; please "
+            "report it with `kvquant doctor` output of the source."
+        )
+
+
+def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
+    if not out.exists():
+        try:
+            tmp.rename(out)
+        except OSError as exc:
+            raise ExportError(f"could not move the export into {out}: {exc}.") from exc
+        return
+    if not force:  # appeared while we were writing
+        raise ExportTargetExistsError(
+            f"{out} appeared while exporting; nothing was replaced. Fix: pass --force."
+        )
+    backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvquant-old-", dir=out.parent))
+    backup.rmdir()
+    out.rename(backup)
+    try:
+        tmp.rename(out)
+    except OSError as exc:
+        backup.rename(out)
+        raise ExportError(f"could not move the export into {out}: {exc}.") from exc
+    shutil.rmtree(backup, ignore_errors=True)
