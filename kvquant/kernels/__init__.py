@@ -1,0 +1,331 @@
+"""FP8 paged KV-cache kernels: public entry points.
+
+:func:`write_kv` quantizes new K/V tokens into FP8 pages; :func:`paged_attention`
+attends new queries over those pages. Both validate every argument
+(:mod:`kvquant.kernels.validate`) before anything runs, then dispatch to a
+backend (:mod:`kvquant.kernels.backend`): ``"triton"`` (the Triton kernels),
+``"torch"`` (the pure-PyTorch reference, :mod:`kvquant.kernels.reference`) or
+``"auto"`` (Triton on CUDA, the reference on CPU).
+
+This package imports only torch at import time; the Triton kernel modules are
+imported at the first Triton dispatch. It never imports transformers.
+
+Layout shared by every function here: pages ``[num_pages, page_size, Hkv, D]``
+(``float8_e4m3fn`` or ``float8_e5m2``), slot ``= page * page_size + offset``,
+block tables int32 ``[B, max_pages]``, sequence lengths int32 ``[B]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvquant.errors import BackendError, KernelInputError
+from kvquant.kernels.backend import resolve_backend
+from kvquant.kernels.reference import paged_attention_reference, write_kv_reference
+from kvquant.kernels.validate import (
+    AttentionGeometry,
+    check_attention_inputs,
+    check_write_inputs,
+)
+
+__all__ = ["compute_slot_mapping", "paged_attention", "write_kv"]
+
+
+def _require_interpreter_for_cpu(device: torch.device, interpreted: bool, op: str) -> None:
+    if device.type != "cuda" and not interpreted:
+        raise BackendError(
+            f"{op}: backend='triton' on {device} needs the Triton interpreter, but kvquant's "
+            "Triton kernels were imported before TRITON_INTERPRET=1 was set. Fix: set "
+            "TRITON_INTERPRET=1 in the environment before the first kernel call (or start the "
+            "process with it), or pass backend='torch'."
+        )
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_group_scales: torch.Tensor | None = None,
+    v_group_scales: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Quantize new K/V tokens to FP8 and store them into their page slots (in place).
+
+    Each value is divided by its scale, clamped to the FP8 format's finite
+    range (±448 for e4m3fn, ±57344 for e5m2) and rounded to nearest even.
+    Non-finite inputs are stored as NaN, so a bad activation shows up in the
+    attention output instead of being clipped. With group scales, the scale
+    of each (token, KV head, group of ``G`` elements) is ``amax / fp8_max``,
+    1.0 for an all-zero group, NaN for a group holding a non-finite value,
+    and is stored beside the token's slot.
+
+    Every argument is validated before anything is written: a call that
+    raises leaves the pages and group scales as they were.
+
+    Args:
+        key: ``[B, L, Hkv, D]`` float32, float16 or bfloat16, any strides.
+        value: ``[B, L, Hkv, D]`` float32, float16 or bfloat16 (may differ
+            from ``key``), any strides.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` ``float8_e4m3fn`` or
+            ``float8_e5m2``, contiguous; written in place.
+        v_pages: like ``k_pages`` (same dtype); written in place.
+        slot_mapping: int64 ``[B, L]``: slot ``page * page_size + offset`` of
+            each new token, negative to skip the token. Slots must be
+            distinct (duplicates store one of the tokens, unspecified which).
+        k_scale: fp32 ``[]`` (per-tensor) or ``[Hkv]`` (per-head) static K
+            scale; give it with ``v_scale``, or give group scales instead.
+        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``,
+            contiguous, written in place (dynamic ``fp32-group`` format);
+            give it with ``v_group_scales``.
+        v_group_scales: like ``k_group_scales``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Raises:
+        KernelInputError: a malformed argument (dtype, shape, device, strides,
+            a slot beyond the cache where values are checked: see
+            :mod:`kvquant.kernels.validate`).
+        BackendError: the requested backend cannot run here.
+
+    Example:
+        >>> import torch
+        >>> from kvquant.kernels import write_kv
+        >>> k_pages = torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn)
+        >>> v_pages = torch.zeros_like(k_pages)
+        >>> key = torch.randn(1, 3, 2, 64)
+        >>> slots = torch.tensor([[16, 17, 18]])  # page 1, offsets 0..2
+        >>> write_kv(key, key, k_pages, v_pages, slots,
+        ...          k_scale=torch.tensor(0.01), v_scale=torch.tensor(0.01), backend="torch")
+        >>> bool((k_pages[1, :3].float() != 0).any())
+        True
+    """
+    check_write_inputs(
+        key,
+        value,
+        k_pages,
+        v_pages,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+    )
+    chosen = resolve_backend(backend, k_pages.device, "write_kv")
+    if key.numel() == 0:
+        return
+    if chosen == "torch":
+        write_kv_reference(
+            key,
+            value,
+            k_pages,
+            v_pages,
+            slot_mapping,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_group_scales=k_group_scales,
+            v_group_scales=v_group_scales,
+        )
+        return
+    from kvquant.kernels.write_triton import is_interpreted, write_kv_triton
+
+    if k_pages.device.type != "cuda":
+        _require_interpreter_for_cpu(k_pages.device, is_interpreted(), "write_kv")
+    write_kv_triton(
+        key,
+        value,
+        k_pages,
+        v_pages,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+    )
+
+
+def _check_triton_attention_limits(geo: AttentionGeometry, block_tables: torch.Tensor) -> None:
+    """Restrictions of the Triton attention kernel beyond the common contract."""
+    d = geo.head_dim
+    fix = "Fix: pass backend='torch' (the reference has no such limit)."
+    if d < 16 or d & (d - 1):
+        raise KernelInputError(
+            f"paged_attention: head_dim {d} is not a power of two >= 16, which the Triton "
+            f"attention kernel needs. {fix}"
+        )
+    if geo.group_size is not None:
+        ng = d // geo.group_size
+        if ng & (ng - 1):
+            raise KernelInputError(
+                f"paged_attention: group scales have {ng} groups per head (head_dim {d}, "
+                f"group_size {geo.group_size}); the Triton attention kernel needs a power of "
+                f"two. Fix: choose a power-of-two group_size, or pass backend='torch'."
+            )
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise KernelInputError(
+            f"paged_attention: block_tables has strides {block_tables.stride()}; the Triton "
+            "kernel needs its last dimension contiguous. Fix: pass block_tables.contiguous() "
+            "(PageAllocator.block_tables returns a contiguous tensor)."
+        )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_group_scales: torch.Tensor | None = None,
+    v_group_scales: torch.Tensor | None = None,
+    q_lens: torch.Tensor | None = None,
+    kv_start: torch.Tensor | None = None,
+    causal: bool = True,
+    softcap: float = 0.0,
+    window: int = 0,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of new query tokens over the paged FP8 KV cache.
+
+    The ``Lq`` query tokens of sequence ``b`` are its newest ``q_lens[b]``
+    tokens, whose K/V are already written (:func:`write_kv`): query ``i`` sits
+    at position ``seq_lens[b] - q_lens[b] + i``. Key ``j`` is visible when
+    ``kv_start[b] <= j < seq_lens[b]``, ``j <= position`` (if ``causal``) and
+    ``j > position - window`` (if ``window > 0``). Rows of padding queries,
+    and rows that see no key, are zeros. Semantics:
+    :func:`kvquant.kernels.reference.paged_attention_reference`.
+
+    Args:
+        query: ``[B, Lq, Hq, D]`` float16, bfloat16 or float32, any strides
+            (HF's ``[B, Hq, Lq, D]`` tensor ``.transpose(1, 2)`` is fine);
+            ``Hq`` a multiple of ``Hkv``.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        v_pages: like ``k_pages``.
+        block_tables: int32 ``[B, max_pages]``.
+        seq_lens: int32 ``[B]``, tokens in the cache including the new ones.
+        sm_scale: softmax scale applied to ``q·k``.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale (with ``v_scale``).
+        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` (with
+            ``v_group_scales``), instead of static scales.
+        v_group_scales: like ``k_group_scales``.
+        q_lens: int32 ``[B]`` valid query tokens per sequence (default ``Lq``).
+        kv_start: int32 ``[B]`` first visible key (left padding; default 0).
+        causal: mask keys after each query's position.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        window: if > 0, each query sees only the last ``window`` positions.
+        out: optional ``[B, Lq, Hq, D]`` output in the query dtype (any strides).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
+
+    Raises:
+        KernelInputError: a malformed argument.
+        BackendError: the requested backend cannot run here.
+    """
+    geo = check_attention_inputs(
+        query,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        sm_scale=sm_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_group_scales=k_group_scales,
+        v_group_scales=v_group_scales,
+        q_lens=q_lens,
+        kv_start=kv_start,
+        causal=causal,
+        softcap=softcap,
+        window=window,
+        out=out,
+    )
+    chosen = resolve_backend(backend, k_pages.device, "paged_attention")
+    if chosen == "torch":
+        return paged_attention_reference(
+            query,
+            k_pages,
+            v_pages,
+            block_tables,
+            seq_lens,
+            float(sm_scale),
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_group_scales=k_group_scales,
+            v_group_scales=v_group_scales,
+            q_lens=q_lens,
+            kv_start=kv_start,
+            causal=causal,
+            softcap=float(softcap),
+            window=int(window),
+            out=out,
+        )
+    _check_triton_attention_limits(geo, block_tables)
+    from kvquant.kernels import attention_triton
+
+    if k_pages.device.type != "cuda":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        interpreted = any(
+            isinstance(v, InterpretedFunction) for v in vars(attention_triton).values()
+        )
+        _require_interpreter_for_cpu(k_pages.device, interpreted, "paged_attention")
+    return attention_triton.paged_attention_triton(
+        query,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        sm_scale=float(sm_scale),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_group_scales=k_group_scales,
+        v_group_scales=v_group_scales,
+        q_lens=q_lens,
+        kv_start=kv_start,
+        causal=causal,
+        softcap=float(softcap),
+        window=int(window),
+        out=out,
+    )
+
+
+def compute_slot_mapping(
+    block_tables: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Slots of token positions, from block tables (pure torch, no GPU sync).
+
+    ``slot = block_tables[b, pos // page_size] * page_size + pos % page_size``;
+    a negative position (padding) gives slot -1, which :func:`write_kv` skips.
+    Positions must lie inside the pages the block table lists (not checked).
+
+    Args:
+        block_tables: int32 or int64 ``[B, max_pages]``.
+        positions: integer ``[B, L]`` token positions within each sequence.
+        page_size: token slots per page.
+
+    Returns:
+        int64 ``[B, L]`` slot mapping on the block table's device.
+
+    Example:
+        >>> import torch
+        >>> bt = torch.tensor([[3, 1]], dtype=torch.int32)
+        >>> compute_slot_mapping(bt, torch.tensor([[0, 17, -1]]), 16).tolist()
+        [[48, 17, -1]]
+    """
+    pos = positions.to(torch.int64)
+    valid = pos >= 0
+    safe = torch.where(valid, pos, torch.zeros_like(pos))
+    pages = torch.gather(block_tables.to(torch.int64), 1, safe // page_size)
+    slots = pages * page_size + safe % page_size
+    return torch.where(valid, slots, torch.full_like(slots, -1))

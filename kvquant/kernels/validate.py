@@ -1,0 +1,517 @@
+"""Argument checks shared by kvquant's kernel entry points.
+
+Every check raises :class:`~kvquant.errors.KernelInputError` with a message
+that names the tensor, says what was found and what was expected, and how to
+fix it. Nothing here copies, casts or makes a tensor contiguous: a tensor a
+kernel writes into (pages, group scales, ``out``) must already have the
+required layout, otherwise the call is rejected.
+
+**Value checks and GPU syncs.** Checks of dtypes, shapes, devices and strides
+read only tensor metadata and never synchronise the GPU. Checks that need
+tensor *values* (slots inside the cache, block-table entries inside the page
+range, lengths inside the block table) would force a device-to-host copy on
+every call, so they run only when the tensors are on the CPU (where they cost
+little and the torch backend would index out of range anyway) or when the
+environment sets ``KVQUANT_CHECK_VALUES=1`` (debugging on a GPU). On CUDA
+without that variable, the Triton write kernel still never stores outside the
+pages: it skips slots outside ``[0, num_pages * page_size)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvquant.errors import KernelInputError
+
+__all__ = [
+    "FP8_DTYPES",
+    "INPUT_DTYPES",
+    "AttentionGeometry",
+    "WriteGeometry",
+    "check_attention_inputs",
+    "check_write_inputs",
+    "value_checks_enabled",
+]
+
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Page dtypes the kernels store."""
+
+INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes accepted for new K/V and for queries."""
+
+_SCALE_FIX = (
+    "Fix: normalise scales with kvquant.registry (it returns fp32 [] or [num_kv_heads] "
+    "tensors on the cache's device)."
+)
+
+
+@dataclass(frozen=True)
+class WriteGeometry:
+    """Sizes read from validated :func:`~kvquant.kernels.write_kv` arguments.
+
+    Attributes:
+        batch: ``B``.
+        seq: ``L`` (new tokens per sequence).
+        num_pages: pages in the cache.
+        page_size: token slots per page.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``D``.
+        group_size: ``G`` for dynamic group scales, ``None`` for static scales.
+    """
+
+    batch: int
+    seq: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    group_size: int | None
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Sizes read from validated :func:`~kvquant.kernels.paged_attention` arguments.
+
+    Attributes:
+        batch: ``B``.
+        q_len: ``Lq``.
+        num_heads: ``Hq``.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``D``.
+        num_pages: pages in the cache.
+        page_size: token slots per page.
+        max_pages: block-table width.
+        group_size: ``G`` for dynamic group scales, ``None`` for static scales.
+    """
+
+    batch: int
+    q_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+    group_size: int | None
+
+
+def value_checks_enabled(device: torch.device) -> bool:
+    """Whether checks that read tensor values run for tensors on ``device``.
+
+    True on CPU; on other devices only with ``KVQUANT_CHECK_VALUES=1`` (they
+    would synchronise the GPU on every call).
+    """
+    return device.type == "cpu" or os.environ.get("KVQUANT_CHECK_VALUES", "0") == "1"
+
+
+def _fail(msg: str) -> KernelInputError:
+    return KernelInputError(msg)
+
+
+def _require_tensor(op: str, name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise _fail(f"{op}: {name} is a {type(x).__name__}; expected a torch.Tensor.")
+    return x
+
+
+def _check_dtype(
+    op: str, name: str, x: torch.Tensor, allowed: Sequence[torch.dtype], fix: str
+) -> None:
+    if x.dtype not in allowed:
+        want = " or ".join(str(d) for d in allowed)
+        raise _fail(f"{op}: {name} has dtype {x.dtype}; expected {want}. Fix: {fix}")
+
+
+def _check_shape(op: str, name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != expected:
+        raise _fail(
+            f"{op}: {name} has shape {tuple(x.shape)}; expected {expected} ({what}). "
+            f"Fix: pass {name} with that shape."
+        )
+
+
+def _check_ndim(op: str, name: str, x: torch.Tensor, ndim: int, layout: str) -> None:
+    if x.dim() != ndim:
+        raise _fail(
+            f"{op}: {name} has {x.dim()} dims (shape {tuple(x.shape)}); expected {ndim} dims "
+            f"{layout}. Fix: pass {name} in that layout."
+        )
+
+
+def _check_device(op: str, name: str, x: torch.Tensor, device: torch.device, ref: str) -> None:
+    if x.device != device:
+        raise _fail(
+            f"{op}: {name} is on {x.device} but {ref} is on {device}; all tensors of one call "
+            f"must share a device. Fix: move {name} to {device} once, when it is created."
+        )
+
+
+def _check_contiguous(op: str, name: str, x: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        raise _fail(
+            f"{op}: {name} is written in place but is not contiguous (strides {x.stride()}); "
+            "kvquant never copies a tensor it writes into. Fix: allocate it with torch.empty/zeros "
+            "in the documented shape (kvquant.cache.PagedKVCache does)."
+        )
+
+
+def _check_static_scale(
+    op: str, name: str, s: torch.Tensor, hkv: int, device: torch.device
+) -> None:
+    _check_dtype(op, name, s, (torch.float32,), _SCALE_FIX)
+    if tuple(s.shape) not in ((), (hkv,)):
+        raise _fail(
+            f"{op}: {name} has shape {tuple(s.shape)}; expected () (per-tensor) or ({hkv},) "
+            f"(per-head, the pages have {hkv} KV heads). {_SCALE_FIX}"
+        )
+    _check_device(op, name, s, device, "k_pages")
+
+
+def _check_scales(
+    op: str,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+    num_pages: int,
+    page_size: int,
+    hkv: int,
+    d: int,
+    device: torch.device,
+    group_scales_written: bool,
+) -> int | None:
+    """Check that exactly one scale mode is given; return G for group scales, else None."""
+    static = (k_scale is not None, v_scale is not None)
+    group = (k_group_scales is not None, v_group_scales is not None)
+    mode_fix = (
+        "Fix: pass k_scale and v_scale (static per-tensor / per-head scales) or "
+        "k_group_scales and v_group_scales (dynamic fp32-group scales), not a mix."
+    )
+    if any(static) and any(group):
+        raise _fail(f"{op}: both static scales and group scales were given. {mode_fix}")
+    if not any(static) and not any(group):
+        raise _fail(f"{op}: no scales were given. {mode_fix}")
+    if any(static):
+        if not all(static):
+            missing = "v_scale" if k_scale is not None else "k_scale"
+            raise _fail(f"{op}: {missing} is None but its partner is given. {mode_fix}")
+        _check_static_scale(op, "k_scale", _require_tensor(op, "k_scale", k_scale), hkv, device)
+        _check_static_scale(op, "v_scale", _require_tensor(op, "v_scale", v_scale), hkv, device)
+        return None
+    if not all(group):
+        missing = "v_group_scales" if k_group_scales is not None else "k_group_scales"
+        raise _fail(f"{op}: {missing} is None but its partner is given. {mode_fix}")
+    kg = _require_tensor(op, "k_group_scales", k_group_scales)
+    vg = _require_tensor(op, "v_group_scales", v_group_scales)
+    layout = "[num_pages, page_size, num_kv_heads, head_dim // group_size]"
+    _check_ndim(op, "k_group_scales", kg, 4, layout)
+    n_groups = kg.shape[-1]
+    if n_groups < 1 or d % n_groups != 0:
+        raise _fail(
+            f"{op}: k_group_scales has {n_groups} groups per head in its last dim, which does "
+            f"not divide head_dim {d}; expected head_dim // group_size with group_size dividing "
+            f"{d}. Fix: choose a group_size that divides the head dim."
+        )
+    expected = (num_pages, page_size, hkv, n_groups)
+    for name, g in (("k_group_scales", kg), ("v_group_scales", vg)):
+        _check_dtype(
+            op, name, g, (torch.float32,), "allocate group scales as float32 (PagedKVCache does)."
+        )
+        _check_shape(op, name, g, expected, f"{layout} of the pages")
+        _check_device(op, name, g, device, "k_pages")
+        if group_scales_written:
+            _check_contiguous(op, name, g)
+    return d // n_groups
+
+
+def _check_pages(op: str, k_pages: object, v_pages: object) -> tuple[torch.Tensor, torch.Tensor]:
+    kp = _require_tensor(op, "k_pages", k_pages)
+    vp = _require_tensor(op, "v_pages", v_pages)
+    layout = "[num_pages, page_size, num_kv_heads, head_dim]"
+    _check_ndim(op, "k_pages", kp, 4, layout)
+    page_fix = "allocate pages as torch.float8_e4m3fn (default) or torch.float8_e5m2."
+    _check_dtype(op, "k_pages", kp, FP8_DTYPES, page_fix)
+    _check_dtype(op, "v_pages", vp, FP8_DTYPES, page_fix)
+    if vp.dtype != kp.dtype:
+        raise _fail(
+            f"{op}: v_pages has dtype {vp.dtype} but k_pages has {kp.dtype}; expected one FP8 "
+            "format for both caches. Fix: allocate K and V pages with the same kv_dtype."
+        )
+    _check_shape(op, "v_pages", vp, tuple(kp.shape), "the shape of k_pages")
+    _check_device(op, "v_pages", vp, kp.device, "k_pages")
+    _check_contiguous(op, "k_pages", kp)
+    _check_contiguous(op, "v_pages", vp)
+    return kp, vp
+
+
+def check_write_inputs(
+    key: object,
+    value: object,
+    k_pages: object,
+    v_pages: object,
+    slot_mapping: object,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+) -> WriteGeometry:
+    """Validate the arguments of :func:`kvquant.kernels.write_kv`.
+
+    Args:
+        key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
+        value: ``[B, L, Hkv, D]`` fp32/fp16/bf16 (may differ from ``key``), any strides.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        v_pages: like ``k_pages``, same dtype.
+        slot_mapping: int64 ``[B, L]``; negative = skip; otherwise below
+            ``num_pages * page_size`` (checked where values are cheap to read,
+            see the module docstring).
+        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
+        v_scale: fp32 ``[]`` or ``[Hkv]``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, contiguous,
+            with ``v_group_scales``.
+        v_group_scales: like ``k_group_scales``.
+
+    Returns:
+        The call's sizes.
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    op = "write_kv"
+    kp, _ = _check_pages(op, k_pages, v_pages)
+    num_pages, page_size, hkv, d = kp.shape
+    device = kp.device
+    k = _require_tensor(op, "key", key)
+    v = _require_tensor(op, "value", value)
+    layout = "[batch, new_tokens, num_kv_heads, head_dim]"
+    _check_ndim(op, "key", k, 4, layout)
+    in_fix = "cast new K/V to float32, float16 or bfloat16."
+    _check_dtype(op, "key", k, INPUT_DTYPES, in_fix)
+    _check_dtype(op, "value", v, INPUT_DTYPES, in_fix)
+    bsz, seq = k.shape[0], k.shape[1]
+    _check_shape(op, "key", k, (bsz, seq, hkv, d), f"{layout} matching the pages' Hkv and D")
+    _check_shape(op, "value", v, (bsz, seq, hkv, d), f"{layout}, the shape of key")
+    _check_device(op, "key", k, device, "k_pages")
+    _check_device(op, "value", v, device, "k_pages")
+    sm = _require_tensor(op, "slot_mapping", slot_mapping)
+    _check_dtype(
+        op,
+        "slot_mapping",
+        sm,
+        (torch.int64,),
+        "build it with kvquant.cache.PageAllocator.reserve or kvquant.kernels.compute_slot_mapping.",
+    )
+    _check_shape(op, "slot_mapping", sm, (bsz, seq), "[batch, new_tokens] of key")
+    _check_device(op, "slot_mapping", sm, device, "k_pages")
+    group_size = _check_scales(
+        op,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+        num_pages,
+        page_size,
+        hkv,
+        d,
+        device,
+        group_scales_written=True,
+    )
+    if sm.numel() and value_checks_enabled(device):
+        top = int(sm.max())
+        if top >= num_pages * page_size:
+            raise _fail(
+                f"{op}: slot_mapping holds slot {top}, but the cache has {num_pages} pages of "
+                f"{page_size} slots ({num_pages * page_size} slots, 0..{num_pages * page_size - 1}); "
+                "negative slots mean 'skip'. Fix: reserve slots with the cache's PageAllocator "
+                "(slot = page * page_size + offset)."
+            )
+    return WriteGeometry(bsz, seq, num_pages, page_size, hkv, d, group_size)
+
+
+def _check_index_vector(
+    op: str, name: str, x: object, bsz: int, device: torch.device
+) -> torch.Tensor:
+    t = _require_tensor(op, name, x)
+    _check_dtype(op, name, t, (torch.int32,), f"build {name} with .to(torch.int32) once per step.")
+    _check_shape(op, name, t, (bsz,), "one entry per sequence")
+    _check_device(op, name, t, device, "k_pages")
+    return t
+
+
+def check_attention_inputs(
+    query: object,
+    k_pages: object,
+    v_pages: object,
+    block_tables: object,
+    seq_lens: object,
+    *,
+    sm_scale: object,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+    q_lens: object,
+    kv_start: object,
+    causal: object,
+    softcap: object,
+    window: object,
+    out: object,
+) -> AttentionGeometry:
+    """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
+
+    Args:
+        query: ``[B, Lq, Hq, D]`` fp32/fp16/bf16, any strides, ``Hq % Hkv == 0``.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        v_pages: like ``k_pages``, same dtype.
+        block_tables: int32 ``[B, max_pages]``.
+        seq_lens: int32 ``[B]``.
+        sm_scale: softmax scale (a finite Python number).
+        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
+        v_scale: fp32 ``[]`` or ``[Hkv]``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, with ``v_group_scales``.
+        v_group_scales: like ``k_group_scales``.
+        q_lens: int32 ``[B]`` or None.
+        kv_start: int32 ``[B]`` or None.
+        causal: bool.
+        softcap: number >= 0.
+        window: int >= 0.
+        out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
+
+    Returns:
+        The call's sizes.
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    op = "paged_attention"
+    kp, _ = _check_pages(op, k_pages, v_pages)
+    num_pages, page_size, hkv, d = kp.shape
+    device = kp.device
+    q = _require_tensor(op, "query", query)
+    layout = "[batch, q_len, num_heads, head_dim] (HF's [B, H, L, D] .transpose(1, 2) is fine)"
+    _check_ndim(op, "query", q, 4, layout)
+    _check_dtype(op, "query", q, INPUT_DTYPES, "cast the query to float16, bfloat16 or float32.")
+    bsz, lq, hq, qd = q.shape
+    if qd != d:
+        raise _fail(
+            f"{op}: query has head_dim {qd} but the pages have head_dim {d}. "
+            "Fix: pass the cache built for this layer's geometry."
+        )
+    if hq == 0 or hq % hkv != 0:
+        raise _fail(
+            f"{op}: query has {hq} heads, not a positive multiple of the pages' {hkv} KV heads. "
+            "Fix: pass the cache built for this model's num_key_value_heads."
+        )
+    _check_device(op, "query", q, device, "k_pages")
+    bt = _require_tensor(op, "block_tables", block_tables)
+    _check_ndim(op, "block_tables", bt, 2, "[batch, max_pages]")
+    _check_dtype(
+        op,
+        "block_tables",
+        bt,
+        (torch.int32,),
+        "use kvquant.cache.PageAllocator.block_tables (int32), or .to(torch.int32) once per step.",
+    )
+    if bt.shape[0] != bsz:
+        raise _fail(
+            f"{op}: block_tables has {bt.shape[0]} rows but query has batch {bsz}; expected "
+            "one row per sequence. Fix: build block_tables for the same sequences as the query."
+        )
+    _check_device(op, "block_tables", bt, device, "k_pages")
+    sl = _check_index_vector(op, "seq_lens", seq_lens, bsz, device)
+    ql = None if q_lens is None else _check_index_vector(op, "q_lens", q_lens, bsz, device)
+    ks = None if kv_start is None else _check_index_vector(op, "kv_start", kv_start, bsz, device)
+    group_size = _check_scales(
+        op,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+        num_pages,
+        page_size,
+        hkv,
+        d,
+        device,
+        group_scales_written=False,
+    )
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise _fail(
+            f"{op}: sm_scale is a {type(sm_scale).__name__}; expected a Python float. "
+            "Fix: pass sm_scale=head_dim ** -0.5 (or the model's scaling)."
+        )
+    if not math.isfinite(float(sm_scale)):
+        raise _fail(
+            f"{op}: sm_scale is {sm_scale}; expected a finite float. Fix: pass a finite scale."
+        )
+    if not isinstance(causal, bool):
+        raise _fail(f"{op}: causal is a {type(causal).__name__}; expected a bool.")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+        raise _fail(
+            f"{op}: softcap is {softcap!r}; expected a float >= 0 (0 disables it). "
+            "Fix: pass the model's attn_logit_softcapping or 0.0."
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise _fail(
+            f"{op}: window is {window!r}; expected an int >= 0 (0 disables it). "
+            "Fix: pass the model's sliding_window or 0."
+        )
+    if out is not None:
+        o = _require_tensor(op, "out", out)
+        _check_shape(op, "out", o, (bsz, lq, hq, d), "the query's shape")
+        if o.dtype != q.dtype:
+            raise _fail(
+                f"{op}: out has dtype {o.dtype}; expected the query dtype {q.dtype}. "
+                "Fix: allocate out like the query (torch.empty_like(query))."
+            )
+        _check_device(op, "out", o, device, "k_pages")
+    if value_checks_enabled(device) and bsz:
+        max_pages = bt.shape[1]
+        lens = sl.tolist()
+        if min(lens) < 0 or max(lens) > max_pages * page_size:
+            raise _fail(
+                f"{op}: seq_lens holds {min(lens)}..{max(lens)}; expected 0..{max_pages * page_size} "
+                f"(block_tables has {max_pages} pages of {page_size} tokens per row). "
+                "Fix: pass seq_lens and block_tables from the same PageAllocator step."
+            )
+        for b, n in enumerate(lens):
+            used = (n + page_size - 1) // page_size
+            if used:
+                row = bt[b, :used]
+                lo, hi = int(row.min()), int(row.max())
+                if lo < 0 or hi >= num_pages:
+                    raise _fail(
+                        f"{op}: block_tables row {b} uses page ids {lo}..{hi}; expected "
+                        f"0..{num_pages - 1} (the cache has {num_pages} pages). "
+                        "Fix: take block tables from the cache's PageAllocator."
+                    )
+        if ql is None:
+            for b, n in enumerate(lens):
+                if 0 < n < lq:
+                    raise _fail(
+                        f"{op}: seq_lens[{b}] is {n} but the query has {lq} tokens and q_lens is "
+                        "None (every query token needs its own key in the cache). Fix: pass "
+                        "q_lens for ragged batches, or write the new tokens before attending."
+                    )
+        else:
+            qls = ql.tolist()
+            for b, (nq, n) in enumerate(zip(qls, lens, strict=True)):
+                if nq < 0 or nq > lq or nq > n:
+                    raise _fail(
+                        f"{op}: q_lens[{b}] is {nq}; expected 0..min(q_len={lq}, seq_lens[{b}]={n}) "
+                        "(the new queries' own keys are already in the cache). "
+                        "Fix: write the new tokens before attending and pass their count."
+                    )
+        if ks is not None:
+            starts = ks.tolist()
+            for b, (s0, n) in enumerate(zip(starts, lens, strict=True)):
+                if s0 < 0 or s0 > n:
+                    raise _fail(
+                        f"{op}: kv_start[{b}] is {s0}; expected 0..seq_lens[{b}]={n}. "
+                        "Fix: pass the number of left-padding tokens of each sequence."
+                    )
+    return AttentionGeometry(bsz, lq, hq, hkv, d, num_pages, page_size, bt.shape[1], group_size)

@@ -1,0 +1,256 @@
+"""Triton kernel that quantizes new K/V tokens into FP8 pages (the cache write).
+
+One launch writes K and V together. Each program takes ``BLOCK_T`` tokens of
+the flattened ``[B * L]`` batch and, for each token, all KV heads: the tile is
+``[BLOCK_T, BLOCK_H * BLOCK_NG, BLOCK_G]`` (tokens x (head, group) rows x
+elements of a group). With static scales there is one "group" per head
+(``G = D``); with dynamic fp32-group scales the kernel computes
+``amax / fp8_max`` per (token, head, group) from the tile and stores it beside
+the page slot.
+
+Semantics are those of :func:`kvquant.kernels.reference.write_kv_reference`,
+bit for bit on a GPU: division is round-to-nearest (``div_rn``), values are
+clamped to ``±fp8_max`` before the cast, an all-zero group gets scale 1.0, a
+group with a non-finite value gets scale NaN, and non-finite inputs are
+stored as NaN. Slots that are negative (skip) or beyond the cache
+(``>= num_pages * page_size``) are not stored.
+
+This module holds the kernel and its launcher only; arguments are validated
+by :func:`kvquant.kernels.write_kv`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["is_interpreted", "write_kv_triton"]
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr,
+    in_off,
+    pages_ptr,
+    page_off,
+    mask,
+    scale_ptr,
+    scale_off,
+    scale_mask,
+    group_ptr,
+    group_off,
+    group_mask,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    """Quantize one [T, R, G] tile of K or V and store it (and its group scales)."""
+    x = tl.load(x_ptr + in_off, mask=mask, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")
+    if GROUP:
+        amax = tl.max(tl.abs(x), axis=2)  # [T, R]; NaN groups are overridden below
+        n_bad = tl.sum(tl.where(finite, 0, 1), axis=2)
+        scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        scale = tl.where(n_bad == 0, scale, float("nan"))
+        tl.store(group_ptr + group_off, scale, mask=group_mask)
+        y = tl.math.div_rn(x, scale[:, :, None])
+    else:
+        s = tl.load(scale_ptr + scale_off, mask=scale_mask, other=1.0)  # [R]
+        y = tl.math.div_rn(x, s[None, :, None])
+    # Non-finite inputs (and NaN quotients) are stored as the NaN code 0x7F (NaN in e4m3fn
+    # and e5m2), set on the bits rather than through the cast (the interpreter's cast of NaN
+    # is wrong); finite values are clamped to ±FP8_MAX before the cast.
+    ok = finite & (y == y)
+    y = tl.where(ok, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), 0.0)
+    code = y.to(pages_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+    code = tl.where(ok, code, 0x7F).to(tl.uint8)
+    tl.store(pages_ptr.to(tl.pointer_type(tl.uint8)) + page_off, code, mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kp_ptr,
+    vp_ptr,
+    slot_ptr,
+    ks_ptr,
+    vs_ptr,
+    kg_ptr,
+    vg_ptr,
+    n_tokens,
+    seq_len,
+    num_slots,
+    sk_b,
+    sk_l,
+    sk_h,
+    sk_d,
+    sv_b,
+    sv_l,
+    sv_h,
+    sv_d,
+    ss_b,
+    ss_l,
+    sks_h,
+    svs_h,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
+    t_ok = t < n_tokens
+    b = t // seq_len
+    pos = t % seq_len
+    slot = tl.load(slot_ptr + b * ss_b + pos * ss_l, mask=t_ok, other=-1)  # int64 [T]
+    t_ok = t_ok & (slot >= 0) & (slot < num_slots)
+
+    r = tl.arange(0, BLOCK_R)  # (head, group) rows
+    h = r // BLOCK_NG
+    g = r % BLOCK_NG
+    r_ok = (h < HKV) & (g < NG)
+    e = tl.arange(0, BLOCK_G)
+    d = g[:, None] * G + e[None, :]  # [R, G]
+    rd_ok = r_ok[:, None] & (e < G)[None, :]
+    mask = t_ok[:, None, None] & rd_ok[None, :, :]
+
+    page_off = slot[:, None, None] * (HKV * D) + (h[:, None] * D + d)[None, :, :]
+    group_off = slot[:, None] * (HKV * NG) + (h * NG + g)[None, :]
+    group_mask = t_ok[:, None] & r_ok[None, :]
+
+    k_off = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h + d * sk_d)[None, :, :]
+    _quantize_tile(
+        k_ptr,
+        k_off,
+        kp_ptr,
+        page_off,
+        mask,
+        ks_ptr,
+        h * sks_h,
+        r_ok,
+        kg_ptr,
+        group_off,
+        group_mask,
+        GROUP,
+        FP8_MAX,
+    )
+    v_off = (b * sv_b + pos * sv_l)[:, None, None] + (h[:, None] * sv_h + d * sv_d)[None, :, :]
+    _quantize_tile(
+        v_ptr,
+        v_off,
+        vp_ptr,
+        page_off,
+        mask,
+        vs_ptr,
+        h * svs_h,
+        r_ok,
+        vg_ptr,
+        group_off,
+        group_mask,
+        GROUP,
+        FP8_MAX,
+    )
+
+
+def is_interpreted() -> bool:
+    """Whether this module's kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_write_kv_kernel, InterpretedFunction)
+
+
+def _static_stride(s: torch.Tensor) -> int:
+    return 0 if s.dim() == 0 else int(s.stride(0))
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+) -> None:
+    """Launch the fused K/V write (no validation: call :func:`kvquant.kernels.write_kv`).
+
+    Args:
+        key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
+        value: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous, written in place.
+        v_pages: like ``k_pages``.
+        slot_mapping: int64 ``[B, L]``, any strides.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` (static), or None with group scales.
+        v_scale: fp32 ``[]`` or ``[Hkv]`` (static), or None with group scales.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` contiguous, or None.
+        v_group_scales: like ``k_group_scales``.
+    """
+    bsz, seq, hkv, d = key.shape
+    n_tokens = bsz * seq
+    if n_tokens == 0:
+        return
+    num_pages, page_size = k_pages.shape[0], k_pages.shape[1]
+    group = k_group_scales is not None and v_group_scales is not None
+    if k_group_scales is not None and v_group_scales is not None:
+        ng = int(k_group_scales.shape[-1])
+        g = d // ng
+        ks_arg, vs_arg, sks, svs = k_pages, v_pages, 0, 0
+        kg_arg, vg_arg = k_group_scales, v_group_scales
+    elif k_scale is not None and v_scale is not None:
+        ng, g = 1, d
+        ks_arg, vs_arg = k_scale, v_scale
+        sks, svs = _static_stride(k_scale), _static_stride(v_scale)
+        kg_arg, vg_arg = k_pages, v_pages
+    else:
+        raise ValueError("write_kv_triton needs k_scale/v_scale or k_group_scales/v_group_scales")
+    block_ng = triton.next_power_of_2(ng)
+    block_r = triton.next_power_of_2(hkv) * block_ng
+    block_g = triton.next_power_of_2(g)
+    per_token = block_r * block_g
+    block_t = max(1, min(16, 4096 // per_token))
+    block_t = 1 << (block_t.bit_length() - 1)  # power of two
+    grid = (triton.cdiv(n_tokens, block_t),)
+    fp8_max = float(torch.finfo(k_pages.dtype).max)
+    on_cuda = key.device.type == "cuda"
+    with torch.cuda.device(key.device) if on_cuda else contextlib.nullcontext():
+        _write_kv_kernel[grid](
+            key,
+            value,
+            k_pages,
+            v_pages,
+            slot_mapping,
+            ks_arg,
+            vs_arg,
+            kg_arg,
+            vg_arg,
+            n_tokens,
+            seq,
+            num_pages * page_size,
+            *key.stride(),
+            *value.stride(),
+            *slot_mapping.stride(),
+            sks,
+            svs,
+            HKV=hkv,
+            D=d,
+            G=g,
+            NG=ng,
+            BLOCK_T=block_t,
+            BLOCK_NG=block_ng,
+            BLOCK_R=block_r,
+            BLOCK_G=block_g,
+            GROUP=group,
+            FP8_MAX=fp8_max,
+            num_warps=4,
+        )

@@ -1,0 +1,362 @@
+"""PageAllocator and PagedKVCache: growth, freeing, reset, capacity, accounting, write/attend."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvquant.cache import PageAllocator, PagedKVCache
+from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError, ScaleFormatError
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or interpreted on CPU
+
+
+def _expected_slots(pages: tuple[int, ...], start: int, n: int, page: int) -> list[int]:
+    return [pages[p // page] * page + p % page for p in range(start, start + n)]
+
+
+# --------------------------------------------------------------- allocator
+
+
+@pytest.mark.parametrize("page", [16, 32, 64])
+def test_grow_page_by_page(page: int) -> None:
+    alloc = PageAllocator(num_pages=6, page_size=page)
+    assert alloc.num_free_pages == 6
+    all_slots: list[int] = []
+    for step in range(2 * page + 1):  # decode: one token at a time across two page boundaries
+        slots = alloc.reserve(["a"], 1)
+        assert slots.shape == (1, 1) and slots.dtype == torch.int64
+        all_slots.append(int(slots))
+        assert alloc.seq_len("a") == step + 1
+        assert len(alloc.pages("a")) == math.ceil((step + 1) / page)
+    assert alloc.num_free_pages == 3
+    pages = alloc.pages("a")
+    assert all_slots == _expected_slots(pages, 0, 2 * page + 1, page)
+    bt = alloc.block_tables(["a"])
+    assert bt.dtype == torch.int32 and bt.tolist() == [list(pages)]
+    assert alloc.seq_lens(["a"]).tolist() == [2 * page + 1]
+    assert alloc.seq_lens(["a"]).dtype == torch.int32
+
+
+def test_ragged_prefill_then_decode() -> None:
+    alloc = PageAllocator(num_pages=10, page_size=16)
+    slots = alloc.reserve([7, 3, 9], [20, 0, 5])
+    assert slots.shape == (3, 20)
+    assert (slots[1] == -1).all() and (slots[2, 5:] == -1).all()
+    assert slots[0].tolist() == _expected_slots(alloc.pages(7), 0, 20, 16)
+    assert slots[2, :5].tolist() == _expected_slots(alloc.pages(9), 0, 5, 16)
+    assert alloc.seq_len(3) == 0 and alloc.pages(3) == ()
+    # all slots distinct
+    used = slots[slots >= 0]
+    assert used.unique().numel() == used.numel()
+    step = alloc.reserve([7, 3, 9], 1)
+    assert step[:, 0].tolist() == [
+        _expected_slots(alloc.pages(7), 20, 1, 16)[0],
+        _expected_slots(alloc.pages(3), 0, 1, 16)[0],
+        _expected_slots(alloc.pages(9), 5, 1, 16)[0],
+    ]
+    bt = alloc.block_tables([7, 3, 9])
+    assert bt.shape == (3, 2)
+    assert bt[1].tolist() == [alloc.pages(3)[0], 0]  # padded with page 0
+    assert alloc.seq_lens([9, 7]).tolist() == [6, 21]
+
+
+def test_free_returns_pages_and_leaves_others() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=16)
+    alloc.reserve(["x", "y"], [17, 16])
+    x_pages, y_pages = alloc.pages("x"), alloc.pages("y")
+    assert alloc.num_free_pages == 1
+    alloc.free("x")
+    assert "x" not in alloc and alloc.num_free_pages == 3
+    assert alloc.pages("y") == y_pages and alloc.seq_len("y") == 16
+    slots = alloc.reserve(["z"], 48)  # reuses x's pages and the free one
+    assert set(alloc.pages("z")) == set(x_pages) | ({0, 1, 2, 3} - set(x_pages) - set(y_pages))
+    assert not set(alloc.pages("z")) & set(y_pages)
+    assert (slots >= 0).all()
+    with pytest.raises(CacheUsageError, match="sequence 'x' is unknown"):
+        alloc.free("x")
+
+
+def test_reset() -> None:
+    alloc = PageAllocator(num_pages=3, page_size=16)
+    alloc.reserve([0, 1], [20, 10])
+    alloc.reset()
+    assert alloc.num_free_pages == 3 and alloc.sequences == ()
+    assert alloc.reserve([5], 1).tolist() == [[0]]
+
+
+def test_capacity_error_changes_nothing() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=16)
+    alloc.reserve(["a"], 30)  # 2 pages
+    table = alloc.block_tables(["a"])
+    state = (alloc.num_free_pages, alloc.pages("a"), alloc.seq_len("a"), alloc.sequences)
+    with pytest.raises(CacheCapacityError) as info:
+        alloc.reserve(["a", "b"], [3, 33])  # a needs 1 page, b needs 3: 4 > 2 free
+    msg = str(info.value)
+    assert "need 4 new pages" in msg and "only 2 of 4 pages are free" in msg and "Fix:" in msg
+    assert (alloc.num_free_pages, alloc.pages("a"), alloc.seq_len("a"), alloc.sequences) == state
+    assert "b" not in alloc
+    assert alloc.block_tables(["a"]) is table  # cache untouched
+    alloc.reserve(["a", "b"], [2, 32])  # exactly fits
+    assert alloc.num_free_pages == 0
+
+
+def test_allocator_usage_errors() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=16)
+    with pytest.raises(CacheUsageError, match="appears twice"):
+        alloc.reserve([1, 1], 1)
+    with pytest.raises(CacheUsageError, match="2 token counts for 3 sequences"):
+        alloc.reserve([1, 2, 3], [1, 2])
+    with pytest.raises(CacheUsageError, match="asks for -1 new tokens"):
+        alloc.reserve([1], -1)
+    assert alloc.sequences == ()
+    with pytest.raises(CacheUsageError, match="unknown"):
+        alloc.block_tables([1])
+    with pytest.raises(CacheUsageError, match="unknown"):
+        alloc.seq_lens([1])
+    with pytest.raises(CacheUsageError, match="page_size is 0"):
+        PageAllocator(4, 0)
+    alloc.reserve([1], 40)
+    with pytest.raises(CacheUsageError, match="width=2 but a sequence holds 3 pages"):
+        alloc.block_tables([1], width=2)
+
+
+def test_block_tables_reused_until_pages_change() -> None:
+    alloc = PageAllocator(num_pages=8, page_size=16)
+    alloc.reserve([0, 1], 10)
+    t1 = alloc.block_tables([0, 1])
+    alloc.reserve([0, 1], 1)  # inside the first page: no new page
+    assert alloc.block_tables([0, 1]) is t1
+    alloc.reserve([0, 1], 10)  # crosses into page 2
+    t2 = alloc.block_tables([0, 1])
+    assert t2 is not t1 and t2.shape == (2, 2)
+    wide = alloc.block_tables([0, 1], width=5)
+    assert wide.shape == (2, 5) and wide[:, :2].tolist() == t2.tolist()
+
+
+# ------------------------------------------------------------------ cache
+
+
+def _exact_kv(shape: tuple[int, ...], scale: float) -> torch.Tensor:
+    """Random values that are e4m3 codes times ``scale`` (stored without rounding)."""
+    codes = (torch.randn(shape) * 4).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return codes * scale
+
+
+@pytest.mark.parametrize("page", [16, 32, 64])
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head", "fp32-group"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cache_decode_matches_dense_attention(page: int, granularity: str, backend: str) -> None:
+    """Prefill + decode through the cache equals dense causal attention on the original values.
+
+    Inputs are exactly representable (e4m3 codes x power-of-two scales; for fp32-group each
+    group's amax is 448 x its scale), so the pages hold the inputs exactly and the oracle is
+    plain attention over the history, independent of the kernels' reference.
+    """
+    torch.manual_seed(page)
+    hkv, d, hq, layers = 2, 32, 4, 2
+    kw: dict = {}
+    if granularity == "per-tensor":
+        kw = {"k_scales": [torch.tensor(0.25)] * layers, "v_scales": [torch.tensor(0.5)] * layers}
+    elif granularity == "per-head":
+        kw = {
+            "k_scales": [torch.tensor([0.25, 0.125])] * layers,
+            "v_scales": [torch.tensor([0.5, 1.0])] * layers,
+        }
+    else:
+        kw = {"group_size": 16}
+    cache = PagedKVCache(
+        layers, 8, page, hkv, d, granularity=granularity, backend=backend, device=DEV, **kw
+    )
+    alloc = cache.allocator
+    lens = [page + 3, page - 1]  # the first spans two pages; decode takes the second across one
+    steps = 3
+    total = max(lens) + steps
+    hist_k = torch.zeros(2, total, hkv, d)
+    hist_v = torch.zeros(2, total, hkv, d)
+    for b in range(2):
+        for t in range(total):
+            if granularity == "fp32-group":
+                # each group of 16 holds a ±448 code: its scale is exactly the power of two
+                k = _exact_kv((hkv, d), 2.0**-6)
+                k[:, 0], k[:, 16] = 448 * 2.0**-6, -448 * 2.0**-6
+                v = _exact_kv((hkv, d), 2.0**-8)
+                v[:, 0], v[:, 16] = 448 * 2.0**-8, 448 * 2.0**-8
+            else:
+                sk = kw["k_scales"][0].reshape(-1, 1)
+                sv = kw["v_scales"][0].reshape(-1, 1)
+                k = _exact_kv((hkv, d), 1.0) * sk
+                v = _exact_kv((hkv, d), 1.0) * sv
+            hist_k[b, t], hist_v[b, t] = k, v
+
+    def check(layer: int, q: torch.Tensor, q_lens: list[int], seq_lens: list[int]) -> None:
+        bt = alloc.block_tables([0, 1])
+        sl = alloc.seq_lens([0, 1])
+        ql = torch.tensor(q_lens, dtype=torch.int32)
+        out = cache.attend(layer, q.to(DEV), bt, sl, q_lens=ql.to(DEV)).cpu()
+        for b in range(2):
+            n, nq = seq_lens[b], q_lens[b]
+            k = hist_k[b, :n].repeat_interleave(hq // hkv, dim=1)
+            v = hist_v[b, :n].repeat_interleave(hq // hkv, dim=1)
+            s = torch.einsum("qhd,khd->hqk", q[b, :nq].float(), k) * d**-0.5
+            mask = torch.arange(n)[None, :] <= torch.arange(n - nq, n)[:, None]
+            p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            want = torch.einsum("hqk,khd->qhd", p, v)
+            torch.testing.assert_close(out[b, :nq].float(), want, atol=1e-2, rtol=1e-2)
+            assert (out[b, nq:] == 0).all()
+
+    # prefill (ragged)
+    slots = alloc.reserve([0, 1], lens)
+    key = torch.zeros(2, max(lens), hkv, d)
+    val = torch.zeros(2, max(lens), hkv, d, dtype=torch.bfloat16)
+    for b in range(2):
+        key[b, : lens[b]] = hist_k[b, : lens[b]]
+        val[b, : lens[b]] = hist_v[b, : lens[b]].to(torch.bfloat16)
+    for layer in range(layers):
+        cache.write(layer, key.to(DEV), val.to(DEV), slots)
+    q = torch.randn(2, max(lens), hq, d, dtype=torch.float16)
+    check(1, q, lens, lens)
+    # decode
+    cur = list(lens)
+    for _ in range(steps):
+        slots = alloc.reserve([0, 1], 1)
+        key = torch.stack([hist_k[b, cur[b]] for b in range(2)])[:, None]
+        val = torch.stack([hist_v[b, cur[b]] for b in range(2)])[:, None]
+        for layer in range(layers):
+            cache.write(layer, key.to(DEV), val.to(DEV), slots)
+        cur = [c + 1 for c in cur]
+        check(0, torch.randn(2, 1, hq, d), [1, 1], cur)
+    if granularity == "fp32-group":
+        g = cache.k_group_scales[0].reshape(-1, hkv, 2).cpu()
+        used = alloc.block_tables([0])[0, 0].item() * page
+        assert (g[used : used + 3] == 2.0**-6).all()
+
+
+def test_capacity_error_before_anything_written() -> None:
+    cache = PagedKVCache(1, 2, 16, 1, 16, granularity="fp32-group", backend="torch")
+    cache.allocator.reserve([0], 20)
+    before = (cache.k_pages[0].clone(), cache.k_group_scales[0].clone())
+    with pytest.raises(CacheCapacityError):
+        slots = cache.allocator.reserve([0, 1], [1, 16])
+        cache.write(0, torch.ones(2, 16, 1, 16), torch.ones(2, 16, 1, 16), slots)
+    assert torch.equal(cache.k_pages[0].view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(cache.k_group_scales[0], before[1])
+    assert cache.allocator.seq_len(0) == 20
+
+
+def test_failed_write_leaves_cache_unchanged() -> None:
+    cache = PagedKVCache(
+        1,
+        2,
+        16,
+        2,
+        32,
+        granularity="per-tensor",
+        k_scales=[torch.tensor(0.1)],
+        v_scales=[torch.tensor(0.1)],
+        backend="torch",
+    )
+    slots = cache.allocator.reserve([0], 3)
+    cache.write(0, torch.randn(1, 3, 2, 32), torch.randn(1, 3, 2, 32), slots)
+    snap = cache.k_pages[0].clone(), cache.v_pages[0].clone()
+    with pytest.raises(KernelInputError, match="value has shape"):
+        cache.write(0, torch.randn(1, 3, 2, 32), torch.randn(1, 2, 2, 32), slots)
+    assert torch.equal(cache.k_pages[0].view(torch.uint8), snap[0].view(torch.uint8))
+    assert torch.equal(cache.v_pages[0].view(torch.uint8), snap[1].view(torch.uint8))
+
+
+def test_memory_accounting() -> None:
+    c = PagedKVCache(3, 10, 16, 4, 64, granularity="fp32-group", group_size=32)
+    m = c.memory_bytes()
+    assert m["pages"] == 2 * 3 * 10 * 16 * 4 * 64
+    assert m["group_scales"] == 2 * 3 * 10 * 16 * 4 * 2 * 4
+    assert m["static_scales"] == 0
+    assert m["total"] == c.nbytes == m["pages"] + m["group_scales"]
+    assert c.bytes_per_token() == 3 * 2 * 4 * (64 + 2 * 4)
+    s = PagedKVCache(
+        2,
+        5,
+        32,
+        4,
+        64,
+        granularity="per-head",
+        k_scales=[torch.ones(4)] * 2,
+        v_scales=[torch.ones(4)] * 2,
+    )
+    assert s.memory_bytes()["static_scales"] == 2 * 2 * 4 * 4
+    assert s.memory_bytes()["pages"] == 2 * 2 * 5 * 32 * 4 * 64
+    assert s.k_pages[0].dtype == torch.float8_e4m3fn
+
+
+def test_cache_defaults_and_e5m2() -> None:
+    c = PagedKVCache(1, 2, 16, 1, 128, granularity="fp32-group", kv_dtype=torch.float8_e5m2)
+    assert c.group_size == 64 and c.k_group_scales[0].shape == (2, 16, 1, 2)
+    assert c.v_pages[0].dtype == torch.float8_e5m2
+    c2 = PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group")
+    assert c2.group_size == 32  # default 64 capped at head_dim
+
+
+def test_cache_constructor_errors() -> None:
+    with pytest.raises(CacheUsageError, match="granularity='per-token'"):
+        PagedKVCache(1, 2, 16, 1, 32, granularity="per-token")
+    with pytest.raises(CacheUsageError, match="group_size=24 does not divide head_dim 32"):
+        PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group", group_size=24)
+    with pytest.raises(CacheUsageError, match="kv_dtype"):
+        PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group", kv_dtype=torch.float16)
+    with pytest.raises(CacheUsageError, match="k_scales/v_scales were given"):
+        PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group", k_scales=[torch.tensor(1.0)])
+    with pytest.raises(ScaleFormatError, match="k_scales is None"):
+        PagedKVCache(1, 2, 16, 1, 32, granularity="per-tensor")
+    with pytest.raises(ScaleFormatError, match=r"v_scales\[0\] has shape \(2,\); expected \(\)"):
+        PagedKVCache(
+            1,
+            2,
+            16,
+            2,
+            32,
+            granularity="per-tensor",
+            k_scales=[torch.tensor(1.0)],
+            v_scales=[torch.ones(2)],
+        )
+    with pytest.raises(ScaleFormatError, match="zero, negative or non-finite"):
+        PagedKVCache(
+            1,
+            2,
+            16,
+            1,
+            32,
+            granularity="per-head",
+            k_scales=[torch.zeros(1)],
+            v_scales=[torch.ones(1)],
+        )
+    with pytest.raises(ScaleFormatError, match="needs one scale per layer"):
+        PagedKVCache(
+            2,
+            2,
+            16,
+            1,
+            32,
+            granularity="per-head",
+            k_scales=[torch.ones(1)],
+            v_scales=[torch.ones(1)],
+        )
+    c = PagedKVCache(
+        1,
+        2,
+        16,
+        1,
+        32,
+        granularity="per-tensor",
+        k_scales=[torch.tensor(1.0, dtype=torch.bfloat16)],
+        v_scales=[torch.tensor(2.0)],
+    )
+    assert c.k_scales[0].dtype == torch.float32
+    with pytest.raises(CacheUsageError, match="layer 1 is out of range"):
+        c.write(
+            1,
+            torch.ones(1, 1, 1, 32),
+            torch.ones(1, 1, 1, 32),
+            torch.zeros(1, 1, dtype=torch.int64),
+        )

@@ -1,0 +1,328 @@
+"""The FP8 cache write: torch and Triton backends against the reference and exact oracles.
+
+On CPU the Triton kernel runs in the interpreter, whose fp32 -> fp8 cast has a
+known bug (triton 3.6): when rounding up carries into the next power of two it
+keeps the old exponent, so the stored value is half the right one. CPU
+comparisons allow exactly that pattern (and count it); everything else must be
+bit-exact. Inputs that need no rounding (fp8 values times the scale) must
+match exactly on every backend. The GPU tests compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvquant.kernels import compute_slot_mapping, write_kv
+from kvquant.kernels.reference import fp8_max, write_kv_reference
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def _poisoned_pages(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Pages filled with random finite FP8 bytes (so untouched slots are detectable)."""
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8)
+    pages = raw.view(dtype).float()
+    pages = torch.where(pages.isfinite(), pages, torch.zeros_like(pages)).to(dtype)
+    return pages.to(device)
+
+
+def _shuffled_slots(bsz: int, seq: int, num_slots: int, skip: int = 2) -> torch.Tensor:
+    slots = torch.randperm(num_slots)[: bsz * seq].reshape(bsz, seq).clone()
+    flat = slots.view(-1)
+    flat[torch.randperm(flat.numel())[:skip]] = -1
+    return slots
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values as ``x [B, L, H, D]`` in a non-contiguous layout ([B, H, L, D] transposed)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def assert_codes_match(got: torch.Tensor, want: torch.Tensor, *, exact: bool, what: str) -> int:
+    """Compare FP8 tensors code by code; NaN must match NaN (any sign).
+
+    With ``exact=False`` (Triton interpreter) a code may be half the wanted
+    value when the wanted value is a power of two, or 0 instead of the smallest
+    subnormal (the interpreter's carry bug), or one code (ulp) off (it breaks
+    ties wrongly).
+    Returns how many such codes were allowed.
+    """
+    g, w = got.float(), want.float()
+    nan_g, nan_w = g.isnan(), w.isnan()
+    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ ({(nan_g != nan_w).sum()})"
+    bad = (got.view(torch.uint8) != want.view(torch.uint8)) & ~nan_w
+    allowed = torch.zeros_like(bad)
+    if not exact:
+        mant, _ = torch.frexp(w)
+        tiny = torch.tensor(1, dtype=torch.uint8).view(want.dtype).float().item()  # min subnormal
+        halved = (g * 2 == w) & (w != 0) & (mant.abs() == 0.5)
+        lost_tiny = (g == 0) & (w.abs() == tiny)
+        gb, wb = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+        one_ulp = ((gb & 0x80) == (wb & 0x80)) & (((gb & 0x7F) - (wb & 0x7F)).abs() == 1)
+        allowed = bad & (halved | lost_tiny | one_ulp)
+        bad = bad & ~allowed
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        pairs = [(g[tuple(i)].item(), w[tuple(i)].item()) for i in idx]
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} codes differ; first (got, want): {pairs} at {idx}"
+        )
+    return int(allowed.sum())
+
+
+def _make_scales(mode: str, hkv: int, d: int, num_pages: int, page: int, device: str) -> dict:
+    if mode == "per-tensor":
+        return {
+            "k_scale": torch.tensor(0.013, device=device),
+            "v_scale": torch.tensor(0.029, device=device),
+        }
+    if mode == "per-head":
+        ks = torch.rand(hkv, device=device) * 0.02 + 0.005
+        return {"k_scale": ks, "v_scale": ks.flip(0) * 1.7}
+    g = int(mode.removeprefix("group"))
+    shape = (num_pages, page, hkv, d // g)
+    return {
+        "k_group_scales": torch.full(shape, float("nan"), device=device),
+        "v_group_scales": torch.full(shape, float("nan"), device=device),
+    }
+
+
+def _clone_scales(kw: dict) -> dict:
+    return {k: v.clone() for k, v in kw.items()}
+
+
+MODES = ["per-tensor", "per-head", "group16", "group32"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("dtype", FP8)
+def test_write_matches_reference(backend: str, mode: str, page: int, dtype: torch.dtype) -> None:
+    """Random data (incl. values past ±fp8_max·scale), shuffled and skipped slots, mixed dtypes."""
+    torch.manual_seed(hash((backend, mode, page, str(dtype))) % 2**31)
+    bsz, seq, hkv, d, num_pages = 2, 5, 2, 64, 4
+    key = _strided(torch.randn(bsz, seq, hkv, d, device=DEV) * 4)  # fp32, non-contiguous
+    value = (torch.randn(bsz, seq, hkv, d, device=DEV) * 6).to(torch.bfloat16)
+    key[0, 0, 0, :4] = torch.tensor([1e3, -1e3, 5e4, -1e6])  # beyond ±448·scale
+    kp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
+    vp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
+    slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
+    kw = _make_scales(mode, hkv, d, num_pages, page, DEV)
+    kp_ref, vp_ref, kw_ref = kp.clone(), vp.clone(), _clone_scales(kw)
+    write_kv(key, value, kp, vp, slots, backend=backend, **kw)
+    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw_ref)
+    exact = backend == "torch" or HAS_CUDA
+    n_k = assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
+    n_v = assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
+    written = int((slots >= 0).sum()) * hkv * d
+    assert n_k + n_v <= 0.1 * 2 * written  # the interpreter bug is rare; wholesale errors are not
+    for name in kw:
+        torch.testing.assert_close(kw[name], kw_ref[name], rtol=0, atol=0, equal_nan=True)
+
+
+def _exact_inputs(
+    bsz: int,
+    seq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    group: int | None,
+    in_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Values ``code * scale`` that quantize with no rounding.
+
+    Returns (x [B, L, Hkv, D] in ``in_dtype``, codes FP8, group scales or None). With
+    ``group``, each group holds one ±fp8_max code so that amax / fp8_max is exactly its
+    power-of-two scale.
+    """
+    raw = torch.randint(0, 256, (bsz, seq, hkv, d), dtype=torch.uint8).view(dtype).float()
+    codes_f = torch.where(raw.isfinite(), raw, torch.zeros_like(raw))
+    if group is None:
+        return codes_f.to(in_dtype), codes_f.to(dtype), None
+    ng = d // group
+    gv = codes_f.unflatten(-1, (ng, group))
+    gv[..., 0] = fp8_max(dtype) * torch.sign(torch.randn(bsz, seq, hkv, ng)).clamp(min=0).mul(
+        2
+    ).sub(1)
+    gv[0, 0, 0, 0] = 0.0  # one all-zero group: scale 1.0
+    codes_f = gv.flatten(-2)
+    gscale = 2.0 ** torch.randint(-4, 1, (bsz, seq, hkv, ng)).float()
+    gscale[0, 0, 0, 0] = 1.0
+    x = codes_f * gscale.repeat_interleave(group, dim=-1)
+    return x.to(in_dtype), codes_f.to(dtype), gscale
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", FP8)
+def test_write_exact_values(backend: str, mode: str, dtype: torch.dtype) -> None:
+    """Values that are fp8 codes times the scale are stored exactly (an oracle independent of the reference)."""
+    torch.manual_seed(7)
+    bsz, seq, hkv, d, num_pages, page = 2, 3, 2, 64, 3, 16
+    group = int(mode.removeprefix("group")) if mode.startswith("group") else None
+    in_dtypes = (
+        (torch.float32, torch.bfloat16)
+        if dtype == torch.float8_e4m3fn
+        else (torch.float16, torch.float32)
+    )
+    k_in, k_codes, k_gs = _exact_inputs(bsz, seq, hkv, d, dtype, group, in_dtypes[0])
+    v_in, v_codes, v_gs = _exact_inputs(bsz, seq, hkv, d, dtype, group, in_dtypes[1])
+    kw = _make_scales(mode, hkv, d, num_pages, page, "cpu")
+    if group is None:  # power-of-two static scales keep code * scale exact
+        kw = {"k_scale": torch.tensor(0.25), "v_scale": torch.tensor([0.5, 0.125])}
+        if mode == "per-tensor":
+            kw["v_scale"] = torch.tensor(2.0)
+        k_in = (k_in.float() * kw["k_scale"].reshape(-1, 1)).to(k_in.dtype)
+        v_in = (v_in.float() * kw["v_scale"].reshape(-1, 1)).to(v_in.dtype)
+    kw = {k: t.to(DEV) for k, t in kw.items()}
+    kp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
+    vp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
+    before_k = kp.clone()
+    slots = torch.tensor([[5, 40, 17], [0, -1, 33]], device=DEV)
+    write_kv(k_in.to(DEV), v_in.to(DEV), kp, vp, slots, backend=backend, **kw)
+    for b in range(bsz):
+        for t in range(seq):
+            s = int(slots[b, t])
+            if s < 0:
+                continue
+            pg, off = divmod(s, page)
+            assert_codes_match(kp[pg, off].cpu(), k_codes[b, t], exact=True, what=f"k slot {s}")
+            assert_codes_match(vp[pg, off].cpu(), v_codes[b, t], exact=True, what=f"v slot {s}")
+            if group is not None:
+                assert torch.equal(kw["k_group_scales"][pg, off].cpu(), k_gs[b, t])
+                assert torch.equal(kw["v_group_scales"][pg, off].cpu(), v_gs[b, t])
+    untouched = torch.ones(num_pages * page, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    flat_now = kp.view(torch.uint8).reshape(num_pages * page, -1).cpu()
+    flat_before = before_k.view(torch.uint8).reshape(num_pages * page, -1).cpu()
+    assert torch.equal(flat_now[untouched], flat_before[untouched])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", FP8)
+def test_saturation_and_non_finite(backend: str, dtype: torch.dtype) -> None:
+    """Values past ±fp8_max·scale saturate; inf/NaN inputs are stored as NaN (group: whole group NaN)."""
+    hkv, d, page = 1, 32, 16
+    top = fp8_max(dtype)
+    x = torch.zeros(1, 2, hkv, d)
+    x[0, 0, 0, :6] = torch.tensor(
+        [3 * top, -3 * top, float("inf"), float("-inf"), float("nan"), 1.0]
+    )
+    x[0, 1, 0, :] = 2.0  # finite token
+    # static scale 1.0: saturation and NaNs per element
+    kp = torch.zeros(2, page, hkv, d, dtype=dtype, device=DEV)
+    vp = torch.zeros_like(kp)
+    one = torch.tensor(1.0, device=DEV)
+    slots = torch.tensor([[3, 4]], device=DEV)
+    write_kv(x.to(DEV), x.to(DEV), kp, vp, slots, k_scale=one, v_scale=one, backend=backend)
+    got = kp[0, 3, 0, :6].float().cpu()
+    assert got[:2].tolist() == [top, -top]
+    assert got[2:5].isnan().all()
+    assert got[5].item() == 1.0
+    assert torch.equal(kp[0, 4].float().cpu(), torch.full((hkv, d), 2.0))
+    # group scales (G=16): the group with non-finite values is all NaN and its scale NaN;
+    # the other group of the token and the other token are finite.
+    gshape = (2, page, hkv, d // 16)
+    kg, vg = torch.zeros(gshape, device=DEV), torch.zeros(gshape, device=DEV)
+    write_kv(
+        x.to(DEV), x.to(DEV), kp, vp, slots, k_group_scales=kg, v_group_scales=vg, backend=backend
+    )
+    assert kg[0, 3, 0, 0].isnan() and kp[0, 3, 0, :16].float().isnan().all()
+    assert kg[0, 3, 0, 1].item() == 1.0  # all-zero group
+    assert (kp[0, 3, 0, 16:].float() == 0).all()
+    expect = (torch.tensor(2.0) / top).item()  # fp32 amax / fp8_max
+    assert kg[0, 4, 0].tolist() == [expect, expect]
+    assert (kp[0, 4].float().cpu() == top).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_zero_tokens_and_all_skipped(backend: str) -> None:
+    kp = _poisoned_pages((2, 16, 2, 32), torch.float8_e4m3fn, DEV)
+    vp = kp.clone()
+    before = kp.clone()
+    s = torch.tensor(0.1, device=DEV)
+    write_kv(
+        torch.randn(2, 0, 2, 32, device=DEV),
+        torch.randn(2, 0, 2, 32, device=DEV),
+        kp,
+        vp,
+        torch.zeros(2, 0, dtype=torch.int64, device=DEV),
+        k_scale=s,
+        v_scale=s,
+        backend=backend,
+    )
+    write_kv(
+        torch.randn(1, 3, 2, 32, device=DEV),
+        torch.randn(1, 3, 2, 32, device=DEV),
+        kp,
+        vp,
+        torch.full((1, 3), -1, dtype=torch.int64, device=DEV),
+        k_scale=s,
+        v_scale=s,
+        backend=backend,
+    )
+    assert torch.equal(kp.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_compute_slot_mapping() -> None:
+    bt = torch.tensor([[4, 2, 7], [1, 0, 0]], dtype=torch.int32)
+    pos = torch.tensor([[0, 15, 16, 40], [3, -1, -1, -1]])
+    got = compute_slot_mapping(bt, pos, 16)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[64, 79, 32, 7 * 16 + 8], [19, -1, -1, -1]]
+
+
+# ------------------------------------------------------------------- GPU (H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mode", ["per-tensor", "per-head", "group16", "group32", "group64", "group128"]
+)
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize(
+    "in_dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]
+)
+def test_write_triton_bitexact_gpu(mode: str, dtype: torch.dtype, in_dtypes: tuple) -> None:
+    """The Triton write equals the torch reference bit for bit on CUDA (random data, big values)."""
+    torch.manual_seed(0)
+    bsz, seq, hkv, d, num_pages, page = 3, 97, 8, 128, 64, 16
+    # wide dynamic range: values up to ~1e3 x the static scale's fp8 range
+    key = _strided(
+        torch.randn(bsz, seq, hkv, d, device="cuda") * torch.logspace(-3, 3, d, device="cuda")
+    )
+    key = key.to(in_dtypes[0])
+    value = (torch.randn(bsz, seq, hkv, d, device="cuda") * 10).to(in_dtypes[1])
+    value[0, 3, 1, 7] = float("inf")
+    value[1, 5, 2, 9] = float("nan")
+    kp = _poisoned_pages((num_pages, page, hkv, d), dtype, "cuda")
+    vp = _poisoned_pages((num_pages, page, hkv, d), dtype, "cuda")
+    slots = _shuffled_slots(bsz, seq, num_pages * page, skip=11).cuda()
+    kw = _make_scales(mode, hkv, d, num_pages, page, "cuda")
+    kp_ref, vp_ref, kw_ref = kp.clone(), vp.clone(), _clone_scales(kw)
+    write_kv(key, value, kp, vp, slots, backend="auto", **kw)  # auto -> triton on CUDA
+    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw_ref)
+    torch.cuda.synchronize()
+    assert_codes_match(kp, kp_ref, exact=True, what="k_pages")
+    assert_codes_match(vp, vp_ref, exact=True, what="v_pages")
+    for name in kw:
+        torch.testing.assert_close(kw[name], kw_ref[name], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_write_triton_skips_out_of_range_slots_gpu() -> None:
+    """On CUDA slot values are not checked (no sync); the kernel never stores outside the pages."""
+    n = 2 * 16 * 2 * 64
+    big = torch.zeros(2 * n, dtype=torch.float8_e4m3fn, device="cuda")
+    kp = big[:n].view(2, 16, 2, 64)
+    vp = big[n:].view(2, 16, 2, 64)  # V right after K: a K store past the end would land in V
+    s = torch.tensor(1.0, device="cuda")
+    x = torch.ones(1, 2, 2, 64, device="cuda")
+    write_kv(x, x, kp, vp, torch.tensor([[31, 32]], device="cuda"), k_scale=s, v_scale=s)
+    torch.cuda.synchronize()
+    assert (kp[1, 15].float() == 1).all() and (vp[1, 15].float() == 1).all()
+    assert int((big.float() != 0).sum()) == 2 * 2 * 64
