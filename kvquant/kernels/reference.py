@@ -66,7 +66,9 @@ def _group_scales(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch
     """
     xg = x.float().unflatten(-1, (-1, group_size))
     amax = xg.abs().amax(dim=-1)
-    scale = amax / fp8_max(dtype)
+    # Divide by a tensor, not a Python number: CUDA turns division by a CPU scalar into a
+    # multiplication by its reciprocal, which rounds differently from the CPU (and the kernels).
+    scale = amax / torch.full_like(amax, fp8_max(dtype))
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
     finite = torch.isfinite(xg).all(dim=-1)
     return torch.where(finite, scale, torch.nan)
@@ -98,7 +100,7 @@ def write_kv_reference(
             place (dynamic ``fp32-group`` format, with ``v_group_scales``).
         v_group_scales: like ``k_group_scales``.
     """
-    num_pages, page_size, hkv, d = k_pages.shape
+    _, page_size, hkv, d = k_pages.shape
     slots = slot_mapping.reshape(-1)
     keep = slots >= 0
     slots = slots[keep]
@@ -231,7 +233,10 @@ def paged_attention_reference(
         if window > 0:
             visible = visible & (pos_k > pos_q - window)
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key → 0
+        probs = torch.softmax(scores, dim=-1)
+        # A row that sees no key is all -inf (softmax gives NaN): it outputs zeros. A NaN
+        # stored in a visible key or value still propagates to the output.
+        probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)
         result[b, :nq] = torch.einsum("hqk,khd->qhd", probs, v)
     if out is None:
         return result.to(query.dtype)
