@@ -43,6 +43,12 @@ _LAZY: dict[str, str] = {
     "discover_scales": "kvquant.registry.discovery",
     "CheckpointReport": "kvquant.report",
     "inspect_checkpoint": "kvquant.report",
+    # Hugging Face integration (imports transformers on first use)
+    "KVQuantCache": "kvquant.integrations.hf",
+    "KVQuantConfig": "kvquant.integrations.hf",
+    "KVQuantHandle": "kvquant.integrations.hf",
+    "from_pretrained": "kvquant.integrations.hf",
+    "patch": "kvquant.integrations.hf",
     # export for serving engines
     "export_checkpoint": "kvquant.export",
 }

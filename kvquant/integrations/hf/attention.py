@@ -1,0 +1,234 @@
+"""kvquant's attention function and mask function for transformers' interfaces.
+
+Both are registered under the name ``"kvquant"``
+(``AttentionInterface`` and ``AttentionMaskInterface``). The mask
+registration is mandatory: transformers builds no mask at all for an
+attention name without a mask function, and left-padded batches would then
+attend to their padding.
+
+The attention function receives, from the attention module's forward:
+``query [B, Hq, Lq, D]`` (after RoPE) and whatever the cache layer's
+``update()`` returned. When that is kvquant's ``(None, None)`` it reads the
+FP8 pages of the layer (found through the pre-hook that :func:`kvquant.patch`
+installs) with :func:`kvquant.kernels.paged_attention`; otherwise (no cache, or
+a transformers cache) it computes exact attention on the dense K/V it got.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+from kvquant import kernels
+from kvquant.errors import KVQuantError, UnsupportedModelError
+from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuantLayer
+
+__all__ = ["ATTN_NAME", "kvquant_attention", "kvquant_mask", "register"]
+
+CACHE_ATTR = "_kvq_cache"
+"""Attribute of an attention module holding the cache of the current forward call."""
+
+
+def kvquant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function: transformers' boolean SDPA mask ``[B, 1, Lq, T]`` (True = attend) or None."""
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register kvquant's attention and mask functions under ``"kvquant"`` (idempotent)."""
+    AttentionInterface.register(ATTN_NAME, kvquant_attention)
+    AttentionMaskInterface.register(ATTN_NAME, kvquant_mask)
+
+
+def _layer_of(module: nn.Module) -> KVQuantLayer | None:
+    cache = getattr(module, CACHE_ATTR, None)
+    if isinstance(cache, KVQuantCache):
+        idx = int(getattr(module, "layer_idx", -1))
+        if 0 <= idx < len(cache.layers):
+            layer = cache.layers[idx]
+            if isinstance(layer, KVQuantLayer):
+                return layer
+    return None
+
+
+def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    return mask == 0  # additive float mask: 0 = attend, -inf / min = masked
+
+
+def kv_start_from_mask(
+    mask: torch.Tensor | None, seq_len: int, q_len: int, window: int, name: str
+) -> torch.Tensor | None:
+    """Left-padding start ``int32 [B]`` from a boolean mask ``[B, 1, Lq, T]`` (None: no padding).
+
+    ``kv_start[b]`` is the first key column any real query row of sequence
+    ``b`` attends to. Fully masked rows (padding queries) are ignored; rows
+    that an older transformers turned all-True to dodge NaNs are ignored
+    unless the newest row (always a real token) sees column 0. The mask is
+    then checked to be exactly "causal from ``kv_start``" (plus the sliding
+    window): packed sequences or custom 4D masks are refused.
+
+    Raises:
+        UnsupportedModelError: the mask is not left padding + causal (+ window).
+    """
+    if mask is None:
+        return None
+    m = _bool_mask(mask)
+    if m.dim() != 4 or m.shape[-1] != seq_len or m.shape[-2] != q_len:
+        raise UnsupportedModelError(
+            f"{name}: attention mask of shape {tuple(m.shape)}; kvquant expects [batch, 1, {q_len}, "
+            f"{seq_len}] (queries x cached keys). Fix: pass a 2D padding mask, not a custom 4D mask."
+        )
+    m = m[:, 0]  # [B, Lq, T]; heads share the mask
+    device = m.device
+    cols = torch.arange(seq_len, device=device)
+    any_row = m.any(-1)  # [B, Lq]
+    first = torch.where(m, cols, seq_len).amin(-1)  # [B, Lq]
+    all_row = m.all(-1)
+    last_sees_zero = m[:, -1, 0]  # [B]
+    ignore = ~any_row | (all_row & ~last_sees_zero[:, None])
+    start = torch.where(ignore, seq_len, first).amin(-1)  # [B]
+    start = torch.where(start >= seq_len, torch.zeros_like(start), start)
+    # Check: real rows must equal the reconstructed pattern.
+    pos_q = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]  # [Lq, 1]
+    expect = (cols[None, None, :] >= start[:, None, None]) & (cols[None, :] <= pos_q)[None]
+    if window > 0:
+        expect = expect & (cols[None, :] > pos_q - window)[None]
+    real = pos_q[None, :, 0] >= start[:, None]  # [B, Lq]
+    bad = (expect != m) & real[:, :, None]
+    if bool(bad.any()):
+        raise UnsupportedModelError(
+            f"{name}: the attention mask is not 'left padding + causal"
+            + (f" + sliding window {window}" if window else "")
+            + "', the only patterns kvquant's paged kernels apply (packed sequences, "
+            "document masks or custom 4D masks are not supported). Fix: pass a 2D padding mask "
+            "with left padding."
+        )
+    return start.to(torch.int32)
+
+
+def _dense_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+    window: int,
+) -> torch.Tensor:
+    """Exact attention on dense K/V: query ``[B, Hq, Lq, D]``, K/V ``[B, Hkv, T, D]`` -> ``[B, Lq, Hq, D]``."""
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv:
+        key = key.repeat_interleave(hq // hkv, dim=1)
+        value = value.repeat_interleave(hq // hkv, dim=1)
+    dtype = query.dtype
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    lq, t = query.shape[2], key.shape[2]
+    if mask is not None:
+        visible = _bool_mask(mask)[..., -t:]
+    else:
+        pos_q = torch.arange(t - lq, t, device=query.device)[:, None]
+        cols = torch.arange(t, device=query.device)[None, :]
+        visible = cols <= pos_q
+        if window > 0:
+            visible = visible & (cols > pos_q - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.matmul(probs, value.float())
+    return out.transpose(1, 2).to(dtype)
+
+
+def kvquant_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over kvquant's FP8 paged cache (transformers ``AttentionInterface`` signature).
+
+    Args:
+        module: the attention module (``layer_idx``, ``scaling``).
+        query: ``[B, Hq, Lq, D]`` after RoPE.
+        key: None when the layer's K/V are in kvquant's pages; else dense ``[B, Hkv, T, D]``.
+        value: like ``key``.
+        attention_mask: boolean ``[B, 1, Lq, T]`` (True = attend) or None (plain causal).
+        scaling: softmax scale; default ``module.scaling``.
+        dropout: must be 0 (inference only).
+        sliding_window: window of a sliding-window layer, or None.
+        softcap: logit softcap, or None.
+        **kwargs: other keywords from the model (position ids, ...), unused.
+
+    Returns:
+        ``(attn_output [B, Lq, Hq, D] in the query dtype, None)``.
+
+    Raises:
+        UnsupportedModelError: dropout during training, or an unsupported mask pattern.
+        KVQuantError: K/V are missing and the layer's kvquant cache cannot be found.
+    """
+    name = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+    if dropout and module.training:
+        raise UnsupportedModelError(
+            f"{name}: attention dropout {dropout} in training mode; kvquant's FP8 cache is for "
+            "inference. Fix: model.eval(), or handle.remove() to train."
+        )
+    sm_scale = float(scaling if scaling is not None else getattr(module, "scaling", 0.0))
+    if sm_scale <= 0:
+        sm_scale = 1.0 / math.sqrt(query.shape[-1])
+    window = int(sliding_window or 0)
+    cap = float(softcap or 0.0)
+    layer = _layer_of(module)
+    if key is not None and value is not None:
+        # Dense K/V: no cache, or a transformers cache: compute exactly.
+        return _dense_attention(
+            module, query, key, value, attention_mask, sm_scale, cap, window
+        ), None
+    if layer is None or layer.k_pages is None or layer.v_pages is None:
+        raise KVQuantError(
+            f"{name}: kvquant's attention got no K/V and found no kvquant cache layer on the "
+            "module (the forward pre-hook installed by kvquant.patch did not run). Fix: call "
+            "kvquant.patch(model) again, and pass the cache as a keyword argument."
+        )
+    cache = layer.cache
+    lq = query.shape[2]
+    memo = cache.kv_start_memo
+    if memo is not None and memo[0] is attention_mask and memo[1] == window:
+        kv_start: torch.Tensor | None = memo[2]
+    else:
+        kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, name)
+        cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
+    device = query.device
+    bt = cache.block_table(layer.k_pages.device)
+    seq_lens = cache.seq_lens(layer.seq_len, device)
+    out = kernels.paged_attention(
+        query.transpose(1, 2),
+        layer.k_pages,
+        layer.v_pages,
+        bt,
+        seq_lens,
+        sm_scale=sm_scale,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
+        k_group_scales=layer.k_group_scales,
+        v_group_scales=layer.v_group_scales,
+        kv_start=kv_start,
+        causal=True,
+        softcap=cap,
+        window=window,
+        backend=cache.backend,
+    )
+    return out, None

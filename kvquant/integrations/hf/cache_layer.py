@@ -1,0 +1,469 @@
+"""kvquant's transformers cache: FP8 pages behind the ``Cache`` / ``CacheLayerMixin`` seam.
+
+:class:`KVQuantCache` is a :class:`transformers.Cache` made of one
+:class:`KVQuantLayer` per decoder layer. All layers share one
+:class:`~kvquant.cache.PageAllocator` (the sequences of a batch grow in
+lockstep, so one block table serves every layer); each layer owns its FP8
+page pools ``[num_pages, page_size, Hkv, D]`` for K and V (plus fp32 group
+scales for the dynamic ``fp32-group`` format) and writes new tokens with
+:func:`kvquant.kernels.write_kv`.
+
+``update()`` returns ``(None, None)`` while kvquant's attention function is
+the model's attention implementation: that function finds the layer through
+the forward pre-hook that :func:`kvquant.patch` installs and reads the pages
+with :func:`kvquant.kernels.paged_attention`. Under any other attention
+implementation ``update()`` returns dense dequantized K/V ``[B, Hkv, T, D]``
+like ``DynamicLayer``.
+
+Sequence bookkeeping follows ``DynamicLayer``: every position handed to
+``update()``, left-padding slots included, is stored and counted by
+``get_seq_length()`` and ``get_mask_sizes()``; the attention function masks
+the padding with a per-sequence ``kv_start`` taken from the attention mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvquant import kernels
+from kvquant.cache import PageAllocator
+from kvquant.errors import CacheCapacityError, KVQuantError
+from kvquant.kernels.reference import dequantize_pages, gather_kv
+
+__all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec"]
+
+DEFAULT_TOKENS = 8192
+"""Token slots per sequence of a cache built without a size (capped by max_position_embeddings)."""
+
+DEFAULT_HEADROOM = 2048
+"""Slots beyond a long first prompt that a cache built without a size keeps for generation."""
+
+ATTN_NAME = "kvquant"
+"""The name kvquant registers with ``AttentionInterface`` and ``AttentionMaskInterface``."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a cache layer needs to know about its attention layer.
+
+    Attributes:
+        name: the attention module's path (for messages).
+        num_kv_heads: KV heads.
+        head_dim: elements per head.
+        granularity: ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for ``fp32-group``.
+        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for ``fp32-group``.
+        group_size: ``G`` of ``fp32-group`` (divides ``head_dim``), else None.
+    """
+
+    name: str
+    num_kv_heads: int
+    head_dim: int
+    granularity: str
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    group_size: int | None
+
+
+class KVQuantLayer(CacheLayerMixin):
+    """One decoder layer's FP8 paged K/V storage.
+
+    Attributes:
+        seq_len: positions stored per sequence (left-padding slots included).
+        k_pages: FP8 ``[num_pages, page_size, Hkv, D]`` (None before the first update).
+        v_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` for ``fp32-group``.
+        v_group_scales: like ``k_group_scales``.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: KVQuantCache, layer_idx: int, spec: LayerSpec) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.spec = spec
+        self.seq_len = 0
+        self.k_pages: torch.Tensor | None = None
+        self.v_pages: torch.Tensor | None = None
+        self.k_group_scales: torch.Tensor | None = None
+        self.v_group_scales: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.device: torch.device | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"KVQuantLayer(layer={self.layer_idx}, {self.spec.granularity}, seq_len={self.seq_len})"
+        )
+
+    # ------------------------------------------------------------------ storage
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate this layer's page pools on the device of ``key_states`` [B, Hkv, L, D]."""
+        self._check_shapes(key_states, value_states)
+        device = key_states.device
+        num_pages, page_size = self.cache.pool_shape(
+            key_states.shape[0], device, first_tokens=key_states.shape[2]
+        )
+        shape = (num_pages, page_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.k_pages = torch.empty(shape, dtype=self.cache.fp8_dtype, device=device)
+        self.v_pages = torch.empty(shape, dtype=self.cache.fp8_dtype, device=device)
+        if self.spec.granularity == "fp32-group":
+            g = int(self.spec.group_size or self.spec.head_dim)
+            gshape = (*shape[:3], self.spec.head_dim // g)
+            self.k_group_scales = torch.empty(gshape, dtype=torch.float32, device=device)
+            self.v_group_scales = torch.empty(gshape, dtype=torch.float32, device=device)
+        else:
+            if self.spec.k_scale is None or self.spec.v_scale is None:
+                raise KVQuantError(
+                    f"{self.spec.name}: granularity {self.spec.granularity!r} needs static K and V "
+                    "scales but the layer has none. Fix: re-run kvquant.patch(model)."
+                )
+            self.k_scale = self.spec.k_scale.to(device=device, dtype=torch.float32)
+            self.v_scale = self.spec.v_scale.to(device=device, dtype=torch.float32)
+        self.device = device
+        self.keys = self.values = None
+        self.is_initialized = True
+
+    def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        hkv, d = self.spec.num_kv_heads, self.spec.head_dim
+        for what, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dim() != 4 or t.shape[1] != hkv or t.shape[3] != d:
+                raise KVQuantError(
+                    f"{self.spec.name}: cache update got {what} of shape {tuple(t.shape)}; "
+                    f"expected [batch, {hkv}, new_tokens, {d}] (the layer's KV heads and head_dim)."
+                )
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise KVQuantError(
+                f"{self.spec.name}: key_states {tuple(key_states.shape)} and value_states "
+                f"{tuple(value_states.shape)} disagree on batch or length."
+            )
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args: Any,
+        kwargs: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> tuple[Any, Any]:
+        """Quantize new K/V into this layer's pages.
+
+        Args:
+            key_states: ``[B, Hkv, L, D]`` new keys (after RoPE), any float dtype.
+            value_states: ``[B, Hkv, L, D]`` new values, any float dtype.
+            *args: ignored (transformers passes nothing else positionally).
+            kwargs: the attention kwargs dict (transformers 5.24); unused.
+            **extra: ignored.
+
+        Returns:
+            ``(None, None)`` while kvquant's attention is active (it reads the
+            pages), else dense dequantized ``([B, Hkv, T, D], [B, Hkv, T, D])``
+            in the dtype of ``key_states``.
+
+        Raises:
+            CacheCapacityError: the pages cannot hold the new tokens (nothing is written).
+            KVQuantError: the shapes or the batch size do not match the cache.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_shapes(key_states, value_states)
+        bsz, _, new, _ = key_states.shape
+        slots = self.cache.slots_for(self, bsz, new)
+        if new > 0:
+            kernels.write_kv(
+                key_states.transpose(1, 2),
+                value_states.transpose(1, 2),
+                self.k_pages,  # type: ignore[arg-type]
+                self.v_pages,  # type: ignore[arg-type]
+                slots,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
+                k_group_scales=self.k_group_scales,
+                v_group_scales=self.v_group_scales,
+                backend=self.cache.backend,
+            )
+        self.seq_len += new
+        if self.cache.attention_is_kvquant():
+            return None, None
+        return self.dense_kv(key_states.dtype)
+
+    def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize everything stored: ``([B, Hkv, seq_len, D], [B, Hkv, seq_len, D])`` in ``dtype``."""
+        if self.k_pages is None or self.v_pages is None:
+            raise KVQuantError(f"{self.spec.name}: the cache layer holds nothing yet.")
+        bt = self.cache.block_table(self.k_pages.device)
+        out = []
+        for pages, static, groups in (
+            (self.k_pages, self.k_scale, self.k_group_scales),
+            (self.v_pages, self.v_scale, self.v_group_scales),
+        ):
+            full = dequantize_pages(pages, static, groups)
+            per_seq = [gather_kv(full, bt, self.seq_len, b) for b in range(bt.shape[0])]
+            out.append(torch.stack(per_seq).transpose(1, 2).to(dtype))
+        return out[0], out[1]
+
+    # ------------------------------------------------------------------ HF queries
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask for ``query_length`` new tokens (as ``DynamicLayer``)."""
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Positions stored per sequence, left-padding slots included."""
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        """-1 (no fixed maximum, as ``DynamicLayer``); capacity is enforced by :class:`CacheCapacityError`."""
+        return -1
+
+    def reset(self) -> None:
+        """Forget every stored token (the pages stay allocated)."""
+        self.seq_len = 0
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: sequence ``b`` takes the stored tokens of sequence ``beam_idx[b]`` [B]."""
+        if self.seq_len == 0 or self.k_pages is None:
+            return
+        bt = self.cache.block_table(self.k_pages.device)
+        used = -(-self.seq_len // self.k_pages.shape[1])
+        dst = bt[:, :used].long()
+        src = dst.index_select(0, beam_idx.to(dst.device).long())
+        for t in (self.k_pages, self.v_pages, self.k_group_scales, self.v_group_scales):
+            if t is not None:
+                t[dst.reshape(-1)] = t[src.reshape(-1)]
+
+    def _unsupported(self, what: str) -> KVQuantError:
+        return KVQuantError(
+            f"{self.spec.name}: {what} is not supported by kvquant's paged FP8 cache. Fix: run "
+            "this generation mode without kvquant (handle.remove()), or use greedy / sampling / "
+            "beam search."
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not supported (assisted decoding): raises :class:`KVQuantError`."""
+        raise self._unsupported("crop() (assisted or speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Not supported (contrastive search): raises :class:`KVQuantError`."""
+        raise self._unsupported("batch_repeat_interleave() (contrastive search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Not supported (contrastive search): raises :class:`KVQuantError`."""
+        raise self._unsupported("batch_select_indices() (contrastive search)")
+
+    def offload(self) -> None:
+        """Not supported (offloaded caches): raises :class:`KVQuantError`."""
+        raise self._unsupported("offload() (offloaded caches)")
+
+    def prefetch(self) -> None:
+        """Not supported (offloaded caches): raises :class:`KVQuantError`."""
+        raise self._unsupported("prefetch() (offloaded caches)")
+
+
+class KVQuantCache(Cache):
+    """A transformers ``Cache`` storing K/V in FP8 pages, one :class:`KVQuantLayer` per layer.
+
+    Built by :func:`kvquant.patch`'s hook when ``generate`` (or a forward call)
+    has no cache yet, or explicitly from a patched model and passed as
+    ``cache=`` (transformers 5.24) / ``past_key_values=`` (5.17).
+
+    Args:
+        model: a model patched with :func:`kvquant.patch`.
+        max_cache_tokens: token slots in the whole cache (all sequences of the
+            batch together); default: the patch's setting, else per sequence
+            ``min(max_position_embeddings, max(8192, prompt + 2048))``.
+        num_pages: pages in the pool (overrides ``max_cache_tokens``).
+        page_size: token slots per page; default the patch's (16).
+
+    Raises:
+        KVQuantError: the model is not patched.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_cache_tokens: int | None = None,
+        num_pages: int | None = None,
+        page_size: int | None = None,
+    ) -> None:
+        state = getattr(model, "_kvquant_state", None)
+        if state is None:
+            raise KVQuantError(
+                f"{type(model).__name__} is not patched by kvquant, so it has no kvquant scales "
+                "or attention. Fix: call kvquant.patch(model) first."
+            )
+        opts = state.options
+        self.page_size = int(page_size if page_size is not None else opts.page_size)
+        self.max_cache_tokens = (
+            max_cache_tokens if max_cache_tokens is not None else opts.max_cache_tokens
+        )
+        self.num_pages_requested = num_pages if num_pages is not None else opts.num_pages
+        if self.page_size < 1:
+            raise KVQuantError(f"page_size must be >= 1, got {self.page_size}")
+        self.backend = opts.backend
+        self.fp8_dtype = torch.float8_e4m3fn
+        self.config = state.text_config
+        self.default_tokens_per_seq = state.default_tokens_per_seq
+        self.model_name = state.model_name
+        self.allocator: PageAllocator | None = None
+        self.batch_size_ = 0
+        self.reserved = 0
+        self._block_table: torch.Tensor | None = None
+        self._block_table_dev: dict[torch.device, torch.Tensor] = {}
+        self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
+        self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        layers: list[Any] = [
+            KVQuantLayer(self, i, spec) for i, spec in enumerate(state.layer_specs)
+        ]
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVQuantCache(layers={len(self.layers)}, page_size={self.page_size}, "
+            f"pages={self.allocator.num_pages if self.allocator else 'lazy'}, seq_len={self.reserved})"
+        )
+
+    # ------------------------------------------------------------------ pool sizing
+
+    def pool_shape(
+        self, batch_size: int, device: torch.device, first_tokens: int = 0
+    ) -> tuple[int, int]:
+        """``(num_pages, page_size)`` of every layer's pool; creates the allocator on first use.
+
+        Without ``num_pages`` / ``max_cache_tokens`` each sequence gets
+        ``min(max_position_embeddings, max(DEFAULT_TOKENS, first_tokens + DEFAULT_HEADROOM))``
+        slots, where ``first_tokens`` is the length of the first update (the prompt).
+        """
+        if self.allocator is None:
+            if self.num_pages_requested is not None:
+                num_pages = int(self.num_pages_requested)
+            else:
+                tokens = self.max_cache_tokens
+                if tokens is None:
+                    per_seq = min(
+                        self.default_tokens_per_seq,
+                        max(DEFAULT_TOKENS, first_tokens + DEFAULT_HEADROOM),
+                    )
+                    tokens = batch_size * per_seq
+                num_pages = -(-int(tokens) // self.page_size)
+            if num_pages < 1:
+                raise KVQuantError(
+                    f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
+                    "Fix: pass a positive max_cache_tokens or num_pages."
+                )
+            self.allocator = PageAllocator(num_pages, self.page_size, device=device)
+            self.batch_size_ = batch_size
+        return self.allocator.num_pages, self.page_size
+
+    def slots_for(self, layer: KVQuantLayer, batch_size: int, new_tokens: int) -> torch.Tensor:
+        """Slot mapping int64 ``[B, new_tokens]`` of positions ``layer.seq_len ...``, reserving pages.
+
+        The first layer to reach a position reserves its pages for all layers
+        (all-or-nothing, before any write); later layers reuse them.
+
+        Raises:
+            CacheCapacityError: too few free pages (nothing changes).
+            KVQuantError: the batch size differs from the one the cache was built for.
+        """
+        device = layer.k_pages.device if layer.k_pages is not None else torch.device("cpu")
+        start = layer.seq_len
+        memo = self._slot_memo
+        if memo is not None and memo[0] == (start, new_tokens, batch_size, device):
+            return memo[1]
+        self.pool_shape(batch_size, device)
+        if batch_size != self.batch_size_:
+            raise KVQuantError(
+                f"{layer.spec.name}: the kvquant cache holds {self.batch_size_} sequences but the "
+                f"update has batch size {batch_size}. Fix: use a fresh cache (or let generate "
+                "create one) for a different batch size."
+            )
+        end = start + new_tokens
+        if end > self.reserved:
+            self._reserve(end - self.reserved, layer)
+        bt = self.block_table(device)
+        pos = torch.arange(start, end, device=device, dtype=torch.int64).expand(batch_size, -1)
+        slots = kernels.compute_slot_mapping(bt, pos, self.page_size)
+        self._slot_memo = ((start, new_tokens, batch_size, device), slots)
+        return slots
+
+    def seq_lens(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """int32 ``[B]`` filled with ``seq_len`` on ``device`` (shared by the layers of a step)."""
+        memo = self._lens_memo
+        if memo is not None and memo[0] == (seq_len, device):
+            return memo[1]
+        lens = torch.full((self.batch_size_,), seq_len, dtype=torch.int32, device=device)
+        self._lens_memo = ((seq_len, device), lens)
+        return lens
+
+    def _reserve(self, tokens: int, layer: KVQuantLayer) -> None:
+        alloc = self.allocator
+        if alloc is None:  # pragma: no cover - pool_shape always creates it
+            raise KVQuantError("the kvquant cache has no page allocator")
+        seq_ids = list(range(self.batch_size_))
+        ps = self.page_size
+        have = -(-self.reserved // ps)
+        need = -(-(self.reserved + tokens) // ps)
+        extra_pages = (need - have) * self.batch_size_
+        free = alloc.num_free_pages
+        if extra_pages > free:
+            capacity = alloc.num_pages * ps
+            raise CacheCapacityError(
+                f"kvquant cache of {self.model_name} is full: {self.batch_size_} sequence(s) of "
+                f"{self.reserved} tokens need {tokens} more each ({extra_pages} more pages of "
+                f"{ps} tokens), but only {free} of {alloc.num_pages} pages are free (capacity "
+                f"{capacity} token slots in all). Nothing was written. Fix: "
+                "kvquant.patch(model, max_cache_tokens=...) or num_pages=... with a larger value, "
+                "or generate fewer tokens (max_new_tokens)."
+            )
+        try:
+            alloc.reserve(seq_ids, tokens)
+        except CacheCapacityError as err:  # pragma: no cover - pre-checked above
+            raise CacheCapacityError(f"kvquant cache of {self.model_name}: {err}") from err
+        self.reserved += tokens
+        self._block_table = None
+        self._block_table_dev.clear()
+
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        """The int32 ``[B, max_pages]`` block table on ``device`` (cached until the next reservation)."""
+        if self.allocator is None:
+            raise KVQuantError("the kvquant cache holds nothing yet")
+        if self._block_table is None:
+            self._block_table = self.allocator.block_tables(list(range(self.batch_size_)))
+        bt = self._block_table_dev.get(device)
+        if bt is None:
+            bt = self._block_table.to(device=device, dtype=torch.int32)
+            self._block_table_dev[device] = bt
+        return bt
+
+    def attention_is_kvquant(self) -> bool:
+        """Whether the model's active attention implementation is kvquant's."""
+        return getattr(self.config, "_attn_implementation", None) == ATTN_NAME
+
+    # ------------------------------------------------------------------ whole-cache ops
+
+    def reset(self) -> None:
+        """Forget every stored token and free all pages (the pools stay allocated)."""
+        for layer in self.layers:
+            layer.reset()
+        if self.allocator is not None:
+            self.allocator.reset()
+        self.reserved = 0
+        self._block_table = None
+        self._block_table_dev.clear()
+        self.kv_start_memo = None
+        self._slot_memo = None
+        self._lens_memo = None
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """-1: the cache has no fixed per-sequence length."""
+        return -1

@@ -1,0 +1,649 @@
+"""``kvquant.patch(model)``: give a transformers model kvquant's FP8 paged KV cache.
+
+What :func:`patch` does, in order (everything that can fail is checked before
+the model is touched):
+
+1. checks the family (:mod:`kvquant.integrations.hf.models`) and finds every
+   attention module;
+2. gets the raw KV scales (a checkpoint folder, an in-memory mapping, or
+   ``model.name_or_path``) and resolves them through the registry
+   (:func:`kvquant.registry.resolve_scales`): a
+   :class:`~kvquant.errors.ScaleFormatError` is raised here, before any change;
+3. installs the canonical fp32 scales as buffers ``k_scale`` / ``v_scale`` of
+   each attention module (static formats only);
+4. registers the ``"kvquant"`` attention and mask functions and switches the
+   model's attention implementation to it;
+5. installs forward pre-hooks (removable handles): one per attention module
+   that records the cache of the current call on the module (the attention
+   function never receives the cache object), and one on the decoder that
+   swaps a fresh, empty ``DynamicCache`` (what ``generate`` creates), or a
+   missing cache, for a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache`.
+
+Why a pre-hook for ``generate``: transformers 5.24 has no registry of
+``cache_implementation`` names (the accepted names are a fixed tuple), and the
+alternatives (overriding ``_prepare_cache_for_generation``, wrapping
+``generate``) replace model methods. A forward pre-hook is a documented torch
+seam, works identically on transformers 5.17 and 5.24 and for plain forward
+calls, and is undone by its handle. ``generate`` keeps whatever cache the model
+returns, so the swap holds for every later step. A cache passed explicitly
+(``cache=`` on 5.24, ``past_key_values=`` on 5.17) is never replaced.
+
+All state lives on the model instance (``model._kvquant_state``); the only
+process-global effect is the registration of the ``"kvquant"`` names.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from kvquant.errors import KVQuantError, ScaleFormatError, UnsupportedModelError
+from kvquant.integrations.hf import attention as _attention
+from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
+from kvquant.integrations.hf.models import (
+    AttentionSite,
+    check_supported,
+    find_attention_sites,
+    model_geometry,
+    text_config,
+)
+from kvquant.kernels.backend import BACKENDS
+from kvquant.registry.types import LayerGeometry, RawScale
+
+__all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
+
+_logger = logging.getLogger("kvquant")
+
+STATE_ATTR = "_kvquant_state"
+_MISSING = object()
+_SCALE_ATTRS = ("k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """The settings of one :func:`patch` call (compared for idempotence).
+
+    Attributes:
+        scale_format: registry format name or ``"auto"``.
+        missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"`` (registry policy).
+        group_size: ``G`` of the dynamic ``fp32-group`` format.
+        backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
+        page_size: token slots per page.
+        max_cache_tokens: token slots of a cache (whole batch), or None.
+        num_pages: pages of a cache (overrides ``max_cache_tokens``), or None.
+        source: a description of where the scales came from.
+    """
+
+    scale_format: str = "auto"
+    missing_scales: str = "dynamic"
+    group_size: int | None = None
+    backend: str = "auto"
+    page_size: int = 16
+    max_cache_tokens: int | None = None
+    num_pages: int | None = None
+    source: str = ""
+
+
+@dataclass
+class PatchState:
+    """Everything :func:`patch` changed on one model (kept on ``model._kvquant_state``).
+
+    Attributes:
+        options: the patch settings.
+        sites: the attention modules.
+        layer_specs: per layer, what the cache layer needs (scales, granularity).
+        model_scales: the registry's resolved scales (with its report).
+        raw_scales: the raw scales they came from (reused when re-patching).
+        text_config: the decoder config (its ``_attn_implementation`` is switched).
+        previous_attn: the attention implementation before the patch.
+        default_tokens_per_seq: the most token slots per sequence a cache built
+            without a size gets (``max_position_embeddings``).
+        model_name: for messages.
+        handles: removable hook handles.
+        saved_attrs: ``(module, name, previous value or _MISSING, kind)`` to restore.
+    """
+
+    options: PatchOptions
+    sites: list[AttentionSite]
+    layer_specs: list[LayerSpec]
+    model_scales: Any
+    raw_scales: list[RawScale]
+    raw_context: dict[str, Any]
+    text_config: Any
+    previous_attn: str | None
+    default_tokens_per_seq: int
+    model_name: str
+    handles: list[RemovableHandle] = field(default_factory=list)
+    saved_attrs: list[tuple[nn.Module, str, Any, str]] = field(default_factory=list)
+    handle: KVQuantHandle | None = None
+
+
+class KVQuantHandle:
+    """What :func:`patch` returns: the patch's state, and :meth:`remove` to undo it.
+
+    Usable as a context manager (``with kvquant.patch(model): ...``).
+    """
+
+    def __init__(self, model: nn.Module, state: PatchState) -> None:
+        self._model = model
+        self.state = state
+
+    @property
+    def active(self) -> bool:
+        """Whether the patch is still applied to the model."""
+        return getattr(self._model, STATE_ATTR, None) is self.state
+
+    @property
+    def scales(self) -> Any:
+        """The registry's resolved scales (``ModelScales``) installed on the model."""
+        return self.state.model_scales
+
+    def new_cache(
+        self,
+        *,
+        max_cache_tokens: int | None = None,
+        num_pages: int | None = None,
+        page_size: int | None = None,
+    ) -> KVQuantCache:
+        """A fresh :class:`KVQuantCache` for this model (pass it as ``cache=`` / ``past_key_values=``)."""
+        return KVQuantCache(
+            self._model, max_cache_tokens=max_cache_tokens, num_pages=num_pages, page_size=page_size
+        )
+
+    def remove(self) -> None:
+        """Undo the patch: hooks, buffers, attributes and attention implementation (idempotent)."""
+        if not self.active:
+            return
+        _unpatch(self._model, self.state)
+
+    def __enter__(self) -> KVQuantHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        grans = sorted({s.granularity for s in self.state.layer_specs})
+        return (
+            f"KVQuantHandle({self.state.model_name}, layers={len(self.state.layer_specs)}, "
+            f"granularity={'/'.join(grans)}, active={self.active})"
+        )
+
+
+# ---------------------------------------------------------------------- options
+
+
+def _check_options(opts: PatchOptions) -> None:
+    def positive(name: str, value: object, optional: bool = False) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise KVQuantError(
+                f"kvquant.patch: {name}={value!r}; expected a positive int"
+                + (" or None" if optional else "")
+                + f". Fix: pass {name}=<int >= 1>."
+            )
+
+    positive("page_size", opts.page_size)
+    positive("group_size", opts.group_size, optional=True)
+    positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
+    positive("num_pages", opts.num_pages, optional=True)
+    if opts.backend not in BACKENDS:
+        raise KVQuantError(
+            f"kvquant.patch: backend={opts.backend!r}; expected one of {BACKENDS}. "
+            "Fix: pass backend='auto'."
+        )
+
+
+# ---------------------------------------------------------------------- scales
+
+
+def _model_folder(model: nn.Module) -> Path | None:
+    name = getattr(model, "name_or_path", None) or getattr(
+        getattr(model, "config", None), "_name_or_path", ""
+    )
+    if name:
+        p = Path(str(name))
+        if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+            return p
+    return None
+
+
+def _in_model_scales(sites: list[AttentionSite]) -> dict[str, torch.Tensor]:
+    """Scale tensors already on the attention modules (e.g. compressed-tensors on 5.17)."""
+    found: dict[str, torch.Tensor] = {}
+    for site in sites:
+        for attr in ("k_scale", "v_scale", "kv_scale"):
+            value = getattr(site.module, attr, None)
+            if isinstance(value, torch.Tensor) and not getattr(value, "_kvq_canonical", False):
+                found[f"{site.name}.{attr}"] = value.detach().cpu()
+    return found
+
+
+def gather_raw_scales(
+    model: nn.Module,
+    sites: list[AttentionSite],
+    geometry: LayerGeometry,
+    scales: str | Path | Mapping[str, torch.Tensor] | None,
+) -> tuple[list[RawScale], dict[str, Any], str]:
+    """Find the raw KV scales for ``model``.
+
+    Args:
+        model: the model.
+        sites: its attention modules.
+        geometry: its attention geometry.
+        scales: a checkpoint folder, a ``{tensor_name: tensor}`` mapping, or
+            None (the model's own folder ``model.name_or_path``, else scale
+            tensors already on the attention modules, else none).
+
+    Returns:
+        ``(raw scales, context for the registry, source description)``.
+
+    Raises:
+        CheckpointError: a folder that is not a checkpoint.
+        ScaleFormatError: the folder's geometry does not match the model.
+    """
+    from kvquant.registry.discovery import discover_scales, raw_scales_from_state_dict
+
+    if isinstance(scales, (str, Path)):
+        found = discover_scales(scales)
+        _check_geometry(found.geometry, geometry, str(scales))
+        refuse_error_findings(found, str(scales))
+        return list(found.scales), {"discovered": found}, f"checkpoint {scales}"
+    if isinstance(scales, Mapping):
+        tensors = dict(scales)
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ScaleFormatError(
+                    f"kvquant.patch: scales[{name!r}] is a {type(t).__name__}; expected a "
+                    "torch.Tensor. Fix: pass {tensor_name: tensor}."
+                )
+        return raw_scales_from_state_dict(tensors), {}, "mapping"
+    if scales is not None:
+        raise KVQuantError(
+            f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
+            "(str or Path), a {tensor_name: tensor} mapping, or None."
+        )
+    folder = _model_folder(model)
+    if folder is not None:
+        found = discover_scales(folder)
+        _check_geometry(found.geometry, geometry, str(folder))
+        refuse_error_findings(found, str(folder))
+        if found.scales:
+            return list(found.scales), {"discovered": found}, f"checkpoint {folder}"
+    in_model = _in_model_scales(sites)
+    if in_model:
+        return raw_scales_from_state_dict(in_model), {}, "model attributes"
+    if folder is not None:
+        return [], {"discovered": found}, f"checkpoint {folder} (no KV scales)"
+    return [], {}, "none"
+
+
+def refuse_error_findings(found: Any, where: str) -> None:
+    """Raise when discovery found checkpoint-level errors (unsupported KV scheme, zero points, ...).
+
+    Raises:
+        ScaleFormatError: listing every error finding.
+    """
+    errors = [f for f in getattr(found, "findings", ()) if f.severity == "error"]
+    if errors:
+        lines = "; ".join(f"[{f.code}] {f.message}" for f in errors)
+        raise ScaleFormatError(f"{where}: kvquant cannot use this checkpoint's KV scales: {lines}")
+
+
+def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> None:
+    if (found.num_layers, found.num_kv_heads) != (model.num_layers, model.num_kv_heads):
+        raise ScaleFormatError(
+            f"{where}: the checkpoint config has {found.num_layers} layers and "
+            f"{found.num_kv_heads} KV heads, the model {model.num_layers} layers and "
+            f"{model.num_kv_heads} KV heads. Fix: pass the checkpoint the model was loaded from."
+        )
+
+
+def _layer_specs(
+    sites: list[AttentionSite], geometry: LayerGeometry, model_scales: Any
+) -> list[LayerSpec]:
+    layers = list(model_scales.layers)
+    if len(layers) != len(sites):
+        raise KVQuantError(
+            f"the registry resolved {len(layers)} layers of scales for {len(sites)} attention "
+            "layers."
+        )
+    specs = []
+    for site, ls in zip(sites, layers, strict=True):
+        gran = str(ls.granularity)
+        k = None if ls.k is None else ls.k.detach().to(torch.float32).cpu()
+        v = None if ls.v is None else ls.v.detach().to(torch.float32).cpu()
+        specs.append(
+            LayerSpec(
+                name=site.name,
+                num_kv_heads=geometry.num_kv_heads,
+                head_dim=geometry.head_dim,
+                granularity=gran,
+                k_scale=k,
+                v_scale=v,
+                group_size=int(ls.group_size) if ls.group_size else None,
+            )
+        )
+    return specs
+
+
+def resolve(
+    raw: list[RawScale], geometry: LayerGeometry, opts: PatchOptions, ctx: dict[str, Any]
+) -> Any:
+    """Resolve raw scales into canonical per-layer scales through the registry.
+
+    Raises:
+        ScaleFormatError: the registry rejects the scales.
+    """
+    from kvquant.registry import resolve_scales
+
+    return resolve_scales(
+        raw,
+        geometry,
+        scale_format=opts.scale_format,
+        missing_scales=opts.missing_scales,
+        group_size=opts.group_size,
+    )
+
+
+# ---------------------------------------------------------------------- hooks
+
+
+def cache_kwarg_name(module: nn.Module) -> str:
+    """``"cache"`` (transformers 5.24) or ``"past_key_values"`` (5.17) for ``module.forward``."""
+    params = inspect.signature(type(module).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _unwrap_cache(obj: Any) -> Any:
+    """The real cache behind compressed-tensors' ``QuantizedKVCache`` wrapper (5.17), else ``obj``."""
+    if obj is None or isinstance(obj, KVQuantCache):
+        return obj
+    inner = getattr(obj, "past_key_values", None)
+    if callable(inner) and isinstance(obj, nn.Module):
+        try:
+            return inner()
+        except TypeError:
+            return obj
+    return obj
+
+
+def _grab_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    setattr(module, _attention.CACHE_ATTR, _unwrap_cache(cache))
+
+
+def _drop_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    setattr(module, _attention.CACHE_ATTR, None)
+
+
+def _make_injector(model: nn.Module, state: PatchState) -> Any:
+    from transformers.cache_utils import DynamicCache
+
+    def inject(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if getattr(model, STATE_ATTR, None) is not state:
+            return None
+        key = (
+            "cache"
+            if "cache" in kwargs
+            else ("past_key_values" if "past_key_values" in kwargs else None)
+        )
+        current = kwargs.get(key) if key else None
+        if current is None:
+            replace = True
+        else:
+            replace = (
+                type(current) is DynamicCache
+                and current.get_seq_length() == 0
+                and not getattr(current, "_is_user_defined", False)
+            )
+        if not replace:
+            return None
+        kwargs = dict(kwargs)
+        kwargs[key or state.raw_context.get("cache_kwarg", "cache")] = KVQuantCache(model)
+        return args, kwargs
+
+    return inject
+
+
+# ---------------------------------------------------------------------- apply / undo
+
+
+def _install_scales(state: PatchState) -> None:
+    for site, spec in zip(state.sites, state.layer_specs, strict=True):
+        mod = site.module
+        for attr, value in (("k_scale", spec.k_scale), ("v_scale", spec.v_scale)):
+            prev: Any = _MISSING
+            kind = "absent"
+            if attr in mod._buffers:
+                prev, kind = mod._buffers[attr], "buffer"
+                del mod._buffers[attr]
+            elif attr in mod._parameters:
+                prev, kind = mod._parameters[attr], "param"
+                del mod._parameters[attr]
+            elif attr in mod.__dict__:
+                prev, kind = mod.__dict__[attr], "attr"
+                del mod.__dict__[attr]
+            if value is None and kind == "absent":
+                continue
+            state.saved_attrs.append((mod, attr, prev, kind))
+            if value is not None:
+                device = _module_device(mod)
+                buf = value.to(device=device, dtype=torch.float32).clone()
+                buf._kvq_canonical = True  # type: ignore[attr-defined]
+                mod.register_buffer(attr, buf, persistent=True)
+        if hasattr(mod, "kv_cache"):
+            # compressed-tensors' own KV fake-quant hook (transformers 5.17): K/V would be
+            # rounded twice. Keep its hook (it forwards to our cache), switch its quantization off.
+            prev_flag = mod.__dict__.get("quantization_enabled", _MISSING)
+            state.saved_attrs.append((mod, "quantization_enabled", prev_flag, "attr"))
+            mod.__dict__["quantization_enabled"] = False
+
+
+def _module_device(mod: nn.Module) -> torch.device:
+    for p in mod.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _restore_attrs(state: PatchState) -> None:
+    for mod, attr, prev, kind in reversed(state.saved_attrs):
+        mod._buffers.pop(attr, None)
+        mod._parameters.pop(attr, None)
+        mod.__dict__.pop(attr, None)
+        if prev is _MISSING:
+            continue
+        if kind == "buffer":
+            mod._buffers[attr] = prev
+        elif kind == "param":
+            mod._parameters[attr] = prev
+        else:
+            setattr(mod, attr, prev)
+    state.saved_attrs.clear()
+
+
+def _set_attn(model: nn.Module, name: str | None) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if name is None:
+        return
+    if callable(setter):
+        setter(name)
+    else:  # pragma: no cover - every PreTrainedModel has it
+        text_config(model)._attn_implementation = name
+
+
+def _unpatch(model: nn.Module, state: PatchState) -> None:
+    for h in state.handles:
+        h.remove()
+    state.handles.clear()
+    for site in state.sites:
+        site.module.__dict__.pop(_attention.CACHE_ATTR, None)
+    _restore_attrs(state)
+    if state.previous_attn is not None and state.previous_attn != ATTN_NAME:
+        _set_attn(model, state.previous_attn)
+    if getattr(model, STATE_ATTR, None) is state:
+        delattr(model, STATE_ATTR)
+
+
+def apply_patch(
+    model: nn.Module,
+    opts: PatchOptions,
+    sites: list[AttentionSite],
+    geometry: LayerGeometry,
+    model_scales: Any,
+    raw: list[RawScale],
+    ctx: dict[str, Any],
+) -> KVQuantHandle:
+    """Install already-resolved scales, hooks and the attention function on ``model``.
+
+    Used by :func:`patch` and by the load-time quantizer. Undone by the handle.
+
+    Raises:
+        UnsupportedModelError: the model refuses the ``"kvquant"`` attention implementation.
+    """
+    specs = _layer_specs(sites, geometry, model_scales)
+    cfg = text_config(model)
+    previous = getattr(cfg, "_attn_implementation", None)
+    state = PatchState(
+        options=opts,
+        sites=sites,
+        layer_specs=specs,
+        model_scales=model_scales,
+        raw_scales=raw,
+        raw_context=dict(ctx),
+        text_config=cfg,
+        previous_attn=previous,
+        default_tokens_per_seq=int(getattr(cfg, "max_position_embeddings", None) or 4096),
+        model_name=type(model).__name__,
+    )
+    state.raw_context["cache_kwarg"] = cache_kwarg_name(getattr(model, "base_model", model))
+    _attention.register()
+    setattr(model, STATE_ATTR, state)
+    try:
+        _install_scales(state)
+        for site in sites:
+            state.handles.append(
+                site.module.register_forward_pre_hook(_grab_cache, with_kwargs=True)
+            )
+            state.handles.append(site.module.register_forward_hook(_drop_cache, with_kwargs=True))
+        decoder = getattr(model, "base_model", model)
+        state.handles.append(
+            decoder.register_forward_pre_hook(_make_injector(model, state), with_kwargs=True)
+        )
+        _set_attn(model, ATTN_NAME)
+        if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} did not switch its attention implementation to "
+                f"{ATTN_NAME!r} (it stays {getattr(cfg, '_attn_implementation', None)!r}); "
+                "remote-code models that do not use transformers' AttentionInterface cannot run "
+                "kvquant. Fix: use a transformers-native model class."
+            )
+    except BaseException:
+        _unpatch(model, state)
+        raise
+    handle = KVQuantHandle(model, state)
+    state.handle = handle
+    grans = sorted({s.granularity for s in specs})
+    _logger.info(
+        "kvquant: patched %s (%d layers, %s scales from %s, backend=%s).",
+        state.model_name,
+        len(specs),
+        "/".join(grans),
+        opts.source or "none",
+        opts.backend,
+    )
+    return handle
+
+
+def patch(
+    model: nn.Module,
+    *,
+    scales: str | Path | Mapping[str, torch.Tensor] | None = None,
+    scale_format: str = "auto",
+    missing_scales: str = "dynamic",
+    group_size: int | None = None,
+    backend: str = "auto",
+    page_size: int = 16,
+    max_cache_tokens: int | None = None,
+    num_pages: int | None = None,
+) -> KVQuantHandle:
+    """Give ``model`` kvquant's FP8 paged KV cache; ``generate`` then uses it with no extra argument.
+
+    Args:
+        model: a transformers causal LM of a supported family
+            (:data:`~kvquant.integrations.hf.models.SUPPORTED_FAMILIES`).
+        scales: where the KV scales come from: a checkpoint folder, a
+            ``{tensor_name: tensor}`` mapping (producer names, any shape the
+            registry accepts), or None: the folder ``model.name_or_path`` when
+            it is a local checkpoint, else scale tensors already on the
+            attention modules, else none (then ``missing_scales`` decides).
+        scale_format: registry format (``"auto"``, ``"per-tensor"``,
+            ``"per-head"``, ``"fp32-group"`` or a registered name).
+        missing_scales: ``"dynamic"`` (fp32-group scales computed as tokens
+            are written), ``"error"`` or ``"unit"``.
+        group_size: ``G`` of the ``fp32-group`` format; default 64 capped at head_dim.
+        backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
+            ``"triton"`` or ``"torch"``.
+        page_size: token slots per page.
+        max_cache_tokens: token slots of each cache, all sequences together
+            (default per sequence: ``min(max_position_embeddings, max(8192,
+            prompt length + 2048))``; going beyond raises CacheCapacityError).
+        num_pages: pages of each cache (overrides ``max_cache_tokens``).
+
+    Returns:
+        A :class:`KVQuantHandle`; ``handle.remove()`` restores the model. Patching
+        again with the same arguments returns the same handle; with other
+        arguments the old patch is removed first (after the new scales resolve).
+
+    Raises:
+        UnsupportedModelError: the family or a feature it uses is not supported.
+        ScaleFormatError: the registry rejects the scales (the model is unchanged).
+        CheckpointError: ``scales`` names a folder that is not a checkpoint.
+        KVQuantError: a bad option value.
+    """
+    check_supported(model)
+    sites = find_attention_sites(model)
+    geometry = model_geometry(model, sites)
+    for site in sites:
+        for attr in _SCALE_ATTRS:
+            if attr in site.module.__dict__ and not isinstance(
+                site.module.__dict__[attr], torch.Tensor
+            ):
+                raise UnsupportedModelError(
+                    f"{site.name}.{attr} is already a {type(site.module.__dict__[attr]).__name__} "
+                    "attribute of the model; kvquant installs its scale buffer under that name."
+                )
+    opts = PatchOptions(
+        scale_format=scale_format,
+        missing_scales=missing_scales,
+        group_size=group_size,
+        backend=backend,
+        page_size=page_size,
+        max_cache_tokens=max_cache_tokens,
+        num_pages=num_pages,
+    )
+    _check_options(opts)
+    existing: PatchState | None = getattr(model, STATE_ATTR, None)
+    if existing is not None and scales is None:
+        same = PatchOptions(**{**opts.__dict__, "source": existing.options.source})
+        if same == existing.options and existing.handle is not None:
+            return existing.handle
+        raw, ctx, source = existing.raw_scales, existing.raw_context, existing.options.source
+    else:
+        raw, ctx, source = gather_raw_scales(model, sites, geometry, scales)
+    opts = PatchOptions(**{**opts.__dict__, "source": source})
+    model_scales = resolve(raw, geometry, opts, ctx)
+    if existing is not None:
+        _unpatch(model, existing)
+    return apply_patch(model, opts, sites, geometry, model_scales, raw, ctx)

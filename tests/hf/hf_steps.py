@@ -1,0 +1,84 @@
+"""Shared helpers of the HF-integration tests: teacher-forced step logits and calibration."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+
+def cache_kwarg(model: Any) -> str:
+    """``"cache"`` on transformers 5.24, ``"past_key_values"`` on 5.17."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(out: Any) -> Any:
+    """The cache a model output carries (name differs across versions)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+@torch.no_grad()
+def step_logits(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, cont: torch.Tensor, cache: Any = None
+) -> tuple[torch.Tensor, Any]:
+    """Prefill ``ids`` then feed ``cont`` [B, S] one token at a time.
+
+    Returns:
+        (logits of the last position at every step ``[B, S + 1, V]``, the cache).
+    """
+    key = cache_kwarg(model)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{key: cache}
+    )
+    cache = returned_cache(out)
+    logits = [out.logits[:, -1].float()]
+    for s in range(cont.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        pos = pos[:, -1:] + 1
+        out = model(
+            input_ids=cont[:, s : s + 1],
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            **{key: cache},
+        )
+        cache = returned_cache(out)
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits, dim=1), cache
+
+
+@torch.no_grad()
+def calibrate(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, granularity: str
+) -> dict[str, torch.Tensor]:
+    """Static scales ``amax / 448`` of the post-RoPE K/V of the prompt, compressed-tensors names.
+
+    Returns:
+        ``{model.layers.N.self_attn.k_scale: [1] or [Hkv, 1, 1], ...}`` (fp32).
+    """
+    from transformers import DynamicCache
+
+    key = cache_kwarg(model)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{key: cache})
+    real = mask.bool()[:, None, :, None]  # [B, 1, T, 1]
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(cache.layers):
+        for kind, t in (("k", layer.keys), ("v", layer.values)):
+            # sliding-window layers of a DynamicCache keep only the last tokens
+            a = (t.float().abs() * real[:, :, -t.shape[2] :]).amax(dim=(0, 2, 3))  # [Hkv]
+            s = a / 448.0
+            s = s.amax().reshape(1) if granularity == "per-tensor" else s.reshape(-1, 1, 1)
+            out[f"model.layers.{i}.self_attn.{kind}_scale"] = s
+    return out
+
+
+def min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Smallest cosine similarity between matching rows of ``a`` and ``b`` [..., V]."""
+    a2, b2 = a.reshape(-1, a.shape[-1]).double(), b.reshape(-1, b.shape[-1]).double()
+    return float(torch.nn.functional.cosine_similarity(a2, b2, dim=-1).min())

@@ -1,0 +1,145 @@
+"""Load-time integration: KVQuantConfig / KVQuantizer, producer checkpoints, save and reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_tiny import prompt
+
+import kvquant.integrations.hf as kvhf
+from kvquant.integrations.hf import KVQuantConfig
+from kvquant.registry import resolve_scales
+from kvquant.registry.discovery import discover_scales
+from kvquant.testing.checkpoints import write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+CONVENTIONS = ["compressed-tensors", "modelopt", "quark", "legacy-kv_scale"]
+
+
+def _expected(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    found = discover_scales(path)
+    ms = resolve_scales(list(found.scales), found.geometry)
+    return [(layer.k, layer.v) for layer in ms.layers]
+
+
+def _installed(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(m.self_attn.k_scale, m.self_attn.v_scale) for m in model.model.layers]
+
+
+def _gen(model: Any) -> torch.Tensor:
+    ids, mask = prompt(batch=2, length=8, pad=(2, 0))
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+
+
+@pytest.mark.parametrize("convention", CONVENTIONS)
+def test_load_time_quantizer(tmp_path: Path, convention: str) -> None:
+    path = write_checkpoint(tmp_path / "ckpt", convention=convention)
+    model, info = kvhf.from_pretrained(
+        path, quantization_config=KVQuantConfig(backend="torch"), output_loading_info=True
+    )
+    assert info["unexpected_keys"] == set() or not info["unexpected_keys"]
+    assert not info["missing_keys"]
+    assert model.config._attn_implementation == "kvquant"
+    for (k, v), (ek, ev) in zip(_installed(model), _expected(path), strict=True):
+        assert k.dtype == torch.float32
+        torch.testing.assert_close(k, ek)
+        torch.testing.assert_close(v, ev)
+    # No producer-named buffer is left behind (e.g. k_proj.output_scale).
+    names = [n for n, _ in model.named_buffers() if "scale" in n]
+    assert all(n.endswith(("self_attn.k_scale", "self_attn.v_scale")) for n in names)
+    out = _gen(model)
+    assert out.shape == (2, 14)
+
+
+def test_plain_load_then_patch_reads_the_folder(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt")
+    loaded = kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(path))  # scales UNEXPECTED
+    assert not hasattr(plain.model.layers[0].self_attn, "k_scale")
+    handle = kvhf.patch(plain, backend="torch")
+    assert handle.state.options.source.startswith("checkpoint")
+    for (k, v), (lk, lv) in zip(_installed(plain), _installed(loaded), strict=True):
+        torch.testing.assert_close(k, lk)
+        torch.testing.assert_close(v, lv)
+    assert torch.equal(_gen(plain), _gen(loaded))
+
+
+def test_save_and_reload_round_trip(tmp_path: Path) -> None:
+    path = write_checkpoint(
+        tmp_path / "ckpt", convention="compressed-tensors", granularity="per-head"
+    )
+    model = kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch"))
+    assert model.model.layers[0].self_attn.k_scale.shape == (2,)
+    before = _gen(model)
+    model.save_pretrained(tmp_path / "saved")
+    again, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "saved"), output_loading_info=True
+    )
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    assert again.config._attn_implementation == "kvquant"
+    for (k, v), (k2, v2) in zip(_installed(model), _installed(again), strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert torch.equal(_gen(again), before)
+
+
+def test_kv_only_check_refuses_weight_quantization(tmp_path: Path) -> None:
+    path = write_checkpoint(
+        tmp_path / "ckpt",
+        convention="compressed-tensors",
+        weights="tiny-random",
+        quant_config_updates={"config_groups": {"group_0": {"targets": ["Linear"]}}},
+    )
+    from kvquant.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="quantizes the weights"):
+        kvhf.from_pretrained(path)
+
+
+def test_fp8_weights_refused(tmp_path: Path) -> None:
+    from kvquant.errors import UnsupportedModelError
+
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", fp8_weights=True)
+    with pytest.raises(UnsupportedModelError, match="FP8 weight"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), quantization_config=KVQuantConfig()
+        )
+
+
+def test_bf16_folder_without_scales(tmp_path: Path) -> None:
+    """The SmolLM2 route: a plain bf16 safetensors folder, then patch(model)."""
+    from kvquant.errors import ScaleFormatError
+
+    path = write_checkpoint(tmp_path / "ckpt", convention="none")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    with pytest.raises(ScaleFormatError):
+        kvhf.patch(model, missing_scales="error")
+    assert model.config._attn_implementation != "kvquant"
+    handle = kvhf.patch(model, backend="torch")
+    assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
+    out = _gen(model)
+    assert out.shape == (2, 14)
+
+
+def test_checkpoint_level_errors_refused(tmp_path: Path) -> None:
+    """Zero points (asymmetric KV) are refused by patch and by the quantizer, before any change."""
+    from kvquant.errors import ScaleFormatError
+
+    zp = {
+        f"model.layers.{i}.self_attn.{k}_zero_point": torch.zeros(1, dtype=torch.int8)
+        for i in range(2)
+        for k in "kv"
+    }
+    path = write_checkpoint(tmp_path / "ckpt", convention="compressed-tensors", extra_tensors=zp)
+    cfg = transformers.AutoConfig.from_pretrained(str(path))
+    del cfg.quantization_config  # compressed-tensors is not installed here
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(path), config=cfg)
+    with pytest.raises(ScaleFormatError, match="zero-point"):
+        kvhf.patch(plain)
+    assert plain.config._attn_implementation != "kvquant"
+    with pytest.raises(ScaleFormatError, match="zero-point"):
+        kvhf.from_pretrained(path)
