@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One H200 round: GPU tests (attention + everyone's `pytest -m gpu`) and the attention benchmark.
+# Usage (device tool, repo root): bash benchmarks/gpu_round.sh [bench args, e.g. --quick]
+# Writes under $OUT: env.log, gpu_tests_attention.log, gpu_tests_all.log, bench.log,
+# attention.json, attention.png
+set -u
+OUT=${OUT:-./gpu_round_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+export PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} 2>&1 | tee "$OUT/env.log"
+timeout 140 python3 -m pytest -q -m gpu -n 8 tests/gpu/test_attention_gpu.py -p no:cacheprovider \
+  2>&1 | tail -n 80 > "$OUT/gpu_tests_attention.log"
+tail -n 5 "$OUT/gpu_tests_attention.log"
+timeout 180 python3 -m pytest -q -m gpu tests/ --ignore=tests/gpu/test_attention_gpu.py \
+  -p no:cacheprovider 2>&1 | tail -n 80 > "$OUT/gpu_tests_all.log"
+tail -n 5 "$OUT/gpu_tests_all.log"
+timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_attention.py --out "$OUT" "$@" 2>&1 \
+  | tee "$OUT/bench.log" | grep -v '^{'

@@ -1,0 +1,697 @@
+"""Triton kernels for attention over the paged FP8 KV cache (decode and prefill/extend).
+
+One kernel serves both regimes. A program owns one (sequence, KV head, query
+block, KV split) and holds every query row of that KV head in one tile of
+``BLOCK_M`` rows, a row being one (query token, head within the GQA group)
+pair: row ``r`` is token ``r // GROUP`` and head ``r % GROUP``. Each K/V tile
+of ``BLOCK_N`` keys is therefore gathered from the pages and converted from
+FP8 to fp16 once for the whole group, and both products are tensor-core
+``tl.dot`` calls on fp16 operands with fp32 accumulation.
+
+* **Decode** (``Lq * group`` small): one query block holds all ``Lq`` tokens;
+  the key range is cut into ``num_splits`` contiguous splits
+  (flash-decoding) chosen to fill the GPU; each split writes a normalised
+  partial output and its log-sum-exp (base 2), and :func:`_reduce_kernel`
+  merges them. With one split the kernel writes the output directly.
+* **Prefill / extend** (``Lq * group`` large): ``QPB = BLOCK_M // GROUP``
+  query tokens per program, heavy causal blocks launched first, one split.
+
+Scales: static per-tensor / per-KV-head scales are folded out of the loop
+(``k_scale`` into the exp2 scale of the scores, ``v_scale`` onto the output);
+fp32 group scales ``[num_pages, page_size, Hkv, D // G]`` dequantize each
+tile in registers in fp16 (one packed multiply per element pair); the scales
+are multiplied by 16 first, so that scales of groups with amax down to ~1.7e-3
+stay fp16-normal, and the 16 is folded out of the scores and the output.
+
+The key loop is split into an unmasked interior (every key visible to every
+row of the block) and a masked rest (causal diagonal, tail, sliding window).
+
+The launcher does no argument validation: :mod:`kvquant.kernels` validates
+before dispatching here. Restrictions it relies on: ``head_dim`` a power of
+two (>= 16), pages, group scales and block tables contiguous in their last
+dimension, ``D // G`` a power of two, queries within fp16 range (|q| < 65504), and, with fp32 group
+scales, K/V values below 4094 in magnitude (fp16 range after the x16 boost).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["choose_config", "choose_num_splits", "paged_attention_triton"]
+
+# Triton reads TRITON_INTERPRET when the kernels below are decorated: fixed for this module.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _load_kv(
+    n0,
+    limit,
+    bt_row,
+    k_base,
+    v_base,
+    kg_base,
+    vg_base,
+    s_kp,
+    s_kt,
+    s_vp,
+    s_vt,
+    s_kgp,
+    s_kgt,
+    s_vgp,
+    s_vgt,
+    MASKED: tl.constexpr,
+    GROUP_SCALES: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    """Gather the raw FP8 K/V tiles ``[BLOCK_N, D]`` (and group scales) of keys ``n0 + i``."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    key_ok = offs_n < limit
+    if MASKED:
+        page = tl.load(bt_row + offs_n // PAGE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
+    tok = offs_n % PAGE
+    k_ptrs = k_base + (page * s_kp + tok * s_kt)[:, None] + offs_d[None, :]
+    v_ptrs = v_base + (page * s_vp + tok * s_vt)[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if GROUP_SCALES:
+        offs_g = tl.arange(0, NG)
+        kg_ptrs = kg_base + (page * s_kgp + tok * s_kgt)[:, None] + offs_g[None, :]
+        vg_ptrs = vg_base + (page * s_vgp + tok * s_vgt)[:, None] + offs_g[None, :]
+        if MASKED:
+            ks = tl.load(kg_ptrs, mask=key_ok[:, None], other=0.0)
+            vs = tl.load(vg_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            ks = tl.load(kg_ptrs)
+            vs = tl.load(vg_ptrs)
+    else:
+        ks = 1.0
+        vs = 1.0
+    return k, v, ks, vs
+
+
+@triton.jit
+def _attn_update(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    ks,
+    vs,
+    n0,
+    s_hi,
+    pos,
+    win,
+    qk_scale,
+    softcap,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    GROUP_SCALES: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+):
+    """One online-softmax step over loaded tiles of keys ``[n0, n0 + BLOCK_N)``."""
+    if GROUP_SCALES:
+        # fp16 dequantization with the scales boosted by GS_BOOST (folded out by the caller)
+        ks16 = (ks * 16.0).to(tl.float16)
+        k3 = tl.reshape(k.to(tl.float16), [BLOCK_N, NG, HEAD_D // NG]) * ks16[:, :, None]
+        k16 = tl.reshape(k3, [BLOCK_N, HEAD_D])
+    else:
+        k16 = k.to(tl.float16)
+    s = tl.dot(q, tl.trans(k16))
+    if USE_SOFTCAP:
+        # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
+        x = s * (qk_scale / softcap)
+        e = tl.exp(2.0 * x)
+        s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+    else:
+        s = s * (qk_scale * 1.4426950408889634)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        vis = (offs_n < s_hi)[None, :]
+        if CAUSAL:
+            vis = vis & (offs_n[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            vis = vis & (offs_n[None, :] > pos[:, None] - win)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if GROUP_SCALES:
+        vs16 = (vs * 16.0).to(tl.float16)
+        v3 = tl.reshape(v.to(tl.float16), [BLOCK_N, NG, HEAD_D // NG]) * vs16[:, :, None]
+        v16 = tl.reshape(v3, [BLOCK_N, HEAD_D])
+    else:
+        v16 = v.to(tl.float16)
+    acc = tl.dot(p.to(tl.float16), v16, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    n0,
+    s_hi,
+    pos,
+    win,
+    qk_scale,
+    softcap,
+    bt_row,
+    k_base,
+    v_base,
+    kg_base,
+    vg_base,
+    s_kp,
+    s_kt,
+    s_vp,
+    s_vt,
+    s_kgp,
+    s_kgt,
+    s_vgp,
+    s_vgt,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    GROUP_SCALES: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    """Load and process keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l)."""
+    k, v, ks, vs = _load_kv(
+        n0, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
+        s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
+        MASKED, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+    )  # fmt: skip
+    return _attn_update(
+        acc, m_i, l_i, q, k, v, ks, vs, n0, s_hi, pos, win, qk_scale, softcap,
+        MASKED, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_ptr,
+    qlen_ptr,
+    start_ptr,
+    ks_ptr,
+    vs_ptr,
+    kg_ptr,
+    vg_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    sm_scale,
+    softcap,
+    window,
+    Lq,
+    Hq,
+    n_qblocks,
+    num_splits,
+    s_qb,
+    s_qt,
+    s_qh,
+    s_qd,
+    s_kp,
+    s_kt,
+    s_kh,
+    s_vp,
+    s_vt,
+    s_vh,
+    s_bt,
+    s_ks,
+    s_vs,
+    s_kgp,
+    s_kgt,
+    s_kgh,
+    s_vgp,
+    s_vgt,
+    s_vgh,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_od,
+    HAS_QLEN: tl.constexpr,
+    HAS_START: tl.constexpr,
+    GROUP: tl.constexpr,
+    QPB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP_SCALES: tl.constexpr,
+    NG: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_WHILE: tl.constexpr,
+):
+    """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
+    pid0 = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    qb = n_qblocks - 1 - pid0 // num_splits  # heavy causal blocks first
+    split = pid0 % num_splits
+
+    seq_len = tl.load(seq_ptr + b)
+    if HAS_QLEN:
+        q_len = tl.minimum(tl.load(qlen_ptr + b), Lq)
+    else:
+        q_len = Lq
+    if HAS_START:
+        kv0 = tl.load(start_ptr + b)
+    else:
+        kv0 = 0
+
+    rows = tl.arange(0, BLOCK_M)
+    t_loc = rows // GROUP
+    t = qb * QPB + t_loc
+    head = kvh * GROUP + rows % GROUP
+    row_in = (t_loc < QPB) & (t < Lq)
+    row_valid = row_in & (t < q_len)
+    pos = seq_len - q_len + t
+    offs_d = tl.arange(0, HEAD_D)
+
+    q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t[:, None] * s_qt + head[:, None] * s_qh
+    q_ptrs += offs_d[None, :] * s_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0).to(tl.float16)
+
+    # key range of this query block: [lo, hi)
+    t_first = qb * QPB
+    t_last = tl.minimum(t_first + QPB, q_len) - 1
+    p_min = seq_len - q_len + t_first
+    p_max = seq_len - q_len + t_last
+    lo = kv0
+    if USE_WINDOW:
+        lo = tl.maximum(lo, p_min - window + 1)
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(hi, p_max + 1)
+    hi = tl.where(t_last >= t_first, hi, lo)
+    hi = tl.maximum(hi, lo)
+    # this split's share, in whole tiles
+    n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    s_lo = tl.minimum(lo + split * per_split * BLOCK_N, hi)
+    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
+    # unmasked interior: keys visible to every row of the block
+    if CAUSAL:
+        full_hi = tl.minimum(p_min + 1, s_hi)
+    else:
+        full_hi = s_hi
+    if USE_WINDOW:
+        mid = s_lo
+    else:
+        mid = s_lo + tl.maximum(full_hi - s_lo, 0) // BLOCK_N * BLOCK_N
+
+    if GROUP_SCALES:
+        # tiles were dequantized with scales x 16 (fp16-normal down to amax ~1.7e-3)
+        qk_scale = sm_scale * 0.0625
+        v_mult = 0.0625
+    else:
+        qk_scale = sm_scale * tl.load(ks_ptr + kvh * s_ks)
+        v_mult = tl.load(vs_ptr + kvh * s_vs)
+
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    k_base = k_ptr + kvh * s_kh
+    v_base = v_ptr + kvh * s_vh
+    kg_base = kg_ptr + kvh * s_kgh
+    vg_base = vg_ptr + kvh * s_vgh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+
+    if USE_WHILE:
+        n0 = s_lo
+        while n0 < mid:
+            acc, m_i, l_i = _attn_tile(
+                acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
+                bt_row, k_base, v_base, kg_base, vg_base,
+                s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+            )  # fmt: skip
+            n0 += BLOCK_N
+        while n0 < s_hi:
+            acc, m_i, l_i = _attn_tile(
+                acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
+                bt_row, k_base, v_base, kg_base, vg_base,
+                s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(s_lo, mid, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
+                bt_row, k_base, v_base, kg_base, vg_base,
+                s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+            )  # fmt: skip
+        for n0 in range(mid, s_hi, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
+                bt_row, k_base, v_base, kg_base, vg_base,
+                s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+            )  # fmt: skip
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc * (v_mult / l_safe)[:, None]
+    keep = has_key & row_valid
+    o = tl.where(keep[:, None], o, 0.0)
+    if SPLIT:
+        prow = ((b.to(tl.int64) * Lq + t) * Hq + head) * num_splits + split
+        lse = tl.where(keep, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + prow, lse, mask=row_in)
+        tl.store(part_ptr + prow[:, None] * HEAD_D + offs_d[None, :], o, mask=row_in[:, None])
+    else:
+        o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t[:, None] * s_ot + head[:, None] * s_oh
+        o_ptrs += offs_d[None, :] * s_od
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None])
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    Lq,
+    Hq,
+    num_splits,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_od,
+    SPLITS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr,
+):
+    """Merge the split partials of one output row (sequence, token, head)."""
+    row = tl.program_id(0)
+    h = row % Hq
+    t = (row // Hq) % Lq
+    b = row // (Hq * Lq)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_D)
+    s_ok = offs_s < num_splits
+    base = row.to(tl.int64) * num_splits
+    lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_use)
+    denom = tl.sum(w, 0)
+    part = tl.load(
+        part_ptr + (base + offs_s)[:, None] * HEAD_D + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    o = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
+    o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t * s_ot + h * s_oh + offs_d * s_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (cached); a small constant on CPU."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _is_decode(lq: int, group: int) -> bool:
+    """Decode path (one query block, split-KV) when all rows of a KV head fit in 64."""
+    return lq * group <= 64
+
+
+def choose_config(lq: int, group: int, head_dim: int) -> dict[str, int]:
+    """Tile configuration for a problem: ``BLOCK_M``, ``QPB``, ``BLOCK_N``, warps, stages.
+
+    Args:
+        lq: query tokens per sequence (``Lq``).
+        group: query heads per KV head.
+        head_dim: ``D``.
+
+    Returns:
+        A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages``.
+    """
+    if _is_decode(lq, group):
+        block_m = max(16, triton.next_power_of_2(lq * group))
+        # 128-key tiles stream best on the H200 at D <= 128 (benchmarks/bench_attention.py sweep)
+        block_n = 128 if head_dim <= 128 else 32
+        return {
+            "BLOCK_M": block_m,
+            "QPB": lq,
+            "BLOCK_N": block_n,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
+    if head_dim <= 128:
+        block_m, block_n, warps = 128, 128, 8
+    else:
+        block_m, block_n, warps = 64, 64, 4
+    return {
+        "BLOCK_M": block_m,
+        "QPB": max(1, block_m // group),
+        "BLOCK_N": block_n,
+        "num_warps": warps,
+        "num_stages": 2,
+    }
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_num_splits(
+    programs: int, max_keys: int, num_sms: int, *, min_keys_per_split: int = 512
+) -> int:
+    """Split-KV count that fills the GPU in whole waves, splits no shorter than ``min_keys_per_split``.
+
+    With ``slots = 2 * num_sms`` resident programs, the wave efficiency of ``s`` splits is
+    ``programs * s / (ceil(programs * s / slots) * slots)``; the smallest ``s`` within 85 % of
+    the best efficiency wins (a partial second wave costs as much as a full one).
+
+    Args:
+        programs: programs without splitting (``B * Hkv * query blocks``).
+        max_keys: upper bound of keys per sequence (block-table capacity).
+        num_sms: multiprocessors of the device.
+        min_keys_per_split: shortest split worth a program.
+
+    Returns:
+        The number of splits, 1 to 64.
+    """
+    slots = 2 * num_sms  # two resident programs per SM (register-limited, 4 warps)
+    cap = max(1, min(64, triton.cdiv(max_keys, min_keys_per_split)))
+
+    def efficiency(s: int) -> float:
+        n = programs * s
+        return n / (triton.cdiv(n, slots) * slots)
+
+    best = max(efficiency(s) for s in range(1, cap + 1))
+    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.85 * best)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_group_scales: torch.Tensor | None = None,
+    v_group_scales: torch.Tensor | None = None,
+    q_lens: torch.Tensor | None = None,
+    kv_start: torch.Tensor | None = None,
+    causal: bool = True,
+    softcap: float = 0.0,
+    window: int = 0,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
+
+    Semantics are those of
+    :func:`kvquant.kernels.reference.paged_attention_reference`.
+
+    Args:
+        query: ``[B, Lq, Hq, D]`` fp16, bf16 or fp32, any strides.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, last dimension contiguous.
+        v_pages: ``[num_pages, page_size, Hkv, D]`` FP8, last dimension contiguous.
+        block_tables: int32 ``[B, max_pages]``, last dimension contiguous.
+        seq_lens: int32 ``[B]`` tokens in the cache, the ``Lq`` new ones included.
+        sm_scale: softmax scale applied to ``q·k``.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static scale, or None with group scales.
+        v_scale: fp32 ``[]`` or ``[Hkv]`` static scale, or None with group scales.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` or None.
+        v_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` or None.
+        q_lens: int32 ``[B]`` valid query tokens per sequence, or None (all ``Lq``).
+        kv_start: int32 ``[B]`` first visible key per sequence, or None (0).
+        causal: mask keys after each query's position.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        window: if > 0, a query sees only the last ``window`` positions up to itself.
+        out: optional ``[B, Lq, Hq, D]`` output in the query dtype (any strides).
+        num_splits: split-KV count override for the decode path (tests, tuning).
+        config: tile configuration override (keys of :func:`choose_config`, and
+            ``USE_WHILE`` to force while-loops on or off; default: on in the interpreter).
+
+    Returns:
+        ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
+    """
+    bsz, lq, hq, d = query.shape
+    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty(bsz, lq, hq, d, dtype=query.dtype, device=query.device)
+    if bsz == 0 or lq == 0:
+        return out
+
+    cfg = choose_config(lq, group, d)
+    if config:
+        cfg.update(config)
+    qpb = int(cfg["QPB"])
+    n_qblocks = triton.cdiv(lq, qpb)
+    decode = n_qblocks == 1
+    if num_splits is None:
+        if decode:
+            num_splits = choose_num_splits(
+                bsz * hkv, block_tables.shape[1] * page_size, _num_sms(query.device)
+            )
+        else:
+            num_splits = 1
+    split = num_splits > 1
+
+    dummy = seq_lens  # placeholder pointer for absent optional tensors (never read)
+    kg: torch.Tensor = dummy
+    vg: torch.Tensor = dummy
+    ks_t: torch.Tensor = dummy
+    vs_t: torch.Tensor = dummy
+    ng, s_ks, s_vs = 1, 0, 0
+    kg_strides: tuple[int, ...] = (0, 0, 0)
+    vg_strides: tuple[int, ...] = (0, 0, 0)
+    group_scales = k_group_scales is not None and v_group_scales is not None
+    if k_group_scales is not None and v_group_scales is not None:
+        kg, vg = k_group_scales, v_group_scales
+        ng = kg.shape[-1]
+        kg_strides = (kg.stride(0), kg.stride(1), kg.stride(2))
+        vg_strides = (vg.stride(0), vg.stride(1), vg.stride(2))
+    elif k_scale is not None and v_scale is not None:
+        ks_t, vs_t = k_scale, v_scale
+        s_ks = k_scale.stride(0) if k_scale.dim() else 0
+        s_vs = v_scale.stride(0) if v_scale.dim() else 0
+
+    if split:
+        # one workspace: partial outputs [B, Lq, Hq, S, D] then their log2-sum-exp [B, Lq, Hq, S]
+        rows = bsz * lq * hq * num_splits
+        work = torch.empty(rows * (d + 1), dtype=torch.float32, device=query.device)
+        part, lse = work[: rows * d], work[rows * d :]
+    else:
+        part, lse = out, out
+
+    grid = (n_qblocks * num_splits, hkv, bsz)
+    _paged_attn_kernel[grid](
+        query,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        q_lens if q_lens is not None else dummy,
+        kv_start if kv_start is not None else dummy,
+        ks_t,
+        vs_t,
+        kg,
+        vg,
+        out,
+        part,
+        lse,
+        float(sm_scale),
+        float(softcap) if softcap > 0 else 1.0,
+        int(window),
+        lq,
+        hq,
+        n_qblocks,
+        num_splits,
+        *query.stride(),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        v_pages.stride(0),
+        v_pages.stride(1),
+        v_pages.stride(2),
+        block_tables.stride(0),
+        s_ks,
+        s_vs,
+        *kg_strides,
+        *vg_strides,
+        *out.stride(),
+        HAS_QLEN=q_lens is not None,
+        HAS_START=kv_start is not None,
+        GROUP=group,
+        QPB=qpb,
+        BLOCK_M=int(cfg["BLOCK_M"]),
+        BLOCK_N=int(cfg["BLOCK_N"]),
+        HEAD_D=d,
+        PAGE=page_size,
+        GROUP_SCALES=group_scales,
+        NG=ng,
+        CAUSAL=bool(causal),
+        USE_SOFTCAP=softcap > 0,
+        USE_WINDOW=window > 0,
+        SPLIT=split,
+        USE_WHILE=bool(cfg.get("USE_WHILE", _INTERPRETED)),
+        num_warps=int(cfg["num_warps"]),
+        num_stages=int(cfg["num_stages"]),
+    )
+    if split:
+        _reduce_kernel[(bsz * lq * hq,)](
+            part,
+            lse,
+            out,
+            lq,
+            hq,
+            num_splits,
+            *out.stride(),
+            SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+            HEAD_D=d,
+            num_warps=4 if d >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,152 @@
+"""Builders of paged FP8 KV-cache problems for the attention kernel tests.
+
+A case is random K/V written into shuffled pages with
+:func:`kvquant.kernels.reference.write_kv_reference` (the spec), every slot
+nobody wrote poisoned with NaN codes (so a kernel reading past a sequence's
+end or through an unused block-table entry produces NaN), and unused
+block-table entries set to -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvquant.kernels.reference import fp8_max, paged_attention_reference, write_kv_reference
+
+__all__ = ["PagedCase", "build_case"]
+
+
+@dataclass
+class PagedCase:
+    """One attention problem: the query and every keyword of ``paged_attention``."""
+
+    query: torch.Tensor
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    sm_scale: float
+    scales: dict[str, torch.Tensor]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments shared by the reference and the Triton launcher."""
+        return {"sm_scale": self.sm_scale, **self.scales, **self.options}
+
+    def reference(self) -> torch.Tensor:
+        """fp32 attention over the dequantized cache ``[B, Lq, Hq, D]``."""
+        return paged_attention_reference(
+            self.query.float(),
+            self.k_pages,
+            self.v_pages,
+            self.block_tables,
+            self.seq_lens,
+            **self.kwargs(),
+        )
+
+
+def build_case(
+    lens: list[int],
+    *,
+    hq: int,
+    hkv: int,
+    d: int,
+    page: int = 16,
+    lq: int = 1,
+    q_lens: list[int] | None = None,
+    kv_start: list[int] | None = None,
+    granularity: str = "per-tensor",
+    group_size: int = 64,
+    qdtype: torch.dtype = torch.float16,
+    fp8: torch.dtype = torch.float8_e4m3fn,
+    hf_layout: bool = False,
+    causal: bool = True,
+    softcap: float = 0.0,
+    window: int = 0,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> PagedCase:
+    """Random paged problem.
+
+    Args:
+        lens: tokens in the cache per sequence (the ``Lq`` new ones included).
+        hq: query heads.
+        hkv: KV heads.
+        d: head dim.
+        page: page size.
+        lq: query tokens per sequence (tensor dimension).
+        q_lens: valid query tokens per sequence, or None.
+        kv_start: first visible key per sequence, or None.
+        granularity: "per-tensor", "per-head" or "fp32-group".
+        group_size: ``G`` for "fp32-group".
+        qdtype: query dtype.
+        fp8: page dtype.
+        hf_layout: query as HF gives it, ``[B, Hq, Lq, D].transpose(1, 2)``.
+        causal: causal masking.
+        softcap: score soft-capping.
+        window: sliding window.
+        device: where the tensors live.
+        seed: RNG seed.
+
+    Returns:
+        A :class:`PagedCase`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    bsz = len(lens)
+    lmax = max(max(lens), 1)
+    n_pages = [(n + page - 1) // page for n in lens]
+    num_pages = sum(n_pages) + 2
+    perm = torch.randperm(num_pages, generator=gen)
+    block_tables = torch.full((bsz, max(n_pages) + 1), -1, dtype=torch.int32)
+    cursor = 0
+    for b, n in enumerate(n_pages):
+        block_tables[b, :n] = perm[cursor : cursor + n].to(torch.int32)
+        cursor += n
+    slots = torch.full((bsz, lmax), -1, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots[b, :n] = block_tables[b, pos // page].long() * page + pos % page
+
+    head_gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1)
+    key = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain
+    value = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain.flip(2)
+    nan_code = torch.full((num_pages, page, hkv, d), float("nan")).to(fp8)
+    k_pages, v_pages = nan_code.clone(), nan_code.clone()
+    scales: dict[str, torch.Tensor] = {}
+    limit = fp8_max(fp8)
+    if granularity == "fp32-group":
+        shape = (num_pages, page, hkv, d // group_size)
+        scales["k_group_scales"] = torch.full(shape, float("nan"))
+        scales["v_group_scales"] = torch.full(shape, float("nan"))
+    elif granularity == "per-head":
+        scales["k_scale"] = key.abs().amax(dim=(0, 1, 3)) / limit
+        scales["v_scale"] = value.abs().amax(dim=(0, 1, 3)) / limit
+    elif granularity == "per-tensor":
+        scales["k_scale"] = (key.abs().amax() / limit).reshape(())
+        scales["v_scale"] = (value.abs().amax() / limit).reshape(())
+    else:
+        raise ValueError(f"unknown granularity {granularity!r}")
+    write_kv_reference(key, value, k_pages, v_pages, slots, **scales)
+
+    if hf_layout:
+        query = torch.randn(bsz, hq, lq, d, generator=gen).to(qdtype).transpose(1, 2)
+    else:
+        query = torch.randn(bsz, lq, hq, d, generator=gen).to(qdtype)
+    options: dict[str, Any] = {"causal": causal, "softcap": softcap, "window": window}
+    if q_lens is not None:
+        options["q_lens"] = torch.tensor(q_lens, dtype=torch.int32, device=device)
+    if kv_start is not None:
+        options["kv_start"] = torch.tensor(kv_start, dtype=torch.int32, device=device)
+    return PagedCase(
+        query=query.to(device),
+        k_pages=k_pages.to(device),
+        v_pages=v_pages.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        sm_scale=d**-0.5,
+        scales={k: v.to(device) for k, v in scales.items()},
+        options=options,
+    )

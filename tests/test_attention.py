@@ -1,0 +1,160 @@
+"""Triton paged attention vs the fp32 reference, in Triton's CPU interpreter.
+
+Every case writes into an output pre-filled with NaN (so an unwritten element
+fails) over pages whose unwritten slots hold NaN codes (so a read past a
+sequence's end fails), with shuffled block tables and -1 in unused entries.
+Tolerance: ‖out − ref‖ / ‖ref‖ <= 5e-3 against fp32 attention over the
+dequantized cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from numerics import assert_close_rel, error_report
+from paged_cases import build_case
+
+from kvquant.kernels.attention_triton import choose_num_splits, paged_attention_triton
+
+REL_TOL = 5e-3
+NUMPY_2_4 = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4)
+
+# (id, build_case kwargs, launcher extras)
+CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    # ---- decode (Lq * group <= 64): split-KV path
+    ("decode-mha-odd-len", dict(lens=[37], hq=2, hkv=2, d=64), {}),
+    (
+        "decode-gqa4-mixed-lens-per-head",
+        dict(lens=[1, 17, 100, 64], hq=8, hkv=2, d=64, granularity="per-head"),
+        {},
+    ),
+    (
+        "decode-gqa4-split3-partial-page",
+        dict(lens=[33, 150], hq=8, hkv=2, d=64),
+        {"num_splits": 3},
+    ),
+    (
+        "decode-gqa3-group32-split2",
+        dict(lens=[5, 130], hq=6, hkv=2, d=64, granularity="fp32-group", group_size=32),
+        {"num_splits": 2},
+    ),
+    (
+        "decode-gqa4-group64-d128-page32",
+        dict(lens=[70, 9], hq=8, hkv=2, d=128, page=32, granularity="fp32-group", group_size=64),
+        {},
+    ),
+    (
+        "decode-d128-per-token-group128-page64",
+        dict(lens=[200], hq=4, hkv=1, d=128, page=64, granularity="fp32-group", group_size=128),
+        {"num_splits": 2},
+    ),
+    (
+        "decode-speculative-lq4-qlens",
+        dict(lens=[60, 23], hq=8, hkv=2, d=64, lq=4, q_lens=[4, 2]),
+        {"num_splits": 2},
+    ),
+    (
+        "decode-left-padding",
+        dict(lens=[50, 50], hq=8, hkv=2, d=64, kv_start=[0, 19]),
+        {"num_splits": 2},
+    ),
+    ("decode-softcap", dict(lens=[90], hq=8, hkv=2, d=64, softcap=2.0), {"num_splits": 2}),
+    ("decode-window", dict(lens=[90, 10], hq=8, hkv=2, d=64, window=24), {"num_splits": 2}),
+    (
+        "decode-bf16-query-hf-layout",
+        dict(lens=[41, 77], hq=8, hkv=2, d=64, qdtype=torch.bfloat16, hf_layout=True),
+        {},
+    ),
+    ("decode-fp32-query", dict(lens=[41], hq=4, hkv=4, d=64, qdtype=torch.float32), {}),
+    ("decode-e5m2", dict(lens=[41, 3], hq=8, hkv=2, d=64, fp8=torch.float8_e5m2), {}),
+    ("decode-empty-sequence", dict(lens=[0, 25], hq=8, hkv=2, d=64), {"num_splits": 2}),
+    ("decode-more-splits-than-tiles", dict(lens=[20, 70], hq=8, hkv=2, d=64), {"num_splits": 8}),
+    ("decode-gqa8", dict(lens=[47], hq=16, hkv=2, d=64, lq=2), {}),
+    (
+        "decode-for-loops-per-head",
+        dict(lens=[150, 37], hq=8, hkv=2, d=64, granularity="per-head"),
+        {"config": {"USE_WHILE": 0, "BLOCK_N": 32}},
+    ),
+    # ---- prefill / extend (Lq * group > 64)
+    ("prefill-fresh-and-extend", dict(lens=[40, 90], hq=8, hkv=2, d=64, lq=40), {}),
+    (
+        "prefill-small-blocks-qlens-kvstart",
+        dict(lens=[45, 80], hq=8, hkv=2, d=64, lq=40, q_lens=[33, 20], kv_start=[3, 0]),
+        {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}},
+    ),
+    (
+        "prefill-gqa3-group32",
+        dict(lens=[61], hq=6, hkv=2, d=64, lq=30, granularity="fp32-group", group_size=32),
+        {"config": {"BLOCK_M": 32, "QPB": 10, "BLOCK_N": 32}},
+    ),
+    (
+        "prefill-softcap-window-per-head",
+        dict(lens=[100], hq=8, hkv=2, d=64, lq=48, softcap=3.0, window=30, granularity="per-head"),
+        {"config": {"BLOCK_M": 64, "QPB": 16, "BLOCK_N": 16}},
+    ),
+    (
+        "prefill-non-causal-mha-d128-page64",
+        dict(lens=[70], hq=2, hkv=2, d=128, lq=70, page=64, causal=False),
+        {"config": {"BLOCK_M": 32, "QPB": 32, "BLOCK_N": 32}},
+    ),
+]
+
+
+@pytest.mark.parametrize("case_kw, extra", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> None:
+    if extra.get("config", {}).get("USE_WHILE") == 0 and NUMPY_2_4:
+        pytest.skip("runtime-bound for loops crash Triton's interpreter under numpy >= 2.4")
+    case = build_case(**case_kw, seed=len(case_kw["lens"]) * 7 + case_kw["hq"])
+    ref = case.reference()
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
+    got = paged_attention_triton(
+        case.query,
+        case.k_pages,
+        case.v_pages,
+        case.block_tables,
+        case.seq_lens,
+        **case.kwargs(),
+        out=out,
+        **extra,
+    )
+    assert got is out
+    assert out.dtype == case.query.dtype
+    assert_close_rel(out, ref, rel_tol=REL_TOL, name=str(case_kw))
+
+
+def test_output_with_hf_strides_and_zero_rows() -> None:
+    """Non-contiguous ``out``; invalid query rows and key-less rows come out as zeros."""
+    case = build_case([30, 0], hq=8, hkv=2, d=64, lq=3, q_lens=[2, 3])
+    out = torch.full((2, 8, 3, 64), float("nan"), dtype=torch.float16).transpose(1, 2)
+    paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out,
+    )  # fmt: skip
+    assert_close_rel(out, case.reference(), rel_tol=REL_TOL)
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2]))  # q_lens[0] = 2
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # empty sequence
+
+
+def test_split_count_heuristic() -> None:
+    assert choose_num_splits(256, 16384, 132) == 1  # B32 x Hkv8: one wave of 256 / 264
+    assert choose_num_splits(512, 16384, 132) == 1  # B64: two full waves
+    assert choose_num_splits(64, 16384, 132) == 4  # B8: 256 programs, not 5 x 64 = 1.2 waves
+    assert choose_num_splits(8, 32768, 132) == 29  # B1: 232 programs (88 % of a wave)
+    assert choose_num_splits(64, 1024, 132) == 2  # capped by 512 keys per split
+    assert choose_num_splits(3, 64, 132) == 1
+
+
+def test_numerics_helper_flags_errors() -> None:
+    """The helper fails on NaN and on a perturbed output, and passes an exact one."""
+    ref = torch.randn(4, 5)
+    rep = error_report(ref.clone(), ref)
+    assert rep.rel_err == 0.0 and not rep.first_mismatches
+    bad = ref.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_close_rel(bad, ref)
+    with pytest.raises(AssertionError, match="exceeds"):
+        assert_close_rel(ref * 1.01, ref)
