@@ -3,10 +3,13 @@
 :class:`PageAllocator` hands out fixed-size pages to sequences and turns
 "sequence ``s`` gets ``n`` more tokens" into a slot mapping (where each new
 token is stored), block tables and sequence lengths: the index tensors the
-kernels in :mod:`kvquant.kernels` consume. :class:`PagedKVCache` owns one
-allocator (shared by all layers: a token occupies the same slot in every
-layer) and, per layer, the FP8 K/V pages, the fp32 group scales (for the
-dynamic ``fp32-group`` format) or the static K/V scales.
+kernels in :mod:`kvquant.kernels` consume. :class:`PagedLayerStorage` is one
+layer's FP8 K/V pages with its fp32 group scales (for the dynamic
+``fp32-group`` format) or static K/V scales, and the kernel calls on them
+(write, attend, dequantize, page copies, memory accounting): the one
+implementation of paged FP8 storage, which the transformers cache layer
+builds on too. :class:`PagedKVCache` is one allocator (shared by all layers:
+a token occupies the same slot in every layer) plus one storage per layer.
 
 Layout (see :mod:`kvquant.kernels`): pages ``[num_pages, page_size, Hkv, D]``,
 slot ``= page * page_size + offset``, block tables int32 ``[B, max_pages]``,
@@ -17,7 +20,7 @@ This module imports torch and :mod:`kvquant.kernels` only (no transformers).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,12 +28,19 @@ import torch
 from kvquant.errors import CacheCapacityError, CacheUsageError, ScaleFormatError
 from kvquant.kernels import paged_attention, write_kv
 from kvquant.kernels.backend import BACKENDS
+from kvquant.kernels.reference import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES
 
-__all__ = ["GRANULARITIES", "PageAllocator", "PagedKVCache"]
+__all__ = [
+    "GRANULARITIES",
+    "PageAllocator",
+    "PagedKVCache",
+    "PagedLayerStorage",
+    "total_memory_bytes",
+]
 
 GRANULARITIES: tuple[str, ...] = ("per-tensor", "per-head", "fp32-group")
-"""Scale granularities a :class:`PagedKVCache` stores."""
+"""Scale granularities a :class:`PagedLayerStorage` stores."""
 
 
 def _positive_int(name: str, value: object, owner: str) -> int:
@@ -265,12 +275,348 @@ class PageAllocator:
         return torch.tensor(lens, dtype=torch.int32).to(self.device)
 
 
+def _static_scale(
+    owner: str, label: str, scale: object, granularity: str, num_kv_heads: int, device: torch.device
+) -> torch.Tensor:
+    """Check one static scale and return an fp32 copy of it on ``device``."""
+    fix = "Fix: pass the scales kvquant.registry resolved for the model."
+    want = () if granularity == "per-tensor" else (num_kv_heads,)
+    if scale is None:
+        raise ScaleFormatError(
+            f"{owner}: {label} is None; granularity {granularity!r} needs a static scale of "
+            f"shape {want}. {fix}"
+        )
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        raise ScaleFormatError(
+            f"{owner}: {label} is not a floating-point tensor; expected fp32 shape {want}. {fix}"
+        )
+    if tuple(scale.shape) != want:
+        raise ScaleFormatError(
+            f"{owner}: {label} has shape {tuple(scale.shape)}; expected {want} for "
+            f"granularity {granularity!r} with {num_kv_heads} KV heads. {fix}"
+        )
+    s32 = scale.detach().to(device=device, dtype=torch.float32).clone()
+    if not bool(torch.isfinite(s32).all()) or not bool((s32 > 0).all()):
+        raise ScaleFormatError(
+            f"{owner}: {label} holds a zero, negative or non-finite value; expected positive "
+            f"finite dequantization multipliers. {fix}"
+        )
+    return s32
+
+
+class PagedLayerStorage:
+    """One attention layer's FP8 K/V pages and their scales, and the kernel calls on them.
+
+    This is the single implementation of paged FP8 storage: :class:`PagedKVCache`
+    holds one per layer beside its shared :class:`PageAllocator`, and the
+    transformers cache layer (:class:`kvquant.integrations.hf.KVQuantLayer`)
+    builds one on its first update. The storage knows nothing of sequences:
+    callers pass the slot mapping, block tables and sequence lengths that an
+    allocator produced.
+
+    Pages are zero-filled and group scales one-filled when allocated (slots not
+    yet written dequantize to 0).
+
+    Args:
+        num_pages: pages in the pool.
+        page_size: token slots per page.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``D``.
+        granularity: ``"per-tensor"``, ``"per-head"`` (static ``k_scale`` /
+            ``v_scale``) or ``"fp32-group"`` (dynamic: one fp32 scale per token,
+            KV head and group of ``group_size`` elements, computed on write).
+        group_size: ``G`` for ``fp32-group``; must divide ``head_dim``; default
+            ``min(64, head_dim)``. Must be None for static granularities.
+        k_scale: fp32 ``[]`` (per-tensor) or ``[Hkv]`` (per-head) K scale;
+            None for ``fp32-group``. Copied to fp32 on ``device`` once.
+        v_scale: like ``k_scale`` for V.
+        kv_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+        device: where the pages and scales live.
+        backend: kernel backend for :meth:`write` / :meth:`attend`
+            (``"auto"``, ``"triton"``, ``"torch"``).
+        name: the owner named in error messages (e.g. a module path).
+        scale_names: how error messages call ``k_scale`` and ``v_scale``.
+
+    Attributes:
+        k_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
+        v_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` for
+            ``fp32-group``, else None.
+        v_group_scales: like ``k_group_scales``.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` for static granularities, else None.
+        v_scale: like ``k_scale``.
+        group_size: ``G`` for ``fp32-group``, else None.
+
+    Raises:
+        CacheUsageError: a bad size, granularity, group size, dtype or backend.
+        ScaleFormatError: a missing or malformed static scale.
+
+    Example:
+        >>> import torch
+        >>> alloc = PageAllocator(num_pages=4, page_size=16)
+        >>> store = PagedLayerStorage(4, 16, num_kv_heads=2, head_dim=64,
+        ...                           granularity="fp32-group", group_size=32, backend="torch")
+        >>> slots = alloc.reserve([0], 5)
+        >>> store.write(torch.randn(1, 5, 2, 64), torch.randn(1, 5, 2, 64), slots)
+        >>> bt, lens = alloc.block_tables([0]), alloc.seq_lens([0])
+        >>> store.attend(torch.randn(1, 5, 4, 64), bt, lens).shape
+        torch.Size([1, 5, 4, 64])
+        >>> store.dense(bt, 5)[0].shape
+        torch.Size([1, 5, 2, 64])
+        >>> store.memory_bytes()["total"]  # 2 x (4*16*2*64 fp8 + 4*16*2*2 fp32)
+        18432
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        granularity: str,
+        group_size: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        kv_dtype: torch.dtype = torch.float8_e4m3fn,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+        name: str = "PagedLayerStorage",
+        scale_names: tuple[str, str] = ("k_scale", "v_scale"),
+    ) -> None:
+        self.name = name
+        self.num_pages = _positive_int("num_pages", num_pages, name)
+        self.page_size = _positive_int("page_size", page_size, name)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads, name)
+        self.head_dim = _positive_int("head_dim", head_dim, name)
+        if granularity not in GRANULARITIES:
+            raise CacheUsageError(
+                f"{name}: granularity={granularity!r}; expected one of {GRANULARITIES}. "
+                "Fix: pass the granularity kvquant.registry resolved for the model."
+            )
+        if kv_dtype not in FP8_DTYPES:
+            raise CacheUsageError(
+                f"{name}: kv_dtype={kv_dtype}; expected torch.float8_e4m3fn or "
+                "torch.float8_e5m2. Fix: pass one of those."
+            )
+        if backend not in BACKENDS:
+            raise CacheUsageError(
+                f"{name}: backend={backend!r}; expected one of {BACKENDS}. Fix: pass 'auto'."
+            )
+        self.granularity = granularity
+        self.kv_dtype = kv_dtype
+        self.backend = backend
+        self.device = torch.device(device)
+        self.group_size: int | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.k_group_scales: torch.Tensor | None = None
+        self.v_group_scales: torch.Tensor | None = None
+        shape = (self.num_pages, self.page_size, num_kv_heads, head_dim)
+        if granularity == "fp32-group":
+            if k_scale is not None or v_scale is not None:
+                raise CacheUsageError(
+                    f"{name}: {scale_names[0]}/{scale_names[1]} were given with "
+                    "granularity='fp32-group', whose scales are computed on write. Fix: drop "
+                    "them, or pass granularity='per-tensor' / 'per-head'."
+                )
+            g = min(64, head_dim) if group_size is None else group_size
+            if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or head_dim % g:
+                raise CacheUsageError(
+                    f"{name}: group_size={g!r} does not divide head_dim {head_dim}. "
+                    "Fix: pass a group_size that divides the head dim (e.g. 32 or 64)."
+                )
+            self.group_size = g
+            gshape = (*shape[:3], head_dim // g)
+            self.k_group_scales = torch.ones(gshape, dtype=torch.float32, device=self.device)
+            self.v_group_scales = torch.ones(gshape, dtype=torch.float32, device=self.device)
+        else:
+            if group_size is not None:
+                raise CacheUsageError(
+                    f"{name}: group_size={group_size} was given with granularity="
+                    f"{granularity!r}. Fix: drop group_size, or pass granularity='fp32-group'."
+                )
+            self.k_scale = _static_scale(
+                name, scale_names[0], k_scale, granularity, num_kv_heads, self.device
+            )
+            self.v_scale = _static_scale(
+                name, scale_names[1], v_scale, granularity, num_kv_heads, self.device
+            )
+        self.k_pages = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.v_pages = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+
+    def __repr__(self) -> str:
+        g = f", G={self.group_size}" if self.group_size is not None else ""
+        return (
+            f"PagedLayerStorage({self.num_pages}x{self.page_size} slots, Hkv={self.num_kv_heads}, "
+            f"D={self.head_dim}, {self.granularity}{g}, {self.kv_dtype}, {self.device})"
+        )
+
+    def scale_kwargs(self) -> dict[str, torch.Tensor]:
+        """The scale keyword arguments of the kernels: static ``k_scale`` / ``v_scale`` or group scales."""
+        if self.k_group_scales is not None and self.v_group_scales is not None:
+            return {"k_group_scales": self.k_group_scales, "v_group_scales": self.v_group_scales}
+        if self.k_scale is None or self.v_scale is None:  # pragma: no cover - set in __init__
+            raise CacheUsageError(f"{self.name}: the storage has no scales")
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    # ------------------------------------------------------------- kernels
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize new K/V into the pages (:func:`kvquant.kernels.write_kv`).
+
+        All inputs are validated before anything is written.
+
+        Args:
+            key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
+            value: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
+            slot_mapping: int64 ``[B, L]`` (e.g. from :meth:`PageAllocator.reserve`);
+                negative slots are skipped.
+        """
+        write_kv(
+            key,
+            value,
+            self.k_pages,
+            self.v_pages,
+            slot_mapping,
+            backend=self.backend,
+            **self.scale_kwargs(),
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        sm_scale: float | None = None,
+        **options: Any,
+    ) -> torch.Tensor:
+        """Attention of ``query`` over the pages (:func:`kvquant.kernels.paged_attention`).
+
+        Args:
+            query: ``[B, Lq, Hq, D]`` fp16/bf16/fp32, any strides.
+            block_tables: int32 ``[B, max_pages]``.
+            seq_lens: int32 ``[B]`` tokens stored per sequence, the ``Lq`` new ones included.
+            sm_scale: softmax scale; default ``head_dim ** -0.5``.
+            **options: ``q_lens``, ``kv_start``, ``causal``, ``softcap``,
+                ``window``, ``out`` (see :func:`~kvquant.kernels.paged_attention`).
+
+        Returns:
+            ``[B, Lq, Hq, D]`` in the query dtype.
+        """
+        scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
+        kwargs: dict[str, Any] = {"backend": self.backend, **self.scale_kwargs(), **options}
+        return paged_attention(
+            query, self.k_pages, self.v_pages, block_tables, seq_lens, sm_scale=scale, **kwargs
+        )
+
+    # ------------------------------------------------------ copies and views
+    def dense(
+        self, block_tables: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize the first ``seq_len`` tokens of every sequence (only the pages they use).
+
+        Args:
+            block_tables: int32 ``[B, max_pages]``.
+            seq_len: tokens per sequence (the same for every row).
+            dtype: dtype of the result.
+
+        Returns:
+            ``(keys, values)``, each ``[B, seq_len, Hkv, D]`` in ``dtype`` (new tensors).
+        """
+        bsz = block_tables.shape[0]
+        used = -(-seq_len // self.page_size)
+        if used > block_tables.shape[1]:
+            raise CacheUsageError(
+                f"{self.name}: seq_len={seq_len} needs {used} pages per sequence but the block "
+                f"table has {block_tables.shape[1]} columns. Fix: pass the block table of the "
+                "sequences that hold these tokens."
+            )
+        ids = block_tables[:, :used].reshape(-1).to(device=self.device, dtype=torch.long)
+        out = []
+        for pages, static, groups in (
+            (self.k_pages, self.k_scale, self.k_group_scales),
+            (self.v_pages, self.v_scale, self.v_group_scales),
+        ):
+            full = dequantize_pages(pages[ids], static, None if groups is None else groups[ids])
+            flat = full.reshape(bsz, used * self.page_size, self.num_kv_heads, self.head_dim)
+            out.append(flat[:, :seq_len].to(dtype))
+        return out[0], out[1]
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Page ``dst[i]`` takes the contents of page ``src[i]`` (pages and group scales).
+
+        Every source page is read before any page is written, so ``src`` and
+        ``dst`` may overlap (beam-search reordering).
+
+        Args:
+            src: int ``[N]`` page ids to read.
+            dst: int ``[N]`` page ids to overwrite.
+        """
+        if src.shape != dst.shape or src.dim() != 1:
+            raise CacheUsageError(
+                f"{self.name}.copy_pages: src {tuple(src.shape)} and dst {tuple(dst.shape)}; "
+                "expected two 1-D tensors of the same length. Fix: pass flat page-id tensors."
+            )
+        s = src.to(device=self.device, dtype=torch.long)
+        d = dst.to(device=self.device, dtype=torch.long)
+        for t in (self.k_pages, self.v_pages, self.k_group_scales, self.v_group_scales):
+            if t is not None:
+                t[d] = t[s]
+
+    # ----------------------------------------------------------- accounting
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this layer holds on its device, K and V together.
+
+        This is the number to compare with a dense cache (e.g. transformers'
+        bf16 ``DynamicCache``): the whole pool, written or not.
+
+        Returns:
+            ``pages`` (FP8 K and V pages), ``group_scales`` (fp32, ``fp32-group``
+            only), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``) and
+            ``total`` (their sum).
+        """
+
+        def nbytes(*ts: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        pages = nbytes(self.k_pages, self.v_pages)
+        groups = nbytes(self.k_group_scales, self.v_group_scales)
+        static = nbytes(self.k_scale, self.v_scale)
+        return {
+            "pages": pages,
+            "group_scales": groups,
+            "static_scales": static,
+            "total": pages + groups + static,
+        }
+
+
+def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:
+    """:meth:`PagedLayerStorage.memory_bytes` summed over ``storages`` (same keys)."""
+    total = dict.fromkeys(("pages", "group_scales", "static_scales", "total"), 0)
+    for storage in storages:
+        for key, value in storage.memory_bytes().items():
+            total[key] += value
+    return total
+
+
+def _layers_attr(attr: str, doc: str) -> Any:
+    """A read-only property: ``attr`` of every layer's storage that has it (not None), as a list."""
+
+    def get(cache: PagedKVCache) -> list[torch.Tensor]:
+        values = (getattr(storage, attr) for storage in cache.layers)
+        return [v for v in values if v is not None]
+
+    return property(get, doc=doc)
+
+
 class PagedKVCache:
     """FP8 paged K/V storage for ``num_layers`` attention layers.
 
-    All layers share one :class:`PageAllocator` (``self.allocator``): reserve
-    slots once per step, then :meth:`write` and :meth:`attend` each layer with
-    the same slot mapping, block tables and sequence lengths.
+    One :class:`PagedLayerStorage` per layer (``self.layers``) beside one shared
+    :class:`PageAllocator` (``self.allocator``): reserve slots once per step,
+    then :meth:`write` and :meth:`attend` each layer with the same slot
+    mapping, block tables and sequence lengths.
 
     Args:
         num_layers: attention layers.
@@ -295,7 +641,9 @@ class PagedKVCache:
 
     Attributes:
         allocator: the shared :class:`PageAllocator`.
-        k_pages: per layer ``[num_pages, page_size, Hkv, D]`` FP8.
+        layers: one :class:`PagedLayerStorage` per layer.
+        k_pages: per layer ``[num_pages, page_size, Hkv, D]`` FP8 (a list, read-only view
+            of ``layers``).
         v_pages: per layer ``[num_pages, page_size, Hkv, D]`` FP8.
         k_group_scales: per layer fp32 ``[num_pages, page_size, Hkv, D // G]``
             (``fp32-group`` only, else empty).
@@ -339,35 +687,6 @@ class PagedKVCache:
         self.head_dim = _positive_int("head_dim", head_dim, owner)
         self.allocator = PageAllocator(num_pages, page_size, device)
         self.device = self.allocator.device
-        if granularity not in GRANULARITIES:
-            raise CacheUsageError(
-                f"{owner}: granularity={granularity!r}; expected one of {GRANULARITIES}. "
-                "Fix: pass the granularity kvquant.registry resolved for the model."
-            )
-        if kv_dtype not in FP8_DTYPES:
-            raise CacheUsageError(
-                f"{owner}: kv_dtype={kv_dtype}; expected torch.float8_e4m3fn or "
-                "torch.float8_e5m2. Fix: pass one of those."
-            )
-        if backend not in BACKENDS:
-            raise CacheUsageError(
-                f"{owner}: backend={backend!r}; expected one of {BACKENDS}. Fix: pass 'auto'."
-            )
-        self.granularity = granularity
-        self.kv_dtype = kv_dtype
-        self.backend = backend
-        shape = (self.allocator.num_pages, self.allocator.page_size, num_kv_heads, head_dim)
-        self.k_pages = [
-            torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_pages = [
-            torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.k_group_scales: list[torch.Tensor] = []
-        self.v_group_scales: list[torch.Tensor] = []
-        self.k_scales: list[torch.Tensor] = []
-        self.v_scales: list[torch.Tensor] = []
-        self.group_size: int | None = None
         if granularity == "fp32-group":
             if k_scales is not None or v_scales is not None:
                 raise CacheUsageError(
@@ -375,62 +694,48 @@ class PagedKVCache:
                     "whose scales are computed on write. Fix: drop them, or pass "
                     "granularity='per-tensor' / 'per-head'."
                 )
-            g = min(64, head_dim) if group_size is None else group_size
-            if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or head_dim % g:
-                raise CacheUsageError(
-                    f"{owner}: group_size={g!r} does not divide head_dim {head_dim}. "
-                    "Fix: pass a group_size that divides the head dim (e.g. 32 or 64)."
-                )
-            self.group_size = g
-            gshape = (*shape[:3], head_dim // g)
-            self.k_group_scales = [
-                torch.ones(gshape, dtype=torch.float32, device=self.device)
-                for _ in range(num_layers)
-            ]
-            self.v_group_scales = [
-                torch.ones(gshape, dtype=torch.float32, device=self.device)
-                for _ in range(num_layers)
-            ]
+            k_list: list[torch.Tensor | None] = [None] * num_layers
+            v_list: list[torch.Tensor | None] = [None] * num_layers
+        elif granularity in GRANULARITIES:
+            k_list = list(self._scale_list("k_scales", k_scales, granularity))
+            v_list = list(self._scale_list("v_scales", v_scales, granularity))
         else:
-            if group_size is not None:
-                raise CacheUsageError(
-                    f"{owner}: group_size={group_size} was given with granularity="
-                    f"{granularity!r}. Fix: drop group_size, or pass granularity='fp32-group'."
-                )
-            self.k_scales = self._static_scales("k_scales", k_scales)
-            self.v_scales = self._static_scales("v_scales", v_scales)
+            k_list = v_list = [None] * num_layers  # the storage names the bad granularity
+        self.layers = [
+            PagedLayerStorage(
+                self.allocator.num_pages,
+                self.allocator.page_size,
+                num_kv_heads,
+                head_dim,
+                granularity=granularity,
+                group_size=group_size,
+                k_scale=k_list[i],
+                v_scale=v_list[i],
+                kv_dtype=kv_dtype,
+                device=self.device,
+                backend=backend,
+                name=owner,
+                scale_names=(f"k_scales[{i}]", f"v_scales[{i}]"),
+            )
+            for i in range(num_layers)
+        ]
+        first = self.layers[0]
+        self.granularity = first.granularity
+        self.kv_dtype = first.kv_dtype
+        self.backend = first.backend
+        self.group_size = first.group_size
 
-    def _static_scales(
-        self, name: str, scales: Sequence[torch.Tensor] | None
-    ) -> list[torch.Tensor]:
-        fix = "Fix: pass the per-layer scales kvquant.registry resolved for the model."
+    def _scale_list(
+        self, name: str, scales: Sequence[torch.Tensor] | None, granularity: str
+    ) -> Sequence[torch.Tensor]:
         if scales is None or len(scales) != self.num_layers:
             found = "None" if scales is None else f"{len(scales)} tensors"
             raise ScaleFormatError(
-                f"PagedKVCache: {name} is {found}; granularity {self.granularity!r} needs one "
-                f"scale per layer ({self.num_layers}). {fix}"
+                f"PagedKVCache: {name} is {found}; granularity {granularity!r} needs one "
+                f"scale per layer ({self.num_layers}). Fix: pass the per-layer scales "
+                "kvquant.registry resolved for the model."
             )
-        want = () if self.granularity == "per-tensor" else (self.num_kv_heads,)
-        out = []
-        for i, s in enumerate(scales):
-            if not isinstance(s, torch.Tensor) or not s.is_floating_point():
-                raise ScaleFormatError(
-                    f"PagedKVCache: {name}[{i}] is not a floating-point tensor; expected fp32 "
-                    f"shape {want}. {fix}"
-                )
-            if tuple(s.shape) != want:
-                raise ScaleFormatError(
-                    f"PagedKVCache: {name}[{i}] has shape {tuple(s.shape)}; expected {want} for "
-                    f"granularity {self.granularity!r} with {self.num_kv_heads} KV heads. {fix}"
-                )
-            s32 = s.detach().to(device=self.device, dtype=torch.float32).clone()
-            if not bool(torch.isfinite(s32).all()) or not bool((s32 > 0).all()):
-                raise ScaleFormatError(
-                    f"PagedKVCache: {name}[{i}] holds a zero, negative or non-finite value; "
-                    f"expected positive finite dequantization multipliers. {fix}"
-                )
-            out.append(s32)
-        return out
+        return scales
 
     # ------------------------------------------------------------ accessors
     @property
@@ -443,7 +748,19 @@ class PagedKVCache:
         """Token slots per page."""
         return self.allocator.page_size
 
-    def _layer(self, layer: int) -> int:
+    k_pages = _layers_attr("k_pages", "Per layer FP8 ``[num_pages, page_size, Hkv, D]`` K pages.")
+    v_pages = _layers_attr("v_pages", "Per layer FP8 ``[num_pages, page_size, Hkv, D]`` V pages.")
+    k_group_scales = _layers_attr(
+        "k_group_scales",
+        "Per layer fp32 ``[num_pages, page_size, Hkv, D // G]`` (empty unless ``fp32-group``).",
+    )
+    v_group_scales = _layers_attr("v_group_scales", "Like ``k_group_scales`` for V.")
+    k_scales = _layers_attr(
+        "k_scale", "Per layer fp32 ``[]`` or ``[Hkv]`` static K scales (empty for ``fp32-group``)."
+    )
+    v_scales = _layers_attr("v_scale", "Like ``k_scales`` for V.")
+
+    def _layer(self, layer: int) -> PagedLayerStorage:
         if (
             isinstance(layer, bool)
             or not isinstance(layer, int)
@@ -453,40 +770,22 @@ class PagedKVCache:
                 f"PagedKVCache: layer {layer!r} is out of range; the cache has "
                 f"{self.num_layers} layers (0..{self.num_layers - 1}). Fix: pass the layer index."
             )
-        return layer
+        return self.layers[layer]
 
     def scale_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
         """The scale arguments of the kernels for ``layer`` (static or group scales)."""
-        i = self._layer(layer)
-        if self.group_size is not None:
-            return {
-                "k_group_scales": self.k_group_scales[i],
-                "v_group_scales": self.v_group_scales[i],
-            }
-        return {"k_scale": self.k_scales[i], "v_scale": self.v_scales[i]}
+        return self._layer(layer).scale_kwargs()
 
     # ------------------------------------------------------------- kernels
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Quantize new K/V of ``layer`` into its pages (:func:`kvquant.kernels.write_kv`).
+        """:meth:`PagedLayerStorage.write` on ``layer``'s storage.
 
-        Args:
-            layer: layer index.
-            key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
-            value: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
-            slot_mapping: int64 ``[B, L]`` from :meth:`PageAllocator.reserve`.
+        ``key`` / ``value`` are ``[B, L, Hkv, D]``; ``slot_mapping`` int64
+        ``[B, L]`` comes from :meth:`PageAllocator.reserve`.
         """
-        i = self._layer(layer)
-        write_kv(
-            key,
-            value,
-            self.k_pages[i],
-            self.v_pages[i],
-            slot_mapping,
-            backend=self.backend,
-            **self.scale_kwargs(i),
-        )
+        self._layer(layer).write(key, value, slot_mapping)
 
     def attend(
         self,
@@ -498,31 +797,13 @@ class PagedKVCache:
         sm_scale: float | None = None,
         **options: Any,
     ) -> torch.Tensor:
-        """Attention of ``query`` over ``layer``'s pages (:func:`kvquant.kernels.paged_attention`).
+        """:meth:`PagedLayerStorage.attend` on ``layer``'s storage: ``[B, Lq, Hq, D]``.
 
-        Args:
-            layer: layer index.
-            query: ``[B, Lq, Hq, D]`` fp16/bf16/fp32, any strides.
-            block_tables: int32 ``[B, max_pages]`` from :meth:`PageAllocator.block_tables`.
-            seq_lens: int32 ``[B]`` from :meth:`PageAllocator.seq_lens`.
-            sm_scale: softmax scale; default ``head_dim ** -0.5``.
-            **options: ``q_lens``, ``kv_start``, ``causal``, ``softcap``,
-                ``window``, ``out`` (see :func:`~kvquant.kernels.paged_attention`).
-
-        Returns:
-            ``[B, Lq, Hq, D]`` in the query dtype.
+        ``block_tables`` / ``seq_lens`` come from :meth:`PageAllocator.block_tables`
+        and :meth:`PageAllocator.seq_lens`.
         """
-        i = self._layer(layer)
-        scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
-        kwargs: dict[str, Any] = {"backend": self.backend, **self.scale_kwargs(i), **options}
-        return paged_attention(
-            query,
-            self.k_pages[i],
-            self.v_pages[i],
-            block_tables,
-            seq_lens,
-            sm_scale=scale,
-            **kwargs,
+        return self._layer(layer).attend(
+            query, block_tables, seq_lens, sm_scale=sm_scale, **options
         )
 
     def reset(self) -> None:
@@ -531,20 +812,8 @@ class PagedKVCache:
 
     # ----------------------------------------------------------- accounting
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held, over all layers: ``pages``, ``group_scales``, ``static_scales``, ``total``."""
-
-        def nbytes(ts: list[torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
-
-        pages = nbytes(self.k_pages) + nbytes(self.v_pages)
-        groups = nbytes(self.k_group_scales) + nbytes(self.v_group_scales)
-        static = nbytes(self.k_scales) + nbytes(self.v_scales)
-        return {
-            "pages": pages,
-            "group_scales": groups,
-            "static_scales": static,
-            "total": pages + groups + static,
-        }
+        """Bytes held over all layers (:meth:`PagedLayerStorage.memory_bytes`, summed)."""
+        return total_memory_bytes(self.layers)
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvquant.cache import PageAllocator, PagedKVCache
+from kvquant.cache import PageAllocator, PagedKVCache, PagedLayerStorage, total_memory_bytes
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError, ScaleFormatError
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or interpreted on CPU
@@ -360,3 +360,78 @@ def test_cache_constructor_errors() -> None:
             torch.ones(1, 1, 1, 32),
             torch.zeros(1, 1, dtype=torch.int64),
         )
+
+
+# ------------------------------------------------------------ layer storage
+
+
+def test_layer_storage_dense_copy_pages_and_accounting() -> None:
+    """One PagedLayerStorage: exact round trip through dense(), page copies, bytes, errors."""
+    torch.manual_seed(7)
+    hkv, d, page = 2, 32, 4
+    alloc = PageAllocator(num_pages=6, page_size=page)
+    store = PagedLayerStorage(
+        6, page, hkv, d, granularity="fp32-group", group_size=16, backend="torch", name="L0"
+    )
+    k_pages, k_groups = store.k_pages, store.k_group_scales
+    slots = alloc.reserve(["a", "b"], 6)  # two pages each, the second partly used
+    key = _exact_kv((2, 6, hkv, d), 2.0**-6)
+    key[..., 0], key[..., 16] = 448 * 2.0**-6, -448 * 2.0**-6  # exact group scales
+    val = _exact_kv((2, 6, hkv, d), 2.0**-8)
+    val[..., 0], val[..., 16] = 448 * 2.0**-8, 448 * 2.0**-8
+    store.write(key, val.to(torch.bfloat16), slots)
+    assert store.k_pages is k_pages and store.k_group_scales is k_groups  # written in place
+    bt = alloc.block_tables(["a", "b"])
+    k, v = store.dense(bt, 6, torch.float64)
+    assert k.shape == (2, 6, hkv, d) and k.dtype == torch.float64
+    assert torch.equal(k.float(), key) and torch.equal(v.float(), val)
+    # beam reorder: both rows take sequence "b"'s pages (src and dst overlap)
+    store.copy_pages(bt[[1, 1]].reshape(-1), bt.reshape(-1))
+    k2, v2 = store.dense(bt, 6)
+    assert torch.equal(k2, key[[1, 1]]) and torch.equal(v2, val[[1, 1]])
+    m = store.memory_bytes()
+    assert m == {
+        "pages": 2 * 6 * page * hkv * d,
+        "group_scales": 2 * 6 * page * hkv * 2 * 4,
+        "static_scales": 0,
+        "total": 2 * 6 * page * hkv * (d + 8),
+    }
+    with pytest.raises(CacheUsageError, match=r"L0\.copy_pages: src \(3,\) and dst \(2,\)"):
+        store.copy_pages(torch.arange(3), torch.arange(2))
+    with pytest.raises(CacheUsageError, match="seq_len=9 needs 3 pages"):
+        store.dense(bt, 9)
+
+
+def test_layer_storage_errors_name_the_owner() -> None:
+    with pytest.raises(ScaleFormatError, match=r"layers\.3\.self_attn: k_scale is None"):
+        PagedLayerStorage(2, 16, 2, 32, granularity="per-head", name="layers.3.self_attn")
+    with pytest.raises(ScaleFormatError, match=r"X: v_scale has shape \(3,\); expected \(2,\)"):
+        PagedLayerStorage(
+            2, 16, 2, 32, granularity="per-head", k_scale=torch.ones(2), v_scale=torch.ones(3),
+            name="X",
+        )  # fmt: skip
+    with pytest.raises(CacheUsageError, match="X: group_size=8 was given"):
+        PagedLayerStorage(
+            2, 16, 2, 32, granularity="per-tensor", group_size=8, k_scale=torch.tensor(1.0),
+            v_scale=torch.tensor(1.0), name="X",
+        )  # fmt: skip
+    with pytest.raises(CacheUsageError, match="X: backend='cuda'"):
+        PagedLayerStorage(2, 16, 2, 32, granularity="fp32-group", backend="cuda", name="X")
+    with pytest.raises(CacheUsageError, match="X: num_pages is 0"):
+        PagedLayerStorage(0, 16, 2, 32, granularity="fp32-group", name="X")
+
+
+def test_cache_is_its_layer_storages() -> None:
+    """PagedKVCache's per-layer lists are the storages' own tensors, and bytes add up."""
+    c = PagedKVCache(
+        2, 3, 16, 2, 32, granularity="per-head", k_scales=[torch.ones(2)] * 2,
+        v_scales=[torch.full((2,), 2.0)] * 2, backend="torch",
+    )  # fmt: skip
+    assert all(isinstance(s, PagedLayerStorage) for s in c.layers)
+    for i, s in enumerate(c.layers):
+        assert c.k_pages[i] is s.k_pages and c.v_pages[i] is s.v_pages
+        assert c.k_scales[i] is s.k_scale and c.v_scales[i] is s.v_scale
+        assert c.scale_kwargs(i) == {"k_scale": s.k_scale, "v_scale": s.v_scale}
+    assert c.k_group_scales == [] and c.v_group_scales == []
+    assert c.memory_bytes() == total_memory_bytes(c.layers)
+    assert c.memory_bytes()["total"] == sum(s.memory_bytes()["total"] for s in c.layers)

@@ -265,3 +265,23 @@ def test_save_after_patch_and_patch_again(tiny_llama: Any, tmp_path: Any) -> Non
     for a, b in zip(handle.state.layer_specs, h2.state.layer_specs, strict=True):
         assert a.granularity == b.granularity
         assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
+
+
+def test_memory_bytes_counts_pages_and_scales(tiny_llama: Any) -> None:
+    """KVQuantCache.memory_bytes: nothing before the first update, then every layer's pool."""
+    handle = kvhf.patch(tiny_llama, backend="torch", page_size=4)
+    cache = handle.new_cache(num_pages=5)
+    assert cache.memory_bytes()["total"] == 0 and cache.layers[0].memory_bytes()["total"] == 0
+    assert cache.layers[0].k_pages is None and cache.layers[0].device is None
+    ids, mask = prompt(batch=2, length=6, pad=(0, 0))
+    with torch.no_grad():
+        tiny_llama(input_ids=ids, attention_mask=mask, **{cache_kwarg(tiny_llama): cache})
+    slots, hkv, d = 5 * 4, 2, 16  # tiny Llama: 2 KV heads of 16; fp32-group with G = 16
+    per_layer = {"pages": 2 * slots * hkv * d, "group_scales": 2 * slots * hkv * 4}
+    per_layer |= {"static_scales": 0, "total": per_layer["pages"] + per_layer["group_scales"]}
+    assert [layer.memory_bytes() for layer in cache.layers] == [per_layer] * 2
+    assert cache.memory_bytes() == {k: 2 * n for k, n in per_layer.items()}
+    layer = cache.layers[1]
+    assert layer.storage is not None and layer.k_pages is layer.storage.k_pages
+    assert layer.k_group_scales is layer.storage.k_group_scales and layer.k_scale is None
+    assert layer.device == torch.device("cpu")

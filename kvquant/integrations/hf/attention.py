@@ -24,7 +24,6 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from kvquant import kernels
 from kvquant.errors import KVQuantError, UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuantLayer
 
@@ -197,7 +196,7 @@ def kvquant_attention(
         return _dense_attention(
             module, query, key, value, attention_mask, sm_scale, cap, window
         ), None
-    if layer is None or layer.k_pages is None or layer.v_pages is None:
+    if layer is None or layer.storage is None:
         raise KVQuantError(
             f"{name}: kvquant's attention got no K/V and found no kvquant cache layer on the "
             "module (the forward pre-hook installed by kvquant.patch did not run). Fix: call "
@@ -212,23 +211,16 @@ def kvquant_attention(
         kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, name)
         cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
     device = query.device
-    bt = cache.block_table(layer.k_pages.device)
+    bt = cache.block_table(layer.storage.device)
     seq_lens = cache.seq_lens(layer.seq_len, device)
-    out = kernels.paged_attention(
+    out = layer.storage.attend(
         query.transpose(1, 2),
-        layer.k_pages,
-        layer.v_pages,
         bt,
         seq_lens,
         sm_scale=sm_scale,
-        k_scale=layer.k_scale,
-        v_scale=layer.v_scale,
-        k_group_scales=layer.k_group_scales,
-        v_group_scales=layer.v_group_scales,
         kv_start=kv_start,
         causal=True,
         softcap=cap,
         window=window,
-        backend=cache.backend,
     )
     return out, None

@@ -3,10 +3,11 @@
 :class:`KVQuantCache` is a :class:`transformers.Cache` made of one
 :class:`KVQuantLayer` per decoder layer. All layers share one
 :class:`~kvquant.cache.PageAllocator` (the sequences of a batch grow in
-lockstep, so one block table serves every layer); each layer owns its FP8
-page pools ``[num_pages, page_size, Hkv, D]`` for K and V (plus fp32 group
-scales for the dynamic ``fp32-group`` format) and writes new tokens with
-:func:`kvquant.kernels.write_kv`.
+lockstep, so one block table serves every layer); each layer builds one
+:class:`~kvquant.cache.PagedLayerStorage` on its first update (FP8 page pools
+``[num_pages, page_size, Hkv, D]`` for K and V, plus fp32 group scales for the
+dynamic ``fp32-group`` format) and delegates writes, dense dequantization,
+beam reordering and memory accounting to it.
 
 ``update()`` returns ``(None, None)`` while kvquant's attention function is
 the model's attention implementation: that function finds the layer through
@@ -30,9 +31,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvquant import kernels
-from kvquant.cache import PageAllocator
+from kvquant.cache import PageAllocator, PagedLayerStorage, total_memory_bytes
 from kvquant.errors import CacheCapacityError, KVQuantError
-from kvquant.kernels.reference import dequantize_pages, gather_kv
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec"]
 
@@ -69,15 +69,32 @@ class LayerSpec:
     group_size: int | None
 
 
+def _from_storage(attr: str, doc: str) -> Any:
+    """A read-only property: ``attr`` of the layer's storage, None before the first update."""
+
+    def get(layer: KVQuantLayer) -> Any:
+        return None if layer.storage is None else getattr(layer.storage, attr)
+
+    return property(get, doc=f"{doc} None before the first update.")
+
+
 class KVQuantLayer(CacheLayerMixin):
-    """One decoder layer's FP8 paged K/V storage.
+    """One decoder layer's FP8 paged K/V cache, backed by a :class:`~kvquant.cache.PagedLayerStorage`.
+
+    The storage is built on the first update, on the device of the first keys;
+    the tensor attributes below are read-only views of it.
 
     Attributes:
         seq_len: positions stored per sequence (left-padding slots included).
+        storage: the layer's :class:`~kvquant.cache.PagedLayerStorage` (None before
+            the first update).
         k_pages: FP8 ``[num_pages, page_size, Hkv, D]`` (None before the first update).
         v_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
         k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` for ``fp32-group``.
         v_group_scales: like ``k_group_scales``.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` for static granularities, else None.
+        v_scale: like ``k_scale``.
+        device: where the storage lives (None before the first update).
     """
 
     is_compileable = False
@@ -90,13 +107,7 @@ class KVQuantLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.spec = spec
         self.seq_len = 0
-        self.k_pages: torch.Tensor | None = None
-        self.v_pages: torch.Tensor | None = None
-        self.k_group_scales: torch.Tensor | None = None
-        self.v_group_scales: torch.Tensor | None = None
-        self.k_scale: torch.Tensor | None = None
-        self.v_scale: torch.Tensor | None = None
-        self.device: torch.device | None = None
+        self.storage: PagedLayerStorage | None = None
 
     def __repr__(self) -> str:
         return (
@@ -105,30 +116,43 @@ class KVQuantLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ storage
 
+    k_pages = _from_storage("k_pages", "FP8 ``[num_pages, page_size, Hkv, D]`` K pages.")
+    v_pages = _from_storage("v_pages", "FP8 ``[num_pages, page_size, Hkv, D]`` V pages.")
+    k_group_scales = _from_storage(
+        "k_group_scales", "fp32 ``[num_pages, page_size, Hkv, D // G]`` (``fp32-group`` only)."
+    )
+    v_group_scales = _from_storage("v_group_scales", "Like ``k_group_scales`` for V.")
+    k_scale = _from_storage("k_scale", "fp32 ``[]`` or ``[Hkv]`` static K scale, on the device.")
+    v_scale = _from_storage("v_scale", "Like ``k_scale`` for V.")
+    device = _from_storage("device", "Device of the pages.")
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate this layer's page pools on the device of ``key_states`` [B, Hkv, L, D]."""
+        """Build this layer's storage on the device of ``key_states`` [B, Hkv, L, D].
+
+        Raises:
+            KVQuantError: bad shapes, or scales that do not fit the granularity.
+        """
         self._check_shapes(key_states, value_states)
         device = key_states.device
         num_pages, page_size = self.cache.pool_shape(
             key_states.shape[0], device, first_tokens=key_states.shape[2]
         )
-        shape = (num_pages, page_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.k_pages = torch.empty(shape, dtype=self.cache.fp8_dtype, device=device)
-        self.v_pages = torch.empty(shape, dtype=self.cache.fp8_dtype, device=device)
-        if self.spec.granularity == "fp32-group":
-            g = int(self.spec.group_size or self.spec.head_dim)
-            gshape = (*shape[:3], self.spec.head_dim // g)
-            self.k_group_scales = torch.empty(gshape, dtype=torch.float32, device=device)
-            self.v_group_scales = torch.empty(gshape, dtype=torch.float32, device=device)
-        else:
-            if self.spec.k_scale is None or self.spec.v_scale is None:
-                raise KVQuantError(
-                    f"{self.spec.name}: granularity {self.spec.granularity!r} needs static K and V "
-                    "scales but the layer has none. Fix: re-run kvquant.patch(model)."
-                )
-            self.k_scale = self.spec.k_scale.to(device=device, dtype=torch.float32)
-            self.v_scale = self.spec.v_scale.to(device=device, dtype=torch.float32)
-        self.device = device
+        spec = self.spec
+        group = spec.granularity == "fp32-group"
+        self.storage = PagedLayerStorage(
+            num_pages,
+            page_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            granularity=spec.granularity,
+            group_size=(spec.group_size or spec.head_dim) if group else None,
+            k_scale=None if group else spec.k_scale,
+            v_scale=None if group else spec.v_scale,
+            kv_dtype=self.cache.fp8_dtype,
+            device=device,
+            backend=self.cache.backend,
+            name=spec.name,
+        )
         self.keys = self.values = None
         self.is_initialized = True
 
@@ -178,37 +202,34 @@ class KVQuantLayer(CacheLayerMixin):
         bsz, _, new, _ = key_states.shape
         slots = self.cache.slots_for(self, bsz, new)
         if new > 0:
-            kernels.write_kv(
-                key_states.transpose(1, 2),
-                value_states.transpose(1, 2),
-                self.k_pages,  # type: ignore[arg-type]
-                self.v_pages,  # type: ignore[arg-type]
-                slots,
-                k_scale=self.k_scale,
-                v_scale=self.v_scale,
-                k_group_scales=self.k_group_scales,
-                v_group_scales=self.v_group_scales,
-                backend=self.cache.backend,
-            )
+            self._storage().write(key_states.transpose(1, 2), value_states.transpose(1, 2), slots)
         self.seq_len += new
         if self.cache.attention_is_kvquant():
             return None, None
         return self.dense_kv(key_states.dtype)
 
+    def _storage(self) -> PagedLayerStorage:
+        if self.storage is None:
+            raise KVQuantError(
+                f"{self.spec.name}: the kvquant cache layer holds nothing yet (it allocates its "
+                "pages on the first update). Fix: run a forward pass with this cache first."
+            )
+        return self.storage
+
     def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize everything stored: ``([B, Hkv, seq_len, D], [B, Hkv, seq_len, D])`` in ``dtype``."""
-        if self.k_pages is None or self.v_pages is None:
-            raise KVQuantError(f"{self.spec.name}: the cache layer holds nothing yet.")
-        bt = self.cache.block_table(self.k_pages.device)
-        out = []
-        for pages, static, groups in (
-            (self.k_pages, self.k_scale, self.k_group_scales),
-            (self.v_pages, self.v_scale, self.v_group_scales),
-        ):
-            full = dequantize_pages(pages, static, groups)
-            per_seq = [gather_kv(full, bt, self.seq_len, b) for b in range(bt.shape[0])]
-            out.append(torch.stack(per_seq).transpose(1, 2).to(dtype))
-        return out[0], out[1]
+        storage = self._storage()
+        k, v = storage.dense(self.cache.block_table(storage.device), self.seq_len, dtype)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this layer's pool holds (:meth:`kvquant.cache.PagedLayerStorage.memory_bytes`).
+
+        Returns:
+            ``pages``, ``group_scales``, ``static_scales``, ``total``; all 0
+            before the first update (nothing is allocated yet).
+        """
+        return total_memory_bytes([] if self.storage is None else [self.storage])
 
     # ------------------------------------------------------------------ HF queries
 
@@ -230,15 +251,13 @@ class KVQuantLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: sequence ``b`` takes the stored tokens of sequence ``beam_idx[b]`` [B]."""
-        if self.seq_len == 0 or self.k_pages is None:
+        if self.seq_len == 0 or self.storage is None:
             return
-        bt = self.cache.block_table(self.k_pages.device)
-        used = -(-self.seq_len // self.k_pages.shape[1])
+        bt = self.cache.block_table(self.storage.device)
+        used = -(-self.seq_len // self.storage.page_size)
         dst = bt[:, :used].long()
         src = dst.index_select(0, beam_idx.to(dst.device).long())
-        for t in (self.k_pages, self.v_pages, self.k_group_scales, self.v_group_scales):
-            if t is not None:
-                t[dst.reshape(-1)] = t[src.reshape(-1)]
+        self.storage.copy_pages(src.reshape(-1), dst.reshape(-1))
 
     def _unsupported(self, what: str) -> KVQuantError:
         return KVQuantError(
@@ -375,7 +394,7 @@ class KVQuantCache(Cache):
             CacheCapacityError: too few free pages (nothing changes).
             KVQuantError: the batch size differs from the one the cache was built for.
         """
-        device = layer.k_pages.device if layer.k_pages is not None else torch.device("cpu")
+        device = layer.device or torch.device("cpu")
         start = layer.seq_len
         memo = self._slot_memo
         if memo is not None and memo[0] == (start, new_tokens, batch_size, device):
@@ -467,3 +486,19 @@ class KVQuantCache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """-1: the cache has no fixed per-sequence length."""
         return -1
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of KV memory over all layers, for comparison with a bf16 ``DynamicCache``.
+
+        The sum of :meth:`kvquant.cache.PagedLayerStorage.memory_bytes` over the
+        layers that have allocated their pools: FP8 pages (the whole pool,
+        written or not), fp32 group scales and static scales.
+
+        Returns:
+            ``pages``, ``group_scales``, ``static_scales``, ``total``.
+        """
+        return total_memory_bytes(
+            layer.storage
+            for layer in self.layers
+            if isinstance(layer, KVQuantLayer) and layer.storage is not None
+        )
