@@ -20,6 +20,7 @@ from kvquant.errors import (
     KernelInputError,
     KVQuantError,
     ScaleFormatError,
+    TextNotFoundError,
     UnknownFormatError,
     UnsupportedModelError,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "KVQuantError",
     "KernelInputError",
     "ScaleFormatError",
+    "TextNotFoundError",
     "UnknownFormatError",
     "UnsupportedModelError",
     "__version__",
