@@ -397,8 +397,8 @@ def _refuse_unusable(found: DiscoveredCheckpoint) -> None:
             + (" (its KV scheme is dynamic)" if dynamic else "")
             + "; kvquant would compute dynamic fp32-group scales while writing the cache, and "
             "that format has no static form an engine could load (vLLM and SGLang would "
-            "silently use 1.0). Fix: calibrate static scales with `kvquant calibrate` (not "
-            "available yet) or with a producer (llm-compressor kv_cache_scheme, ModelOpt "
+            "silently use 1.0). Fix: calibrate static scales with `kvquant calibrate MODEL_DIR "
+            "--out DIR` or with a producer (llm-compressor kv_cache_scheme, ModelOpt "
             "kv_cache_quant_algo FP8, Quark), then export that checkpoint."
         )
     if any(r.convention == "tensorrt-llm" for r in found.scales):

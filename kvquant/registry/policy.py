@@ -11,7 +11,7 @@ records what each step did. The policy, row by row:
 | integer, bool, complex or sparse scale | rejects (:func:`check_dtype`) |
 | `()`, `(1,)`, `(1, 1)`, `(1, 1, 1)` | per-tensor scalar (format `per-tensor`) |
 | `(Hkv,)`, `(Hkv, 1)`, `(Hkv, 1, 1)` | per-head (format `per-head`) |
-| `(H,)` (query heads), `scale_format="per-tensor"` | max over all (lossy, logged) |
+| `(H,)` (query heads), `scale_format="per-tensor"` | max over all (lossy, logged once per model) |
 | any other shape | rejects, naming the expected shapes |
 | NaN, ±inf, zero, negative, < 2^-117 or > 2^100 | rejects with tensor, element and value (:func:`check_values`) |
 | only `kv_scale` | one scale for K and V, noted (:func:`pair_kv`) |

@@ -637,6 +637,12 @@ def analyze_scales(
             for kind, read in (("k", k_read), ("v", v_read)):
                 tensor = read.tensor
                 kind_steps = list(read.steps)
+                if isinstance(read.fmt, QueryHeadMaxFormat):
+                    events.setdefault(
+                        "query-head scales reduced to per-tensor with max "
+                        '(scale_format="per-tensor")',
+                        [],
+                    ).append(layer)
                 if target == "per-tensor" and tensor.dim() == 1:
                     tensor, ratio = reduce_to_per_tensor(tensor)
                     reductions.append((layer, ratio))
