@@ -15,6 +15,13 @@ Subcommands:
   written, 1 when the checkpoint cannot be exported for that engine (nothing is
   written), 2 on a usage error (not a checkpoint, ``--out`` exists without
   ``--force``).
+* ``kvquant calibrate MODEL_DIR --out DIR``: run the model over real
+  calibration text, choose static FP8 K/V scales by the expected quantization
+  error they cause and write a copy of the checkpoint carrying them in a
+  producer convention (see :mod:`kvquant.calibrate`). Exit code 0 when written,
+  1 when the model or the requested convention cannot be calibrated (nothing
+  is written), 2 on a usage error (not a checkpoint, no tokenizer, unreadable
+  text, ``--out`` exists without ``--force``).
 
 The demo is a list of steps (:data:`DEMO_STEPS`); later features append steps
 (load, patch, generate) with :func:`add_demo_step`.
@@ -103,6 +110,127 @@ def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"kvquant export: refused: {exc}", file=err)
         return EXIT_REJECTED
     print(report.to_json() if args.json else report.render(), file=out)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# calibrate
+
+
+def _load_for_calibration(path: str) -> tuple[Any, Any]:
+    """Load the model (fp32, its quantization_config dropped) and tokenizer of a folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    for holder in (config, getattr(config, "text_config", None)):
+        if holder is not None and hasattr(holder, "quantization_config"):
+            del holder.quantization_config  # KV scales are replaced; weights load as floats
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def _calibration_texts(files: Sequence[Path] | None) -> tuple[list[str], list[str]]:
+    from kvquant.errors import CheckpointError
+
+    if not files:
+        from kvquant.testing.texts import calibration_text
+
+        text = calibration_text()
+        return [text.text], [f"{text.name} ({text.path})"]
+    texts, names = [], []
+    for file in files:
+        try:
+            texts.append(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(
+                f"--text {file} could not be read as UTF-8 text ({exc}). Fix: pass a readable "
+                "plain-text file."
+            ) from exc
+        names.append(str(file))
+    return texts, names
+
+
+def _at_least_two(text: str) -> int:
+    """argparse type: an integer >= 2 (token counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} is too small; expected at least 2 tokens")
+    return value
+
+
+def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from kvquant.calibrate import calibrate, write_calibrated_checkpoint
+    from kvquant.errors import CheckpointError
+    from kvquant.export import ExportTargetExistsError
+    from kvquant.registry.discovery import discover_scales
+
+    if args.granularity == "per-head" and args.convention != "compressed-tensors":
+        print(
+            f"kvquant calibrate: error: --format per-head is stored by the compressed-tensors "
+            f"convention only (strategy attn_head), not {args.convention}. Fix: drop "
+            "--convention or use --format per-tensor.",
+            file=err,
+        )
+        return EXIT_USAGE
+    try:
+        discover_scales(args.path)
+        if (args.out.exists() or args.out.is_symlink()) and not args.force:
+            raise ExportTargetExistsError(
+                f"{args.out} already exists; expected a new folder. Fix: pass another --out, "
+                "or --force to replace it."
+            )
+        texts, names = _calibration_texts(args.text)
+    except KVQuantError as exc:  # CheckpointError, ExportTargetExistsError, TextNotFoundError
+        print(f"kvquant calibrate: error: {exc}", file=err)
+        return EXIT_USAGE
+    try:
+        model, tokenizer = _load_for_calibration(args.path)
+    except (OSError, ValueError, KeyError) as exc:
+        print(
+            f"kvquant calibrate: error: could not load the model and tokenizer of {args.path} "
+            f"with transformers ({type(exc).__name__}: {exc}). Fix: pass a folder that "
+            "AutoModelForCausalLM and AutoTokenizer load (tokenizer files included).",
+            file=err,
+        )
+        return EXIT_USAGE
+    try:
+        result = calibrate(
+            model,
+            texts,
+            granularity=args.granularity,
+            tokenizer=tokenizer,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            tolerance=args.tolerance,
+            objective=args.objective,
+            progress=True,
+            text_names=names,
+        )
+        written = write_calibrated_checkpoint(
+            args.path, result, args.out, args.convention, force=args.force
+        )
+    except (CheckpointError, ExportTargetExistsError) as exc:
+        print(f"kvquant calibrate: error: {exc}", file=err)
+        return EXIT_USAGE
+    except KVQuantError as exc:  # CalibrationError, UnsupportedModelError, ExportError
+        print(f"kvquant calibrate: refused: {exc}", file=err)
+        return EXIT_REJECTED
+    if args.json:
+        import json
+
+        payload = {"out": str(written), "convention": args.convention, **result.to_dict()}
+        print(json.dumps(payload, indent=2, allow_nan=False), file=out)
+    else:
+        print(result.render(), file=out)
+        print(f"\nwrote {written} ({args.convention} convention, {result.granularity})", file=out)
     return EXIT_OK
 
 
@@ -517,6 +645,71 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--json", action="store_true", help="print the export report as JSON")
     export.set_defaults(func=_export)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="calibrate static FP8 KV scales for a checkpoint and write a copy carrying them",
+        description="Run the model over real calibration text (default: a licence text found "
+        "on this machine), collect post-RoPE K/V statistics per layer and KV head (amax and a "
+        "fixed-size |x| histogram), choose per layer (per-tensor) or per layer and head "
+        "(per-head) the clipping ratio r in [0.5, 1] that minimises the expected FP8 e4m3 "
+        "MSE of K and of V, and write a copy of the checkpoint with scale = r * amax / 448 in "
+        "a producer convention. Exit code: 0 written, 1 refused (nothing written), 2 usage "
+        "error.",
+    )
+    cal.add_argument(
+        "path", metavar="MODEL_DIR", help="checkpoint folder (config, weights, tokenizer)"
+    )
+    cal.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    cal.add_argument(
+        "--format",
+        dest="granularity",
+        default="per-tensor",
+        choices=("per-tensor", "per-head"),
+        help="per-tensor (one K and one V scale per layer) or per-head (one per KV head; "
+        "compressed-tensors attn_head)",
+    )
+    cal.add_argument(
+        "--text",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="calibration text file(s) (UTF-8); default: kvquant.testing.texts' calibration text",
+    )
+    cal.add_argument(
+        "--convention",
+        default="compressed-tensors",
+        choices=("compressed-tensors", "modelopt", "quark"),
+        help="producer convention of the written scales (default compressed-tensors)",
+    )
+    cal.add_argument(
+        "--max-tokens",
+        dest="max_tokens",
+        type=_at_least_two,
+        default=8192,
+        help="calibration tokens at most (default 8192)",
+    )
+    cal.add_argument(
+        "--window", type=_at_least_two, default=2048, help="tokens per forward pass (default 2048)"
+    )
+    cal.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.0,
+        help="keep the largest ratio whose expected MSE is within this relative margin of the "
+        "minimum (default 0: the argmin)",
+    )
+    cal.add_argument(
+        "--objective",
+        default="mse",
+        choices=("mse", "attention"),
+        help="mse: expected FP8 MSE of K and of V, every value counted once (default); "
+        "attention: errors weighted by their first-order effect on the attention output",
+    )
+    cal.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    cal.add_argument("--json", action="store_true", help="print the calibration report as JSON")
+    cal.set_defaults(func=_calibrate)
     return parser
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "BackendError",
     "CacheCapacityError",
     "CacheUsageError",
+    "CalibrationError",
     "CheckpointError",
     "ExportError",
     "ExportTargetExistsError",
@@ -97,3 +98,7 @@ class ExportTargetExistsError(ExportError, FileExistsError):
 
 class TextNotFoundError(KVQuantError, FileNotFoundError):
     """No suitable real text document (for calibration or evaluation) was found on this machine."""
+
+
+class CalibrationError(KVQuantError, ValueError):
+    """Calibration cannot run or its result cannot be written (bad input, option or target)."""

@@ -1,0 +1,1392 @@
+"""``kvquant calibrate``: static FP8 KV scales for a checkpoint that has none, chosen by their error.
+
+Pipeline:
+
+1. **Statistics** (:class:`KVStatistics`): the model runs over real calibration
+   text, window by window, with a small attention function registered in
+   transformers' ``AttentionInterface`` that sees the K/V exactly as attention
+   does (keys after RoPE, before the GQA repeat) and then calls SDPA. Per layer,
+   KV head and kind (K or V) it keeps the amax and a fixed-size histogram of
+   ``|x|`` with logarithmic bins (:data:`BINS_PER_OCTAVE` bins per power of two
+   from ``2**LOG2_MIN`` to ``2**LOG2_MAX``; counts in fp64). Activations are
+   never stored: memory is fixed by the model's geometry, not by the text length.
+2. **Search** (:func:`search_ratios`): for every clipping ratio ``r`` of a grid in
+   ``[0.5, 1.0]`` the scale is ``s = r * amax / 448`` and the expected squared
+   error of FP8 e4m3 quantization is computed from the histogram: every bin
+   centre ``c`` is quantized with torch's own cast,
+   ``q = fp8_e4m3fn(clamp(c / s, -448, 448)) * s``, and ``(c - q)**2`` is
+   weighted by the bin's count. Values above ``r * amax`` saturate at ``448 * s``
+   (clipping error); the rest pay the rounding error of the e4m3 grid at that
+   scale (subnormals and flush-to-zero included). K and V are searched
+   separately, per layer (``per-tensor``, heads pooled) or per layer and KV head
+   (``per-head``). The chosen ratio is the *largest* one whose expected MSE is
+   within ``tolerance`` (relative, default 0) of the grid minimum, so ``r = 1.0``
+   (``amax / 448``) is kept unless a smaller scale lowers the expected error.
+   ``objective="attention"`` weighs every value by its first-order effect on the
+   attention output instead of counting it once (:func:`attention_weights`).
+3. **Writing** (:func:`write_calibrated_checkpoint`): a copy of the checkpoint
+   with the scales in a producer convention (compressed-tensors, ModelOpt or
+   Quark with ``kv_cache_post_rope: true``) and the matching config, written
+   with :mod:`kvquant.export`'s machinery (temporary folder, re-discovery check,
+   atomic rename).
+
+``python -m kvquant.calibrate`` reproduces the SmolLM2-135M table of
+docs/calibration.md (``--help`` for options). Transformers is imported lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvquant.errors import CalibrationError, UnsupportedModelError
+
+__all__ = [
+    "BINS_PER_OCTAVE",
+    "CONVENTIONS",
+    "DEFAULT_RATIOS",
+    "FP8_E4M3_MAX",
+    "LOG2_MAX",
+    "LOG2_MIN",
+    "OBJECTIVES",
+    "CalibrationResult",
+    "KVStatistics",
+    "LayerCalibration",
+    "attention_weights",
+    "calibrate",
+    "choose_scales",
+    "collect_statistics",
+    "expected_mse",
+    "main",
+    "search_ratios",
+    "write_calibrated_checkpoint",
+]
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn value."""
+
+BINS_PER_OCTAVE = 64
+"""Histogram bins per power of two (bin width ~1.1 % of the value; the e4m3 grid step is 6-12 %)."""
+
+LOG2_MIN = -24
+"""Values below ``2**LOG2_MIN`` (and zeros) fall into bin 0, counted as exact zeros."""
+
+LOG2_MAX = 20
+"""Values above ``2**LOG2_MAX`` fall into the last bin (their amax is still exact)."""
+
+DEFAULT_RATIOS: tuple[float, ...] = tuple(round(0.5 + 0.01 * i, 2) for i in range(51))
+"""The clipping ratios searched by default: 0.50, 0.51, ..., 1.00."""
+
+CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "quark")
+"""Producer conventions :func:`write_calibrated_checkpoint` writes."""
+
+CALIBRATION_ATTENTION = "kvquant_calibrate"
+"""Name under which the statistics-collecting attention function is registered."""
+
+OBJECTIVES: tuple[str, ...] = ("mse", "attention")
+"""What the ratio search minimises (see :func:`choose_scales`)."""
+
+_OBJECTIVE_TEXT = {
+    "mse": "expected FP8 e4m3 MSE of K and of V (clipping + rounding)",
+    "attention": "attention-weighted expected FP8 e4m3 squared error of K and of V",
+}
+_COLLECT_ATTR = "_kvquant_calibrate"
+_REPORT_FILE = "kvquant-calibration.json"
+_GRANULARITIES = ("per-tensor", "per-head")
+
+
+# ---------------------------------------------------------------------------
+# statistics
+
+
+def _num_bins() -> int:
+    return (LOG2_MAX - LOG2_MIN) * BINS_PER_OCTAVE
+
+
+def bin_centres() -> torch.Tensor:
+    """Representative value of every histogram bin.
+
+    Returns:
+        fp64 [num_bins]: 0 for bin 0 (zeros and values below ``2**LOG2_MIN``),
+        else the geometric centre of the bin.
+    """
+    i = torch.arange(_num_bins(), dtype=torch.float64)
+    centres = torch.exp2(LOG2_MIN + (i + 0.5) / BINS_PER_OCTAVE)
+    centres[0] = 0.0
+    return centres
+
+
+@dataclass
+class KVStatistics:
+    """Running post-RoPE K/V statistics with bounded memory.
+
+    Memory is ``2 * num_layers * num_kv_heads * (num_bins + 2)`` numbers (twice
+    the histograms with ``weighted=True``) whatever the amount of text (:attr:`nbytes`).
+
+    With ``weighted=True`` a second pair of histograms accumulates, per bin, the
+    *attention weights* of the values instead of their count (see
+    :func:`attention_weights`): the ``"attention"`` objective of :func:`choose_scales`.
+
+    Attributes:
+        num_layers: decoder layers.
+        num_kv_heads: KV heads per layer.
+        weighted: whether the attention-weighted histograms are kept.
+        k_amax: fp32 [num_layers, num_kv_heads], max |K| seen.
+        v_amax: fp32 [num_layers, num_kv_heads], max |V| seen.
+        k_hist: fp64 [num_layers, num_kv_heads, num_bins], counts of |K| per log bin.
+        v_hist: fp64 [num_layers, num_kv_heads, num_bins], counts of |V|.
+        k_whist: fp64 like ``k_hist``, attention weights of |K| per bin (``weighted`` only).
+        v_whist: fp64 like ``v_hist`` (``weighted`` only).
+        updates: int64 [num_layers], how many forward calls reached each layer.
+        nonfinite: NaN/inf values seen (excluded from the statistics).
+        num_tokens: tokens run through the model.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    weighted: bool = False
+    k_amax: torch.Tensor = field(init=False)
+    v_amax: torch.Tensor = field(init=False)
+    k_hist: torch.Tensor = field(init=False)
+    v_hist: torch.Tensor = field(init=False)
+    k_whist: torch.Tensor | None = field(init=False, default=None)
+    v_whist: torch.Tensor | None = field(init=False, default=None)
+    updates: torch.Tensor = field(init=False)
+    nonfinite: int = 0
+    num_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or self.num_kv_heads < 1:
+            raise CalibrationError(
+                f"KVStatistics: {self.num_layers} layers x {self.num_kv_heads} KV heads; "
+                "expected at least one of each. Fix: pass the model's geometry."
+            )
+        shape = (self.num_layers, self.num_kv_heads)
+        self.k_amax = torch.zeros(shape, dtype=torch.float32)
+        self.v_amax = torch.zeros(shape, dtype=torch.float32)
+        self.k_hist = torch.zeros((*shape, _num_bins()), dtype=torch.float64)
+        self.v_hist = torch.zeros((*shape, _num_bins()), dtype=torch.float64)
+        if self.weighted:
+            self.k_whist = torch.zeros_like(self.k_hist)
+            self.v_whist = torch.zeros_like(self.v_hist)
+        self.updates = torch.zeros(self.num_layers, dtype=torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the statistics tensors (independent of the text length)."""
+        tensors = [self.k_amax, self.v_amax, self.k_hist, self.v_hist, self.updates]
+        tensors += [t for t in (self.k_whist, self.v_whist) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def update(
+        self,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_weight: torch.Tensor | None = None,
+        value_weight: torch.Tensor | None = None,
+    ) -> None:
+        """Add one chunk of one layer's K and V.
+
+        Args:
+            layer: decoder layer index.
+            key: [B, Hkv, T, D] keys as attention sees them (post-RoPE), any float dtype.
+            value: [B, Hkv, T, D] values.
+            key_weight: [B, Hkv, T, D] non-negative weight of every key element
+                (required when ``weighted``, ignored otherwise).
+            value_weight: [B, Hkv, T, D] weight of every value element.
+
+        Raises:
+            CalibrationError: layer out of range, a head count other than
+                ``num_kv_heads``, or missing weights for weighted statistics.
+        """
+        if self.weighted and (key_weight is None or value_weight is None):
+            raise CalibrationError(
+                "KVStatistics.update: weighted statistics need key_weight and value_weight; "
+                "got None. Fix: collect with objective='attention' (collect_statistics)."
+            )
+        if not 0 <= layer < self.num_layers:
+            raise CalibrationError(
+                f"KVStatistics.update: layer {layer}; expected 0..{self.num_layers - 1}. "
+                "Fix: build the statistics for this model's geometry."
+            )
+        for name, x, amax, hist, weight, whist in (
+            ("key", key, self.k_amax, self.k_hist, key_weight, self.k_whist),
+            ("value", value, self.v_amax, self.v_hist, value_weight, self.v_whist),
+        ):
+            if x.dim() != 4 or x.shape[1] != self.num_kv_heads:
+                raise CalibrationError(
+                    f"KVStatistics.update: layer {layer} {name} has shape {tuple(x.shape)}; "
+                    f"expected [B, {self.num_kv_heads}, T, D] (HF layout, KV heads on dim 1). "
+                    "Fix: collect from a model with this geometry."
+                )
+            a = x.detach().float().abs().transpose(0, 1).reshape(self.num_kv_heads, -1)
+            finite = torch.isfinite(a)
+            bad = int((~finite).sum())
+            if bad:
+                self.nonfinite += bad
+                a = torch.where(finite, a, torch.zeros_like(a))
+            amax[layer] = torch.maximum(amax[layer], a.amax(dim=1).cpu())
+            idx = torch.floor((torch.log2(a) - LOG2_MIN) * BINS_PER_OCTAVE)
+            idx = idx.clamp(0, _num_bins() - 1).long()
+            if bad:
+                # non-finite entries were zeroed: take them out of bin 0 again
+                idx = torch.where(finite, idx, torch.full_like(idx, -1))
+            offset = torch.arange(self.num_kv_heads, device=idx.device)[:, None] * _num_bins()
+            keep = idx >= 0
+            flat = (idx + offset)[keep]
+            size = self.num_kv_heads * _num_bins()
+            counts = torch.bincount(flat, minlength=size)
+            hist[layer] += counts.view(self.num_kv_heads, -1).to("cpu", torch.float64)
+            if whist is not None and weight is not None:
+                w = weight.detach().double().transpose(0, 1).reshape(self.num_kv_heads, -1)
+                wsum = torch.bincount(flat, weights=w[keep], minlength=size)
+                whist[layer] += wsum.view(self.num_kv_heads, -1).to("cpu", torch.float64)
+        self.updates[layer] += 1
+
+
+@torch.no_grad()
+def attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    *,
+    block: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How much an error in each K and V element moves the attention output (first order).
+
+    With causal probabilities ``p_ij = softmax_j(scaling * q_i . k_j)``, independent
+    errors ``dv_j`` change output ``i`` by ``sum_j p_ij dv_j`` (squared norm
+    ``~ sum_j p_ij**2 |dv_j|**2``), and an error ``dk_jc`` changes logit ``ij`` by
+    ``scaling * q_ic dk_jc``, which moves the output by about ``p_ij`` times that.
+    Hence the weights, summed over the query heads sharing a KV head:
+
+    * V element ``(j, c)``: ``sum_i p_ij**2``;
+    * K element ``(j, c)``: ``scaling**2 * sum_i p_ij**2 * q_ic**2``.
+
+    Queries are processed ``block`` rows at a time (memory ``O(block * T)`` per head).
+
+    Args:
+        query: [B, Hq, Tq, D] queries (post-RoPE), Hq a multiple of Hkv.
+        key: [B, Hkv, Tk, D] keys (post-RoPE), Tk >= Tq; the queries are the last
+            Tq positions (causal).
+        scaling: the softmax scale (``module.scaling``, usually ``D**-0.5``).
+        block: query rows per step.
+
+    Returns:
+        ``(key_weight, value_weight)``, both fp32 [B, Hkv, Tk, D].
+    """
+    b, hq, tq, d = query.shape
+    hkv, tk = key.shape[1], key.shape[2]
+    group = hq // hkv
+    q = query.float()
+    k = key.float().repeat_interleave(group, dim=1)
+    wk = torch.zeros(b, hq, tk, d, dtype=torch.float32, device=q.device)
+    wv = torch.zeros(b, hq, tk, dtype=torch.float32, device=q.device)
+    cols = torch.arange(tk, device=q.device)
+    for i0 in range(0, tq, block):
+        qi = q[:, :, i0 : i0 + block]
+        rows = torch.arange(i0, i0 + qi.shape[2], device=q.device) + (tk - tq)
+        scores = (qi @ k.transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        p2 = torch.softmax(scores, dim=-1).square()
+        wv += p2.sum(dim=2)
+        wk += p2.transpose(-1, -2) @ qi.square()
+    wk = (wk * scaling**2).view(b, hkv, group, tk, d).sum(dim=2)
+    wv = wv.view(b, hkv, group, tk).sum(dim=2)
+    return wk, wv[..., None].expand(b, hkv, tk, d)
+
+
+# ---------------------------------------------------------------------------
+# error model and search
+
+
+def expected_mse(
+    hist: torch.Tensor,
+    amax: torch.Tensor,
+    ratios: Sequence[float] | torch.Tensor,
+) -> torch.Tensor:
+    """Expected FP8 e4m3 squared error per value for each clipping ratio, from histograms.
+
+    For ratio ``r`` the scale is ``s = r * amax / 448``; each bin centre ``c`` is
+    quantized as the cache does (``fp8_e4m3fn(clamp(c / s, -448, 448)) * s``, the
+    division in fp32) and ``(c - q)**2`` is averaged with the bin counts as weights.
+
+    Args:
+        hist: fp64 [N, num_bins] counts (N independent distributions).
+        amax: [N] max |x| of each distribution.
+        ratios: [R] clipping ratios in (0, 1].
+
+    Returns:
+        fp64 [N, R] mean squared error per value (0 for empty or all-zero rows).
+    """
+    r = torch.as_tensor(ratios, dtype=torch.float32)
+    centres = bin_centres()
+    c32 = centres.float()
+    amax32 = amax.float()
+    total = hist.sum(dim=1)
+    out = torch.zeros((hist.shape[0], r.shape[0]), dtype=torch.float64)
+    for j in range(r.shape[0]):
+        s = amax32 * r[j] / FP8_E4M3_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = (c32[None, :] / s[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        q = q.to(torch.float8_e4m3fn).float() * s[:, None]
+        err = (centres[None, :] - q.double()) ** 2
+        out[:, j] = (hist * err).sum(dim=1) / total.clamp_min(1.0)
+    return out
+
+
+def _saturation(hist: torch.Tensor, amax: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """Estimated fraction of values above ``ratio * amax`` (saturated): fp64 [N].
+
+    Whole bins above the threshold count fully; the bin holding the threshold
+    counts by the share of its (logarithmic) width above it; nothing saturates
+    at ``ratio == 1``.
+    """
+    n = _num_bins()
+    threshold = (amax.double() * ratio.double()).clamp_min(2.0**LOG2_MIN)
+    lower = LOG2_MIN + torch.arange(n, dtype=torch.float64) / BINS_PER_OCTAVE
+    # share of each bin [lower, lower + 1/bpo) lying above log2(threshold)
+    above = (
+        (lower[None, :] + 1.0 / BINS_PER_OCTAVE - torch.log2(threshold)[:, None]) * BINS_PER_OCTAVE
+    ).clamp(0.0, 1.0)
+    above[:, 0] = 0.0  # bin 0 holds zeros
+    sat = (hist * above).sum(dim=1) / hist.sum(dim=1).clamp_min(1.0)
+    return torch.where(ratio >= 1.0, torch.zeros_like(sat), sat)
+
+
+def search_ratios(
+    hist: torch.Tensor,
+    amax: torch.Tensor,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    *,
+    tolerance: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick a clipping ratio per distribution by expected FP8 MSE.
+
+    Args:
+        hist: fp64 [N, num_bins] histogram counts.
+        amax: [N] max |x|.
+        ratios: candidate ratios (searched in ascending order); must contain 1.0.
+        tolerance: keep the largest ratio whose MSE is at most ``(1 + tolerance)``
+            times the minimum over the grid (0: the exact argmin, largest on ties).
+
+    Returns:
+        ``(chosen_ratio fp32 [N], mse fp64 [N, R])`` with ``mse`` in ascending-ratio order.
+
+    Raises:
+        CalibrationError: ratios outside (0, 1], without 1.0, or a negative tolerance.
+    """
+    grid = _check_grid(ratios, tolerance)
+    idx, mse = _search(hist, amax, grid, tolerance)
+    return torch.tensor(grid, dtype=torch.float32)[idx], mse
+
+
+def _check_grid(ratios: Sequence[float], tolerance: float) -> tuple[float, ...]:
+    """The sorted ratio grid, or :class:`CalibrationError` for a bad grid or tolerance."""
+    grid = tuple(sorted({float(r) for r in ratios}))
+    if not grid or grid[0] <= 0.0 or grid[-1] != 1.0:
+        raise CalibrationError(
+            f"search_ratios: ratios {list(grid[:3])}...{list(grid[-3:])} must lie in (0, 1] and "
+            "include 1.0 (the amax / 448 scale). Fix: pass e.g. kvquant.calibrate.DEFAULT_RATIOS."
+        )
+    if not tolerance >= 0.0:
+        raise CalibrationError(
+            f"search_ratios: tolerance {tolerance}; expected >= 0. Fix: pass 0.0 or a small "
+            "relative margin such as 0.01."
+        )
+    return grid
+
+
+def _search(
+    hist: torch.Tensor, amax: torch.Tensor, grid: Sequence[float], tolerance: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index into ``grid`` (ascending) of the chosen ratio per row: int64 [N], and the MSE table."""
+    mse = expected_mse(hist, amax, grid)
+    best = mse.min(dim=1, keepdim=True).values
+    ok = mse <= best * (1.0 + tolerance)
+    idx = torch.arange(len(grid)).expand_as(ok)
+    return torch.where(ok, idx, torch.full_like(idx, -1)).amax(dim=1), mse
+
+
+# ---------------------------------------------------------------------------
+# result
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    """What the search chose for one decoder layer.
+
+    Attributes:
+        layer: decoder layer index.
+        k_ratio: chosen clipping ratio of K (one value, or one per KV head).
+        v_ratio: same for V.
+        k_saturation: estimated fraction of the layer's K values above ``r * amax`` (clipped).
+        v_saturation: same for V.
+        k_mse_vs_amax: expected K MSE with the chosen scale / with ``amax / 448``.
+        v_mse_vs_amax: same for V.
+        k_amax: max |K| (one value, or one per KV head).
+        v_amax: max |V|.
+    """
+
+    layer: int
+    k_ratio: tuple[float, ...]
+    v_ratio: tuple[float, ...]
+    k_saturation: float
+    v_saturation: float
+    k_mse_vs_amax: float
+    v_mse_vs_amax: float
+    k_amax: tuple[float, ...]
+    v_amax: tuple[float, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationResult:
+    """Calibrated static scales plus the per-layer report.
+
+    Attributes:
+        granularity: ``"per-tensor"`` or ``"per-head"``.
+        k_scales: fp32 [num_layers] (per-tensor) or [num_layers, num_kv_heads]
+            (per-head) dequantization scales of K (``x ≈ fp8 * s``).
+        v_scales: same for V.
+        layers: one :class:`LayerCalibration` per layer.
+        num_tokens: calibration tokens run through the model.
+        num_kv_heads: KV heads per layer.
+        ratios: the ratio grid searched.
+        tolerance: the relative MSE margin of the choice.
+        objective: ``"mse"`` or ``"attention"`` (see :func:`choose_scales`).
+        texts: names of the calibration texts (when known).
+        statistics: the :class:`KVStatistics` the scales were chosen from.
+    """
+
+    granularity: str
+    k_scales: torch.Tensor
+    v_scales: torch.Tensor
+    layers: tuple[LayerCalibration, ...]
+    num_tokens: int
+    num_kv_heads: int
+    ratios: tuple[float, ...]
+    tolerance: float
+    objective: str = "mse"
+    texts: tuple[str, ...] = ()
+    statistics: KVStatistics | None = None
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers calibrated."""
+        return len(self.layers)
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canonical scales of one layer.
+
+        Args:
+            layer: decoder layer index.
+
+        Returns:
+            ``(k, v)``: fp32 [] (per-tensor) or fp32 [num_kv_heads] (per-head).
+
+        Raises:
+            CalibrationError: layer out of range.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise CalibrationError(
+                f"CalibrationResult.layer_scales: layer {layer}; expected "
+                f"0..{self.num_layers - 1}. Fix: ask for a calibrated layer."
+            )
+        return self.k_scales[layer].clone(), self.v_scales[layer].clone()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (scales as lists, statistics left out)."""
+        return {
+            "granularity": self.granularity,
+            "objective": self.objective,
+            "objective_description": _OBJECTIVE_TEXT[self.objective],
+            "num_tokens": self.num_tokens,
+            "num_kv_heads": self.num_kv_heads,
+            "ratios": [min(self.ratios), max(self.ratios), len(self.ratios)],
+            "tolerance": self.tolerance,
+            "texts": list(self.texts),
+            "k_scales": self.k_scales.tolist(),
+            "v_scales": self.v_scales.tolist(),
+            "layers": [asdict(layer) for layer in self.layers],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as strict JSON."""
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def render(self) -> str:
+        """Plain-text report: one row per layer (ratio, saturation, MSE vs amax/448)."""
+        lines = [
+            f"calibrated {self.num_layers} layers, {self.granularity}, on {self.num_tokens} "
+            f"tokens" + (f" ({', '.join(self.texts)})" if self.texts else ""),
+            f"objective: {_OBJECTIVE_TEXT[self.objective]}, "
+            f"ratio r in [{min(self.ratios):.2f}, {max(self.ratios):.2f}], scale = r * amax / 448",
+            "",
+        ]
+        rows = [("layer", "K ratio", "K sat.", "K MSE/amax", "V ratio", "V sat.", "V MSE/amax")]
+        for lay in self.layers:
+            rows.append(
+                (
+                    str(lay.layer),
+                    _fmt_ratios(lay.k_ratio),
+                    f"{100 * lay.k_saturation:.3f}%",
+                    f"{lay.k_mse_vs_amax:.3f}",
+                    _fmt_ratios(lay.v_ratio),
+                    f"{100 * lay.v_saturation:.3f}%",
+                    f"{lay.v_mse_vs_amax:.3f}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _fmt_ratios(values: tuple[float, ...]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def choose_scales(
+    stats: KVStatistics,
+    granularity: str = "per-tensor",
+    *,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    tolerance: float = 0.0,
+    objective: str = "mse",
+    texts: Sequence[str] = (),
+) -> CalibrationResult:
+    """Choose scales from collected statistics (no model needed).
+
+    Args:
+        stats: statistics from :func:`collect_statistics`.
+        granularity: ``"per-tensor"`` (one ratio per layer and kind, heads pooled)
+            or ``"per-head"`` (one per layer, KV head and kind).
+        ratios: ratio grid (must contain 1.0); ``(1.0,)`` gives plain ``amax / 448``.
+        tolerance: relative MSE margin, see :func:`search_ratios`.
+        objective: ``"mse"`` (every value counts once) or ``"attention"`` (values
+            weighted by :func:`attention_weights`; needs ``stats.weighted``).
+        texts: names of the calibration texts, for the report.
+
+    Returns:
+        A :class:`CalibrationResult`.
+
+    Raises:
+        CalibrationError: unknown granularity or objective, or a layer never saw any K/V.
+    """
+    if objective not in OBJECTIVES:
+        raise CalibrationError(
+            f"choose_scales: objective {objective!r}; expected one of {OBJECTIVES}. "
+            "Fix: pass 'mse' or 'attention'."
+        )
+    if objective == "attention" and not stats.weighted:
+        raise CalibrationError(
+            "choose_scales: objective 'attention' needs attention-weighted statistics but "
+            "these were collected unweighted. Fix: collect_statistics(..., objective='attention')."
+        )
+    if granularity not in _GRANULARITIES:
+        raise CalibrationError(
+            f"choose_scales: granularity {granularity!r}; expected one of {_GRANULARITIES}. "
+            "Fix: fp32-group scales are dynamic and need no calibration."
+        )
+    missing = [i for i in range(stats.num_layers) if int(stats.updates[i]) == 0]
+    if missing:
+        raise CalibrationError(
+            f"choose_scales: layers {missing[:8]} never saw K/V; expected every layer to run. "
+            "Fix: collect statistics over at least one forward of the whole model."
+        )
+    grid = _check_grid(ratios, tolerance)
+    L, H = stats.num_layers, stats.num_kv_heads
+    picked: dict[str, tuple[torch.Tensor, ...]] = {}
+    for kind, hist, whist, amax in (
+        ("k", stats.k_hist, stats.k_whist, stats.k_amax),
+        ("v", stats.v_hist, stats.v_whist, stats.v_amax),
+    ):
+        weights = whist if objective == "attention" and whist is not None else hist
+        if granularity == "per-tensor":
+            h = hist.sum(dim=1)  # [L, NB]
+            hw = weights.sum(dim=1)
+            a = amax.amax(dim=1)  # [L]
+        else:
+            h = hist.reshape(L * H, -1)
+            hw = weights.reshape(L * H, -1)
+            a = amax.reshape(L * H)
+        chosen_idx, mse = _search(hw, a, grid, tolerance)
+        ratio = torch.tensor(grid, dtype=torch.float32)[chosen_idx]
+        scale = a * ratio / FP8_E4M3_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
+        counts = h.sum(dim=1)
+        mass = hw.sum(dim=1)
+        mse_chosen = mse.gather(1, chosen_idx[:, None])[:, 0] * mass
+        mse_amax = mse[:, -1] * mass
+        sat = _saturation(h, a, ratio) * counts
+        shape: tuple[int, ...] = (L,)
+        if granularity == "per-head":
+            shape = (L, H)
+            mse_chosen, mse_amax, sat, counts = (
+                t.view(L, H).sum(dim=1) for t in (mse_chosen, mse_amax, sat, counts)
+            )
+        picked[kind] = (
+            scale.view(shape),
+            ratio.view(L, -1),
+            a.view(L, -1),
+            sat / counts.clamp_min(1.0),
+            torch.where(mse_amax > 0, mse_chosen / mse_amax, torch.ones_like(mse_amax)),
+        )
+    layers = tuple(
+        LayerCalibration(
+            layer=i,
+            k_ratio=tuple(float(x) for x in picked["k"][1][i]),
+            v_ratio=tuple(float(x) for x in picked["v"][1][i]),
+            k_saturation=float(picked["k"][3][i]),
+            v_saturation=float(picked["v"][3][i]),
+            k_mse_vs_amax=float(picked["k"][4][i]),
+            v_mse_vs_amax=float(picked["v"][4][i]),
+            k_amax=tuple(float(x) for x in picked["k"][2][i]),
+            v_amax=tuple(float(x) for x in picked["v"][2][i]),
+        )
+        for i in range(L)
+    )
+    return CalibrationResult(
+        granularity=granularity,
+        k_scales=picked["k"][0].contiguous(),
+        v_scales=picked["v"][0].contiguous(),
+        layers=layers,
+        num_tokens=stats.num_tokens,
+        num_kv_heads=H,
+        ratios=grid,
+        tolerance=tolerance,
+        objective=objective,
+        texts=tuple(texts),
+        statistics=stats,
+    )
+
+
+# ---------------------------------------------------------------------------
+# collection through the model
+
+
+def _collecting_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """Attention function: record K/V statistics, then run transformers' SDPA attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    stats: KVStatistics | None = getattr(module, _COLLECT_ATTR, None)
+    if stats is not None:
+        layer = int(getattr(module, "layer_idx", 0))
+        if stats.weighted:
+            scaling = kwargs.get("scaling")
+            if scaling is None:
+                scaling = float(getattr(module, "scaling", query.shape[-1] ** -0.5))
+            wk, wv = attention_weights(query, key, float(scaling))
+            stats.update(layer, key, value, wk, wv)
+        else:
+            stats.update(layer, key, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def _collecting(model: torch.nn.Module, stats: KVStatistics) -> Iterator[None]:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    from kvquant.integrations.hf.models import find_attention_sites
+
+    if getattr(model, "_kvquant_state", None) is not None:
+        raise CalibrationError(
+            f"{type(model).__name__} is patched by kvquant.patch; calibration must see the "
+            "unquantized K/V. Fix: call handle.remove() first, or calibrate a fresh model."
+        )
+    AttentionInterface.register(CALIBRATION_ATTENTION, _collecting_attention)
+    AttentionMaskInterface.register(CALIBRATION_ATTENTION, sdpa_mask)
+    hf_model: Any = model
+    config = hf_model.config
+    previous = config._attn_implementation
+    mods = [site.module for site in find_attention_sites(model)]
+    hf_model.set_attn_implementation(CALIBRATION_ATTENTION)
+    try:
+        if config._attn_implementation != CALIBRATION_ATTENTION:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: attention implementation stayed "
+                f"{config._attn_implementation!r} after set_attn_implementation("
+                f"{CALIBRATION_ATTENTION!r}); expected the switch to take. Fix: use a model "
+                "whose attention calls transformers' AttentionInterface."
+            )
+        for mod in mods:
+            setattr(mod, _COLLECT_ATTR, stats)
+        yield
+    finally:
+        for mod in mods:
+            if hasattr(mod, _COLLECT_ATTR):
+                delattr(mod, _COLLECT_ATTR)
+        hf_model.set_attn_implementation(previous)
+
+
+def _windows(
+    model: torch.nn.Module,
+    inputs: Any,
+    tokenizer: Any,
+    window: int,
+    max_tokens: int | None,
+) -> list[torch.Tensor]:
+    """Turn texts or token ids into int64 [1, <=window] windows, at most ``max_tokens`` in total."""
+    if isinstance(inputs, (str, torch.Tensor)):
+        inputs = [inputs]
+    docs: list[torch.Tensor] = []
+    for item in inputs:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise CalibrationError(
+                    "calibrate: texts were given but tokenizer=None; expected a tokenizer to "
+                    "turn them into token ids. Fix: pass tokenizer=AutoTokenizer.from_pretrained"
+                    "(model_dir), or pass token ids."
+                )
+            ids = tokenizer(item, return_tensors="pt")["input_ids"].long()
+        elif isinstance(item, torch.Tensor):
+            if item.dtype not in (torch.int64, torch.int32) or item.dim() not in (1, 2):
+                raise CalibrationError(
+                    f"calibrate: token ids of dtype {item.dtype} and shape {tuple(item.shape)}; "
+                    "expected an integer tensor [T] or [B, T]. Fix: tokenize the text first."
+                )
+            ids = item.long().reshape(1, -1) if item.dim() == 1 else item.long()
+        else:
+            raise CalibrationError(
+                f"calibrate: got a {type(item).__name__} among the inputs; expected str texts "
+                "or int64 token-id tensors. Fix: pass a list of texts or of token ids."
+            )
+        docs.extend(row for row in ids)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    out: list[torch.Tensor] = []
+    budget = max_tokens if max_tokens is not None else sys.maxsize
+    for doc in docs:
+        if vocab is not None and doc.numel() and int(doc.max()) >= int(vocab):
+            raise CalibrationError(
+                f"calibrate: token id {int(doc.max())} >= the model's vocab_size {vocab}; "
+                "expected ids from this model's tokenizer. Fix: use the model's tokenizer."
+            )
+        for start in range(0, doc.numel(), window):
+            piece = doc[start : start + window][:budget]
+            if piece.numel() >= 2:
+                out.append(piece.view(1, -1))
+                budget -= piece.numel()
+            if budget <= 0:
+                return out
+    return out
+
+
+@torch.no_grad()
+def collect_statistics(
+    model: torch.nn.Module,
+    texts_or_token_ids: str | torch.Tensor | Sequence[str | torch.Tensor],
+    *,
+    tokenizer: Any = None,
+    window: int = 2048,
+    max_tokens: int | None = None,
+    objective: str = "mse",
+    progress: bool = True,
+) -> KVStatistics:
+    """Run the model over calibration text and gather post-RoPE K/V statistics.
+
+    Each window is one forward (``use_cache=False``), so K/V are seen at the
+    positions a prompt of that length would give them.
+
+    Args:
+        model: an unpatched transformers causal LM of a family kvquant supports.
+        texts_or_token_ids: a text, token ids int64 [T] or [B, T], or a list of either.
+        tokenizer: required when texts are given.
+        window: tokens per forward (documents are cut into windows of this size).
+        max_tokens: stop after this many tokens (None: all).
+        objective: ``"attention"`` also accumulates attention-weighted histograms
+            (:func:`attention_weights`; one extra ``QK^T`` per layer); ``"mse"`` does not.
+        progress: show a tqdm progress bar on stderr.
+
+    Returns:
+        The filled :class:`KVStatistics`.
+
+    Raises:
+        CalibrationError: no usable tokens, bad inputs, or a patched model.
+        UnsupportedModelError: the model's attention cannot be observed.
+    """
+    from tqdm import tqdm
+
+    from kvquant.integrations.hf.models import (
+        check_supported,
+        find_attention_sites,
+        model_geometry,
+    )
+
+    if objective not in OBJECTIVES:
+        raise CalibrationError(
+            f"calibrate: objective {objective!r}; expected one of {OBJECTIVES}. "
+            "Fix: pass 'mse' or 'attention'."
+        )
+    if window < 2:
+        raise CalibrationError(f"calibrate: window={window}; expected >= 2 tokens.")
+    if max_tokens is not None and max_tokens < 2:
+        raise CalibrationError(f"calibrate: max_tokens={max_tokens}; expected >= 2 tokens.")
+    check_supported(model)  # the written checkpoint must be usable by kvquant.patch
+    sites = find_attention_sites(model)
+    geometry = model_geometry(model, sites)
+    windows = _windows(model, texts_or_token_ids, tokenizer, window, max_tokens)
+    if not windows:
+        raise CalibrationError(
+            "calibrate: the inputs give no window of at least 2 tokens; expected real text. "
+            "Fix: pass a longer calibration text."
+        )
+    stats = KVStatistics(
+        geometry.num_layers, geometry.num_kv_heads, weighted=objective == "attention"
+    )
+    device = next(model.parameters()).device
+    decoder: Any = getattr(model, "model", model)
+    total = sum(w.numel() for w in windows)
+    with (
+        _collecting(model, stats),
+        tqdm(
+            total=total, desc="calibrating", unit="tok", file=sys.stderr, disable=not progress
+        ) as bar,
+    ):
+        for ids in windows:
+            decoder(input_ids=ids.to(device), use_cache=False)
+            stats.num_tokens += int(ids.numel())
+            bar.update(int(ids.numel()))
+    if stats.nonfinite:
+        raise CalibrationError(
+            f"calibrate: the model produced {stats.nonfinite} non-finite K/V values on the "
+            "calibration text; expected finite activations. Fix: run the model in fp32 (or "
+            "bf16) and check its weights; scales from NaN/inf activations are meaningless."
+        )
+    return stats
+
+
+def calibrate(
+    model: torch.nn.Module,
+    texts_or_token_ids: str | torch.Tensor | Sequence[str | torch.Tensor],
+    *,
+    granularity: str = "per-tensor",
+    tokenizer: Any = None,
+    window: int = 2048,
+    max_tokens: int | None = None,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    tolerance: float = 0.0,
+    objective: str = "mse",
+    progress: bool = True,
+    text_names: Sequence[str] = (),
+) -> CalibrationResult:
+    """Calibrate static FP8 KV scales by the expected quantization error they cause.
+
+    :func:`collect_statistics` followed by :func:`choose_scales`.
+
+    Args:
+        model: an unpatched transformers causal LM of a family kvquant supports.
+        texts_or_token_ids: a text, token ids int64 [T] or [B, T], or a list of either.
+        granularity: ``"per-tensor"`` or ``"per-head"``.
+        tokenizer: required when texts are given.
+        window: tokens per forward.
+        max_tokens: stop after this many tokens (None: all).
+        ratios: clipping-ratio grid (must contain 1.0).
+        tolerance: relative MSE margin that still prefers a larger ratio.
+        objective: ``"mse"`` (default: every value counts once) or ``"attention"``
+            (errors weighted by their first-order effect on the attention output).
+        progress: show a tqdm progress bar.
+        text_names: names of the texts, for the report.
+
+    Returns:
+        A :class:`CalibrationResult` (scales per layer, canonical fp32, plus the report).
+
+    Raises:
+        CalibrationError: bad inputs or options.
+        UnsupportedModelError: the model's attention cannot be observed.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> _ = torch.manual_seed(0)
+        >>> model = LlamaForCausalLM(cfg).eval()
+        >>> res = calibrate(model, torch.randint(0, 64, (1, 256)), progress=False)
+        >>> res.k_scales.shape, res.k_scales.dtype
+        (torch.Size([2]), torch.float32)
+    """
+    if granularity not in _GRANULARITIES:
+        raise CalibrationError(
+            f"calibrate: granularity {granularity!r}; expected one of {_GRANULARITIES}. "
+            "Fix: fp32-group scales are dynamic and need no calibration."
+        )
+    stats = collect_statistics(
+        model,
+        texts_or_token_ids,
+        tokenizer=tokenizer,
+        window=window,
+        max_tokens=max_tokens,
+        objective=objective,
+        progress=progress,
+    )
+    return choose_scales(
+        stats,
+        granularity,
+        ratios=ratios,
+        tolerance=tolerance,
+        objective=objective,
+        texts=text_names,
+    )
+
+
+# ---------------------------------------------------------------------------
+# writing a checkpoint
+
+
+def _quark_config() -> dict[str, Any]:
+    """Quark KV-only config with separate post-RoPE K/V (``kv_cache_post_rope: true``)."""
+    out_tensors = {
+        "dtype": "fp8_e4m3",
+        "qscheme": "per_tensor",
+        "is_dynamic": False,
+        "symmetric": True,
+        "observer_cls": "PerTensorMinMaxObserver",
+        "round_method": "half_even",
+        "scale_type": "float",
+        "ch_axis": None,
+        "group_size": None,
+    }
+    kv_cfg = {
+        "weight": None,
+        "input_tensors": None,
+        "output_tensors": out_tensors,
+        "bias": None,
+        "target_device": None,
+    }
+    return {
+        "quant_method": "quark",
+        "quant_mode": "eager_mode",
+        "global_quant_config": {
+            "weight": None,
+            "input_tensors": None,
+            "output_tensors": None,
+            "bias": None,
+            "target_device": None,
+        },
+        "layer_type_quant_config": {},
+        "layer_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
+        "kv_cache_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
+        "kv_cache_post_rope": True,
+        "exclude": [],
+        "export": {
+            "kv_cache_group": [],
+            "min_kv_scale": 0.0,
+            "pack_method": "reorder",
+            "weight_format": "real_quantized",
+            "weight_merge_groups": None,
+            "custom_mode": "quark",
+            "scale_dtype": "float32",
+        },
+    }
+
+
+def _names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
+    base = f"{prefix}layers.{layer}.self_attn"
+    if convention == "modelopt":
+        return f"{base}.k_proj.k_scale", f"{base}.v_proj.v_scale"
+    if convention == "quark":
+        return f"{base}.k_proj.output_scale", f"{base}.v_proj.output_scale"
+    return f"{base}.k_scale", f"{base}.v_scale"
+
+
+def _layer_homes(files: Sequence[Path], num_layers: int) -> tuple[str, dict[int, str]]:
+    """Tensor-name prefix of the decoder layers and, per layer, the shard holding its attention."""
+    import re
+
+    from safetensors import safe_open
+
+    pattern = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.")
+    prefix: str | None = None
+    homes: dict[int, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                m = pattern.match(name)
+                if m is None:
+                    continue
+                prefix = m.group(1) if prefix is None else prefix
+                homes.setdefault(int(m.group(2)), str(file))
+    if prefix is None or sorted(homes) != list(range(num_layers)):
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: found attention weights of layers {sorted(homes)[:8]} "
+            f"in {[str(f) for f in files][:3]}; expected 'layers.N.self_attn.*' tensors for "
+            f"all {num_layers} layers. Fix: pass the checkpoint the model was loaded from."
+        )
+    return prefix, homes
+
+
+def write_calibrated_checkpoint(
+    src_dir: str | Path,
+    result: CalibrationResult,
+    out_dir: str | Path,
+    convention: str = "compressed-tensors",
+    *,
+    force: bool = False,
+    link: bool = True,
+) -> Path:
+    """Write a copy of ``src_dir`` carrying ``result``'s scales in a producer's convention.
+
+    * ``compressed-tensors``: ``self_attn.k_scale`` / ``v_scale``, fp32 ``(1,)``
+      (``strategy: tensor``) or ``(Hkv, 1, 1)`` (per-head, ``strategy: attn_head``),
+      KV-only ``quantization_config`` with ``kv_cache_scheme``;
+    * ``modelopt``: ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, fp32 ``()``,
+      ``hf_quant_config.json`` with ``kv_cache_quant_algo: FP8``;
+    * ``quark``: ``self_attn.k_proj.output_scale`` / ``v_proj.output_scale``, fp32
+      ``()``, ``kv_cache_post_rope: true`` (separate post-RoPE K and V).
+
+    Shards without the attention of any layer are hard-linked (or copied); the
+    shard(s) receiving scales are re-saved with every other tensor unchanged;
+    KV scales already in the source are replaced. The copy is written into a
+    temporary folder, re-discovered and checked, then renamed into place
+    (:mod:`kvquant.export`'s machinery); ``kvquant-calibration.json`` with the
+    per-layer report is added afterwards.
+
+    Args:
+        src_dir: the checkpoint folder the model was loaded from.
+        result: scales from :func:`calibrate`.
+        out_dir: the output folder; must not exist unless ``force``.
+        convention: ``"compressed-tensors"`` (per-tensor or per-head),
+            ``"modelopt"`` or ``"quark"`` (per-tensor only).
+        force: replace ``out_dir`` if it is an existing folder.
+        link: hard-link unchanged files (falls back to copying).
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        CheckpointError: ``src_dir`` is not a readable checkpoint.
+        CalibrationError: unknown convention, per-head with a per-tensor-only
+            convention, geometry mismatch, or quantized weights of another producer.
+        ExportTargetExistsError: ``out_dir`` exists and ``force`` is False.
+        ExportError: the written copy failed its own check (nothing is left behind).
+    """
+    from kvquant import export as _export
+    from kvquant.registry.discovery import discover_scales, scale_tensor_infos
+
+    if convention not in CONVENTIONS:
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: convention {convention!r}; expected one of "
+            f"{CONVENTIONS}. Fix: pass one of those names."
+        )
+    if result.granularity == "per-head" and convention != "compressed-tensors":
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: per-head scales cannot be stored in the {convention} "
+            "convention (its config has no per-head KV strategy). Fix: use "
+            "convention='compressed-tensors' (strategy attn_head) or calibrate per-tensor."
+        )
+    found = discover_scales(src_dir)
+    src = found.path
+    out = Path(out_dir)
+    geometry = found.geometry
+    if geometry.num_layers != result.num_layers or geometry.num_kv_heads != result.num_kv_heads:
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: {src} has {geometry.num_layers} layers x "
+            f"{geometry.num_kv_heads} KV heads but the scales are for {result.num_layers} x "
+            f"{result.num_kv_heads}. Fix: calibrate the model loaded from {src}."
+        )
+    weights = _export._weight_quantization(found)
+    if weights is not None and found.producer != convention:
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: {src} has quantized weights ({weights}, producer "
+            f"{found.producer}); writing {convention} KV scales would mix conventions. Fix: pass "
+            f"convention={found.producer!r} if kvquant writes it, or calibrate the unquantized "
+            "checkpoint."
+        )
+    _export._check_paths(src, out, force)
+    prefix, homes = _layer_homes(found.files, result.num_layers)
+    infos = scale_tensor_infos(found.files)
+    drop_by_file: dict[str, set[str]] = {}
+    for raw in found.scales:
+        drop_by_file.setdefault(infos[raw.name].file, set()).add(raw.name)
+
+    H = result.num_kv_heads
+    if convention == "compressed-tensors":
+        shape: tuple[int, ...] = (H, 1, 1) if result.granularity == "per-head" else (1,)
+    else:
+        shape = ()
+    new_tensors: dict[str, torch.Tensor] = {}
+    new_file_for: dict[str, str] = {}
+    layers: list[Any] = []
+    for i in range(result.num_layers):
+        k, v = result.layer_scales(i)
+        k_name, v_name = _names(convention, prefix, i)
+        kt = k.float().reshape(shape).contiguous()
+        vt = v.float().reshape(shape).contiguous()
+        new_tensors[k_name], new_tensors[v_name] = kt, vt
+        new_file_for[k_name] = new_file_for[v_name] = homes[i]
+        layers.append(
+            _export.LayerExport(
+                layer=i,
+                k_name=k_name,
+                v_name=v_name,
+                shape=shape,
+                k=tuple(float(x) for x in kt.reshape(-1)),
+                v=tuple(float(x) for x in vt.reshape(-1)),
+            )
+        )
+
+    if convention == "quark":
+        qcfg: dict[str, Any] | None = _quark_config()
+        hf_quant: dict[str, Any] | None = None
+    else:
+        qcfg, hf_quant = _export._new_configs(convention, result.granularity, found, weights)
+        if convention == "modelopt" and qcfg is None and weights is None:
+            qcfg = {
+                "quant_method": "modelopt",
+                "producer": (hf_quant or {}).get("producer", {"name": "modelopt"}),
+                "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+                "ignore": [],
+            }
+    notes = [
+        f"scales calibrated by kvquant on {result.num_tokens} tokens "
+        f"({result.granularity}, expected-FP8-MSE clipping search)"
+    ]
+    if found.scales:
+        notes.append(f"{len(found.scales)} KV-scale tensors of the source were replaced")
+    report = _export.ExportReport(
+        source=str(src),
+        out=str(out),
+        engine="kvquant",
+        granularity=result.granularity,
+        source_producer=found.producer,
+        target_convention=convention,
+        layers=tuple(layers),
+        notes=tuple(notes),
+    )
+    _export._write(
+        found,
+        out,
+        force=force,
+        link=link,
+        qcfg=qcfg,
+        hf_quant=hf_quant,
+        new_tensors=new_tensors,
+        new_file_for=new_file_for,
+        drop_by_file=drop_by_file,
+        report=report,
+    )
+    # The report file is added after the atomic rename; replace (not rewrite) so that a
+    # hard-linked file of the source is never modified.
+    fd, tmp_name = tempfile.mkstemp(prefix=".kvquant-calibration-", dir=out)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(result.to_json() + "\n")
+    os.chmod(tmp_name, 0o644)
+    os.replace(tmp_name, out / _REPORT_FILE)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# evidence on SmolLM2-135M (python -m kvquant.calibrate)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure calibrated vs amax/448 scales on SmolLM2-135M through ``kvquant.patch``.
+
+    Calibrates on the calibration text, writes compressed-tensors checkpoint
+    copies (per-tensor and per-head; kvquant-calibrated and amax/448), loads each
+    through ``kvquant.patch`` (torch backend) and evaluates teacher-forced
+    perplexity on the *other* text, plus fp32-group and the unquantized model.
+
+    Args:
+        argv: arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        Exit status 0.
+    """
+    import kvquant.eval as E
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvquant.calibrate",
+        description="Perplexity of SmolLM2-135M with kvquant-calibrated vs amax/448 FP8 KV "
+        "scales (written checkpoints loaded through kvquant.patch).",
+    )
+    parser.add_argument("--tokens", type=int, default=1500, help="evaluation tokens per window")
+    parser.add_argument("--windows", type=int, default=1, help="evaluation windows (pooled)")
+    parser.add_argument("--calibration-tokens", type=int, default=4096)
+    parser.add_argument("--tolerance", type=float, default=0.0)
+    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write rows as JSON")
+    parser.add_argument(
+        "--controls",
+        action="store_true",
+        help="instead of kvquant.patch runs, simulate FP8 K/V (kvquant.eval.simulate_fp8_kv) for "
+        "every variant plus amax/448 scales multiplied by 1.01 ... 1.5 (alignment controls: no "
+        "clipping, same MSE class), with per-window deltas",
+    )
+    args = parser.parse_args(argv)
+
+    from kvquant.testing.smollm2 import load_smollm2, smollm2_path
+    from kvquant.testing.texts import text_pair
+
+    torch.manual_seed(0)
+    path = smollm2_path()
+    model, tokenizer = load_smollm2(path)
+    calib_text, eval_text = text_pair()
+    eval_ids = E.tokenize(
+        tokenizer,
+        eval_text.text,
+        args.tokens,
+        min_tokens=min(args.tokens, 1500),
+        windows=args.windows,
+    )
+    t0 = time.perf_counter()
+    stats = collect_statistics(
+        model,
+        calib_text.text,
+        tokenizer=tokenizer,
+        max_tokens=args.calibration_tokens,
+        objective="attention",  # keeps the plain histograms too: both objectives below
+        progress=True,
+    )
+    calib_seconds = time.perf_counter() - t0
+    variants = (
+        ("amax/448", (1.0,), "mse"),
+        ("calibrated, objective mse", DEFAULT_RATIOS, "mse"),
+        ("calibrated, objective attention", DEFAULT_RATIOS, "attention"),
+    )
+    results = {
+        f"{g} {name}": choose_scales(
+            stats,
+            g,
+            ratios=ratios,
+            tolerance=args.tolerance,
+            objective=objective,
+            texts=(calib_text.name,),
+        )
+        for name, ratios, objective in variants
+        for g in _GRANULARITIES
+    }
+    with E.simulate_fp8_kv(model, "none"):
+        t0 = time.perf_counter()
+        reference = E.teacher_forced(model, eval_ids)
+    rows = [E.evaluate("bf16 KV (unquantized)", reference, reference, time.perf_counter() - t0)]
+    if args.controls:
+        return _controls(model, results, eval_ids, reference, rows)
+    with tempfile.TemporaryDirectory(prefix="kvquant-calibrate-") as workdir:
+        for i, (label, res) in enumerate(results.items()):
+            folder = write_calibrated_checkpoint(path, res, Path(workdir) / str(i))
+            row, _ = E.run_kvquant(
+                model,
+                eval_ids,
+                reference,
+                label=f"kvquant {label} (compressed-tensors checkpoint)",
+                scales=folder,
+                backend=args.backend,
+            )
+            rows.append(row)
+    row, _ = E.run_kvquant(
+        model,
+        eval_ids,
+        reference,
+        label="kvquant fp32-group (G=64, dynamic)",
+        scales={},
+        scale_format="fp32-group",
+        group_size=64,
+        backend=args.backend,
+    )
+    rows.append(row)
+    header = (
+        f"SmolLM2-135M-Instruct (fp32 compute), calibration: {calib_text.name} "
+        f"({stats.num_tokens} tokens, {calib_seconds:.1f} s), evaluation: {eval_text.name} "
+        f"({eval_ids.shape[0]} x {eval_ids.shape[1]} tokens)"
+    )
+    print(header)
+    print(E.format_table(rows))
+    for label, res in results.items():
+        if "calibrated" in label:
+            print(f"\n{label}:\n{res.render()}")
+    if args.json:
+        payload = {
+            "header": header,
+            "rows": [asdict(r) for r in rows],
+            "calibrations": {k: r.to_dict() for k, r in results.items()},
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _as_calibrated(result: CalibrationResult, factor: float = 1.0) -> Any:
+    """A ``kvquant.eval.CalibratedScales`` whose ``amax / 448`` is ``factor`` x the result's scales."""
+    import kvquant.eval as E
+
+    k = result.k_scales * FP8_E4M3_MAX * factor
+    v = result.v_scales * FP8_E4M3_MAX * factor
+    if k.dim() == 1:
+        k = k[:, None].expand(-1, result.num_kv_heads)
+        v = v[:, None].expand(-1, result.num_kv_heads)
+    return E.CalibratedScales(k_amax=k.contiguous(), v_amax=v.contiguous(), num_tokens=0)
+
+
+def _controls(
+    model: torch.nn.Module,
+    results: dict[str, CalibrationResult],
+    eval_ids: torch.Tensor,
+    reference: Any,
+    rows: list[Any],
+) -> int:
+    """Simulated rows for every variant and for amax/448 x factor, with per-window deltas."""
+    import kvquant.eval as E
+
+    runs = [(label, res, 1.0) for label, res in results.items()]
+    for g in _GRANULARITIES:
+        runs += [(f"{g} amax/448 x {f}", results[f"{g} amax/448"], f) for f in _CONTROL_FACTORS]
+    n = eval_ids.shape[1] - 1
+    lines = []
+    for label, res, factor in runs:
+        t0 = time.perf_counter()
+        with E.simulate_fp8_kv(model, res.granularity, _as_calibrated(res, factor)):
+            st = E.teacher_forced(model, eval_ids)
+        row = E.evaluate(f"simulated {label}", st, reference, time.perf_counter() - t0)
+        rows.append(row)
+        per_window = [
+            100.0
+            * (
+                math.exp(float(st.nll[i * n : (i + 1) * n].double().mean()))
+                / math.exp(float(reference.nll[i * n : (i + 1) * n].double().mean()))
+                - 1.0
+            )
+            for i in range(eval_ids.shape[0])
+        ]
+        lines.append(
+            f"| {row.label} | {row.delta_pct:+.2f}% | "
+            + " ".join(f"{d:+.2f}" for d in per_window)
+            + " |"
+        )
+        print(lines[-1], flush=True)
+    print("\n| variant | Δ ppl (pooled) | Δ per window |\n|---|---:|---|")
+    print("\n".join(lines))
+    return 0
+
+
+_CONTROL_FACTORS = (1.01, 1.02, 1.05, 1.1, 1.25, 1.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
