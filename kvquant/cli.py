@@ -8,7 +8,8 @@ Subcommands:
   would load, 1 when any layer (or the checkpoint) would be rejected, 2 on a
   usage error (missing path, not a checkpoint, bad option).
 * ``kvquant demo``: build tiny checkpoints in each producer's convention in a
-  temporary folder and walk through what the doctor says about each.
+  temporary folder, walk through what the doctor says about each, then load,
+  patch and generate on CPU (see :mod:`kvquant.demo`).
 * ``kvquant export PATH --engine vllm|sglang|tensorrt-llm --out DIR``: write a
   copy of the checkpoint whose KV scales follow that engine's loader (names,
   shapes, fp32, config keys); see :mod:`kvquant.export`. Exit code 0 when
@@ -23,33 +24,22 @@ Subcommands:
   is written), 2 on a usage error (not a checkpoint, no tokenizer, unreadable
   text, ``--out`` exists without ``--force``).
 
-The demo is a list of steps (:data:`DEMO_STEPS`); later features append steps
-(load, patch, generate) with :func:`add_demo_step`.
+The demo's story lives in :mod:`kvquant.demo`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import textwrap
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvquant.errors import KVQuantError
 
 __all__ = [
-    "DEMO_STEPS",
-    "DemoCheckpoint",
-    "DemoContext",
-    "DemoStep",
-    "add_demo_step",
     "build_parser",
     "main",
-    "run_demo",
 ]
 
 EXIT_OK = 0
@@ -234,275 +224,9 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-# ---------------------------------------------------------------------------
-# demo
-
-
-@dataclass(frozen=True)
-class DemoCheckpoint:
-    """One checkpoint the demo builds.
-
-    Attributes:
-        key: short identifier (``"ct-tensor"``, ...).
-        title: one line naming the producer and variant.
-        story: what a newcomer should learn from it.
-        options: keyword arguments of
-            :func:`kvquant.testing.checkpoints.write_checkpoint`.
-        plain_loadable: whether plain transformers ``from_pretrained`` gives a
-            correct model (False for ModelOpt FP8 weights, which it upcasts
-            without their weight scales). Later steps that load models skip the others.
-    """
-
-    key: str
-    title: str
-    story: str
-    options: dict[str, Any]
-    plain_loadable: bool = True
-
-
-@dataclass
-class DemoContext:
-    """State shared by the demo steps.
-
-    Attributes:
-        workdir: the temporary folder the checkpoints live in.
-        out: where the story is printed.
-        checkpoints: key -> (demo checkpoint, its folder), filled by the build step.
-        reports: key -> :class:`kvquant.report.CheckpointReport`, filled by the doctor step.
-        extra: free space for later steps.
-    """
-
-    workdir: Path
-    out: TextIO
-    checkpoints: dict[str, tuple[DemoCheckpoint, Path]] = field(default_factory=dict)
-    reports: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def say(self, text: str = "", *, wrap: bool = True) -> None:
-        """Print one paragraph of the story (wrapped at 100 columns unless ``wrap=False``)."""
-        if wrap and "\n" not in text and len(text) > 100:
-            text = textwrap.fill(text, width=100, break_on_hyphens=False)
-        print(text, file=self.out)
-
-
-@dataclass(frozen=True)
-class DemoStep:
-    """A titled step of ``kvquant demo``.
-
-    Attributes:
-        title: shown as a heading.
-        run: the step; reads and fills the :class:`DemoContext`.
-    """
-
-    title: str
-    run: Callable[[DemoContext], None]
-
-
-def _broken_per_query_head() -> dict[str, Any]:
-    import torch
-
-    # layer 0's K scale exported per *query* head (4) instead of per KV head (2)
-    return {
-        "convention": "compressed-tensors",
-        "scales": {(0, "k"): torch.full((4,), 0.02, dtype=torch.bfloat16)},
-    }
-
-
-def _broken_nan() -> dict[str, Any]:
-    import torch
-
-    return {"convention": "modelopt", "scales": {(1, "v"): torch.tensor(float("nan"))}}
-
-
-DEMO_CHECKPOINTS: tuple[DemoCheckpoint, ...] = (
-    DemoCheckpoint(
-        "ct-tensor",
-        "llm-compressor / compressed-tensors, strategy 'tensor'",
-        "One bf16 scale of shape (1,) per K and per V: kvquant casts it to fp32 and uses it.",
-        {"convention": "compressed-tensors"},
-    ),
-    DemoCheckpoint(
-        "ct-attn_head",
-        "llm-compressor / compressed-tensors, strategy 'attn_head'",
-        "One bf16 scale per KV head, shape (Hkv, 1, 1): kvquant keeps one fp32 scale per head.",
-        {"convention": "compressed-tensors", "granularity": "per-head"},
-    ),
-    DemoCheckpoint(
-        "modelopt",
-        "NVIDIA ModelOpt, FP8 KV only",
-        "0-dim fp32 scales named k_proj.k_scale / v_proj.v_scale: used exactly as stored.",
-        {"convention": "modelopt"},
-    ),
-    DemoCheckpoint(
-        "modelopt-fp8",
-        "NVIDIA ModelOpt, FP8 weights + FP8 KV",
-        "Same KV scales, but the Linear weights are FP8 with weight_scale / input_scale beside "
-        "them. Those are not KV scales and discovery skips them; the doctor warns that plain "
-        "transformers would load these weights without their scales (a silently broken model).",
-        {"convention": "modelopt", "fp8_weights": True},
-        plain_loadable=False,
-    ),
-    DemoCheckpoint(
-        "quark",
-        "AMD Quark, default export (pre-RoPE, merged)",
-        "Quark measures K before RoPE and stores max(K, V) in both tensors; RoPE can push keys "
-        "up to sqrt(2) higher, so kvquant's policy decides whether to widen K.",
-        {"convention": "quark"},
-    ),
-    DemoCheckpoint(
-        "legacy",
-        "legacy single kv_scale",
-        "One scale per layer serves both K and V; kvquant says so.",
-        {"convention": "legacy-kv_scale"},
-    ),
-    DemoCheckpoint(
-        "broken-shape",
-        "broken: a K scale per query head",
-        "Layer 0's K scale has 4 values but the model has 2 KV heads: other engines keep element "
-        "[0] or crash obscurely; kvquant rejects it and says what it expected.",
-        {},
-    ),
-    DemoCheckpoint(
-        "broken-nan",
-        "broken: a NaN V scale",
-        "A calibration that diverged left NaN in layer 1's V scale; kvquant rejects it instead of "
-        "filling the cache with NaN.",
-        {},
-    ),
-)
-
-
-def _demo_options(ckpt: DemoCheckpoint) -> dict[str, Any]:
-    if ckpt.key == "broken-shape":
-        return _broken_per_query_head()
-    if ckpt.key == "broken-nan":
-        return _broken_nan()
-    return dict(ckpt.options)
-
-
-def _step_build(ctx: DemoContext) -> None:
-    from tqdm import tqdm
-
-    from kvquant.testing.checkpoints import write_checkpoint
-
-    ctx.say(
-        "kvquant reads the FP8 KV-cache scales that quantization tools store in a checkpoint. "
-        "Each tool names, shapes and types them differently. This demo writes tiny random "
-        f"Llama checkpoints (2 layers, 4 query heads, 2 KV heads, head_dim 16) under {ctx.workdir}, "
-        "one per producer convention, plus two broken ones."
-    )
-    for ckpt in tqdm(DEMO_CHECKPOINTS, desc="writing checkpoints", unit="ckpt", file=sys.stderr):
-        path = write_checkpoint(ctx.workdir / ckpt.key, **_demo_options(ckpt))
-        ctx.checkpoints[ckpt.key] = (ckpt, path)
-
-
-def _step_doctor(ctx: DemoContext) -> None:
-    from kvquant.report import inspect_checkpoint
-
-    ctx.say(
-        "For each checkpoint, `kvquant doctor PATH` reads config.json and the safetensors headers, "
-        "loads only the scale tensors (never the weights) and shows what kvquant would do with "
-        "every layer's K and V scale: use it as is, convert it (e.g. bf16 -> fp32), or reject it."
-    )
-    for key, (ckpt, path) in ctx.checkpoints.items():
-        report = inspect_checkpoint(path)
-        ctx.reports[key] = report
-        ctx.say()
-        ctx.say(f"--- {ckpt.title} ({key}) ---")
-        ctx.say(ckpt.story)
-        ctx.say(f"$ kvquant doctor {path}", wrap=False)
-        ctx.say(report.render(), wrap=False)
-        ctx.say(f"(exit code {report.exit_code})")
-
-
-def _step_summary(ctx: DemoContext) -> None:
-    ctx.say("Summary: what kvquant would do with each checkpoint")
-    width = max((len(k) for k in ctx.reports), default=4)
-    for key, report in ctx.reports.items():
-        verdict = "loads" if report.ok else "REJECTED"
-        ctx.say(f"  {key:<{width}}  {verdict:<8}  {report.summary}", wrap=False)
-    ctx.say()
-    ctx.say(
-        "Try it on your own checkpoint: `kvquant doctor /path/to/model` "
-        "(add --json for machines, --scale-format per-tensor to see a lossy reduction)."
-    )
-
-
-DEMO_STEPS: list[DemoStep] = [
-    DemoStep("Write one tiny checkpoint per producer", _step_build),
-    DemoStep("Ask the doctor about each", _step_doctor),
-    DemoStep("Summary", _step_summary),
-]
-"""The demo's steps, run in order. Append with :func:`add_demo_step`."""
-
-
-def add_demo_step(
-    title: str, run: Callable[[DemoContext], None], *, before: str | None = None
-) -> DemoStep:
-    """Add a step to ``kvquant demo`` (at the end, or before the step titled ``before``).
-
-    Args:
-        title: heading printed before the step.
-        run: the step function; receives the shared :class:`DemoContext`.
-        before: title of an existing step to insert before (e.g. ``"Summary"``).
-
-    Returns:
-        The new step.
-
-    Raises:
-        ValueError: ``before`` names no step.
-    """
-    step = DemoStep(title, run)
-    if before is None:
-        DEMO_STEPS.append(step)
-        return step
-    for i, existing in enumerate(DEMO_STEPS):
-        if existing.title == before:
-            DEMO_STEPS.insert(i, step)
-            return step
-    raise ValueError(f"no demo step titled {before!r}; steps are {[s.title for s in DEMO_STEPS]}")
-
-
-def run_demo(
-    out: TextIO | None = None,
-    *,
-    workdir: Path | None = None,
-    steps: Sequence[DemoStep] | None = None,
-) -> DemoContext:
-    """Run the demo steps and print the story.
-
-    Args:
-        out: where to print (default stdout).
-        workdir: keep the checkpoints in this folder (default: a temporary
-            folder deleted afterwards).
-        steps: the steps to run (default :data:`DEMO_STEPS`).
-
-    Returns:
-        The context after the last step (checkpoint paths may be gone when
-        ``workdir`` was not given).
-    """
-    stream = out if out is not None else sys.stdout
-    chosen = list(steps if steps is not None else DEMO_STEPS)
-    started = time.perf_counter()
-
-    def _run(folder: Path) -> DemoContext:
-        ctx = DemoContext(workdir=folder, out=stream)
-        for i, step in enumerate(chosen, 1):
-            ctx.say()
-            ctx.say(f"== Step {i}/{len(chosen)}: {step.title} ==")
-            step.run(ctx)
-        ctx.say()
-        ctx.say(f"(demo finished in {time.perf_counter() - started:.1f} s)")
-        return ctx
-
-    if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        return _run(workdir)
-    with tempfile.TemporaryDirectory(prefix="kvquant-demo-") as tmp:
-        return _run(Path(tmp))
-
-
 def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from kvquant.demo import run_demo
+
     run_demo(out, workdir=args.keep)
     return EXIT_OK
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvquant.cli import DEMO_STEPS, DemoContext, add_demo_step, main, run_demo
+from kvquant import demo
+from kvquant.cli import main
+from kvquant.demo import DEMO_STEPS, DemoContext, add_demo_step, run_demo
 from kvquant.errors import CheckpointError, ScaleFormatError, UnknownFormatError
 from kvquant.report import CheckpointReport, inspect_checkpoint
 from kvquant.testing.checkpoints import write_checkpoint
@@ -334,14 +336,21 @@ def test_demo_runs_and_tells_the_story(tmp_path: Path) -> None:
     }
     assert "fp8-weights-modelopt" in text
     assert [k for k, (c, _) in ctx.checkpoints.items() if not c.plain_loadable] == ["modelopt-fp8"]
-    for needle in ("Step 1/3", "compressed-tensors", "modelopt", "quark", "kv_scale", "REJECTED"):
+    for needle in ("Step 1/4", "compressed-tensors", "modelopt", "quark", "kv_scale", "REJECTED"):
         assert needle in text
+    # load, patch, generate: close to the unpatched model, half the KV bytes, undone by remove()
+    gen = ctx.extra["generate"]
+    assert gen["min_logit_cosine"] >= 0.999
+    assert gen["token_agreement"] >= 0.9
+    assert gen["fp8_bytes"] / gen["bf16_bytes"] <= 0.52
+    assert gen["restored"] is True
+    assert gen["load_time_granularity"] == "per-tensor"
     # the checkpoints it wrote are real transformers checkpoints with weights
     assert (tmp_path / "modelopt" / "model.safetensors").stat().st_size > 10_000
 
 
 def test_demo_steps_can_be_appended(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvquant.cli.DEMO_STEPS", list(DEMO_STEPS))
+    monkeypatch.setattr("kvquant.demo.DEMO_STEPS", list(DEMO_STEPS))
     seen: list[int] = []
 
     def extra(ctx: DemoContext) -> None:
@@ -349,11 +358,10 @@ def test_demo_steps_can_be_appended(monkeypatch: pytest.MonkeyPatch) -> None:
         ctx.say("extra step ran")
 
     add_demo_step("Extra", extra, before="Summary")
-    import kvquant.cli as cli
 
-    assert [s.title for s in cli.DEMO_STEPS][-2:] == ["Extra", "Summary"]
+    assert [s.title for s in demo.DEMO_STEPS][-2:] == ["Extra", "Summary"]
     with pytest.raises(ValueError, match="no demo step"):
         add_demo_step("x", extra, before="missing")
     out = io.StringIO()
-    run_demo(out, steps=cli.DEMO_STEPS)
+    run_demo(out, steps=demo.DEMO_STEPS)
     assert seen == [8] and "extra step ran" in out.getvalue()
