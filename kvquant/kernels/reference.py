@@ -128,15 +128,15 @@ def dequantize_pages(
     static_scale: torch.Tensor | None,
     group_scales: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Dequantize whole page tensors to fp32.
+    """Dequantize FP8 codes (whole pages, or tokens gathered from them) to fp32.
 
     Args:
-        pages: ``[num_pages, page_size, Hkv, D]`` FP8.
+        pages: ``[..., Hkv, D]`` FP8, e.g. ``[num_pages, page_size, Hkv, D]``.
         static_scale: fp32 ``[]`` or ``[Hkv]``, or None when ``group_scales`` is given.
-        group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` or None.
+        group_scales: fp32 ``[..., Hkv, D // G]`` (the same leading dims) or None.
 
     Returns:
-        fp32 ``[num_pages, page_size, Hkv, D]``.
+        fp32 tensor of the shape of ``pages``.
     """
     x = pages.float()
     if group_scales is not None:
@@ -151,7 +151,11 @@ def dequantize_pages(
 def gather_kv(
     pages: torch.Tensor, block_tables: torch.Tensor, seq_len: int, batch_index: int
 ) -> torch.Tensor:
-    """Gather the first ``seq_len`` tokens of sequence ``batch_index`` → ``[seq_len, Hkv, D]``."""
+    """Gather the first ``seq_len`` tokens of sequence ``batch_index``.
+
+    Works on pages ``[num_pages, page_size, Hkv, D]`` and on group scales
+    ``[num_pages, page_size, Hkv, D // G]`` alike: returns ``[seq_len, Hkv, ...]``.
+    """
     page_size = pages.shape[1]
     n_pages = (seq_len + page_size - 1) // page_size
     ids = block_tables[batch_index, :n_pages].long()
@@ -209,8 +213,6 @@ def paged_attention_reference(
     bsz, lq, hq, d = query.shape
     hkv = k_pages.shape[2]
     group = hq // hkv
-    k_all = dequantize_pages(k_pages, k_scale, k_group_scales)
-    v_all = dequantize_pages(v_pages, v_scale, v_group_scales)
     result = torch.zeros(bsz, lq, hq, d, dtype=torch.float32, device=query.device)
     seq_cpu = seq_lens.tolist()
     qlen_cpu = q_lens.tolist() if q_lens is not None else [lq] * bsz
@@ -219,8 +221,18 @@ def paged_attention_reference(
         n, nq = int(seq_cpu[b]), int(qlen_cpu[b])
         if n == 0 or nq == 0:
             continue
-        k = gather_kv(k_all, block_tables, n, b).repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = gather_kv(v_all, block_tables, n, b).repeat_interleave(group, dim=1)
+        # gather this sequence's tokens first, then dequantize only those
+        k, v = (
+            dequantize_pages(
+                gather_kv(pages, block_tables, n, b),
+                static,
+                None if groups is None else gather_kv(groups, block_tables, n, b),
+            ).repeat_interleave(group, dim=1)  # [n, Hq, D]
+            for pages, static, groups in (
+                (k_pages, k_scale, k_group_scales),
+                (v_pages, v_scale, v_group_scales),
+            )
+        )
         q = query[b, :nq].float()  # [nq, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
         if softcap > 0:
