@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from kvquant.errors import CalibrationError, UnsupportedModelError
+from kvquant.registry import conventions
 
 __all__ = [
     "BINS_PER_OCTAVE",
@@ -960,62 +961,6 @@ def calibrate(
 # writing a checkpoint
 
 
-def _quark_config() -> dict[str, Any]:
-    """Quark KV-only config with separate post-RoPE K/V (``kv_cache_post_rope: true``)."""
-    out_tensors = {
-        "dtype": "fp8_e4m3",
-        "qscheme": "per_tensor",
-        "is_dynamic": False,
-        "symmetric": True,
-        "observer_cls": "PerTensorMinMaxObserver",
-        "round_method": "half_even",
-        "scale_type": "float",
-        "ch_axis": None,
-        "group_size": None,
-    }
-    kv_cfg = {
-        "weight": None,
-        "input_tensors": None,
-        "output_tensors": out_tensors,
-        "bias": None,
-        "target_device": None,
-    }
-    return {
-        "quant_method": "quark",
-        "quant_mode": "eager_mode",
-        "global_quant_config": {
-            "weight": None,
-            "input_tensors": None,
-            "output_tensors": None,
-            "bias": None,
-            "target_device": None,
-        },
-        "layer_type_quant_config": {},
-        "layer_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
-        "kv_cache_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
-        "kv_cache_post_rope": True,
-        "exclude": [],
-        "export": {
-            "kv_cache_group": [],
-            "min_kv_scale": 0.0,
-            "pack_method": "reorder",
-            "weight_format": "real_quantized",
-            "weight_merge_groups": None,
-            "custom_mode": "quark",
-            "scale_dtype": "float32",
-        },
-    }
-
-
-def _names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
-    base = f"{prefix}layers.{layer}.self_attn"
-    if convention == "modelopt":
-        return f"{base}.k_proj.k_scale", f"{base}.v_proj.v_scale"
-    if convention == "quark":
-        return f"{base}.k_proj.output_scale", f"{base}.v_proj.output_scale"
-    return f"{base}.k_scale", f"{base}.v_scale"
-
-
 def _layer_homes(files: Sequence[Path], num_layers: int) -> tuple[str, dict[int, str]]:
     """Tensor-name prefix of the decoder layers and, per layer, the shard holding its attention."""
     import re
@@ -1126,17 +1071,14 @@ def write_calibrated_checkpoint(
     for raw in found.scales:
         drop_by_file.setdefault(infos[raw.name].file, set()).add(raw.name)
 
-    H = result.num_kv_heads
-    if convention == "compressed-tensors":
-        shape: tuple[int, ...] = (H, 1, 1) if result.granularity == "per-head" else (1,)
-    else:
-        shape = ()
+    shape = conventions.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
     new_tensors: dict[str, torch.Tensor] = {}
     new_file_for: dict[str, str] = {}
     layers: list[Any] = []
     for i in range(result.num_layers):
         k, v = result.layer_scales(i)
-        k_name, v_name = _names(convention, prefix, i)
+        k_name = conventions.scale_tensor_name(convention, i, "k", prefix=prefix)
+        v_name = conventions.scale_tensor_name(convention, i, "v", prefix=prefix)
         kt = k.float().reshape(shape).contiguous()
         vt = v.float().reshape(shape).contiguous()
         new_tensors[k_name], new_tensors[v_name] = kt, vt
@@ -1153,17 +1095,15 @@ def write_calibrated_checkpoint(
         )
 
     if convention == "quark":
-        qcfg: dict[str, Any] | None = _quark_config()
+        # KV-only, calibrated after RoPE: separate K and V, nothing else quantized.
+        qcfg: dict[str, Any] | None = conventions.quark_config(post_rope=True)
         hf_quant: dict[str, Any] | None = None
     else:
         qcfg, hf_quant = _export._new_configs(convention, result.granularity, found, weights)
         if convention == "modelopt" and qcfg is None and weights is None:
-            qcfg = {
-                "quant_method": "modelopt",
-                "producer": (hf_quant or {}).get("producer", {"name": "modelopt"}),
-                "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
-                "ignore": [],
-            }
+            qcfg = conventions.modelopt_quantization_config(
+                (hf_quant or {}).get("producer", {"name": "modelopt"}), ignore=()
+            )
     notes = [
         f"scales calibrated by kvquant on {result.num_tokens} tokens "
         f"({result.granularity}, expected-FP8-MSE clipping search)"

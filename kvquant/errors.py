@@ -14,6 +14,7 @@ __all__ = [
     "CacheUsageError",
     "CalibrationError",
     "CheckpointError",
+    "ConventionError",
     "ExportError",
     "ExportTargetExistsError",
     "FormatRegistrationError",
@@ -102,3 +103,7 @@ class TextNotFoundError(KVQuantError, FileNotFoundError):
 
 class CalibrationError(KVQuantError, ValueError):
     """Calibration cannot run or its result cannot be written (bad input, option or target)."""
+
+
+class ConventionError(KVQuantError, ValueError):
+    """An unknown producer convention, or a scale kind / granularity that producer does not store."""

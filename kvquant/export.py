@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
+from kvquant.registry import conventions
 from kvquant.registry.discovery import (
     DiscoveredCheckpoint,
     discover_scales,
@@ -415,13 +416,6 @@ def _prefix(raw: RawScale) -> str:
     return raw.name[:index] if index >= 0 else "model."
 
 
-def _target_names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
-    base = f"{prefix}layers.{layer}.self_attn"
-    if convention == "modelopt":
-        return f"{base}.k_proj.k_scale", f"{base}.v_proj.v_scale"
-    return f"{base}.k_scale", f"{base}.v_scale"
-
-
 def _shape_for(engine: str, granularity: str, num_kv_heads: int) -> tuple[int, ...]:
     rule = _RULES[(engine, granularity)]
     if rule.shape == "(Hkv,1,1)":
@@ -435,28 +429,6 @@ def _shape_for(engine: str, granularity: str, num_kv_heads: int) -> tuple[int, .
 # configs
 
 
-def _kv_scheme(granularity: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    scheme: dict[str, Any] = {
-        "num_bits": 8,
-        "type": "float",
-        "strategy": "attn_head" if granularity == "per-head" else "tensor",
-        "dynamic": False,
-        "symmetric": True,
-        "group_size": None,
-        "block_structure": None,
-        "observer": "minmax",
-        "scale_dtype": None,
-        "zp_dtype": None,
-        "actorder": None,
-    }
-    if base:
-        merged = dict(base)
-        for key in ("num_bits", "type", "strategy", "dynamic", "symmetric"):
-            merged[key] = scheme[key]
-        return merged
-    return scheme
-
-
 def _new_configs(
     convention: str,
     granularity: str,
@@ -467,23 +439,18 @@ def _new_configs(
     qcfg = dict(found.quantization_config or {})
     if convention == "compressed-tensors":
         if weights is not None and found.producer == "compressed-tensors":
-            qcfg["kv_cache_scheme"] = _kv_scheme(granularity, qcfg.get("kv_cache_scheme"))
+            qcfg["kv_cache_scheme"] = conventions.compressed_tensors_kv_scheme(
+                granularity, qcfg.get("kv_cache_scheme")
+            )
             return qcfg, None
-        out: dict[str, Any] = {
-            "quant_method": "compressed-tensors",
-            "format": "dense",
-            "quantization_status": "compressed",
-            "config_groups": {},
-            "ignore": [],
-            "kv_cache_scheme": _kv_scheme(granularity),
-        }
+        out = conventions.compressed_tensors_config(granularity)
         if found.producer == "compressed-tensors" and "version" in qcfg:
             out["version"] = qcfg["version"]
         return out, None
     # modelopt, weights quantized by ModelOpt: keep the weight config, declare FP8 KV
     # (a checkpoint declaring ModelOpt in hf_quant_config.json only keeps no config entry).
     if qcfg:
-        qcfg["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        qcfg["kv_cache_scheme"] = conventions.modelopt_kv_cache_scheme()
     hf_quant = json.loads(json.dumps(found.hf_quant_config or {}))
     if not hf_quant:
         hf_quant = {
@@ -705,7 +672,9 @@ def export_checkpoint(
         layer = layer_scales.layer
         raws = by_layer[layer]
         notes.extend([n for n in layer_scales.notes if n not in notes])
-        k_name, v_name = _target_names(convention, _prefix(raws[0]), layer)
+        prefix = _prefix(raws[0])
+        k_name = conventions.scale_tensor_name(convention, layer, "k", prefix=prefix)
+        v_name = conventions.scale_tensor_name(convention, layer, "v", prefix=prefix)
         written: dict[str, tuple[torch.Tensor, float]] = {}
         for kind, value in (("k", layer_scales.k), ("v", layer_scales.v)):
             if value is None:  # resolve_scales raised for rejected layers

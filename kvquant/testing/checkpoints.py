@@ -43,6 +43,8 @@ from typing import Any, Literal
 
 import torch
 
+from kvquant.registry import conventions
+
 __all__ = [
     "CONVENTIONS",
     "default_scale_values",
@@ -53,23 +55,9 @@ __all__ = [
 Convention = Literal[
     "compressed-tensors", "modelopt", "quark", "quark-fp8", "legacy-kv_scale", "none"
 ]
-CONVENTIONS: tuple[str, ...] = (
-    "compressed-tensors",
-    "modelopt",
-    "quark",
-    "quark-fp8",
-    "legacy-kv_scale",
-    "none",
-)
+CONVENTIONS: tuple[str, ...] = (*conventions.PRODUCER_CONVENTIONS, "none")
 """The producer conventions :func:`write_checkpoint` can write."""
 
-_DEFAULT_DTYPE: dict[str, torch.dtype] = {
-    "compressed-tensors": torch.bfloat16,
-    "modelopt": torch.float32,
-    "quark": torch.bfloat16,
-    "quark-fp8": torch.bfloat16,
-    "legacy-kv_scale": torch.float32,
-}
 _LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -93,22 +81,10 @@ def scale_tensor_name(convention: str, layer: int, kind: str) -> str:
         The name, e.g. ``model.layers.0.self_attn.k_proj.k_scale``.
 
     Raises:
-        ValueError: unknown convention or a kind the convention does not use.
+        ValueError: unknown convention or a kind the convention does not use
+            (:class:`~kvquant.registry.conventions.ConventionError`).
     """
-    base = f"model.layers.{layer}.self_attn"
-    if convention == "legacy-kv_scale":
-        if kind != "kv":
-            raise ValueError(f"legacy-kv_scale stores one 'kv' scale per layer, got kind {kind!r}")
-        return f"{base}.kv_scale"
-    if kind not in ("k", "v"):
-        raise ValueError(f"{convention} stores 'k' and 'v' scales, got kind {kind!r}")
-    if convention in ("compressed-tensors", "quark-fp8"):
-        return f"{base}.{kind}_scale"
-    if convention == "modelopt":
-        return f"{base}.{kind}_proj.{kind}_scale"
-    if convention == "quark":
-        return f"{base}.{kind}_proj.output_scale"
-    raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
+    return conventions.scale_tensor_name(convention, layer, kind)
 
 
 def default_scale_values(
@@ -136,133 +112,6 @@ def default_scale_values(
             else:
                 out[(layer, kind)] = torch.tensor(value, dtype=torch.float32)
     return out
-
-
-def _producer_config(
-    convention: str, granularity: str, fp8_weights: bool, post_rope: bool, scale_dtype: torch.dtype
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """Return (config.json quantization_config, hf_quant_config.json) as the producer writes them."""
-    if convention == "compressed-tensors":
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "dense",
-            "quantization_status": "compressed",
-            "config_groups": {},
-            "ignore": [],
-            "version": "0.19.0",
-            "kv_cache_scheme": {
-                "num_bits": 8,
-                "type": "float",
-                "strategy": "attn_head" if granularity == "per-head" else "tensor",
-                "dynamic": False,
-                "symmetric": True,
-                "group_size": None,
-                "block_structure": None,
-                "observer": "minmax",
-                "scale_dtype": None,
-                "zp_dtype": None,
-                "actorder": None,
-            },
-        }, None
-    if convention == "modelopt":
-        producer = {"name": "modelopt", "version": "0.47.0"}
-        qcfg: dict[str, Any] = {
-            "quant_method": "modelopt",
-            "ignore": ["lm_head"],
-            "producer": producer,
-            "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
-        }
-        hf_quant: dict[str, Any] = {
-            "producer": producer,
-            "quantization": {
-                "quant_algo": None,
-                "kv_cache_quant_algo": "FP8",
-                "exclude_modules": ["lm_head"],
-            },
-        }
-        if fp8_weights:
-            qcfg["quant_algo"] = "FP8"
-            qcfg["config_groups"] = {
-                "group_0": {
-                    "weights": {"num_bits": 8, "type": "float", "dynamic": False},
-                    "input_activations": {"num_bits": 8, "type": "float", "dynamic": False},
-                    "targets": ["Linear"],
-                }
-            }
-            hf_quant["quantization"]["quant_algo"] = "FP8"
-        else:
-            hf_quant["quantization"]["quantized_layers"] = {}
-        return qcfg, hf_quant
-    if convention in ("quark", "quark-fp8"):
-        dtype_name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
-            scale_dtype, "float32"
-        )
-        out_tensors = {
-            "dtype": "fp8_e4m3",
-            "qscheme": "per_tensor",
-            "is_dynamic": False,
-            "symmetric": True,
-            "observer_cls": "PerTensorMinMaxObserver",
-            "round_method": "half_even",
-            "scale_type": "float",
-            "ch_axis": None,
-            "group_size": None,
-        }
-        kv_cfg = {
-            "weight": None,
-            "input_tensors": None,
-            "output_tensors": dict(out_tensors),
-            "bias": None,
-            "target_device": None,
-        }
-        return {
-            "quant_method": "quark",
-            "quant_mode": "eager_mode",
-            "version": "0.13",
-            "global_quant_config": {
-                "weight": None,
-                "input_tensors": None,
-                "output_tensors": None,
-                "bias": None,
-                "target_device": None,
-            },
-            "layer_type_quant_config": {},
-            "layer_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
-            "kv_cache_quant_config": {"*k_proj": dict(kv_cfg), "*v_proj": dict(kv_cfg)},
-            "kv_cache_post_rope": post_rope,
-            "exclude": ["lm_head"],
-            "export": {
-                "kv_cache_group": ["*k_proj", "*v_proj"],
-                "min_kv_scale": 0.0,
-                "pack_method": "reorder",
-                "weight_format": "real_quantized",
-                "weight_merge_groups": None,
-                "custom_mode": "fp8" if convention == "quark-fp8" else "quark",
-                "scale_dtype": dtype_name,
-            },
-        }, None
-    return None, None
-
-
-def _shape_scale(
-    value: float | torch.Tensor,
-    convention: str,
-    granularity: str,
-    num_kv_heads: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Turn a canonical value (scalar or [Hkv]) into the producer's stored tensor."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().to(torch.float32).reshape(-1)
-    else:
-        t = torch.tensor([float(value)], dtype=torch.float32)
-    if convention == "compressed-tensors":
-        if granularity == "per-head":
-            if t.numel() == 1:
-                t = t.expand(num_kv_heads)
-            return t.reshape(num_kv_heads, 1, 1).to(dtype).clone()
-        return t.amax().reshape(1).to(dtype).clone()
-    return t.amax().reshape(()).to(dtype).clone()
 
 
 def _kv_scale_tensors(
@@ -307,7 +156,7 @@ def _kv_scale_tensors(
                 kt = k if isinstance(k, torch.Tensor) else torch.tensor(float(k))
                 vt = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
                 given = float(torch.maximum(kt.float().amax(), vt.float().amax()))
-            out[scale_tensor_name(convention, layer, "kv")] = _shape_scale(
+            out[scale_tensor_name(convention, layer, "kv")] = conventions.stored_scale(
                 given, convention, "per-tensor", num_kv_heads, scale_dtype
             )
         return out
@@ -315,7 +164,7 @@ def _kv_scale_tensors(
     for layer in range(num_layers):
         shaped: dict[str, torch.Tensor] = {}
         for kind in ("k", "v"):
-            shaped[kind] = _shape_scale(
+            shaped[kind] = conventions.stored_scale(
                 values[(layer, kind)], convention, granularity, num_kv_heads, scale_dtype
             )
         if merged:
@@ -520,7 +369,8 @@ def write_checkpoint(
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     hidden = hidden_size if hidden_size is not None else num_heads * head_dim
-    dtype = scale_dtype or _DEFAULT_DTYPE.get(convention, torch.float32)
+    spec = conventions.CONVENTION_SPECS.get(convention)
+    dtype = scale_dtype or (spec.default_dtype if spec is not None else torch.float32)
     config = _llama_config_dict(
         num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=False
     )
@@ -542,7 +392,13 @@ def write_checkpoint(
         config = _llama_config_dict(
             num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=True
         )
-    qcfg, hf_quant = _producer_config(convention, granularity, fp8_weights, post_rope, dtype)
+    qcfg, hf_quant = conventions.producer_configs(
+        convention,
+        granularity=granularity,
+        fp8_weights=fp8_weights,
+        post_rope=post_rope,
+        scale_dtype=dtype,
+    )
     if quant_config_updates:
         qcfg = dict(qcfg or {})
         qcfg.update(quant_config_updates)
