@@ -17,6 +17,8 @@ block tables int32 ``[B, max_pages]``, sequence lengths int32 ``[B]``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvquant.errors import BackendError, KernelInputError
@@ -232,44 +234,25 @@ def paged_attention(
         KernelInputError: a malformed argument.
         BackendError: the requested backend cannot run here.
     """
+    options: dict[str, Any] = {
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+        "k_group_scales": k_group_scales,
+        "v_group_scales": v_group_scales,
+        "q_lens": q_lens,
+        "kv_start": kv_start,
+        "causal": causal,
+        "softcap": softcap,
+        "window": window,
+        "out": out,
+    }
     geo = check_attention_inputs(
-        query,
-        k_pages,
-        v_pages,
-        block_tables,
-        seq_lens,
-        sm_scale=sm_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_group_scales=k_group_scales,
-        v_group_scales=v_group_scales,
-        q_lens=q_lens,
-        kv_start=kv_start,
-        causal=causal,
-        softcap=softcap,
-        window=window,
-        out=out,
+        query, k_pages, v_pages, block_tables, seq_lens, sm_scale=sm_scale, **options
     )
+    options.update(sm_scale=float(sm_scale), softcap=float(softcap), window=int(window))
     chosen = resolve_backend(backend, k_pages.device, "paged_attention")
     if chosen == "torch":
-        return paged_attention_reference(
-            query,
-            k_pages,
-            v_pages,
-            block_tables,
-            seq_lens,
-            float(sm_scale),
-            k_scale=k_scale,
-            v_scale=v_scale,
-            k_group_scales=k_group_scales,
-            v_group_scales=v_group_scales,
-            q_lens=q_lens,
-            kv_start=kv_start,
-            causal=causal,
-            softcap=float(softcap),
-            window=int(window),
-            out=out,
-        )
+        return paged_attention_reference(query, k_pages, v_pages, block_tables, seq_lens, **options)
     _check_triton_attention_limits(geo, block_tables)
     from kvquant.kernels import attention_triton
 
@@ -281,22 +264,7 @@ def paged_attention(
         )
         _require_interpreter_for_cpu(k_pages.device, interpreted, "paged_attention")
     return attention_triton.paged_attention_triton(
-        query,
-        k_pages,
-        v_pages,
-        block_tables,
-        seq_lens,
-        sm_scale=float(sm_scale),
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_group_scales=k_group_scales,
-        v_group_scales=v_group_scales,
-        q_lens=q_lens,
-        kv_start=kv_start,
-        causal=causal,
-        softcap=float(softcap),
-        window=int(window),
-        out=out,
+        query, k_pages, v_pages, block_tables, seq_lens, **options
     )
 
 
