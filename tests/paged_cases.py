@@ -66,6 +66,7 @@ def build_case(
     causal: bool = True,
     softcap: float = 0.0,
     window: int = 0,
+    value_gain: float = 1.0,
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> PagedCase:
@@ -88,6 +89,7 @@ def build_case(
         causal: causal masking.
         softcap: score soft-capping.
         window: sliding window.
+        value_gain: factor on every K and V value (tiny or huge magnitudes).
         device: where the tensors live.
         seed: RNG seed.
 
@@ -111,8 +113,8 @@ def build_case(
         slots[b, :n] = block_tables[b, pos // page].long() * page + pos % page
 
     head_gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1)
-    key = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain
-    value = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain.flip(2)
+    key = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain * value_gain
+    value = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain.flip(2) * value_gain
     nan_code = torch.full((num_pages, page, hkv, d), float("nan")).to(fp8)
     k_pages, v_pages = nan_code.clone(), nan_code.clone()
     scales: dict[str, torch.Tensor] = {}

@@ -17,7 +17,11 @@ import torch
 from numerics import assert_close_rel, error_report
 from paged_cases import build_case
 
-from kvquant.kernels.attention_triton import choose_num_splits, paged_attention_triton
+from kvquant.kernels.attention_triton import (
+    choose_num_splits,
+    paged_attention_triton,
+    programs_per_sm,
+)
 
 REL_TOL = 5e-3
 NUMPY_2_4 = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4)
@@ -68,6 +72,21 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         dict(lens=[41, 77], hq=8, hkv=2, d=64, qdtype=torch.bfloat16, hf_layout=True),
         {},
     ),
+    (
+        "decode-group16-unfolded-scales",
+        dict(lens=[75, 30], hq=8, hkv=2, d=64, granularity="fp32-group", group_size=16),
+        {"num_splits": 2},
+    ),
+    (
+        "decode-group64-tiny-values",
+        dict(lens=[90], hq=8, hkv=2, d=64, granularity="fp32-group", value_gain=1e-4),
+        {},
+    ),
+    (
+        "decode-group64-huge-values",
+        dict(lens=[90], hq=4, hkv=1, d=64, granularity="fp32-group", value_gain=2e3),
+        {"num_splits": 2},
+    ),
     ("decode-fp32-query", dict(lens=[41], hq=4, hkv=4, d=64, qdtype=torch.float32), {}),
     ("decode-e5m2", dict(lens=[41, 3], hq=8, hkv=2, d=64, fp8=torch.float8_e5m2), {}),
     ("decode-empty-sequence", dict(lens=[0, 25], hq=8, hkv=2, d=64), {"num_splits": 2}),
@@ -89,6 +108,11 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         "prefill-gqa3-group32",
         dict(lens=[61], hq=6, hkv=2, d=64, lq=30, granularity="fp32-group", group_size=32),
         {"config": {"BLOCK_M": 32, "QPB": 10, "BLOCK_N": 32}},
+    ),
+    (
+        "prefill-group64-folded",
+        dict(lens=[50, 70], hq=8, hkv=2, d=64, lq=40, granularity="fp32-group"),
+        {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 32}},
     ),
     (
         "prefill-softcap-window-per-head",
@@ -125,6 +149,41 @@ def test_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> No
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=str(case_kw))
 
 
+def test_group_scales_beyond_fp16_range_give_non_finite_output() -> None:
+    """With several groups per head, |K/V| above ~4094 overflows fp16: inf/NaN, never a wrong number."""
+    case = build_case(
+        [90], hq=4, hkv=1, d=64, granularity="fp32-group", group_size=32, value_gain=1e4, seed=3
+    )
+    v_amax = case.scales["v_group_scales"].nan_to_num(0.0).max() * 448
+    assert float(v_amax) > 4094  # stored V values beyond the limit
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
+    paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out,
+    )  # fmt: skip
+    assert not bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_group_scale_of_a_visible_slot_reaches_the_output(which: str) -> None:
+    """A NaN group scale (a non-finite K/V was written) makes the rows that see it NaN.
+
+    (The interpreter turns the FP8 NaN code into 480, so NaN codes are tested on the GPU.)
+    """
+    case = build_case([40, 40], hq=8, hkv=2, d=64, granularity="fp32-group", seed=5)
+    page = int(case.block_tables[1, 1])  # sequence 1, position 16 + 3: visible to its query
+    case.scales[f"{which}_group_scales"][page, 3, 0, 0] = float("nan")
+    ref = case.reference()
+    assert bool(torch.isnan(ref[1, :, :4]).all()) and not bool(torch.isnan(ref[0]).any())
+    out = torch.zeros(case.query.shape, dtype=case.query.dtype)
+    paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out, num_splits=2,
+    )  # fmt: skip
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert_close_rel(out[0], ref[0], rel_tol=REL_TOL)
+
+
 def test_output_with_hf_strides_and_zero_rows() -> None:
     """Non-contiguous ``out``; invalid query rows and key-less rows come out as zeros."""
     case = build_case([30, 0], hq=8, hkv=2, d=64, lq=3, q_lens=[2, 3])
@@ -142,9 +201,23 @@ def test_split_count_heuristic() -> None:
     assert choose_num_splits(256, 16384, 132) == 1  # B32 x Hkv8: one wave of 256 / 264
     assert choose_num_splits(512, 16384, 132) == 1  # B64: two full waves
     assert choose_num_splits(64, 16384, 132) == 4  # B8: 256 programs, not 5 x 64 = 1.2 waves
-    assert choose_num_splits(8, 32768, 132) == 29  # B1: 232 programs (88 % of a wave)
-    assert choose_num_splits(64, 1024, 132) == 2  # capped by 512 keys per split
+    assert choose_num_splits(8, 32768, 132) == 28  # B1: 224 programs (85 % of a wave)
+    assert choose_num_splits(64, 1024, 132) == 1  # short context: no reduce launch
+    assert choose_num_splits(64, 2048, 132) == 2  # capped by 1024 keys per split
     assert choose_num_splits(3, 64, 132) == 1
+    # 9/3/64, B32: 3 programs per SM -> 4 splits (384 <= 396 slots), not 5 (1.2 waves)
+    assert choose_num_splits(96, 16384, 132, programs_per_sm=3) == 4
+    assert choose_num_splits(96, 16384, 132) == 5
+
+
+def test_programs_per_sm() -> None:
+    """Residency from ptxas numbers of the decode kernel (sm_90, Triton 3.6)."""
+    assert programs_per_sm(230, 4, 41472) == 2  # D128, BLOCK_N 128: register-limited
+    assert programs_per_sm(162, 4, 39936) == 3  # D64: 168 regs after rounding -> 3
+    assert programs_per_sm(115, 4, 20992) == 4
+    assert programs_per_sm(64, 4, 120000) == 1  # shared-memory-limited
+    assert programs_per_sm(16, 16, 0) == 4  # thread-limited: 4 x 512 threads
+    assert programs_per_sm(255, 8, 1024) == 1
 
 
 def test_numerics_helper_flags_errors() -> None:

@@ -18,10 +18,14 @@ FP8 to fp16 once for the whole group, and both products are tensor-core
 
 Scales: static per-tensor / per-KV-head scales are folded out of the loop
 (``k_scale`` into the exp2 scale of the scores, ``v_scale`` onto the output);
-fp32 group scales ``[num_pages, page_size, Hkv, D // G]`` dequantize each
-tile in registers in fp16 (one packed multiply per element pair); the scales
-are multiplied by 16 first, so that scales of groups with amax down to ~1.7e-3
-stay fp16-normal, and the 16 is folded out of the scores and the output.
+fp32 group scales ``[num_pages, page_size, Hkv, D // G]``: with one group per
+head (``G = D``) the per-key scales fold into the score columns (K) and into
+the probabilities (V, divided by the tile's largest scale so that the fp16
+operand keeps the range of ``p``), with no per-element multiply and no range
+limit; with several groups per head each tile is dequantized in registers in
+fp16 (one packed multiply per element pair), the scales multiplied by 16 so
+that groups with amax down to ~1.7e-3 stay fp16-normal, and the 16 folded out
+of the scores and the output.
 
 The key loop is split into an unmasked interior (every key visible to every
 row of the block) and a masked rest (causal diagonal, tail, sliding window).
@@ -29,8 +33,9 @@ row of the block) and a masked rest (causal diagonal, tail, sliding window).
 The launcher does no argument validation: :mod:`kvquant.kernels` validates
 before dispatching here. Restrictions it relies on: ``head_dim`` a power of
 two (>= 16), pages, group scales and block tables contiguous in their last
-dimension, ``D // G`` a power of two, queries within fp16 range (|q| < 65504), and, with fp32 group
-scales, K/V values below 4094 in magnitude (fp16 range after the x16 boost).
+dimension, ``D // G`` a power of two, queries within fp16 range (|q| < 65504), and, with
+fp32 group scales of ``G < D``, K/V values below 4094 in magnitude (fp16 range after the
+x16 boost; beyond it the output turns inf/NaN, never silently wrong).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["choose_config", "choose_num_splits", "paged_attention_triton"]
+__all__ = ["choose_config", "choose_num_splits", "paged_attention_triton", "programs_per_sm"]
 
 # Triton reads TRITON_INTERPRET when the kernels below are decorated: fixed for this module.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -68,12 +73,17 @@ def _load_kv(
     s_vgt,
     MASKED: tl.constexpr,
     GROUP_SCALES: tl.constexpr,
+    FOLD: tl.constexpr,
     NG: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
 ):
-    """Gather the raw FP8 K/V tiles ``[BLOCK_N, D]`` (and group scales) of keys ``n0 + i``."""
+    """Gather the raw FP8 tiles ``[BLOCK_N, D]`` of keys ``n0 + i`` and their group scales.
+
+    Returns ``(k, v, ks, vs)``; the scales are ``[BLOCK_N]`` with ``FOLD`` (one group per
+    head), ``[BLOCK_N, NG]`` for other group scales, else placeholders.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     key_ok = offs_n < limit
@@ -90,84 +100,61 @@ def _load_kv(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    ks = 1.0
+    vs = 1.0
     if GROUP_SCALES:
-        offs_g = tl.arange(0, NG)
-        kg_ptrs = kg_base + (page * s_kgp + tok * s_kgt)[:, None] + offs_g[None, :]
-        vg_ptrs = vg_base + (page * s_vgp + tok * s_vgt)[:, None] + offs_g[None, :]
-        if MASKED:
-            ks = tl.load(kg_ptrs, mask=key_ok[:, None], other=0.0)
-            vs = tl.load(vg_ptrs, mask=key_ok[:, None], other=0.0)
+        kg_row = kg_base + page * s_kgp + tok * s_kgt
+        vg_row = vg_base + page * s_vgp + tok * s_vgt
+        if FOLD:
+            # one scale per key (NG == 1); padding keys get scale 0
+            ks = tl.load(kg_row, mask=key_ok, other=0.0)
+            vs = tl.load(vg_row, mask=key_ok, other=0.0)
         else:
-            ks = tl.load(kg_ptrs)
-            vs = tl.load(vg_ptrs)
-    else:
-        ks = 1.0
-        vs = 1.0
+            offs_g = tl.arange(0, NG)
+            ks = tl.load(kg_row[:, None] + offs_g[None, :], mask=key_ok[:, None], other=0.0)
+            vs = tl.load(vg_row[:, None] + offs_g[None, :], mask=key_ok[:, None], other=0.0)
     return k, v, ks, vs
 
 
 @triton.jit
-def _attn_update(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k,
-    v,
-    ks,
-    vs,
-    n0,
-    s_hi,
-    pos,
-    win,
-    qk_scale,
-    softcap,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    GROUP_SCALES: tl.constexpr,
-    NG: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-):
-    """One online-softmax step over loaded tiles of keys ``[n0, n0 + BLOCK_N)``."""
-    if GROUP_SCALES:
-        # fp16 dequantization with the scales boosted by GS_BOOST (folded out by the caller)
-        ks16 = (ks * 16.0).to(tl.float16)
-        k3 = tl.reshape(k.to(tl.float16), [BLOCK_N, NG, HEAD_D // NG]) * ks16[:, :, None]
-        k16 = tl.reshape(k3, [BLOCK_N, HEAD_D])
+def _group_dequant(x, xs, NG: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    """FP8 tile ``[BLOCK_N, D]`` times group scales ``[BLOCK_N, NG]`` x 16, in fp16."""
+    xs16 = (xs * 16.0).to(tl.float16)
+    x3 = tl.reshape(x.to(tl.float16), [BLOCK_N, NG, HEAD_D // NG]) * xs16[:, :, None]
+    return tl.reshape(x3, [BLOCK_N, HEAD_D])
+
+
+@triton.jit
+def _qk(q, k, ks, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr, NG: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
+    """Raw scores ``q @ (k * scales)^T`` ``[BLOCK_M, BLOCK_N]`` (x 16 for unfolded group scales)."""
+    if GROUP_SCALES and not FOLD:
+        s = tl.dot(q, tl.trans(_group_dequant(k, ks, NG, BLOCK_N, HEAD_D)))
     else:
-        k16 = k.to(tl.float16)
-    s = tl.dot(q, tl.trans(k16))
-    if USE_SOFTCAP:
-        # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
-        x = s * (qk_scale / softcap)
-        e = tl.exp(2.0 * x)
-        s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        if FOLD:
+            s = s * ks[None, :]
+    return s
+
+
+@triton.jit
+def _pv(acc, alpha, p, v, vs, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr,
+        NG: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
+    """``acc * alpha + p @ (v * scales)`` ``[BLOCK_M, D]`` (x 16 for unfolded group scales)."""
+    if FOLD:
+        # one scale per key folds into the probabilities, divided by the tile's largest
+        # scale so that the fp16 operand keeps the range of p whatever the size of V
+        vs_max = tl.max(vs, 0)
+        vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
+        pv = tl.dot((p * (vs / vs_max)[None, :]).to(tl.float16), v.to(tl.float16))
+        acc = acc * alpha[:, None] + pv * vs_max
+    elif GROUP_SCALES:
+        acc = tl.dot(
+            p.to(tl.float16), _group_dequant(v, vs, NG, BLOCK_N, HEAD_D), acc * alpha[:, None]
+        )
     else:
-        s = s * (qk_scale * 1.4426950408889634)
-    if MASKED:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        vis = (offs_n < s_hi)[None, :]
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= pos[:, None])
-        if USE_WINDOW:
-            vis = vis & (offs_n[None, :] > pos[:, None] - win)
-        s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if GROUP_SCALES:
-        vs16 = (vs * 16.0).to(tl.float16)
-        v3 = tl.reshape(v.to(tl.float16), [BLOCK_N, NG, HEAD_D // NG]) * vs16[:, :, None]
-        v16 = tl.reshape(v3, [BLOCK_N, HEAD_D])
-    else:
-        v16 = v.to(tl.float16)
-    acc = tl.dot(p.to(tl.float16), v16, acc * alpha[:, None])
-    return acc, m_new, l_i
+        acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc * alpha[:, None])
+    return acc
 
 
 @triton.jit
@@ -200,21 +187,41 @@ def _attn_tile(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     GROUP_SCALES: tl.constexpr,
+    FOLD: tl.constexpr,
     NG: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
 ):
-    """Load and process keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l)."""
+    """Online-softmax step over keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l)."""
     k, v, ks, vs = _load_kv(
         n0, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
         s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
-        MASKED, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+        MASKED, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D, PAGE,
     )  # fmt: skip
-    return _attn_update(
-        acc, m_i, l_i, q, k, v, ks, vs, n0, s_hi, pos, win, qk_scale, softcap,
-        MASKED, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D,
-    )  # fmt: skip
+    s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D)
+    if USE_SOFTCAP:
+        # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
+        x = s * (qk_scale / softcap)
+        e = tl.exp(2.0 * x)
+        s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+    else:
+        s = s * (qk_scale * 1.4426950408889634)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        vis = (offs_n < s_hi)[None, :]
+        if CAUSAL:
+            vis = vis & (offs_n[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            vis = vis & (offs_n[None, :] > pos[:, None] - win)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -272,12 +279,14 @@ def _paged_attn_kernel(
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
     GROUP_SCALES: tl.constexpr,
+    FOLD: tl.constexpr,
     NG: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_WHILE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     pid0 = tl.program_id(0)
@@ -337,7 +346,10 @@ def _paged_attn_kernel(
     else:
         mid = s_lo + tl.maximum(full_hi - s_lo, 0) // BLOCK_N * BLOCK_N
 
-    if GROUP_SCALES:
+    if FOLD:
+        qk_scale = sm_scale
+        v_mult = 1.0
+    elif GROUP_SCALES:
         # tiles were dequantized with scales x 16 (fp16-normal down to amax ~1.7e-3)
         qk_scale = sm_scale * 0.0625
         v_mult = 0.0625
@@ -362,7 +374,8 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < s_hi:
@@ -370,30 +383,32 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(s_lo, mid, BLOCK_N):
+        for n0 in tl.range(s_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
             acc, m_i, l_i = _attn_tile(
                 acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
         for n0 in range(mid, s_hi, BLOCK_N):
             acc, m_i, l_i = _attn_tile(
                 acc, m_i, l_i, q, n0, s_hi, pos, window, qk_scale, softcap,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, NG, BLOCK_N, HEAD_D, PAGE,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
 
-    has_key = l_i > 0.0
+    has_key = l_i != 0.0  # NaN (a NaN key or value, an overflow) must reach the output
     l_safe = tl.where(has_key, l_i, 1.0)
-    o = acc * (v_mult / l_safe)[:, None]
     keep = has_key & row_valid
-    o = tl.where(keep[:, None], o, 0.0)
+    o = tl.where(keep[:, None], acc * (v_mult / l_safe)[:, None], 0.0)
     if SPLIT:
         prow = ((b.to(tl.int64) * Lq + t) * Hq + head) * num_splits + split
         lse = tl.where(keep, m_i + tl.log2(l_safe), float("-inf"))
@@ -462,27 +477,36 @@ def _is_decode(lq: int, group: int) -> bool:
     return lq * group <= 64
 
 
-def choose_config(lq: int, group: int, head_dim: int) -> dict[str, int]:
+def choose_config(
+    lq: int, group: int, head_dim: int, *, group_dequant: bool = False
+) -> dict[str, int]:
     """Tile configuration for a problem: ``BLOCK_M``, ``QPB``, ``BLOCK_N``, warps, stages.
 
     Args:
         lq: query tokens per sequence (``Lq``).
         group: query heads per KV head.
         head_dim: ``D``.
+        group_dequant: K/V tiles are multiplied by group scales element-wise (fp32 group
+            scales of several groups per head, or of one group at ``D > 64``).
 
     Returns:
-        A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages``.
+        A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and
+        ``LOOP_STAGES`` (software-pipelining depth of the key loop).
     """
     if _is_decode(lq, group):
         block_m = max(16, triton.next_power_of_2(lq * group))
-        # 128-key tiles stream best on the H200 at D <= 128 (benchmarks/bench_attention.py sweep)
+        # 128-key tiles stream best on the H200 at D <= 128 (benchmarks/tune_decode.py)
         block_n = 128 if head_dim <= 128 else 32
+        # The key loop's loads are indirect (block table) and feed dots: Triton gives them
+        # LOOP_STAGES - 3 prefetch buffers. Two buffers: 352 vs 363 us at B32 x 16k
+        # (benchmarks/tune_decode.py); the register-heavy dequantizing variants would spill.
         return {
             "BLOCK_M": block_m,
             "QPB": lq,
             "BLOCK_N": block_n,
             "num_warps": 4,
             "num_stages": 3,
+            "LOOP_STAGES": 3 if group_dequant else 5,
         }
     if head_dim <= 128:
         block_m, block_n, warps = 128, 128, 8
@@ -494,30 +518,39 @@ def choose_config(lq: int, group: int, head_dim: int) -> dict[str, int]:
         "BLOCK_N": block_n,
         "num_warps": warps,
         "num_stages": 2,
+        "LOOP_STAGES": 2,
     }
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_num_splits(
-    programs: int, max_keys: int, num_sms: int, *, min_keys_per_split: int = 512
+    programs: int,
+    max_keys: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = 2,
+    min_keys_per_split: int = 1024,
 ) -> int:
     """Split-KV count that fills the GPU in whole waves, splits no shorter than ``min_keys_per_split``.
 
-    With ``slots = 2 * num_sms`` resident programs, the wave efficiency of ``s`` splits is
-    ``programs * s / (ceil(programs * s / slots) * slots)``; the smallest ``s`` within 85 % of
-    the best efficiency wins (a partial second wave costs as much as a full one).
+    With ``slots = programs_per_sm * num_sms`` resident programs, the wave efficiency of ``s``
+    splits is ``programs * s / (ceil(programs * s / slots) * slots)``; the smallest ``s`` within
+    85 % of the best efficiency wins (a partial second wave costs as much as a full one). Short
+    contexts stay unsplit: below ``2 * min_keys_per_split`` keys the reduce launch costs more
+    than the extra parallelism gains (H200: B8 x 1k decode, 27 us unsplit vs 45-50 us split).
 
     Args:
         programs: programs without splitting (``B * Hkv * query blocks``).
         max_keys: upper bound of keys per sequence (block-table capacity).
         num_sms: multiprocessors of the device.
+        programs_per_sm: programs of the kernel resident on one SM at once.
         min_keys_per_split: shortest split worth a program.
 
     Returns:
         The number of splits, 1 to 64.
     """
-    slots = 2 * num_sms  # two resident programs per SM (register-limited, 4 warps)
-    cap = max(1, min(64, triton.cdiv(max_keys, min_keys_per_split)))
+    slots = max(1, programs_per_sm) * num_sms
+    cap = max(1, min(64, max_keys // min_keys_per_split))
 
     def efficiency(s: int) -> float:
         n = programs * s
@@ -525,6 +558,66 @@ def choose_num_splits(
 
     best = max(efficiency(s) for s in range(1, cap + 1))
     return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.85 * best)
+
+
+_RESIDENCY: dict[tuple[Any, ...], int] = {}
+
+
+def programs_per_sm(
+    n_regs: int,
+    num_warps: int,
+    shared_bytes: int,
+    *,
+    regs_per_sm: int = 65536,
+    shared_per_sm: int = 233472,
+    threads_per_sm: int = 2048,
+) -> int:
+    """Programs of a kernel resident on one SM, limited by registers, shared memory and threads.
+
+    Registers are allocated per warp in units of 256. Defaults: H100/H200 (sm_90).
+
+    Args:
+        n_regs: registers per thread of the compiled kernel.
+        num_warps: warps per program.
+        shared_bytes: shared memory per program.
+        regs_per_sm: 32-bit registers per SM.
+        shared_per_sm: shared memory per SM in bytes.
+        threads_per_sm: resident threads per SM.
+
+    Returns:
+        At least 1.
+    """
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_smem = shared_per_sm // shared_bytes if shared_bytes else by_regs
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads))
+
+
+def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
+    """Resident programs per SM of the split decode kernel for this launch (memoised).
+
+    The first call of a signature compiles the kernel (``warmup``, no launch) to read its
+    register and shared-memory use; the interpreter (CPU) assumes 2.
+    """
+    if _INTERPRETED or device.type != "cuda":
+        return 2
+    dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args[:14])
+    key: tuple[Any, ...] = (device, dtypes, *sorted(consts.items()))
+    res = _RESIDENCY.get(key)
+    if res is None:
+        kernel = _paged_attn_kernel.warmup(*args, grid=(1,), **{**consts, "SPLIT": True})
+        _ = kernel.run  # loads the binary, which sets n_regs (Triton loads kernels lazily)
+        props = torch.cuda.get_device_properties(device)
+        res = _RESIDENCY[key] = programs_per_sm(
+            int(kernel.n_regs),
+            int(kernel.metadata.num_warps),
+            int(kernel.metadata.shared),
+            regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
+            shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
+            threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
+        )
+    return res
 
 
 def paged_attention_triton(
@@ -585,33 +678,27 @@ def paged_attention_triton(
     if bsz == 0 or lq == 0:
         return out
 
-    cfg = choose_config(lq, group, d)
+    ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
+    fold = k_group_scales is not None and v_group_scales is not None and ng == 1
+    cfg = choose_config(
+        lq, group, d, group_dequant=k_group_scales is not None and (not fold or d > 64)
+    )
     if config:
         cfg.update(config)
     qpb = int(cfg["QPB"])
     n_qblocks = triton.cdiv(lq, qpb)
-    decode = n_qblocks == 1
-    if num_splits is None:
-        if decode:
-            num_splits = choose_num_splits(
-                bsz * hkv, block_tables.shape[1] * page_size, _num_sms(query.device)
-            )
-        else:
-            num_splits = 1
-    split = num_splits > 1
 
     dummy = seq_lens  # placeholder pointer for absent optional tensors (never read)
     kg: torch.Tensor = dummy
     vg: torch.Tensor = dummy
     ks_t: torch.Tensor = dummy
     vs_t: torch.Tensor = dummy
-    ng, s_ks, s_vs = 1, 0, 0
+    s_ks, s_vs = 0, 0
     kg_strides: tuple[int, ...] = (0, 0, 0)
     vg_strides: tuple[int, ...] = (0, 0, 0)
     group_scales = k_group_scales is not None and v_group_scales is not None
     if k_group_scales is not None and v_group_scales is not None:
         kg, vg = k_group_scales, v_group_scales
-        ng = kg.shape[-1]
         kg_strides = (kg.stride(0), kg.stride(1), kg.stride(2))
         vg_strides = (vg.stride(0), vg.stride(1), vg.stride(2))
     elif k_scale is not None and v_scale is not None:
@@ -619,72 +706,61 @@ def paged_attention_triton(
         s_ks = k_scale.stride(0) if k_scale.dim() else 0
         s_vs = v_scale.stride(0) if v_scale.dim() else 0
 
+    # arguments after the pointers out, part, lse (args[11:14]) and num_splits (args[20])
+    args: list[Any] = [
+        query, k_pages, v_pages, block_tables, seq_lens,
+        q_lens if q_lens is not None else dummy,
+        kv_start if kv_start is not None else dummy,
+        ks_t, vs_t, kg, vg, out, out, out,
+        float(sm_scale), float(softcap) if softcap > 0 else 1.0, int(window),
+        lq, hq, n_qblocks, 2,
+        *query.stride(),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        block_tables.stride(0), s_ks, s_vs, *kg_strides, *vg_strides, *out.stride(),
+    ]  # fmt: skip
+    consts: dict[str, Any] = {
+        "HAS_QLEN": q_lens is not None,
+        "HAS_START": kv_start is not None,
+        "GROUP": group,
+        "QPB": qpb,
+        "BLOCK_M": int(cfg["BLOCK_M"]),
+        "BLOCK_N": int(cfg["BLOCK_N"]),
+        "HEAD_D": d,
+        "PAGE": page_size,
+        "GROUP_SCALES": group_scales,
+        # one group per head: the scales fold into the scores and the probabilities
+        "FOLD": fold,
+        "NG": ng,
+        "CAUSAL": bool(causal),
+        "USE_SOFTCAP": softcap > 0,
+        "USE_WINDOW": window > 0,
+        "USE_WHILE": bool(cfg.get("USE_WHILE", _INTERPRETED)),
+        "LOOP_STAGES": int(cfg.get("LOOP_STAGES", cfg["num_stages"])),
+        "num_warps": int(cfg["num_warps"]),
+        "num_stages": int(cfg["num_stages"]),
+    }
+    if num_splits is None:
+        num_splits = 1
+        if n_qblocks == 1:  # decode: split the keys to fill the GPU
+            num_splits = choose_num_splits(
+                bsz * hkv,
+                block_tables.shape[1] * page_size,
+                _num_sms(query.device),
+                programs_per_sm=_decode_residency(args, consts, query.device),
+            )
+    split = num_splits > 1
     if split:
         # one workspace: partial outputs [B, Lq, Hq, S, D] then their log2-sum-exp [B, Lq, Hq, S]
         rows = bsz * lq * hq * num_splits
         work = torch.empty(rows * (d + 1), dtype=torch.float32, device=query.device)
-        part, lse = work[: rows * d], work[rows * d :]
-    else:
-        part, lse = out, out
-
-    grid = (n_qblocks * num_splits, hkv, bsz)
-    _paged_attn_kernel[grid](
-        query,
-        k_pages,
-        v_pages,
-        block_tables,
-        seq_lens,
-        q_lens if q_lens is not None else dummy,
-        kv_start if kv_start is not None else dummy,
-        ks_t,
-        vs_t,
-        kg,
-        vg,
-        out,
-        part,
-        lse,
-        float(sm_scale),
-        float(softcap) if softcap > 0 else 1.0,
-        int(window),
-        lq,
-        hq,
-        n_qblocks,
-        num_splits,
-        *query.stride(),
-        k_pages.stride(0),
-        k_pages.stride(1),
-        k_pages.stride(2),
-        v_pages.stride(0),
-        v_pages.stride(1),
-        v_pages.stride(2),
-        block_tables.stride(0),
-        s_ks,
-        s_vs,
-        *kg_strides,
-        *vg_strides,
-        *out.stride(),
-        HAS_QLEN=q_lens is not None,
-        HAS_START=kv_start is not None,
-        GROUP=group,
-        QPB=qpb,
-        BLOCK_M=int(cfg["BLOCK_M"]),
-        BLOCK_N=int(cfg["BLOCK_N"]),
-        HEAD_D=d,
-        PAGE=page_size,
-        GROUP_SCALES=group_scales,
-        NG=ng,
-        CAUSAL=bool(causal),
-        USE_SOFTCAP=softcap > 0,
-        USE_WINDOW=window > 0,
-        SPLIT=split,
-        USE_WHILE=bool(cfg.get("USE_WHILE", _INTERPRETED)),
-        num_warps=int(cfg["num_warps"]),
-        num_stages=int(cfg["num_stages"]),
-    )
+        args[12], args[13] = work[: rows * d], work[rows * d :]
+    args[20] = num_splits
+    _paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
     if split:
         _reduce_kernel[(bsz * lq * hq,)](
-            part,
-            lse,
+            args[12],
+            args[13],
             out,
             lq,
             hq,

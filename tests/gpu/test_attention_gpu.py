@@ -89,3 +89,46 @@ def test_prefill_options() -> None:
     _run(dict(lens=[1500, 256], kv_start=[100, 17], **base))
     _run(dict(lens=[1500, 256], softcap=20.0, window=200, **base))
     _run(dict(lens=[1500, 256], causal=False, page=64, **base))
+
+
+@pytest.mark.parametrize("gran, g", [("per-tensor", 64), ("fp32-group", 64), ("fp32-group", 32)])
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_nan_code_in_a_visible_slot_reaches_the_output(
+    gran: str, g: int, which: str, splits: int
+) -> None:
+    """A NaN FP8 code that a row attends to makes that row NaN, exactly as in the reference."""
+    case = build_case([300, 300], hq=8, hkv=2, d=64, granularity=gran, group_size=g,
+                      device="cuda", seed=11)  # fmt: skip
+    pages = case.k_pages if which == "k" else case.v_pages
+    page = int(case.block_tables[1, 5])  # sequence 1, position 5 * 16 + 3
+    pages[page, 3, 0, 7] = float("nan")
+    ref = case.reference()
+    assert bool(torch.isnan(ref[1, :, :4]).all()) and not bool(torch.isnan(ref[0]).any())
+    out = torch.zeros(case.query.shape, dtype=case.query.dtype, device="cuda")
+    paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out, num_splits=splits,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert_close_rel(out[0], ref[0], rel_tol=REL_TOL)
+
+
+@pytest.mark.parametrize("value_gain", [1e4, 1e-4])
+def test_one_group_per_head_has_no_range_limit(value_gain: float) -> None:
+    """G = head_dim folds the scales: huge and tiny K/V are exact to the tolerance."""
+    _run(dict(lens=[500, 77], hq=8, hkv=2, d=128, granularity="fp32-group", group_size=128,
+              value_gain=value_gain, qdtype=torch.float32))  # fmt: skip
+
+
+def test_several_groups_beyond_fp16_range_give_non_finite_output() -> None:
+    """G < head_dim with |K/V| above ~4094: the output turns non-finite, never a wrong number."""
+    case = build_case([300], hq=4, hkv=1, d=64, granularity="fp32-group", group_size=32,
+                      value_gain=1e4, device="cuda", seed=3)  # fmt: skip
+    out = torch.zeros(case.query.shape, dtype=case.query.dtype, device="cuda")
+    paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out,
+    )  # fmt: skip
+    assert not bool(torch.isfinite(out).all())
