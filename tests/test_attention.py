@@ -110,7 +110,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {"config": {"BLOCK_M": 32, "QPB": 10, "BLOCK_N": 32}},
     ),
     (
-        "prefill-group64-folded",
+        "prefill-group64-one-group-per-head",
         dict(lens=[50, 70], hq=8, hkv=2, d=64, lq=40, granularity="fp32-group"),
         {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 32}},
     ),
