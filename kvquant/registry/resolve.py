@@ -947,7 +947,7 @@ def _no_scales(
             source="none",
             k_record=_record(None, layer, "k", "reject", reason, granularity=granularity_out),
             v_record=_record(None, layer, "v", "reject", reason, granularity=granularity_out),
-            problems=(problem,) if layer == 0 else (),
+            problems=(problem,),  # every layer lacks its scales
         )
         for layer in range(geometry.num_layers)
     ]
