@@ -42,6 +42,9 @@ __all__ = [
 GRANULARITIES: tuple[str, ...] = ("per-tensor", "per-head", "fp32-group")
 """Scale granularities a :class:`PagedLayerStorage` stores."""
 
+_PY_SLOTS_MAX = 64
+"""Up to this many new tokens per sequence, :meth:`PageAllocator.reserve` builds slots in Python."""
+
 
 def _positive_int(name: str, value: object, owner: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -159,39 +162,88 @@ class PageAllocator:
         """
         ids = self._distinct(seq_ids, "reserve")
         counts = self._counts(ids, num_new_tokens)
+        olds = self._take(ids, counts, "reserve")
         page = self.page_size
-        needed = []
-        for sid, n in zip(ids, counts, strict=True):
-            old = self._lens.get(sid, 0)
-            have = len(self._pages.get(sid, ()))
-            needed.append(max(0, -(-(old + n) // page) - have))
+        width = max(counts, default=0)
+        if width <= _PY_SLOTS_MAX:
+            # Few tokens per sequence (decode): plain Python, one tensor at the end.
+            rows = []
+            for sid, n, old in zip(ids, counts, olds, strict=True):
+                plist = self._pages[sid]
+                row = [plist[p // page] * page + p % page for p in range(old, old + n)]
+                if n < width:
+                    row.extend([-1] * (width - n))
+                rows.append(row)
+            out = torch.tensor(rows, dtype=torch.int64).reshape(len(ids), width)
+        else:
+            out = torch.full((len(ids), width), -1, dtype=torch.int64)
+            for row_idx, (sid, n, old) in enumerate(zip(ids, counts, olds, strict=True)):
+                if n:
+                    pos = torch.arange(old, old + n, dtype=torch.int64)
+                    table = torch.tensor(self._pages[sid], dtype=torch.int64)
+                    out[row_idx, :n] = table[pos // page] * page + pos % page
+        return out.to(self.device)
+
+    def reserve_pages(
+        self, seq_ids: Sequence[Hashable], num_new_tokens: int | Sequence[int]
+    ) -> list[list[int]]:
+        """Reserve slots like :meth:`reserve`, without building the slot mapping.
+
+        For callers that compute slots themselves (e.g. from a block table
+        they keep on the device): only Python bookkeeping, no tensor.
+
+        Args:
+            seq_ids: ``B`` distinct sequence ids.
+            num_new_tokens: one count for all sequences, or ``B`` counts.
+
+        Returns:
+            Per sequence, the page ids it took (in logical order, appended to
+            its page list); empty where the last page had room.
+
+        Raises:
+            CacheCapacityError: too few free pages; nothing was changed.
+            CacheUsageError: repeated ids or bad counts; nothing was changed.
+        """
+        ids = self._distinct(seq_ids, "reserve_pages")
+        counts = self._counts(ids, num_new_tokens)
+        before = [len(self._pages.get(sid, ())) for sid in ids]
+        self._take(ids, counts, "reserve_pages")
+        return [self._pages[sid][n:] for sid, n in zip(ids, before, strict=True)]
+
+    def _take(self, ids: list[Hashable], counts: list[int], op: str) -> list[int]:
+        """Take the pages ``counts`` more tokens need, all or nothing; return the old lengths."""
+        page = self.page_size
+        lens, pages = self._lens, self._pages
+        olds = [lens.get(sid, 0) for sid in ids]
+        needed = [
+            max(0, -(-(old + n) // page) - len(pages.get(sid, ())))
+            for sid, n, old in zip(ids, counts, olds, strict=True)
+        ]
         total = sum(needed)
-        if total > len(self._free):
+        free = self._free
+        if total > len(free):
             raise CacheCapacityError(
-                f"PageAllocator.reserve: {sum(counts)} new tokens for {len(ids)} sequences need "
-                f"{total} new pages of {page} slots, but only {len(self._free)} of "
+                f"PageAllocator.{op}: {sum(counts)} new tokens for {len(ids)} sequences need "
+                f"{total} new pages of {page} slots, but only {len(free)} of "
                 f"{self.num_pages} pages are free; nothing was reserved. Fix: free finished "
                 "sequences (PageAllocator.free), reserve for fewer sequences at once, or build "
                 "the cache with more pages (num_pages)."
             )
-        width = max(counts, default=0)
-        out = torch.full((len(ids), width), -1, dtype=torch.int64)
-        for row, (sid, n, extra) in enumerate(zip(ids, counts, needed, strict=True)):
-            plist = self._pages.setdefault(sid, [])
+        for sid, n, old, extra in zip(ids, counts, olds, needed, strict=True):
+            plist = pages.get(sid)
+            if plist is None:
+                plist = pages[sid] = []
             for _ in range(extra):
-                plist.append(self._free.pop())
-            old = self._lens.get(sid, 0)
-            self._lens[sid] = old + n
-            if n:
-                pos = torch.arange(old, old + n, dtype=torch.int64)
-                table = torch.tensor(plist, dtype=torch.int64)
-                out[row, :n] = table[pos // page] * page + pos % page
+                plist.append(free.pop())
+            lens[sid] = old + n
         if total:
             self._version += 1
-        return out.to(self.device)
+        return olds
 
     def _counts(self, ids: list[Hashable], num_new_tokens: int | Sequence[int]) -> list[int]:
         if isinstance(num_new_tokens, int) and not isinstance(num_new_tokens, bool):
+            if num_new_tokens >= 0 or not ids:
+                return [num_new_tokens] * len(ids)  # one valid count: no per-sequence checks
             counts = [num_new_tokens] * len(ids)
         else:
             counts = list(num_new_tokens)  # type: ignore[arg-type]

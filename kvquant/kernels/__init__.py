@@ -17,6 +17,8 @@ block tables int32 ``[B, max_pages]``, sequence lengths int32 ``[B]``.
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -31,6 +33,17 @@ from kvquant.kernels.validate import (
 )
 
 __all__ = ["compute_slot_mapping", "paged_attention", "write_kv"]
+
+
+_triton_modules: dict[str, ModuleType] = {}
+
+
+def _triton_module(name: str) -> ModuleType:
+    """``kvquant.kernels.<name>`` (a Triton kernel module), imported on first use."""
+    mod = _triton_modules.get(name)
+    if mod is None:
+        mod = _triton_modules[name] = importlib.import_module(f"kvquant.kernels.{name}")
+    return mod
 
 
 def _require_interpreter_for_cpu(device: torch.device, interpreted: bool, op: str) -> None:
@@ -133,11 +146,10 @@ def write_kv(
             v_group_scales=v_group_scales,
         )
         return
-    from kvquant.kernels.write_triton import is_interpreted, write_kv_triton
-
+    write_triton = _triton_module("write_triton")
     if k_pages.device.type != "cuda":
-        _require_interpreter_for_cpu(k_pages.device, is_interpreted(), "write_kv")
-    write_kv_triton(
+        _require_interpreter_for_cpu(k_pages.device, write_triton.is_interpreted(), "write_kv")
+    write_triton.write_kv_triton(
         key,
         value,
         k_pages,
@@ -254,8 +266,7 @@ def paged_attention(
     if chosen == "torch":
         return paged_attention_reference(query, k_pages, v_pages, block_tables, seq_lens, **options)
     _check_triton_attention_limits(geo, block_tables)
-    from kvquant.kernels import attention_triton
-
+    attention_triton = _triton_module("attention_triton")
     if k_pages.device.type != "cuda":
         from triton.runtime.interpreter import InterpretedFunction
 

@@ -45,9 +45,19 @@ _logger = logging.getLogger("kvquant")
 _logged: set[tuple[str, str, str]] = set()
 
 
+_triton_found: bool | None = None
+
+
 def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the ``triton`` package can be imported (without importing it).
+
+    Looked up once per process (the lookup costs tens of microseconds, and
+    :func:`resolve_backend` asks on every kernel call on CUDA).
+    """
+    global _triton_found
+    if _triton_found is None:
+        _triton_found = importlib.util.find_spec("triton") is not None
+    return _triton_found
 
 
 def interpreter_requested() -> bool:

@@ -15,6 +15,14 @@ little and the torch backend would index out of range anyway) or when the
 environment sets ``KVQUANT_CHECK_VALUES=1`` (debugging on a GPU). On CUDA
 without that variable, the Triton write kernel still never stores outside the
 pages: it skips slots outside ``[0, num_pages * page_size)``.
+
+**Repeated calls.** The metadata checks of :func:`check_write_inputs` and
+:func:`check_attention_inputs` are remembered once they pass, keyed on
+everything they read (each tensor's shape, strides, dtype and device, the
+None-ness of optional tensors, the type and value of scalar options): a
+decode loop pays for a dictionary lookup instead of the checks, and any
+argument that differs in something checked runs them again. Failures are
+never remembered, and the value checks (where enabled) run on every call.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ __all__ = [
     "WriteGeometry",
     "check_attention_inputs",
     "check_write_inputs",
+    "clear_check_memo",
     "value_checks_enabled",
 ]
 
@@ -249,7 +258,7 @@ def _check_pages(op: str, k_pages: object, v_pages: object) -> tuple[torch.Tenso
     return kp, vp
 
 
-def check_write_inputs(
+def _check_write_structure(
     key: object,
     value: object,
     k_pages: object,
@@ -260,28 +269,7 @@ def check_write_inputs(
     k_group_scales: torch.Tensor | None,
     v_group_scales: torch.Tensor | None,
 ) -> WriteGeometry:
-    """Validate the arguments of :func:`kvquant.kernels.write_kv`.
-
-    Args:
-        key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
-        value: ``[B, L, Hkv, D]`` fp32/fp16/bf16 (may differ from ``key``), any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
-        v_pages: like ``k_pages``, same dtype.
-        slot_mapping: int64 ``[B, L]``; negative = skip; otherwise below
-            ``num_pages * page_size`` (checked where values are cheap to read,
-            see the module docstring).
-        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
-        v_scale: fp32 ``[]`` or ``[Hkv]``.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, contiguous,
-            with ``v_group_scales``.
-        v_group_scales: like ``k_group_scales``.
-
-    Returns:
-        The call's sizes.
-
-    Raises:
-        KernelInputError: any argument is malformed.
-    """
+    """Dtype, shape, device and stride checks of :func:`check_write_inputs`."""
     op = "write_kv"
     kp, _ = _check_pages(op, k_pages, v_pages)
     num_pages, page_size, hkv, d = kp.shape
@@ -321,16 +309,21 @@ def check_write_inputs(
         device,
         group_scales_written=True,
     )
-    if sm.numel() and value_checks_enabled(device):
-        top = int(sm.max())
-        if top >= num_pages * page_size:
-            raise _fail(
-                f"{op}: slot_mapping holds slot {top}, but the cache has {num_pages} pages of "
-                f"{page_size} slots ({num_pages * page_size} slots, 0..{num_pages * page_size - 1}); "
-                "negative slots mean 'skip'. Fix: reserve slots with the cache's PageAllocator "
-                "(slot = page * page_size + offset)."
-            )
     return WriteGeometry(bsz, seq, num_pages, page_size, hkv, d, group_size)
+
+
+def _check_write_values(slot_mapping: torch.Tensor, geo: WriteGeometry) -> None:
+    """Value check of :func:`check_write_inputs` (reads the slots: syncs a GPU)."""
+    op = "write_kv"
+    num_pages, page_size = geo.num_pages, geo.page_size
+    top = int(slot_mapping.max())
+    if top >= num_pages * page_size:
+        raise _fail(
+            f"{op}: slot_mapping holds slot {top}, but the cache has {num_pages} pages of "
+            f"{page_size} slots ({num_pages * page_size} slots, 0..{num_pages * page_size - 1}); "
+            "negative slots mean 'skip'. Fix: reserve slots with the cache's PageAllocator "
+            "(slot = page * page_size + offset)."
+        )
 
 
 def _check_index_vector(
@@ -343,7 +336,7 @@ def _check_index_vector(
     return t
 
 
-def check_attention_inputs(
+def _check_attention_structure(
     query: object,
     k_pages: object,
     v_pages: object,
@@ -362,32 +355,7 @@ def check_attention_inputs(
     window: object,
     out: object,
 ) -> AttentionGeometry:
-    """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
-
-    Args:
-        query: ``[B, Lq, Hq, D]`` fp32/fp16/bf16, any strides, ``Hq % Hkv == 0``.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
-        v_pages: like ``k_pages``, same dtype.
-        block_tables: int32 ``[B, max_pages]``.
-        seq_lens: int32 ``[B]``.
-        sm_scale: softmax scale (a finite Python number).
-        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
-        v_scale: fp32 ``[]`` or ``[Hkv]``.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, with ``v_group_scales``.
-        v_group_scales: like ``k_group_scales``.
-        q_lens: int32 ``[B]`` or None.
-        kv_start: int32 ``[B]`` or None.
-        causal: bool.
-        softcap: number >= 0.
-        window: int >= 0.
-        out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
-
-    Returns:
-        The call's sizes.
-
-    Raises:
-        KernelInputError: any argument is malformed.
-    """
+    """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
     op = "paged_attention"
     kp, _ = _check_pages(op, k_pages, v_pages)
     num_pages, page_size, hkv, d = kp.shape
@@ -423,9 +391,11 @@ def check_attention_inputs(
             "one row per sequence. Fix: build block_tables for the same sequences as the query."
         )
     _check_device(op, "block_tables", bt, device, "k_pages")
-    sl = _check_index_vector(op, "seq_lens", seq_lens, bsz, device)
-    ql = None if q_lens is None else _check_index_vector(op, "q_lens", q_lens, bsz, device)
-    ks = None if kv_start is None else _check_index_vector(op, "kv_start", kv_start, bsz, device)
+    _check_index_vector(op, "seq_lens", seq_lens, bsz, device)
+    if q_lens is not None:
+        _check_index_vector(op, "q_lens", q_lens, bsz, device)
+    if kv_start is not None:
+        _check_index_vector(op, "kv_start", kv_start, bsz, device)
     group_size = _check_scales(
         op,
         k_scale,
@@ -469,49 +439,290 @@ def check_attention_inputs(
                 "Fix: allocate out like the query (torch.empty_like(query))."
             )
         _check_device(op, "out", o, device, "k_pages")
-    if value_checks_enabled(device) and bsz:
-        max_pages = bt.shape[1]
-        lens = sl.tolist()
-        if min(lens) < 0 or max(lens) > max_pages * page_size:
-            raise _fail(
-                f"{op}: seq_lens holds {min(lens)}..{max(lens)}; expected 0..{max_pages * page_size} "
-                f"(block_tables has {max_pages} pages of {page_size} tokens per row). "
-                "Fix: pass seq_lens and block_tables from the same PageAllocator step."
-            )
-        for b, n in enumerate(lens):
-            used = (n + page_size - 1) // page_size
-            if used:
-                row = bt[b, :used]
-                lo, hi = int(row.min()), int(row.max())
-                if lo < 0 or hi >= num_pages:
-                    raise _fail(
-                        f"{op}: block_tables row {b} uses page ids {lo}..{hi}; expected "
-                        f"0..{num_pages - 1} (the cache has {num_pages} pages). "
-                        "Fix: take block tables from the cache's PageAllocator."
-                    )
-        if ql is None:
-            for b, n in enumerate(lens):
-                if 0 < n < lq:
-                    raise _fail(
-                        f"{op}: seq_lens[{b}] is {n} but the query has {lq} tokens and q_lens is "
-                        "None (every query token needs its own key in the cache). Fix: pass "
-                        "q_lens for ragged batches, or write the new tokens before attending."
-                    )
-        else:
-            qls = ql.tolist()
-            for b, (nq, n) in enumerate(zip(qls, lens, strict=True)):
-                if nq < 0 or nq > lq or nq > n:
-                    raise _fail(
-                        f"{op}: q_lens[{b}] is {nq}; expected 0..min(q_len={lq}, seq_lens[{b}]={n}) "
-                        "(the new queries' own keys are already in the cache). "
-                        "Fix: write the new tokens before attending and pass their count."
-                    )
-        if ks is not None:
-            starts = ks.tolist()
-            for b, (s0, n) in enumerate(zip(starts, lens, strict=True)):
-                if s0 < 0 or s0 > n:
-                    raise _fail(
-                        f"{op}: kv_start[{b}] is {s0}; expected 0..seq_lens[{b}]={n}. "
-                        "Fix: pass the number of left-padding tokens of each sequence."
-                    )
     return AttentionGeometry(bsz, lq, hq, hkv, d, num_pages, page_size, bt.shape[1], group_size)
+
+
+def _page_ids_in_range(bt: torch.Tensor, lens: list[int], page_size: int, num_pages: int) -> bool:
+    """Whether every block-table entry a sequence uses lies in ``[0, num_pages)`` (one read)."""
+    used = torch.tensor([(n + page_size - 1) // page_size for n in lens], device=bt.device)
+    cols = torch.arange(bt.shape[1], device=bt.device)
+    out = (bt < 0) | (bt >= num_pages)
+    return not bool((out & (cols[None, :] < used[:, None])).any())
+
+
+def _raise_page_id_error(
+    op: str, bt: torch.Tensor, lens: list[int], page_size: int, num_pages: int
+) -> None:
+    """Name the first row of ``bt`` that uses a page id outside ``[0, num_pages)``."""
+    for b, n in enumerate(lens):
+        used = (n + page_size - 1) // page_size
+        if used:
+            row = bt[b, :used]
+            lo, hi = int(row.min()), int(row.max())
+            if lo < 0 or hi >= num_pages:
+                raise _fail(
+                    f"{op}: block_tables row {b} uses page ids {lo}..{hi}; expected "
+                    f"0..{num_pages - 1} (the cache has {num_pages} pages). "
+                    "Fix: take block tables from the cache's PageAllocator."
+                )
+
+
+def _check_attention_values(
+    bt: torch.Tensor,
+    sl: torch.Tensor,
+    ql: torch.Tensor | None,
+    ks: torch.Tensor | None,
+    geo: AttentionGeometry,
+) -> None:
+    """Value checks of :func:`check_attention_inputs` (read the index tensors: sync a GPU)."""
+    op = "paged_attention"
+    num_pages, page_size, lq = geo.num_pages, geo.page_size, geo.q_len
+    max_pages = bt.shape[1]
+    lens = sl.tolist()
+    if min(lens) < 0 or max(lens) > max_pages * page_size:
+        raise _fail(
+            f"{op}: seq_lens holds {min(lens)}..{max(lens)}; expected 0..{max_pages * page_size} "
+            f"(block_tables has {max_pages} pages of {page_size} tokens per row). "
+            "Fix: pass seq_lens and block_tables from the same PageAllocator step."
+        )
+    if not _page_ids_in_range(bt, lens, page_size, num_pages):
+        _raise_page_id_error(op, bt, lens, page_size, num_pages)
+    if ql is None:
+        for b, n in enumerate(lens):
+            if 0 < n < lq:
+                raise _fail(
+                    f"{op}: seq_lens[{b}] is {n} but the query has {lq} tokens and q_lens is "
+                    "None (every query token needs its own key in the cache). Fix: pass "
+                    "q_lens for ragged batches, or write the new tokens before attending."
+                )
+    else:
+        qls = ql.tolist()
+        for b, (nq, n) in enumerate(zip(qls, lens, strict=True)):
+            if nq < 0 or nq > lq or nq > n:
+                raise _fail(
+                    f"{op}: q_lens[{b}] is {nq}; expected 0..min(q_len={lq}, seq_lens[{b}]={n}) "
+                    "(the new queries' own keys are already in the cache). "
+                    "Fix: write the new tokens before attending and pass their count."
+                )
+    if ks is not None:
+        starts = ks.tolist()
+        for b, (s0, n) in enumerate(zip(starts, lens, strict=True)):
+            if s0 < 0 or s0 > n:
+                raise _fail(
+                    f"{op}: kv_start[{b}] is {s0}; expected 0..seq_lens[{b}]={n}. "
+                    "Fix: pass the number of left-padding tokens of each sequence."
+                )
+
+
+# ------------------------------------------------------------ signature memo
+
+_MEMO_MAX = 64
+"""Signatures remembered per checker; a full memo is emptied."""
+
+_STRIDED = torch.strided
+_write_ok: dict[tuple[object, ...], WriteGeometry] = {}
+_attention_ok: dict[tuple[object, ...], AttentionGeometry] = {}
+
+
+def _signature(*args: object) -> tuple[object, ...] | None:
+    """Everything the structural checks read from ``args``, as a hashable key.
+
+    A tensor contributes its shape, strides, dtype and device (contiguity
+    follows from shape and strides); None stays None; a bool, int or float
+    (a scalar option) contributes its type and value. Returns None ("do not
+    remember") when an argument is anything else, or a tensor that is not
+    strided (sparse, nested): such calls always run every check.
+    """
+    key: list[object] = []
+    try:
+        for x in args:
+            if isinstance(x, torch.Tensor):
+                if x.layout is not _STRIDED:
+                    return None
+                key.append((x.shape, x.stride(), x.dtype, x.device))
+            elif x is None:
+                key.append(None)
+            elif type(x) in (bool, int, float):
+                key.append((type(x), x))
+            else:
+                return None
+    except RuntimeError:  # no strides
+        return None
+    return tuple(key)
+
+
+def clear_check_memo() -> None:
+    """Forget every remembered signature: the next calls run every structural check."""
+    _write_ok.clear()
+    _attention_ok.clear()
+
+
+def check_write_inputs(
+    key: object,
+    value: object,
+    k_pages: object,
+    v_pages: object,
+    slot_mapping: object,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+) -> WriteGeometry:
+    """Validate the arguments of :func:`kvquant.kernels.write_kv`.
+
+    The dtype, shape, device and stride checks read only tensor metadata;
+    once they pass, their result is remembered under the signature of the
+    arguments (every shape, stride, dtype and device), so a call with the same
+    signature skips them and one that differs in anything they read runs them
+    again. The value check (slots inside the cache, where values are cheap to
+    read: see the module docstring) runs on every call.
+
+    Args:
+        key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
+        value: ``[B, L, Hkv, D]`` fp32/fp16/bf16 (may differ from ``key``), any strides.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        v_pages: like ``k_pages``, same dtype.
+        slot_mapping: int64 ``[B, L]``; negative = skip; otherwise below
+            ``num_pages * page_size`` (checked where values are cheap to read,
+            see the module docstring).
+        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
+        v_scale: fp32 ``[]`` or ``[Hkv]``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, contiguous,
+            with ``v_group_scales``.
+        v_group_scales: like ``k_group_scales``.
+
+    Returns:
+        The call's sizes.
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    sig = _signature(
+        key, value, k_pages, v_pages, slot_mapping, k_scale, v_scale, k_group_scales, v_group_scales
+    )
+    geo = None if sig is None else _write_ok.get(sig)
+    if geo is None:
+        geo = _check_write_structure(
+            key,
+            value,
+            k_pages,
+            v_pages,
+            slot_mapping,
+            k_scale,
+            v_scale,
+            k_group_scales,
+            v_group_scales,
+        )
+        if sig is not None:
+            if len(_write_ok) >= _MEMO_MAX:
+                _write_ok.clear()
+            _write_ok[sig] = geo
+    sm: torch.Tensor = slot_mapping  # type: ignore[assignment]  # checked above
+    pages: torch.Tensor = k_pages  # type: ignore[assignment]
+    if geo.batch and geo.seq and value_checks_enabled(pages.device):
+        _check_write_values(sm, geo)
+    return geo
+
+
+def check_attention_inputs(
+    query: object,
+    k_pages: object,
+    v_pages: object,
+    block_tables: object,
+    seq_lens: object,
+    *,
+    sm_scale: object,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+    q_lens: object,
+    kv_start: object,
+    causal: object,
+    softcap: object,
+    window: object,
+    out: object,
+) -> AttentionGeometry:
+    """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
+
+    Dtype, shape, device, stride and option checks are remembered per
+    signature of the arguments, like :func:`check_write_inputs` (options by
+    type and value); the value checks (lengths and page ids inside the
+    cache, where values are cheap to read) run on every call.
+
+    Args:
+        query: ``[B, Lq, Hq, D]`` fp32/fp16/bf16, any strides, ``Hq % Hkv == 0``.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        v_pages: like ``k_pages``, same dtype.
+        block_tables: int32 ``[B, max_pages]``.
+        seq_lens: int32 ``[B]``.
+        sm_scale: softmax scale (a finite Python number).
+        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
+        v_scale: fp32 ``[]`` or ``[Hkv]``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, with ``v_group_scales``.
+        v_group_scales: like ``k_group_scales``.
+        q_lens: int32 ``[B]`` or None.
+        kv_start: int32 ``[B]`` or None.
+        causal: bool.
+        softcap: number >= 0.
+        window: int >= 0.
+        out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
+
+    Returns:
+        The call's sizes.
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    sig = _signature(
+        query,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        sm_scale,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+        q_lens,
+        kv_start,
+        causal,
+        softcap,
+        window,
+        out,
+    )
+    geo = None if sig is None else _attention_ok.get(sig)
+    if geo is None:
+        geo = _check_attention_structure(
+            query,
+            k_pages,
+            v_pages,
+            block_tables,
+            seq_lens,
+            sm_scale=sm_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_group_scales=k_group_scales,
+            v_group_scales=v_group_scales,
+            q_lens=q_lens,
+            kv_start=kv_start,
+            causal=causal,
+            softcap=softcap,
+            window=window,
+            out=out,
+        )
+        if sig is not None:
+            if len(_attention_ok) >= _MEMO_MAX:
+                _attention_ok.clear()
+            _attention_ok[sig] = geo
+    pages: torch.Tensor = k_pages  # type: ignore[assignment]  # checked above
+    if geo.batch and value_checks_enabled(pages.device):
+        _check_attention_values(
+            block_tables,  # type: ignore[arg-type]
+            seq_lens,  # type: ignore[arg-type]
+            q_lens,  # type: ignore[arg-type]
+            kv_start,  # type: ignore[arg-type]
+            geo,
+        )
+    return geo

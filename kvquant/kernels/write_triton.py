@@ -22,6 +22,7 @@ by :func:`kvquant.kernels.write_kv`.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -168,6 +169,27 @@ def is_interpreted() -> bool:
     return isinstance(_write_kv_kernel, InterpretedFunction)
 
 
+_FP8_MAX: dict[torch.dtype, float] = {
+    dt: float(torch.finfo(dt).max) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)
+}
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=64)
+def _blocks(hkv: int, g: int, ng: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_NG, BLOCK_R, BLOCK_G, BLOCK_T)`` of the tile for ``hkv`` heads of ``ng`` groups of ``g``."""
+    block_ng = triton.next_power_of_2(ng)
+    block_r = triton.next_power_of_2(hkv) * block_ng
+    block_g = triton.next_power_of_2(g)
+    per_token = block_r * block_g
+    block_t = max(1, min(16, 4096 // per_token))
+    block_t = 1 << (block_t.bit_length() - 1)  # power of two
+    return block_ng, block_r, block_g, block_t
+
+
 def _static_stride(s: torch.Tensor) -> int:
     return 0 if s.dim() == 0 else int(s.stride(0))
 
@@ -214,16 +236,13 @@ def write_kv_triton(
         kg_arg, vg_arg = k_pages, v_pages
     else:
         raise ValueError("write_kv_triton needs k_scale/v_scale or k_group_scales/v_group_scales")
-    block_ng = triton.next_power_of_2(ng)
-    block_r = triton.next_power_of_2(hkv) * block_ng
-    block_g = triton.next_power_of_2(g)
-    per_token = block_r * block_g
-    block_t = max(1, min(16, 4096 // per_token))
-    block_t = 1 << (block_t.bit_length() - 1)  # power of two
+    block_ng, block_r, block_g, block_t = _blocks(hkv, g, ng)
     grid = (triton.cdiv(n_tokens, block_t),)
-    fp8_max = float(torch.finfo(k_pages.dtype).max)
-    on_cuda = key.device.type == "cuda"
-    with torch.cuda.device(key.device) if on_cuda else contextlib.nullcontext():
+    fp8_max = _FP8_MAX[k_pages.dtype]
+    dev = key.device
+    # Triton launches on the current CUDA device: switch only when the tensors are elsewhere.
+    switch = dev.type == "cuda" and dev.index is not None and dev.index != _current_device()
+    with torch.cuda.device(dev) if switch else contextlib.nullcontext():
         _write_kv_kernel[grid](
             key,
             value,

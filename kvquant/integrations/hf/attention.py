@@ -55,6 +55,11 @@ def _layer_of(module: nn.Module) -> KVQuantLayer | None:
     return None
 
 
+def _name(module: nn.Module) -> str:
+    """How messages name an attention module."""
+    return f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+
+
 def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
@@ -179,44 +184,44 @@ def kvquant_attention(
         UnsupportedModelError: dropout during training, or an unsupported mask pattern.
         KVQuantError: K/V are missing and the layer's kvquant cache cannot be found.
     """
-    name = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
     if dropout and module.training:
         raise UnsupportedModelError(
-            f"{name}: attention dropout {dropout} in training mode; kvquant's FP8 cache is for "
-            "inference. Fix: model.eval(), or handle.remove() to train."
+            f"{_name(module)}: attention dropout {dropout} in training mode; kvquant's FP8 cache "
+            "is for inference. Fix: model.eval(), or handle.remove() to train."
         )
     sm_scale = float(scaling if scaling is not None else getattr(module, "scaling", 0.0))
     if sm_scale <= 0:
         sm_scale = 1.0 / math.sqrt(query.shape[-1])
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
-    layer = _layer_of(module)
     if key is not None and value is not None:
         # Dense K/V: no cache, or a transformers cache: compute exactly.
         return _dense_attention(
             module, query, key, value, attention_mask, sm_scale, cap, window
         ), None
-    if layer is None or layer.storage is None:
+    layer = _layer_of(module)
+    storage = None if layer is None else layer.storage
+    if layer is None or storage is None:
         raise KVQuantError(
-            f"{name}: kvquant's attention got no K/V and found no kvquant cache layer on the "
-            "module (the forward pre-hook installed by kvquant.patch did not run). Fix: call "
+            f"{_name(module)}: kvquant's attention got no K/V and found no kvquant cache layer on "
+            "the module (the forward pre-hook installed by kvquant.patch did not run). Fix: call "
             "kvquant.patch(model) again, and pass the cache as a keyword argument."
         )
     cache = layer.cache
-    lq = query.shape[2]
     memo = cache.kv_start_memo
-    if memo is not None and memo[0] is attention_mask and memo[1] == window:
-        kv_start: torch.Tensor | None = memo[2]
+    kv_start: torch.Tensor | None
+    if attention_mask is None:
+        kv_start = cache.kv_start_memo = None  # no mask: no padding
+    elif memo is not None and memo[0] is attention_mask and memo[1] == window:
+        kv_start = memo[2]
     else:
-        kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, name)
+        lq = query.shape[2]
+        kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, _name(module))
         cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
-    device = query.device
-    bt = cache.block_table(layer.storage.device)
-    seq_lens = cache.seq_lens(layer.seq_len, device)
-    out = layer.storage.attend(
+    out = storage.attend(
         query.transpose(1, 2),
-        bt,
-        seq_lens,
+        cache.block_table(storage.device),
+        cache.seq_lens(layer.seq_len, query.device),
         sm_scale=sm_scale,
         kv_start=kv_start,
         causal=True,

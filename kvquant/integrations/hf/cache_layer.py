@@ -46,6 +46,9 @@ ATTN_NAME = "kvquant"
 """The name kvquant registers with ``AttentionInterface`` and ``AttentionMaskInterface``."""
 
 
+_CPU = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """What a cache layer needs to know about its attention layer.
@@ -158,6 +161,17 @@ class KVQuantLayer(CacheLayerMixin):
 
     def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         hkv, d = self.spec.num_kv_heads, self.spec.head_dim
+        ks, vs = key_states.shape, value_states.shape
+        if (
+            len(ks) == 4
+            and len(vs) == 4
+            and ks[1] == hkv
+            and ks[3] == d
+            and vs[1] == hkv
+            and vs[3] == d
+            and ks[:3] == vs[:3]
+        ):
+            return  # the common case; the checks below name what is wrong
         for what, t in (("key_states", key_states), ("value_states", value_states)):
             if t.dim() != 4 or t.shape[1] != hkv or t.shape[3] != d:
                 raise KVQuantError(
@@ -336,8 +350,9 @@ class KVQuantCache(Cache):
         self.allocator: PageAllocator | None = None
         self.batch_size_ = 0
         self.reserved = 0
-        self._block_table: torch.Tensor | None = None
+        self._seq_ids: tuple[int, ...] = ()
         self._block_table_dev: dict[torch.device, torch.Tensor] = {}
+        self._slot_base_dev: dict[torch.device, torch.Tensor] = {}
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
@@ -388,16 +403,20 @@ class KVQuantCache(Cache):
         """Slot mapping int64 ``[B, new_tokens]`` of positions ``layer.seq_len ...``, reserving pages.
 
         The first layer to reach a position reserves its pages for all layers
-        (all-or-nothing, before any write); later layers reuse them.
+        (all-or-nothing, before any write); later layers reuse them. A decode
+        step (one new token) costs one small device op: the slots are read
+        from a cached ``block_table * page_size`` tensor.
 
         Raises:
             CacheCapacityError: too few free pages (nothing changes).
             KVQuantError: the batch size differs from the one the cache was built for.
         """
-        device = layer.device or torch.device("cpu")
+        storage = layer.storage
+        device = storage.device if storage is not None else _CPU
         start = layer.seq_len
+        key = (start, new_tokens, batch_size, device)
         memo = self._slot_memo
-        if memo is not None and memo[0] == (start, new_tokens, batch_size, device):
+        if memo is not None and memo[0] == key:
             return memo[1]
         self.pool_shape(batch_size, device)
         if batch_size != self.batch_size_:
@@ -409,10 +428,16 @@ class KVQuantCache(Cache):
         end = start + new_tokens
         if end > self.reserved:
             self._reserve(end - self.reserved, layer)
-        bt = self.block_table(device)
-        pos = torch.arange(start, end, device=device, dtype=torch.int64).expand(batch_size, -1)
-        slots = kernels.compute_slot_mapping(bt, pos, self.page_size)
-        self._slot_memo = ((start, new_tokens, batch_size, device), slots)
+        ps = self.page_size
+        if new_tokens == 1:
+            base = self._slot_base(device)  # int64 [B, max_pages]: page id * page_size
+            col = start // ps
+            slots = base[:, col : col + 1] + (start % ps)
+        else:
+            bt = self.block_table(device)
+            pos = torch.arange(start, end, device=device, dtype=torch.int64).expand(batch_size, -1)
+            slots = kernels.compute_slot_mapping(bt, pos, ps)
+        self._slot_memo = (key, slots)
         return slots
 
     def seq_lens(self, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -428,7 +453,6 @@ class KVQuantCache(Cache):
         alloc = self.allocator
         if alloc is None:  # pragma: no cover - pool_shape always creates it
             raise KVQuantError("the kvquant cache has no page allocator")
-        seq_ids = list(range(self.batch_size_))
         ps = self.page_size
         have = -(-self.reserved // ps)
         need = -(-(self.reserved + tokens) // ps)
@@ -444,25 +468,49 @@ class KVQuantCache(Cache):
                 "kvquant.patch(model, max_cache_tokens=...) or num_pages=... with a larger value, "
                 "or generate fewer tokens (max_new_tokens)."
             )
+        if len(self._seq_ids) != self.batch_size_:
+            self._seq_ids = tuple(range(self.batch_size_))
         try:
-            alloc.reserve(seq_ids, tokens)
+            taken = alloc.reserve_pages(self._seq_ids, tokens)
         except CacheCapacityError as err:  # pragma: no cover - pre-checked above
             raise CacheCapacityError(f"kvquant cache of {self.model_name}: {err}") from err
         self.reserved += tokens
-        self._block_table = None
-        self._block_table_dev.clear()
+        if need == have:
+            return  # no page changed hands: the block tables stay valid
+        self._slot_base_dev.clear()
+        if have == 0 or any(len(t) != need - have for t in taken):
+            self._block_table_dev.clear()  # rebuilt from the allocator on next use
+            return
+        # The sequences grow in lockstep: append the new page columns on each device.
+        cols = torch.tensor(taken, dtype=torch.int32)
+        for dev, bt in list(self._block_table_dev.items()):
+            self._block_table_dev[dev] = torch.cat([bt, cols.to(dev)], dim=1)
 
     def block_table(self, device: torch.device) -> torch.Tensor:
-        """The int32 ``[B, max_pages]`` block table on ``device`` (cached until the next reservation)."""
+        """The int32 ``[B, max_pages]`` block table on ``device``.
+
+        Cached per device; a reservation that takes pages appends their
+        columns in place of a rebuild. Treat it as read-only.
+        """
+        bt = self._block_table_dev.get(device)
+        if bt is not None:
+            return bt
         if self.allocator is None:
             raise KVQuantError("the kvquant cache holds nothing yet")
-        if self._block_table is None:
-            self._block_table = self.allocator.block_tables(list(range(self.batch_size_)))
-        bt = self._block_table_dev.get(device)
-        if bt is None:
-            bt = self._block_table.to(device=device, dtype=torch.int32)
-            self._block_table_dev[device] = bt
+        if len(self._seq_ids) != self.batch_size_:
+            self._seq_ids = tuple(range(self.batch_size_))
+        host = self.allocator.block_tables(self._seq_ids)
+        bt = host.to(device=device, dtype=torch.int32)
+        self._block_table_dev[device] = bt
         return bt
+
+    def _slot_base(self, device: torch.device) -> torch.Tensor:
+        """int64 ``[B, max_pages]``: the block table times ``page_size`` (cached like it)."""
+        base = self._slot_base_dev.get(device)
+        if base is None:
+            base = self.block_table(device).to(torch.int64) * self.page_size
+            self._slot_base_dev[device] = base
+        return base
 
     def attention_is_kvquant(self) -> bool:
         """Whether the model's active attention implementation is kvquant's."""
@@ -477,8 +525,8 @@ class KVQuantCache(Cache):
         if self.allocator is not None:
             self.allocator.reset()
         self.reserved = 0
-        self._block_table = None
         self._block_table_dev.clear()
+        self._slot_base_dev.clear()
         self.kv_start_memo = None
         self._slot_memo = None
         self._lens_memo = None

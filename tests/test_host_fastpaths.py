@@ -1,0 +1,299 @@
+"""Fast paths that cut host overhead must not change results or skip a failing check.
+
+Covers :meth:`PageAllocator.reserve` (Python slots for few tokens, torch for
+many), :meth:`PageAllocator.reserve_pages`, and the signature memo of the
+kernel validators (:mod:`kvquant.kernels.validate`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from kvquant import cache as cache_mod
+from kvquant.cache import PageAllocator
+from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError
+from kvquant.kernels import validate
+
+# ---------------------------------------------------------------- allocator
+
+
+def _expected_slots(alloc: PageAllocator, ids: list[int], olds: list[int], counts: list[int]):
+    width = max(counts, default=0)
+    rows = []
+    for sid, old, n in zip(ids, olds, counts, strict=True):
+        pages = alloc.pages(sid)
+        row = [
+            pages[p // alloc.page_size] * alloc.page_size + p % alloc.page_size
+            for p in range(old, old + n)
+        ]
+        rows.append(row + [-1] * (width - n))
+    return rows
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_reserve_slots_match_page_lists(big: bool) -> None:
+    rng = random.Random(1 if big else 0)
+    alloc = PageAllocator(num_pages=2000, page_size=4)
+    ids = [0, 1, 2, 3]
+    for _ in range(12):
+        counts = [rng.randrange(0, 100 if big else 6) for _ in ids]
+        if big:
+            counts[0] = cache_mod._PY_SLOTS_MAX + 1  # force the torch path
+        olds = [alloc.seq_len(s) if s in alloc else 0 for s in ids]
+        got = alloc.reserve(ids, counts)
+        assert got.dtype == torch.int64 and got.shape == (4, max(counts))
+        assert got.tolist() == _expected_slots(alloc, ids, olds, counts)
+    # every slot is owned once
+    slots = [p * 4 + o for s in ids for p in alloc.pages(s) for o in range(4)]
+    assert len(slots) == len(set(slots))
+
+
+def test_reserve_empty_and_zero_counts() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=4)
+    assert alloc.reserve([], 3).shape == (0, 0)
+    out = alloc.reserve([7, 8], 0)
+    assert out.shape == (2, 0) and alloc.seq_len(7) == 0 and alloc.pages(7) == ()
+
+
+def test_reserve_pages_returns_taken_pages_and_matches_reserve() -> None:
+    a, b = PageAllocator(num_pages=16, page_size=4), PageAllocator(num_pages=16, page_size=4)
+    for counts in ([3, 5], [1, 1], [1, 4], [0, 9]):
+        before = [a.pages(s) if s in a else () for s in (0, 1)]
+        taken = a.reserve_pages([0, 1], counts)
+        b.reserve([0, 1], counts)
+        for sid, old, new in zip((0, 1), before, taken, strict=True):
+            assert a.pages(sid) == old + tuple(new)
+            assert a.pages(sid) == b.pages(sid) and a.seq_len(sid) == b.seq_len(sid)
+    assert a.block_tables([0, 1]).tolist() == b.block_tables([0, 1]).tolist()
+
+
+def test_reserve_pages_all_or_nothing_and_errors() -> None:
+    alloc = PageAllocator(num_pages=3, page_size=4)
+    alloc.reserve_pages([0, 1], 4)
+    state = (alloc.num_free_pages, alloc.pages(0), alloc.pages(1), alloc.seq_len(0))
+    with pytest.raises(CacheCapacityError, match="reserve_pages"):
+        alloc.reserve_pages([0, 1], 1)  # needs 2 pages, 1 free
+    assert (alloc.num_free_pages, alloc.pages(0), alloc.pages(1), alloc.seq_len(0)) == state
+    with pytest.raises(CacheUsageError, match="twice"):
+        alloc.reserve_pages([0, 0], 1)
+    with pytest.raises(CacheUsageError, match="new tokens"):
+        alloc.reserve_pages([0, 1], -1)
+    with pytest.raises(CacheUsageError, match="new tokens"):
+        alloc.reserve([0, 1], [1, -2])
+    with pytest.raises(CacheCapacityError):
+        alloc.reserve([0, 1], 1)
+    assert (alloc.num_free_pages, alloc.pages(0), alloc.pages(1), alloc.seq_len(0)) == state
+
+
+def test_block_tables_follow_reservations_free_and_reset() -> None:
+    alloc = PageAllocator(num_pages=8, page_size=2)
+    alloc.reserve([0, 1], 1)
+    t1 = alloc.block_tables([0, 1])
+    alloc.reserve([0, 1], 1)  # same page: cached table reused
+    assert alloc.block_tables([0, 1]) is t1
+    alloc.reserve([0, 1], 1)  # new pages
+    assert alloc.block_tables([0, 1]).tolist() == [list(alloc.pages(0)), list(alloc.pages(1))]
+    alloc.free(0)
+    alloc.reserve([1, 2], 3)
+    assert alloc.block_tables([1, 2]).tolist()[1][: len(alloc.pages(2))] == list(alloc.pages(2))
+    alloc.reset()
+    alloc.reserve([5], 1)
+    assert alloc.block_tables([5]).tolist() == [[0]]
+
+
+# ---------------------------------------------------------------- validation memo
+
+
+def _write_args(**over: Any) -> dict[str, Any]:
+    pages = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+    args: dict[str, Any] = dict(
+        key=torch.randn(2, 3, 2, 16),
+        value=torch.randn(2, 3, 2, 16),
+        k_pages=pages,
+        v_pages=torch.zeros_like(pages),
+        slot_mapping=torch.tensor([[0, 1, 2], [4, 5, -1]]),
+        k_scale=None,
+        v_scale=None,
+        k_group_scales=torch.ones(4, 4, 2, 2),
+        v_group_scales=torch.ones(4, 4, 2, 2),
+    )
+    args.update(over)
+    return args
+
+
+def _check_write(args: dict[str, Any]) -> Any:
+    a = args
+    return validate.check_write_inputs(
+        a["key"], a["value"], a["k_pages"], a["v_pages"], a["slot_mapping"],
+        a["k_scale"], a["v_scale"], a["k_group_scales"], a["v_group_scales"],
+    )  # fmt: skip
+
+
+def _attn_args(**over: Any) -> dict[str, Any]:
+    pages = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+    args: dict[str, Any] = dict(
+        query=torch.randn(2, 4, 1, 16).transpose(1, 2),
+        k_pages=pages,
+        v_pages=torch.zeros_like(pages),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 8], dtype=torch.int32),
+        sm_scale=0.25,
+        k_scale=torch.tensor(0.5),
+        v_scale=torch.tensor(0.5),
+        k_group_scales=None,
+        v_group_scales=None,
+        q_lens=None,
+        kv_start=None,
+        causal=True,
+        softcap=0.0,
+        window=0,
+        out=None,
+    )
+    args.update(over)
+    return args
+
+
+def _check_attn(args: dict[str, Any]) -> Any:
+    a = dict(args)
+    return validate.check_attention_inputs(
+        a.pop("query"), a.pop("k_pages"), a.pop("v_pages"), a.pop("block_tables"),
+        a.pop("seq_lens"), **a,
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo() -> Any:
+    validate.clear_check_memo()
+    yield
+    validate.clear_check_memo()
+
+
+def test_write_memo_hits_and_returns_the_same_geometry() -> None:
+    args = _write_args()
+    first = _check_write(args)
+    assert len(validate._write_ok) == 1
+    again = _check_write(_write_args())  # new tensors, same signature
+    assert again == first and len(validate._write_ok) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "key_dtype",
+        "key_shape",
+        "slot_dtype",
+        "slot_shape",
+        "pages_strides",
+        "pages_dtype",
+        "group_shape",
+        "group_strides",
+        "slot_device",
+        "scale_mix",
+    ],
+)
+def test_write_memo_never_skips_a_failing_structural_check(change: str) -> None:
+    good = _write_args()
+    _check_write(good)  # remembered
+    pages = good["k_pages"]
+    bad: dict[str, Any] = {
+        "key_dtype": {"key": good["key"].to(torch.float64)},
+        "key_shape": {"key": torch.randn(2, 3, 2, 8)},
+        "slot_dtype": {"slot_mapping": good["slot_mapping"].to(torch.int32)},
+        "slot_shape": {"slot_mapping": good["slot_mapping"][:, :2]},
+        "pages_strides": {"k_pages": pages.transpose(0, 1).contiguous().transpose(0, 1)},
+        "pages_dtype": {"v_pages": torch.zeros(4, 4, 2, 16, dtype=torch.float8_e5m2)},
+        "group_shape": {"v_group_scales": torch.ones(4, 4, 2, 4)},
+        "group_strides": {"k_group_scales": torch.ones(4, 4, 2, 4)[..., ::2]},
+        "slot_device": {"slot_mapping": good["slot_mapping"].to("meta")},
+        "scale_mix": {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)},
+    }[change]
+    with pytest.raises(KernelInputError):
+        _check_write(_write_args(**bad))
+    _check_write(_write_args())  # the good signature still passes
+
+
+def test_write_memo_sees_in_place_metadata_changes_of_the_same_tensor() -> None:
+    args = _write_args()
+    _check_write(args)
+    args["k_pages"].transpose_(0, 1)  # same object, new strides and shape
+    with pytest.raises(KernelInputError):
+        _check_write(args)
+
+
+def test_write_value_check_still_runs_on_a_memo_hit() -> None:
+    _check_write(_write_args())
+    bad = _write_args(slot_mapping=torch.tensor([[0, 1, 2], [4, 5, 16]]))  # 16 = beyond the cache
+    with pytest.raises(KernelInputError, match="slot 16"):
+        _check_write(bad)
+
+
+def test_attention_memo_hits_and_value_checks_still_run() -> None:
+    first = _check_attn(_attn_args())
+    assert _check_attn(_attn_args()) == first and len(validate._attention_ok) == 1
+    with pytest.raises(KernelInputError, match="seq_lens holds"):
+        _check_attn(_attn_args(seq_lens=torch.tensor([5, 9], dtype=torch.int32)))
+    with pytest.raises(KernelInputError, match="page ids"):
+        _check_attn(_attn_args(block_tables=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)))
+    with pytest.raises(KernelInputError, match="kv_start"):
+        _check_attn(_attn_args(kv_start=torch.tensor([0, 9], dtype=torch.int32)))
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"sm_scale": math.nan},
+        {"sm_scale": math.inf},
+        {"sm_scale": torch.tensor(0.25)},
+        {"causal": 1},
+        {"window": True},
+        {"window": 1.0},
+        {"window": -1},
+        {"softcap": -1.0},
+        {"softcap": True},
+        {"query": torch.randn(2, 1, 4, 16, dtype=torch.float64)},
+        {"query": torch.randn(2, 1, 3, 16)},
+        {"block_tables": torch.tensor([[0, 1], [2, 3]])},
+        {"seq_lens": torch.tensor([5, 8])},
+        {"kv_start": torch.tensor([0, 0])},
+        {"out": torch.empty(2, 1, 4, 16, dtype=torch.float16)},
+        {"k_scale": torch.ones(3)},
+    ],
+)
+def test_attention_memo_never_skips_a_failing_check(over: dict[str, Any]) -> None:
+    _check_attn(_attn_args())
+    _check_attn(_attn_args(window=3, softcap=2.0, causal=False))  # other options: remembered too
+    with pytest.raises(KernelInputError):
+        _check_attn(_attn_args(**over))
+
+
+def test_memo_is_bounded_and_stays_correct() -> None:
+    for n in range(1, validate._MEMO_MAX + 10):
+        _check_attn(_attn_args(sm_scale=1.0 / n))
+    assert len(validate._attention_ok) <= validate._MEMO_MAX
+    with pytest.raises(KernelInputError):
+        _check_attn(_attn_args(window=-1))
+
+
+def test_signature_declines_uncacheable_arguments() -> None:
+    assert validate._signature(torch.zeros(2), None, 1, 2.0, True) is not None
+    assert validate._signature(torch.zeros(2), "x") is None
+    sparse = torch.zeros(2, 2).to_sparse()
+    assert validate._signature(sparse) is None
+
+
+def test_page_id_value_check_reads_only_used_columns_and_names_the_row() -> None:
+    # seq_lens 5 and 4 with page_size 4: row 0 uses 2 pages, row 1 uses 1 (column 1 unused).
+    lens = torch.tensor([5, 4], dtype=torch.int32)
+    ok = torch.tensor([[0, 1], [2, 99]], dtype=torch.int32)  # 99 sits in an unused column
+    _check_attn(_attn_args(block_tables=ok, seq_lens=lens))
+    bad = torch.tensor([[0, 1], [-3, 99]], dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=r"block_tables row 1 uses page ids -3\.\.-3"):
+        _check_attn(_attn_args(block_tables=bad, seq_lens=lens))
+    both = torch.tensor([[0, 7], [5, 0]], dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=r"row 0 uses page ids 0\.\.7"):
+        _check_attn(_attn_args(block_tables=both, seq_lens=lens))
