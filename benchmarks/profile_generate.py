@@ -39,6 +39,22 @@ class _ProfileDecode:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def _python_profile(model: torch.nn.Module, ids: torch.Tensor, steps: int, extra: dict) -> str:
+    """cProfile of a short greedy ``generate`` (prefill included): top functions by total time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    e2e.run_generate(model, ids, steps, extra)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    return buf.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
@@ -47,6 +63,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--arms", default="sdpa,kvquant")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument(
+        "--python-profile",
+        action="store_true",
+        help="also run each arm's decode under cProfile (Python functions by total time)",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = e2e.build_model(args.tiny, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -98,6 +119,8 @@ def main() -> None:
         lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=25))
         if dev.type == "cuda":
             lines.append(ka.table(sort_by="self_cuda_time_total", row_limit=15))
+        if args.python_profile:
+            lines.append(_python_profile(model, ids, args.steps, extra()))
         if handle is not None:
             handle.remove()
         time.sleep(0.1)
