@@ -492,8 +492,8 @@ def choose_config(
         lq: query tokens per sequence (``Lq``).
         group: query heads per KV head.
         head_dim: ``D``.
-        group_dequant: K/V tiles are multiplied by group scales element-wise (fp32 group
-            scales of several groups per head, or of one group at ``D > 64``).
+        group_dequant: K/V tiles are multiplied by fp32 group scales element-wise (group
+            scales the kernel does not fold).
 
     Returns:
         A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and
@@ -684,21 +684,14 @@ def paged_attention_triton(
     if bsz == 0 or lq == 0:
         return out
 
+    group_scales = k_group_scales is not None and v_group_scales is not None
     ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
-    # Decode at D <= 64 with one group per head folds the scales: 96.8 vs 100.9 us at B16 x 8k
+    # Decode at D <= 64 with one group per head folds the scales: 81.2 vs 100.7 us at B16 x 8k
     # 32/8/64 on the H200. At D = 128 the folded kernel spills registers (G = 128, B32 x 16k:
-    # 495 vs 460 us) and prefill is slower (a 16 x 8k Llama-1B prefill: 1.6 s vs 0.9 s), so
-    # they dequantize their tiles.
-    fold = (
-        k_group_scales is not None
-        and v_group_scales is not None
-        and ng == 1
-        and d <= 64
-        and _is_decode(lq, group)
-    )
-    cfg = choose_config(
-        lq, group, d, group_dequant=k_group_scales is not None and (not fold or d > 64)
-    )
+    # 466-495 vs 455 us) and prefill is slower (a 16 x 8k Llama-1B prefill: 1.6 s vs 0.9 s),
+    # so they dequantize their tiles.
+    fold = group_scales and ng == 1 and d <= 64 and _is_decode(lq, group)
+    cfg = choose_config(lq, group, d, group_dequant=group_scales and not fold)
     if config:
         cfg.update(config)
     qpb = int(cfg["QPB"])
@@ -712,7 +705,6 @@ def paged_attention_triton(
     s_ks, s_vs = 0, 0
     kg_strides: tuple[int, ...] = (0, 0, 0)
     vg_strides: tuple[int, ...] = (0, 0, 0)
-    group_scales = k_group_scales is not None and v_group_scales is not None
     if k_group_scales is not None and v_group_scales is not None:
         kg, vg = k_group_scales, v_group_scales
         kg_strides = (kg.stride(0), kg.stride(1), kg.stride(2))

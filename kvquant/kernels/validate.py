@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -551,6 +552,23 @@ def _signature(*args: object) -> tuple[object, ...] | None:
     return tuple(key)
 
 
+_G = TypeVar("_G")
+
+
+def _remembered(
+    memo: dict[tuple[object, ...], _G], sig: tuple[object, ...] | None, check: Callable[[], _G]
+) -> _G:
+    """``memo[sig]``, else ``check()`` (which raises on bad input), remembered when it passes."""
+    geo = None if sig is None else memo.get(sig)
+    if geo is None:
+        geo = check()
+        if sig is not None:
+            if len(memo) >= _MEMO_MAX:
+                memo.clear()
+            memo[sig] = geo
+    return geo
+
+
 def clear_check_memo() -> None:
     """Forget every remembered signature: the next calls run every structural check."""
     _write_ok.clear()
@@ -600,9 +618,10 @@ def check_write_inputs(
     sig = _signature(
         key, value, k_pages, v_pages, slot_mapping, k_scale, v_scale, k_group_scales, v_group_scales
     )
-    geo = None if sig is None else _write_ok.get(sig)
-    if geo is None:
-        geo = _check_write_structure(
+    geo = _remembered(
+        _write_ok,
+        sig,
+        lambda: _check_write_structure(
             key,
             value,
             k_pages,
@@ -612,11 +631,8 @@ def check_write_inputs(
             v_scale,
             k_group_scales,
             v_group_scales,
-        )
-        if sig is not None:
-            if len(_write_ok) >= _MEMO_MAX:
-                _write_ok.clear()
-            _write_ok[sig] = geo
+        ),
+    )
     sm: torch.Tensor = slot_mapping  # type: ignore[assignment]  # checked above
     pages: torch.Tensor = k_pages  # type: ignore[assignment]
     if geo.batch and geo.seq and value_checks_enabled(pages.device):
@@ -692,9 +708,10 @@ def check_attention_inputs(
         window,
         out,
     )
-    geo = None if sig is None else _attention_ok.get(sig)
-    if geo is None:
-        geo = _check_attention_structure(
+    geo = _remembered(
+        _attention_ok,
+        sig,
+        lambda: _check_attention_structure(
             query,
             k_pages,
             v_pages,
@@ -711,11 +728,8 @@ def check_attention_inputs(
             softcap=softcap,
             window=window,
             out=out,
-        )
-        if sig is not None:
-            if len(_attention_ok) >= _MEMO_MAX:
-                _attention_ok.clear()
-            _attention_ok[sig] = geo
+        ),
+    )
     pages: torch.Tensor = k_pages  # type: ignore[assignment]  # checked above
     if geo.batch and value_checks_enabled(pages.device):
         _check_attention_values(
