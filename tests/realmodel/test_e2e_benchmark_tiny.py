@@ -27,9 +27,10 @@ def test_e2e_generate_tiny_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert bench.main(["--tiny", "--device", "cpu", "--backend", "torch", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     arms = data["arms"]
-    assert set(arms) == {"sdpa", "quantized-fp8", "kvquant"}
+    assert set(arms) == {"sdpa", "quantized-fp8", "kvquant", "kvquant-fp32-group", "kvquant-eager"}
     assert arms["sdpa"]["status"] == "ok"
-    assert arms["kvquant"]["status"] in ("ok", "unavailable"), arms["kvquant"]
+    for arm in ("kvquant", "kvquant-fp32-group", "kvquant-eager"):
+        assert arms[arm]["status"] in ("ok", "unavailable"), arms[arm]
     assert arms["quantized-fp8"]["status"] in ("ok", "unavailable")
     for name, row in arms.items():
         if row["status"] != "ok":
@@ -43,12 +44,21 @@ def test_e2e_generate_tiny_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert arms["sdpa"]["kv_bytes_per_token_analytic"] == per_token_fp32
     if arms["kvquant"]["status"] == "ok":
         g = cfg["group_size"]
+        group = arms["kvquant-fp32-group"]
         expect = per_token_fp32 / 4 * (1 + 4 / g)  # fp8 codes + one fp32 scale per group
-        assert arms["kvquant"]["kv_bytes_per_token_analytic"] == pytest.approx(expect)
+        assert group["kv_bytes_per_token_analytic"] == pytest.approx(expect)
+        assert arms["kvquant"]["kv_bytes_per_token_analytic"] == per_token_fp32 / 4
         # the fp8 pool (prompt + new tokens + slack) is well under the fp32 cache
         assert (
-            arms["kvquant"]["kv_bytes_after_prefill_measured"]
+            group["kv_bytes_after_prefill_measured"]
             < 0.6 * arms["sdpa"]["kv_bytes_after_generate_measured"]
         )
         assert "kvquant" in data["longest_context"]["tokens_per_sequence"]
+        # on CPU the graph arms run their decode steps through the static buffers
+        stats = arms["kvquant"]["graph_stats"]
+        assert stats["static_eager"] > 0 and stats["captures"] == 0
+        assert "graph_stats" not in arms["kvquant-eager"]
+        # same scales, same kernels: the static step changes no token
+        agree = [arms[a]["greedy_token_agreement_vs_sdpa"] for a in ("kvquant", "kvquant-eager")]
+        assert agree[0] == agree[1]
     assert data["ratios_vs_sdpa"]["sdpa"]["decode_tokens_per_s"] == 1.0

@@ -210,7 +210,9 @@ def kvquant_attention(
     cache = layer.cache
     memo = cache.kv_start_memo
     kv_start: torch.Tensor | None
-    if attention_mask is None:
+    if cache.static is not None:
+        kv_start = cache.static.kv_start  # a CUDA-graph decode step: checked by its runner
+    elif attention_mask is None:
         kv_start = cache.kv_start_memo = None  # no mask: no padding
     elif memo is not None and memo[0] is attention_mask and memo[1] == window:
         kv_start = memo[2]

@@ -24,7 +24,7 @@ the padding with a per-sequence ``kv_start`` taken from the attention mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from kvquant import kernels
 from kvquant.cache import PageAllocator, PagedLayerStorage, total_memory_bytes
 from kvquant.errors import CacheCapacityError, KVQuantError
 
-__all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec"]
+__all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
 
 DEFAULT_TOKENS = 8192
 """Token slots per sequence of a cache built without a size (capped by max_position_embeddings)."""
@@ -70,6 +70,56 @@ class LayerSpec:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     group_size: int | None
+
+
+@dataclass
+class StaticStep:
+    """Device tensors of a one-token decode step whose addresses never change.
+
+    A CUDA graph of the decode step (:mod:`kvquant.integrations.hf.graphs`)
+    replays kernels with the pointers it captured, so everything a step
+    varies lives in these tensors and is refreshed in place before each
+    replay; everything derived from them is computed on the device inside the
+    graph (:meth:`derive`). While a step runs, the cache's ``static`` is this
+    object: its layers write to ``slots`` and leave their host-side counters
+    alone (the runner advances them after the step), and kvquant's attention
+    reads ``block_table``, ``lens`` and ``kv_start`` instead of deriving them
+    from host integers and the mask.
+
+    Attributes:
+        pos: int64 ``[1]``, position of the new token (tokens stored before the step).
+        lens: int32 ``[B]``, ``pos + 1``.
+        slots: int64 ``[B, 1]``, slot of the new token of each sequence.
+        block_table: int32 ``[B, pages_per_sequence]``, the whole capacity of
+            each sequence; columns past ``width`` are not used yet.
+        kv_start: int32 ``[B]``, first visible key (left padding).
+        width: columns of ``block_table`` copied from the allocator.
+    """
+
+    pos: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    kv_start: torch.Tensor
+    width: int = field(default=0)
+
+    @classmethod
+    def allocate(cls, batch: int, pages_per_sequence: int, device: torch.device) -> StaticStep:
+        """Zeroed static tensors for ``batch`` sequences of ``pages_per_sequence`` pages."""
+        return cls(
+            pos=torch.zeros(1, dtype=torch.int64, device=device),
+            lens=torch.zeros(batch, dtype=torch.int32, device=device),
+            slots=torch.zeros(batch, 1, dtype=torch.int64, device=device),
+            block_table=torch.zeros(batch, pages_per_sequence, dtype=torch.int32, device=device),
+            kv_start=torch.zeros(batch, dtype=torch.int32, device=device),
+        )
+
+    def derive(self, page_size: int) -> None:
+        """On the device: ``lens`` and ``slots`` of the token at ``pos`` (captured with the step)."""
+        self.lens.copy_((self.pos + 1).expand_as(self.lens))
+        col = (self.pos // page_size).expand(self.slots.shape[0], 1)
+        self.slots.copy_(self.block_table.gather(1, col).to(torch.int64) * page_size)
+        self.slots.add_(self.pos % page_size)
 
 
 def _from_storage(attr: str, doc: str) -> Any:
@@ -214,6 +264,18 @@ class KVQuantLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
         bsz, _, new, _ = key_states.shape
+        static = self.cache.static
+        if static is not None:
+            # A decode step of the graph runner: device-side bookkeeping only; the runner
+            # reserved the pages and advances seq_len after the step.
+            if new != 1 or bsz != static.lens.shape[0]:
+                raise KVQuantError(
+                    f"{self.spec.name}: a CUDA-graph decode step got {new} new tokens for "
+                    f"{bsz} sequences; expected 1 token for each of {static.lens.shape[0]}."
+                )
+            k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
+            self._storage().write(k, v, static.slots)
+            return None, None
         slots = self.cache.slots_for(self, bsz, new)
         if new > 0:
             self._storage().write(key_states.transpose(1, 2), value_states.transpose(1, 2), slots)
@@ -343,6 +405,9 @@ class KVQuantCache(Cache):
         if self.page_size < 1:
             raise KVQuantError(f"page_size must be >= 1, got {self.page_size}")
         self.backend = opts.backend
+        self.cuda_graphs = bool(opts.cuda_graphs)
+        self.static: StaticStep | None = None
+        self.decode_graph: Any = None  # kvquant.integrations.hf.graphs.DecodeGraph
         self.fp8_dtype = torch.float8_e4m3fn
         self.config = state.text_config
         self.default_tokens_per_seq = state.default_tokens_per_seq
@@ -442,12 +507,29 @@ class KVQuantCache(Cache):
 
     def seq_lens(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """int32 ``[B]`` filled with ``seq_len`` on ``device`` (shared by the layers of a step)."""
+        if self.static is not None:
+            return self.static.lens
         memo = self._lens_memo
         if memo is not None and memo[0] == (seq_len, device):
             return memo[1]
         lens = torch.full((self.batch_size_,), seq_len, dtype=torch.int32, device=device)
         self._lens_memo = ((seq_len, device), lens)
         return lens
+
+    def reserve_through(self, tokens: int, layer: KVQuantLayer) -> None:
+        """Reserve pages so that every sequence holds ``tokens`` slots (no-op if it does).
+
+        Raises:
+            CacheCapacityError: too few free pages (nothing changes).
+        """
+        if tokens > self.reserved:
+            self._reserve(tokens - self.reserved, layer)
+
+    def pages_per_sequence(self) -> int:
+        """The most pages one sequence can hold (the pool split evenly over the batch)."""
+        if self.allocator is None or self.batch_size_ < 1:
+            raise KVQuantError("the kvquant cache holds nothing yet")
+        return self.allocator.num_pages // self.batch_size_
 
     def _reserve(self, tokens: int, layer: KVQuantLayer) -> None:
         alloc = self.allocator
@@ -490,8 +572,11 @@ class KVQuantCache(Cache):
         """The int32 ``[B, max_pages]`` block table on ``device``.
 
         Cached per device; a reservation that takes pages appends their
-        columns in place of a rebuild. Treat it as read-only.
+        columns in place of a rebuild. Treat it as read-only. During a CUDA-graph
+        decode step: the step's full-capacity static table.
         """
+        if self.static is not None:
+            return self.static.block_table
         bt = self._block_table_dev.get(device)
         if bt is not None:
             return bt
@@ -530,6 +615,7 @@ class KVQuantCache(Cache):
         self.kv_start_memo = None
         self._slot_memo = None
         self._lens_memo = None
+        self.decode_graph = None
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """-1: the cache has no fixed per-sequence length."""

@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from kvquant.errors import KVQuantError, ScaleFormatError, UnsupportedModelError
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
+from kvquant.integrations.hf.graphs import DecodeGraphRunner
 from kvquant.integrations.hf.models import (
     AttentionSite,
     check_supported,
@@ -79,6 +80,7 @@ class PatchOptions:
         page_size: token slots per page.
         max_cache_tokens: token slots of a cache (whole batch), or None.
         num_pages: pages of a cache (overrides ``max_cache_tokens``), or None.
+        cuda_graphs: replay one-token decode steps from a CUDA graph.
         source: a description of where the scales came from.
     """
 
@@ -89,6 +91,7 @@ class PatchOptions:
     page_size: int = 16
     max_cache_tokens: int | None = None
     num_pages: int | None = None
+    cuda_graphs: bool = False
     source: str = ""
 
 
@@ -109,6 +112,8 @@ class PatchState:
         model_name: for messages.
         handles: removable hook handles.
         saved_attrs: ``(module, name, previous value or _MISSING, kind)`` to restore.
+        graph_runner: the CUDA-graph decode runner installed as the model's
+            ``forward`` (``cuda_graphs=True``), else None.
     """
 
     options: PatchOptions
@@ -123,6 +128,7 @@ class PatchState:
     model_name: str
     handles: list[RemovableHandle] = field(default_factory=list)
     saved_attrs: list[tuple[nn.Module, str, Any, str]] = field(default_factory=list)
+    graph_runner: DecodeGraphRunner | None = None
     handle: KVQuantHandle | None = None
 
 
@@ -196,6 +202,10 @@ def _check_options(opts: PatchOptions) -> None:
     positive("group_size", opts.group_size, optional=True)
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
+    if not isinstance(opts.cuda_graphs, bool):
+        raise KVQuantError(
+            f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected True or False."
+        )
     if opts.backend not in BACKENDS:
         raise KVQuantError(
             f"kvquant.patch: backend={opts.backend!r}; expected one of {BACKENDS}. "
@@ -451,6 +461,17 @@ def _install_scales(state: PatchState) -> None:
             mod.__dict__["quantization_enabled"] = False
 
 
+def _install_graph_runner(model: nn.Module, state: PatchState) -> None:
+    """Wrap the instance's ``forward`` in a :class:`DecodeGraphRunner` (restored by ``remove()``)."""
+    prev = model.__dict__.get("forward", _MISSING)
+    state.saved_attrs.append((model, "forward", prev, "attr"))
+    runner = DecodeGraphRunner(
+        model, model.forward, lambda: getattr(model, STATE_ATTR, None) is state
+    )
+    model.__dict__["forward"] = runner
+    state.graph_runner = runner
+
+
 def _module_device(mod: nn.Module) -> torch.device:
     for p in mod.parameters():
         return p.device
@@ -541,6 +562,8 @@ def apply_patch(
         state.handles.append(
             decoder.register_forward_pre_hook(_make_injector(model, state), with_kwargs=True)
         )
+        if opts.cuda_graphs:
+            _install_graph_runner(model, state)
         _set_attn(model, ATTN_NAME)
         if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
             raise UnsupportedModelError(
@@ -577,6 +600,7 @@ def patch(
     page_size: int = 16,
     max_cache_tokens: int | None = None,
     num_pages: int | None = None,
+    cuda_graphs: bool = False,
 ) -> KVQuantHandle:
     """Give ``model`` kvquant's FP8 paged KV cache; ``generate`` then uses it with no extra argument.
 
@@ -600,6 +624,12 @@ def patch(
             (default per sequence: ``min(max_position_embeddings, max(8192,
             prompt length + 2048))``; going beyond raises CacheCapacityError).
         num_pages: pages of each cache (overrides ``max_cache_tokens``).
+        cuda_graphs: capture the one-token decode step of each cache in a CUDA
+            graph and replay it (:mod:`kvquant.integrations.hf.graphs`): the
+            step's host cost drops to a few small copies. It wraps the model
+            instance's ``forward``; prefill and any call the graph cannot serve
+            run the ordinary forward. On a CPU model the decode step runs
+            eagerly through the same static buffers.
 
     Returns:
         A :class:`KVQuantHandle`; ``handle.remove()`` restores the model. Patching
@@ -632,6 +662,7 @@ def patch(
         page_size=page_size,
         max_cache_tokens=max_cache_tokens,
         num_pages=num_pages,
+        cuda_graphs=cuda_graphs,
     )
     _check_options(opts)
     existing: PatchState | None = getattr(model, STATE_ATTR, None)

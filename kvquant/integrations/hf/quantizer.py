@@ -84,6 +84,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         page_size: token slots per page.
         max_cache_tokens: token slots of each cache (whole batch), or None.
         num_pages: pages of each cache, or None.
+        cuda_graphs: replay one-token decode steps from a CUDA graph (see
+            :func:`kvquant.patch`).
         **kwargs: ignored keys of a saved config (``quant_method``, ...).
 
     Example:
@@ -101,6 +103,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         page_size: int = 16,
         max_cache_tokens: int | None = None,
         num_pages: int | None = None,
+        cuda_graphs: bool = False,
         **kwargs: Any,
     ) -> None:
         self.quant_method = "kvquant"  # type: ignore[assignment]
@@ -111,6 +114,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.page_size = page_size
         self.max_cache_tokens = max_cache_tokens
         self.num_pages = num_pages
+        self.cuda_graphs = cuda_graphs
         _check_options(self.options())
 
     def options(self, source: str = "") -> PatchOptions:
@@ -123,6 +127,7 @@ class KVQuantConfig(QuantizationConfigMixin):
             page_size=self.page_size,
             max_cache_tokens=self.max_cache_tokens,
             num_pages=self.num_pages,
+            cuda_graphs=self.cuda_graphs,
             source=source,
         )
 
@@ -137,6 +142,7 @@ class KVQuantConfig(QuantizationConfigMixin):
             "page_size": self.page_size,
             "max_cache_tokens": self.max_cache_tokens,
             "num_pages": self.num_pages,
+            "cuda_graphs": self.cuda_graphs,
         }
 
 
