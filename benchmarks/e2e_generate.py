@@ -10,10 +10,13 @@ same run:
 * ``quantized-fp8``: ``QuantizedCache(backend="fp8")`` when the installed
   transformers has it (5.24: one per-tensor scale frozen at prefill, the whole
   cache dequantized at every step), else recorded as ``"unavailable"``;
-* ``kvquant``: the model patched with ``kvquant.patch`` (the only arm that
-  imports kvquant's HF integration), dynamic ``fp32-group`` scales by default
-  (random weights have no checkpoint scales) or ``--kvquant-format per-tensor``
-  with scales calibrated on a short random prompt.
+* ``kvquant``: the model patched with ``kvquant.patch(..., cuda_graphs=True)``
+  (the kvquant arms are the only ones that import kvquant's HF integration),
+  per-tensor scales calibrated on a short random prompt (random weights have
+  no checkpoint scales); decode steps replay a CUDA graph on a GPU;
+* ``kvquant-fp32-group``: the same with dynamic ``fp32-group`` scales;
+* ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False`` (every decode
+  step runs the eager forward).
 
 Per arm, from one timed ``generate`` with a timestamp after every step: prefill
 time (start to first token), decode tokens/s (``batch * (new_tokens - 1)`` over
@@ -56,7 +59,12 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
     # run as a script from a checkout: make the repository's kvquant importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ARMS = ("sdpa", "quantized-fp8", "kvquant")
+ARMS = ("sdpa", "quantized-fp8", "kvquant", "kvquant-fp32-group", "kvquant-eager")
+KVQUANT_ARMS = {  # arm: (scale format, cuda_graphs)
+    "kvquant": ("per-tensor", True),
+    "kvquant-fp32-group": ("fp32-group", True),
+    "kvquant-eager": ("per-tensor", False),
+}
 
 
 # ---------------------------------------------------------------------- model
@@ -155,9 +163,7 @@ def cache_bytes(cache: Any) -> int:
     return total
 
 
-def kv_bytes_per_token(
-    arm: str, cfg: Any, *, group_size: int, kvquant_format: str, model_dtype: torch.dtype
-) -> float:
+def kv_bytes_per_token(arm: str, cfg: Any, *, group_size: int, model_dtype: torch.dtype) -> float:
     """Analytic KV bytes per token (all layers, K and V, scales included)."""
     layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -166,7 +172,7 @@ def kv_bytes_per_token(
     if arm == "quantized-fp8":
         return 2 * layers * hkv * d * 1.0  # + one fp32 scale per layer and tensor (negligible)
     per = 2 * layers * hkv * d * 1.0
-    if kvquant_format == "fp32-group":
+    if KVQUANT_ARMS[arm][0] == "fp32-group":
         per += 2 * layers * hkv * (d // group_size) * 4.0
     return per
 
@@ -286,6 +292,7 @@ def arm_kvquant(
     *,
     backend: str,
     kvquant_format: str,
+    cuda_graphs: bool,
     group_size: int,
     max_cache_tokens: int,
     calib_ids: torch.Tensor,
@@ -295,11 +302,16 @@ def arm_kvquant(
 
     if kvquant_format == "fp32-group":
         handle = kvquant.patch(
-            model, scales={}, scale_format="fp32-group", group_size=group_size, backend=backend
+            model,
+            scales={},
+            scale_format="fp32-group",
+            group_size=group_size,
+            backend=backend,
+            cuda_graphs=cuda_graphs,
         )
     else:
         scales = calibrate_per_tensor(model, calib_ids)
-        handle = kvquant.patch(model, scales=scales, backend=backend)
+        handle = kvquant.patch(model, scales=scales, backend=backend, cuda_graphs=cuda_graphs)
     key = cache_kwarg(model)
     return (lambda: {key: handle.new_cache(max_cache_tokens=max_cache_tokens)}), handle
 
@@ -354,9 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"subset of {ARMS}")
     parser.add_argument("--backend", default="auto", help="kvquant kernel backend")
     parser.add_argument(
-        "--kvquant-format", default="fp32-group", choices=("fp32-group", "per-tensor")
-    )
-    parser.add_argument(
         "--group-size", type=int, default=None, help="fp32-group G (default 64 capped at head_dim)"
     )
     parser.add_argument("--page-size", type=int, default=16)
@@ -399,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
             "batch": batch,
             "prompt_len": prompt_len,
             "new_tokens": new_tokens,
-            "kvquant_format": args.kvquant_format,
+            "kvquant_arms": {
+                a: {"format": f, "cuda_graphs": g} for a, (f, g) in KVQUANT_ARMS.items()
+            },
             "group_size": args.group_size,
             "page_size": args.page_size,
             "backend": args.backend,
@@ -434,12 +445,16 @@ def main(argv: list[str] | None = None) -> int:
                 make_extra, handle = arm_kvquant(
                     model,
                     backend=args.backend,
-                    kvquant_format=args.kvquant_format,
+                    kvquant_format=KVQUANT_ARMS[arm][0],
+                    cuda_graphs=KVQUANT_ARMS[arm][1],
                     group_size=args.group_size,
                     max_cache_tokens=slots,
                     calib_ids=calib_ids,
                 )
             row = measure_arm(model, ids, new_tokens, make_extra, warmup_ids)
+            runner = None if handle is None else handle.state.graph_runner
+            if runner is not None:  # all generate calls of the arm, warm-ups included
+                row["graph_stats"] = dict(vars(runner.stats))
         except Exception as exc:  # record and go on: one failing arm must not lose the others
             result["arms"][arm] = {
                 "status": "error",
@@ -460,22 +475,14 @@ def main(argv: list[str] | None = None) -> int:
             row["greedy_token_agreement_vs_sdpa"] = float(
                 (tokens == reference_tokens).double().mean()
             )
-        per_token = kv_bytes_per_token(
-            arm,
-            cfg,
-            group_size=args.group_size,
-            kvquant_format=args.kvquant_format,
-            model_dtype=dtype,
-        )
+        per_token = kv_bytes_per_token(arm, cfg, group_size=args.group_size, model_dtype=dtype)
         row["kv_bytes_per_token_analytic"] = per_token
         row["kv_bytes_at_prompt_analytic"] = per_token * batch * prompt_len
         result["arms"][arm] = row
 
     # longest context per sequence that fits a memory budget: estimate from bytes per token
     arms_ok = {a: r for a, r in result["arms"].items() if r.get("status") == "ok"}
-    bf16_per_token = kv_bytes_per_token(
-        "sdpa", cfg, group_size=args.group_size, kvquant_format="", model_dtype=dtype
-    )
+    bf16_per_token = kv_bytes_per_token("sdpa", cfg, group_size=args.group_size, model_dtype=dtype)
     budget_same_as_bf16 = bf16_per_token * batch * prompt_len
     budgets = {"kv_bytes_of_model_dtype_cache_at_prompt_len": budget_same_as_bf16}
     if free_after_weights is not None and arms_ok:
@@ -509,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
                 / base["kv_bytes_per_token_analytic"],
             }
             for arm, r in arms_ok.items()
+        }
+    if "quantized-fp8" in arms_ok:
+        qc = arms_ok["quantized-fp8"]["decode_tokens_per_s"]
+        result["decode_speed_vs_quantized_fp8"] = {
+            arm: r["decode_tokens_per_s"] / qc for arm, r in arms_ok.items()
         }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

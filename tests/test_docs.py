@@ -33,6 +33,7 @@ _OPTIONAL = ("triton", "transformers", "safetensors", "gguf", "accelerate", "num
 _MODULES_WITH_EXAMPLES = (
     "kvquant.cache",
     "kvquant.kernels",
+    "kvquant.integrations.hf.graphs",
     "kvquant.registry.discovery",
     "kvquant.registry.formats",
     "kvquant.registry.registry",
