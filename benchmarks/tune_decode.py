@@ -7,9 +7,13 @@ bf16 cache of the same shape is timed in the same process, and ``--baseline`` na
 copy of ``attention_triton.py`` (e.g. the previous commit's) to time beside the current one.
 Prints the best configuration per shape and writes everything to ``--out/tune.json``.
 
+``--graph`` times CUDA-graph replays (device time without host gaps), ``--auto-splits``
+keeps only the launcher's split choice.
+
 Usage (H200)::
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py --out results/ [--baseline old.py]
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --out results/ --graph --auto-splits
 """
 
 from __future__ import annotations
@@ -38,14 +42,19 @@ SHAPES = [
     (32, 8, 128, 8, 1024, ["per-tensor"]),
     (32, 8, 64, 16, 8192, ["group64"]),
     (9, 3, 64, 32, 16384, ["per-tensor"]),
+    (32, 8, 128, 8, 16384, ["per-tensor"]),
 ]
 # tile configurations: BLOCK_N, num_warps, num_stages, LOOP_STAGES (software pipelining depth
 # of the key loop; indirect loads feeding a dot get LOOP_STAGES - 3 prefetch buffers)
 CONFIGS: list[tuple[Any, ...]] = [
+    (64, 2, 3, 6),
+    (64, 2, 3, 5),
+    (64, 2, 3, 4),
+    (64, 2, 3, 3),
     (128, 4, 3, 5),
     (128, 4, 3, 6),
     (64, 4, 3, 6),
-    (64, 4, 3, 7),
+    (128, 2, 3, 5),
     (128, 4, 2, 2),
 ]
 SPLITS: list[int | None] = [None, 1, 2, 4, 8, 16, 32]
@@ -127,18 +136,33 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--stream", action="store_true", help="also time a read-only page stream")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="time CUDA-graph replays (device time, no host gaps, no L2 flush) instead of calls",
+    )
+    ap.add_argument(
+        "--auto-splits", action="store_true", help="only the launcher's own split count"
+    )
     args = ap.parse_args()
     global SHAPES, CONFIGS, SPLITS
     if args.smoke:
         ba.DEV, ba.SMOKE = "cpu", True
         SHAPES = [(8, 2, 64, 2, 256, ["per-tensor", "group64"])]
         CONFIGS, SPLITS = [(32, 4, 2, 3)], [None, 2]
+    if args.auto_splits:
+        SPLITS = [None]
+    timer = ba.bench_graph if args.graph and not args.smoke else ba.bench
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s
     impls = {"current": current_module()}
     if args.baseline is not None:
         impls["baseline"] = load_module(args.baseline)
-    results: dict[str, Any] = {"bandwidth": ba.probe_bandwidth(), "shapes": []}
+    results: dict[str, Any] = {
+        "bandwidth": ba.probe_bandwidth(),
+        "timing": "cuda-graph replay" if timer is not ba.bench else "do_bench, L2 flushed",
+        "shapes": [],
+    }
     print(json.dumps(results["bandwidth"]), flush=True)
     for hq, hkv, d, bsz, ctx, formats in SHAPES:
         p = ba.Problem(bsz, ctx, hq, hkv, d)
@@ -152,7 +176,7 @@ def main() -> None:
                 for bn, nw, ns in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3), (64, 4, 4))
             }
             print(json.dumps({"shape": row["shape"], "stream_TBps": row["stream_TBps"]}))
-        row["sdpa_ms"] = ba.bench(ba.decode_sdpa(p))
+        row["sdpa_ms"] = timer(ba.decode_sdpa(p))
         for name in formats:
             f = p.fmt(name)
             nbytes = p.payload_bytes(1) + p.scale_bytes(name) + p.block_tables.numel() * 4
@@ -178,7 +202,7 @@ def main() -> None:
                             out = torch.full_like(p.q, float("nan"))
                             launch(mod, p, f, **kw, out=out)
                             ok = not bool(torch.isnan(out).any())
-                            t = ba.bench(call) if ok else float("nan")
+                            t = timer(call) if ok else float("nan")
                         except Exception as err:  # a configuration may fail to compile
                             runs.append({"impl": impl_name, "config": cfg, "splits": s,
                                          "error": str(err)[:200]})  # fmt: skip

@@ -201,13 +201,17 @@ def test_split_count_heuristic() -> None:
     assert choose_num_splits(256, 16384, 132) == 1  # B32 x Hkv8: one wave of 256 / 264
     assert choose_num_splits(512, 16384, 132) == 1  # B64: two full waves
     assert choose_num_splits(64, 16384, 132) == 4  # B8: 256 programs, not 5 x 64 = 1.2 waves
-    assert choose_num_splits(8, 32768, 132) == 28  # B1: 224 programs (85 % of a wave)
-    assert choose_num_splits(64, 1024, 132) == 1  # short context: no reduce launch
-    assert choose_num_splits(64, 2048, 132) == 2  # capped by 1024 keys per split
-    assert choose_num_splits(3, 64, 132) == 1
+    # B1 x 32k: 32 splits of 8 tiles; 28 splits would be 10-tile splits (38 vs 33 us)
+    assert choose_num_splits(8, 32768, 132) == 32
+    assert choose_num_splits(8, 32768, 132, block_n=64) == 32
+    assert choose_num_splits(64, 1024, 132) == 4  # B8 x 1k: 4 splits of 2 tiles
+    assert choose_num_splits(3, 64, 132) == 1  # one tile: nothing to split
+    assert choose_num_splits(8, 300, 132, block_n=128) == 3  # at most one split per tile
     # 9/3/64, B32: 3 programs per SM -> 4 splits (384 <= 396 slots), not 5 (1.2 waves)
     assert choose_num_splits(96, 16384, 132, programs_per_sm=3) == 4
-    assert choose_num_splits(96, 16384, 132) == 5
+    assert choose_num_splits(96, 16384, 132) == 8  # 2 per SM: 768 programs, 3 waves of 264
+    # 32/8/64 B16 x 1k at 3 per SM: 3 splits (balance 8 / 9 tiles) beat 2 (0.65 of a wave)
+    assert choose_num_splits(128, 1024, 132, programs_per_sm=3) == 3
 
 
 def test_programs_per_sm() -> None:

@@ -484,7 +484,7 @@ def _is_decode(lq: int, group: int) -> bool:
 
 
 def choose_config(
-    lq: int, group: int, head_dim: int, *, group_dequant: bool = False
+    lq: int, group: int, head_dim: int, *, group_dequant: bool = False, fold: bool = False
 ) -> dict[str, int]:
     """Tile configuration for a problem: ``BLOCK_M``, ``QPB``, ``BLOCK_N``, warps, stages.
 
@@ -494,6 +494,7 @@ def choose_config(
         head_dim: ``D``.
         group_dequant: K/V tiles are multiplied by fp32 group scales element-wise (group
             scales the kernel does not fold).
+        fold: one fp32 group scale per head, folded into the scores and probabilities.
 
     Returns:
         A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and
@@ -501,18 +502,24 @@ def choose_config(
     """
     if _is_decode(lq, group):
         block_m = max(16, triton.next_power_of_2(lq * group))
-        # 128-key tiles stream best on the H200 at D <= 128 (benchmarks/tune_decode.py)
-        block_n = 128 if head_dim <= 128 else 32
         # The key loop's loads are indirect (block table) and feed dots: Triton gives them
-        # LOOP_STAGES - 3 prefetch buffers. Two buffers: 352 vs 363 us at B32 x 16k
-        # (benchmarks/tune_decode.py); the register-heavy dequantizing variants would spill.
+        # LOOP_STAGES - 3 prefetch buffers; the register-heavy dequantizing variants keep none.
+        if head_dim > 128:
+            block_n, warps, loop_stages = 32, 4, 3 if group_dequant else 5
+        elif fold:
+            # folded D = 64 scales: 81.8 us at B16 x 8k 32/8/64 (H200)
+            block_n, warps, loop_stages = 128, 4, 5
+        else:
+            # 64-key tiles on 2 warps: H200, B32 x 16k 32/8/128, per-tensor 319 vs 353 us with
+            # 128-key tiles on 4 warps, G = 64 462 vs 475 us (benchmarks/tune_decode.py)
+            block_n, warps, loop_stages = 64, 2, 3 if group_dequant else 6
         return {
             "BLOCK_M": block_m,
             "QPB": lq,
             "BLOCK_N": block_n,
-            "num_warps": 4,
+            "num_warps": warps,
             "num_stages": 3,
-            "LOOP_STAGES": 3 if group_dequant else 5,
+            "LOOP_STAGES": loop_stages,
         }
     if head_dim <= 128:
         block_m, block_n, warps = 128, 128, 8
@@ -535,35 +542,40 @@ def choose_num_splits(
     num_sms: int,
     *,
     programs_per_sm: int = 2,
-    min_keys_per_split: int = 1024,
+    block_n: int = 128,
 ) -> int:
-    """Split-KV count that fills the GPU in whole waves, splits no shorter than ``min_keys_per_split``.
+    """Split-KV count that fills the GPU in whole waves of whole, balanced tiles.
 
-    With ``slots = programs_per_sm * num_sms`` resident programs, the wave efficiency of ``s``
-    splits is ``programs * s / (ceil(programs * s / slots) * slots)``; the smallest ``s`` within
-    85 % of the best efficiency wins (a partial second wave costs as much as a full one). Short
-    contexts stay unsplit: below ``2 * min_keys_per_split`` keys the reduce launch costs more
-    than the extra parallelism gains (H200: B8 x 1k decode, 27 us unsplit vs 45-50 us split).
+    With ``slots = programs_per_sm * num_sms`` resident programs and ``tiles =
+    ceil(max_keys / block_n)`` key tiles per sequence, ``s`` splits have
+    efficiency ``wave(s) * balance(s)``: ``wave(s) = programs * s / (ceil(programs * s /
+    slots) * slots)`` (a partial wave costs as much as a full one) and ``balance(s) = tiles /
+    (s * ceil(tiles / s))`` (the kernel gives each split ``ceil(tiles / s)`` whole tiles, so the
+    longest split sets the time). The smallest ``s`` within 95 % of the best efficiency wins.
+    Device time on the H200 (CUDA-graph replay, 32/8/128 per-tensor): B1 x 32k 33.0 us at 32
+    splits against 38.3 us at the 28 (10-tile splits) that wave efficiency alone chose;
+    B8 x 1k 13.0 us at 4 splits against 16.1 us unsplit.
 
     Args:
         programs: programs without splitting (``B * Hkv * query blocks``).
         max_keys: upper bound of keys per sequence (block-table capacity).
         num_sms: multiprocessors of the device.
         programs_per_sm: programs of the kernel resident on one SM at once.
-        min_keys_per_split: shortest split worth a program.
+        block_n: keys per tile of the kernel.
 
     Returns:
-        The number of splits, 1 to 64.
+        The number of splits, 1 to ``min(64, tiles)``.
     """
     slots = max(1, programs_per_sm) * num_sms
-    cap = max(1, min(64, max_keys // min_keys_per_split))
+    tiles = max(1, triton.cdiv(max_keys, max(1, block_n)))
+    cap = max(1, min(64, tiles))
 
     def efficiency(s: int) -> float:
         n = programs * s
-        return n / (triton.cdiv(n, slots) * slots)
+        return n / (triton.cdiv(n, slots) * slots) * tiles / (s * triton.cdiv(tiles, s))
 
     best = max(efficiency(s) for s in range(1, cap + 1))
-    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.85 * best)
+    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.95 * best)
 
 
 _RESIDENCY: dict[tuple[Any, ...], int] = {}
@@ -691,7 +703,7 @@ def paged_attention_triton(
     # 466-495 vs 455 us) and prefill is slower (a 16 x 8k Llama-1B prefill: 1.6 s vs 0.9 s),
     # so they dequantize their tiles.
     fold = group_scales and ng == 1 and d <= 64 and _is_decode(lq, group)
-    cfg = choose_config(lq, group, d, group_dequant=group_scales and not fold)
+    cfg = choose_config(lq, group, d, group_dequant=group_scales and not fold, fold=fold)
     if config:
         cfg.update(config)
     qpb = int(cfg["QPB"])
@@ -756,6 +768,7 @@ def paged_attention_triton(
                 block_tables.shape[1] * page_size,
                 _num_sms(query.device),
                 programs_per_sm=_decode_residency(args, consts, query.device),
+                block_n=int(cfg["BLOCK_N"]),
             )
     split = num_splits > 1
     if split:
