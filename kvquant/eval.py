@@ -437,8 +437,8 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor) -> CalibratedScal
             "expected every attention layer to. Fix: use a model whose attention calls "
             "transformers' AttentionInterface."
         )
-    k = torch.stack([captured[i][0] for i in range(layers)])
-    v = torch.stack([captured[i][1] for i in range(layers)])
+    k = torch.stack([captured[i][0] for i in range(layers)]).cpu()
+    v = torch.stack([captured[i][1] for i in range(layers)]).cpu()
     return CalibratedScales(k_amax=k, v_amax=v, num_tokens=int(input_ids.shape[1]))
 
 
@@ -743,6 +743,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kvquant", action="store_true", help="also run kvquant.patch on checkpoint copies"
     )
     parser.add_argument("--backend", default="torch", help="kvquant kernel backend")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs (e.g. cuda, with --backend triton or auto)",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON")
     args = parser.parse_args(argv)
 
@@ -751,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2()
+    model.to(args.device)
     calib_text, eval_text = text_pair()
     calib_ids = tokenize(tokenizer, calib_text.text, args.calibration_tokens)
     eval_ids = tokenize(
@@ -778,7 +784,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 backend=args.backend,
             )
     header = (
-        f"SmolLM2-135M-Instruct (fp32 compute, bf16 weights), calibration: {calib_text.name} "
+        f"SmolLM2-135M-Instruct (fp32 compute on {args.device}, bf16 weights, kvquant "
+        f"backend {args.backend}), calibration: {calib_text.name} "
         f"({calib_ids.shape[1]} tokens), evaluation: {eval_text.name} "
         f"({eval_ids.shape[0]} x {eval_ids.shape[1]} tokens)"
     )
