@@ -159,6 +159,16 @@ def test_steps_the_graph_cannot_serve_take_the_ordinary_path(tiny_llama: Any) ->
             **{key: cache},
         )
     assert stats.static_eager == 1
+    # the refused call left the cache as it was: the next step works
+    assert cache.get_seq_length() == 11
+    with torch.no_grad():
+        tiny_llama(
+            input_ids=ids[:, :1],
+            attention_mask=torch.ones(2, 12),
+            position_ids=torch.full((2, 1), 11),
+            **{key: cache},
+        )
+    assert stats.static_eager == 2 and cache.get_seq_length() == 12
 
 
 def test_beam_search_and_sampling_match_ordinary_steps(tiny_llama: Any) -> None:

@@ -285,3 +285,27 @@ def test_memory_bytes_counts_pages_and_scales(tiny_llama: Any) -> None:
     assert layer.storage is not None and layer.k_pages is layer.storage.k_pages
     assert layer.k_group_scales is layer.storage.k_group_scales and layer.k_scale is None
     assert layer.device == torch.device("cpu")
+
+
+def test_refused_mask_leaves_the_cache_as_it_was(tiny_llama: Any) -> None:
+    handle = kvhf.patch(tiny_llama, backend="torch", page_size=4)
+    cache = handle.new_cache()
+    ids, mask = prompt(batch=2, length=8, pad=(0, 0))
+    key = cache_kwarg(tiny_llama)
+    step = torch.randint(3, 100, (2, 2), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        tiny_llama(input_ids=ids, attention_mask=mask, **{key: cache})
+        hole = torch.ones(2, 10, dtype=torch.long)
+        hole[1, 3] = 0  # not left padding
+        with pytest.raises(UnsupportedModelError, match="left padding"):
+            tiny_llama(input_ids=step, attention_mask=hole, **{key: cache})
+        assert [layer.get_seq_length() for layer in cache.layers] == [8, 8]
+        got = tiny_llama(
+            input_ids=step, attention_mask=torch.ones(2, 10, dtype=torch.long), **{key: cache}
+        ).logits
+        fresh = handle.new_cache()
+        tiny_llama(input_ids=ids, attention_mask=mask, **{key: fresh})
+        want = tiny_llama(
+            input_ids=step, attention_mask=torch.ones(2, 10, dtype=torch.long), **{key: fresh}
+        ).logits
+    assert torch.equal(got, want)

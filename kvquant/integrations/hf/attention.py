@@ -218,7 +218,13 @@ def kvquant_attention(
         kv_start = memo[2]
     else:
         lq = query.shape[2]
-        kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, _name(module))
+        try:
+            kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, _name(module))
+        except UnsupportedModelError:
+            # The layer stored this call's tokens before attending: forget them, so the cache
+            # holds what it held before the call (the reserved pages stay reserved).
+            layer.seq_len -= lq
+            raise
         cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
     out = storage.attend(
         query.transpose(1, 2),
