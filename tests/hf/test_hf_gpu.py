@@ -87,3 +87,29 @@ def test_cuda_graph_generate_recaptures_per_cache_and_capacity() -> None:
     with torch.no_grad(), pytest.raises(CacheCapacityError, match="Nothing was written"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30)
     handle.remove()
+
+
+def test_cuda_graph_capture_failure_is_a_clear_error() -> None:
+    from kvquant.errors import KVQuantError
+
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=12, pad=(3, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
+
+    def host_sync(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            float(out.float().sum())  # a host sync: a graph cannot hold it
+
+    hook = model.model.layers[0].mlp.register_forward_hook(host_sync)
+    handle = kvhf.patch(model, cuda_graphs=True)
+    with torch.no_grad(), pytest.raises(KVQuantError, match="cuda_graphs=False"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
+    handle.remove()
+    hook.remove()
+    with torch.no_grad():  # the device is still usable
+        again = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6
+        )
+    assert torch.equal(again, ref)
