@@ -198,3 +198,28 @@ def test_left_padding_starts() -> None:
     assert left_padding_starts(torch.tensor([[1, 1, 0]]), 1, 3, cpu) is None  # padding query
     assert left_padding_starts(torch.tensor([[0, 0, 0]]), 1, 3, cpu) is None
     assert left_padding_starts(torch.tensor([[1, 0, 1]]), 1, 3, cpu) is None  # a hole
+
+
+def test_views_of_a_growing_tensor_reuse_one_graph(tiny_llama: Any) -> None:
+    """Step inputs that are views with changing strides keep the same captured step."""
+    handle = kvhf.patch(tiny_llama, backend="torch", page_size=4, cuda_graphs=True)
+    cache = handle.new_cache()
+    key = cache_kwarg(tiny_llama)
+    ids, mask = prompt(batch=2, length=6, pad=(0, 0))
+    with torch.no_grad():
+        tiny_llama(input_ids=ids, attention_mask=mask, **{key: cache})
+        grown = ids
+        for t in range(6, 10):
+            nxt = torch.full((2, 1), 5 + t)
+            grown = torch.cat([grown, nxt], dim=1)
+            tiny_llama(
+                input_ids=grown[:, -1:],  # stride (t + 1, 1) changes every step
+                attention_mask=torch.ones(2, t + 1),
+                position_ids=torch.full((2, 1), t),
+                **{key: cache},
+            )
+            graph = cache.decode_graph
+            if t == 6:
+                first = graph
+            assert graph is first
+    assert handle.state.graph_runner.stats.static_eager == 4

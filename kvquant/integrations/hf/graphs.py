@@ -115,14 +115,19 @@ def left_padding_starts(
 
 
 def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """A hashable key of a step's arguments (tensor metadata, other values); None if unusual."""
+    """A hashable key of a step's arguments (tensor shapes, dtypes, devices; other values).
+
+    Strides are left out: the static buffers are contiguous and ``copy_`` takes any layout,
+    so a view of a growing tensor (``ids[:, -1:]``) does not force a new capture.
+    Returns None when an argument is neither a tensor nor a plain value.
+    """
     key: list[Any] = []
     for name in sorted(kwargs):
         value = kwargs[name]
         if name == "attention_mask" or name in _CACHE_KWARGS:
             continue
         if isinstance(value, torch.Tensor):
-            key.append((name, tuple(value.shape), value.stride(), value.dtype, value.device))
+            key.append((name, tuple(value.shape), value.dtype, value.device))
         elif value is None or type(value) in _SCALARS:
             key.append((name, value))
         else:
@@ -269,7 +274,7 @@ class DecodeGraphRunner:
     ) -> DecodeGraph:
         static = StaticStep.allocate(cache.batch_size_, cache.pages_per_sequence(), device)
         inputs = {
-            name: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+            name: torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for name, v in kwargs.items()
             if isinstance(v, torch.Tensor) and name != "attention_mask"
         }
