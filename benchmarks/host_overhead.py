@@ -91,14 +91,6 @@ def build_model(args: argparse.Namespace) -> Any:
     return model
 
 
-def cache_kwarg(model: Any) -> str:
-    """``"cache"`` (transformers 5.24) or ``"past_key_values"`` (5.17)."""
-    import inspect
-
-    params = inspect.signature(type(model.model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 # ---------------------------------------------------------------------- stubs
 
 
@@ -337,6 +329,8 @@ def null_once(model: Any, ids: torch.Tensor, args: argparse.Namespace) -> list[f
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
+    from kvquant.integrations.hf.patch import cache_kwarg_name
+
     AttentionInterface.register(STUB_ATTN, _stub_attention)
     AttentionMaskInterface.register(STUB_ATTN, sdpa_mask)
     previous = model.config._attn_implementation
@@ -344,7 +338,7 @@ def null_once(model: Any, ids: torch.Tensor, args: argparse.Namespace) -> list[f
     try:
         clock = Clock(None)
         cache = null_cache()(model.config.num_hidden_layers)
-        generate(model, ids, args.steps, {cache_kwarg(model): cache}, clock)
+        generate(model, ids, args.steps, {cache_kwarg_name(model.model): cache}, clock)
     finally:
         model.set_attn_implementation(previous)
     return step_times(clock)
@@ -356,6 +350,7 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
     import kvquant
     import kvquant.kernels as kernels
     import kvquant.kernels.validate as validate
+    from kvquant.integrations.hf.patch import cache_kwarg_name
 
     checks = (
         patched(validate, "value_checks_enabled", lambda device: False)
@@ -363,7 +358,7 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
         else contextlib.nullcontext()
     )
     handle = kvquant.patch(model, scales={}, scale_format="fp32-group", page_size=args.page_size)
-    key = cache_kwarg(model)
+    key = cache_kwarg_name(model.model)
     tokens = args.batch * (args.prompt_len + args.steps + 8)
     try:
         with (

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import sys
@@ -345,13 +344,6 @@ class TokenStats:
         return math.exp(float(self.nll.double().mean()))
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """``"cache"`` on transformers >= 5.2x, ``"past_key_values"`` on 5.17 (feature test)."""
-    inner = getattr(model, "model", model)
-    params = inspect.signature(type(inner).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.no_grad()
 def teacher_forced(
     model: torch.nn.Module,
@@ -395,7 +387,9 @@ def teacher_forced(
         )
     kwargs: dict[str, Any] = {"use_cache": False}
     if cache_factory is not None:
-        kwargs = {"use_cache": True, _cache_kwarg(model): cache_factory()}
+        from kvquant.integrations.hf.patch import cache_kwarg_name
+
+        kwargs = {"use_cache": True, cache_kwarg_name(decoder): cache_factory()}
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     hidden = decoder(input_ids=ids, **kwargs).last_hidden_state[:, :-1].flatten(0, 1)

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
-
-def cache_kwarg(model: Any) -> str:
-    """``"cache"`` on transformers 5.24, ``"past_key_values"`` on 5.17."""
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+from kvquant.integrations.hf.patch import cache_kwarg_name as cache_kwarg
 
 
 def returned_cache(out: Any) -> Any:
