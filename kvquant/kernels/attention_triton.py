@@ -507,11 +507,12 @@ def choose_config(
         if head_dim > 128:
             block_n, warps, loop_stages = 32, 4, 3 if group_dequant else 5
         elif fold:
-            # folded D = 64 scales: 81.8 us at B16 x 8k 32/8/64 (H200)
+            # folded D = 64 scales keep the tiles they were measured with (docs/performance.md)
             block_n, warps, loop_stages = 128, 4, 5
         else:
-            # 64-key tiles on 2 warps: H200, B32 x 16k 32/8/128, per-tensor 319 vs 353 us with
-            # 128-key tiles on 4 warps, G = 64 462 vs 475 us (benchmarks/tune_decode.py)
+            # 64-key tiles on 2 warps: H200, B32 x 16k 32/8/128, graph replay
+            # (benchmarks/tune_decode.py --graph): per-tensor 329 vs 346 us with 128-key tiles
+            # on 4 warps; G = 64 451 vs 473 us (128-key tiles, 2 stages)
             block_n, warps, loop_stages = 64, 2, 3 if group_dequant else 6
         return {
             "BLOCK_M": block_m,
@@ -552,9 +553,10 @@ def choose_num_splits(
     slots) * slots)`` (a partial wave costs as much as a full one) and ``balance(s) = tiles /
     (s * ceil(tiles / s))`` (the kernel gives each split ``ceil(tiles / s)`` whole tiles, so the
     longest split sets the time). The smallest ``s`` within 95 % of the best efficiency wins.
-    Device time on the H200 (CUDA-graph replay, 32/8/128 per-tensor): B1 x 32k 33.0 us at 32
-    splits against 38.3 us at the 28 (10-tile splits) that wave efficiency alone chose;
-    B8 x 1k 13.0 us at 4 splits against 16.1 us unsplit.
+    With wave efficiency alone, B1 x 32k took 28 splits of 10 tiles where 32 splits of 8 do;
+    and short contexts stayed unsplit. With this rule and 64-key tiles, the H200 graph-replay
+    table of ``benchmarks/bench_attention.py`` went from 38.0 to 30.4 us (B1 x 32k) and from
+    16.0 to 11.8 us (B8 x 1k), 32/8/128 per-tensor.
 
     Args:
         programs: programs without splitting (``B * Hkv * query blocks``).
