@@ -73,9 +73,47 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {},
     ),
     (
-        "decode-group16-unfolded-scales",
+        "decode-group16-folded-four-row-copies",
         dict(lens=[75, 30], hq=8, hkv=2, d=64, granularity="fp32-group", group_size=16),
         {"num_splits": 2},
+    ),
+    (
+        "decode-group16-dequantized-tiles",
+        dict(lens=[75, 30], hq=8, hkv=2, d=64, granularity="fp32-group", group_size=16),
+        {"num_splits": 2, "config": {"FOLD": 0}},
+    ),
+    (
+        "decode-gqa8-lq2-group16-too-many-rows-to-fold",
+        dict(lens=[47, 20], hq=16, hkv=2, d=64, lq=2, granularity="fp32-group", group_size=16),
+        {},
+    ),
+    (
+        "decode-group32-folded-huge-values",
+        dict(
+            lens=[70],
+            hq=6,
+            hkv=2,
+            d=64,
+            granularity="fp32-group",
+            group_size=32,
+            value_gain=1e4,
+            qdtype=torch.float32,
+        ),
+        {"num_splits": 2},
+    ),
+    (
+        "decode-group32-folded-tiny-values",
+        dict(
+            lens=[70],
+            hq=6,
+            hkv=2,
+            d=64,
+            granularity="fp32-group",
+            group_size=32,
+            value_gain=1e-5,
+            qdtype=torch.float32,
+        ),
+        {},
     ),
     (
         "decode-group64-tiny-values",
@@ -149,17 +187,25 @@ def test_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> No
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=str(case_kw))
 
 
-def test_group_scales_beyond_fp16_range_give_non_finite_output() -> None:
-    """With several groups per head, |K/V| above ~4094 overflows fp16: inf/NaN, never a wrong number."""
+@pytest.mark.parametrize(
+    "lq, config",
+    [(1, {"FOLD": 0}), (40, {"BLOCK_M": 32, "QPB": 32, "BLOCK_N": 32})],
+    ids=["decode-unfolded", "prefill"],
+)
+def test_dequantized_group_tiles_beyond_fp16_range_give_non_finite_output(
+    lq: int, config: dict[str, int]
+) -> None:
+    """Tiles dequantized in fp16 with |K/V| above ~4094: inf/NaN, never a wrong number."""
     case = build_case(
-        [90], hq=4, hkv=1, d=64, granularity="fp32-group", group_size=32, value_gain=1e4, seed=3
-    )
+        [90], hq=4, hkv=1, d=64, lq=lq, granularity="fp32-group", group_size=32,
+        value_gain=1e4, seed=3,
+    )  # fmt: skip
     v_amax = case.scales["v_group_scales"].nan_to_num(0.0).max() * 448
     assert float(v_amax) > 4094  # stored V values beyond the limit
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
     paged_attention_triton(
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out,
+        **case.kwargs(), out=out, config=config,
     )  # fmt: skip
     assert not bool(torch.isfinite(out).all())
 

@@ -17,15 +17,24 @@ FP8 to fp16 once for the whole group, and both products are tensor-core
   query tokens per program, heavy causal blocks launched first, one split.
 
 Scales: static per-tensor / per-KV-head scales are folded out of the loop
-(``k_scale`` into the exp2 scale of the scores, ``v_scale`` onto the output);
-fp32 group scales ``[num_pages, page_size, Hkv, D // G]``: in decode with one
-group per head (``G = D <= 64``) the per-key scales fold into the score columns (K)
-and into the probabilities (V, divided by the tile's largest scale so that the
-fp16 operand keeps the range of ``p``), with no per-element multiply and no
-range limit; otherwise each tile is dequantized in registers in fp16 (one
-packed multiply per element pair), the scales multiplied by 16 so that groups
-with amax down to ~1.7e-3 stay fp16-normal, and the 16 folded out of the
-scores and the output.
+(``k_scale`` into the exp2 scale of the scores, ``v_scale`` onto the output).
+fp32 group scales ``[num_pages, page_size, Hkv, D // G]`` are folded too in
+decode: the query tile holds ``NG = D // G`` copies of each row, copy ``c``
+zero outside group ``c``, so one dot gives every group's partial scores; they
+are scaled per (group, key) and summed over the copies (K), and copy ``c`` of
+the probabilities is weighted by group ``c``'s per-key V scales (divided by the
+tile's largest, so that the fp16 operand keeps the range of ``p``) and keeps
+group ``c``'s output columns (V). No per-element multiply, no range limit; the
+row copies fill the padding rows of the 16-row tensor-core tile (GQA 4 with
+``G = D / 2`` costs nothing), up to ``_FOLD_MAX_ROWS`` rows. Otherwise (prefill,
+or too many rows) each tile is dequantized in registers in fp16 (one packed
+multiply per element pair), the scales multiplied by 16 so that groups with
+amax down to ~1.7e-3 stay fp16-normal, and the 16 folded out of the scores and
+the output.
+
+On sm_90 and newer both kernels are launched with programmatic dependent
+launch: the attention kernel lets the split reduction launch as its programs
+finish, and the reduction waits (``griddepcontrol.wait``) for all of its stores.
 
 The key loop is split into an unmasked interior (every key visible to every
 row of the block) and a masked rest (causal diagonal, tail, sliding window).
@@ -34,7 +43,7 @@ The launcher does no argument validation: :mod:`kvquant.kernels` validates
 before dispatching here. Restrictions it relies on: ``head_dim`` a power of
 two (>= 16), pages, group scales and block tables contiguous in their last
 dimension, ``D // G`` a power of two, queries within fp16 range (|q| < 65504), and, with
-fp32 group scales (except decode with ``G = D <= 64``), K/V values below 4094 in magnitude (fp16
+fp32 group scales dequantized in tiles (prefill), K/V values below 4094 in magnitude (fp16
 range after the x16 boost; beyond it the output turns inf/NaN, never silently wrong).
 """
 
@@ -47,6 +56,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["choose_config", "choose_num_splits", "paged_attention_triton", "programs_per_sm"]
 
@@ -81,8 +91,8 @@ def _load_kv(
 ):
     """Gather the raw FP8 tiles ``[BLOCK_N, D]`` of keys ``n0 + i`` and their group scales.
 
-    Returns ``(k, v, ks, vs)``; the scales are ``[BLOCK_N]`` with ``FOLD`` (one group per
-    head), ``[BLOCK_N, NG]`` for other group scales, else placeholders.
+    Returns ``(k, v, ks, vs)``; the scales are ``[NG, BLOCK_N]`` with ``FOLD``,
+    ``[BLOCK_N, NG]`` for dequantized group scales, else placeholders.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
@@ -104,10 +114,11 @@ def _load_kv(
     vs = 1.0
     if GROUP_SCALES:
         if FOLD:
-            # one scale per key (NG == 1); padding keys get scale 0
-            kg_ptrs = kg_base + (page * s_kgp + tok * s_kgt)
-            vg_ptrs = vg_base + (page * s_vgp + tok * s_vgt)
-            key_mask = key_ok
+            # [NG, BLOCK_N]: one scale per (group, key); padding keys get scale 0
+            offs_g = tl.arange(0, NG)
+            kg_ptrs = kg_base + (page * s_kgp + tok * s_kgt)[None, :] + offs_g[:, None]
+            vg_ptrs = vg_base + (page * s_vgp + tok * s_vgt)[None, :] + offs_g[:, None]
+            key_mask = key_ok[None, :]
         else:
             offs_g = tl.arange(0, NG)
             kg_ptrs = kg_base + (page * s_kgp + tok * s_kgt)[:, None] + offs_g[None, :]
@@ -131,29 +142,67 @@ def _group_dequant(x, xs, NG: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.co
 
 
 @triton.jit
+def _copy_rows(x, NG: tl.constexpr, RB: tl.constexpr):
+    """Per-copy values ``[NG]`` -> one per expanded row (row ``c * RB + r`` gets ``x[c]``)."""
+    return tl.reshape(tl.broadcast_to(x[:, None], [NG, RB]), [NG * RB])
+
+
+@triton.jit
+def _copy_tiles(x, NG: tl.constexpr, RB: tl.constexpr, N: tl.constexpr):
+    """Per-copy rows ``[NG, N]`` -> ``[NG * RB, N]`` (row ``c * RB + r`` gets ``x[c]``)."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :], [NG, RB, N]), [NG * RB, N])
+
+
+@triton.jit
+def _base_rows(x, NG: tl.constexpr, RB: tl.constexpr):
+    """Per-row values ``[RB]`` -> the same value on each of the row's ``NG`` copies."""
+    return tl.reshape(tl.broadcast_to(x[None, :], [NG, RB]), [NG * RB])
+
+
+@triton.jit
 def _qk(q, k, ks, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr, NG: tl.constexpr,
-        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
-    """Raw scores ``q @ (k * scales)^T`` ``[BLOCK_M, BLOCK_N]`` (x 16 for unfolded group scales)."""
-    if GROUP_SCALES and not FOLD:
+        RB: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
+    """Raw scores ``q @ (k * scales)^T`` ``[RB, BLOCK_N]`` (x 16 for dequantized group scales).
+
+    With ``FOLD`` the query holds ``NG`` copies of each row, copy ``c`` zero outside
+    group ``c``: the dot gives every group's partial scores, which are scaled per
+    (group, key) and summed over the copies.
+    """
+    if FOLD:
+        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        if NG == 1:
+            s = s * ks
+        else:
+            s = tl.sum(tl.reshape(s * _copy_tiles(ks, NG, RB, BLOCK_N), [NG, RB, BLOCK_N]), 0)
+    elif GROUP_SCALES:
         s = tl.dot(q, tl.trans(_group_dequant(k, ks, NG, BLOCK_N, HEAD_D)))
     else:
         s = tl.dot(q, tl.trans(k.to(tl.float16)))
-        if FOLD:
-            s = s * ks[None, :]
     return s
 
 
 @triton.jit
 def _pv(acc, alpha, p, v, vs, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr,
-        NG: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
-    """``acc * alpha + p @ (v * scales)`` ``[BLOCK_M, D]`` (x 16 for unfolded group scales)."""
+        NG: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
+    """``acc * alpha + p @ (v * scales)`` (x 16 for dequantized group scales).
+
+    With ``FOLD``, ``acc`` is ``[NG * RB, D]``: copy ``c`` of the rows accumulates ``p``
+    weighted by group ``c``'s per-key scales (divided by the tile's largest, so that the fp16
+    operand keeps the range of ``p`` whatever the size of V); only its group's columns are
+    kept at the end.
+    """
     if FOLD:
-        # one scale per key folds into the probabilities, divided by the tile's largest
-        # scale so that the fp16 operand keeps the range of p whatever the size of V
-        vs_max = tl.max(vs, 0)
+        vs_max = tl.max(vs, 1)
         vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-        pv = tl.dot((p * (vs / vs_max)[None, :]).to(tl.float16), v.to(tl.float16))
-        acc = acc * alpha[:, None] + pv * vs_max
+        w = vs / vs_max[:, None]
+        if NG == 1:
+            pw = p * w
+            acc = acc * alpha[:, None]
+        else:
+            pw = tl.reshape(p[None, :, :] * w[:, None, :], [NG * RB, BLOCK_N])
+            acc = acc * _base_rows(alpha, NG, RB)[:, None]
+        pv = tl.dot(pw.to(tl.float16), v.to(tl.float16))
+        acc = acc + pv * _copy_rows(vs_max, NG, RB)[:, None]
     elif GROUP_SCALES:
         # dequantize before p's fp16 copy exists (the order the H200 timings were taken in)
         v16 = _group_dequant(v, vs, NG, BLOCK_N, HEAD_D)
@@ -195,6 +244,7 @@ def _attn_tile(
     GROUP_SCALES: tl.constexpr,
     FOLD: tl.constexpr,
     NG: tl.constexpr,
+    RB: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
@@ -205,7 +255,7 @@ def _attn_tile(
         s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
         MASKED, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D, PAGE,
     )  # fmt: skip
-    s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D)
+    s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
     if USE_SOFTCAP:
         # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
         x = s * (qk_scale / softcap)
@@ -226,7 +276,7 @@ def _attn_tile(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D)
+    acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
     return acc, m_new, l_i
 
 
@@ -293,8 +343,11 @@ def _paged_attn_kernel(
     SPLIT: tl.constexpr,
     USE_WHILE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
+    if PDL:
+        gdc_wait()  # programmatic dependent launch: the previous kernel's writes are visible
     pid0 = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -311,7 +364,10 @@ def _paged_attn_kernel(
     else:
         kv0 = 0
 
-    rows = tl.arange(0, BLOCK_M)
+    # RB rows (query token, head); with FOLD the dots see XG = NG copies of them
+    XG: tl.constexpr = NG if FOLD else 1
+    RB: tl.constexpr = BLOCK_M // XG
+    rows = tl.arange(0, RB)
     t_loc = rows // GROUP
     t = qb * QPB + t_loc
     head = kvh * GROUP + rows % GROUP
@@ -320,9 +376,16 @@ def _paged_attn_kernel(
     pos = seq_len - q_len + t
     offs_d = tl.arange(0, HEAD_D)
 
-    q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t[:, None] * s_qt + head[:, None] * s_qh
+    # query tile [BLOCK_M, D]; copy c of a row keeps only group c's columns
+    rows_x = tl.arange(0, BLOCK_M)
+    copy_x = rows_x // RB
+    t_x = qb * QPB + (rows_x % RB) // GROUP
+    head_x = kvh * GROUP + (rows_x % RB) % GROUP
+    ok_x = ((rows_x % RB) // GROUP < QPB) & (t_x < Lq) & (t_x < q_len)
+    in_copy = (offs_d // (HEAD_D // XG))[None, :] == copy_x[:, None]
+    q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
     q_ptrs += offs_d[None, :] * s_qd
-    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0).to(tl.float16)
+    q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
 
     # key range of this query block: [lo, hi)
     t_first = qb * QPB
@@ -369,8 +432,8 @@ def _paged_attn_kernel(
     kg_base = kg_ptr + kvh * s_kgh
     vg_base = vg_ptr + kvh * s_vgh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([RB], float("-inf"), tl.float32)
+    l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
 
     if USE_WHILE:
@@ -381,7 +444,7 @@ def _paged_attn_kernel(
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
                 False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                BLOCK_N, HEAD_D, PAGE,
+                RB, BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < s_hi:
@@ -390,7 +453,7 @@ def _paged_attn_kernel(
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                BLOCK_N, HEAD_D, PAGE,
+                RB, BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -400,7 +463,7 @@ def _paged_attn_kernel(
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
                 False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                BLOCK_N, HEAD_D, PAGE,
+                RB, BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
         for n0 in range(mid, s_hi, BLOCK_N):
             acc, m_i, l_i = _attn_tile(
@@ -408,9 +471,14 @@ def _paged_attn_kernel(
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_vp, s_vt, s_kgp, s_kgt, s_vgp, s_vgt,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                BLOCK_N, HEAD_D, PAGE,
+                RB, BLOCK_N, HEAD_D, PAGE,
             )  # fmt: skip
 
+    if PDL:
+        gdc_launch_dependents()  # the split reduction may launch (it waits for our stores)
+    if XG > 1:
+        # each row's copy c contributes group c's columns
+        acc = tl.sum(tl.reshape(tl.where(in_copy, acc, 0.0), [XG, RB, HEAD_D]), 0)
     has_key = l_i != 0.0  # NaN (a NaN key or value, an overflow) must reach the output
     l_safe = tl.where(has_key, l_i, 1.0)
     keep = has_key & row_valid
@@ -440,8 +508,11 @@ def _reduce_kernel(
     s_od,
     SPLITS_P2: tl.constexpr,
     HEAD_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the split partials of one output row (sequence, token, head)."""
+    if PDL:
+        gdc_wait()  # launched early: the partials are complete only after this
     row = tl.program_id(0)
     h = row % Hq
     t = (row // Hq) % Lq
@@ -465,6 +536,9 @@ def _reduce_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
 
 
+# Largest expanded row count of a folded decode tile (query rows x groups per head)
+_FOLD_MAX_ROWS = 32
+
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -478,13 +552,26 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+_PDL: dict[int, bool] = {}
+
+
+def _supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA devices of compute capability 9.0 and newer (cached)."""
+    if _INTERPRETED or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL:
+        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL[idx]
+
+
 def _is_decode(lq: int, group: int) -> bool:
     """Decode path (one query block, split-KV) when all rows of a KV head fit in 64."""
     return lq * group <= 64
 
 
 def choose_config(
-    lq: int, group: int, head_dim: int, *, group_dequant: bool = False, fold: bool = False
+    lq: int, group: int, head_dim: int, *, group_dequant: bool = False, fold_groups: int = 0
 ) -> dict[str, int]:
     """Tile configuration for a problem: ``BLOCK_M``, ``QPB``, ``BLOCK_N``, warps, stages.
 
@@ -494,21 +581,19 @@ def choose_config(
         head_dim: ``D``.
         group_dequant: K/V tiles are multiplied by fp32 group scales element-wise (group
             scales the kernel does not fold).
-        fold: one fp32 group scale per head, folded into the scores and probabilities.
+        fold_groups: fp32 group scales per head folded into the scores and probabilities
+            (decode; the tile holds that many copies of each query row), or 0.
 
     Returns:
         A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and
         ``LOOP_STAGES`` (software-pipelining depth of the key loop).
     """
     if _is_decode(lq, group):
-        block_m = max(16, triton.next_power_of_2(lq * group))
+        block_m = max(16, triton.next_power_of_2(lq * group) * max(1, fold_groups))
         # The key loop's loads are indirect (block table) and feed dots: Triton gives them
         # LOOP_STAGES - 3 prefetch buffers; the register-heavy dequantizing variants keep none.
         if head_dim > 128:
             block_n, warps, loop_stages = 32, 4, 3 if group_dequant else 5
-        elif fold:
-            # folded D = 64 scales keep the tiles they were measured with (docs/performance.md)
-            block_n, warps, loop_stages = 128, 4, 5
         else:
             # 64-key tiles on 2 warps: H200, B32 x 16k 32/8/128, graph replay
             # (benchmarks/tune_decode.py --graph): per-tensor 329 vs 346 us with 128-key tiles
@@ -684,8 +769,10 @@ def paged_attention_triton(
         window: if > 0, a query sees only the last ``window`` positions up to itself.
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype (any strides).
         num_splits: split-KV count override for the decode path (tests, tuning).
-        config: tile configuration override (keys of :func:`choose_config`, and
-            ``USE_WHILE`` to force while-loops on or off; default: on in the interpreter).
+        config: tile configuration override (keys of :func:`choose_config`; ``USE_WHILE``
+            forces while-loops on or off, default on in the interpreter; ``FOLD`` forces the
+            folding of group scales in decode on or off; ``PDL`` 0 turns programmatic
+            dependent launches off).
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
@@ -700,14 +787,24 @@ def paged_attention_triton(
 
     group_scales = k_group_scales is not None and v_group_scales is not None
     ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
-    # Decode at D <= 64 with one group per head folds the scales: 81.2 vs 100.7 us at B16 x 8k
-    # 32/8/64 on the H200. At D = 128 the folded kernel spills registers (G = 128, B32 x 16k:
-    # 466-495 vs 455 us) and prefill is slower (a 16 x 8k Llama-1B prefill: 1.6 s vs 0.9 s),
-    # so they dequantize their tiles.
-    fold = group_scales and ng == 1 and d <= 64 and _is_decode(lq, group)
-    cfg = choose_config(lq, group, d, group_dequant=group_scales and not fold, fold=fold)
+    # Decode folds group scales into the scores and probabilities (no per-element multiply,
+    # no range limit) while the tile's row copies stay within _FOLD_MAX_ROWS (timings:
+    # docs/performance.md).
+    fold = (
+        group_scales
+        and _is_decode(lq, group)
+        and triton.next_power_of_2(lq * group) * ng <= _FOLD_MAX_ROWS
+    )
+    if config and "FOLD" in config:
+        fold = group_scales and _is_decode(lq, group) and bool(config["FOLD"])
+    pdl = _supports_pdl(query.device)
+    if config and "PDL" in config:
+        pdl = pdl and bool(config["PDL"])
+    cfg = choose_config(
+        lq, group, d, group_dequant=group_scales and not fold, fold_groups=ng if fold else 0
+    )
     if config:
-        cfg.update(config)
+        cfg.update({k: v for k, v in config.items() if k not in ("FOLD", "PDL")})
     qpb = int(cfg["QPB"])
     n_qblocks = triton.cdiv(lq, qpb)
 
@@ -759,8 +856,10 @@ def paged_attention_triton(
         "USE_WINDOW": window > 0,
         "USE_WHILE": bool(cfg.get("USE_WHILE", _INTERPRETED)),
         "LOOP_STAGES": int(cfg.get("LOOP_STAGES", cfg["num_stages"])),
+        "PDL": pdl,
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
+        "launch_pdl": pdl,
     }
     if num_splits is None:
         num_splits = 1
@@ -791,6 +890,8 @@ def paged_attention_triton(
             *out.stride(),
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
             HEAD_D=d,
+            PDL=pdl,
             num_warps=4 if d >= 128 else 2,
+            launch_pdl=pdl,
         )
     return out

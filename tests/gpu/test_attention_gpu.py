@@ -117,19 +117,58 @@ def test_nan_code_in_a_visible_slot_reaches_the_output(
 
 
 @pytest.mark.parametrize("value_gain", [1e4, 1e-4])
-def test_decode_with_one_group_per_head_has_no_range_limit(value_gain: float) -> None:
-    """Decode with G = head_dim <= 64 folds the scales: huge and tiny K/V are exact."""
-    _run(dict(lens=[500, 77], hq=8, hkv=2, d=64, granularity="fp32-group", group_size=64,
+@pytest.mark.parametrize("d, g", [(64, 64), (128, 128), (128, 64), (128, 32), (64, 16)])
+def test_folded_decode_has_no_range_limit(value_gain: float, d: int, g: int) -> None:
+    """Decode folds group scales (one row copy per group): huge and tiny K/V are exact."""
+    _run(dict(lens=[500, 77], hq=8, hkv=2, d=d, granularity="fp32-group", group_size=g,
               value_gain=value_gain, qdtype=torch.float32))  # fmt: skip
 
 
-def test_several_groups_beyond_fp16_range_give_non_finite_output() -> None:
-    """G < head_dim with |K/V| above ~4094: the output turns non-finite, never a wrong number."""
-    case = build_case([300], hq=4, hkv=1, d=64, granularity="fp32-group", group_size=32,
+@pytest.mark.parametrize(
+    "lq, config",
+    [(1, {"FOLD": 0}), (300, None)],
+    ids=["decode-unfolded", "prefill"],
+)
+def test_dequantized_tiles_beyond_fp16_range_give_non_finite_output(
+    lq: int, config: dict[str, int] | None
+) -> None:
+    """Tiles dequantized in fp16 with |K/V| above ~4094: non-finite output, never a wrong number."""
+    case = build_case([300], hq=4, hkv=1, d=64, lq=lq, granularity="fp32-group", group_size=32,
                       value_gain=1e4, device="cuda", seed=3)  # fmt: skip
     out = torch.zeros(case.query.shape, dtype=case.query.dtype, device="cuda")
     paged_attention_triton(
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out,
+        **case.kwargs(), out=out, config=config,
     )  # fmt: skip
     assert not bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("pdl", [0, 1])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_programmatic_dependent_launch_on_and_off(pdl: int, splits: int) -> None:
+    """Split and unsplit decode agree with the reference with and without PDL launches."""
+    _run(dict(lens=[3000, 17, 900], hq=32, hkv=8, d=128, qdtype=torch.bfloat16),
+         num_splits=splits, config={"PDL": pdl})  # fmt: skip
+
+
+def test_pdl_launches_inside_a_cuda_graph() -> None:
+    """A split decode (attention + reduction, both PDL launches) captured and replayed."""
+    case = build_case([5000, 300], hq=32, hkv=8, d=128, qdtype=torch.bfloat16, device="cuda",
+                      seed=2)  # fmt: skip
+    ref = case.reference()
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
+
+    def call() -> None:
+        paged_attention_triton(
+            case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+            **case.kwargs(), out=out, num_splits=4,
+        )  # fmt: skip
+
+    call()  # compile outside the capture
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_rel(out, ref, rel_tol=REL_TOL)
