@@ -104,12 +104,21 @@ def test_cuda_graph_capture_failure_is_a_clear_error() -> None:
 
     hook = model.model.layers[0].mlp.register_forward_hook(host_sync)
     handle = kvhf.patch(model, cuda_graphs=True)
+    stream = torch.cuda.current_stream()
     with torch.no_grad(), pytest.raises(KVQuantError, match="cuda_graphs=False"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
     handle.remove()
     hook.remove()
-    with torch.no_grad():  # the device is still usable
+    # the device is still usable: the stream is the one before, random ops work
+    assert torch.cuda.current_stream() == stream
+    assert torch.randn(4, device="cuda").isfinite().all()
+    with torch.no_grad():
         again = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6
         )
+        sampled = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+            do_sample=True,
+        )  # fmt: skip
     assert torch.equal(again, ref)
+    assert sampled.shape == ref.shape

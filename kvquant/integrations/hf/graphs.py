@@ -297,12 +297,21 @@ class DecodeGraphRunner:
             # Warm-up (compiles and loads every kernel): it writes this step's K/V, which the
             # replay then writes again, identically.
             self._run(cache, rec)
-        torch.cuda.current_stream(device).wait_stream(side)
+        stream = torch.cuda.current_stream(device)
+        stream.wait_stream(side)
+        # A capture that fails leaves torch's CUDA generator in capture mode (every later
+        # random op on the device raises) and the capture stream current: keep what to put back.
+        gen = torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()
+        ]
+        rng = gen.clone_state()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 output = self._run(cache, rec)
         except Exception as err:
+            torch.cuda.set_stream(stream)
+            gen.graphsafe_set_state(rng)
             raise KVQuantError(
                 f"kvquant: capturing the decode step of {type(self.model).__name__} in a CUDA "
                 f"graph failed ({type(err).__name__}: {err}). The cache still holds the tokens it "
