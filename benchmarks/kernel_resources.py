@@ -1,0 +1,146 @@
+"""Resources of the decode kernel compiled for sm_90 offline (no GPU needed).
+
+Compiles ``_paged_attn_kernel`` ahead of time for a Hopper target with the
+specializations Triton's JIT applies at launch (16-byte aligned pointers, strides
+divisible by 16, unit strides as constants) for a B32 x 16k decode, and prints per
+variant: registers per thread, stack bytes (register spills), shared memory, the
+number of asynchronous global-to-shared copies in the IR (software-pipelined loads),
+and counts of a few PTX instructions. Use it to see what a tile configuration or a
+kernel change does to register pressure and pipelining before spending GPU time.
+
+Usage (must run without ``TRITON_INTERPRET``)::
+
+    python3 benchmarks/kernel_resources.py                 # default variants
+    python3 benchmarks/kernel_resources.py --variant 64,2,6 --variant 64,2,6,group64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvquant.kernels import attention_triton as at
+
+PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
+FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
+DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "64,2,9"]
+
+
+def compile_decode(
+    block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
+    d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True,
+) -> Any:  # fmt: skip
+    """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel."""
+    group_scales, ng = FORMATS[fmt]
+    fn = at._paged_attn_kernel
+    names = list(fn.arg_names)
+    pointers = {
+        "q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32",
+        "seq_ptr": "*i32", "qlen_ptr": "*i32", "start_ptr": "*i32", "ks_ptr": "*fp32",
+        "vs_ptr": "*fp32", "kg_ptr": "*fp32", "vg_ptr": "*fp32", "out_ptr": "*bf16",
+        "part_ptr": "*fp32", "lse_ptr": "*fp32",
+    }  # fmt: skip
+    fold = fold and group_scales
+    block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
+    consts: dict[str, Any] = dict(
+        HAS_QLEN=False, HAS_START=False, GROUP=hq // hkv, QPB=1, BLOCK_M=block_m,
+        BLOCK_N=block_n, HEAD_D=d, PAGE=page, GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
+        CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=True, USE_WHILE=False,
+        LOOP_STAGES=loop_stages, PDL=pdl,
+    )  # fmt: skip
+    # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
+    values = dict(
+        s_qb=hq * d, s_qt=hq * d, s_qh=d, s_qd=1, s_kp=page * hkv * d, s_kt=hkv * d, s_kh=d,
+        s_vp=page * hkv * d, s_vt=hkv * d, s_vh=d, s_bt=1024, s_ks=0, s_vs=0,
+        s_kgp=page * hkv * ng, s_kgt=hkv * ng, s_kgh=ng, s_vgp=page * hkv * ng,
+        s_vgt=hkv * ng, s_vgh=ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1, Lq=1, Hq=hq,
+    )  # fmt: skip
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for name in names:
+        if name in pointers:
+            signature[name] = pointers[name]
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+        elif name in consts:
+            signature[name] = "constexpr"
+        elif name in ("sm_scale", "softcap"):
+            signature[name] = "fp32"
+        elif values.get(name) == 1:
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i32"
+            if values.get(name, 1) % 16 == 0 and values.get(name):
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs=attrs,
+    )
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": 3, "launch_pdl": pdl},
+    )
+
+
+def resources(kernel: Any) -> dict[str, Any]:
+    """Registers, stack, shared memory, async copies and PTX instruction counts of a kernel."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        dump = subprocess.run(
+            [str(tool), "--dump-resource-usage", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    ptx = kernel.asm["ptx"]
+    counts = collections.Counter(
+        op for op in PTX_OPS for _ in re.finditer(re.escape(op), ptx)
+    )  # fmt: skip
+    return {
+        "registers": int(usage.group(1)) if usage else None,
+        "stack_bytes": int(usage.group(2)) if usage else None,
+        "shared_bytes": int(kernel.metadata.shared),
+        "async_copies_in_ir": kernel.asm["ttgir"].count("async_copy_global_to_local"),
+        "ptx_instructions": len(re.findall(r"^\s+[a-z]", ptx, re.M)),
+        "ptx": {op: counts.get(op, 0) for op in PTX_OPS},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument(
+        "--variant",
+        action="append",
+        help="BLOCK_N,num_warps,LOOP_STAGES[,per-tensor|group64|group128] (repeatable)",
+    )
+    ap.add_argument("--no-fold", action="store_true", help="dequantize group-scale tiles")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
+    for spec in args.variant or DEFAULT_VARIANTS:
+        parts = spec.split(",")
+        bn, warps, ls = (int(x) for x in parts[:3])
+        fmt = parts[3] if len(parts) > 3 else "per-tensor"
+        kernel = compile_decode(bn, warps, ls, fmt, fold=not args.no_fold)
+        print(json.dumps({"variant": spec, **resources(kernel)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""benchmarks/kernel_resources.py compiles the decode kernel for sm_90 on a CPU machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_offline_sm90_compile_reports_pipelined_loads_and_pdl() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/kernel_resources.py", "--variant", "64,2,6,group64"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert 0 < report["registers"] <= 255
+    assert report["shared_bytes"] > 0
+    # K, V, block-table and group-scale loads of the key loop are software-pipelined copies
+    assert report["async_copies_in_ir"] >= 4
+    assert report["ptx"]["mma.sync"] > 0
+    assert report["ptx"]["griddepcontrol"] == 2  # wait + launch_dependents
