@@ -556,8 +556,8 @@ _PDL: dict[int, bool] = {}
 
 
 def _supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA devices of compute capability 9.0 and newer (cached)."""
-    if _INTERPRETED or device.type != "cuda":
+    """Programmatic dependent launch: NVIDIA devices of compute capability 9.0 and newer (cached)."""
+    if _INTERPRETED or device.type != "cuda" or torch.version.hip is not None:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL:
