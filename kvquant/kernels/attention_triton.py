@@ -790,13 +790,11 @@ def paged_attention_triton(
     # Decode folds group scales into the scores and probabilities (no per-element multiply,
     # no range limit) while the tile's row copies stay within _FOLD_MAX_ROWS (timings:
     # docs/performance.md).
-    fold = (
-        group_scales
-        and _is_decode(lq, group)
-        and triton.next_power_of_2(lq * group) * ng <= _FOLD_MAX_ROWS
-    )
     if config and "FOLD" in config:
-        fold = group_scales and _is_decode(lq, group) and bool(config["FOLD"])
+        fold_wanted = bool(config["FOLD"])
+    else:
+        fold_wanted = triton.next_power_of_2(lq * group) * ng <= _FOLD_MAX_ROWS
+    fold = group_scales and _is_decode(lq, group) and fold_wanted
     pdl = _supports_pdl(query.device)
     if config and "PDL" in config:
         pdl = pdl and bool(config["PDL"])
