@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from kvquant.kernels import group_scale_storage
 from kvquant.kernels.attention_triton import choose_config, paged_attention_triton
 from kvquant.kernels.reference import paged_attention_reference
 
@@ -131,7 +132,9 @@ class Problem:
                 codes = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)
                 del xg
                 pages = self.to_pages(codes)
-                out[f"{which}_group_scales"] = self.to_pages(s)
+                paged = self.to_pages(s)
+                gs = group_scale_storage(*paged.shape, device=paged.device)  # the cache's layout
+                out[f"{which}_group_scales"] = gs.copy_(paged)
             out[f"{which}_pages"] = pages
         return out
 

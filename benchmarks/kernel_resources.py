@@ -63,8 +63,9 @@ def compile_decode(
     values = dict(
         s_qb=hq * d, s_qt=hq * d, s_qh=d, s_qd=1, s_kp=page * hkv * d, s_kt=hkv * d, s_kh=d,
         s_vp=page * hkv * d, s_vt=hkv * d, s_vh=d, s_bt=1024, s_ks=0, s_vs=0,
-        s_kgp=page * hkv * ng, s_kgt=hkv * ng, s_kgh=ng, s_vgp=page * hkv * ng,
-        s_vgt=hkv * ng, s_vgh=ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1, Lq=1, Hq=hq,
+        # group scales head-major (kvquant.kernels.group_scale_storage)
+        s_kgp=page * hkv * ng, s_kgt=ng, s_kgh=page * ng, s_vgp=page * hkv * ng,
+        s_vgt=ng, s_vgh=page * ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1, Lq=1, Hq=hq,
     )  # fmt: skip
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}

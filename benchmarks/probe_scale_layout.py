@@ -1,9 +1,10 @@
 """Probe: folded decode with fp32 group scales laid out slot-major vs head-major (H200).
 
-The attention kernel takes the group scales' page, slot and head strides as arguments,
-so a head-major copy viewed in the canonical shape ``[num_pages, page_size, Hkv, D // G]``
-(``.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)``) runs the same kernel with
-one contiguous run of scales per (page, head). B32 x 16k, 32/8/128, CUDA-graph replay
+The attention kernel takes the group scales' page, slot and head strides as arguments.
+The cache stores them head-major (:func:`kvquant.kernels.group_scale_storage`: one
+contiguous run of scales per (page, head), viewed in the canonical shape
+``[num_pages, page_size, Hkv, D // G]``); ``.contiguous()`` gives the slot-major order
+that the cache used before. B32 x 16k, 32/8/128, CUDA-graph replay
 (``bench_attention.bench_graph``), two alternating repetitions; the outputs of the two
 layouts must be bit-identical. Prints one JSON object (microseconds).
 
@@ -31,13 +32,13 @@ def main() -> None:
     p = ba.Problem(32, 16384, 32, 8, 128)
     res: dict[str, float | bool] = {"sdpa": ba.bench_graph(ba.decode_sdpa(p)) * 1e3}
     for fmt in ["group128", "group64"]:
-        f = p.fmt(fmt)
-        hm = dict(f)
+        hm = p.fmt(fmt)  # the cache's layout (kvquant.kernels.group_scale_storage)
+        sm = dict(hm)
         for k in ("k_group_scales", "v_group_scales"):
-            hm[k] = f[k].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-        res[fmt + "_same"] = bool(torch.equal(td.launch(at, p, f), td.launch(at, p, hm)))
+            sm[k] = hm[k].contiguous()
+        res[fmt + "_same"] = bool(torch.equal(td.launch(at, p, sm), td.launch(at, p, hm)))
         for rep in range(2):
-            for name, ff in (("slot_major", f), ("head_major", hm)):
+            for name, ff in (("slot_major", sm), ("head_major", hm)):
                 call = functools.partial(td.launch, at, p, ff)
                 res[f"{fmt}_{name}_{rep}"] = ba.bench_graph(call) * 1e3
         print(json.dumps(res), flush=True)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvquant.errors import CacheCapacityError, CacheUsageError, ScaleFormatError
-from kvquant.kernels import paged_attention, write_kv
+from kvquant.kernels import group_scale_storage, paged_attention, write_kv
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.reference import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES
@@ -393,7 +393,8 @@ class PagedLayerStorage:
         k_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
         v_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
         k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` for
-            ``fp32-group``, else None.
+            ``fp32-group`` (stored head-major: :func:`kvquant.kernels.group_scale_storage`),
+            else None.
         v_group_scales: like ``k_group_scales``.
         k_scale: fp32 ``[]`` or ``[Hkv]`` for static granularities, else None.
         v_scale: like ``k_scale``.
@@ -480,8 +481,8 @@ class PagedLayerStorage:
                 )
             self.group_size = g
             gshape = (*shape[:3], head_dim // g)
-            self.k_group_scales = torch.ones(gshape, dtype=torch.float32, device=self.device)
-            self.v_group_scales = torch.ones(gshape, dtype=torch.float32, device=self.device)
+            self.k_group_scales = group_scale_storage(*gshape, device=self.device)
+            self.v_group_scales = group_scale_storage(*gshape, device=self.device)
         else:
             if group_size is not None:
                 raise CacheUsageError(

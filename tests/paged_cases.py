@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvquant.kernels import group_scale_storage
 from kvquant.kernels.reference import fp8_max, paged_attention_reference, write_kv_reference
 
 __all__ = ["PagedCase", "build_case"]
@@ -120,9 +121,9 @@ def build_case(
     scales: dict[str, torch.Tensor] = {}
     limit = fp8_max(fp8)
     if granularity == "fp32-group":
-        shape = (num_pages, page, hkv, d // group_size)
-        scales["k_group_scales"] = torch.full(shape, float("nan"))
-        scales["v_group_scales"] = torch.full(shape, float("nan"))
+        for name in ("k_group_scales", "v_group_scales"):  # the cache's (head-major) layout
+            gs = group_scale_storage(num_pages, page, hkv, d // group_size)
+            scales[name] = gs.fill_(float("nan"))
     elif granularity == "per-head":
         scales["k_scale"] = key.abs().amax(dim=(0, 1, 3)) / limit
         scales["v_scale"] = value.abs().amax(dim=(0, 1, 3)) / limit

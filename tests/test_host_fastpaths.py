@@ -177,8 +177,12 @@ def test_write_memo_hits_and_returns_the_same_geometry() -> None:
     args = _write_args()
     first = _check_write(args)
     assert len(validate._write_ok) == 1
-    again = _check_write(_write_args())  # new tensors, same signature
+    # a decode step: new K/V and slots, the same cache tensors
+    written = {k: args[k] for k in ("k_pages", "v_pages", "k_group_scales", "v_group_scales")}
+    again = _check_write(_write_args(**written))
     assert again == first and len(validate._write_ok) == 1
+    # other cache tensors of the same shapes: checked again (they must not overlap)
+    assert _check_write(_write_args()) == first and len(validate._write_ok) == 2
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,11 @@ def test_triton_kernel_module_does_not_initialise_cuda() -> None:
 def test_kernels_public_api() -> None:
     import kvquant.kernels as k
 
-    assert sorted(k.__all__) == ["compute_slot_mapping", "paged_attention", "write_kv"]
+    assert sorted(k.__all__) == [
+        "compute_slot_mapping",
+        "group_scale_storage",
+        "paged_attention",
+        "write_kv",
+    ]
     for name in k.__all__:
         assert callable(getattr(k, name))

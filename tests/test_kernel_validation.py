@@ -64,7 +64,10 @@ def _snapshot(a: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _unchanged(a: dict[str, Any], snap: dict[str, torch.Tensor]) -> None:
     for n, before in snap.items():
         now = a[n]
-        assert torch.equal(now.view(torch.uint8), before.view(torch.uint8)), f"{n} was modified"
+        same = torch.equal(
+            now.contiguous().view(torch.uint8), before.contiguous().view(torch.uint8)
+        )
+        assert same, f"{n} was modified"
 
 
 def _bad_write(
@@ -121,10 +124,34 @@ WRITE_CASES: list[
         _group_args,
     ),
     (
-        "group strided",
-        lambda a: a.update(k_group_scales=torch.ones(P, H, PAGE, 2).transpose(1, 2)),
-        "k_group_scales is written in place but is not contiguous",
+        "group last dim strided",
+        lambda a: a.update(k_group_scales=torch.ones(P, PAGE, 2, H).transpose(2, 3)),
+        "expected the last dimension contiguous and no two elements sharing memory",
         _group_args,
+    ),
+    (
+        "group overlapping",
+        lambda a: a.update(k_group_scales=torch.ones(P, 1, H, 2).expand(P, PAGE, H, 2)),
+        "k_group_scales is written in place but has strides (4, 0, 2, 1)",
+        _group_args,
+    ),
+    (
+        "group scales shared",
+        lambda a: a.update(v_group_scales=a["k_group_scales"]),
+        "k_group_scales and v_group_scales share memory",
+        _group_args,
+    ),
+    (
+        "group scales inside pages' memory",
+        lambda a: a.update(k_group_scales=a["v_pages"].view(torch.float32)[..., :2]),
+        "v_pages and k_group_scales share memory",
+        _group_args,
+    ),
+    (
+        "pages shared",
+        lambda a: a.update(v_pages=a["k_pages"]),
+        "k_pages and v_pages share memory",
+        _write_args,
     ),
     (
         "key dtype",
@@ -359,6 +386,20 @@ def test_attention_triton_limits() -> None:
     with pytest.raises(KernelInputError, match="head_dim 24 is not a power of two"):
         paged_attention(**a, backend="triton")
     paged_attention(**a, backend="torch")  # the reference has no such limit
+
+
+def test_attention_triton_needs_contiguous_groups() -> None:
+    """Group scales whose groups are strided would be misread by the kernel: rejected."""
+    a = _attn_args()
+    del a["k_scale"], a["v_scale"]
+    a["k_group_scales"] = torch.rand(P, PAGE, 2, H).transpose(2, 3)
+    a["v_group_scales"] = torch.rand(P, PAGE, H, 2)
+    a = _to_dev(a)
+    with pytest.raises(KernelInputError, match=r"k_group_scales has strides .*last dimension"):
+        paged_attention(**a, backend="triton")
+    ref = paged_attention(**a, backend="torch")
+    a["k_group_scales"] = a["k_group_scales"].contiguous()
+    torch.testing.assert_close(paged_attention(**a, backend="triton"), ref, rtol=5e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

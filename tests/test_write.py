@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvquant.kernels import compute_slot_mapping, write_kv
+from kvquant.kernels import compute_slot_mapping, group_scale_storage, write_kv
 from kvquant.kernels.reference import fp8_max, write_kv_reference
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -73,7 +73,9 @@ def assert_codes_match(got: torch.Tensor, want: torch.Tensor, *, exact: bool, wh
     return int(allowed.sum())
 
 
-def _make_scales(mode: str, hkv: int, d: int, num_pages: int, page: int, device: str) -> dict:
+def _make_scales(
+    mode: str, hkv: int, d: int, num_pages: int, page: int, device: str, layout: str = "head-major"
+) -> dict:
     if mode == "per-tensor":
         return {
             "k_scale": torch.tensor(0.013, device=device),
@@ -83,11 +85,22 @@ def _make_scales(mode: str, hkv: int, d: int, num_pages: int, page: int, device:
         ks = torch.rand(hkv, device=device) * 0.02 + 0.005
         return {"k_scale": ks, "v_scale": ks.flip(0) * 1.7}
     g = int(mode.removeprefix("group"))
-    shape = (num_pages, page, hkv, d // g)
     return {
-        "k_group_scales": torch.full(shape, float("nan"), device=device),
-        "v_group_scales": torch.full(shape, float("nan"), device=device),
+        name: _group_scales_in(layout, num_pages, page, hkv, d // g, device).fill_(float("nan"))
+        for name in ("k_group_scales", "v_group_scales")
     }
+
+
+def _group_scales_in(
+    layout: str, num_pages: int, page: int, hkv: int, ng: int, device: str
+) -> torch.Tensor:
+    """Group scales ``[num_pages, page, Hkv, NG]`` stored in one of three memory orders."""
+    if layout == "head-major":  # the cache's own
+        return group_scale_storage(num_pages, page, hkv, ng, device=device)
+    if layout == "slot-major":
+        return torch.empty(num_pages, page, hkv, ng, device=device)
+    # heads outermost, then pages
+    return torch.empty(hkv, num_pages, page, ng, device=device).permute(1, 2, 0, 3)
 
 
 def _clone_scales(kw: dict) -> dict:
@@ -122,6 +135,30 @@ def test_write_matches_reference(backend: str, mode: str, page: int, dtype: torc
     assert n_k + n_v <= 0.1 * 2 * written  # the interpreter bug is rare; wholesale errors are not
     for name in kw:
         torch.testing.assert_close(kw[name], kw_ref[name], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("layout", ["head-major", "slot-major", "heads-outer"])
+def test_write_group_scale_layouts(backend: str, layout: str) -> None:
+    """Group scales in any memory order are written where their logical index says."""
+    torch.manual_seed(7)
+    bsz, seq, hkv, d, num_pages, page = 2, 5, 3, 32, 4, 16
+    key = torch.randn(bsz, seq, hkv, d, device=DEV)
+    value = torch.randn(bsz, seq, hkv, d, device=DEV) * 3
+    kp = _poisoned_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
+    vp = _poisoned_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
+    slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
+    kw = _make_scales("group16", hkv, d, num_pages, page, DEV, layout=layout)
+    ref = {k: torch.full(v.shape, float("nan"), device=DEV) for k, v in kw.items()}  # contiguous
+    kp_ref, vp_ref = kp.clone(), vp.clone()
+    write_kv(key, value, kp, vp, slots, backend=backend, **kw)
+    write_kv_reference(key, value, kp_ref, vp_ref, slots, **ref)
+    exact = backend == "torch" or HAS_CUDA
+    assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
+    assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
+    for name in kw:
+        assert int(kw[name].isfinite().sum()) == int((slots >= 0).sum()) * hkv * 2
+        torch.testing.assert_close(kw[name], ref[name], rtol=0, atol=0, equal_nan=True)
 
 
 def _exact_inputs(

@@ -19,7 +19,8 @@ pages: it skips slots outside ``[0, num_pages * page_size)``.
 **Repeated calls.** The metadata checks of :func:`check_write_inputs` and
 :func:`check_attention_inputs` are remembered once they pass, keyed on
 everything they read (each tensor's shape, strides, dtype and device, the
-None-ness of optional tensors, the type and value of scalar options): a
+addresses of the tensors a write stores into, the None-ness of optional
+tensors, the type and value of scalar options): a
 decode loop pays for a dictionary lookup instead of the checks, and any
 argument that differs in something checked runs them again. Failures are
 never remembered, and the value checks (where enabled) run on every call.
@@ -31,7 +32,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -170,6 +171,50 @@ def _check_contiguous(op: str, name: str, x: torch.Tensor) -> None:
         )
 
 
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether two elements of ``x`` may share memory (dims ordered by stride, each clear of the rest)."""
+    reach = 0  # largest offset reachable through the smaller-stride dims
+    for stride, size in sorted((s, n) for s, n in zip(x.stride(), x.shape, strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _check_group_scale_layout(op: str, name: str, x: torch.Tensor) -> None:
+    """Written group scales: last dimension contiguous, no element aliasing another."""
+    if (x.shape[-1] > 1 and x.stride(-1) != 1) or _overlaps(x):
+        raise _fail(
+            f"{op}: {name} is written in place but has strides {x.stride()} for shape "
+            f"{tuple(x.shape)}; expected the last dimension contiguous and no two elements "
+            "sharing memory (kvquant never copies a tensor it writes into). Fix: allocate it "
+            "with kvquant.kernels.group_scale_storage (kvquant.cache.PagedKVCache does), or "
+            "torch.empty/zeros in the documented shape."
+        )
+
+
+def _byte_range(x: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` bytes of memory that ``x`` can touch."""
+    if x.numel() == 0:
+        return 0, 0
+    span = sum(st * (n - 1) for st, n in zip(x.stride(), x.shape, strict=True)) + 1
+    start = x.data_ptr()
+    return start, start + span * x.element_size()
+
+
+def _check_disjoint(op: str, written: list[tuple[str, Any]]) -> None:
+    """Tensors written by one call must not share memory (one would overwrite the other)."""
+    ranges = [(name, *_byte_range(x)) for name, x in written if x.numel()]
+    for i, (a, a0, a1) in enumerate(ranges):
+        for b, b0, b1 in ranges[i + 1 :]:
+            if a0 < b1 and b0 < a1:
+                raise _fail(
+                    f"{op}: {a} and {b} share memory; each is written in place, so one "
+                    f"would overwrite the other. Fix: allocate them separately "
+                    "(kvquant.cache.PagedKVCache does)."
+                )
+
+
 def _check_static_scale(
     op: str, name: str, s: torch.Tensor, hkv: int, device: torch.device
 ) -> None:
@@ -235,7 +280,7 @@ def _check_scales(
         _check_shape(op, name, g, expected, f"{layout} of the pages")
         _check_device(op, name, g, device, "k_pages")
         if group_scales_written:
-            _check_contiguous(op, name, g)
+            _check_group_scale_layout(op, name, g)
     return d // n_groups
 
 
@@ -310,6 +355,10 @@ def _check_write_structure(
         device,
         group_scales_written=True,
     )
+    written = [("k_pages", kp), ("v_pages", v_pages)]
+    if k_group_scales is not None and v_group_scales is not None:
+        written += [("k_group_scales", k_group_scales), ("v_group_scales", v_group_scales)]
+    _check_disjoint(op, written)
     return WriteGeometry(bsz, seq, num_pages, page_size, hkv, d, group_size)
 
 
@@ -529,7 +578,8 @@ def _signature(*args: object) -> tuple[object, ...] | None:
     """Everything the structural checks read from ``args``, as a hashable key.
 
     A tensor contributes its shape, strides, dtype and device (contiguity
-    follows from shape and strides); None stays None; a bool, int or float
+    follows from shape and strides; :func:`check_write_inputs` adds the addresses
+    of the tensors it writes); None stays None; a bool, int or float
     (a scalar option) contributes its type and value. Returns None ("do not
     remember") when an argument is anything else, or a tensor that is not
     strided (sparse, nested): such calls always run every check.
@@ -550,6 +600,10 @@ def _signature(*args: object) -> tuple[object, ...] | None:
     except RuntimeError:  # no strides
         return None
     return tuple(key)
+
+
+def _address(x: object) -> int | None:
+    return x.data_ptr() if isinstance(x, torch.Tensor) else None
 
 
 _G = TypeVar("_G")
@@ -605,8 +659,8 @@ def check_write_inputs(
             see the module docstring).
         k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
         v_scale: fp32 ``[]`` or ``[Hkv]``.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, contiguous,
-            with ``v_group_scales``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, last dimension
+            contiguous and no two elements sharing memory, with ``v_group_scales``.
         v_group_scales: like ``k_group_scales``.
 
     Returns:
@@ -618,6 +672,10 @@ def check_write_inputs(
     sig = _signature(
         key, value, k_pages, v_pages, slot_mapping, k_scale, v_scale, k_group_scales, v_group_scales
     )
+    if sig is not None:
+        # where the written tensors live (they must not overlap): the cache's tensors stay put,
+        # so a decode loop still hits the memo
+        sig += tuple(_address(x) for x in (k_pages, v_pages, k_group_scales, v_group_scales))
     geo = _remembered(
         _write_ok,
         sig,

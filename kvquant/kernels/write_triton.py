@@ -96,6 +96,13 @@ def _write_kv_kernel(
     ss_l,
     sks_h,
     svs_h,
+    page_size,
+    skg_p,
+    skg_t,
+    skg_h,
+    svg_p,
+    svg_t,
+    svg_h,
     HKV: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
@@ -125,7 +132,11 @@ def _write_kv_kernel(
     mask = t_ok[:, None, None] & rd_ok[None, :, :]
 
     page_off = slot[:, None, None] * (HKV * D) + (h[:, None] * D + d)[None, :, :]
-    group_off = slot[:, None] * (HKV * NG) + (h * NG + g)[None, :]
+    # group scales: any page / slot / head strides (the cache stores them head-major)
+    pg = slot // page_size
+    tk = slot % page_size
+    kg_off = (pg * skg_p + tk * skg_t)[:, None] + (h * skg_h + g)[None, :]
+    vg_off = (pg * svg_p + tk * svg_t)[:, None] + (h * svg_h + g)[None, :]
     group_mask = t_ok[:, None] & r_ok[None, :]
 
     k_off = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h + d * sk_d)[None, :, :]
@@ -139,7 +150,7 @@ def _write_kv_kernel(
         h * sks_h,
         r_ok,
         kg_ptr,
-        group_off,
+        kg_off,
         group_mask,
         GROUP,
         FP8_MAX,
@@ -155,7 +166,7 @@ def _write_kv_kernel(
         h * svs_h,
         r_ok,
         vg_ptr,
-        group_off,
+        vg_off,
         group_mask,
         GROUP,
         FP8_MAX,
@@ -215,7 +226,9 @@ def write_kv_triton(
         slot_mapping: int64 ``[B, L]``, any strides.
         k_scale: fp32 ``[]`` or ``[Hkv]`` (static), or None with group scales.
         v_scale: fp32 ``[]`` or ``[Hkv]`` (static), or None with group scales.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` contiguous, or None.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, last dimension
+            contiguous, no two elements sharing memory (any order of the other
+            dimensions), or None.
         v_group_scales: like ``k_group_scales``.
     """
     bsz, seq, hkv, d = key.shape
@@ -229,11 +242,14 @@ def write_kv_triton(
         g = d // ng
         ks_arg, vs_arg, sks, svs = k_pages, v_pages, 0, 0
         kg_arg, vg_arg = k_group_scales, v_group_scales
+        kg_strides = k_group_scales.stride()[:3]
+        vg_strides = v_group_scales.stride()[:3]
     elif k_scale is not None and v_scale is not None:
         ng, g = 1, d
         ks_arg, vs_arg = k_scale, v_scale
         sks, svs = _static_stride(k_scale), _static_stride(v_scale)
         kg_arg, vg_arg = k_pages, v_pages
+        kg_strides = vg_strides = (0, 0, 0)
     else:
         raise ValueError("write_kv_triton needs k_scale/v_scale or k_group_scales/v_group_scales")
     block_ng, block_r, block_g, block_t = _blocks(hkv, g, ng)
@@ -261,6 +277,9 @@ def write_kv_triton(
             *slot_mapping.stride(),
             sks,
             svs,
+            page_size,
+            *kg_strides,
+            *vg_strides,
             HKV=hkv,
             D=d,
             G=g,
