@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kvquant.kernels import group_scale_storage
+from kvquant.kernels import group_scale_storage, page_storage
 from kvquant.kernels.attention_triton import choose_config, paged_attention_triton
 from kvquant.kernels.reference import paged_attention_reference
 
@@ -135,6 +135,9 @@ class Problem:
                 paged = self.to_pages(s)
                 gs = group_scale_storage(*paged.shape, device=paged.device)  # the cache's layout
                 out[f"{which}_group_scales"] = gs.copy_(paged)
+            if which == "v":  # the cache's layout: V pages keys-fastest
+                _, cache_v = page_storage(*pages.shape, dtype=pages.dtype, device=pages.device)
+                pages = cache_v.copy_(pages)
             out[f"{which}_pages"] = pages
         return out
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import subprocess
@@ -55,14 +56,17 @@ def compile_decode(
     block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
     consts: dict[str, Any] = dict(
         HAS_QLEN=False, HAS_START=False, GROUP=hq // hkv, QPB=1, BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD_D=d, PAGE=page, GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
+        BLOCK_N=block_n, HEAD_D=d, PAGE=page, TP=math.gcd(page, block_n),
+        GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
         CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=True, USE_WHILE=False,
         LOOP_STAGES=loop_stages, PDL=pdl,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
+        # pages from kvquant.kernels.page_storage: K token-major, V keys-fastest
         s_qb=hq * d, s_qt=hq * d, s_qh=d, s_qd=1, s_kp=page * hkv * d, s_kt=hkv * d, s_kh=d,
-        s_vp=page * hkv * d, s_vt=hkv * d, s_vh=d, s_bt=1024, s_ks=0, s_vs=0,
+        s_kd=1, s_vp=page * hkv * d, s_vt=1, s_vh=d * page, s_vd=page, s_bt=1024, s_ks=0,
+        s_vs=0,
         # group scales head-major (kvquant.kernels.group_scale_storage)
         s_kgp=page * hkv * ng, s_kgt=ng, s_kgh=page * ng, s_vgp=page * hkv * ng,
         s_vgt=ng, s_vgh=page * ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1, Lq=1, Hq=hq,

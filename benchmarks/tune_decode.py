@@ -84,7 +84,7 @@ def _stream_kernel(
 def stream_probe(p: ba.Problem, head_major: bool, block_n: int, warps: int, stages: int) -> float:
     """TB/s of :func:`_stream_kernel` over ``p``'s pages (``head_major``: ``[P, Hkv, page, D]``)."""
     f = p.fmt("per-tensor")
-    k, v = f["k_pages"], f["v_pages"]
+    k, v = f["k_pages"], f["v_pages"].contiguous()  # both token-major, like K
     if head_major:
         k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         s_p, s_h, s_t = k.stride(0), k.stride(1), k.stride(2)

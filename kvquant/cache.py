@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvquant.errors import CacheCapacityError, CacheUsageError, ScaleFormatError
-from kvquant.kernels import group_scale_storage, paged_attention, write_kv
+from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.reference import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES
@@ -391,7 +391,8 @@ class PagedLayerStorage:
 
     Attributes:
         k_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
-        v_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
+        v_pages: FP8 ``[num_pages, page_size, Hkv, D]``, stored keys-fastest
+            (:func:`kvquant.kernels.page_storage`).
         k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` for
             ``fp32-group`` (stored head-major: :func:`kvquant.kernels.group_scale_storage`),
             else None.
@@ -495,8 +496,7 @@ class PagedLayerStorage:
             self.v_scale = _static_scale(
                 name, scale_names[1], v_scale, granularity, num_kv_heads, self.device
             )
-        self.k_pages = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        self.v_pages = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.k_pages, self.v_pages = page_storage(*shape, dtype=kv_dtype, device=self.device)
 
     def __repr__(self) -> str:
         g = f", G={self.group_size}" if self.group_size is not None else ""

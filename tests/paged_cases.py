@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvquant.kernels import group_scale_storage
+from kvquant.kernels import group_scale_storage, page_storage
 from kvquant.kernels.reference import fp8_max, paged_attention_reference, write_kv_reference
 
 __all__ = ["PagedCase", "build_case"]
@@ -68,6 +68,7 @@ def build_case(
     softcap: float = 0.0,
     window: int = 0,
     value_gain: float = 1.0,
+    contiguous_pages: bool = False,
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> PagedCase:
@@ -91,6 +92,8 @@ def build_case(
         softcap: score soft-capping.
         window: sliding window.
         value_gain: factor on every K and V value (tiny or huge magnitudes).
+        contiguous_pages: V pages token-major (contiguous) instead of the cache's
+            keys-fastest layout (:func:`kvquant.kernels.page_storage`).
         device: where the tensors live.
         seed: RNG seed.
 
@@ -117,7 +120,12 @@ def build_case(
     key = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain * value_gain
     value = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain.flip(2) * value_gain
     nan_code = torch.full((num_pages, page, hkv, d), float("nan")).to(fp8)
-    k_pages, v_pages = nan_code.clone(), nan_code.clone()
+    if contiguous_pages:
+        k_pages, v_pages = nan_code.clone(), nan_code.clone()
+    else:  # the cache's layout
+        k_pages, v_pages = page_storage(num_pages, page, hkv, d, dtype=fp8)
+        k_pages.copy_(nan_code)
+        v_pages.copy_(nan_code)
     scales: dict[str, torch.Tensor] = {}
     limit = fp8_max(fp8)
     if granularity == "fp32-group":

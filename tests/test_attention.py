@@ -126,6 +126,30 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {"num_splits": 2},
     ),
     ("decode-fp32-query", dict(lens=[41], hq=4, hkv=4, d=64, qdtype=torch.float32), {}),
+    (
+        "decode-contiguous-pages-left-padding",
+        dict(lens=[70, 50], hq=8, hkv=2, d=64, kv_start=[0, 37], contiguous_pages=True),
+        {"num_splits": 2},
+    ),
+    (
+        "decode-page8-unaligned-start",
+        dict(lens=[75, 30], hq=8, hkv=2, d=64, page=8, kv_start=[13, 0], granularity="per-head"),
+        {"num_splits": 2},
+    ),
+    (
+        "decode-page24-group32",
+        dict(
+            lens=[100, 47],
+            hq=8,
+            hkv=2,
+            d=64,
+            page=24,
+            kv_start=[0, 5],
+            granularity="fp32-group",
+            group_size=32,
+        ),
+        {"num_splits": 3},
+    ),
     ("decode-e5m2", dict(lens=[41, 3], hq=8, hkv=2, d=64, fp8=torch.float8_e5m2), {}),
     ("decode-empty-sequence", dict(lens=[0, 25], hq=8, hkv=2, d=64), {"num_splits": 2}),
     ("decode-more-splits-than-tiles", dict(lens=[20, 70], hq=8, hkv=2, d=64), {"num_splits": 8}),
@@ -156,6 +180,11 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         "prefill-softcap-window-per-head",
         dict(lens=[100], hq=8, hkv=2, d=64, lq=48, softcap=3.0, window=30, granularity="per-head"),
         {"config": {"BLOCK_M": 64, "QPB": 16, "BLOCK_N": 16}},
+    ),
+    (
+        "prefill-contiguous-pages-window-page8",
+        dict(lens=[90], hq=4, hkv=2, d=64, lq=40, page=8, window=21, contiguous_pages=True),
+        {"config": {"BLOCK_M": 32, "QPB": 16, "BLOCK_N": 32}},
     ),
     (
         "prefill-non-causal-mha-d128-page64",

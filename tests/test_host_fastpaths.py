@@ -209,7 +209,7 @@ def test_write_memo_never_skips_a_failing_structural_check(change: str) -> None:
         "key_shape": {"key": torch.randn(2, 3, 2, 8)},
         "slot_dtype": {"slot_mapping": good["slot_mapping"].to(torch.int32)},
         "slot_shape": {"slot_mapping": good["slot_mapping"][:, :2]},
-        "pages_strides": {"k_pages": pages.transpose(0, 1).contiguous().transpose(0, 1)},
+        "pages_strides": {"k_pages": pages[:1].expand(4, 4, 2, 16)},  # slots share memory
         "pages_dtype": {"v_pages": torch.zeros(4, 4, 2, 16, dtype=torch.float8_e5m2)},
         "group_shape": {"v_group_scales": torch.ones(4, 4, 2, 4)},
         "group_strides": {"k_group_scales": torch.ones(4, 4, 2, 4)[..., ::2]},
@@ -224,7 +224,7 @@ def test_write_memo_never_skips_a_failing_structural_check(change: str) -> None:
 def test_write_memo_sees_in_place_metadata_changes_of_the_same_tensor() -> None:
     args = _write_args()
     _check_write(args)
-    args["k_pages"].transpose_(0, 1)  # same object, new strides and shape
+    args["k_pages"].as_strided_((4, 4, 2, 16), (0, 32, 16, 1))  # same object: pages overlap
     with pytest.raises(KernelInputError):
         _check_write(args)
 

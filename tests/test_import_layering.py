@@ -66,6 +66,7 @@ def test_kernels_public_api() -> None:
     assert sorted(k.__all__) == [
         "compute_slot_mapping",
         "group_scale_storage",
+        "page_storage",
         "paged_attention",
         "write_kv",
     ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvquant.kernels import compute_slot_mapping, group_scale_storage, write_kv
+from kvquant.kernels import compute_slot_mapping, group_scale_storage, page_storage, write_kv
 from kvquant.kernels.reference import fp8_max, write_kv_reference
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -27,6 +27,16 @@ def _poisoned_pages(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> 
     pages = raw.view(dtype).float()
     pages = torch.where(pages.isfinite(), pages, torch.zeros_like(pages)).to(dtype)
     return pages.to(device)
+
+
+def _poisoned_cache_pages(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pages in the cache's layout (V keys-fastest), filled with random finite codes."""
+    kp, vp = page_storage(*shape, dtype=dtype, device=device)
+    kp.copy_(_poisoned_pages(shape, dtype, device))
+    vp.copy_(_poisoned_pages(shape, dtype, device))
+    return kp, vp
 
 
 def _shuffled_slots(bsz: int, seq: int, num_slots: int, skip: int = 2) -> torch.Tensor:
@@ -159,6 +169,29 @@ def test_write_group_scale_layouts(backend: str, layout: str) -> None:
     for name in kw:
         assert int(kw[name].isfinite().sum()) == int((slots >= 0).sum()) * hkv * 2
         torch.testing.assert_close(kw[name], ref[name], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["per-head", "group32"])
+def test_write_into_cache_layout(backend: str, mode: str) -> None:
+    """Pages in the cache's layout (V keys-fastest) get the codes of contiguous pages."""
+    torch.manual_seed(11)
+    bsz, seq, hkv, d, num_pages, page = 2, 7, 2, 64, 4, 16
+    key = torch.randn(bsz, seq, hkv, d, device=DEV) * 3
+    value = (torch.randn(bsz, seq, hkv, d, device=DEV) * 5).to(torch.float16)
+    kp, vp = _poisoned_cache_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
+    kp_ref, vp_ref = kp.contiguous(), vp.contiguous()
+    assert vp.stride(1) == 1 and not vp.is_contiguous()
+    slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
+    kw = _make_scales(mode, hkv, d, num_pages, page, DEV)
+    kw_ref = _clone_scales(kw)
+    write_kv(key, value, kp, vp, slots, backend=backend, **kw)
+    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw_ref)
+    exact = backend == "torch" or HAS_CUDA
+    assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
+    assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
+    for name in kw:
+        torch.testing.assert_close(kw[name], kw_ref[name], rtol=0, atol=0, equal_nan=True)
 
 
 def _exact_inputs(
@@ -336,8 +369,7 @@ def test_write_triton_bitexact_gpu(mode: str, dtype: torch.dtype, in_dtypes: tup
     value = (torch.randn(bsz, seq, hkv, d, device="cuda") * 10).to(in_dtypes[1])
     value[0, 3, 1, 7] = float("inf")
     value[1, 5, 2, 9] = float("nan")
-    kp = _poisoned_pages((num_pages, page, hkv, d), dtype, "cuda")
-    vp = _poisoned_pages((num_pages, page, hkv, d), dtype, "cuda")
+    kp, vp = _poisoned_cache_pages((num_pages, page, hkv, d), dtype, "cuda")
     slots = _shuffled_slots(bsz, seq, num_pages * page, skip=11).cuda()
     kw = _make_scales(mode, hkv, d, num_pages, page, "cuda")
     kp_ref, vp_ref, kw_ref = kp.clone(), vp.clone(), _clone_scales(kw)

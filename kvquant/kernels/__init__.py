@@ -32,7 +32,13 @@ from kvquant.kernels.validate import (
     check_write_inputs,
 )
 
-__all__ = ["compute_slot_mapping", "group_scale_storage", "paged_attention", "write_kv"]
+__all__ = [
+    "compute_slot_mapping",
+    "group_scale_storage",
+    "page_storage",
+    "paged_attention",
+    "write_kv",
+]
 
 
 _triton_modules: dict[str, ModuleType] = {}
@@ -87,7 +93,8 @@ def write_kv(
         value: ``[B, L, Hkv, D]`` float32, float16 or bfloat16 (may differ
             from ``key``), any strides.
         k_pages: ``[num_pages, page_size, Hkv, D]`` ``float8_e4m3fn`` or
-            ``float8_e5m2``, contiguous; written in place.
+            ``float8_e5m2``, any strides with no two elements sharing memory
+            (e.g. from :func:`page_storage`); written in place.
         v_pages: like ``k_pages`` (same dtype); written in place.
         slot_mapping: int64 ``[B, L]``: slot ``page * page_size + offset`` of
             each new token, negative to skip the token. Slots must be
@@ -163,6 +170,43 @@ def write_kv(
     )
 
 
+def page_storage(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed K and V pages ``[num_pages, page_size, Hkv, D]`` in the layouts the kernels read fastest.
+
+    Both have the logical shape every kernel and the reference take. K pages are
+    contiguous (head dim fastest). V pages are stored keys-fastest,
+    ``[num_pages, Hkv, D, page_size]`` in memory: ``P @ V`` contracts over keys, and an
+    FP8 tile with keys contiguous reaches the tensor cores through ``ldmatrix``, where
+    the token-major tile was gathered byte by byte (docs/performance.md).
+
+    Args:
+        num_pages: pages in the cache.
+        page_size: slots per page.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``D``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        device: where to allocate.
+
+    Returns:
+        ``(k_pages, v_pages)``; ``v_pages`` has strides
+        ``(Hkv * D * page_size, 1, D * page_size, page_size)``.
+    """
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_pages = torch.zeros(shape, dtype=dtype, device=device)
+    # not a view (a view made under no_grad could not be written in place with grad enabled)
+    v_strides = (num_kv_heads * head_dim * page_size, 1, head_dim * page_size, page_size)
+    v_pages = torch.empty_strided(shape, v_strides, dtype=dtype, device=device).zero_()
+    return k_pages, v_pages
+
+
 def group_scale_storage(
     num_pages: int,
     page_size: int,
@@ -187,13 +231,13 @@ def group_scale_storage(
         device: where to allocate.
 
     Returns:
-        A ``[num_pages, page_size, Hkv, n_groups]`` float32 view with strides
+        A ``[num_pages, page_size, Hkv, n_groups]`` float32 tensor with strides
         ``(Hkv * page_size * n_groups, n_groups, page_size * n_groups, 1)``.
     """
-    store = torch.ones(
-        num_pages, num_kv_heads, page_size, n_groups, dtype=torch.float32, device=device
-    )
-    return store.permute(0, 2, 1, 3)
+    shape = (num_pages, page_size, num_kv_heads, n_groups)
+    strides = (num_kv_heads * page_size * n_groups, n_groups, page_size * n_groups, 1)
+    # not a view (a view made under no_grad could not be written in place with grad enabled)
+    return torch.empty_strided(shape, strides, dtype=torch.float32, device=device).fill_(1.0)
 
 
 def _check_triton_attention_limits(
@@ -265,7 +309,8 @@ def paged_attention(
         query: ``[B, Lq, Hq, D]`` float16, bfloat16 or float32, any strides
             (HF's ``[B, Hq, Lq, D]`` tensor ``.transpose(1, 2)`` is fine);
             ``Hq`` a multiple of ``Hkv``.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides (fastest
+            from :func:`page_storage`).
         v_pages: like ``k_pages``.
         block_tables: int32 ``[B, max_pages]``.
         seq_lens: int32 ``[B]``, tokens in the cache including the new ones.

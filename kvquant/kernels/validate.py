@@ -162,15 +162,6 @@ def _check_device(op: str, name: str, x: torch.Tensor, device: torch.device, ref
         )
 
 
-def _check_contiguous(op: str, name: str, x: torch.Tensor) -> None:
-    if not x.is_contiguous():
-        raise _fail(
-            f"{op}: {name} is written in place but is not contiguous (strides {x.stride()}); "
-            "kvquant never copies a tensor it writes into. Fix: allocate it with torch.empty/zeros "
-            "in the documented shape (kvquant.cache.PagedKVCache does)."
-        )
-
-
 def _overlaps(x: torch.Tensor) -> bool:
     """Whether two elements of ``x`` may share memory (dims ordered by stride, each clear of the rest)."""
     reach = 0  # largest offset reachable through the smaller-stride dims
@@ -284,7 +275,9 @@ def _check_scales(
     return d // n_groups
 
 
-def _check_pages(op: str, k_pages: object, v_pages: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_pages(
+    op: str, k_pages: object, v_pages: object, *, written: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     kp = _require_tensor(op, "k_pages", k_pages)
     vp = _require_tensor(op, "v_pages", v_pages)
     layout = "[num_pages, page_size, num_kv_heads, head_dim]"
@@ -299,8 +292,16 @@ def _check_pages(op: str, k_pages: object, v_pages: object) -> tuple[torch.Tenso
         )
     _check_shape(op, "v_pages", vp, tuple(kp.shape), "the shape of k_pages")
     _check_device(op, "v_pages", vp, kp.device, "k_pages")
-    _check_contiguous(op, "k_pages", kp)
-    _check_contiguous(op, "v_pages", vp)
+    if written:
+        for name, x in (("k_pages", kp), ("v_pages", vp)):
+            if _overlaps(x):
+                raise _fail(
+                    f"{op}: {name} is written in place but has strides {x.stride()} for shape "
+                    f"{tuple(x.shape)}, so that elements share memory (kvquant never copies a "
+                    "tensor it writes into). Fix: allocate the pages with "
+                    "kvquant.kernels.page_storage (kvquant.cache.PagedKVCache does), or "
+                    "torch.zeros in the documented shape."
+                )
     return kp, vp
 
 
@@ -317,7 +318,7 @@ def _check_write_structure(
 ) -> WriteGeometry:
     """Dtype, shape, device and stride checks of :func:`check_write_inputs`."""
     op = "write_kv"
-    kp, _ = _check_pages(op, k_pages, v_pages)
+    kp, _ = _check_pages(op, k_pages, v_pages, written=True)
     num_pages, page_size, hkv, d = kp.shape
     device = kp.device
     k = _require_tensor(op, "key", key)
@@ -407,7 +408,7 @@ def _check_attention_structure(
 ) -> AttentionGeometry:
     """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
     op = "paged_attention"
-    kp, _ = _check_pages(op, k_pages, v_pages)
+    kp, _ = _check_pages(op, k_pages, v_pages, written=False)
     num_pages, page_size, hkv, d = kp.shape
     device = kp.device
     q = _require_tensor(op, "query", query)
@@ -652,7 +653,7 @@ def check_write_inputs(
     Args:
         key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
         value: ``[B, L, Hkv, D]`` fp32/fp16/bf16 (may differ from ``key``), any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, no two elements sharing memory.
         v_pages: like ``k_pages``, same dtype.
         slot_mapping: int64 ``[B, L]``; negative = skip; otherwise below
             ``num_pages * page_size`` (checked where values are cheap to read,
@@ -726,7 +727,7 @@ def check_attention_inputs(
 
     Args:
         query: ``[B, Lq, Hq, D]`` fp32/fp16/bf16, any strides, ``Hq % Hkv == 0``.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides.
         v_pages: like ``k_pages``, same dtype.
         block_tables: int32 ``[B, max_pages]``.
         seq_lens: int32 ``[B]``.

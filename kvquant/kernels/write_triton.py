@@ -97,6 +97,14 @@ def _write_kv_kernel(
     sks_h,
     svs_h,
     page_size,
+    skp_p,
+    skp_t,
+    skp_h,
+    skp_d,
+    svp_p,
+    svp_t,
+    svp_h,
+    svp_d,
     skg_p,
     skg_t,
     skg_h,
@@ -131,10 +139,11 @@ def _write_kv_kernel(
     rd_ok = r_ok[:, None] & (e < G)[None, :]
     mask = t_ok[:, None, None] & rd_ok[None, :, :]
 
-    page_off = slot[:, None, None] * (HKV * D) + (h[:, None] * D + d)[None, :, :]
-    # group scales: any page / slot / head strides (the cache stores them head-major)
+    # pages and group scales: any strides (the cache stores V keys-fastest, scales head-major)
     pg = slot // page_size
     tk = slot % page_size
+    kp_off = (pg * skp_p + tk * skp_t)[:, None, None] + (h[:, None] * skp_h + d * skp_d)[None, :, :]
+    vp_off = (pg * svp_p + tk * svp_t)[:, None, None] + (h[:, None] * svp_h + d * svp_d)[None, :, :]
     kg_off = (pg * skg_p + tk * skg_t)[:, None] + (h * skg_h + g)[None, :]
     vg_off = (pg * svg_p + tk * svg_t)[:, None] + (h * svg_h + g)[None, :]
     group_mask = t_ok[:, None] & r_ok[None, :]
@@ -144,7 +153,7 @@ def _write_kv_kernel(
         k_ptr,
         k_off,
         kp_ptr,
-        page_off,
+        kp_off,
         mask,
         ks_ptr,
         h * sks_h,
@@ -160,7 +169,7 @@ def _write_kv_kernel(
         v_ptr,
         v_off,
         vp_ptr,
-        page_off,
+        vp_off,
         mask,
         vs_ptr,
         h * svs_h,
@@ -221,7 +230,8 @@ def write_kv_triton(
     Args:
         key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
         value: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, contiguous, written in place.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides with no two elements
+            sharing memory, written in place.
         v_pages: like ``k_pages``.
         slot_mapping: int64 ``[B, L]``, any strides.
         k_scale: fp32 ``[]`` or ``[Hkv]`` (static), or None with group scales.
@@ -278,6 +288,8 @@ def write_kv_triton(
             sks,
             svs,
             page_size,
+            *k_pages.stride(),
+            *v_pages.stride(),
             *kg_strides,
             *vg_strides,
             HKV=hkv,

@@ -52,12 +52,13 @@ def test_decode_shapes(gran: str, g: int, hq: int, hkv: int, d: int) -> None:
     _run(dict(lens=lens, hq=hq, hkv=hkv, d=d, granularity=gran, group_size=g))
 
 
-@pytest.mark.parametrize("page", [16, 32, 64])
+@pytest.mark.parametrize("contiguous", [False, True], ids=["cache-layout", "contiguous-pages"])
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 24])
 @pytest.mark.parametrize("splits", [None, 1, 7])
-def test_decode_pages_splits(page: int, splits: int | None) -> None:
+def test_decode_pages_splits(page: int, splits: int | None, contiguous: bool) -> None:
     _run(
         dict(lens=[8000, 1, 999], hq=32, hkv=8, d=128, page=page, qdtype=torch.bfloat16,
-             hf_layout=True),
+             hf_layout=True, kv_start=[0, 0, 37], contiguous_pages=contiguous),
         num_splits=splits,
     )  # fmt: skip
 
@@ -89,6 +90,7 @@ def test_prefill_options() -> None:
     _run(dict(lens=[1500, 256], kv_start=[100, 17], **base))
     _run(dict(lens=[1500, 256], softcap=20.0, window=200, **base))
     _run(dict(lens=[1500, 256], causal=False, page=64, **base))
+    _run(dict(lens=[1500, 256], kv_start=[100, 17], contiguous_pages=True, page=8, **base))
 
 
 @pytest.mark.parametrize("gran, g", [("per-tensor", 64), ("fp32-group", 64), ("fp32-group", 32)])
