@@ -679,9 +679,9 @@ def choose_config(
             "num_stages": 3,
             "LOOP_STAGES": loop_stages,
         }
-    # H200, B4 x (8k prefix + 2k chunk), 32/8/128, V pages keys-fastest: per-tensor 4.05 ms
-    # with 64-key tiles on 4 warps vs 4.38 ms with 128-key tiles on 8 warps; dequantized
-    # group scales (G = 64) 6.21 vs 6.91 ms the other way round
+    # V pages keys-fastest, H200, B4 x (8k prefix + 2k chunk): static scales ran faster on
+    # 64-key tiles and 4 warps, dequantized group scales on 128-key tiles and 8 warps (a
+    # scratch sweep; bench_attention.py times the defaults)
     if head_dim > 128:
         block_m, block_n, warps, loop_stages = 64, 64, 4, 2
     elif group_dequant:
@@ -958,8 +958,8 @@ def paged_attention_triton(
     args[20] = num_splits
     _paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
     if split:
-        # one-warp programs of 32 columns: the merge is latency-bound, and at B1 x 32k (32 rows)
-        # this took the H200 graph replay from 25.8 to 23.7 us against one program per row
+        # one-warp programs of 32 columns: the merge is latency-bound, and at B1 x 32k it had
+        # only 32 programs (one per row); the graph table of bench_attention.py times it
         block_d = min(32, d)
         _reduce_kernel[(bsz * lq * hq, d // block_d)](
             args[12],
