@@ -5,8 +5,10 @@ specializations Triton's JIT applies at launch (16-byte aligned pointers, stride
 divisible by 16, unit strides as constants) for a B32 x 16k decode, and prints per
 variant: registers per thread, stack bytes (register spills), shared memory, the
 number of asynchronous global-to-shared copies in the IR (software-pipelined loads),
-and counts of a few PTX instructions. Use it to see what a tile configuration or a
-kernel change does to register pressure and pipelining before spending GPU time.
+counts of a few PTX instructions, and the SASS instructions of each key loop (one
+iteration = one tile; the decode kernel is issue-bound, so this is its cost per tile).
+Use it to see what a tile configuration or a kernel change does to register pressure,
+pipelining and instruction count before spending GPU time.
 
 Usage (must run without ``TRITON_INTERPRET``)::
 
@@ -101,14 +103,40 @@ def compile_decode(
     )
 
 
+def loop_sizes(sass: str) -> list[int]:
+    """SASS instructions in each loop (a backward branch to a label), in program order."""
+    labels: dict[str, int] = {}
+    sizes: list[int] = []
+    count = 0
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L\w+):", line)
+        if label:
+            labels[label.group(1)] = count
+            continue
+        instr = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if not instr:
+            continue
+        count += 1
+        target = re.search(r"\.(L\w+)", instr.group(2)) if instr.group(1) == "BRA" else None
+        if target and labels.get(target.group(1), count) < count - 1:
+            sizes.append(count - labels[target.group(1)])
+    return sizes
+
+
 def resources(kernel: Any) -> dict[str, Any]:
-    """Registers, stack, shared memory, async copies and PTX instruction counts of a kernel."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    """Registers, stack, shared memory, async copies, PTX counts and key-loop SASS sizes."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         dump = subprocess.run(
-            [str(tool), "--dump-resource-usage", str(cubin)],
+            [str(bin_dir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        sass = subprocess.run(
+            [str(bin_dir / "nvdisasm"), "-c", str(cubin)],
             capture_output=True,
             text=True,
             check=True,
@@ -125,6 +153,8 @@ def resources(kernel: Any) -> dict[str, Any]:
         "async_copies_in_ir": kernel.asm["ttgir"].count("async_copy_global_to_local"),
         "ptx_instructions": len(re.findall(r"^\s+[a-z]", ptx, re.M)),
         "ptx": {op: counts.get(op, 0) for op in PTX_OPS},
+        # the key loops: masked first tile, unmasked (software-pipelined) interior, masked rest
+        "sass_loop_instructions": loop_sizes(sass),
     }
 
 

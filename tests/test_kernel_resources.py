@@ -30,3 +30,8 @@ def test_offline_sm90_compile_reports_pipelined_loads_and_pdl() -> None:
     assert report["async_copies_in_ir"] >= 4
     assert report["ptx"]["mma.sync"] > 0
     assert report["ptx"]["griddepcontrol"] == 2  # wait + launch_dependents
+    # V pages keys-fastest: the V operand reaches the tensor cores through ldmatrix, not bytes
+    assert report["ptx"]["ld.shared.b8"] == 0
+    # three key loops (masked first tile, pipelined interior, masked rest)
+    loops = report["sass_loop_instructions"]
+    assert len(loops) == 3 and min(loops) == loops[1] > 0
