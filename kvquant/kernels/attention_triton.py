@@ -127,20 +127,34 @@ def _load_kv(
     tok = tl.multiple_of(run % PAGE, TP)  # runs start at multiples of TP (wide, aligned copies)
     # [NP, TP, D]: the run's base, then the key within the run, then the head dim
     k_off = (page * s_kp + tok * s_kt)[:, None, None] + (offs_t * s_kt)[None, :, None]
-    v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, :, None]
     k_ptrs = k_base + k_off + (offs_d * s_kd)[None, None, :]
-    v_ptrs = v_base + v_off + (offs_d * s_vd)[None, None, :]
+    # Masked tiles load whole runs (a mask constant along both axes keeps the copies wide);
+    # the scores of keys outside [lo, limit) are masked later, and their V rows are zeroed by
+    # the caller, since stale slots may hold NaN codes and 0 * NaN would reach the output.
     if MASKED:
-        # whole runs (a mask constant along both axes keeps the copies wide); the scores of
-        # keys outside [lo, limit) are masked later, and their V rows are zeroed by the
-        # caller, since stale slots may hold NaN codes and 0 * NaN would reach the output
         k = tl.load(k_ptrs, mask=run_ok[:, None, None], other=0.0)
-        v = tl.load(v_ptrs, mask=run_ok[:, None, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
     k = tl.reshape(k, [BLOCK_N, HEAD_D])
-    v = tl.reshape(v, [BLOCK_N, HEAD_D])
+    if GROUP_SCALES and not FOLD:
+        # V multiplied element-wise (dequantized tiles): loaded as [D, NP, TP], so that the
+        # shared-memory reads of a warp run along D (with [NP, TP, D] they hit the same banks
+        # when V is stored keys-fastest)
+        v_off = (page * s_vp + tok * s_vt)[None, :, None] + (offs_t * s_vt)[None, None, :]
+        v_ptrs = v_base + v_off + (offs_d * s_vd)[:, None, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=run_ok[None, :, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        v = tl.reshape(tl.permute(v, (1, 2, 0)), [BLOCK_N, HEAD_D])
+    else:
+        v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, :, None]
+        v_ptrs = v_base + v_off + (offs_d * s_vd)[None, None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=run_ok[:, None, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        v = tl.reshape(v, [BLOCK_N, HEAD_D])
     ks = 1.0
     vs = 1.0
     if GROUP_SCALES:
