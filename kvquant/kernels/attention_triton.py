@@ -75,6 +75,16 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _load(ptrs, mask, other, MASKED: tl.constexpr):
+    """``tl.load(ptrs)``; with ``MASKED``, masked-out elements read as ``other``."""
+    if MASKED:
+        x = tl.load(ptrs, mask=mask, other=other)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _load_kv(
     n0,
     lo,
@@ -119,11 +129,7 @@ def _load_kv(
     key = run[:, None] + offs_t[None, :]  # [NP, TP]
     key_ok = (key >= lo) & (key < limit)
     run_ok = (run + TP > lo) & (run < limit)  # the run holds a key to load: its page exists
-    if MASKED:
-        page = tl.load(bt_row + run // PAGE, mask=run_ok, other=0)
-    else:
-        page = tl.load(bt_row + run // PAGE)
-    page = page.to(tl.int64)
+    page = _load(bt_row + run // PAGE, run_ok, 0, MASKED).to(tl.int64)
     tok = tl.multiple_of(run % PAGE, TP)  # runs start at multiples of TP (wide, aligned copies)
     # [NP, TP, D]: the run's base, then the key within the run, then the head dim
     k_off = (page * s_kp + tok * s_kt)[:, None, None] + (offs_t * s_kt)[None, :, None]
@@ -131,30 +137,19 @@ def _load_kv(
     # Masked tiles load whole runs (a mask constant along both axes keeps the copies wide);
     # the scores of keys outside [lo, limit) are masked later, and their V rows are zeroed by
     # the caller, since stale slots may hold NaN codes and 0 * NaN would reach the output.
-    if MASKED:
-        k = tl.load(k_ptrs, mask=run_ok[:, None, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    k = tl.reshape(k, [BLOCK_N, HEAD_D])
+    k = tl.reshape(_load(k_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
     if GROUP_SCALES and not FOLD:
         # V multiplied element-wise (dequantized tiles): loaded as [D, NP, TP], so that the
         # shared-memory reads of a warp run along D (with [NP, TP, D] they hit the same banks
         # when V is stored keys-fastest)
         v_off = (page * s_vp + tok * s_vt)[None, :, None] + (offs_t * s_vt)[None, None, :]
         v_ptrs = v_base + v_off + (offs_d * s_vd)[:, None, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=run_ok[None, :, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _load(v_ptrs, run_ok[None, :, None], 0.0, MASKED)
         v = tl.reshape(tl.permute(v, (1, 2, 0)), [BLOCK_N, HEAD_D])
     else:
         v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, :, None]
         v_ptrs = v_base + v_off + (offs_d * s_vd)[None, None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=run_ok[:, None, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        v = tl.reshape(v, [BLOCK_N, HEAD_D])
+        v = tl.reshape(_load(v_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
     ks = 1.0
     vs = 1.0
     if GROUP_SCALES:
@@ -172,12 +167,8 @@ def _load_kv(
             kg_ptrs = kg_base + (key_page * s_kgp + key_tok * s_kgt)[:, None] + offs_g[None, :]
             vg_ptrs = vg_base + (key_page * s_vgp + key_tok * s_vgt)[:, None] + offs_g[None, :]
             key_mask = ok[:, None]
-        if MASKED:
-            ks = tl.load(kg_ptrs, mask=key_mask, other=0.0)
-            vs = tl.load(vg_ptrs, mask=key_mask, other=0.0)
-        else:
-            ks = tl.load(kg_ptrs)
-            vs = tl.load(vg_ptrs)
+        ks = _load(kg_ptrs, key_mask, 0.0, MASKED)
+        vs = _load(vg_ptrs, key_mask, 0.0, MASKED)
     return k, v, ks, vs
 
 
