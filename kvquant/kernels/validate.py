@@ -172,15 +172,22 @@ def _overlaps(x: torch.Tensor) -> bool:
     return False
 
 
-def _check_group_scale_layout(op: str, name: str, x: torch.Tensor) -> None:
-    """Written group scales: last dimension contiguous, no element aliasing another."""
-    if (x.shape[-1] > 1 and x.stride(-1) != 1) or _overlaps(x):
+def _check_written_layout(
+    op: str, name: str, x: torch.Tensor, *, helper: str, last_dim_contiguous: bool
+) -> None:
+    """A tensor a kernel writes into: no element aliasing another (and, if asked, unit last stride)."""
+    strided_last = last_dim_contiguous and x.shape[-1] > 1 and x.stride(-1) != 1
+    overlaps = _overlaps(x)
+    if strided_last or overlaps:
+        found = ", so that elements share memory" if overlaps else ", a strided last dimension"
+        expected = "no two elements sharing memory"
+        if last_dim_contiguous:
+            expected = "the last dimension contiguous and " + expected
         raise _fail(
             f"{op}: {name} is written in place but has strides {x.stride()} for shape "
-            f"{tuple(x.shape)}; expected the last dimension contiguous and no two elements "
-            "sharing memory (kvquant never copies a tensor it writes into). Fix: allocate it "
-            "with kvquant.kernels.group_scale_storage (kvquant.cache.PagedKVCache does), or "
-            "torch.empty/zeros in the documented shape."
+            f"{tuple(x.shape)}{found}; expected {expected} (kvquant never copies a tensor it "
+            f"writes into). Fix: allocate it with kvquant.kernels.{helper} "
+            "(kvquant.cache.PagedKVCache does), or torch.zeros in the documented shape."
         )
 
 
@@ -271,7 +278,9 @@ def _check_scales(
         _check_shape(op, name, g, expected, f"{layout} of the pages")
         _check_device(op, name, g, device, "k_pages")
         if group_scales_written:
-            _check_group_scale_layout(op, name, g)
+            _check_written_layout(
+                op, name, g, helper="group_scale_storage", last_dim_contiguous=True
+            )
     return d // n_groups
 
 
@@ -294,14 +303,7 @@ def _check_pages(
     _check_device(op, "v_pages", vp, kp.device, "k_pages")
     if written:
         for name, x in (("k_pages", kp), ("v_pages", vp)):
-            if _overlaps(x):
-                raise _fail(
-                    f"{op}: {name} is written in place but has strides {x.stride()} for shape "
-                    f"{tuple(x.shape)}, so that elements share memory (kvquant never copies a "
-                    "tensor it writes into). Fix: allocate the pages with "
-                    "kvquant.kernels.page_storage (kvquant.cache.PagedKVCache does), or "
-                    "torch.zeros in the documented shape."
-                )
+            _check_written_layout(op, name, x, helper="page_storage", last_dim_contiguous=False)
     return kp, vp
 
 
