@@ -299,9 +299,10 @@ def _attn_tile(
         MASKED, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D, PAGE, TP,
     )  # fmt: skip
     if MASKED:
-        # V rows of keys outside [lo, s_hi) to zero (they were loaded with their whole run)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        v = tl.where(((offs_n >= lo) & (offs_n < s_hi))[:, None], v.to(tl.float16), 0.0)
+        in_range = (offs_n >= lo) & (offs_n < s_hi)
+        # V rows of keys outside [lo, s_hi) to zero (they were loaded with their whole run)
+        v = tl.where(in_range[:, None], v.to(tl.float16), 0.0)
     s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
     if USE_SOFTCAP:
         # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
@@ -311,8 +312,7 @@ def _attn_tile(
     else:
         s = s * (qk_scale * 1.4426950408889634)
     if MASKED:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        vis = ((offs_n >= lo) & (offs_n < s_hi))[None, :]
+        vis = in_range[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= pos[:, None])
         if USE_WINDOW:
