@@ -129,18 +129,12 @@ def resources(kernel: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        dump = subprocess.run(
-            [str(bin_dir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        sass = subprocess.run(
-            [str(bin_dir / "nvdisasm"), "-c", str(cubin)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        dump, sass = (
+            subprocess.run(
+                [str(bin_dir / tool), flag, str(cubin)], capture_output=True, text=True, check=True
+            ).stdout
+            for tool, flag in (("cuobjdump", "--dump-resource-usage"), ("nvdisasm", "-c"))
+        )
     usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
     ptx = kernel.asm["ptx"]
     counts = collections.Counter(
