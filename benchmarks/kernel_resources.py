@@ -59,6 +59,7 @@ def compile_decode(
     consts: dict[str, Any] = dict(
         HAS_QLEN=False, HAS_START=False, GROUP=hq // hkv, QPB=1, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_D=d, PAGE=page, TP=math.gcd(page, block_n),
+        V_RUNS_DENSE=math.gcd(page, block_n) == page, SCALE_RUNS_DENSE=group_scales,
         GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
         CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=True, USE_WHILE=False,
         LOOP_STAGES=loop_stages, PDL=pdl,

@@ -92,8 +92,9 @@ def build_case(
         softcap: score soft-capping.
         window: sliding window.
         value_gain: factor on every K and V value (tiny or huge magnitudes).
-        contiguous_pages: V pages token-major (contiguous) instead of the cache's
-            keys-fastest layout (:func:`kvquant.kernels.page_storage`).
+        contiguous_pages: V pages and group scales token-major (contiguous) instead of the
+            cache's layouts (:func:`kvquant.kernels.page_storage`,
+            :func:`kvquant.kernels.group_scale_storage`).
         device: where the tensors live.
         seed: RNG seed.
 
@@ -129,8 +130,11 @@ def build_case(
     scales: dict[str, torch.Tensor] = {}
     limit = fp8_max(fp8)
     if granularity == "fp32-group":
-        for name in ("k_group_scales", "v_group_scales"):  # the cache's (head-major) layout
-            gs = group_scale_storage(num_pages, page, hkv, d // group_size)
+        for name in ("k_group_scales", "v_group_scales"):
+            if contiguous_pages:
+                gs = torch.empty(num_pages, page, hkv, d // group_size)
+            else:  # the cache's (head-major) layout
+                gs = group_scale_storage(num_pages, page, hkv, d // group_size)
             scales[name] = gs.fill_(float("nan"))
     elif granularity == "per-head":
         scales["k_scale"] = key.abs().amax(dim=(0, 1, 3)) / limit

@@ -150,6 +150,19 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         ),
         {"num_splits": 3},
     ),
+    (
+        "decode-group32-contiguous-pages",
+        dict(
+            lens=[70, 33],
+            hq=8,
+            hkv=2,
+            d=64,
+            granularity="fp32-group",
+            group_size=32,
+            contiguous_pages=True,
+        ),
+        {"num_splits": 2},
+    ),
     ("decode-e5m2", dict(lens=[41, 3], hq=8, hkv=2, d=64, fp8=torch.float8_e5m2), {}),
     ("decode-empty-sequence", dict(lens=[0, 25], hq=8, hkv=2, d=64), {"num_splits": 2}),
     ("decode-more-splits-than-tiles", dict(lens=[20, 70], hq=8, hkv=2, d=64), {"num_splits": 8}),
@@ -170,6 +183,36 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         "prefill-gqa3-group32",
         dict(lens=[61], hq=6, hkv=2, d=64, lq=30, granularity="fp32-group", group_size=32),
         {"config": {"BLOCK_M": 32, "QPB": 10, "BLOCK_N": 32}},
+    ),
+    (
+        "prefill-e5m2-group32-left-padding",
+        dict(
+            lens=[75, 60],
+            hq=8,
+            hkv=2,
+            d=64,
+            lq=40,
+            kv_start=[13, 0],
+            granularity="fp32-group",
+            group_size=32,
+            fp8=torch.float8_e5m2,
+        ),
+        {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 32}},
+    ),
+    (
+        "prefill-group32-contiguous-pages-left-padding",
+        dict(
+            lens=[75, 60],
+            hq=8,
+            hkv=2,
+            d=64,
+            lq=40,
+            kv_start=[13, 0],
+            granularity="fp32-group",
+            group_size=32,
+            contiguous_pages=True,
+        ),
+        {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 32}},
     ),
     (
         "prefill-group64-one-group-per-head",
@@ -237,6 +280,26 @@ def test_dequantized_group_tiles_beyond_fp16_range_give_non_finite_output(
         **case.kwargs(), out=out, config=config,
     )  # fmt: skip
     assert not bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("lq", [1, 40], ids=["decode", "prefill"])
+@pytest.mark.parametrize("sm_scale", [-0.2, 0.0])
+def test_score_scale_of_any_sign(lq: int, sm_scale: float) -> None:
+    """Negative and zero score scales (sm_scale x k_scale) match the reference.
+
+    The kernel takes the row maximum of the raw scores and applies the scale's sign to the
+    query: one head's k_scale is negated, so that heads see both signs.
+    """
+    case = build_case([50, 70], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", seed=11)
+    case.sm_scale = sm_scale
+    case.scales["k_scale"][1] *= -1.0
+    ref = case.reference()
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
+    paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out, num_splits=2 if lq == 1 else None,
+    )  # fmt: skip
+    assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"lq={lq} sm_scale={sm_scale}")
 
 
 @pytest.mark.parametrize("which", ["k", "v"])

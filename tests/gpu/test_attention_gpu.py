@@ -93,6 +93,18 @@ def test_prefill_options() -> None:
     _run(dict(lens=[1500, 256], kv_start=[100, 17], contiguous_pages=True, page=8, **base))
 
 
+@pytest.mark.parametrize("contiguous", [False, True], ids=["cache-layout", "contiguous-pages"])
+@pytest.mark.parametrize("page", [16, 24, 256])
+def test_prefill_group_scale_layouts(page: int, contiguous: bool) -> None:
+    """Dequantized tiles: runs of whole pages (dense V and scale runs), partial pages, and
+    token-major V pages and scales, behind a left-padded start."""
+    _run(
+        dict(lens=[1500, 256], lq=256, kv_start=[100, 17], hq=32, hkv=8, d=128, page=page,
+             granularity="fp32-group", group_size=64, qdtype=torch.bfloat16,
+             contiguous_pages=contiguous)
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("gran, g", [("per-tensor", 64), ("fp32-group", 64), ("fp32-group", 32)])
 @pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("splits", [1, 3])
