@@ -366,7 +366,7 @@ def run_prefill(results: dict[str, Any], deadline: float, sweep: bool) -> None:
         row["sdpa_bf16_ms"] = t
         row["sdpa_bf16_TFLOPs"] = flops / t / 1e9
         del k, v
-        for name in ("per-tensor", "group64"):
+        for name in ("per-tensor", "group64", "group128"):
             f = p.fmt(name)
             err = check(p, f, p.q)
             t = bench(lambda f=f: run_kvquant(p, f, p.q))
@@ -375,7 +375,7 @@ def run_prefill(results: dict[str, Any], deadline: float, sweep: bool) -> None:
                 "TFLOPs": flops / t / 1e9,
                 "rel_err": err,
                 "ratio_vs_sdpa": row["sdpa_bf16_ms"] / t,
-                "config": choose_config(chunk, hq // hkv, d),
+                "config": choose_config(chunk, hq // hkv, d, group_dequant=name != "per-tensor"),
             }
             if sweep and name == "per-tensor" and (bsz, prefix, chunk) == PREFILL_SHAPES[0]:
                 row["tiles"] = {}
@@ -481,13 +481,13 @@ def plot(results: dict[str, Any], out: Path) -> None:
     ax = axes[1]
     pr = results["prefill"]
     labels = [f"B{r['B']}\n{r['prefix'] // 1024}k+{r['chunk']}" for r in pr]
-    for i, name in enumerate(["sdpa_bf16", "per-tensor", "group64"]):
+    for i, name in enumerate(["sdpa_bf16", "per-tensor", "group64", "group128"]):
         vals = [
             (r["sdpa_bf16_TFLOPs"] if name == "sdpa_bf16" else r.get(name, {}).get("TFLOPs", 0))
             for r in pr
         ]
-        ax.bar([x + i * 0.25 for x in range(len(pr))], vals, 0.25, label=name)
-    ax.set_xticks([x + 0.25 for x in range(len(pr))], labels)
+        ax.bar([x + i * 0.2 for x in range(len(pr))], vals, 0.2, label=name)
+    ax.set_xticks([x + 0.3 for x in range(len(pr))], labels)
     ax.set_ylabel("TFLOP/s (visible keys)")
     ax.set_title("prefill/extend")
     ax.legend(fontsize=8)
@@ -586,7 +586,7 @@ def summarize(results: dict[str, Any]) -> None:
         print(line)
     for r in results["prefill"]:
         line = f"prefill B{r['B']} {r['prefix']}+{r['chunk']}: sdpa {r['sdpa_bf16_ms']:.3f} ms {r['sdpa_bf16_TFLOPs']:.0f} TF/s"
-        for n in ("per-tensor", "group64"):
+        for n in ("per-tensor", "group64", "group128"):
             if n in r:
                 line += f" | {n} {r[n]['ms']:.3f} ms {r[n]['TFLOPs']:.0f} TF/s {r[n]['ratio_vs_sdpa']:.2f}x err {r[n]['rel_err']:.1e}"
         print(line)
