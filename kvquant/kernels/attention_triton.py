@@ -127,9 +127,9 @@ def _load_kv(
     ``n0`` is a multiple of ``TP``, which divides ``PAGE``: the tile is ``BLOCK_N // TP``
     runs of ``TP`` keys, each inside one page, so each run takes one block-table entry, and
     a stride-1 axis (head dim, or keys for V stored keys-fastest) gives wide copies. Masked
-    tiles load only keys in ``[lo, limit)``. Returns ``(k, v, ks, vs)``: ``v`` is ``[D, BLOCK_N]``
-    for dequantized group scales; the scales are ``[NG, BLOCK_N]``, except ``ks`` ``[BLOCK_N,
-    NG]`` for dequantized group scales, or placeholders without group scales.
+    tiles load only keys in ``[lo, limit)``. Returns ``(k, v, ks, vs)``. With dequantized
+    group scales ``v`` is transposed, ``[D, BLOCK_N]``, and ``ks`` is ``[BLOCK_N, NG]``; the
+    other group scales are ``[NG, BLOCK_N]``; without group scales they are placeholders.
     """
     NP: tl.constexpr = BLOCK_N // TP
     offs_d = tl.arange(0, HEAD_D)
@@ -148,9 +148,8 @@ def _load_kv(
     # the caller, since stale slots may hold NaN codes and 0 * NaN would reach the output.
     k = tl.reshape(_load(k_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
     if GROUP_SCALES and not FOLD:
-        # dequantized tiles: V transposed, [D, BLOCK_N] (loaded as [NP, D, TP]: with V stored
-        # keys-fastest each run is one [D, TP] block, staged and read 16 bytes a lane), so that
-        # the fp16 operand of P @ V keeps keys contiguous in shared memory (K-major)
+        # dequantized tiles: V transposed, [D, BLOCK_N], gathered as [NP, D, TP], so that the
+        # fp16 operand of P @ V keeps keys contiguous in shared memory (K-major)
         if V_RUNS_DENSE:
             # each run's [D, TP] block is one contiguous span (V keys-fastest, TP = PAGE):
             # loaded as [NP, D * TP], so that a warp's copies are contiguous both in global
