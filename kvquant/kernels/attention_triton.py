@@ -353,11 +353,15 @@ def _attn_tile(
         else:
             v = tl.where(in_range[:, None], v.to(tl.float16), 0.0)
     s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
+    # scale of the scores in log2 units, applied after the row maximum (it is positive) and
+    # joined with the exponent's subtraction in one FMA: no multiply per score
+    s_mult = qk_scale
     if USE_SOFTCAP:
         # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
         x = s * (qk_scale / softcap)
         e = tl.exp(2.0 * x)
         s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+        s_mult = 1.0
     if MASKED:
         vis = in_range[None, :]
         if CAUSAL:
@@ -365,18 +369,10 @@ def _attn_tile(
         if USE_WINDOW:
             vis = vis & (offs_n[None, :] > pos[:, None] - win)
         s = tl.where(vis, s, float("-inf"))
-    if USE_SOFTCAP:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-    else:
-        # raw scores: the positive scale multiplies the row maximum, and joins the exponent's
-        # subtraction in one FMA (no multiply per score)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    if USE_SOFTCAP:
-        p = tl.exp2(s - m_use[:, None])
-    else:
-        p = tl.exp2(s * qk_scale - m_use[:, None])
+    p = tl.exp2(s * s_mult - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
     return acc, m_new, l_i
