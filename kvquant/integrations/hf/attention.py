@@ -10,8 +10,12 @@ The attention function receives, from the attention module's forward:
 ``query [B, Hq, Lq, D]`` (after RoPE) and whatever the cache layer's
 ``update()`` returned. When that is kvquant's ``(None, None)`` it reads the
 FP8 pages of the layer (found through the pre-hook that :func:`kvquant.patch`
-installs) with :func:`kvquant.kernels.paged_attention`; otherwise (no cache, or
-a transformers cache) it computes exact attention on the dense K/V it got.
+installs) with :func:`kvquant.kernels.paged_attention`. Otherwise it got dense
+K/V — a prompt with no cached prefix (the cache layer stored it in FP8 and hands
+back the keys and values it was given), or no cache — and computes exact
+attention on them with transformers' own SDPA function, the unpatched model's
+path: a fresh prompt's prefill costs what it costs without kvquant, plus the
+FP8 write. Only a logit softcap (which SDPA lacks) takes an exact fp32 path.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import sdpa_mask
 
 from kvquant.errors import KVQuantError, UnsupportedModelError
@@ -29,8 +34,16 @@ from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuant
 
 __all__ = ["ATTN_NAME", "kvquant_attention", "kvquant_mask", "register"]
 
+_MASK_CHUNK = 1 << 24
+"""Mask elements whose int32 temporaries :func:`kv_start_from_mask` holds at once."""
+
 CACHE_ATTR = "_kvq_cache"
 """Attribute of an attention module holding the cache of the current forward call."""
+
+
+def _sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' own SDPA attention function (what an unpatched model runs)."""
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
 
 
 def kvquant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -91,22 +104,31 @@ def kv_start_from_mask(
         )
     m = m[:, 0]  # [B, Lq, T]; heads share the mask
     device = m.device
-    cols = torch.arange(seq_len, device=device)
-    any_row = m.any(-1)  # [B, Lq]
-    first = torch.where(m, cols, seq_len).amin(-1)  # [B, Lq]
-    all_row = m.all(-1)
+    cols = torch.arange(seq_len, device=device, dtype=torch.int32)
+    # Rows are processed in chunks so that the temporaries stay a bounded multiple of
+    # _MASK_CHUNK elements, however long the prompt chunk (the mask itself is B*Lq*T).
+    step = max(1, _MASK_CHUNK // max(1, m.shape[0] * seq_len))
     last_sees_zero = m[:, -1, 0]  # [B]
-    ignore = ~any_row | (all_row & ~last_sees_zero[:, None])
-    start = torch.where(ignore, seq_len, first).amin(-1)  # [B]
+    start = torch.full((m.shape[0],), seq_len, dtype=torch.int32, device=device)
+    for r0 in range(0, q_len, step):
+        rows = m[:, r0 : r0 + step]  # [B, r, T]
+        first = torch.where(rows, cols, seq_len).amin(-1)  # [B, r]
+        ignore = ~rows.any(-1) | (rows.all(-1) & ~last_sees_zero[:, None])
+        start = torch.minimum(start, torch.where(ignore, seq_len, first).amin(-1))
     start = torch.where(start >= seq_len, torch.zeros_like(start), start)
     # Check: real rows must equal the reconstructed pattern.
-    pos_q = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]  # [Lq, 1]
-    expect = (cols[None, None, :] >= start[:, None, None]) & (cols[None, :] <= pos_q)[None]
-    if window > 0:
-        expect = expect & (cols[None, :] > pos_q - window)[None]
-    real = pos_q[None, :, 0] >= start[:, None]  # [B, Lq]
-    bad = (expect != m) & real[:, :, None]
-    if bool(bad.any()):
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    for r0 in range(0, q_len, step):
+        rows = m[:, r0 : r0 + step]
+        pos_q = torch.arange(
+            seq_len - q_len + r0, seq_len - q_len + r0 + rows.shape[1], device=device
+        )[:, None]  # [r, 1]
+        expect = (cols[None, None, :] >= start[:, None, None]) & (cols[None, :] <= pos_q)[None]
+        if window > 0:
+            expect = expect & (cols[None, :] > pos_q - window)[None]
+        real = pos_q[None, :, 0] >= start[:, None]  # [B, r]
+        bad = bad | ((expect != rows) & real[:, :, None]).any()
+    if bool(bad):
         raise UnsupportedModelError(
             f"{name}: the attention mask is not 'left padding + causal"
             + (f" + sliding window {window}" if window else "")
@@ -195,10 +217,12 @@ def kvquant_attention(
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
     if key is not None and value is not None:
-        # Dense K/V: no cache, or a transformers cache: compute exactly.
-        return _dense_attention(
-            module, query, key, value, attention_mask, sm_scale, cap, window
-        ), None
+        # Dense K/V (a fresh prompt, or no cache): exact attention.
+        if cap > 0:
+            return _dense_attention(
+                module, query, key, value, attention_mask, sm_scale, cap, window
+            ), None
+        return _sdpa(module, query, key, value, attention_mask, scaling=sm_scale, **kwargs)
     layer = _layer_of(module)
     storage = None if layer is None else layer.storage
     if layer is None or storage is None:

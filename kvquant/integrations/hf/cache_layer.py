@@ -9,7 +9,10 @@ lockstep, so one block table serves every layer); each layer builds one
 dynamic ``fp32-group`` format) and delegates writes, dense dequantization,
 beam reordering and memory accounting to it.
 
-``update()`` returns ``(None, None)`` while kvquant's attention function is
+The first ``update()`` of a layer (a prompt with no cached prefix) stores the
+keys and values in FP8 and returns them as given: kvquant's attention runs
+SDPA over them, exactly as the unpatched model. Later updates return
+``(None, None)`` while kvquant's attention function is
 the model's attention implementation: that function finds the layer through
 the forward pre-hook that :func:`kvquant.patch` installs and reads the pages
 with :func:`kvquant.kernels.paged_attention`. Under any other attention
@@ -36,11 +39,15 @@ from kvquant.errors import CacheCapacityError, KVQuantError
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
 
-DEFAULT_TOKENS = 8192
-"""Token slots per sequence of a cache built without a size (capped by max_position_embeddings)."""
+HEADROOM_FRACTION = 16
+"""A cache built without a size holds ``n + max(page_size, n // HEADROOM_FRACTION)`` slots
+per sequence for ``n`` stored tokens: room for a first decode run without growing."""
 
-DEFAULT_HEADROOM = 2048
-"""Slots beyond a long first prompt that a cache built without a size keeps for generation."""
+GROWTH_FACTOR = 1.25
+"""A growing cache enlarges its pools to at least this multiple of their size."""
+
+MIN_GROWTH_TOKENS = 256
+"""...and by at least this many slots per sequence (fewer recaptures of a decode graph)."""
 
 ATTN_NAME = "kvquant"
 """The name kvquant registers with ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -252,9 +259,11 @@ class KVQuantLayer(CacheLayerMixin):
             **extra: ignored.
 
         Returns:
-            ``(None, None)`` while kvquant's attention is active (it reads the
-            pages), else dense dequantized ``([B, Hkv, T, D], [B, Hkv, T, D])``
-            in the dtype of ``key_states``.
+            On the first update (no token stored before: a prompt), ``key_states``
+            and ``value_states`` themselves, since they are all there is to
+            attend to; later, ``(None, None)`` while kvquant's attention is
+            active (it reads the FP8 pages), else dense dequantized
+            ``([B, Hkv, T, D], [B, Hkv, T, D])`` in the dtype of ``key_states``.
 
         Raises:
             CacheCapacityError: the pages cannot hold the new tokens (nothing is written).
@@ -276,10 +285,16 @@ class KVQuantLayer(CacheLayerMixin):
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
             self._storage().write(k, v, static.slots)
             return None, None
+        fresh = self.seq_len == 0
         slots = self.cache.slots_for(self, bsz, new)
         if new > 0:
             self._storage().write(key_states.transpose(1, 2), value_states.transpose(1, 2), slots)
         self.seq_len += new
+        if fresh:
+            # Nothing stored before: attention over exactly these keys, which the caller
+            # already holds at full precision (the write above stored them in FP8 for later
+            # steps). kvquant's attention runs SDPA on them, as the unpatched model does.
+            return key_states, value_states
         if self.cache.attention_is_kvquant():
             return None, None
         return self.dense_kv(key_states.dtype)
@@ -373,9 +388,10 @@ class KVQuantCache(Cache):
     Args:
         model: a model patched with :func:`kvquant.patch`.
         max_cache_tokens: token slots in the whole cache (all sequences of the
-            batch together); default: the patch's setting, else per sequence
-            ``min(max_position_embeddings, max(8192, prompt + 2048))``.
-        num_pages: pages in the pool (overrides ``max_cache_tokens``).
+            batch together), a hard bound (:class:`~kvquant.errors.CacheCapacityError`
+            beyond it); default: the patch's setting, else none: the pools
+            grow on demand (:meth:`KVQuantCache.pool_shape`).
+        num_pages: pages in the pool, a hard bound (overrides ``max_cache_tokens``).
         page_size: token slots per page; default the patch's (16).
 
     Raises:
@@ -405,13 +421,15 @@ class KVQuantCache(Cache):
         if self.page_size < 1:
             raise KVQuantError(f"page_size must be >= 1, got {self.page_size}")
         self.backend = opts.backend
-        self.cuda_graphs = bool(opts.cuda_graphs)
+        self.cuda_graphs: bool | None = opts.cuda_graphs  # None: auto (CUDA devices only)
         self.static: StaticStep | None = None
         self.decode_graph: Any = None  # kvquant.integrations.hf.graphs.DecodeGraph
         self.fp8_dtype = torch.float8_e4m3fn
         self.config = state.text_config
         self.default_tokens_per_seq = state.default_tokens_per_seq
         self.model_name = state.model_name
+        self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
+        self.capacity_version = 0
         self.allocator: PageAllocator | None = None
         self.batch_size_ = 0
         self.reserved = 0
@@ -434,27 +452,31 @@ class KVQuantCache(Cache):
 
     # ------------------------------------------------------------------ pool sizing
 
+    def _headroom_pages(self, tokens_per_seq: int) -> int:
+        """Pages per sequence for ``tokens_per_seq`` tokens plus the growth headroom."""
+        ps = self.page_size
+        slots = tokens_per_seq + max(ps, tokens_per_seq // HEADROOM_FRACTION)
+        return -(-slots // ps)
+
     def pool_shape(
         self, batch_size: int, device: torch.device, first_tokens: int = 0
     ) -> tuple[int, int]:
         """``(num_pages, page_size)`` of every layer's pool; creates the allocator on first use.
 
-        Without ``num_pages`` / ``max_cache_tokens`` each sequence gets
-        ``min(max_position_embeddings, max(DEFAULT_TOKENS, first_tokens + DEFAULT_HEADROOM))``
-        slots, where ``first_tokens`` is the length of the first update (the prompt).
+        With ``num_pages`` or ``max_cache_tokens`` the pool has that fixed size.
+        Without them it starts with room for ``first_tokens`` (the length of the
+        first update: the prompt, or the first chunk of a chunked prefill) plus
+        ``max(page_size, first_tokens // 16)`` slots per sequence, and grows on
+        demand (:meth:`reserve_through`), so that the pages hold memory in
+        proportion to what is stored, like transformers' ``DynamicCache``.
         """
         if self.allocator is None:
             if self.num_pages_requested is not None:
                 num_pages = int(self.num_pages_requested)
+            elif self.max_cache_tokens is not None:
+                num_pages = -(-int(self.max_cache_tokens) // self.page_size)
             else:
-                tokens = self.max_cache_tokens
-                if tokens is None:
-                    per_seq = min(
-                        self.default_tokens_per_seq,
-                        max(DEFAULT_TOKENS, first_tokens + DEFAULT_HEADROOM),
-                    )
-                    tokens = batch_size * per_seq
-                num_pages = -(-int(tokens) // self.page_size)
+                num_pages = batch_size * self._headroom_pages(first_tokens)
             if num_pages < 1:
                 raise KVQuantError(
                     f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
@@ -540,6 +562,9 @@ class KVQuantCache(Cache):
         need = -(-(self.reserved + tokens) // ps)
         extra_pages = (need - have) * self.batch_size_
         free = alloc.num_free_pages
+        if extra_pages > free and self.growable:
+            self._grow(alloc, need)
+            free = alloc.num_free_pages
         if extra_pages > free:
             capacity = alloc.num_pages * ps
             raise CacheCapacityError(
@@ -567,6 +592,30 @@ class KVQuantCache(Cache):
         cols = torch.tensor(taken, dtype=torch.int32)
         for dev, bt in list(self._block_table_dev.items()):
             self._block_table_dev[dev] = torch.cat([bt, cols.to(dev)], dim=1)
+
+    def _grow(self, alloc: PageAllocator, pages_per_seq: int) -> None:
+        """Enlarge the pool so that every sequence can hold ``pages_per_seq`` pages.
+
+        The new size is the largest of: the need plus its headroom,
+        ``GROWTH_FACTOR`` times the current size, and ``MIN_GROWTH_TOKENS`` more
+        slots per sequence. The layers' page tensors grow first, one at a time
+        (old and new pools of one layer coexist only for its copy); the
+        allocator grows only once all of them did, so a failure (out of
+        memory) leaves a cache that still holds every token it held.
+        """
+        bsz, ps = self.batch_size_, self.page_size
+        target = max(
+            bsz * self._headroom_pages(pages_per_seq * ps),
+            -(-int(alloc.num_pages * GROWTH_FACTOR) // bsz) * bsz,
+            alloc.num_pages + bsz * -(-MIN_GROWTH_TOKENS // ps),
+        )
+        for layer in self.layers:
+            storage = getattr(layer, "storage", None)
+            if storage is not None and storage.num_pages < target:
+                storage.grow(target)
+        alloc.grow(target)
+        self.capacity_version += 1
+        self.decode_graph = None  # captured on the old pools
 
     def block_table(self, device: torch.device) -> torch.Tensor:
         """The int32 ``[B, max_pages]`` block table on ``device``.

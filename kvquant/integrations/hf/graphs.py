@@ -1,4 +1,4 @@
-"""CUDA-graph decode steps for patched models: ``kvquant.patch(model, cuda_graphs=True)``.
+"""CUDA-graph decode steps for patched models (``kvquant.patch``'s ``cuda_graphs``).
 
 At small and medium batch sizes ``generate`` is host bound: a decode step of
 an eager transformers model launches hundreds of small kernels, each costing
@@ -10,7 +10,8 @@ How a step runs (:class:`DecodeGraphRunner`):
 
 1. The step qualifies when it is a one-token forward of every sequence of a
    :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache` that holds a
-   prefix and has ``cuda_graphs`` on, called with keyword arguments only,
+   prefix and has ``cuda_graphs`` on (``None``, the default, means: on a CUDA
+   device), called with keyword arguments only,
    ``position_ids`` given, without gradients, and with a 2D attention mask
    that is pure left padding (checked on the device, one sync per step).
    Anything else (prefill, chunked prefill, ``inputs_embeds``, a custom mask,
@@ -20,7 +21,11 @@ How a step runs (:class:`DecodeGraphRunner`):
 3. The step's inputs are copied into static buffers
    (:class:`~kvquant.integrations.hf.cache_layer.StaticStep` and one buffer per
    tensor argument); the first step of a cache warms the forward up on a side
-   stream and captures it; every step then replays the graph.
+   stream and captures it; every step then replays the graph. When the pool
+   grows (a cache without a size bound enlarges its pages on demand) the
+   page tensors move, and the next step captures again. With the default
+   ``cuda_graphs=None`` a capture that fails is logged once and the cache
+   decodes eagerly from then on; with ``cuda_graphs=True`` it raises.
 4. The host-side counters of the cache layers advance, and the step returns a
    copy of the captured output (the next replay overwrites the static one).
 
@@ -152,16 +157,18 @@ class GraphStats:
         replays: decode steps served by a graph replay.
         static_eager: decode steps run through the static buffers without a graph (CPU).
         ordinary: calls passed to the ordinary forward.
+        fallbacks: caches that fell back to eager decoding after a failed capture.
     """
 
     captures: int = 0
     replays: int = 0
     static_eager: int = 0
     ordinary: int = 0
+    fallbacks: int = 0
 
 
 class DecodeGraphRunner:
-    """The forward of a model patched with ``cuda_graphs=True`` (see the module docstring).
+    """The forward of a patched model with CUDA-graph decode steps (see the module docstring).
 
     Args:
         model: the patched model.
@@ -177,6 +184,7 @@ class DecodeGraphRunner:
         self.is_active = is_active
         self.stats = GraphStats()
         self._logged_cpu = False
+        self._logged_fallback = False
         functools.update_wrapper(self, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -192,13 +200,15 @@ class DecodeGraphRunner:
         if args or torch.is_grad_enabled() or self.model.training or not self.is_active():
             return None
         cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
-        if not isinstance(cache, KVQuantCache) or not cache.cuda_graphs:
+        if not isinstance(cache, KVQuantCache) or cache.cuda_graphs is False:
             return None
         if cache.static is not None or cache.allocator is None or not cache.attention_is_kvquant():
             return None
         ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
         if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (cache.batch_size_, 1):
             return None
+        if cache.cuda_graphs is None and ids.device.type != "cuda":
+            return None  # auto: graphs on CUDA devices only
         if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != 1:
             return None
         if kwargs.get("inputs_embeds") is not None:
@@ -247,7 +257,12 @@ class DecodeGraphRunner:
             buf.copy_(kwargs[name])
         if device.type == "cuda":
             if rec.graph is None:
-                self._capture(cache, rec)
+                try:
+                    self._capture(cache, rec)
+                except KVQuantError as err:
+                    if cache.cuda_graphs is not None:
+                        raise
+                    return self._fall_back(cache, layers, kwargs, err)
             rec.graph.replay()
             out = _copy_output(rec.output)
             self.stats.replays += 1
@@ -264,6 +279,27 @@ class DecodeGraphRunner:
         for layer in layers:
             layer.seq_len += 1
         return out
+
+    def _fall_back(
+        self,
+        cache: KVQuantCache,
+        layers: list[KVQuantLayer],
+        kwargs: dict[str, Any],
+        err: KVQuantError,
+    ) -> Any:
+        """Auto mode, failed capture: decode this cache eagerly from now on (logged once)."""
+        cache.cuda_graphs = False
+        cache.decode_graph = None
+        if not self._logged_fallback:
+            self._logged_fallback = True
+            _logger.warning(
+                "%s Decoding eagerly instead (cuda_graphs=None falls back; pass "
+                "cuda_graphs=False to skip the capture, or True to make this an error).",
+                err,
+            )
+        self.stats.fallbacks += 1
+        self.stats.ordinary += 1
+        return self.original(**kwargs)
 
     def _build(
         self,

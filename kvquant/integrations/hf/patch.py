@@ -80,7 +80,10 @@ class PatchOptions:
         page_size: token slots per page.
         max_cache_tokens: token slots of a cache (whole batch), or None.
         num_pages: pages of a cache (overrides ``max_cache_tokens``), or None.
-        cuda_graphs: replay one-token decode steps from a CUDA graph.
+        cuda_graphs: replay one-token decode steps from a CUDA graph: None
+            (auto: on CUDA devices, falling back to eager steps with one log line
+            if a capture fails), True (also on CPU, through the static buffers;
+            a failed capture raises) or False.
         source: a description of where the scales came from.
     """
 
@@ -91,7 +94,7 @@ class PatchOptions:
     page_size: int = 16
     max_cache_tokens: int | None = None
     num_pages: int | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     source: str = ""
 
 
@@ -113,7 +116,7 @@ class PatchState:
         handles: removable hook handles.
         saved_attrs: ``(module, name, previous value or _MISSING, kind)`` to restore.
         graph_runner: the CUDA-graph decode runner installed as the model's
-            ``forward`` (``cuda_graphs=True``), else None.
+            ``forward`` (unless ``cuda_graphs=False``), else None.
     """
 
     options: PatchOptions
@@ -202,9 +205,10 @@ def _check_options(opts: PatchOptions) -> None:
     positive("group_size", opts.group_size, optional=True)
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
-    if not isinstance(opts.cuda_graphs, bool):
+    if opts.cuda_graphs is not None and not isinstance(opts.cuda_graphs, bool):
         raise KVQuantError(
-            f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected True or False."
+            f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected None (auto), True or "
+            "False."
         )
     if opts.backend not in BACKENDS:
         raise KVQuantError(
@@ -562,7 +566,7 @@ def apply_patch(
         state.handles.append(
             decoder.register_forward_pre_hook(_make_injector(model, state), with_kwargs=True)
         )
-        if opts.cuda_graphs:
+        if opts.cuda_graphs is not False:
             _install_graph_runner(model, state)
         _set_attn(model, ATTN_NAME)
         if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
@@ -600,7 +604,7 @@ def patch(
     page_size: int = 16,
     max_cache_tokens: int | None = None,
     num_pages: int | None = None,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | None = None,
 ) -> KVQuantHandle:
     """Give ``model`` kvquant's FP8 paged KV cache; ``generate`` then uses it with no extra argument.
 
@@ -620,16 +624,20 @@ def patch(
         backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
             ``"triton"`` or ``"torch"``.
         page_size: token slots per page.
-        max_cache_tokens: token slots of each cache, all sequences together
-            (default per sequence: ``min(max_position_embeddings, max(8192,
-            prompt length + 2048))``; going beyond raises CacheCapacityError).
-        num_pages: pages of each cache (overrides ``max_cache_tokens``).
-        cuda_graphs: capture the one-token decode step of each cache in a CUDA
-            graph and replay it (:mod:`kvquant.integrations.hf.graphs`): the
-            step's host cost drops to a few small copies. It wraps the model
-            instance's ``forward``; prefill and any call the graph cannot serve
-            run the ordinary forward. On a CPU model the decode step runs
-            eagerly through the same static buffers.
+        max_cache_tokens: a bound on the token slots of each cache, all
+            sequences together (going beyond raises CacheCapacityError). Default
+            None: no bound; the pages grow on demand and hold memory in
+            proportion to what is stored (about ``1/16`` headroom).
+        num_pages: a fixed page count of each cache (overrides ``max_cache_tokens``).
+        cuda_graphs: replay each one-token decode step from a CUDA graph
+            (:mod:`kvquant.integrations.hf.graphs`): the step's host cost drops to
+            a few small copies. Default None (auto): on for models on a CUDA
+            device, captured at the first decode step of each cache; a capture
+            that fails is logged once and the model decodes eagerly. True: also
+            on CPU (eagerly through the graph's static buffers, for tests), and a
+            failed capture raises. False: every step runs the eager forward. The
+            runner wraps the model instance's ``forward``; prefill and any call a
+            graph cannot serve run the ordinary forward.
 
     Returns:
         A :class:`KVQuantHandle`; ``handle.remove()`` restores the model. Patching

@@ -84,8 +84,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         page_size: token slots per page.
         max_cache_tokens: token slots of each cache (whole batch), or None.
         num_pages: pages of each cache, or None.
-        cuda_graphs: replay one-token decode steps from a CUDA graph (see
-            :func:`kvquant.patch`).
+        cuda_graphs: replay one-token decode steps from a CUDA graph: None
+            (auto, on CUDA devices), True or False (see :func:`kvquant.patch`).
         **kwargs: ignored keys of a saved config (``quant_method``, ...).
 
     Example:
@@ -103,7 +103,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         page_size: int = 16,
         max_cache_tokens: int | None = None,
         num_pages: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.quant_method = "kvquant"  # type: ignore[assignment]
