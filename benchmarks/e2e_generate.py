@@ -1,43 +1,48 @@
-"""End-to-end ``generate`` benchmark: kvquant's FP8 paged cache vs transformers' own caches.
+"""End-to-end ``generate`` benchmark: kvquant as users call it, against transformers' own paths.
 
-A Llama-architecture model of about 1.2 B parameters (Llama-3.2-1B shapes:
-16 layers, hidden 2048, 32 query / 8 KV heads, head_dim 64) is built from a
-config with random bf16 weights; batch 16, 8192-token random prompts, 256 new
-tokens (greedy, ``min_new_tokens`` forces all of them). Arms, measured in the
-same run:
+A Llama model with Llama-3.2-1B shapes (16 layers, hidden 2048, 32 query / 8 KV
+heads, head_dim 64) is built from a config with random bf16 weights. Every
+arm is measured the way users meet it: greedy ``generate`` of exactly
+``new`` tokens (``min_new_tokens``), one identical warm-up call first (a first
+call of a new size is dominated by the allocator growing), then ``--repeats``
+timed calls. Per call: wall time of the whole call (everything ``generate``
+does, CUDA-graph capture included), prefill (start to first token), every
+decode step (a timestamp after each step, the device synchronised), and peak
+memory (``torch.cuda.max_memory_allocated``, reset before the call). The
+first call's wall time is kept too (``first_call_s``).
 
-* ``sdpa``: transformers' default (SDPA attention + ``DynamicCache``, bf16 K/V);
-* ``quantized-fp8``: ``QuantizedCache(backend="fp8")`` when the installed
-  transformers has it (5.24: one per-tensor scale frozen at prefill, the whole
-  cache dequantized at every step), else recorded as ``"unavailable"``;
-* ``kvquant``: the model patched with ``kvquant.patch(..., cuda_graphs=True)``
-  (the kvquant arms are the only ones that import kvquant's HF integration),
-  per-tensor scales calibrated on a short random prompt (random weights have
-  no checkpoint scales); decode steps replay a CUDA graph on a GPU;
-* ``kvquant-fp32-group``: the same with dynamic ``fp32-group`` scales;
-* ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False`` (every decode
-  step runs the eager forward).
+Arms:
 
-Per arm, from one timed ``generate`` with a timestamp after every step: prefill
-time (start to first token), decode tokens/s (``batch * (new_tokens - 1)`` over
-first-to-last token), KV-cache bytes after
-prefill (measured: every tensor the cache object holds, scales included; for
-kvquant that is the page pool allocated for prompt + new tokens) and per token
-(analytic; ``kv_bytes_at_prompt_analytic`` = per token x batch x prompt), peak GPU memory, greedy-token
-agreement with ``sdpa``, and the longest context per sequence that fits a
-memory budget. The longest context is an **estimate from KV bytes per token**
-(not a run): ``budget / (batch * kv_bytes_per_token)``, for two budgets: the KV
-bytes the bf16 ``DynamicCache`` needs at the prompt length, and the GPU memory
-free after loading the weights minus the largest non-KV peak seen (activations),
-minus 5 %.
+* ``default``: transformers' default (SDPA attention + bf16 ``DynamicCache``);
+* ``static``: ``cache_implementation="static"`` (generate compiles the decode
+  step with ``torch.compile`` on CUDA; its first call pays the compile);
+* ``kvquant``: ``kvquant.patch(model, scales=per_tensor)``, every other
+  argument default (random weights have no checkpoint scales: per-tensor
+  scales are calibrated on a short random prompt, as a checkpoint would ship);
+* ``kvquant-fp32-group``: ``kvquant.patch(model)``, nothing else: without
+  scales the default is the dynamic ``fp32-group`` format;
+* ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``.
 
-Usage (H200)::
+Shapes (``--shapes``): ``b16x8k`` (16 x 8192 prompt + 64 new), ``chat``
+(1 x 512 + 256), ``b64x2k`` (64 x 2048 + 64), and two sweeps for the plots:
+``batch`` (decode tokens/s at 2048 + 32 for batch 1 ... 64, default vs kvquant) and
+``context`` (peak memory at batch 16 for prompts of 1k ... 16k, default vs kvquant).
 
-    python benchmarks/e2e_generate.py --out e2e.json
-    python benchmarks/e2e_generate.py --tiny --out /tmp/e2e_tiny.json   # CPU smoke test
+``--capacity``: the largest batch of 8192-token prompts (8 new tokens) that
+``generate`` serves in a memory budget (``torch.cuda.set_per_process_memory_fraction``),
+with and without ``prefill_chunk_size=2048``, for the default and kvquant arms: a
+real run per tried batch (doubling, then bisection), never an estimate; after
+every failed try the memory still allocated is recorded (it must return to the
+weights alone).
 
-Works on transformers 5.17 (``past_key_values=``) and 5.24 (``cache=``): the
-cache keyword is chosen by a feature test.
+Usage (H200; one process per shape keeps the allocators apart)::
+
+    python benchmarks/e2e_generate.py --shapes b16x8k --out b16x8k.json
+    python benchmarks/e2e_generate.py --capacity --budget-gb 24 --out capacity.json
+    python benchmarks/e2e_generate.py --tiny --out /tmp/e2e_tiny.json   # CPU smoke run
+
+``benchmarks/plot_e2e.py`` draws the docs' plots from the JSON files.
+Works on transformers 5.17 and 5.24 (it passes no cache object).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import gc
 import inspect
 import json
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -59,12 +65,18 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
     # run as a script from a checkout: make the repository's kvquant importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ARMS = ("sdpa", "quantized-fp8", "kvquant", "kvquant-fp32-group", "kvquant-eager")
-KVQUANT_ARMS = {  # arm: (scale format, cuda_graphs)
-    "kvquant": ("per-tensor", True),
-    "kvquant-fp32-group": ("fp32-group", True),
-    "kvquant-eager": ("per-tensor", False),
+ARMS = ("default", "static", "kvquant", "kvquant-fp32-group", "kvquant-eager")
+SHAPES: dict[str, dict[str, Any]] = {
+    "b16x8k": {"batch": 16, "prompt": 8192, "new": 64, "arms": ARMS},
+    "chat": {"batch": 1, "prompt": 512, "new": 256, "arms": ARMS},
+    "b64x2k": {"batch": 64, "prompt": 2048, "new": 64, "arms": ARMS},
 }
+TINY_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {"batch": 2, "prompt": 40, "new": 6, "arms": ("default", "kvquant", "kvquant-eager")},
+}
+SWEEP_BATCHES = (1, 4, 16, 32, 64)
+SWEEP_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
+SWEEP_ARMS = ("default", "kvquant")
 
 
 # ---------------------------------------------------------------------- model
@@ -74,31 +86,31 @@ def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> Any:
     """A Llama model from a config, random weights (Llama-3.2-1B shapes, or tiny)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if tiny:
-        cfg = LlamaConfig(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-        )
-    else:
-        cfg = LlamaConfig(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            max_position_embeddings=16384,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        )
+    shape: dict[str, Any] = (
+        {
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 1024,
+        }
+        if tiny
+        else {
+            "vocab_size": 128256,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "max_position_embeddings": 32768,
+            "rope_theta": 500000.0,
+        }
+    )
+    cfg = LlamaConfig(**shape, tie_word_embeddings=True)
     cfg.bos_token_id = None
     cfg.eos_token_id = None
     cfg.pad_token_id = 0
@@ -117,10 +129,21 @@ def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> Any:
     return model
 
 
-def cache_kwarg(model: Any) -> str:
-    """``"cache"`` (transformers >= 5.2x) or ``"past_key_values"`` (5.17), by feature test."""
+def calibrate_per_tensor(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ModelOpt-named per-tensor scales (amax / 448 of post-RoPE K/V) of one forward."""
+    from transformers import DynamicCache
+
     params = inspect.signature(type(model.model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    key = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 / 5.17
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, use_cache=True, **{key: cache})
+    scales = {}
+    for i, layer in enumerate(cache.layers):
+        base = f"model.layers.{i}.self_attn"
+        scales[f"{base}.k_proj.k_scale"] = (layer.keys.float().abs().amax() / 448.0).cpu()
+        scales[f"{base}.v_proj.v_scale"] = (layer.values.float().abs().amax() / 448.0).cpu()
+    return scales
 
 
 # ---------------------------------------------------------------------- measuring
@@ -131,59 +154,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cache_bytes(cache: Any) -> int:
-    """KV bytes a cache object holds.
-
-    A cache with ``memory_bytes()`` (kvquant's: FP8 pages plus scales) reports
-    its own; for any other cache, the bytes of every tensor its layers hold
-    (deduplicated by storage).
-    """
-    if callable(getattr(cache, "memory_bytes", None)):
-        return int(cache.memory_bytes()["total"])
-    seen: set[tuple[int, int]] = set()
-    total = 0
-
-    def add(obj: Any) -> None:
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == "meta" or obj.numel() == 0:
-                return
-            key = (obj.untyped_storage().data_ptr(), obj.device.index or 0)
-            if key in seen:
-                return
-            seen.add(key)
-            total += obj.untyped_storage().nbytes()
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                add(item)
-
-    for layer in getattr(cache, "layers", []):
-        for value in vars(layer).values():
-            add(value)
-    return total
-
-
-def kv_bytes_per_token(arm: str, cfg: Any, *, group_size: int, model_dtype: torch.dtype) -> float:
-    """Analytic KV bytes per token (all layers, K and V, scales included)."""
-    layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if arm == "sdpa":
-        return 2 * layers * hkv * d * float(model_dtype.itemsize)
-    if arm == "quantized-fp8":
-        return 2 * layers * hkv * d * 1.0  # + one fp32 scale per layer and tensor (negligible)
-    per = 2 * layers * hkv * d * 1.0
-    if KVQUANT_ARMS[arm][0] == "fp32-group":
-        per += 2 * layers * hkv * (d // group_size) * 4.0
-    return per
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class StepClock:
-    """A stopping criterion that never stops and records a timestamp after every step.
-
-    ``generate`` calls it once per new token (after the token is chosen), so
-    ``stamps[0] - start`` is the prefill (plus the first token) and
-    ``stamps[-1] - stamps[0]`` the decode of the remaining ``new_tokens - 1``.
-    """
+    """A stopping criterion that never stops and records a timestamp after every step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -196,138 +174,250 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_generate(
-    model: Any, ids: torch.Tensor, new_tokens: int, extra: dict[str, Any]
-) -> tuple[Any, StepClock]:
-    """Greedy ``generate`` of exactly ``new_tokens`` tokens, with per-step timestamps."""
+def one_call(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, new: int, gen_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """One timed greedy ``generate`` of exactly ``new`` tokens."""
     from transformers import StoppingCriteriaList
 
-    clock = StepClock(ids.device)
-    sync(ids.device)
+    device = ids.device
+    free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = StepClock(device)
+    sync(device)
     clock.start = time.perf_counter()
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        return_dict_in_generate=True,
-        stopping_criteria=StoppingCriteriaList([clock]),
-        **extra,
-    )
-    sync(ids.device)
-    return out, clock
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            **gen_kwargs,
+        )
+    sync(device)
+    end = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if len(clock.stamps) != new:
+        raise RuntimeError(f"the step clock saw {len(clock.stamps)} steps for {new} new tokens")
+    steps = [1000.0 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)]
+    return {
+        "wall_s": end - clock.start,
+        "prefill_s": clock.stamps[0] - clock.start,
+        "step_ms": steps,
+        "peak_bytes": peak,
+        "tokens": out[:, ids.shape[1] :].cpu(),
+    }
 
 
-def output_cache(out: Any) -> Any:
-    """The cache a ``generate`` output carries (``cache`` on newer transformers)."""
-    names = getattr(type(out), "__dataclass_fields__", {}) or {}
-    if "cache" in names:
-        return out.cache
-    return out.past_key_values
-
-
-def measure_arm(
+def measure(
     model: Any,
     ids: torch.Tensor,
-    new_tokens: int,
-    make_extra: Any,
-    warmup_ids: torch.Tensor,
+    mask: torch.Tensor,
+    new: int,
+    gen_kwargs: dict[str, Any],
+    repeats: int,
 ) -> dict[str, Any]:
-    """Warm up (short prompt, then the real prompt with 2 tokens), then time one full generation."""
-    device = ids.device
-    run_generate(model, warmup_ids, 4, make_extra())
-    out, _ = run_generate(model, ids, 2, make_extra())
-    kv_prompt = cache_bytes(output_cache(out))
-    del out
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    out, clock = run_generate(model, ids, new_tokens, make_extra())
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    tokens = out.sequences[:, ids.shape[1] :].cpu()
-    kv_final = cache_bytes(output_cache(out))
-    del out
-    if len(clock.stamps) != new_tokens:
-        raise RuntimeError(
-            f"the step clock saw {len(clock.stamps)} steps for {new_tokens} new tokens; "
-            "expected one call per token"
-        )
-    prefill_s = clock.stamps[0] - clock.start
-    decode_s = max(clock.stamps[-1] - clock.stamps[0], 1e-9)
+    """A warm-up call, then ``repeats`` timed calls; summary over the timed ones."""
+    first = one_call(model, ids, mask, new, gen_kwargs)
+    calls = [one_call(model, ids, mask, new, gen_kwargs) for _ in range(repeats)]
+    steps = [s for c in calls for s in c["step_ms"]]
     batch = ids.shape[0]
+    med_step = statistics.median(steps) if steps else float("nan")
     return {
         "status": "ok",
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "total_s": clock.stamps[-1] - clock.start,
-        "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
-        "decode_ms_per_step": 1000.0 * decode_s / (new_tokens - 1),
-        "kv_bytes_after_prefill_measured": kv_prompt,
-        "kv_bytes_after_generate_measured": kv_final,
-        "peak_memory_bytes": peak,
-        "_tokens": tokens,
+        "first_call_s": first["wall_s"],
+        "first_call_peak_bytes": first["peak_bytes"],
+        "wall_s": statistics.median(c["wall_s"] for c in calls),
+        "wall_s_all": [c["wall_s"] for c in calls],
+        "prefill_s": statistics.median(c["prefill_s"] for c in calls),
+        "step_ms_median": med_step,
+        "step_ms_mean": statistics.fmean(steps) if steps else float("nan"),
+        "step_ms_p90": sorted(steps)[int(0.9 * (len(steps) - 1))] if steps else float("nan"),
+        "decode_tokens_per_s": 1000.0 * batch / med_step if steps else float("nan"),
+        "peak_bytes": max((c["peak_bytes"] or 0) for c in calls) or None,
+        "_tokens": calls[-1]["tokens"],
     }
 
 
 # ---------------------------------------------------------------------- arms
 
 
-def arm_sdpa(model: Any) -> Any:
-    return dict
+class Arm:
+    """Sets a model up for one arm and undoes it."""
+
+    def __init__(self, name: str, model: Any, scales: dict[str, torch.Tensor], backend: str):
+        self.name, self.model, self.scales, self.backend = name, model, scales, backend
+        self.handle: Any = None
+
+    def __enter__(self) -> dict[str, Any]:
+        import kvquant
+
+        if self.name == "default":
+            return {}
+        if self.name == "static":
+            return {"cache_implementation": "static"}
+        kw: dict[str, Any] = {} if self.backend == "auto" else {"backend": self.backend}
+        if self.name == "kvquant":
+            self.handle = kvquant.patch(self.model, scales=self.scales, **kw)
+        elif self.name == "kvquant-fp32-group":
+            self.handle = kvquant.patch(self.model, **kw)
+        elif self.name == "kvquant-eager":
+            self.handle = kvquant.patch(self.model, scales=self.scales, cuda_graphs=False, **kw)
+        else:
+            raise ValueError(f"unknown arm {self.name!r}")
+        return {}
+
+    def stats(self) -> dict[str, Any] | None:
+        runner = None if self.handle is None else self.handle.state.graph_runner
+        return None if runner is None else dict(vars(runner.stats))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
-def arm_quantized_fp8(model: Any) -> Any:
-    """A factory of ``QuantizedCache(backend="fp8")`` kwargs, or raise if unavailable."""
-    from transformers.cache_utils import QuantizedCache
-
-    QuantizedCache(backend="fp8", config=model.config)  # feature test: 5.17 raises
-    key = cache_kwarg(model)
-    return lambda: {key: QuantizedCache(backend="fp8", config=model.config)}
-
-
-def arm_kvquant(
+def run_arm(
+    name: str,
     model: Any,
-    *,
-    backend: str,
-    kvquant_format: str,
-    cuda_graphs: bool,
-    group_size: int,
-    max_cache_tokens: int,
-    calib_ids: torch.Tensor,
-) -> tuple[Any, Any]:
-    """Patch the model with kvquant; return (kwargs factory, handle)."""
-    import kvquant
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    new: int,
+    scales: dict[str, torch.Tensor],
+    args: argparse.Namespace,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    device = ids.device
+    if name == "static" and device.type != "cuda":
+        return {"status": "skipped", "reason": "generate compiles static caches on CUDA only"}
+    arm = Arm(name, model, scales, args.backend)
+    try:
+        with arm as gen_kwargs:
+            row = measure(model, ids, mask, new, {**gen_kwargs, **(extra or {})}, args.repeats)
+            stats = arm.stats()
+            if stats is not None:
+                row["graph_stats"] = stats
+    except Exception as err:  # a benchmark records a failed arm and goes on
+        row = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
+        traceback.print_exc()
+    free_memory(device)
+    if device.type == "cuda":
+        row["allocated_after_bytes"] = torch.cuda.memory_allocated(device)
+    return row
 
-    if kvquant_format == "fp32-group":
-        handle = kvquant.patch(
-            model,
-            scales={},
-            scale_format="fp32-group",
-            group_size=group_size,
-            backend=backend,
-            cuda_graphs=cuda_graphs,
+
+def agreement(rows: dict[str, dict[str, Any]]) -> None:
+    """Greedy tokens equal to the default arm's, up to the first difference (fraction)."""
+    ref = rows.get("default", {}).get("_tokens")
+    for row in rows.values():
+        toks = row.pop("_tokens", None)
+        if ref is None or toks is None:
+            continue
+        same = (toks == ref).int().cumprod(dim=1)
+        row["greedy_prefix_agreement_vs_default"] = float(same.float().mean())
+
+
+def run_shape(
+    model: Any, shape: dict[str, Any], scales: dict[str, torch.Tensor], args: argparse.Namespace
+) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (shape["batch"], shape["prompt"]), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    rows = {}
+    for name in shape["arms"]:
+        if args.arms and name not in args.arms:
+            continue
+        print(f"  arm {name}", flush=True)
+        rows[name] = run_arm(name, model, ids, mask, shape["new"], scales, args)
+    agreement(rows)
+    return {"batch": shape["batch"], "prompt": shape["prompt"], "new": shape["new"], "arms": rows}
+
+
+def sweep(
+    model: Any, kind: str, scales: dict[str, torch.Tensor], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Decode speed against batch (2048 + 32), or peak memory against context (batch 16 + 8)."""
+    points = []
+    values = SWEEP_BATCHES if kind == "batch" else SWEEP_CONTEXTS
+    for value in values:
+        shape = (
+            {"batch": value, "prompt": 2048, "new": 32, "arms": SWEEP_ARMS}
+            if kind == "batch"
+            else {"batch": 16, "prompt": value, "new": 8, "arms": SWEEP_ARMS}
         )
-    else:
-        scales = calibrate_per_tensor(model, calib_ids)
-        handle = kvquant.patch(model, scales=scales, backend=backend, cuda_graphs=cuda_graphs)
-    key = cache_kwarg(model)
-    return (lambda: {key: handle.new_cache(max_cache_tokens=max_cache_tokens)}), handle
+        print(f" {kind} = {value}", flush=True)
+        points.append(run_shape(model, shape, scales, args))
+    return points
 
 
-def calibrate_per_tensor(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """ModelOpt-named per-tensor scales (amax / 448 of post-RoPE K/V) from a DynamicCache."""
-    from transformers import DynamicCache
+# ---------------------------------------------------------------------- capacity
 
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids, use_cache=True, **{cache_kwarg(model): cache})
-    out = {}
-    for i, layer in enumerate(cache.layers):
-        base = f"model.layers.{i}.self_attn"
-        out[f"{base}.k_proj.k_scale"] = (layer.keys.float().abs().amax() / 448.0).cpu()
-        out[f"{base}.v_proj.v_scale"] = (layer.values.float().abs().amax() / 448.0).cpu()
+
+def capacity(
+    model: Any, scales: dict[str, torch.Tensor], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The largest batch of 8192-token prompts that ``generate`` serves in the budget."""
+    device = next(model.parameters()).device
+    budget = int(args.budget_gb * 2**30)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    vocab, prompt, new = model.config.vocab_size, args.capacity_prompt, 8
+    weights = torch.cuda.memory_allocated(device)
+    out: dict[str, Any] = {"budget_bytes": budget, "prompt": prompt, "new": new, "runs": {}}
+
+    def fits(name: str, batch: int, extra: dict[str, Any]) -> tuple[bool, str]:
+        gen = torch.Generator().manual_seed(batch)
+        ids = torch.randint(1, vocab, (batch, prompt), generator=gen).to(device)
+        mask = torch.ones_like(ids)
+        arm = Arm(name, model, scales, args.backend)
+        try:
+            with arm as gen_kwargs, torch.no_grad():
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    **gen_kwargs,
+                    **extra,
+                )
+            return True, "ok"
+        except Exception as err:  # out of memory, or kvquant's CacheCapacityError
+            return False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        finally:
+            del ids, mask
+            free_memory(device)
+
+    for chunked in (False, True):
+        extra = {"prefill_chunk_size": 2048} if chunked else {}
+        for name in ("default", "kvquant"):
+            tries: list[dict[str, Any]] = []
+            lo, hi, batch = 0, None, 8
+            while True:
+                ok, why = fits(name, batch, extra)
+                leak = torch.cuda.memory_allocated(device) - weights
+                tries.append({"batch": batch, "ok": ok, "why": why, "left_allocated_bytes": leak})
+                print(f"  {name} chunked={chunked} batch {batch}: {why}", flush=True)
+                if ok:
+                    lo = batch
+                else:
+                    hi = batch
+                if hi is None:
+                    batch *= 2
+                elif hi - lo <= max(1, lo // 16):
+                    break
+                else:
+                    batch = (lo + hi) // 2
+            out["runs"][f"{name}{'-chunked' if chunked else ''}"] = {
+                "max_batch": lo,
+                "tries": tries,
+            }
+    torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out
 
 
@@ -355,191 +445,82 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def summary(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for shape, data in result.get("shapes", {}).items():
+        lines.append(f"{shape}: B{data['batch']} x ({data['prompt']} + {data['new']})")
+        lines.append(
+            f"  {'arm':20s} {'step ms med':>11s} {'mean':>7s} {'prefill s':>9s} "
+            f"{'wall s':>7s} {'1st call s':>10s} {'peak GB':>8s}"
+        )
+        for arm, row in data["arms"].items():
+            if row["status"] != "ok":
+                lines.append(f"  {arm:20s} {row['status']}: {row.get('reason', '')[:70]}")
+                continue
+            peak = (row["peak_bytes"] or 0) / 1e9
+            lines.append(
+                f"  {arm:20s} {row['step_ms_median']:11.2f} {row['step_ms_mean']:7.2f} "
+                f"{row['prefill_s']:9.3f} {row['wall_s']:7.3f} {row['first_call_s']:10.3f} "
+                f"{peak:8.2f}"
+            )
+    cap = result.get("capacity")
+    if cap:
+        for name, run in cap["runs"].items():
+            lines.append(f"capacity {name}: max batch {run['max_batch']}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON output path")
     parser.add_argument("--tiny", action="store_true", help="tiny model, CPU-sized run")
-    parser.add_argument("--batch", type=int, default=None, help="default 16 (tiny: 2)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default 8192 (tiny: 48)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny: 6)")
+    parser.add_argument("--shapes", default="", help=f"comma list of {sorted(SHAPES)}, batch, context")
+    parser.add_argument("--arms", default="", help=f"subset of {ARMS} (default all)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls after the warm-up")
+    parser.add_argument("--capacity", action="store_true", help="run the capacity search")
+    parser.add_argument("--budget-gb", type=float, default=24.0)
+    parser.add_argument("--capacity-prompt", type=int, default=8192)
     parser.add_argument("--device", default=None, help="default cuda if available, else cpu")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"subset of {ARMS}")
     parser.add_argument("--backend", default="auto", help="kvquant kernel backend")
-    parser.add_argument(
-        "--group-size", type=int, default=None, help="fp32-group G (default 64 capped at head_dim)"
-    )
-    parser.add_argument("--page-size", type=int, default=16)
     args = parser.parse_args(argv)
+    args.arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(args.arms) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arms {unknown}; expected a subset of {ARMS}")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float32 if (args.tiny and device.type == "cpu") else torch.bfloat16
-    batch = args.batch or (2 if args.tiny else 16)
-    prompt_len = args.prompt_len or (48 if args.tiny else 8192)
-    new_tokens = args.new_tokens or (6 if args.tiny else 256)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = sorted(set(arms) - set(ARMS))
-    if unknown:
-        parser.error(f"unknown arms {unknown}; expected a subset of {ARMS}")
-    if new_tokens < 2:
-        parser.error("--new-tokens must be >= 2 (decode speed needs more than the prefill token)")
-
     model = build_model(args.tiny, device, dtype)
-    cfg = model.config
-    if args.group_size is None:
-        args.group_size = min(64, cfg.head_dim)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, cfg.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    warmup_ids = ids[:, : min(prompt_len, 128)]
-    calib_ids = torch.randint(1, cfg.vocab_size, (1, min(prompt_len, 512)), generator=gen).to(
-        device
-    )
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    free_after_weights = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-
+    gen = torch.Generator().manual_seed(2)
+    calib = torch.randint(1, model.config.vocab_size, (1, 256), generator=gen).to(device)
+    scales = calibrate_per_tensor(model, calib)
     result: dict[str, Any] = {
         "environment": environment(device),
-        "config": {
-            "model": "Llama (random weights)" + (" tiny" if args.tiny else ", Llama-3.2-1B shapes"),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "dtype": str(dtype),
-            "num_layers": cfg.num_hidden_layers,
-            "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-            "batch": batch,
-            "prompt_len": prompt_len,
-            "new_tokens": new_tokens,
-            "kvquant_arms": {
-                a: {"format": f, "cuda_graphs": g} for a, (f, g) in KVQUANT_ARMS.items()
-            },
-            "group_size": args.group_size,
-            "page_size": args.page_size,
-            "backend": args.backend,
-            "cache_kwarg": cache_kwarg(model),
-            "weights_bytes": weights_bytes,
-            "free_memory_after_weights_bytes": free_after_weights,
-        },
-        "arms": {},
+        "model": "Llama, random bf16 weights, " + ("tiny" if args.tiny else "Llama-3.2-1B shapes"),
+        "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "command": " ".join(["python", "benchmarks/e2e_generate.py", *(argv or sys.argv[1:])]),
+        "repeats": args.repeats,
+        "shapes": {},
     }
-    reference_tokens = None
-    for arm in ARMS:
-        if arm not in arms:
-            continue
-        print(f"[e2e] {arm} ...", file=sys.stderr, flush=True)
-        handle = None
-        try:
-            if arm == "sdpa":
-                make_extra = arm_sdpa(model)
-            elif arm == "quantized-fp8":
-                try:
-                    make_extra = arm_quantized_fp8(model)
-                except (ImportError, ValueError, TypeError) as exc:
-                    result["arms"][arm] = {"status": "unavailable", "reason": f"{exc}"}
-                    continue
+    names = [s for s in args.shapes.split(",") if s] or ([] if args.capacity else ["all"])
+    table = TINY_SHAPES if args.tiny else SHAPES
+    for name in names:
+        for key in table if name == "all" else [name]:
+            print(f"shape {key}", flush=True)
+            if key in ("batch", "context"):
+                result[f"sweep_{key}"] = sweep(model, key, scales, args)
+            elif key in table:
+                result["shapes"][key] = run_shape(model, table[key], scales, args)
             else:
-                try:
-                    import kvquant.integrations.hf  # noqa: F401
-                except ImportError as exc:
-                    result["arms"][arm] = {"status": "unavailable", "reason": f"{exc}"}
-                    continue
-                slots = batch * (prompt_len + new_tokens + 2 * args.page_size)
-                make_extra, handle = arm_kvquant(
-                    model,
-                    backend=args.backend,
-                    kvquant_format=KVQUANT_ARMS[arm][0],
-                    cuda_graphs=KVQUANT_ARMS[arm][1],
-                    group_size=args.group_size,
-                    max_cache_tokens=slots,
-                    calib_ids=calib_ids,
-                )
-            row = measure_arm(model, ids, new_tokens, make_extra, warmup_ids)
-            runner = None if handle is None else handle.state.graph_runner
-            if runner is not None:  # all generate calls of the arm, warm-ups included
-                row["graph_stats"] = dict(vars(runner.stats))
-        except Exception as exc:  # record and go on: one failing arm must not lose the others
-            result["arms"][arm] = {
-                "status": "error",
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(limit=8),
-            }
-            continue
-        finally:
-            if handle is not None:
-                handle.remove()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        tokens = row.pop("_tokens")
-        if reference_tokens is None and arm == "sdpa":
-            reference_tokens = tokens
-        if reference_tokens is not None:
-            row["greedy_token_agreement_vs_sdpa"] = float(
-                (tokens == reference_tokens).double().mean()
-            )
-        per_token = kv_bytes_per_token(arm, cfg, group_size=args.group_size, model_dtype=dtype)
-        row["kv_bytes_per_token_analytic"] = per_token
-        row["kv_bytes_at_prompt_analytic"] = per_token * batch * prompt_len
-        result["arms"][arm] = row
-
-    # longest context per sequence that fits a memory budget: estimate from bytes per token
-    arms_ok = {a: r for a, r in result["arms"].items() if r.get("status") == "ok"}
-    bf16_per_token = kv_bytes_per_token("sdpa", cfg, group_size=args.group_size, model_dtype=dtype)
-    budget_same_as_bf16 = bf16_per_token * batch * prompt_len
-    budgets = {"kv_bytes_of_model_dtype_cache_at_prompt_len": budget_same_as_bf16}
-    if free_after_weights is not None and arms_ok:
-        activation = max(
-            (r["peak_memory_bytes"] or 0) - weights_bytes - r["kv_bytes_after_generate_measured"]
-            for r in arms_ok.values()
-        )
-        budgets["free_gpu_memory_after_weights_minus_activations"] = 0.95 * (
-            free_after_weights - max(activation, 0)
-        )
-    result["longest_context"] = {
-        "method": "estimate: budget / (batch * analytic KV bytes per token); not a run",
-        "budgets_bytes": budgets,
-        "tokens_per_sequence": {
-            arm: {
-                name: int(b // (batch * row["kv_bytes_per_token_analytic"]))
-                for name, b in budgets.items()
-            }
-            for arm, row in arms_ok.items()
-        },
-    }
-    if "sdpa" in arms_ok:
-        base = arms_ok["sdpa"]
-        result["ratios_vs_sdpa"] = {
-            arm: {
-                "decode_tokens_per_s": r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
-                "prefill_s": r["prefill_s"] / base["prefill_s"],
-                "kv_bytes_after_prefill_measured": r["kv_bytes_after_prefill_measured"]
-                / max(base["kv_bytes_after_prefill_measured"], 1),
-                "kv_bytes_per_token_analytic": r["kv_bytes_per_token_analytic"]
-                / base["kv_bytes_per_token_analytic"],
-            }
-            for arm, r in arms_ok.items()
-        }
-    if "quantized-fp8" in arms_ok:
-        qc = arms_ok["quantized-fp8"]["decode_tokens_per_s"]
-        result["decode_speed_vs_quantized_fp8"] = {
-            arm: r["decode_tokens_per_s"] / qc for arm, r in arms_ok.items()
-        }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    summary = {
-        arm: {
-            k: r.get(k)
-            for k in (
-                "status",
-                "prefill_s",
-                "decode_tokens_per_s",
-                "kv_bytes_after_prefill_measured",
-            )
-        }
-        for arm, r in result["arms"].items()
-    }
-    print(json.dumps(summary, indent=2))
+                parser.error(f"unknown shape {key!r}")
+    if args.capacity:
+        if device.type != "cuda":
+            parser.error("--capacity needs a CUDA device")
+        result["capacity"] = capacity(model, scales, args)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print("\n".join(summary(result)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

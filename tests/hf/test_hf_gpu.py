@@ -122,3 +122,57 @@ def test_cuda_graph_capture_failure_is_a_clear_error() -> None:
         )  # fmt: skip
     assert torch.equal(again, ref)
     assert sampled.shape == ref.shape
+
+
+def test_default_patch_captures_and_falls_back_once_on_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``cuda_graphs=None`` (the default): graphs on CUDA; a failed capture decodes eagerly."""
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=12, pad=(3, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
+    handle = kvhf.patch(model, cuda_graphs=False)
+    with torch.no_grad():
+        eager = model.generate(**gen)
+    handle.remove()
+    handle = kvhf.patch(model)
+    with torch.no_grad():
+        graphed = model.generate(**gen)
+    stats = handle.state.graph_runner.stats
+    assert (stats.captures, stats.replays) == (1, 5)
+    assert torch.equal(graphed, eager)
+
+    def host_sync(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            float(out.float().sum())  # a host sync: a graph cannot hold it
+
+    hook = model.model.layers[0].mlp.register_forward_hook(host_sync)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="kvquant"):
+        first = model.generate(**gen)
+        second = model.generate(**gen)
+    hook.remove()
+    assert stats.fallbacks == 2
+    assert sum("Decoding eagerly instead" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(first, eager) and torch.equal(second, eager)
+    assert torch.randn(4, device="cuda").isfinite().all()
+    handle.remove()
+
+
+def test_cuda_graph_survives_pool_growth() -> None:
+    """A cache without a bound grows during decode; the next step captures again."""
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=20, pad=(4, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=300, min_new_tokens=300)
+    handle = kvhf.patch(model, cuda_graphs=False, page_size=16)
+    with torch.no_grad():
+        eager = model.generate(**gen, return_dict_in_generate=True, output_logits=True)
+    handle.remove()
+    handle = kvhf.patch(model, page_size=16)
+    with torch.no_grad():
+        graphed = model.generate(**gen, return_dict_in_generate=True, output_logits=True)
+    stats = handle.state.graph_runner.stats
+    assert stats.captures >= 2 and stats.replays == 299
+    assert min_cosine(torch.stack(graphed.logits), torch.stack(eager.logits)) >= 0.9999
+    handle.remove()

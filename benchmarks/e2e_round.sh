@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One H200 round of the end-to-end work: the HF-integration GPU tests, then e2e_generate.py,
+# one process per shape (allocators apart). Usage (device tool, repo root):
+#   bash benchmarks/e2e_round.sh [shapes...]      (default: b16x8k chat b64x2k)
+# Writes under $OUT: env.log, gpu_tests_hf.log, e2e_<shape>.json, e2e.log
+set -u
+OUT=${OUT:-./e2e_round_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+export PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+} 2>&1 | tee "$OUT/env.log"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/hf -p no:cacheprovider 2>&1 \
+    | tail -n 60 > "$OUT/gpu_tests_hf.log"
+  tail -n 4 "$OUT/gpu_tests_hf.log"
+fi
+shapes=("$@")
+[ ${#shapes[@]} -eq 0 ] && shapes=(b16x8k chat b64x2k)
+for s in "${shapes[@]}"; do
+  if [ "$s" = capacity ]; then
+    timeout "${CAP_TIMEOUT:-300}" python3 benchmarks/e2e_generate.py --capacity --budget-gb 24 \
+      --out "$OUT/e2e_capacity.json" 2>&1 | tee -a "$OUT/e2e.log" | grep -E '^(capacity|  )'
+  else
+    timeout "${SHAPE_TIMEOUT:-240}" python3 benchmarks/e2e_generate.py --shapes "$s" \
+      --out "$OUT/e2e_$s.json" 2>&1 | tee -a "$OUT/e2e.log" | grep -vE '^ *(arm|shape) '
+  fi
+done
