@@ -474,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON output path")
     parser.add_argument("--tiny", action="store_true", help="tiny model, CPU-sized run")
-    parser.add_argument("--shapes", default="", help=f"comma list of {sorted(SHAPES)}, batch, context")
+    parser.add_argument(
+        "--shapes", default="", help=f"comma list of {sorted(SHAPES)}, batch, context"
+    )
     parser.add_argument("--arms", default="", help=f"subset of {ARMS} (default all)")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls after the warm-up")
     parser.add_argument("--capacity", action="store_true", help="run the capacity search")

@@ -164,7 +164,7 @@ def test_cuda_graph_survives_pool_growth() -> None:
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)
     ids, mask = prompt(batch=2, length=20, pad=(4, 0))
     ids, mask = ids.cuda(), mask.cuda()
-    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=300, min_new_tokens=300)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=200, min_new_tokens=200)
     handle = kvhf.patch(model, cuda_graphs=False, page_size=16)
     with torch.no_grad():
         eager = model.generate(**gen, return_dict_in_generate=True, output_logits=True)
@@ -173,6 +173,6 @@ def test_cuda_graph_survives_pool_growth() -> None:
     with torch.no_grad():
         graphed = model.generate(**gen, return_dict_in_generate=True, output_logits=True)
     stats = handle.state.graph_runner.stats
-    assert stats.captures >= 2 and stats.replays == 299
+    assert stats.captures >= 2 and stats.replays == 199
     assert min_cosine(torch.stack(graphed.logits), torch.stack(eager.logits)) >= 0.9999
     handle.remove()

@@ -207,8 +207,7 @@ def _check_options(opts: PatchOptions) -> None:
     positive("num_pages", opts.num_pages, optional=True)
     if opts.cuda_graphs is not None and not isinstance(opts.cuda_graphs, bool):
         raise KVQuantError(
-            f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected None (auto), True or "
-            "False."
+            f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected None (auto), True or False."
         )
     if opts.backend not in BACKENDS:
         raise KVQuantError(
