@@ -367,13 +367,18 @@ def _static_scale(
             f"{owner}: {label} has shape {tuple(scale.shape)}; expected {want} for "
             f"granularity {granularity!r} with {num_kv_heads} KV heads. {fix}"
         )
-    s32 = scale.detach().to(device=device, dtype=torch.float32).clone()
-    if not bool(torch.isfinite(s32).all()) or not bool((s32 > 0).all()):
+    # Values are checked on the host copy (a scale on the GPU is read once, here), so that
+    # building a layer's storage inside a forward does not wait for the GPU.
+    host = scale.detach()
+    host = (host if host.device.type == "cpu" else host.cpu()).to(torch.float32)
+    if not bool(torch.isfinite(host).all()) or not bool((host > 0).all()):
         raise ScaleFormatError(
             f"{owner}: {label} holds a zero, negative or non-finite value; expected positive "
             f"finite dequantization multipliers. {fix}"
         )
-    return s32
+    if device.type == "cpu":
+        return host.clone()
+    return host.to(device=device, non_blocking=True)  # no stream sync from pinned memory
 
 
 class PagedLayerStorage:

@@ -223,3 +223,17 @@ def test_views_of_a_growing_tensor_reuse_one_graph(tiny_llama: Any) -> None:
                 first = graph
             assert graph is first
     assert handle.state.graph_runner.stats.static_eager == 4
+
+
+def test_graph_step_makes_decode_headroom_once(tiny_llama: Any) -> None:
+    """Before a capture, a growable cache grows to hold MIN_GROWTH_TOKENS more steps."""
+    from kvquant.integrations.hf.cache_layer import MIN_GROWTH_TOKENS
+
+    ids, mask = prompt(batch=2, length=12, pad=(3, 0))
+    handle = kvhf.patch(tiny_llama, backend="torch", page_size=4, cuda_graphs=True)
+    out = _generate(tiny_llama, ids, mask, 20)
+    cache = out.past_key_values
+    assert cache.capacity_version == 1  # grown once, before the first (static) step
+    assert cache.pages_per_sequence() * 4 >= 13 + MIN_GROWTH_TOKENS
+    assert handle.state.graph_runner.stats.static_eager == 19
+    handle.remove()

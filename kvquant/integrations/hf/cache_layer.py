@@ -593,6 +593,21 @@ class KVQuantCache(Cache):
         for dev, bt in list(self._block_table_dev.items()):
             self._block_table_dev[dev] = torch.cat([bt, cols.to(dev)], dim=1)
 
+    def ensure_decode_headroom(self, tokens: int) -> None:
+        """Before a decode graph is captured: room for ``MIN_GROWTH_TOKENS`` more steps.
+
+        A capture is tied to the page tensors; growing them later costs a new
+        capture, so a growable cache makes room for many steps first (a
+        cache with a size bound is left as it is).
+        """
+        alloc = self.allocator
+        if not self.growable or alloc is None or self.batch_size_ < 1:
+            return
+        ps = self.page_size
+        want = -(-(tokens + MIN_GROWTH_TOKENS) // ps)
+        if alloc.num_pages // self.batch_size_ < want:
+            self._grow(alloc, want)
+
     def _grow(self, alloc: PageAllocator, pages_per_seq: int) -> None:
         """Enlarge the pool so that every sequence can hold ``pages_per_seq`` pages.
 

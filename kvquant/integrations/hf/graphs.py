@@ -185,6 +185,7 @@ class DecodeGraphRunner:
         self.stats = GraphStats()
         self._logged_cpu = False
         self._logged_fallback = False
+        self._warmed: set[tuple[Any, ...]] = set()
         functools.update_wrapper(self, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -241,6 +242,9 @@ class DecodeGraphRunner:
         if key is None or starts is None:
             self.stats.ordinary += 1
             return self.original(**kwargs)
+        rec = cache.decode_graph
+        if not isinstance(rec, DecodeGraph) or rec.key != key:
+            cache.ensure_decode_headroom(seq + 1)  # grows (if it must) before the capture
         cache.reserve_through(seq + 1, layers[0])  # a full cache raises before any write
         rec = cache.decode_graph
         if not isinstance(rec, DecodeGraph) or rec.key != key:
@@ -327,14 +331,16 @@ class DecodeGraphRunner:
 
     def _capture(self, cache: KVQuantCache, rec: DecodeGraph) -> None:
         device = rec.static.pos.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            # Warm-up (compiles and loads every kernel): it writes this step's K/V, which the
-            # replay then writes again, identically.
-            self._run(cache, rec)
         stream = torch.cuda.current_stream(device)
-        stream.wait_stream(side)
+        if rec.key not in self._warmed:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                # Warm-up (compiles and loads every kernel, creates library handles): it
+                # writes this step's K/V, which the replay then writes again, identically.
+                # Later captures of the same signature (a new cache, a grown pool) skip it.
+                self._run(cache, rec)
+            stream.wait_stream(side)
         # A capture that fails leaves torch's CUDA generator in capture mode (every later
         # random op on the device raises) and the capture stream current: keep what to put back.
         gen = torch.cuda.default_generators[
@@ -355,4 +361,5 @@ class DecodeGraphRunner:
                 "Fix: kvquant.patch(model, cuda_graphs=False)."
             ) from err
         rec.graph, rec.output = graph, output
+        self._warmed.add(rec.key)
         self.stats.captures += 1

@@ -321,6 +321,17 @@ def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> N
         )
 
 
+def _host_scale(scale: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU copy of a canonical scale, pinned where CUDA is available.
+
+    Every cache copies the scales to its device when a layer's storage is built,
+    inside the first forward; from pinned memory that copy does not wait for the
+    GPU work already queued (a pageable copy would, once per layer).
+    """
+    host = scale.detach().to(device="cpu", dtype=torch.float32).clone()
+    return host.pin_memory() if torch.cuda.is_available() else host
+
+
 def _layer_specs(
     sites: list[AttentionSite], geometry: LayerGeometry, model_scales: Any
 ) -> list[LayerSpec]:
@@ -333,8 +344,8 @@ def _layer_specs(
     specs = []
     for site, ls in zip(sites, layers, strict=True):
         gran = str(ls.granularity)
-        k = None if ls.k is None else ls.k.detach().to(torch.float32).cpu()
-        v = None if ls.v is None else ls.v.detach().to(torch.float32).cpu()
+        k = None if ls.k is None else _host_scale(ls.k)
+        v = None if ls.v is None else _host_scale(ls.v)
         specs.append(
             LayerSpec(
                 name=site.name,
