@@ -21,7 +21,13 @@ fi
 shapes=("$@")
 [ ${#shapes[@]} -eq 0 ] && shapes=(b16x8k chat b64x2k)
 for s in "${shapes[@]}"; do
-  if [ "$s" = capacity ]; then
+  if [ "$s" = sweeps ]; then
+    timeout "${SWEEP_TIMEOUT:-240}" python3 benchmarks/e2e_generate.py --shapes batch,context \
+      --repeats 1 --out "$OUT/e2e_sweeps.json" 2>&1 | tee -a "$OUT/e2e.log" | tail -n 2
+  elif [ "$s" = probe ]; then
+    timeout 120 python3 benchmarks/memory_probe.py --batch 40 --out "$OUT/memory_probe.json" \
+      2>&1 | tee -a "$OUT/e2e.log" | tail -n 40
+  elif [ "$s" = capacity ]; then
     timeout "${CAP_TIMEOUT:-300}" python3 benchmarks/e2e_generate.py --capacity --budget-gb 24 \
       --out "$OUT/e2e_capacity.json" 2>&1 | tee -a "$OUT/e2e.log" | grep -E '^(capacity|  )'
   else

@@ -179,3 +179,33 @@ def test_cuda_graph_survives_pool_growth(monkeypatch: pytest.MonkeyPatch) -> Non
     assert stats.captures >= 2 and stats.replays == 199
     assert min_cosine(torch.stack(graphed.logits), torch.stack(eager.logits)) >= 0.9999
     handle.remove()
+
+
+def test_patch_generate_remove_cycles_leave_no_memory() -> None:
+    """Patching, generating (graphs captured) and removing, again and again, holds nothing."""
+    import gc
+
+    from kvquant.errors import CacheCapacityError
+
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=20, pad=(4, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8)
+
+    def cycle(**patch_kw: object) -> None:
+        handle = kvhf.patch(model, **patch_kw)
+        try:
+            with torch.no_grad():
+                model.generate(**gen)
+        finally:
+            handle.remove()
+        gc.collect()
+
+    cycle()  # first use: kernels compile, library handles and workspaces are created
+    base = torch.cuda.memory_allocated()
+    for _ in range(3):
+        cycle()
+        assert torch.cuda.memory_allocated() == base
+    with pytest.raises(CacheCapacityError):
+        cycle(max_cache_tokens=2 * 22)  # a failed generate
+    assert torch.cuda.memory_allocated() == base

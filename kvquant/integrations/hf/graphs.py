@@ -89,6 +89,22 @@ class DecodeGraph:
     output: Any = None
 
 
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One warm-up stream per device for the whole process.
+
+    Libraries keep per-stream state: cuBLAS allocates a workspace for every
+    stream it runs on and keeps it for the life of the process, so a new
+    stream per capture would leave that workspace behind after every patch.
+    """
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 def left_padding_starts(
     mask: torch.Tensor | None, batch: int, total: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -333,7 +349,7 @@ class DecodeGraphRunner:
         device = rec.static.pos.device
         stream = torch.cuda.current_stream(device)
         if rec.key not in self._warmed:
-            side = torch.cuda.Stream(device)
+            side = _side_stream(device)
             side.wait_stream(stream)
             with torch.cuda.stream(side):
                 # Warm-up (compiles and loads every kernel, creates library handles): it
