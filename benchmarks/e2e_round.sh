@@ -24,6 +24,9 @@ for s in "${shapes[@]}"; do
   if [ "$s" = sweeps ]; then
     timeout "${SWEEP_TIMEOUT:-240}" python3 benchmarks/e2e_generate.py --shapes batch,context \
       --repeats 1 --out "$OUT/e2e_sweeps.json" 2>&1 | tee -a "$OUT/e2e.log" | tail -n 2
+  elif [ "$s" = profile ]; then
+    timeout 150 python3 benchmarks/profile_generate.py --batch 1 --prompt 512 --new 64 \
+      --arms default,kvquant,kvquant-eager --out "$OUT/profile_chat.txt" 2>&1 | tail -n 4
   elif [ "$s" = probe ]; then
     timeout 120 python3 benchmarks/memory_probe.py --batch 40 --out "$OUT/memory_probe.json" \
       2>&1 | tee -a "$OUT/e2e.log" | tail -n 40
