@@ -274,6 +274,35 @@ class PageAllocator:
         if pages:
             self._version += 1
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of ``seq_id``; its pages past them become free.
+
+        For rolling a sequence back (speculative decoding rejects draft tokens,
+        a failed step is undone).
+
+        Raises:
+            CacheUsageError: ``seq_id`` is unknown, or ``num_tokens`` is not an
+                int in ``0..seq_len(seq_id)``; nothing was changed.
+        """
+        self._known(seq_id, "truncate")
+        have = self._lens[seq_id]
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not (
+            0 <= num_tokens <= have
+        ):
+            raise CacheUsageError(
+                f"PageAllocator.truncate: sequence {seq_id!r} holds {have} tokens; num_tokens "
+                f"is {num_tokens!r}, expected an int in 0..{have}. Fix: pass how many tokens to "
+                "keep."
+            )
+        pages = self._pages.setdefault(seq_id, [])
+        keep = -(-num_tokens // self.page_size)
+        freed = pages[keep:]
+        del pages[keep:]
+        self._free.extend(reversed(freed))
+        self._lens[seq_id] = num_tokens
+        if freed:
+            self._version += 1
+
     def reset(self) -> None:
         """Forget every sequence; all pages become free."""
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first

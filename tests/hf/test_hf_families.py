@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_steps import calibrate, min_cosine, step_logits
+from hf_steps import calibrate, dense_attention, min_cosine, step_logits
 from hf_tiny import BUILDERS, build, prompt
 
 import kvquant.integrations.hf as kvhf
@@ -54,7 +54,7 @@ def test_attention_is_exact_on_dequantized_cache(family: str) -> None:
         layer = kvattn._layer_of(module)
         assert layer is not None
         k, v = layer.dense_kv(torch.float32)
-        dense = kvattn._dense_attention(
+        dense = dense_attention(
             module,
             query,
             k,

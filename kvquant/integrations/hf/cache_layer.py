@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvquant import kernels
 from kvquant.cache import PageAllocator, PagedLayerStorage, total_memory_bytes
-from kvquant.errors import CacheCapacityError, KVQuantError
+from kvquant.errors import CacheCapacityError, CacheUsageError, KVQuantError
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
 
@@ -152,7 +152,7 @@ class KVQuantLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # through KVQuantCache.crop, which crops every layer at once
 
     def __init__(self, cache: KVQuantCache, layer_idx: int, spec: LayerSpec) -> None:
         super().__init__()
@@ -343,8 +343,15 @@ class KVQuantLayer(CacheLayerMixin):
         )
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Not supported (assisted decoding): raises :class:`KVQuantError`."""
-        raise self._unsupported("crop() (assisted or speculative decoding)")
+        """Refused: the layers of a kvquant cache share their pages; crop the whole cache.
+
+        Raises:
+            CacheUsageError: always; :meth:`KVQuantCache.crop` crops every layer at once.
+        """
+        raise CacheUsageError(
+            f"{self.spec.name}: crop() of one kvquant cache layer; its layers share one block "
+            "table and crop together. Fix: call crop() on the KVQuantCache."
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Not supported (contrastive search): raises :class:`KVQuantError`."""
@@ -421,6 +428,7 @@ class KVQuantCache(Cache):
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
         layers: list[Any] = [
             KVQuantLayer(self, i, spec) for i, spec in enumerate(state.layer_specs)
         ]
@@ -616,6 +624,60 @@ class KVQuantCache(Cache):
         self._slot_memo = None
         self._lens_memo = None
         self.decode_graph = None
+
+    def crop(self, max_length: int) -> None:
+        """Roll every layer back (speculative decoding drops rejected draft tokens).
+
+        Args:
+            max_length: negative: remove that many of the newest positions
+                (transformers 5.24's ``crop(-n)``); positive: keep that many
+                positions (the older ``crop(max_length)``); 0: nothing to do.
+
+        Raises:
+            CacheUsageError: ``max_length`` is not an int, or would remove more
+                positions than the cache holds (nothing changes).
+        """
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: crop({max_length!r}); expected an int "
+                "(-n removes the newest n positions, n > 0 keeps the first n)."
+            )
+        have = self.get_seq_length()
+        keep = have + max_length if max_length < 0 else (max_length if max_length else have)
+        if keep < 0:
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: crop({max_length}) would remove "
+                f"{-max_length} positions but the cache holds {have}. Nothing changed. Fix: "
+                f"crop at most {have} positions."
+            )
+        self.truncate(min(keep, have))
+
+    def truncate(self, tokens: int) -> None:
+        """Keep the first ``tokens`` positions of every sequence in every layer; free the pages past them.
+
+        Raises:
+            CacheUsageError: ``tokens`` is negative or not an int (nothing changes).
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: truncate({tokens!r}); expected an int >= 0."
+            )
+        for layer in self.layers:
+            if isinstance(layer, KVQuantLayer):
+                layer.seq_len = min(layer.seq_len, tokens)
+        alloc = self.allocator
+        if alloc is not None and tokens < self.reserved:
+            for sid in self._seq_ids:
+                alloc.truncate(sid, tokens)
+            self.reserved = tokens
+            self._block_table_dev.clear()
+            self._slot_base_dev.clear()
+        self.kv_start_memo = None
+        self._slot_memo = None
+        self._lens_memo = None
+        static = getattr(self.decode_graph, "static", None)
+        if static is not None:
+            static.width = -1  # the graph's static block table is copied again before its next step
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """-1: the cache has no fixed per-sequence length."""
