@@ -286,8 +286,10 @@ class PageAllocator:
         """
         self._known(seq_id, "truncate")
         have = self._lens[seq_id]
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not (
-            0 <= num_tokens <= have
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or not (0 <= num_tokens <= have)
         ):
             raise CacheUsageError(
                 f"PageAllocator.truncate: sequence {seq_id!r} holds {have} tokens; num_tokens "

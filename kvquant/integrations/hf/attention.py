@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvquant.errors import KVQuantError, UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuantLayer

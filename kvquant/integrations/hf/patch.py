@@ -621,8 +621,16 @@ def _install_graph_runner(model: nn.Module, state: PatchState) -> None:
 
 
 def _module_device(mod: nn.Module) -> torch.device:
+    """Where ``mod``'s scale buffers go: its weights' device, CPU for weights on ``meta``.
+
+    accelerate's ``device_map`` offload leaves offloaded weights on ``meta`` and
+    loads them for each forward; a buffer registered on ``meta`` would hold no
+    data and ``save_pretrained`` could not write it. kvquant's attention reads
+    its own copy of the scales (beside the pages), so a CPU buffer serves
+    ``state_dict()`` and saving.
+    """
     for p in mod.parameters():
-        return p.device
+        return torch.device("cpu") if p.device.type == "meta" else p.device
     return torch.device("cpu")
 
 
