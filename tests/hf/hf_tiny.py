@@ -91,3 +91,31 @@ def prompt(batch: int = 2, length: int = 10, pad: tuple[int, ...] = (3,), seed: 
         mask[b, :p] = 0
         ids[b, :p] = 0
     return ids, mask
+
+
+def tokenizer() -> Any:
+    """A character-level fast tokenizer over the tiny models' 128 ids, with a chat template.
+
+    Ids 0-2 are ``<pad>``, ``<s>``, ``</s>``, 3 is a newline, 4.. are the printable
+    characters from the space on; it pads on the left (for batched generation).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 3}
+    for code in range(32, 32 + VOCAB - len(vocab)):
+        vocab[chr(code)] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        padding_side="left",
+    )
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return tok
