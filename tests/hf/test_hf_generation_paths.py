@@ -274,3 +274,31 @@ def test_disk_offloaded_layers_get_cpu_scale_buffers_and_save(tmp_path: Path) ->
     with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
         assert float(f.get_tensor("model.layers.1.self_attn.k_scale")) == pytest.approx(0.02)
         assert "model.layers.1.self_attn.k_proj.weight" in f.keys()
+
+
+def test_patch_and_cache_refuse_bad_sizes_and_beam_indices() -> None:
+    model = build("llama")
+    for bad in (2**40, 0, 2.0):
+        with pytest.raises(CacheUsageError, match="page_size"):
+            kvhf.patch(model, page_size=bad)  # type: ignore[arg-type]
+    assert not hasattr(model, "_kvquant_state")
+    handle = kvhf.patch(model, backend="torch", page_size=4)
+    with pytest.raises(CacheUsageError, match="page_size"):
+        handle.new_cache(page_size=2**20)
+    cache = handle.new_cache()
+    ids, mask = prompt(batch=3, length=6, pad=(0, 0, 0))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache})
+    before = [layer.dense_kv(torch.float32) for layer in cache.layers]
+    for beam_idx in (
+        torch.tensor([3, 0, 0]),
+        torch.tensor([-1, 0, 0]),
+        torch.tensor([0.0, 1.0, 2.0]),
+        torch.tensor([0, 1]),
+        [0, 1, 2],
+    ):
+        with pytest.raises(CacheUsageError, match="beam_idx"):
+            cache.reorder_cache(beam_idx)  # type: ignore[arg-type]
+    for layer, (k, v) in zip(cache.layers, before, strict=True):
+        k2, v2 = layer.dense_kv(torch.float32)
+        assert torch.equal(k2, k) and torch.equal(v2, v)

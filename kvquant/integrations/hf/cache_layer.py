@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvquant import kernels
-from kvquant.cache import PageAllocator, PagedLayerStorage, total_memory_bytes
+from kvquant.cache import MAX_PAGE_SIZE, PageAllocator, PagedLayerStorage, total_memory_bytes
 from kvquant.errors import CacheCapacityError, CacheUsageError, KVQuantError
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
@@ -409,8 +409,11 @@ class KVQuantCache(Cache):
             max_cache_tokens if max_cache_tokens is not None else opts.max_cache_tokens
         )
         self.num_pages_requested = num_pages if num_pages is not None else opts.num_pages
-        if self.page_size < 1:
-            raise KVQuantError(f"page_size must be >= 1, got {self.page_size}")
+        if not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise CacheUsageError(
+                f"KVQuantCache: page_size={self.page_size}; expected 1..{MAX_PAGE_SIZE}. Fix: pass "
+                "a page size such as 16, 32 or 64."
+            )
         self.backend = opts.backend
         self.cuda_graphs = bool(opts.cuda_graphs)
         self.static: StaticStep | None = None
@@ -624,6 +627,40 @@ class KVQuantCache(Cache):
         self._slot_memo = None
         self._lens_memo = None
         self.decode_graph = None
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: sequence ``b`` of every layer takes the tokens of sequence ``beam_idx[b]``.
+
+        Args:
+            beam_idx: integer ``[B]``, each in ``0..B-1``.
+
+        Raises:
+            CacheUsageError: ``beam_idx`` is not an integer tensor of ``B`` sequence
+                indices in range (nothing moves).
+        """
+        bsz = self.batch_size_
+        ok = (
+            isinstance(beam_idx, torch.Tensor)
+            and not beam_idx.dtype.is_floating_point
+            and beam_idx.dtype != torch.bool
+            and tuple(beam_idx.shape) == (bsz,)
+        )
+        if ok and bsz:
+            lo, hi = (int(v) for v in torch.aminmax(beam_idx))
+            ok = 0 <= lo and hi < bsz
+        if not ok:
+            found = (
+                f"{beam_idx.dtype} shape {tuple(beam_idx.shape)}"
+                if isinstance(beam_idx, torch.Tensor)
+                else type(beam_idx).__name__
+            )
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: reorder_cache(beam_idx) got {found}; "
+                f"expected an integer tensor [{bsz}] of sequence indices in 0..{bsz - 1}. Nothing "
+                "moved."
+            )
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)  # type: ignore[arg-type]  # any integer tensor
 
     def crop(self, max_length: int) -> None:
         """Roll every layer back (speculative decoding drops rejected draft tokens).

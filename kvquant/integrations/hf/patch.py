@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from kvquant.cache import MAX_PAGE_SIZE
 from kvquant.errors import (
     CacheUsageError,
     KVQuantError,
@@ -212,26 +213,33 @@ class KVQuantHandle:
 
 
 def _check_options(opts: PatchOptions) -> None:
-    def positive(name: str, value: object, optional: bool = False) -> None:
+    """Refuse bad option values (:class:`CacheUsageError`, a ``ValueError``) before any change."""
+
+    def positive(name: str, value: object, optional: bool = False, limit: int = 0) -> None:
         if optional and value is None:
             return
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise KVQuantError(
+            raise CacheUsageError(
                 f"kvquant.patch: {name}={value!r}; expected a positive int"
                 + (" or None" if optional else "")
                 + f". Fix: pass {name}=<int >= 1>."
             )
+        if limit and value > limit:
+            raise CacheUsageError(
+                f"kvquant.patch: {name}={value}; expected at most {limit}. Fix: pass "
+                f"{name} in 1..{limit} (16, 32 or 64 are typical page sizes)."
+            )
 
-    positive("page_size", opts.page_size)
+    positive("page_size", opts.page_size, limit=MAX_PAGE_SIZE)
     positive("group_size", opts.group_size, optional=True)
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
     if not isinstance(opts.cuda_graphs, bool):
-        raise KVQuantError(
+        raise CacheUsageError(
             f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected True or False."
         )
     if opts.backend not in BACKENDS:
-        raise KVQuantError(
+        raise CacheUsageError(
             f"kvquant.patch: backend={opts.backend!r}; expected one of {BACKENDS}. "
             "Fix: pass backend='auto'."
         )
@@ -302,7 +310,7 @@ def gather_raw_scales(
                 )
         return raw_scales_from_state_dict(tensors), {}, "mapping"
     if scales is not None:
-        raise KVQuantError(
+        raise ScaleFormatError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
             "(str or Path), a {tensor_name: tensor} mapping, or None."
         )
@@ -805,7 +813,7 @@ def patch(
         UnsupportedModelError: the family or a feature it uses is not supported.
         ScaleFormatError: the registry rejects the scales (the model is unchanged).
         CheckpointError: ``scales`` names a folder that is not a checkpoint.
-        KVQuantError: a bad option value.
+        CacheUsageError: a bad option value (a ``KVQuantError`` and ``ValueError``).
     """
     check_supported(model)
     sites = find_attention_sites(model)
