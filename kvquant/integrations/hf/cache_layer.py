@@ -339,7 +339,7 @@ class KVQuantLayer(CacheLayerMixin):
         return KVQuantError(
             f"{self.spec.name}: {what} is not supported by kvquant's paged FP8 cache. Fix: run "
             "this generation mode without kvquant (handle.remove()), or use greedy / sampling / "
-            "beam search."
+            "beam search / speculative decoding."
         )
 
     def crop(self, tokens_to_remove: int) -> None:
