@@ -219,6 +219,8 @@ def test_crop_rolls_back_lengths_and_frees_pages() -> None:
         cache.crop(-5)  # 8 positions: 2 pages per sequence
         assert [layer.get_seq_length() for layer in cache.layers] == [8, 8]
         assert cache.allocator.num_used_pages == 2 * 2
+        cache.crop(torch.tensor(-1))  # transformers 5.17 passes a 0-d tensor
+        assert cache.get_seq_length() == 7
         cache.crop(6)  # the older crop(max_length): keep 6
         assert cache.get_seq_length() == 6 and cache.allocator.num_used_pages == 2 * 2
         cache.crop(0)

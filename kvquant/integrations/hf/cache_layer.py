@@ -662,18 +662,26 @@ class KVQuantCache(Cache):
         for layer in self.layers:
             layer.reorder_cache(beam_idx)  # type: ignore[arg-type]  # any integer tensor
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, max_length: int | torch.Tensor) -> None:
         """Roll every layer back (speculative decoding drops rejected draft tokens).
 
         Args:
             max_length: negative: remove that many of the newest positions
-                (transformers 5.24's ``crop(-n)``); positive: keep that many
+                (``crop(-n)``, an int or a one-element integer tensor, as
+                transformers 5.17 passes it); positive: keep that many
                 positions (the older ``crop(max_length)``); 0: nothing to do.
 
         Raises:
             CacheUsageError: ``max_length`` is not an int, or would remove more
                 positions than the cache holds (nothing changes).
         """
+        if (
+            isinstance(max_length, torch.Tensor)
+            and max_length.numel() == 1
+            and not max_length.dtype.is_floating_point
+            and max_length.dtype != torch.bool
+        ):
+            max_length = int(max_length)  # transformers 5.17 passes a 0-d tensor
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise CacheUsageError(
                 f"kvquant cache of {self.model_name}: crop({max_length!r}); expected an int "
