@@ -29,7 +29,7 @@ from kvquant.errors import CacheCapacityError, CacheUsageError, ScaleFormatError
 from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.reference import dequantize_pages
-from kvquant.kernels.validate import FP8_DTYPES
+from kvquant.kernels.validate import FP8_DTYPES, SCALE_MAX, SCALE_MIN
 
 __all__ = [
     "GRANULARITIES",
@@ -46,12 +46,57 @@ _PY_SLOTS_MAX = 64
 """Up to this many new tokens per sequence, :meth:`PageAllocator.reserve` builds slots in Python."""
 
 
-def _positive_int(name: str, value: object, owner: str) -> int:
+MAX_PAGES = 2**31 - 1
+"""Most pages of a pool: block tables hold page ids as int32."""
+
+MAX_PAGE_SIZE = 4096
+"""Most token slots per page (16, 32 or 64 are typical; larger pages waste slots)."""
+
+
+def _positive_int(name: str, value: object, owner: str, limit: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CacheUsageError(
             f"{owner}: {name} is {value!r}; expected a positive int. Fix: pass {name} >= 1."
         )
+    if limit is not None and value > limit:
+        raise CacheUsageError(
+            f"{owner}: {name} is {value}; expected at most {limit}. Fix: pass {name} in 1..{limit}."
+        )
     return value
+
+
+def _page_ids(
+    owner: str, name: str, ids: object, num_pages: int, device: torch.device
+) -> torch.Tensor:
+    """Check page ids (an integer tensor, every value in ``0..num_pages-1``); int64 on ``device``.
+
+    Reads the values (one sync on a GPU): a negative id would silently index from the end.
+    """
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dtype.is_floating_point
+        or ids.dtype
+        in (
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        )
+    ):
+        found = type(ids).__name__ if not isinstance(ids, torch.Tensor) else f"{ids.dtype} tensor"
+        raise CacheUsageError(
+            f"{owner}: {name} is a {found}; expected an integer tensor of page ids. Fix: pass "
+            "page ids from the cache's block table."
+        )
+    out = ids.to(device=device, dtype=torch.long)
+    if out.numel():
+        lo, hi = (int(v) for v in torch.aminmax(out))
+        if lo < 0 or hi >= num_pages:
+            raise CacheUsageError(
+                f"{owner}: {name} holds page ids {lo}..{hi}; expected 0..{num_pages - 1} (the "
+                f"pool has {num_pages} pages). Nothing was changed. Fix: pass page ids from the "
+                "cache's block table."
+            )
+    return out
 
 
 class PageAllocator:
@@ -80,8 +125,8 @@ class PageAllocator:
     def __init__(
         self, num_pages: int, page_size: int = 16, device: torch.device | str = "cpu"
     ) -> None:
-        self.num_pages = _positive_int("num_pages", num_pages, "PageAllocator")
-        self.page_size = _positive_int("page_size", page_size, "PageAllocator")
+        self.num_pages = _positive_int("num_pages", num_pages, "PageAllocator", MAX_PAGES)
+        self.page_size = _positive_int("page_size", page_size, "PageAllocator", MAX_PAGE_SIZE)
         self.device = torch.device(device)
         self._free: list[int] = []
         self._pages: dict[Hashable, list[int]] = {}
@@ -127,9 +172,19 @@ class PageAllocator:
         return seq_id
 
     def _distinct(self, seq_ids: Sequence[Hashable], op: str) -> list[Hashable]:
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
+            raise CacheUsageError(
+                f"PageAllocator.{op}: seq_ids is a {type(seq_ids).__name__}; expected a sequence "
+                "of sequence ids (one per row). Fix: pass e.g. [0, 1]."
+            )
         ids = list(seq_ids)
         seen: set[Hashable] = set()
         for sid in ids:
+            if not isinstance(sid, Hashable):
+                raise CacheUsageError(
+                    f"PageAllocator.{op}: sequence id {sid!r} is a {type(sid).__name__}, which "
+                    "is not hashable; expected hashable ids (ints, strings, tuples)."
+                )
             if sid in seen:
                 raise CacheUsageError(
                     f"PageAllocator.{op}: sequence {sid!r} appears twice in seq_ids; expected "
@@ -246,7 +301,12 @@ class PageAllocator:
                 return [num_new_tokens] * len(ids)  # one valid count: no per-sequence checks
             counts = [num_new_tokens] * len(ids)
         else:
-            counts = list(num_new_tokens)  # type: ignore[arg-type]
+            if isinstance(num_new_tokens, (str, bytes)) or not isinstance(num_new_tokens, Iterable):
+                raise CacheUsageError(
+                    f"PageAllocator.reserve: num_new_tokens is {num_new_tokens!r}; expected an "
+                    "int >= 0 or one int per sequence. Fix: pass the number of new tokens."
+                )
+            counts = list(num_new_tokens)
             if len(counts) != len(ids):
                 raise CacheUsageError(
                     f"PageAllocator.reserve: {len(counts)} token counts for {len(ids)} "
@@ -293,6 +353,37 @@ class PageAllocator:
         # Stack order: the lowest new id is handed out first, after the pages already free.
         self._free[:0] = range(n - 1, self.num_pages - 1, -1)
         self.num_pages = n
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of ``seq_id``; its pages past them become free.
+
+        For rolling a sequence back (speculative decoding rejects draft tokens,
+        a failed step is undone).
+
+        Raises:
+            CacheUsageError: ``seq_id`` is unknown, or ``num_tokens`` is not an
+                int in ``0..seq_len(seq_id)``; nothing was changed.
+        """
+        self._known(seq_id, "truncate")
+        have = self._lens[seq_id]
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or not (0 <= num_tokens <= have)
+        ):
+            raise CacheUsageError(
+                f"PageAllocator.truncate: sequence {seq_id!r} holds {have} tokens; num_tokens "
+                f"is {num_tokens!r}, expected an int in 0..{have}. Fix: pass how many tokens to "
+                "keep."
+            )
+        pages = self._pages.setdefault(seq_id, [])
+        keep = -(-num_tokens // self.page_size)
+        freed = pages[keep:]
+        del pages[keep:]
+        self._free.extend(reversed(freed))
+        self._lens[seq_id] = num_tokens
+        if freed:
+            self._version += 1
 
     def reset(self) -> None:
         """Forget every sequence; all pages become free."""
@@ -371,10 +462,12 @@ def _static_scale(
     # building a layer's storage inside a forward does not wait for the GPU.
     host = scale.detach()
     host = (host if host.device.type == "cpu" else host.cpu()).to(torch.float32)
-    if not bool(torch.isfinite(host).all()) or not bool((host > 0).all()):
+    in_range = torch.isfinite(host) & (host >= SCALE_MIN) & (host <= SCALE_MAX)
+    if not bool(in_range.all()):
         raise ScaleFormatError(
-            f"{owner}: {label} holds a zero, negative or non-finite value; expected positive "
-            f"finite dequantization multipliers. {fix}"
+            f"{owner}: {label} holds a zero, negative, non-finite, subnormal or huge value; "
+            f"expected finite dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}]. "
+            f"{fix}"
         )
     if device.type == "cpu":
         return host.clone()
@@ -464,8 +557,8 @@ class PagedLayerStorage:
         scale_names: tuple[str, str] = ("k_scale", "v_scale"),
     ) -> None:
         self.name = name
-        self.num_pages = _positive_int("num_pages", num_pages, name)
-        self.page_size = _positive_int("page_size", page_size, name)
+        self.num_pages = _positive_int("num_pages", num_pages, name, MAX_PAGES)
+        self.page_size = _positive_int("page_size", page_size, name, MAX_PAGE_SIZE)
         self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads, name)
         self.head_dim = _positive_int("head_dim", head_dim, name)
         if granularity not in GRANULARITIES:
@@ -506,9 +599,6 @@ class PagedLayerStorage:
                     "Fix: pass a group_size that divides the head dim (e.g. 32 or 64)."
                 )
             self.group_size = g
-            gshape = (*shape[:3], head_dim // g)
-            self.k_group_scales = group_scale_storage(*gshape, device=self.device)
-            self.v_group_scales = group_scale_storage(*gshape, device=self.device)
         else:
             if group_size is not None:
                 raise CacheUsageError(
@@ -521,7 +611,25 @@ class PagedLayerStorage:
             self.v_scale = _static_scale(
                 name, scale_names[1], v_scale, granularity, num_kv_heads, self.device
             )
-        self.k_pages, self.v_pages = page_storage(*shape, dtype=kv_dtype, device=self.device)
+        self._allocate(shape, kv_dtype)
+
+    def _allocate(self, shape: tuple[int, int, int, int], kv_dtype: torch.dtype) -> None:
+        """Allocate the pages (and group scales); an allocation that fails raises, holding nothing."""
+        n_groups = 0 if self.group_size is None else shape[3] // self.group_size
+        nbytes = 2 * (shape[0] * shape[1] * shape[2]) * (shape[3] + 4 * n_groups)
+        try:
+            if n_groups:
+                gshape = (*shape[:3], n_groups)
+                self.k_group_scales = group_scale_storage(*gshape, device=self.device)
+                self.v_group_scales = group_scale_storage(*gshape, device=self.device)
+            self.k_pages, self.v_pages = page_storage(*shape, dtype=kv_dtype, device=self.device)
+        except RuntimeError as err:  # torch.OutOfMemoryError, or a CPU allocation failure
+            self.k_group_scales = self.v_group_scales = None
+            raise CacheCapacityError(
+                f"{self.name}: allocating {shape[0]} pages of {shape[1]} slots ({nbytes} bytes "
+                f"for K and V) on {self.device} failed ({type(err).__name__}). Fix: a smaller "
+                "num_pages / max_cache_tokens, or a larger page budget on the device."
+            ) from err
 
     def __repr__(self) -> str:
         g = f", G={self.group_size}" if self.group_size is not None else ""
@@ -601,7 +709,26 @@ class PagedLayerStorage:
 
         Returns:
             ``(keys, values)``, each ``[B, seq_len, Hkv, D]`` in ``dtype`` (new tensors).
+
+        Raises:
+            CacheUsageError: a block table that is not a 2-D tensor, too narrow for
+                ``seq_len``, or listing a page id outside the pool; a bad ``seq_len``.
         """
+        if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+            found = (
+                f"shape {tuple(block_tables.shape)}"
+                if isinstance(block_tables, torch.Tensor)
+                else f"a {type(block_tables).__name__}"
+            )
+            raise CacheUsageError(
+                f"{self.name}.dense: block_tables is {found}; expected an int32 [batch, "
+                "max_pages] tensor. Fix: pass the block table of the cache's allocator."
+            )
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+            raise CacheUsageError(
+                f"{self.name}.dense: seq_len is {seq_len!r}; expected an int >= 0 (tokens per "
+                "sequence)."
+            )
         bsz = block_tables.shape[0]
         used = -(-seq_len // self.page_size)
         if used > block_tables.shape[1]:
@@ -610,7 +737,10 @@ class PagedLayerStorage:
                 f"table has {block_tables.shape[1]} columns. Fix: pass the block table of the "
                 "sequences that hold these tokens."
             )
-        ids = block_tables[:, :used].reshape(-1).to(device=self.device, dtype=torch.long)
+        ids = _page_ids(
+            f"{self.name}.dense", "block_tables", block_tables[:, :used].reshape(-1),
+            self.num_pages, self.device,
+        )  # fmt: skip
         out = []
         for pages, static, groups in (
             (self.k_pages, self.k_scale, self.k_group_scales),
@@ -630,14 +760,19 @@ class PagedLayerStorage:
         Args:
             src: int ``[N]`` page ids to read.
             dst: int ``[N]`` page ids to overwrite.
+
+        Raises:
+            CacheUsageError: not integer tensors, different shapes, or a page id
+                outside ``0..num_pages-1`` (nothing is copied).
         """
-        if src.shape != dst.shape or src.dim() != 1:
+        op = f"{self.name}.copy_pages"
+        s = _page_ids(op, "src", src, self.num_pages, self.device)
+        d = _page_ids(op, "dst", dst, self.num_pages, self.device)
+        if s.shape != d.shape or s.dim() != 1:
             raise CacheUsageError(
-                f"{self.name}.copy_pages: src {tuple(src.shape)} and dst {tuple(dst.shape)}; "
+                f"{op}: src {tuple(s.shape)} and dst {tuple(d.shape)}; "
                 "expected two 1-D tensors of the same length. Fix: pass flat page-id tensors."
             )
-        s = src.to(device=self.device, dtype=torch.long)
-        d = dst.to(device=self.device, dtype=torch.long)
         for t in (self.k_pages, self.v_pages, self.k_group_scales, self.v_group_scales):
             if t is not None:
                 t[d] = t[s]

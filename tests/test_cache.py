@@ -320,7 +320,7 @@ def test_cache_constructor_errors() -> None:
             k_scales=[torch.tensor(1.0)],
             v_scales=[torch.ones(2)],
         )
-    with pytest.raises(ScaleFormatError, match="zero, negative or non-finite"):
+    with pytest.raises(ScaleFormatError, match="zero, negative, non-finite"):
         PagedKVCache(
             1,
             2,

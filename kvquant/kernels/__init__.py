@@ -29,6 +29,7 @@ from kvquant.kernels.reference import paged_attention_reference, write_kv_refere
 from kvquant.kernels.validate import (
     AttentionGeometry,
     check_attention_inputs,
+    check_slot_mapping_inputs,
     check_write_inputs,
 )
 
@@ -302,7 +303,9 @@ def paged_attention(
     at position ``seq_lens[b] - q_lens[b] + i``. Key ``j`` is visible when
     ``kv_start[b] <= j < seq_lens[b]``, ``j <= position`` (if ``causal``) and
     ``j > position - window`` (if ``window > 0``). Rows of padding queries,
-    and rows that see no key, are zeros. Semantics:
+    and rows that see no key, are zeros; a slot no query of the call sees
+    never reaches the output, whatever it holds. Static scales must be finite
+    and in ``[SCALE_MIN, SCALE_MAX]`` (:mod:`kvquant.kernels.validate`). Semantics:
     :func:`kvquant.kernels.reference.paged_attention_reference`.
 
     Args:
@@ -324,9 +327,11 @@ def paged_attention(
         q_lens: int32 ``[B]`` valid query tokens per sequence (default ``Lq``).
         kv_start: int32 ``[B]`` first visible key (left padding; default 0).
         causal: mask keys after each query's position.
-        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        softcap: if > 0 (finite), scores become ``softcap * tanh(scores / softcap)``;
+            0 disables it.
         window: if > 0, each query sees only the last ``window`` positions.
-        out: optional ``[B, Lq, Hq, D]`` output in the query dtype (any strides).
+        out: optional ``[B, Lq, Hq, D]`` output in the query dtype, any strides
+            with no two elements sharing memory.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -376,7 +381,8 @@ def compute_slot_mapping(
 
     ``slot = block_tables[b, pos // page_size] * page_size + pos % page_size``;
     a negative position (padding) gives slot -1, which :func:`write_kv` skips.
-    Positions must lie inside the pages the block table lists (not checked).
+    Positions must lie inside the pages the block table lists (checked where
+    values are cheap to read: see :mod:`kvquant.kernels.validate`).
 
     Args:
         block_tables: int32 or int64 ``[B, max_pages]``.
@@ -386,12 +392,17 @@ def compute_slot_mapping(
     Returns:
         int64 ``[B, L]`` slot mapping on the block table's device.
 
+    Raises:
+        KernelInputError: a malformed argument (``page_size`` < 1, shapes,
+            dtypes, a position beyond the block table).
+
     Example:
         >>> import torch
         >>> bt = torch.tensor([[3, 1]], dtype=torch.int32)
         >>> compute_slot_mapping(bt, torch.tensor([[0, 17, -1]]), 16).tolist()
         [[48, 17, -1]]
     """
+    check_slot_mapping_inputs(block_tables, positions, page_size)
     pos = positions.to(torch.int64)
     valid = pos >= 0
     safe = torch.where(valid, pos, torch.zeros_like(pos))

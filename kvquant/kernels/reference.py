@@ -208,7 +208,9 @@ def paged_attention_reference(
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype. Rows of invalid queries, and rows
-        that see no key, are zeros.
+        that see no key, are zeros. A slot no query of the call can see
+        (before ``kv_start``, behind every query's window) never reaches the
+        output, whatever it holds.
     """
     bsz, lq, hq, d = query.shape
     hkv = k_pages.shape[2]
@@ -249,6 +251,11 @@ def paged_attention_reference(
         # A row that sees no key is all -inf (softmax gives NaN): it outputs zeros. A NaN
         # stored in a visible key or value still propagates to the output.
         probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)
+        # A key no query of the call sees (before kv_start, behind every window) never reaches
+        # the output, whatever its slot holds: 0 * NaN would be NaN. (A key that some query of
+        # the call sees enters the product; a non-finite value there reaches the rows of
+        # earlier queries through 0 * NaN, as in SDPA and the Triton kernels.)
+        v = torch.where(visible.any(dim=0)[:, None, None], v, 0.0)
         result[b, :nq] = torch.einsum("hqk,khd->qhd", probs, v)
     if out is None:
         return result.to(query.dtype)

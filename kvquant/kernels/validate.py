@@ -16,6 +16,13 @@ environment sets ``KVQUANT_CHECK_VALUES=1`` (debugging on a GPU). On CUDA
 without that variable, the Triton write kernel still never stores outside the
 pages: it skips slots outside ``[0, num_pages * page_size)``.
 
+**Scale values.** Static scales (``k_scale`` / ``v_scale``) must hold finite
+values in ``[SCALE_MIN, SCALE_MAX]`` (the registry's bounds): a zero, negative,
+NaN, infinite or subnormal scale would store or read garbage. The values are
+read once per scale tensor (one sync on a GPU) and remembered while the same
+tensor object holds the same data (its version counter), so a decode loop over
+a cache's scales pays a dictionary lookup.
+
 **Repeated calls.** The metadata checks of :func:`check_write_inputs` and
 :func:`check_attention_inputs` are remembered once they pass, keyed on
 everything they read (each tensor's shape, strides, dtype and device, the
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,9 +49,13 @@ from kvquant.errors import KernelInputError
 __all__ = [
     "FP8_DTYPES",
     "INPUT_DTYPES",
+    "SCALE_MAX",
+    "SCALE_MIN",
     "AttentionGeometry",
     "WriteGeometry",
     "check_attention_inputs",
+    "check_scale_values",
+    "check_slot_mapping_inputs",
     "check_write_inputs",
     "clear_check_memo",
     "value_checks_enabled",
@@ -54,6 +66,13 @@ FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes accepted for new K/V and for queries."""
+
+SCALE_MIN = 2.0**-117
+"""Smallest static scale accepted (the registry's ``MIN_SCALE``: 1/scale and the smallest
+code times scale stay normal fp32 numbers)."""
+
+SCALE_MAX = 2.0**100
+"""Largest static scale accepted (the registry's ``MAX_SCALE``)."""
 
 _SCALE_FIX = (
     "Fix: normalise scales with kvquant.registry (it returns fp32 [] or [num_kv_heads] "
@@ -223,6 +242,44 @@ def _check_static_scale(
             f"(per-head, the pages have {hkv} KV heads). {_SCALE_FIX}"
         )
     _check_device(op, name, s, device, "k_pages")
+
+
+_scale_values_ok: dict[tuple[object, ...], weakref.ref[torch.Tensor]] = {}
+
+
+def _version(x: torch.Tensor) -> int:
+    try:
+        return int(x._version)
+    except RuntimeError:  # an inference tensor: no version counter (not written outside it)
+        return -1
+
+
+def check_scale_values(op: str, name: str, scale: torch.Tensor) -> None:
+    """Refuse a static scale holding a value outside ``[SCALE_MIN, SCALE_MAX]`` (or NaN).
+
+    The values are read once per tensor object and version (a GPU syncs once);
+    later calls with the same, unmodified tensor skip the read.
+
+    Raises:
+        KernelInputError: naming the first bad element, its value and the range.
+    """
+    key = (id(scale), scale.data_ptr(), _version(scale), scale.device, tuple(scale.shape))
+    seen = _scale_values_ok.get(key)
+    if seen is not None and seen() is scale:
+        return
+    flat = scale.detach().reshape(-1)
+    ok = torch.isfinite(flat) & (flat >= SCALE_MIN) & (flat <= SCALE_MAX)
+    if not bool(ok.all()):
+        index = int((~ok).nonzero()[0, 0])
+        raise _fail(
+            f"{op}: {name} element {index} is {float(flat[index])!r}; expected finite "
+            f"dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}] (amax / 448): a "
+            f"zero, negative, NaN, infinite or subnormal scale stores or reads garbage. "
+            f"{_SCALE_FIX}"
+        )
+    if len(_scale_values_ok) >= _MEMO_MAX:
+        _scale_values_ok.clear()
+    _scale_values_ok[key] = weakref.ref(scale)
 
 
 def _check_scales(
@@ -473,9 +530,14 @@ def _check_attention_structure(
         )
     if not isinstance(causal, bool):
         raise _fail(f"{op}: causal is a {type(causal).__name__}; expected a bool.")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
         raise _fail(
-            f"{op}: softcap is {softcap!r}; expected a float >= 0 (0 disables it). "
+            f"{op}: softcap is {softcap!r}; expected a finite float > 0, or 0 to disable it. "
             "Fix: pass the model's attn_logit_softcapping or 0.0."
         )
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -492,6 +554,13 @@ def _check_attention_structure(
                 "Fix: allocate out like the query (torch.empty_like(query))."
             )
         _check_device(op, "out", o, device, "k_pages")
+        if _overlaps(o):
+            raise _fail(
+                f"{op}: out is written in place but has strides {o.stride()} for shape "
+                f"{tuple(o.shape)}, so that elements share memory (an expanded view?); "
+                "expected no two elements sharing memory. Fix: allocate out with "
+                "torch.empty_like(query) or torch.empty(query.shape)."
+            )
     return AttentionGeometry(bsz, lq, hq, hkv, d, num_pages, page_size, bt.shape[1], group_size)
 
 
@@ -696,6 +765,9 @@ def check_write_inputs(
     )
     sm: torch.Tensor = slot_mapping  # type: ignore[assignment]  # checked above
     pages: torch.Tensor = k_pages  # type: ignore[assignment]
+    if geo.group_size is None:
+        check_scale_values("write_kv", "k_scale", k_scale)  # type: ignore[arg-type]
+        check_scale_values("write_kv", "v_scale", v_scale)  # type: ignore[arg-type]
     if geo.batch and geo.seq and value_checks_enabled(pages.device):
         _check_write_values(sm, geo)
     return geo
@@ -792,6 +864,9 @@ def check_attention_inputs(
         ),
     )
     pages: torch.Tensor = k_pages  # type: ignore[assignment]  # checked above
+    if geo.group_size is None:
+        check_scale_values("paged_attention", "k_scale", k_scale)  # type: ignore[arg-type]
+        check_scale_values("paged_attention", "v_scale", v_scale)  # type: ignore[arg-type]
     if geo.batch and value_checks_enabled(pages.device):
         _check_attention_values(
             block_tables,  # type: ignore[arg-type]
@@ -801,3 +876,46 @@ def check_attention_inputs(
             geo,
         )
     return geo
+
+
+def check_slot_mapping_inputs(block_tables: object, positions: object, page_size: object) -> None:
+    """Validate the arguments of :func:`kvquant.kernels.compute_slot_mapping`.
+
+    Shapes, dtypes and devices always; that every position lies inside the
+    pages the block table lists where values are cheap to read (see the module
+    docstring).
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    op = "compute_slot_mapping"
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise _fail(
+            f"{op}: page_size is {page_size!r}; expected an int >= 1 (the cache's token slots "
+            "per page). Fix: pass the page size the block table was built with."
+        )
+    bt = _require_tensor(op, "block_tables", block_tables)
+    _check_ndim(op, "block_tables", bt, 2, "[batch, max_pages]")
+    _check_dtype(op, "block_tables", bt, (torch.int32, torch.int64), "pass an integer block table.")
+    pos = _require_tensor(op, "positions", positions)
+    _check_ndim(op, "positions", pos, 2, "[batch, new_tokens]")
+    if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
+        raise _fail(
+            f"{op}: positions has dtype {pos.dtype}; expected an integer dtype (token positions). "
+            "Fix: build positions with torch.arange(..., dtype=torch.int64)."
+        )
+    if pos.shape[0] != bt.shape[0]:
+        raise _fail(
+            f"{op}: positions has {pos.shape[0]} rows but block_tables has {bt.shape[0]}; "
+            "expected one row per sequence. Fix: pass positions of the same sequences."
+        )
+    _check_device(op, "positions", pos, bt.device, "block_tables")
+    if pos.numel() and value_checks_enabled(bt.device):
+        top = int(pos.max())
+        if top >= bt.shape[1] * page_size:
+            raise _fail(
+                f"{op}: positions holds {top}, but block_tables lists {bt.shape[1]} pages of "
+                f"{page_size} slots per sequence (positions 0..{bt.shape[1] * page_size - 1}; "
+                "negative means padding). Fix: reserve the pages first, and pass the block table "
+                "that lists them."
+            )

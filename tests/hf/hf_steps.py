@@ -77,3 +77,41 @@ def min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     """Smallest cosine similarity between matching rows of ``a`` and ``b`` [..., V]."""
     a2, b2 = a.reshape(-1, a.shape[-1]).double(), b.reshape(-1, b.shape[-1]).double()
     return float(torch.nn.functional.cosine_similarity(a2, b2, dim=-1).min())
+
+
+def dense_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+    window: int,
+) -> torch.Tensor:
+    """Exact fp32 attention on dense K/V: query ``[B, Hq, Lq, D]``, K/V ``[B, Hkv, T, D]`` -> ``[B, Lq, Hq, D]``.
+
+    ``mask``: boolean ``[B, 1, Lq, T]`` (True = attend) or an additive float mask, or None
+    (causal over the newest ``Lq`` of ``T`` positions, plus the sliding ``window``).
+    """
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv:
+        key = key.repeat_interleave(hq // hkv, dim=1)
+        value = value.repeat_interleave(hq // hkv, dim=1)
+    dtype = query.dtype
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    lq, t = query.shape[2], key.shape[2]
+    if mask is not None:
+        visible = (mask if mask.dtype == torch.bool else mask == 0)[..., -t:]
+    else:
+        pos_q = torch.arange(t - lq, t, device=query.device)[:, None]
+        cols = torch.arange(t, device=query.device)[None, :]
+        visible = cols <= pos_q
+        if window > 0:
+            visible = visible & (cols > pos_q - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.matmul(probs, value.float())
+    return out.transpose(1, 2).to(dtype)

@@ -62,6 +62,77 @@ def _gemma3() -> Any:
     return transformers.Gemma3ForCausalLM(cfg)
 
 
+_IDS: dict[str, Any] = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside VOCAB
+
+
+def _granite() -> Any:
+    cfg = transformers.GraniteConfig(
+        **_COMMON,
+        **_IDS,
+        attention_multiplier=0.2,
+        residual_multiplier=0.5,
+        embedding_multiplier=2.0,
+        logits_scaling=2.0,
+    )
+    return transformers.GraniteForCausalLM(cfg)
+
+
+def _cohere2() -> Any:
+    cfg = transformers.Cohere2Config(
+        **_COMMON, **_IDS, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    )
+    return transformers.Cohere2ForCausalLM(cfg)
+
+
+def _mixtral() -> Any:
+    cfg = transformers.MixtralConfig(
+        **_COMMON, **_IDS, num_local_experts=4, num_experts_per_tok=2, sliding_window=6
+    )
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _starcoder2() -> Any:
+    cfg = transformers.Starcoder2Config(**_COMMON, **_IDS, sliding_window=6)
+    return transformers.Starcoder2ForCausalLM(cfg)
+
+
+def _smollm3() -> Any:
+    cfg = transformers.SmolLM3Config(**_COMMON, **_IDS, no_rope_layer_interval=2)
+    return transformers.SmolLM3ForCausalLM(cfg)
+
+
+def _gemma() -> Any:
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(**_COMMON, **_IDS, head_dim=16))
+
+
+def _phi() -> Any:
+    cfg = transformers.PhiConfig(**_COMMON, **_IDS, partial_rotary_factor=0.5)
+    return transformers.PhiForCausalLM(cfg)
+
+
+def _qwen3_moe() -> Any:
+    cfg = transformers.Qwen3MoeConfig(
+        **_COMMON,
+        **_IDS,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def _olmo2() -> Any:
+    return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_COMMON, **_IDS))
+
+
+def _olmo3() -> Any:
+    cfg = transformers.Olmo3Config(
+        **_COMMON, **_IDS, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    )
+    return transformers.Olmo3ForCausalLM(cfg)
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -71,12 +142,29 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "gemma2": _gemma2,
     "gemma3_text": _gemma3,
 }
+"""The families every granularity and the CUDA-graph step are tested on."""
+
+MORE_BUILDERS: dict[str, Callable[[], Any]] = {
+    "granite": _granite,
+    "cohere2": _cohere2,
+    "mixtral": _mixtral,
+    "starcoder2": _starcoder2,
+    "smollm3": _smollm3,
+    "gemma": _gemma,
+    "phi": _phi,
+    "qwen3_moe": _qwen3_moe,
+    "olmo2": _olmo2,
+    "olmo3": _olmo3,
+}
+"""Further supported families, tested once each (the default fp32-group scales)."""
+
+ALL_BUILDERS: dict[str, Callable[[], Any]] = {**BUILDERS, **MORE_BUILDERS}
 
 
 def build(family: str, seed: int = 0) -> Any:
     """A tiny random model of ``family`` in eval mode, fp32, sdpa attention."""
     torch.manual_seed(seed)
-    model = BUILDERS[family]()
+    model = ALL_BUILDERS[family]()
     model.eval()
     model.set_attn_implementation("eager" if family.startswith("gemma") else "sdpa")
     return model
@@ -91,3 +179,31 @@ def prompt(batch: int = 2, length: int = 10, pad: tuple[int, ...] = (3,), seed: 
         mask[b, :p] = 0
         ids[b, :p] = 0
     return ids, mask
+
+
+def tokenizer() -> Any:
+    """A character-level fast tokenizer over the tiny models' 128 ids, with a chat template.
+
+    Ids 0-2 are ``<pad>``, ``<s>``, ``</s>``, 3 is a newline, 4.. are the printable
+    characters from the space on; it pads on the left (for batched generation).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "\n": 3}
+    for code in range(32, 32 + VOCAB - len(vocab)):
+        vocab[chr(code)] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        padding_side="left",
+    )
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return tok

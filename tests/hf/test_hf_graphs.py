@@ -131,14 +131,38 @@ def test_steps_the_graph_cannot_serve_take_the_ordinary_path(tiny_llama: Any) ->
         # no position_ids: the model would compute them on the host
         tiny_llama(input_ids=ids[:, :1], attention_mask=torch.ones(2, 9), **{key: cache})
     assert (stats.ordinary, stats.static_eager) == (2, 0)
-    # gradients enabled: ordinary path
-    tiny_llama(
-        input_ids=ids[:, :1],
-        attention_mask=torch.ones(2, 10),
-        position_ids=torch.full((2, 1), 9),
-        **{key: cache},
-    )
+    # gradients enabled: the ordinary path, which refuses gradients through the FP8 cache
+    with pytest.raises(UnsupportedModelError, match="gradients"):
+        tiny_llama(
+            input_ids=ids[:, :1],
+            attention_mask=torch.ones(2, 10),
+            position_ids=torch.full((2, 1), 9),
+            **{key: cache},
+        )
     assert (stats.ordinary, stats.static_eager) == (3, 0)
+    assert cache.get_seq_length() == 9
+    with torch.no_grad():
+        tiny_llama(
+            input_ids=ids[:, :1],
+            attention_mask=torch.ones(2, 10),
+            position_ids=torch.full((2, 1), 9),
+            **{key: cache},
+        )
+    assert stats.static_eager == 1
+    assert cache.get_seq_length() == 10
+    # a mask with a hole is not left padding: the ordinary path refuses it, loudly
+    hole = torch.ones(2, 11)
+    hole[0, 4] = 0
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="left padding"):
+        tiny_llama(
+            input_ids=ids[:, :1],
+            attention_mask=hole,
+            position_ids=torch.full((2, 1), 10),
+            **{key: cache},
+        )
+    assert stats.static_eager == 1
+    # the refused call left the cache as it was: the next step works
+    assert cache.get_seq_length() == 10
     with torch.no_grad():
         tiny_llama(
             input_ids=ids[:, :1],
@@ -146,29 +170,7 @@ def test_steps_the_graph_cannot_serve_take_the_ordinary_path(tiny_llama: Any) ->
             position_ids=torch.full((2, 1), 10),
             **{key: cache},
         )
-    assert stats.static_eager == 1
-    assert cache.get_seq_length() == 11
-    # a mask with a hole is not left padding: the ordinary path refuses it, loudly
-    hole = torch.ones(2, 12)
-    hole[0, 4] = 0
-    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="left padding"):
-        tiny_llama(
-            input_ids=ids[:, :1],
-            attention_mask=hole,
-            position_ids=torch.full((2, 1), 11),
-            **{key: cache},
-        )
-    assert stats.static_eager == 1
-    # the refused call left the cache as it was: the next step works
-    assert cache.get_seq_length() == 11
-    with torch.no_grad():
-        tiny_llama(
-            input_ids=ids[:, :1],
-            attention_mask=torch.ones(2, 12),
-            position_ids=torch.full((2, 1), 11),
-            **{key: cache},
-        )
-    assert stats.static_eager == 2 and cache.get_seq_length() == 12
+    assert stats.static_eager == 2 and cache.get_seq_length() == 11
 
 
 def test_beam_search_and_sampling_match_ordinary_steps(tiny_llama: Any) -> None:

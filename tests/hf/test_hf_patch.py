@@ -150,7 +150,7 @@ def test_sampling_and_beam_search(tiny_llama: Any) -> None:
 def test_unsupported_generation_modes_raise(tiny_llama: Any) -> None:
     handle = kvhf.patch(tiny_llama, backend="torch")
     cache = handle.new_cache()
-    for call in (lambda: cache.crop(-1), lambda: cache.batch_repeat_interleave(2)):
+    for call in (lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices(0)):
         with pytest.raises(KVQuantError, match="not supported"):
             call()
 

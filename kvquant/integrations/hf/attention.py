@@ -11,16 +11,19 @@ The attention function receives, from the attention module's forward:
 ``update()`` returned. When that is kvquant's ``(None, None)`` it reads the
 FP8 pages of the layer (found through the pre-hook that :func:`kvquant.patch`
 installs) with :func:`kvquant.kernels.paged_attention`. Otherwise it got dense
-K/V — a prompt with no cached prefix (the cache layer stored it in FP8 and hands
-back the keys and values it was given), or no cache — and computes exact
-attention on them with transformers' own SDPA function, the unpatched model's
-path: a fresh prompt's prefill costs what it costs without kvquant, plus the
-FP8 write. Only a logit softcap (which SDPA lacks) takes an exact fp32 path.
+K/V and hands the call to the model's previous attention implementation
+(:func:`fallback_attention`), so that the call is exactly the unpatched model's:
+a prompt with no cached prefix (the cache layer stored it in FP8 and hands back
+the keys and values it was given: the prefill costs what it costs without
+kvquant, plus the FP8 write), or a forward without a kvquant cache
+(``use_cache=False``, or a forward with gradients, see :func:`kvquant.patch`),
+whose gradients are then exact too.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -32,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvquant.errors import KVQuantError, UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuantLayer
 
-__all__ = ["ATTN_NAME", "kvquant_attention", "kvquant_mask", "register"]
+__all__ = ["ATTN_NAME", "fallback_attention", "kvquant_attention", "kvquant_mask", "register"]
 
 _MASK_CHUNK = 1 << 24
 """Mask elements whose int32 temporaries :func:`kv_start_from_mask` holds at once."""
@@ -40,10 +43,8 @@ _MASK_CHUNK = 1 << 24
 CACHE_ATTR = "_kvq_cache"
 """Attribute of an attention module holding the cache of the current forward call."""
 
-
-def _sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """transformers' own SDPA attention function (what an unpatched model runs)."""
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+FALLBACK_ATTR = "_kvq_fallback_attn"
+"""Attribute of an attention module: the attention implementation the model had before the patch."""
 
 
 def kvquant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -139,38 +140,70 @@ def kv_start_from_mask(
     return start.to(torch.int32)
 
 
-def _dense_attention(
+def _full_mask(query: torch.Tensor, t: int, window: int) -> torch.Tensor:
+    """Boolean causal mask ``[1, 1, Lq, T]`` (True = attend): the newest ``Lq`` of ``T`` positions."""
+    lq = query.shape[2]
+    pos_q = torch.arange(t - lq, t, device=query.device)[:, None]
+    cols = torch.arange(t, device=query.device)[None, :]
+    visible = cols <= pos_q
+    if window > 0:
+        visible = visible & (cols > pos_q - window)
+    return visible[None, None]
+
+
+def fallback_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float,
-    window: int,
-) -> torch.Tensor:
-    """Exact attention on dense K/V: query ``[B, Hq, Lq, D]``, K/V ``[B, Hkv, T, D]`` -> ``[B, Lq, Hq, D]``."""
-    hq, hkv = query.shape[1], key.shape[1]
-    if hq != hkv:
-        key = key.repeat_interleave(hq // hkv, dim=1)
-        value = value.repeat_interleave(hq // hkv, dim=1)
-    dtype = query.dtype
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    lq, t = query.shape[2], key.shape[2]
-    if mask is not None:
-        visible = _bool_mask(mask)[..., -t:]
-    else:
-        pos_q = torch.arange(t - lq, t, device=query.device)[:, None]
-        cols = torch.arange(t, device=query.device)[None, :]
-        visible = cols <= pos_q
-        if window > 0:
-            visible = visible & (cols > pos_q - window)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.matmul(probs, value.float())
-    return out.transpose(1, 2).to(dtype)
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention on dense K/V by the implementation the model had before :func:`kvquant.patch`.
+
+    ``"eager"`` runs the model's own ``eager_attention_forward`` with the
+    additive float mask transformers' eager mask function builds (kvquant's
+    mask function builds the boolean SDPA mask, or None where plain causal
+    attention suffices: both are converted); ``"sdpa"`` and any other
+    registered implementation that takes a 4D mask run through
+    ``ALL_ATTENTION_FUNCTIONS``; flash and flex implementations, which need
+    their own mask format, run through ``"sdpa"`` (exact attention too).
+
+    Args:
+        module: the attention module.
+        query: ``[B, Hq, Lq, D]``.
+        key: ``[B, Hkv, T, D]``.
+        value: ``[B, Hkv, T, D]``.
+        attention_mask: kvquant's boolean mask ``[B, 1, Lq, T]`` or None.
+        **kwargs: the call's other keywords (``scaling``, ``dropout``,
+            ``sliding_window``, ``softcap``, ...), passed on.
+
+    Returns:
+        ``(attn_output [B, Lq, Hq, D], attention weights or None)``.
+    """
+    previous = getattr(module, FALLBACK_ATTR, None) or "sdpa"
+    if previous == "eager":
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if callable(eager):
+            mask = attention_mask
+            if mask is None:
+                mask = _full_mask(query, key.shape[2], int(kwargs.get("sliding_window") or 0))
+            if mask.dtype == torch.bool:
+                floor = torch.finfo(query.dtype).min
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+                    ~mask, floor
+                )
+            out: tuple[torch.Tensor, torch.Tensor | None] = eager(
+                module, query, key, value, mask, **kwargs
+            )
+            return out
+        previous = "sdpa"
+    if previous.startswith(("flash", "flex")) or previous not in ALL_ATTENTION_FUNCTIONS:
+        previous = "sdpa"
+    result: tuple[torch.Tensor, torch.Tensor | None] = ALL_ATTENTION_FUNCTIONS[previous](
+        module, query, key, value, attention_mask, **kwargs
+    )
+    return result
 
 
 def kvquant_attention(
@@ -184,45 +217,51 @@ def kvquant_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over kvquant's FP8 paged cache (transformers ``AttentionInterface`` signature).
 
     Args:
         module: the attention module (``layer_idx``, ``scaling``).
         query: ``[B, Hq, Lq, D]`` after RoPE.
-        key: None when the layer's K/V are in kvquant's pages; else dense ``[B, Hkv, T, D]``.
+        key: None when the layer's K/V are in kvquant's pages; else dense ``[B, Hkv, T, D]``
+            (then :func:`fallback_attention` computes the call).
         value: like ``key``.
         attention_mask: boolean ``[B, 1, Lq, T]`` (True = attend) or None (plain causal).
         scaling: softmax scale; default ``module.scaling``.
-        dropout: must be 0 (inference only).
+        dropout: must be 0 in training mode over kvquant's cache.
         sliding_window: window of a sliding-window layer, or None.
         softcap: logit softcap, or None.
         **kwargs: other keywords from the model (position ids, ...), unused.
 
     Returns:
-        ``(attn_output [B, Lq, Hq, D] in the query dtype, None)``.
+        ``(attn_output [B, Lq, Hq, D] in the query dtype, None)`` (the fallback's
+        weights for dense K/V).
 
     Raises:
         UnsupportedModelError: dropout during training, or an unsupported mask pattern.
         KVQuantError: K/V are missing and the layer's kvquant cache cannot be found.
     """
+    if key is not None and value is not None:
+        # Dense K/V: a prompt with no cached prefix, or a forward without a kvquant cache
+        # (use_cache=False, gradients): the model's previous attention implementation, so the
+        # call (and its gradients) is exactly the unpatched model's.
+        extra: dict[str, Any] = {"dropout": dropout, "scaling": scaling}
+        if sliding_window is not None:
+            extra["sliding_window"] = sliding_window
+        if softcap is not None:
+            extra["softcap"] = softcap
+        return fallback_attention(module, query, key, value, attention_mask, **extra, **kwargs)
     if dropout and module.training:
         raise UnsupportedModelError(
             f"{_name(module)}: attention dropout {dropout} in training mode; kvquant's FP8 cache "
-            "is for inference. Fix: model.eval(), or handle.remove() to train."
+            "is for inference. Fix: model.eval(), or pass use_cache=False (kvquant then runs the "
+            "model's own attention on bf16 K/V)."
         )
     sm_scale = float(scaling if scaling is not None else getattr(module, "scaling", 0.0))
     if sm_scale <= 0:
         sm_scale = 1.0 / math.sqrt(query.shape[-1])
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
-    if key is not None and value is not None:
-        # Dense K/V (a fresh prompt, or no cache): exact attention.
-        if cap > 0:
-            return _dense_attention(
-                module, query, key, value, attention_mask, sm_scale, cap, window
-            ), None
-        return _sdpa(module, query, key, value, attention_mask, scaling=sm_scale, **kwargs)
     layer = _layer_of(module)
     storage = None if layer is None else layer.storage
     if layer is None or storage is None:
@@ -241,14 +280,10 @@ def kvquant_attention(
     elif memo is not None and memo[0] is attention_mask and memo[1] == window:
         kv_start = memo[2]
     else:
+        # A refused mask raises after this layer stored the call's tokens: kvquant.patch's
+        # decoder hook then rolls the whole cache back to where the forward began.
         lq = query.shape[2]
-        try:
-            kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, _name(module))
-        except UnsupportedModelError:
-            # The layer stored this call's tokens before attending: forget them, so the cache
-            # holds what it held before the call (the reserved pages stay reserved).
-            layer.seq_len -= lq
-            raise
+        kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, _name(module))
         cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
     out = storage.attend(
         query.transpose(1, 2),

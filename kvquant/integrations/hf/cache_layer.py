@@ -34,8 +34,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvquant import kernels
-from kvquant.cache import PageAllocator, PagedLayerStorage, total_memory_bytes
-from kvquant.errors import CacheCapacityError, KVQuantError
+from kvquant.cache import MAX_PAGE_SIZE, PageAllocator, PagedLayerStorage, total_memory_bytes
+from kvquant.errors import CacheCapacityError, CacheUsageError, KVQuantError
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
 
@@ -159,7 +159,7 @@ class KVQuantLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # through KVQuantCache.crop, which crops every layer at once
 
     def __init__(self, cache: KVQuantCache, layer_idx: int, spec: LayerSpec) -> None:
         super().__init__()
@@ -354,12 +354,19 @@ class KVQuantLayer(CacheLayerMixin):
         return KVQuantError(
             f"{self.spec.name}: {what} is not supported by kvquant's paged FP8 cache. Fix: run "
             "this generation mode without kvquant (handle.remove()), or use greedy / sampling / "
-            "beam search."
+            "beam search / speculative decoding."
         )
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Not supported (assisted decoding): raises :class:`KVQuantError`."""
-        raise self._unsupported("crop() (assisted or speculative decoding)")
+        """Refused: the layers of a kvquant cache share their pages; crop the whole cache.
+
+        Raises:
+            CacheUsageError: always; :meth:`KVQuantCache.crop` crops every layer at once.
+        """
+        raise CacheUsageError(
+            f"{self.spec.name}: crop() of one kvquant cache layer; its layers share one block "
+            "table and crop together. Fix: call crop() on the KVQuantCache."
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Not supported (contrastive search): raises :class:`KVQuantError`."""
@@ -418,8 +425,11 @@ class KVQuantCache(Cache):
             max_cache_tokens if max_cache_tokens is not None else opts.max_cache_tokens
         )
         self.num_pages_requested = num_pages if num_pages is not None else opts.num_pages
-        if self.page_size < 1:
-            raise KVQuantError(f"page_size must be >= 1, got {self.page_size}")
+        if not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise CacheUsageError(
+                f"KVQuantCache: page_size={self.page_size}; expected 1..{MAX_PAGE_SIZE}. Fix: pass "
+                "a page size such as 16, 32 or 64."
+            )
         self.backend = opts.backend
         self.cuda_graphs: bool | None = opts.cuda_graphs  # None: auto (CUDA devices only)
         self.static: StaticStep | None = None
@@ -439,6 +449,7 @@ class KVQuantCache(Cache):
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
         layers: list[Any] = [
             KVQuantLayer(self, i, spec) for i, spec in enumerate(state.layer_specs)
         ]
@@ -680,6 +691,102 @@ class KVQuantCache(Cache):
         self._slot_memo = None
         self._lens_memo = None
         self.decode_graph = None
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: sequence ``b`` of every layer takes the tokens of sequence ``beam_idx[b]``.
+
+        Args:
+            beam_idx: integer ``[B]``, each in ``0..B-1``.
+
+        Raises:
+            CacheUsageError: ``beam_idx`` is not an integer tensor of ``B`` sequence
+                indices in range (nothing moves).
+        """
+        bsz = self.batch_size_
+        ok = (
+            isinstance(beam_idx, torch.Tensor)
+            and not beam_idx.dtype.is_floating_point
+            and beam_idx.dtype != torch.bool
+            and tuple(beam_idx.shape) == (bsz,)
+        )
+        if ok and bsz:
+            lo, hi = (int(v) for v in torch.aminmax(beam_idx))
+            ok = 0 <= lo and hi < bsz
+        if not ok:
+            found = (
+                f"{beam_idx.dtype} shape {tuple(beam_idx.shape)}"
+                if isinstance(beam_idx, torch.Tensor)
+                else type(beam_idx).__name__
+            )
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: reorder_cache(beam_idx) got {found}; "
+                f"expected an integer tensor [{bsz}] of sequence indices in 0..{bsz - 1}. Nothing "
+                "moved."
+            )
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)  # type: ignore[arg-type]  # any integer tensor
+
+    def crop(self, max_length: int | torch.Tensor) -> None:
+        """Roll every layer back (speculative decoding drops rejected draft tokens).
+
+        Args:
+            max_length: negative: remove that many of the newest positions
+                (``crop(-n)``, an int or a one-element integer tensor, as
+                transformers 5.17 passes it); positive: keep that many
+                positions (the older ``crop(max_length)``); 0: nothing to do.
+
+        Raises:
+            CacheUsageError: ``max_length`` is not an int, or would remove more
+                positions than the cache holds (nothing changes).
+        """
+        if (
+            isinstance(max_length, torch.Tensor)
+            and max_length.numel() == 1
+            and not max_length.dtype.is_floating_point
+            and max_length.dtype != torch.bool
+        ):
+            max_length = int(max_length)  # transformers 5.17 passes a 0-d tensor
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: crop({max_length!r}); expected an int "
+                "(-n removes the newest n positions, n > 0 keeps the first n)."
+            )
+        have = self.get_seq_length()
+        keep = have + max_length if max_length < 0 else (max_length if max_length else have)
+        if keep < 0:
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: crop({max_length}) would remove "
+                f"{-max_length} positions but the cache holds {have}. Nothing changed. Fix: "
+                f"crop at most {have} positions."
+            )
+        self.truncate(min(keep, have))
+
+    def truncate(self, tokens: int) -> None:
+        """Keep the first ``tokens`` positions of every sequence in every layer; free the pages past them.
+
+        Raises:
+            CacheUsageError: ``tokens`` is negative or not an int (nothing changes).
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: truncate({tokens!r}); expected an int >= 0."
+            )
+        for layer in self.layers:
+            if isinstance(layer, KVQuantLayer):
+                layer.seq_len = min(layer.seq_len, tokens)
+        alloc = self.allocator
+        if alloc is not None and tokens < self.reserved:
+            for sid in self._seq_ids:
+                alloc.truncate(sid, tokens)
+            self.reserved = tokens
+            self._block_table_dev.clear()
+            self._slot_base_dev.clear()
+        self.kv_start_memo = None
+        self._slot_memo = None
+        self._lens_memo = None
+        static = getattr(self.decode_graph, "static", None)
+        if static is not None:
+            static.width = -1  # the graph's static block table is copied again before its next step
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """-1: the cache has no fixed per-sequence length."""

@@ -52,6 +52,18 @@ SUPPORTED_FAMILIES: dict[str, FamilySupport] = {
         FamilySupport("phi3", ("fused qkv_proj", "RoPE", "sliding window (config.sliding_window)")),
         FamilySupport("gemma2", ("GQA", "logit softcap", "alternating sliding-window layers")),
         FamilySupport("gemma3_text", ("GQA", "q/k RMSNorm", "alternating sliding-window layers")),
+        FamilySupport("gemma", ("GQA / MQA", "RoPE")),
+        FamilySupport("granite", ("GQA", "RoPE", "attention_multiplier as the softmax scale")),
+        FamilySupport(
+            "cohere2", ("GQA", "RoPE on sliding layers only", "interleaved sliding-window layers")
+        ),
+        FamilySupport("mixtral", ("GQA", "RoPE", "sparse MoE MLP", "sliding window")),
+        FamilySupport("starcoder2", ("GQA", "RoPE", "biased projections", "sliding window")),
+        FamilySupport("smollm3", ("GQA", "RoPE skipped on every no_rope_layer_interval-th layer")),
+        FamilySupport("phi", ("partial rotary embedding", "biased projections")),
+        FamilySupport("qwen3_moe", ("GQA", "RoPE", "q/k RMSNorm", "sparse MoE MLP")),
+        FamilySupport("olmo2", ("GQA", "RoPE", "q/k RMSNorm over the whole projection")),
+        FamilySupport("olmo3", ("GQA", "RoPE", "q/k RMSNorm", "interleaved sliding-window layers")),
     )
 }
 """Supported families, keyed by ``config.model_type``."""
@@ -64,6 +76,7 @@ _KNOWN_UNSUPPORTED: dict[str, str] = {
     "gpt_oss": "attention sinks (`s_aux`)",
     "llama4": "chunked attention and no-RoPE layers",
     "deepseek_v3": "multi-head latent attention (MLA)",
+    "falcon_h1": "hybrid recurrent (Mamba) layers beside attention",
 }
 
 

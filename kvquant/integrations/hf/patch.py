@@ -15,9 +15,29 @@ the model is touched):
    model's attention implementation to it;
 5. installs forward pre-hooks (removable handles): one per attention module
    that records the cache of the current call on the module (the attention
-   function never receives the cache object), and one on the decoder that
-   swaps a fresh, empty ``DynamicCache`` (what ``generate`` creates), or a
-   missing cache, for a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache`.
+   function never receives the cache object), and two on the decoder: a
+   pre-hook that decides the cache of the call (below) and a forward hook
+   that rolls the whole cache back when the forward raises.
+
+The cache of a decoder forward (``cache=`` on 5.24, ``past_key_values=`` on 5.17):
+
+- a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache`: used as it is;
+- none: a new ``KVQuantCache`` when the forward uses a cache, else none
+  (``use_cache=False``);
+- an empty plain ``DynamicCache`` (what ``generate`` creates, or the user's
+  own object in a manual loop or ``generate(past_key_values=DynamicCache())``):
+  converted in place into a ``KVQuantCache``, so the object the caller holds
+  carries the FP8 context into its next call;
+- anything else (a ``DynamicCache`` that already holds bf16 K/V, an
+  offloaded, static or quantized cache): :class:`~kvquant.errors.CacheUsageError`
+  before anything runs.
+
+A forward with gradients (autograd on and a trainable weight or input) gets
+no kvquant cache: it runs the model's previous attention implementation on
+bf16 K/V (exact forward and gradients; a plain ``DynamicCache`` passes
+through); a ``KVQuantCache`` passed to such a forward is refused, since FP8
+pages carry no gradient. ``output_attentions=True`` over a kvquant cache is
+refused (the kernels never form the weights).
 
 Why a pre-hook for ``generate``: transformers 5.24 has no registry of
 ``cache_implementation`` names (the accepted names are a fixed tuple), and the
@@ -25,8 +45,7 @@ alternatives (overriding ``_prepare_cache_for_generation``, wrapping
 ``generate``) replace model methods. A forward pre-hook is a documented torch
 seam, works identically on transformers 5.17 and 5.24 and for plain forward
 calls, and is undone by its handle. ``generate`` keeps whatever cache the model
-returns, so the swap holds for every later step. A cache passed explicitly
-(``cache=`` on 5.24, ``past_key_values=`` on 5.17) is never replaced.
+returns, so the swap holds for every later step.
 
 All state lives on the model instance (``model._kvquant_state``); the only
 process-global effect is the registration of the ``"kvquant"`` names.
@@ -45,7 +64,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kvquant.errors import KVQuantError, ScaleFormatError, UnsupportedModelError
+from kvquant.cache import MAX_PAGE_SIZE
+from kvquant.errors import (
+    CacheUsageError,
+    KVQuantError,
+    ScaleFormatError,
+    UnsupportedModelError,
+)
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
 from kvquant.integrations.hf.graphs import DecodeGraphRunner
@@ -191,26 +216,33 @@ class KVQuantHandle:
 
 
 def _check_options(opts: PatchOptions) -> None:
-    def positive(name: str, value: object, optional: bool = False) -> None:
+    """Refuse bad option values (:class:`CacheUsageError`, a ``ValueError``) before any change."""
+
+    def positive(name: str, value: object, optional: bool = False, limit: int = 0) -> None:
         if optional and value is None:
             return
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise KVQuantError(
+            raise CacheUsageError(
                 f"kvquant.patch: {name}={value!r}; expected a positive int"
                 + (" or None" if optional else "")
                 + f". Fix: pass {name}=<int >= 1>."
             )
+        if limit and value > limit:
+            raise CacheUsageError(
+                f"kvquant.patch: {name}={value}; expected at most {limit}. Fix: pass "
+                f"{name} in 1..{limit} (16, 32 or 64 are typical page sizes)."
+            )
 
-    positive("page_size", opts.page_size)
+    positive("page_size", opts.page_size, limit=MAX_PAGE_SIZE)
     positive("group_size", opts.group_size, optional=True)
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
     if opts.cuda_graphs is not None and not isinstance(opts.cuda_graphs, bool):
-        raise KVQuantError(
+        raise CacheUsageError(
             f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected None (auto), True or False."
         )
     if opts.backend not in BACKENDS:
-        raise KVQuantError(
+        raise CacheUsageError(
             f"kvquant.patch: backend={opts.backend!r}; expected one of {BACKENDS}. "
             "Fix: pass backend='auto'."
         )
@@ -281,7 +313,7 @@ def gather_raw_scales(
                 )
         return raw_scales_from_state_dict(tensors), {}, "mapping"
     if scales is not None:
-        raise KVQuantError(
+        raise ScaleFormatError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
             "(str or Path), a {tensor_name: tensor} mapping, or None."
         )
@@ -410,6 +442,76 @@ def _drop_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     setattr(module, _attention.CACHE_ATTR, None)
 
 
+def _grad_flows(decoder: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether this forward records gradients through K/V (autograd on, a weight or input trainable)."""
+    if not torch.is_grad_enabled():
+        return False
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.requires_grad:
+        return True
+    return any(p.requires_grad for p in decoder.parameters())
+
+
+def _wants_cache(kwargs: dict[str, Any], config: Any) -> bool:
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(config, "use_cache", True)
+    return bool(use_cache)
+
+
+def _adopt_dynamic_cache(cache: Any, model: nn.Module) -> KVQuantCache:
+    """Turn the user's empty ``DynamicCache`` object itself into a :class:`KVQuantCache`.
+
+    The caller keeps a reference to the object it passed (a manual decode loop
+    passes the same object at every step, ``generate(past_key_values=...)``
+    returns it), so replacing it by a new cache would lose the context the next
+    call must see. Converting the object in place keeps its identity: every
+    later call, and the user's own ``get_seq_length()``, see the FP8 context.
+    The object was empty, so nothing it held is lost; ``generate``'s mark of a
+    user-provided cache is kept.
+    """
+    marks = {k: v for k, v in vars(cache).items() if k == "_is_user_defined"}
+    fresh = KVQuantCache(model)
+    cache.__class__ = KVQuantCache
+    vars(cache).clear()
+    vars(cache).update(vars(fresh))
+    vars(cache).update(marks)
+    for layer in cache.layers:
+        layer.cache = cache
+    adopted: KVQuantCache = cache
+    return adopted
+
+
+def _refuse_cache(cache: Any, name: str) -> None:
+    """Raise :class:`CacheUsageError` for a cache kvquant's attention cannot read."""
+    from transformers.cache_utils import DynamicCache
+
+    kind = type(cache).__name__
+    fix = (
+        "Fix: pass handle.new_cache() (or an empty DynamicCache, which kvquant converts), or no "
+        "cache at all (generate then builds kvquant's), or handle.remove() to run without kvquant."
+    )
+    if getattr(cache, "offloading", False):
+        raise CacheUsageError(
+            f"{name}: got an offloaded {kind} (cache_implementation='offloaded' or "
+            "offloading=True); kvquant's FP8 pages stay on the model's device and cannot be "
+            f"offloaded. {fix}"
+        )
+    if type(cache) is DynamicCache:
+        raise CacheUsageError(
+            f"{name}: got a DynamicCache that already holds {cache.get_seq_length()} positions in "
+            "the model's dtype (filled without kvquant); kvquant's attention reads only its own "
+            "FP8 pages and cannot continue from it. Fix: start from handle.new_cache() (or an "
+            "empty DynamicCache) and run the prompt again with the patched model."
+        )
+    raise CacheUsageError(
+        f"{name}: got a {kind} (e.g. cache_implementation='static' or 'quantized'); kvquant's "
+        "attention reads only its own FP8 pages (a KVQuantCache), and a forward over another "
+        f"cache would attend without kvquant and without the mask that cache needs. {fix} "
+        "For a static decode step use kvquant.patch(model, cuda_graphs=True)."
+    )
+
+
 def _make_injector(model: nn.Module, state: PatchState) -> Any:
     from transformers.cache_utils import DynamicCache
 
@@ -424,21 +526,75 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
             else ("past_key_values" if "past_key_values" in kwargs else None)
         )
         current = kwargs.get(key) if key else None
-        if current is None:
-            replace = True
+        grad = _grad_flows(module, kwargs)
+        name = state.model_name
+        if isinstance(current, KVQuantCache):
+            if grad:
+                raise UnsupportedModelError(
+                    f"{name}: a forward with gradients (torch.is_grad_enabled() and trainable "
+                    "weights or inputs) over a kvquant cache: FP8 pages carry no gradient, so the "
+                    "K/V projections would get wrong gradients. Nothing was written. Fix: run "
+                    "inference under torch.no_grad() / torch.inference_mode() (generate does), or "
+                    "train with use_cache=False and no cache (kvquant then runs the model's own "
+                    "attention on bf16 K/V, exactly)."
+                )
+            cache = current
+        elif current is None:
+            if grad or not _wants_cache(kwargs, state.text_config):
+                return None  # no kvquant cache: the model's own attention on bf16 K/V
+            cache = KVQuantCache(model)
+        elif grad and type(current) is DynamicCache and not getattr(current, "offloading", False):
+            return None  # training over the user's bf16 cache: exactly the unpatched model
+        elif (
+            type(current) is DynamicCache
+            and not getattr(current, "offloading", False)
+            and current.get_seq_length() == 0
+        ):
+            cache = _adopt_dynamic_cache(current, model)
         else:
-            replace = (
-                type(current) is DynamicCache
-                and current.get_seq_length() == 0
-                and not getattr(current, "_is_user_defined", False)
+            _refuse_cache(current, name)
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = getattr(state.text_config, "output_attentions", False)
+        if output_attentions:
+            raise UnsupportedModelError(
+                f"{name}: output_attentions=True with kvquant's cache; the paged FP8 kernels never "
+                "form the attention-weight matrix. Nothing was written. Fix: pass "
+                "output_attentions=False, or use_cache=False for that forward (kvquant then runs "
+                "the model's own attention, which returns the weights)."
             )
-        if not replace:
+        cache.rollback_point = cache.get_seq_length()
+        if cache is current:
             return None
         kwargs = dict(kwargs)
-        kwargs[key or state.raw_context.get("cache_kwarg", "cache")] = KVQuantCache(model)
+        kwargs[key or state.raw_context.get("cache_kwarg", "cache")] = cache
         return args, kwargs
 
     return inject
+
+
+def _make_rollback(model: nn.Module, state: PatchState) -> Any:
+    """Decoder forward hook (``always_call``): a failed forward leaves the cache as it found it.
+
+    The cache's layers store a call's tokens one layer after the other; a
+    forward that raises in a later layer (a refused mask in a sliding-window
+    layer, a bad input, an out-of-memory error) would leave the earlier layers
+    longer than the rest. The injector records the cache's length before the
+    forward; this hook crops every layer back to it when the forward raised
+    (torch then calls it with ``output=None``).
+    """
+
+    def rollback(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, KVQuantCache):
+            return
+        point, cache.rollback_point = cache.rollback_point, None
+        if output is None and point is not None:
+            cache.truncate(point)
+
+    return rollback
 
 
 # ---------------------------------------------------------------------- apply / undo
@@ -487,8 +643,16 @@ def _install_graph_runner(model: nn.Module, state: PatchState) -> None:
 
 
 def _module_device(mod: nn.Module) -> torch.device:
+    """Where ``mod``'s scale buffers go: its weights' device, CPU for weights on ``meta``.
+
+    accelerate's ``device_map`` offload leaves offloaded weights on ``meta`` and
+    loads them for each forward; a buffer registered on ``meta`` would hold no
+    data and ``save_pretrained`` could not write it. kvquant's attention reads
+    its own copy of the scales (beside the pages), so a CPU buffer serves
+    ``state_dict()`` and saving.
+    """
     for p in mod.parameters():
-        return p.device
+        return torch.device("cpu") if p.device.type == "meta" else p.device
     return torch.device("cpu")
 
 
@@ -568,6 +732,10 @@ def apply_patch(
     try:
         _install_scales(state)
         for site in sites:
+            prev_fb = site.module.__dict__.get(_attention.FALLBACK_ATTR, _MISSING)
+            state.saved_attrs.append((site.module, _attention.FALLBACK_ATTR, prev_fb, "attr"))
+            site.module.__dict__[_attention.FALLBACK_ATTR] = previous
+        for site in sites:
             state.handles.append(
                 site.module.register_forward_pre_hook(_grab_cache, with_kwargs=True)
             )
@@ -575,6 +743,11 @@ def apply_patch(
         decoder = getattr(model, "base_model", model)
         state.handles.append(
             decoder.register_forward_pre_hook(_make_injector(model, state), with_kwargs=True)
+        )
+        state.handles.append(
+            decoder.register_forward_hook(
+                _make_rollback(model, state), with_kwargs=True, always_call=True
+            )
         )
         if opts.cuda_graphs is not False:
             _install_graph_runner(model, state)
@@ -658,7 +831,7 @@ def patch(
         UnsupportedModelError: the family or a feature it uses is not supported.
         ScaleFormatError: the registry rejects the scales (the model is unchanged).
         CheckpointError: ``scales`` names a folder that is not a checkpoint.
-        KVQuantError: a bad option value.
+        CacheUsageError: a bad option value (a ``KVQuantError`` and ``ValueError``).
     """
     check_supported(model)
     sites = find_attention_sites(model)
