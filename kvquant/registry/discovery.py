@@ -25,21 +25,31 @@ kvquant                ``self_attn.k_scale`` / ``v_scale``         ``quant_metho
 
 from __future__ import annotations
 
-import json
+import os
 import re
-import struct
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from kvquant.checkpoint.files import (
+    TensorInfo,
+    locate_checkpoint,
+    read_json,
+    read_safetensors_header,
+    select_shards,
+)
+from kvquant.checkpoint.findings import Finding
 from kvquant.errors import CheckpointError
 from kvquant.registry.types import LayerGeometry, RawScale, ScaleKind
 
 __all__ = [
+    "MAX_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_LAYERS",
     "DiscoveredCheckpoint",
     "Finding",
     "TensorInfo",
@@ -50,9 +60,14 @@ __all__ = [
     "scale_tensor_infos",
 ]
 
-Severity = Literal["info", "warning", "error"]
+MAX_LAYERS = 4096
+"""Most decoder layers a config may declare (the largest released models have a few hundred)."""
 
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADS = 4096
+"""Most attention heads (query or KV) a config may declare."""
+
+MAX_HEAD_DIM = 4096
+"""Largest ``head_dim`` a config may declare."""
 
 # Name patterns. ``prefix`` is whatever precedes ``layers.N`` (``model.``,
 # ``model.language_model.``, ``transformer.``, ...).
@@ -79,43 +94,6 @@ _ZERO_POINT = re.compile(
 _AFFINE_BIAS = re.compile(_LAYER + r"self_attn\.(?P<kind>[kv])_proj\.(?P=kind)_bias$")
 
 _FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
-
-
-@dataclass(frozen=True)
-class Finding:
-    """A checkpoint-level fact worth telling the user.
-
-    Attributes:
-        severity: ``"info"`` (a fact), ``"warning"`` (loads, but something is
-            lossy or surprising) or ``"error"`` (kvquant would refuse it).
-        code: a short stable identifier, e.g. ``"fp8-weights-modelopt"``.
-        message: one or two sentences: what was found, what it means, the fix.
-    """
-
-    severity: Severity
-    code: str
-    message: str
-
-    def to_dict(self) -> dict[str, str]:
-        """Return the finding as a JSON-ready dict."""
-        return {"severity": self.severity, "code": self.code, "message": self.message}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What a safetensors header says about one tensor (nothing is loaded).
-
-    Attributes:
-        name: tensor name.
-        dtype: safetensors dtype string, e.g. ``"BF16"``, ``"F8_E4M3"``.
-        shape: the stored shape.
-        file: the shard file holding it.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
 
 
 @dataclass(frozen=True)
@@ -165,30 +143,15 @@ class DiscoveredCheckpoint:
 # config
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        with path.open("r", encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"{path} ({what}) could not be read as JSON: {exc}. "
-            "Fix: re-export the checkpoint, or repair the file."
-        ) from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(
-            f"{path} ({what}) holds a JSON {type(data).__name__}, expected an object. "
-            "Fix: re-export the checkpoint."
-        )
-    return data
-
-
-def _positive_int(cfg: Mapping[str, Any], key: str, where: str) -> int | None:
+def _positive_int(cfg: Mapping[str, Any], key: str, where: str, bound: int) -> int | None:
     value = cfg.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= bound:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:40]}..."
         raise CheckpointError(
-            f"{where}: {key} is {value!r}, expected a positive integer. Fix: correct config.json."
+            f"{where}: {key} is {shown}, expected an integer from 1 to {bound}. "
+            "Fix: correct config.json (use the config the weights were saved with)."
         )
     return value
 
@@ -212,8 +175,8 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
     text = config.get("text_config")
     if isinstance(text, Mapping) and "num_hidden_layers" in text:
         config, where = text, f"{where} text_config"
-    layers = _positive_int(config, "num_hidden_layers", where)
-    heads = _positive_int(config, "num_attention_heads", where)
+    layers = _positive_int(config, "num_hidden_layers", where, MAX_LAYERS)
+    heads = _positive_int(config, "num_attention_heads", where, MAX_HEADS)
     if layers is None or heads is None:
         missing = [k for k in ("num_hidden_layers", "num_attention_heads") if config.get(k) is None]
         raise CheckpointError(
@@ -221,15 +184,21 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
             "counts. Fix: point at a transformers decoder checkpoint (a folder whose config.json "
             "has num_hidden_layers and num_attention_heads)."
         )
-    kv_heads = _positive_int(config, "num_key_value_heads", where) or heads
-    head_dim = _positive_int(config, "head_dim", where)
+    kv_heads = _positive_int(config, "num_key_value_heads", where, MAX_HEADS) or heads
+    head_dim = _positive_int(config, "head_dim", where, MAX_HEAD_DIM)
     if head_dim is None:
-        hidden = _positive_int(config, "hidden_size", where)
+        hidden = _positive_int(config, "hidden_size", where, MAX_HEADS * MAX_HEAD_DIM)
         if hidden is None:
             raise CheckpointError(
                 f"{where} has neither head_dim nor hidden_size. Fix: add head_dim to config.json."
             )
         head_dim = hidden // heads
+        if not 0 < head_dim <= MAX_HEAD_DIM:
+            raise CheckpointError(
+                f"{where}: hidden_size={hidden} / num_attention_heads={heads} gives head_dim "
+                f"{head_dim}, expected 1 to {MAX_HEAD_DIM}. Fix: add the right head_dim to "
+                "config.json."
+            )
     if heads % kv_heads != 0:
         raise CheckpointError(
             f"{where}: num_attention_heads={heads} is not a multiple of "
@@ -241,90 +210,7 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
 
 
 # ---------------------------------------------------------------------------
-# safetensors headers
-
-
-def _read_header(file: Path) -> dict[str, Any]:
-    """Parse a safetensors header (8-byte little-endian length, then JSON)."""
-    try:
-        with file.open("rb") as fh:
-            raw_len = fh.read(8)
-            if len(raw_len) != 8:
-                raise CheckpointError(
-                    f"{file} is too short to be a safetensors file ({len(raw_len)} bytes). "
-                    "Fix: re-download or re-export the shard."
-                )
-            (length,) = struct.unpack("<Q", raw_len)
-            if length == 0 or length > _MAX_HEADER_BYTES:
-                raise CheckpointError(
-                    f"{file} declares a {length}-byte safetensors header, expected 1 byte to "
-                    f"{_MAX_HEADER_BYTES}. Fix: the file is corrupt; re-download or re-export it."
-                )
-            blob = fh.read(length)
-    except OSError as exc:
-        raise CheckpointError(f"{file} could not be read: {exc}.") from exc
-    if len(blob) != length:
-        raise CheckpointError(
-            f"{file} ends inside its safetensors header ({len(blob)} of {length} bytes). "
-            "Fix: the file is truncated; re-download or re-export it."
-        )
-    try:
-        header = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"{file} has an unreadable safetensors header ({exc}). Fix: re-export the shard."
-        ) from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file} has a safetensors header that is not a JSON object.")
-    return header
-
-
-def _shard_files(root: Path) -> tuple[Path, ...]:
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        data = _read_json(index, "safetensors index")
-        weight_map = data.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(
-                f"{index} has no weight_map. Fix: re-export the checkpoint with save_pretrained."
-            )
-        names = sorted({str(v) for v in weight_map.values()})
-        files = tuple(root / n for n in names)
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{index} lists shard(s) {missing} that are not in {root}. "
-                "Fix: download every shard of the checkpoint."
-            )
-        return files
-    files = tuple(sorted(root.glob("*.safetensors")))
-    if not files:
-        raise CheckpointError(
-            f"{root} has no *.safetensors file; kvquant reads safetensors checkpoints only. "
-            "Fix: re-save the model with save_pretrained() (safetensors is the default)."
-        )
-    return files
-
-
-def _read_headers(files: Iterable[Path]) -> dict[str, TensorInfo]:
-    infos: dict[str, TensorInfo] = {}
-    for file in files:
-        header = _read_header(file)
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            if not isinstance(entry, dict) or "dtype" not in entry or "shape" not in entry:
-                raise CheckpointError(
-                    f"{file}: the header entry for {name} has no dtype/shape. "
-                    "Fix: the shard is corrupt; re-export it."
-                )
-            infos[name] = TensorInfo(
-                name=name,
-                dtype=str(entry["dtype"]),
-                shape=tuple(int(d) for d in entry["shape"]),
-                file=str(file),
-            )
-    return infos
+# safetensors
 
 
 def _load_tensors(names_by_file: Mapping[str, list[str]]) -> dict[str, torch.Tensor]:
@@ -337,7 +223,7 @@ def _load_tensors(names_by_file: Mapping[str, list[str]]) -> dict[str, torch.Ten
             with safetensors.safe_open(file, framework="pt", device="cpu") as fh:
                 for name in names:
                     out[name] = fh.get_tensor(name)
-        except Exception as exc:  # safetensors raises its own error types
+        except (safetensors.SafetensorError, OSError, ValueError, TypeError, RuntimeError) as exc:
             raise CheckpointError(
                 f"{file}: could not read the scale tensors {names[:4]}"
                 f"{' ...' if len(names) > 4 else ''}: {exc}. Fix: re-export the shard."
@@ -740,7 +626,10 @@ def _quark_findings(raws: list[RawScale], qcfg: Mapping[str, Any] | None) -> lis
     pairs = [d for d in by_layer.values() if "k" in d and "v" in d]
     if pairs:
         identical = all(
-            d["k"].shape == d["v"].shape and bool(torch.equal(d["k"], d["v"])) for d in pairs
+            d["k"].shape == d["v"].shape
+            and d["k"].dtype == d["v"].dtype
+            and bool(torch.equal(d["k"].to(torch.float64), d["v"].to(torch.float64)))
+            for d in pairs
         )
         if not _quark_post_rope(qcfg) and not identical:
             found.append(
@@ -754,24 +643,30 @@ def _quark_findings(raws: list[RawScale], qcfg: Mapping[str, Any] | None) -> lis
     return found
 
 
-def discover_scales(path: str | Path) -> DiscoveredCheckpoint:
+def discover_scales(path: str | Path, *, revision: str | None = None) -> DiscoveredCheckpoint:
     """Discover the KV scales of a checkpoint folder, loading only the scale tensors.
 
     Reads ``config.json`` (geometry; ``text_config`` for multimodal configs),
-    ``hf_quant_config.json`` when present, every safetensors header (single
-    file, or the shards named by ``model.safetensors.index.json``), decides the
-    producer from the config first and the tensor names second, and loads only
-    the tensors whose names are KV scales. Values are not judged here.
+    ``hf_quant_config.json`` when present, and the safetensors headers of the
+    files transformers reads (the shards ``model.safetensors.index.json``
+    names, else ``model.safetensors`` alone; see
+    :func:`kvquant.checkpoint.select_shards`), decides the producer from the
+    config first and the tensor names second, and loads only the tensors whose
+    names are KV scales. Values are not judged here. Every file is untrusted:
+    see :mod:`kvquant.checkpoint.files` for the bounds.
 
     Args:
-        path: a checkpoint folder (or its ``config.json``).
+        path: a checkpoint folder (or its ``config.json``), or a hub id found
+            in the local Hugging Face cache (nothing is downloaded).
+        revision: the hub revision when ``path`` is a hub id.
 
     Returns:
         A :class:`DiscoveredCheckpoint` with the raw scales and checkpoint-level findings.
 
     Raises:
-        CheckpointError: the path does not exist, is not a checkpoint (no
-            ``config.json`` or no ``*.safetensors``), or a header is unreadable.
+        CheckpointError: the path does not exist (and is not a cached hub
+            model), is not a checkpoint (no ``config.json``, no safetensors
+            weights), or a file is malformed, special or outside the folder.
 
     Example:
         >>> import tempfile
@@ -781,25 +676,14 @@ def discover_scales(path: str | Path) -> DiscoveredCheckpoint:
         ...     print(ckpt.producer, [(s.layer, s.kind) for s in ckpt.scales])
         modelopt [(0, 'k'), (0, 'v'), (1, 'k'), (1, 'v')]
     """
-    root = Path(path)
-    if root.is_file() and root.name == "config.json":
-        root = root.parent
-    if not root.exists():
-        raise CheckpointError(
-            f"{root} does not exist. Fix: pass the folder of a saved checkpoint "
-            "(the one holding config.json and *.safetensors)."
-        )
-    if not root.is_dir():
-        raise CheckpointError(
-            f"{root} is a file, expected a checkpoint folder holding config.json and *.safetensors."
-        )
+    root = locate_checkpoint(path, revision=revision)
     config_path = root / "config.json"
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise CheckpointError(
             f"{root} has no config.json, so it is not a transformers checkpoint. "
             "Fix: pass the folder written by save_pretrained (or snapshot_download)."
         )
-    config = _read_json(config_path, "config.json")
+    config = read_json(config_path, "config.json")
     geometry = read_geometry(config, str(config_path))
     qcfg_raw = config.get("quantization_config")
     if qcfg_raw is None and isinstance(config.get("text_config"), Mapping):
@@ -807,11 +691,12 @@ def discover_scales(path: str | Path) -> DiscoveredCheckpoint:
     qcfg: dict[str, Any] | None = dict(qcfg_raw) if isinstance(qcfg_raw, Mapping) else None
     hf_quant_path = root / "hf_quant_config.json"
     hf_quant = (
-        _read_json(hf_quant_path, "hf_quant_config.json") if hf_quant_path.is_file() else None
+        read_json(hf_quant_path, "hf_quant_config.json") if os.path.lexists(hf_quant_path) else None
     )
 
-    files = _shard_files(root)
-    infos = _read_headers(files)
+    selection = select_shards(root)
+    files = selection.files
+    infos = selection.tensors
     producer_cfg = _producer_from_config(qcfg, hf_quant)
     matches, findings, weight_dtypes = _classify(infos, geometry)
 
@@ -871,6 +756,7 @@ def discover_scales(path: str | Path) -> DiscoveredCheckpoint:
                     + "; kvquant falls back to --missing-scales (default: dynamic fp32-group scales).",
                 )
             )
+    all_findings.extend(selection.findings)
     all_findings.extend(findings)
     all_findings.extend(_quark_findings(raws, qcfg))
     all_findings.extend(_weight_findings(producer, qcfg, hf_quant, weight_dtypes))
@@ -917,14 +803,12 @@ def scale_tensor_infos(files: Iterable[str | Path]) -> dict[str, TensorInfo]:
     Raises:
         CheckpointError: a file is missing or its header is unreadable.
     """
-    paths = [Path(f) for f in files]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise CheckpointError(
-            f"safetensors file(s) {missing} do not exist. Fix: pass the checkpoint's shard files."
-        )
-    infos = _read_headers(paths)
-    return {name: info for name, info in infos.items() if match_scale_name(name) is not None}
+    out: dict[str, TensorInfo] = {}
+    for file in files:
+        for name, info in read_safetensors_header(file).items():
+            if match_scale_name(name) is not None:
+                out[name] = info
+    return out
 
 
 def raw_scales_from_state_dict(
