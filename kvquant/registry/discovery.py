@@ -55,6 +55,7 @@ __all__ = [
     "TensorInfo",
     "discover_scales",
     "match_scale_name",
+    "raw_scales_from_mapping",
     "raw_scales_from_state_dict",
     "read_geometry",
     "scale_tensor_infos",
@@ -809,6 +810,45 @@ def scale_tensor_infos(files: Iterable[str | Path]) -> dict[str, TensorInfo]:
             if match_scale_name(name) is not None:
                 out[name] = info
     return out
+
+
+def raw_scales_from_mapping(
+    mapping: Mapping[str, Any], where: str = "scales"
+) -> list[RawScale]:
+    """The raw KV scales of an explicit ``{tensor_name: tensor}`` mapping (``patch(scales=...)``).
+
+    Unlike :func:`raw_scales_from_state_dict`, a mapping that names no KV scale
+    kvquant recognises (a typo, an empty dict) is an error, not "no scales".
+
+    Args:
+        mapping: tensor name -> tensor, producer names (other tensors are ignored).
+        where: how to name the mapping in messages.
+
+    Returns:
+        The raw scales, sorted by (layer, kind).
+
+    Raises:
+        ScaleFormatError: a value is not a tensor, or no name is a KV scale.
+    """
+    from kvquant.errors import ScaleFormatError
+
+    for name, t in mapping.items():
+        if not isinstance(t, torch.Tensor):
+            raise ScaleFormatError(
+                f"{where}[{name!r}] is a {type(t).__name__}; expected a torch.Tensor. "
+                "Fix: pass {tensor_name: tensor}."
+            )
+    raws = raw_scales_from_state_dict(mapping)
+    if not raws:
+        names = sorted(str(n) for n in mapping)
+        shown = f"{len(names)} name(s), e.g. {names[:3]}" if names else "an empty mapping"
+        raise ScaleFormatError(
+            f"{where} names no tensor kvquant recognises as a KV scale (got {shown}); expected "
+            "producer names such as model.layers.0.self_attn.k_scale / v_scale, "
+            "self_attn.k_proj.k_scale, self_attn.k_proj.output_scale or self_attn.kv_scale. "
+            "Fix: correct the names, or leave scales unset to read the model's own checkpoint."
+        )
+    return raws
 
 
 def raw_scales_from_state_dict(

@@ -51,7 +51,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kvquant.errors import KVQuantError
+from kvquant.errors import BackendError
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer, StaticStep
 
 __all__ = ["DecodeGraph", "DecodeGraphRunner", "GraphStats", "left_padding_starts"]
@@ -312,7 +312,7 @@ class DecodeGraphRunner:
         except Exception as err:
             torch.cuda.set_stream(stream)
             gen.graphsafe_set_state(rng)
-            raise KVQuantError(
+            raise BackendError(
                 f"kvquant: capturing the decode step of {type(self.model).__name__} in a CUDA "
                 f"graph failed ({type(err).__name__}: {err}). The cache still holds the tokens it "
                 "held. "

@@ -45,7 +45,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kvquant.errors import KVQuantError, ScaleFormatError, UnsupportedModelError
+from kvquant.errors import (
+    OptionError,
+    OptionTypeError,
+    ScaleFormatError,
+    UnsupportedModelError,
+)
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
 from kvquant.integrations.hf.graphs import DecodeGraphRunner
@@ -192,7 +197,7 @@ def _check_options(opts: PatchOptions) -> None:
         if optional and value is None:
             return
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise KVQuantError(
+            raise OptionError(
                 f"kvquant.patch: {name}={value!r}; expected a positive int"
                 + (" or None" if optional else "")
                 + f". Fix: pass {name}=<int >= 1>."
@@ -203,28 +208,17 @@ def _check_options(opts: PatchOptions) -> None:
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
     if not isinstance(opts.cuda_graphs, bool):
-        raise KVQuantError(
+        raise OptionTypeError(
             f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected True or False."
         )
     if opts.backend not in BACKENDS:
-        raise KVQuantError(
+        raise OptionError(
             f"kvquant.patch: backend={opts.backend!r}; expected one of {BACKENDS}. "
             "Fix: pass backend='auto'."
         )
 
 
 # ---------------------------------------------------------------------- scales
-
-
-def _model_folder(model: nn.Module) -> Path | None:
-    name = getattr(model, "name_or_path", None) or getattr(
-        getattr(model, "config", None), "_name_or_path", ""
-    )
-    if name:
-        p = Path(str(name))
-        if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-            return p
-    return None
 
 
 def _in_model_scales(sites: list[AttentionSite]) -> dict[str, torch.Tensor]:
@@ -250,39 +244,41 @@ def gather_raw_scales(
         model: the model.
         sites: its attention modules.
         geometry: its attention geometry.
-        scales: a checkpoint folder, a ``{tensor_name: tensor}`` mapping, or
-            None (the model's own folder ``model.name_or_path``, else scale
-            tensors already on the attention modules, else none).
+        scales: a checkpoint folder or hub id, a ``{tensor_name: tensor}``
+            mapping, or None (the model's own checkpoint, from
+            ``model.name_or_path`` as a folder or through the local Hugging
+            Face cache; else scale tensors already on the attention modules,
+            else none).
 
     Returns:
         ``(raw scales, context for the registry, source description)``.
 
     Raises:
-        CheckpointError: a folder that is not a checkpoint.
-        ScaleFormatError: the folder's geometry does not match the model.
+        CheckpointError: a folder that is not a checkpoint, or the model's own
+            checkpoint cannot be found although its config declares quantization.
+        ScaleFormatError: the folder's geometry does not match the model, or a
+            mapping names no KV scale.
     """
-    from kvquant.registry.discovery import discover_scales, raw_scales_from_state_dict
+    from kvquant.checkpoint.sources import model_checkpoint
+    from kvquant.registry.discovery import (
+        discover_scales,
+        raw_scales_from_mapping,
+        raw_scales_from_state_dict,
+    )
 
     if isinstance(scales, (str, Path)):
         found = discover_scales(scales)
         _check_geometry(found.geometry, geometry, str(scales))
         refuse_error_findings(found, str(scales))
-        return list(found.scales), {"discovered": found}, f"checkpoint {scales}"
+        return list(found.scales), {"discovered": found}, f"checkpoint {found.path}"
     if isinstance(scales, Mapping):
-        tensors = dict(scales)
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise ScaleFormatError(
-                    f"kvquant.patch: scales[{name!r}] is a {type(t).__name__}; expected a "
-                    "torch.Tensor. Fix: pass {tensor_name: tensor}."
-                )
-        return raw_scales_from_state_dict(tensors), {}, "mapping"
+        return raw_scales_from_mapping(scales, "kvquant.patch: scales"), {}, "mapping"
     if scales is not None:
-        raise KVQuantError(
+        raise ScaleFormatError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
             "(str or Path), a {tensor_name: tensor} mapping, or None."
         )
-    folder = _model_folder(model)
+    folder = model_checkpoint(model)
     if folder is not None:
         found = discover_scales(folder)
         _check_geometry(found.geometry, geometry, str(folder))
@@ -323,7 +319,7 @@ def _layer_specs(
 ) -> list[LayerSpec]:
     layers = list(model_scales.layers)
     if len(layers) != len(sites):
-        raise KVQuantError(
+        raise UnsupportedModelError(
             f"the registry resolved {len(layers)} layers of scales for {len(sites)} attention "
             "layers."
         )
