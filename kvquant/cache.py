@@ -475,10 +475,13 @@ class PagedLayerStorage:
                     "them, or pass granularity='per-tensor' / 'per-head'."
                 )
             g = min(64, head_dim) if group_size is None else group_size
+            while group_size is None and head_dim % g:
+                g //= 2
             if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or head_dim % g:
+                divisors = [d for d in (8, 16, 32, 64, 128) if head_dim % d == 0] or [head_dim]
                 raise CacheUsageError(
                     f"{name}: group_size={g!r} does not divide head_dim {head_dim}. "
-                    "Fix: pass a group_size that divides the head dim (e.g. 32 or 64)."
+                    f"Fix: pass a group_size that divides the head dim (e.g. one of {divisors})."
                 )
             self.group_size = g
             gshape = (*shape[:3], head_dim // g)

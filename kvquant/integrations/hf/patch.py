@@ -81,6 +81,8 @@ class PatchOptions:
         scale_format: registry format name or ``"auto"``.
         missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"`` (registry policy).
         group_size: ``G`` of the dynamic ``fp32-group`` format.
+        missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
+        rope_policy: K calibrated before RoPE: ``"widen"`` or ``"keep"``.
         backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
         page_size: token slots per page.
         max_cache_tokens: token slots of a cache (whole batch), or None.
@@ -92,6 +94,8 @@ class PatchOptions:
     scale_format: str = "auto"
     missing_scales: str = "dynamic"
     group_size: int | None = None
+    missing_kv: str = "error"
+    rope_policy: str = "widen"
     backend: str = "auto"
     page_size: int = 16
     max_cache_tokens: int | None = None
@@ -170,10 +174,19 @@ class KVQuantHandle:
         )
 
     def remove(self) -> None:
-        """Undo the patch: hooks, buffers, attributes and attention implementation (idempotent)."""
+        """Undo the patch: hooks, buffers, attributes and attention implementation (idempotent).
+
+        A model loaded with ``quantization_config=KVQuantConfig()`` also loses
+        that config and its quantizer (transformers'
+        ``HfQuantizer.remove_quantization_config``), so it saves and reloads as
+        a plain model.
+        """
         if not self.active:
             return
         _unpatch(self._model, self.state)
+        quantizer = self.state.raw_context.get("quantizer")
+        if quantizer is not None:
+            quantizer.remove_quantization_config(self._model)
 
     def __enter__(self) -> KVQuantHandle:
         return self
@@ -358,6 +371,8 @@ def resolve(
         scale_format=opts.scale_format,
         missing_scales=opts.missing_scales,
         group_size=opts.group_size,
+        missing_kv=opts.missing_kv,
+        rope_policy=opts.rope_policy,
     )
 
 
@@ -426,6 +441,23 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
 # ---------------------------------------------------------------------- apply / undo
 
 
+def _canonical_state_dict_hook(spec: LayerSpec) -> Any:
+    """A ``state_dict`` post-hook writing the canonical fp32 scales, whatever the buffers became.
+
+    ``model.to(torch.float16)`` casts every floating buffer, so a 1e-10 scale
+    would be saved as 0.0 and 0.0123 as its bf16 rounding; the saved scales are
+    the exact canonical fp32 ones instead (on the buffer's device).
+    """
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any) -> None:
+        for attr, value in (("k_scale", spec.k_scale), ("v_scale", spec.v_scale)):
+            key = prefix + attr
+            if value is not None and key in state_dict:
+                state_dict[key] = value.to(device=state_dict[key].device, dtype=torch.float32)
+
+    return hook
+
+
 def _install_scales(state: PatchState) -> None:
     for site, spec in zip(state.sites, state.layer_specs, strict=True):
         mod = site.module
@@ -449,6 +481,10 @@ def _install_scales(state: PatchState) -> None:
                 buf = value.to(device=device, dtype=torch.float32).clone()
                 buf._kvq_canonical = True  # type: ignore[attr-defined]
                 mod.register_buffer(attr, buf, persistent=True)
+        if spec.k_scale is not None or spec.v_scale is not None:
+            state.handles.append(
+                mod.register_state_dict_post_hook(_canonical_state_dict_hook(spec))
+            )
         if hasattr(mod, "kv_cache"):
             # compressed-tensors' own KV fake-quant hook (transformers 5.17): K/V would be
             # rounded twice. Keep its hook (it forwards to our cache), switch its quantization off.
@@ -592,6 +628,8 @@ def patch(
     scale_format: str = "auto",
     missing_scales: str = "dynamic",
     group_size: int | None = None,
+    missing_kv: str = "error",
+    rope_policy: str = "widen",
     backend: str = "auto",
     page_size: int = 16,
     max_cache_tokens: int | None = None,
@@ -612,7 +650,12 @@ def patch(
             ``"per-head"``, ``"fp32-group"`` or a registered name).
         missing_scales: ``"dynamic"`` (fp32-group scales computed as tokens
             are written), ``"error"`` or ``"unit"``.
-        group_size: ``G`` of the ``fp32-group`` format; default 64 capped at head_dim.
+        group_size: ``G`` of the ``fp32-group`` format; default 64 capped at
+            head_dim, halved until it divides head_dim.
+        missing_kv: a layer with only a K or only a V scale: ``"error"``
+            (default) or ``"reuse"`` (the one present serves both, noted).
+        rope_policy: K scales calibrated before RoPE (Quark's default):
+            ``"widen"`` (by sqrt(2), default) or ``"keep"``.
         backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
             ``"triton"`` or ``"torch"``.
         page_size: token slots per page.
@@ -654,6 +697,8 @@ def patch(
         scale_format=scale_format,
         missing_scales=missing_scales,
         group_size=group_size,
+        missing_kv=missing_kv,
+        rope_policy=rope_policy,
         backend=backend,
         page_size=page_size,
         max_cache_tokens=max_cache_tokens,

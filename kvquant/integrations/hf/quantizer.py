@@ -76,6 +76,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         scale_format: registry format name or ``"auto"``.
         missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"``.
         group_size: ``G`` of the dynamic ``fp32-group`` format.
+        missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
+        rope_policy: K calibrated before RoPE: ``"widen"`` or ``"keep"``.
         backend: kernel backend (``"auto"``, ``"triton"``, ``"torch"``).
         page_size: token slots per page.
         max_cache_tokens: token slots of each cache (whole batch), or None.
@@ -95,6 +97,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         scale_format: str = "auto",
         missing_scales: str = "dynamic",
         group_size: int | None = None,
+        missing_kv: str = "error",
+        rope_policy: str = "widen",
         backend: str = "auto",
         page_size: int = 16,
         max_cache_tokens: int | None = None,
@@ -106,6 +110,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.scale_format = scale_format
         self.missing_scales = missing_scales
         self.group_size = group_size
+        self.missing_kv = missing_kv
+        self.rope_policy = rope_policy
         self.backend = backend
         self.page_size = page_size
         self.max_cache_tokens = max_cache_tokens
@@ -119,6 +125,8 @@ class KVQuantConfig(QuantizationConfigMixin):
             scale_format=self.scale_format,
             missing_scales=self.missing_scales,
             group_size=self.group_size,
+            missing_kv=self.missing_kv,
+            rope_policy=self.rope_policy,
             backend=self.backend,
             page_size=self.page_size,
             max_cache_tokens=self.max_cache_tokens,
@@ -134,6 +142,8 @@ class KVQuantConfig(QuantizationConfigMixin):
             "scale_format": self.scale_format,
             "missing_scales": self.missing_scales,
             "group_size": self.group_size,
+            "missing_kv": self.missing_kv,
+            "rope_policy": self.rope_policy,
             "backend": self.backend,
             "page_size": self.page_size,
             "max_cache_tokens": self.max_cache_tokens,
