@@ -187,8 +187,8 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
         )
     kv_heads = _positive_int(config, "num_key_value_heads", where, MAX_HEADS) or heads
     head_dim = _positive_int(config, "head_dim", where, MAX_HEAD_DIM)
+    hidden = _positive_int(config, "hidden_size", where, MAX_HEADS * MAX_HEAD_DIM)
     if head_dim is None:
-        hidden = _positive_int(config, "hidden_size", where, MAX_HEADS * MAX_HEAD_DIM)
         if hidden is None:
             raise CheckpointError(
                 f"{where} has neither head_dim nor hidden_size. Fix: add head_dim to config.json."
@@ -628,7 +628,6 @@ def _quark_findings(raws: list[RawScale], qcfg: Mapping[str, Any] | None) -> lis
     if pairs:
         identical = all(
             d["k"].shape == d["v"].shape
-            and d["k"].dtype == d["v"].dtype
             and bool(torch.equal(d["k"].to(torch.float64), d["v"].to(torch.float64)))
             for d in pairs
         )

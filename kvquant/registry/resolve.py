@@ -324,7 +324,12 @@ def _raw_stats(raw: RawScale) -> _Stats:
     if not isinstance(tensor, torch.Tensor):
         return _Stats()
     stats = _Stats(shape=tuple(int(s) for s in tensor.shape), dtype=_dtype_name(tensor.dtype))
-    if tensor.numel() == 0 or tensor.device.type == "meta" or tensor.dtype.is_complex:
+    if (
+        tensor.numel() == 0
+        or tensor.device.type == "meta"
+        or tensor.dtype.is_complex
+        or tensor.layout != torch.strided
+    ):
         return stats
     try:
         values = tensor.detach().to(device="cpu", dtype=torch.float64)
