@@ -426,7 +426,7 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
             )
         return local
     text = str(path)
-    if isinstance(path, Path) or not _HUB_ID.match(text) or ".." in text:
+    if not _HUB_ID.match(text) or ".." in text:
         raise CheckpointError(
             f"{local} does not exist. Fix: pass the folder of a saved checkpoint (the one "
             "holding config.json and model.safetensors), or a hub id in the local Hugging Face "
