@@ -287,7 +287,7 @@ def gather_raw_scales(
     if isinstance(scales, Mapping):
         return raw_scales_from_mapping(scales, "kvquant.patch: scales"), {}, "mapping"
     if scales is not None:
-        raise ScaleFormatError(
+        raise OptionTypeError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
             "(str or Path), a {tensor_name: tensor} mapping, or None."
         )
