@@ -160,9 +160,7 @@ def _same(a: Outcome, b: Outcome, door: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CATALOGUE))
-def test_four_doors_agree(
-    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_four_doors_agree(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
     entry = CATALOGUE[name]
     path = entry.write(tmp_path / name)
     reference = _doctor(path, capsys)
@@ -173,3 +171,69 @@ def test_four_doors_agree(
         for k, v in reference.scales:
             for t in (k, v):
                 assert t is not None and bool(torch.isfinite(t).all()) and bool((t > 0).all())
+
+
+_MODEL: list[Any] = []
+
+
+def _shared_tiny_llama() -> Any:
+    if not _MODEL:
+        from hf_tiny import build
+
+        _MODEL.append(build("llama"))
+    return _MODEL[0]
+
+
+def test_fuzzed_checkpoints_patch_agrees_with_the_doctor() -> None:
+    """patch(model, scales=folder) on fuzzed folders: same decision and scales as the doctor."""
+    import tempfile
+    from datetime import timedelta
+
+    from hypothesis import HealthCheck, given, settings
+    from test_fuzz_checkpoints import checkpoints, write_spec
+
+    from kvquant.registry.discovery import discover_scales
+    from kvquant.registry.types import LayerGeometry
+
+    model = _shared_tiny_llama()
+    geometry = LayerGeometry(2, 4, 2, 16)
+
+    @settings(
+        max_examples=60,
+        deadline=timedelta(seconds=5),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(spec=checkpoints(num_layers=2, num_kv_heads=2))
+    def run(spec: dict[str, Any]) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            root = Path(d)
+            write_spec(root, spec)
+            try:
+                report = inspect_checkpoint(root)
+                same_geometry = discover_scales(root).geometry == geometry
+            except CheckpointError:
+                report, same_geometry = None, True
+            try:
+                handle = kvhf.patch(model, scales=root, backend="torch")
+            except KVQuantError as exc:
+                assert not hasattr(model, "_kvquant_state")
+                if not same_geometry:
+                    return
+                if report is None:
+                    assert isinstance(exc, CheckpointError)
+                else:
+                    assert isinstance(exc, ScaleFormatError) and not report.ok
+                return
+            try:
+                assert report is not None and report.ok and same_geometry
+                for layer, spec_ in zip(
+                    report.scales.layers, handle.state.layer_specs, strict=True
+                ):
+                    for want, got in ((layer.k, spec_.k_scale), (layer.v, spec_.v_scale)):
+                        assert (want is None) == (got is None)
+                        if want is not None:
+                            assert torch.equal(want, got)
+            finally:
+                handle.remove()
+
+    run()
