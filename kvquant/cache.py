@@ -378,7 +378,8 @@ class PagedLayerStorage:
             ``v_scale``) or ``"fp32-group"`` (dynamic: one fp32 scale per token,
             KV head and group of ``group_size`` elements, computed on write).
         group_size: ``G`` for ``fp32-group``; must divide ``head_dim``; default
-            ``min(64, head_dim)``. Must be None for static granularities.
+            ``min(64, head_dim)``, halved until it divides ``head_dim`` (80 -> 16). Must
+            be None for static granularities.
         k_scale: fp32 ``[]`` (per-tensor) or ``[Hkv]`` (per-head) K scale;
             None for ``fp32-group``. Copied to fp32 on ``device`` once.
         v_scale: like ``k_scale`` for V.
