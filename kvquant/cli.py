@@ -264,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and why. Exit code: 0 the checkpoint would load, 1 a layer (or the checkpoint) "
         "would be rejected, 2 usage error (missing path, not a checkpoint).",
     )
-    doctor.add_argument("path", help="checkpoint folder (holding config.json and *.safetensors)")
+    doctor.add_argument(
+        "path",
+        help="checkpoint folder (holding config.json and model.safetensors), or a hub id in the "
+        "local Hugging Face cache",
+    )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument(
         "--scale-format",
@@ -329,7 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
         "copied); shards holding scales are re-saved with every other tensor unchanged. "
         "Exit code: 0 written, 1 refused (nothing written), 2 usage error.",
     )
-    export.add_argument("path", help="source checkpoint folder (config.json + *.safetensors)")
+    export.add_argument(
+        "path",
+        help="source checkpoint folder (config.json + model.safetensors), or a hub id in the local HF cache",
+    )
     export.add_argument(
         "--engine", required=True, choices=("vllm", "sglang", "tensorrt-llm"), help="target engine"
     )
