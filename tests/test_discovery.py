@@ -396,7 +396,7 @@ def test_no_config(tmp_path: Path) -> None:
 def test_no_safetensors(tmp_path: Path) -> None:
     path = write_checkpoint(tmp_path / "c", convention="none", weights="none")
     (path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="no model.safetensors or"):
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors or"):
         discover_scales(path)
 
 

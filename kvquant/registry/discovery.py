@@ -811,9 +811,7 @@ def scale_tensor_infos(files: Iterable[str | Path]) -> dict[str, TensorInfo]:
     return out
 
 
-def raw_scales_from_mapping(
-    mapping: Mapping[str, Any], where: str = "scales"
-) -> list[RawScale]:
+def raw_scales_from_mapping(mapping: Mapping[str, Any], where: str = "scales") -> list[RawScale]:
     """The raw KV scales of an explicit ``{tensor_name: tensor}`` mapping (``patch(scales=...)``).
 
     Unlike :func:`raw_scales_from_state_dict`, a mapping that names no KV scale
