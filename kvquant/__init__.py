@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "LayerScales": "kvquant.registry",
     "ModelScales": "kvquant.registry",
     "RawScale": "kvquant.registry",
+    "ResolveOptions": "kvquant.registry",
     "ScaleFormat": "kvquant.registry",
     "ScaleRecord": "kvquant.registry",
     "analyze_scales": "kvquant.registry",

@@ -54,13 +54,14 @@ _DOCTOR_OPTIONS = ("scale_format", "missing_scales", "missing_kv", "group_size",
 
 
 def _doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from kvquant.registry.options import ResolveOptions
     from kvquant.report import inspect_checkpoint
 
     options: dict[str, Any] = {
         name: getattr(args, name) for name in _DOCTOR_OPTIONS if getattr(args, name) is not None
     }
     try:
-        report = inspect_checkpoint(args.path, **options)
+        report = inspect_checkpoint(args.path, options=ResolveOptions(**options))
     except KVQuantError as exc:
         # CheckpointError (not a checkpoint) or an option the registry refuses
         print(f"kvquant doctor: error: {exc}", file=err)

@@ -62,6 +62,7 @@ from kvquant.integrations.hf.models import (
     text_config,
 )
 from kvquant.kernels.backend import BACKENDS
+from kvquant.registry.options import ResolveOptions
 from kvquant.registry.types import LayerGeometry, RawScale
 
 __all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
@@ -102,6 +103,17 @@ class PatchOptions:
     num_pages: int | None = None
     cuda_graphs: bool = False
     source: str = ""
+
+    @property
+    def resolve_options(self) -> ResolveOptions:
+        """The registry options of this patch (what ``kvquant doctor`` resolves with)."""
+        return ResolveOptions(
+            scale_format=self.scale_format,
+            missing_scales=self.missing_scales,
+            group_size=self.group_size,
+            missing_kv=self.missing_kv,
+            rope_policy=self.rope_policy,
+        )
 
 
 @dataclass
@@ -365,15 +377,7 @@ def resolve(
     """
     from kvquant.registry import resolve_scales
 
-    return resolve_scales(
-        raw,
-        geometry,
-        scale_format=opts.scale_format,
-        missing_scales=opts.missing_scales,
-        group_size=opts.group_size,
-        missing_kv=opts.missing_kv,
-        rope_policy=opts.rope_policy,
-    )
+    return resolve_scales(raw, geometry, options=opts.resolve_options)
 
 
 # ---------------------------------------------------------------------- hooks
