@@ -44,7 +44,7 @@ _LAZY: dict[str, str] = {
     "resolve_scales": "kvquant.registry",
     "temporary_format": "kvquant.registry",
     # discovery and the doctor's report
-    "discover_scales": "kvquant.registry.discovery",
+    "discover_scales": "kvquant.checkpoint.discovery",
     "CheckpointReport": "kvquant.report",
     "inspect_checkpoint": "kvquant.report",
     # Hugging Face integration (imports transformers on first use)

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import save_file
 
 from kvquant.checkpoint import locate_checkpoint, select_shards
+from kvquant.checkpoint.discovery import discover_scales
 from kvquant.cli import main as cli_main
 from kvquant.errors import CheckpointError, ScaleFormatError
-from kvquant.registry.discovery import discover_scales
 from kvquant.report import inspect_checkpoint
 from kvquant.testing.checkpoints import scale_tensor_name, write_checkpoint, write_hf_cache_entry
 

@@ -10,13 +10,13 @@ import pytest
 import safetensors
 import torch
 
-from kvquant.errors import CheckpointError, KVQuantError
-from kvquant.registry.discovery import (
+from kvquant.checkpoint.discovery import (
     discover_scales,
     match_scale_name,
     raw_scales_from_state_dict,
     read_geometry,
 )
+from kvquant.errors import CheckpointError, KVQuantError
 from kvquant.registry.types import LayerGeometry
 from kvquant.testing.checkpoints import write_checkpoint
 
@@ -431,7 +431,7 @@ def test_index_names_missing_shard(tmp_path: Path) -> None:
 
 
 def test_scale_tensor_infos_reads_headers_only(tmp_path: Path) -> None:
-    from kvquant.registry.discovery import scale_tensor_infos
+    from kvquant.checkpoint.discovery import scale_tensor_infos
 
     path = write_checkpoint(
         tmp_path / "c", convention="compressed-tensors", granularity="per-head", shards=2

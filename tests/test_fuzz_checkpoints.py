@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from kvquant.checkpoint.discovery import discover_scales
 from kvquant.cli import main as cli_main
 from kvquant.errors import CheckpointError, KVQuantError
 from kvquant.registry import MAX_SCALE, MIN_SCALE, resolve_scales
-from kvquant.registry.discovery import discover_scales
 from kvquant.report import inspect_checkpoint
 from kvquant.testing.checkpoints import scale_tensor_name
 

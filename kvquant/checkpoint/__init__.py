@@ -1,6 +1,12 @@
 """Untrusted checkpoint files in: locating a checkpoint, bounded JSON and safetensors I/O.
 
 * :mod:`~kvquant.checkpoint.findings`: :class:`Finding`.
+* :mod:`~kvquant.checkpoint.producers`: the one producer table (:data:`NAMINGS`
+  read by discovery, :data:`CONVENTION_SPECS` written by export, calibrate and
+  the test checkpoints) and the producers' config builders.
+* :mod:`~kvquant.checkpoint.discovery`: :func:`discover_scales`, the KV scales
+  and findings of a checkpoint folder, loading only the scale tensors.
+* :mod:`~kvquant.checkpoint.sources`: where a loaded model's checkpoint lives.
 * :mod:`~kvquant.checkpoint.files`: :func:`locate_checkpoint` (a local folder,
   or a hub id resolved through the local Hugging Face cache), bounded JSON
   reading, the shard selection transformers itself makes (the index's shards,

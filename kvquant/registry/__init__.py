@@ -10,7 +10,9 @@
   every entry point shares.
 * :mod:`~kvquant.registry.resolve`: :func:`resolve_scales` (raises) and
   :func:`analyze_scales` (records), returning :class:`ModelScales`.
-* :mod:`~kvquant.registry.discovery`: reading scales out of checkpoints.
+Reading scales out of checkpoints lives in :mod:`kvquant.checkpoint`
+(``kvquant.registry.discovery`` and ``kvquant.registry.conventions`` re-export
+:mod:`kvquant.checkpoint.discovery` and :mod:`kvquant.checkpoint.producers`).
 
 This package imports torch only (never transformers).
 """

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvquant.registry import conventions
+from kvquant.checkpoint import producers as conventions
 
 __all__ = [
     "CATALOGUE",

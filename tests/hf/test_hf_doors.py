@@ -192,7 +192,7 @@ def test_fuzzed_checkpoints_patch_agrees_with_the_doctor() -> None:
     from hypothesis import HealthCheck, given, settings
     from test_fuzz_checkpoints import checkpoints, write_spec
 
-    from kvquant.registry.discovery import discover_scales
+    from kvquant.checkpoint.discovery import discover_scales
     from kvquant.registry.types import LayerGeometry
 
     model = _shared_tiny_llama()

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 import kvquant.integrations.hf as kvhf
+from kvquant.checkpoint.discovery import discover_scales
 from kvquant.errors import CheckpointError, KVQuantError, OptionTypeError, ScaleFormatError
 from kvquant.integrations.hf import KVQuantConfig
-from kvquant.registry.discovery import discover_scales
 from kvquant.testing.checkpoints import write_checkpoint, write_hf_cache_entry
 
 transformers = pytest.importorskip("transformers")

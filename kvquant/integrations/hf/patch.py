@@ -284,12 +284,12 @@ def gather_raw_scales(
         ScaleFormatError: the folder's geometry does not match the model, or a
             mapping names no KV scale.
     """
-    from kvquant.checkpoint.sources import model_checkpoint
-    from kvquant.registry.discovery import (
+    from kvquant.checkpoint.discovery import (
         discover_scales,
         raw_scales_from_mapping,
         raw_scales_from_state_dict,
     )
+    from kvquant.checkpoint.sources import model_checkpoint
 
     if isinstance(scales, (str, Path)):
         found = discover_scales(scales)

@@ -186,7 +186,7 @@ class KVQuantizer(HfQuantizer):
         only receive the scale tensors so that none is reported UNEXPECTED; they
         are dropped after loading.
         """
-        from kvquant.registry.discovery import discover_scales, match_scale_name
+        from kvquant.checkpoint.discovery import discover_scales, match_scale_name
 
         check_supported(model)
         sites = find_attention_sites(model)
