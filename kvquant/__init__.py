@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "LayerScales": "kvquant.registry",
     "ModelScales": "kvquant.registry",
     "RawScale": "kvquant.registry",
+    "ResolveOptions": "kvquant.registry",
     "ScaleFormat": "kvquant.registry",
     "ScaleRecord": "kvquant.registry",
     "analyze_scales": "kvquant.registry",
@@ -43,7 +44,7 @@ _LAZY: dict[str, str] = {
     "resolve_scales": "kvquant.registry",
     "temporary_format": "kvquant.registry",
     # discovery and the doctor's report
-    "discover_scales": "kvquant.registry.discovery",
+    "discover_scales": "kvquant.checkpoint.discovery",
     "CheckpointReport": "kvquant.report",
     "inspect_checkpoint": "kvquant.report",
     # Hugging Face integration (imports transformers on first use)

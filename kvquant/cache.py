@@ -496,7 +496,8 @@ class PagedLayerStorage:
             ``v_scale``) or ``"fp32-group"`` (dynamic: one fp32 scale per token,
             KV head and group of ``group_size`` elements, computed on write).
         group_size: ``G`` for ``fp32-group``; must divide ``head_dim``; default
-            ``min(64, head_dim)``. Must be None for static granularities.
+            ``min(64, head_dim)``, halved until it divides ``head_dim`` (80 -> 16). Must
+            be None for static granularities.
         k_scale: fp32 ``[]`` (per-tensor) or ``[Hkv]`` (per-head) K scale;
             None for ``fp32-group``. Copied to fp32 on ``device`` once.
         v_scale: like ``k_scale`` for V.
@@ -593,10 +594,13 @@ class PagedLayerStorage:
                     "them, or pass granularity='per-tensor' / 'per-head'."
                 )
             g = min(64, head_dim) if group_size is None else group_size
+            while group_size is None and head_dim % g:
+                g //= 2
             if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or head_dim % g:
+                divisors = [d for d in (8, 16, 32, 64, 128) if head_dim % d == 0] or [head_dim]
                 raise CacheUsageError(
                     f"{name}: group_size={g!r} does not divide head_dim {head_dim}. "
-                    "Fix: pass a group_size that divides the head dim (e.g. 32 or 64)."
+                    f"Fix: pass a group_size that divides the head dim (e.g. one of {divisors})."
                 )
             self.group_size = g
         else:

@@ -54,13 +54,14 @@ _DOCTOR_OPTIONS = ("scale_format", "missing_scales", "missing_kv", "group_size",
 
 
 def _doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from kvquant.registry.options import ResolveOptions
     from kvquant.report import inspect_checkpoint
 
     options: dict[str, Any] = {
         name: getattr(args, name) for name in _DOCTOR_OPTIONS if getattr(args, name) is not None
     }
     try:
-        report = inspect_checkpoint(args.path, **options)
+        report = inspect_checkpoint(args.path, options=ResolveOptions(**options))
     except KVQuantError as exc:
         # CheckpointError (not a checkpoint) or an option the registry refuses
         print(f"kvquant doctor: error: {exc}", file=err)
@@ -264,7 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and why. Exit code: 0 the checkpoint would load, 1 a layer (or the checkpoint) "
         "would be rejected, 2 usage error (missing path, not a checkpoint).",
     )
-    doctor.add_argument("path", help="checkpoint folder (holding config.json and *.safetensors)")
+    doctor.add_argument(
+        "path",
+        help="checkpoint folder (holding config.json and model.safetensors), or a hub id in the "
+        "local Hugging Face cache",
+    )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument(
         "--scale-format",
@@ -329,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
         "copied); shards holding scales are re-saved with every other tensor unchanged. "
         "Exit code: 0 written, 1 refused (nothing written), 2 usage error.",
     )
-    export.add_argument("path", help="source checkpoint folder (config.json + *.safetensors)")
+    export.add_argument(
+        "path",
+        help="source checkpoint folder (config.json + model.safetensors), or a hub id in the local HF cache",
+    )
     export.add_argument(
         "--engine", required=True, choices=("vllm", "sglang", "tensorrt-llm"), help="target engine"
     )

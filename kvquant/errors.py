@@ -20,6 +20,8 @@ __all__ = [
     "FormatRegistrationError",
     "KVQuantError",
     "KernelInputError",
+    "OptionError",
+    "OptionTypeError",
     "ScaleFormatError",
     "TextNotFoundError",
     "UnknownFormatError",
@@ -67,10 +69,12 @@ class CacheCapacityError(KVQuantError, RuntimeError):
 
 
 class CacheUsageError(KVQuantError, ValueError):
-    """A paged cache is built or called with bad arguments.
+    """A paged cache is built or called with bad arguments, or before it holds anything.
 
     For example: an unknown or repeated sequence id, a negative token count, a
-    layer index out of range, a group size that does not divide the head dim.
+    layer index out of range, a group size that does not divide the head dim,
+    K/V of the wrong shape, a batch size the cache was not built for, a model
+    that is not patched.
 
     Raised before anything changes: the cache is left as it was.
     """
@@ -103,6 +107,17 @@ class TextNotFoundError(KVQuantError, FileNotFoundError):
 
 class CalibrationError(KVQuantError, ValueError):
     """Calibration cannot run or its result cannot be written (bad input, option or target)."""
+
+
+class OptionError(KVQuantError, ValueError):
+    """An option of a kvquant entry point (``patch``, ``KVQuantConfig``, the CLI) has a bad value.
+
+    Raised before anything changes: the model is left as it was.
+    """
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An option of a kvquant entry point has the wrong type (e.g. ``scales=42``)."""
 
 
 class ConventionError(KVQuantError, ValueError):

@@ -257,12 +257,14 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
     analysis mode): a bad layer becomes a ``"reject"`` row, not an exception.
 
     Args:
-        path: a checkpoint folder (config.json + *.safetensors).
+        path: a checkpoint folder (config.json + model.safetensors or its
+            shards), or a hub id in the local Hugging Face cache.
         **options: resolve options passed to the registry: ``scale_format``
             (``"auto"``, ``"per-tensor"``, ``"per-head"``, ``"fp32-group"``, a
             registered name), ``missing_scales`` (``"dynamic"``, ``"error"``,
             ``"unit"``), ``missing_kv`` (``"error"``, ``"reuse"``),
-            ``group_size``, ``rope_policy`` (``"widen"``, ``"keep"``).
+            ``group_size``, ``rope_policy`` (``"widen"``, ``"keep"``); or
+            ``options=`` a :class:`~kvquant.registry.ResolveOptions` holding them.
 
     Returns:
         The :class:`CheckpointReport`; ``report.ok`` says whether kvquant would load it.

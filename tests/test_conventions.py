@@ -7,25 +7,29 @@ import json
 import pytest
 import torch
 
+from kvquant.checkpoint import producers as cv
+from kvquant.checkpoint.discovery import match_scale_name
 from kvquant.errors import ConventionError, KVQuantError
-from kvquant.registry import conventions as cv
-from kvquant.registry.discovery import match_scale_name
-
-# discovery's naming family for each convention's names (the reading side)
-_FAMILY = {
-    "compressed-tensors": "self_attn",
-    "modelopt": "modelopt",
-    "quark": "output_scale",
-    "quark-fp8": "self_attn",
-    "legacy-kv_scale": "legacy-kv_scale",
-}
 
 
 def test_table_covers_every_convention() -> None:
-    assert set(cv.CONVENTION_SPECS) == set(cv.PRODUCER_CONVENTIONS) == set(_FAMILY)
+    assert set(cv.CONVENTION_SPECS) == set(cv.PRODUCER_CONVENTIONS)
     for name, spec in cv.CONVENTION_SPECS.items():
         assert spec.name == name
+        assert spec.naming in cv.NAMINGS
         assert set(spec.suffixes) in ({"k", "v"}, {"kv"})
+    # every naming but TensorRT-LLM's read-only one is written by some producer
+    written = {spec.naming for spec in cv.CONVENTION_SPECS.values()}
+    assert set(cv.NAMINGS) - written == {"tensorrt-llm"}
+
+
+def test_the_old_module_paths_still_work() -> None:
+    from kvquant.checkpoint import discovery
+    from kvquant.registry import conventions
+    from kvquant.registry import discovery as old_discovery
+
+    assert conventions.CONVENTION_SPECS is cv.CONVENTION_SPECS
+    assert old_discovery.discover_scales is discovery.discover_scales
 
 
 @pytest.mark.parametrize("convention", cv.PRODUCER_CONVENTIONS)
@@ -37,7 +41,8 @@ def test_written_names_are_read_back_by_discovery(convention: str, prefix: str) 
         for kind in kinds:
             name = cv.scale_tensor_name(convention, layer, kind, prefix=prefix)
             assert name.startswith(f"{prefix}layers.{layer}.self_attn.")
-            assert match_scale_name(name) == (layer, kind, _FAMILY[convention])
+            naming = cv.CONVENTION_SPECS[convention].naming
+            assert match_scale_name(name) == (layer, kind, naming)
             names.add(name)
     assert len(names) == 3 * len(kinds)
 

@@ -32,10 +32,12 @@ _OPTIONAL = ("triton", "transformers", "safetensors", "gguf", "accelerate", "num
 # examples (or doctest stops finding them), test_doctests_are_found fails.
 _MODULES_WITH_EXAMPLES = (
     "kvquant.cache",
+    "kvquant.checkpoint.discovery",
+    "kvquant.checkpoint.producers",
     "kvquant.kernels",
     "kvquant.integrations.hf.graphs",
-    "kvquant.registry.discovery",
     "kvquant.registry.formats",
+    "kvquant.registry.options",
     "kvquant.registry.registry",
     "kvquant.registry.resolve",
     "kvquant.report",

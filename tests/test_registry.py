@@ -301,3 +301,22 @@ def test_docstring_examples_run(module: str) -> None:
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_resolve_options_object_matches_keywords() -> None:
+    import pytest as _pytest
+
+    from kvquant.errors import OptionError
+    from kvquant.registry import LayerGeometry, RawScale, ResolveOptions, resolve_scales
+
+    g = LayerGeometry(1, 4, 2, 16)
+    k = torch.rand(2) * 0.1 + 0.01
+    raws = [RawScale(0, "k", "m.layers.0.self_attn.k_scale", "compressed-tensors", k)]
+    opts = ResolveOptions(missing_kv="reuse", scale_format="per-tensor")
+    by_object = resolve_scales(raws, g, options=opts)
+    by_keywords = resolve_scales(raws, g, **opts.as_kwargs())
+    assert torch.equal(by_object.layers[0].k, by_keywords.layers[0].k)
+    assert torch.equal(by_object.layers[0].k, k.max())
+    assert by_object.options == by_keywords.options
+    with _pytest.raises(OptionError, match="one or the other"):
+        resolve_scales(raws, g, options=opts, missing_kv="reuse")

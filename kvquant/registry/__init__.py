@@ -6,9 +6,13 @@
 * :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
   :func:`temporary_format`, :func:`get_scale_format`.
 * :mod:`~kvquant.registry.policy`: one pure function per policy step.
+* :mod:`~kvquant.registry.options`: :class:`ResolveOptions`, the resolve options
+  every entry point shares.
 * :mod:`~kvquant.registry.resolve`: :func:`resolve_scales` (raises) and
   :func:`analyze_scales` (records), returning :class:`ModelScales`.
-* :mod:`~kvquant.registry.discovery`: reading scales out of checkpoints.
+Reading scales out of checkpoints lives in :mod:`kvquant.checkpoint`
+(``kvquant.registry.discovery`` and ``kvquant.registry.conventions`` re-export
+:mod:`kvquant.checkpoint.discovery` and :mod:`kvquant.checkpoint.producers`).
 
 This package imports torch only (never transformers).
 """
@@ -21,6 +25,7 @@ from kvquant.registry.formats import (
     PerTensorFormat,
     ScaleFormat,
 )
+from kvquant.registry.options import ResolveOptions
 from kvquant.registry.policy import FP8_E4M3_MAX, MAX_SCALE, MIN_SCALE
 from kvquant.registry.registry import (
     BUILTIN_FORMATS,
@@ -54,6 +59,7 @@ __all__ = [
     "PerHeadFormat",
     "PerTensorFormat",
     "RawScale",
+    "ResolveOptions",
     "ScaleFormat",
     "ScaleFormatRegistry",
     "ScaleRecord",

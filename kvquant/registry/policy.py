@@ -375,8 +375,9 @@ def pair_kv(layer: int, raws: Sequence[RawScale], missing_kv: str = "error") -> 
         return KVPair(present, present, tuple(notes))
     raise ScaleFormatError(
         f"layer {layer} has a {have} scale ({present.name}) but no {lack} scale; expected both. "
-        f"Fix: re-export the checkpoint with {lack} scales, or "
-        f'patch(model, missing_kv="reuse") to use the {have} scale for {lack} too.'
+        f'Fix: re-export the checkpoint with {lack} scales, or pass missing_kv="reuse" '
+        "(kvquant.patch, KVQuantConfig, or --missing-kv reuse on the command line) to use the "
+        f"{have} scale for {lack} too."
     )
 
 

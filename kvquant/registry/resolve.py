@@ -40,8 +40,9 @@ from typing import Any, Literal
 
 import torch
 
-from kvquant.errors import ScaleFormatError
+from kvquant.errors import OptionError, ScaleFormatError
 from kvquant.registry.formats import QueryHeadMaxFormat, ScaleFormat
+from kvquant.registry.options import ResolveOptions
 from kvquant.registry.policy import (
     MISSING_KV_POLICIES,
     MISSING_SCALES_POLICIES,
@@ -324,7 +325,12 @@ def _raw_stats(raw: RawScale) -> _Stats:
     if not isinstance(tensor, torch.Tensor):
         return _Stats()
     stats = _Stats(shape=tuple(int(s) for s in tensor.shape), dtype=_dtype_name(tensor.dtype))
-    if tensor.numel() == 0 or tensor.device.type == "meta" or tensor.dtype.is_complex:
+    if (
+        tensor.numel() == 0
+        or tensor.device.type == "meta"
+        or tensor.dtype.is_complex
+        or tensor.layout != torch.strided
+    ):
         return stats
     try:
         values = tensor.detach().to(device="cpu", dtype=torch.float64)
@@ -482,6 +488,7 @@ def analyze_scales(
     missing_kv: str = "error",
     rope_policy: str = "widen",
     registry: ScaleFormatRegistry | None = None,
+    options: ResolveOptions | None = None,
 ) -> ModelScales:
     """Normalise every raw scale and record, per layer, what was done or what is wrong.
 
@@ -493,10 +500,23 @@ def analyze_scales(
         UnknownFormatError: ``scale_format`` names no registered format.
         FormatRegistrationError: ``scale_format`` is a format instance that breaks the contract.
     """
+    if options is not None:
+        given = ResolveOptions(scale_format, missing_scales, group_size, missing_kv, rope_policy)
+        if given != ResolveOptions():
+            raise OptionError(
+                f"options={options!r} was passed together with individual options ({given!r}); "
+                "expected one or the other. Fix: put every option into the ResolveOptions."
+            )
+        scale_format, missing_scales = options.scale_format, options.missing_scales
+        group_size, missing_kv, rope_policy = (
+            options.group_size,
+            options.missing_kv,
+            options.rope_policy,
+        )
     registry = registry if registry is not None else default_registry
     check_geometry(geometry)
     requested = _validate_options(scale_format, missing_scales, missing_kv, rope_policy, registry)
-    options: dict[str, Any] = {
+    recorded: dict[str, Any] = {
         "scale_format": requested.name if requested is not None else "auto",
         "missing_scales": missing_scales,
         "group_size": group_size,
@@ -508,7 +528,7 @@ def analyze_scales(
         if group_size is None and isinstance(scale_format, ScaleFormat) and isinstance(own, int):
             group_size = own  # an instance such as Fp32GroupFormat(group_size=32)
         return _dynamic(
-            raw_scales, geometry, group_size, options, requested.name, explicit=True, reason=None
+            raw_scales, geometry, group_size, recorded, requested.name, explicit=True, reason=None
         )
     # A built-in name chooses the target granularity and formats are detected
     # per tensor; a user format reads every tensor itself.
@@ -540,7 +560,7 @@ def analyze_scales(
 
     if not by_layer:
         return _no_scales(
-            geometry, group_size, options, missing_scales, requested, target, problems
+            geometry, group_size, recorded, missing_scales, requested, target, problems
         )
 
     # Read every raw tensor once (a kv_scale serving both caches is read once).
@@ -770,7 +790,7 @@ def analyze_scales(
         layers=tuple(layers),
         notes=tuple(model_notes),
         problems=tuple(problems),
-        options=options,
+        options=recorded,
     )
 
 
@@ -972,6 +992,7 @@ def resolve_scales(
     missing_kv: str = "error",
     rope_policy: str = "widen",
     registry: ScaleFormatRegistry | None = None,
+    options: ResolveOptions | None = None,
 ) -> ModelScales:
     """Turn a model's raw checkpoint scales into canonical per-layer scales, or raise.
 
@@ -994,6 +1015,9 @@ def resolve_scales(
         rope_policy: K calibrated before RoPE (Quark default): ``"widen"``
             (x sqrt(2), default) or ``"keep"``.
         registry: the registry to detect formats in (default: the process-wide one).
+        options: all of the options above as one :class:`ResolveOptions` (what
+            :func:`kvquant.patch`, ``KVQuantConfig`` and ``kvquant doctor``
+            pass); then the individual options must be left at their defaults.
 
     Returns:
         The canonical scales and the report (:meth:`ModelScales.to_dict`,
@@ -1003,6 +1027,7 @@ def resolve_scales(
         ScaleFormatError: listing every problem found (first ten in full, then
             a count), or an invalid option / geometry.
         UnknownFormatError: ``scale_format`` names no registered format.
+        OptionError: ``options`` and individual options were both given.
     """
     scales = analyze_scales(
         raw_scales,
@@ -1013,6 +1038,7 @@ def resolve_scales(
         missing_kv=missing_kv,
         rope_policy=rope_policy,
         registry=registry,
+        options=options,
     )
     scales.raise_for_problems()
     _log_once(scales)

@@ -37,19 +37,23 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from kvquant.registry import conventions
+from kvquant.checkpoint import producers as conventions
 
 __all__ = [
+    "CATALOGUE",
     "CONVENTIONS",
+    "CatalogueEntry",
     "default_scale_values",
     "scale_tensor_name",
     "write_checkpoint",
+    "write_hf_cache_entry",
 ]
 
 Convention = Literal[
@@ -417,3 +421,213 @@ def write_checkpoint(
     elif (root / "hf_quant_config.json").exists():
         (root / "hf_quant_config.json").unlink()
     return root
+
+
+# ---------------------------------------------------------------------------
+# the catalogue: one small checkpoint per behaviour every entry point must agree on
+
+
+def _stray_file(root: Path) -> Path:
+    """A stale ``zz-stale.safetensors`` whose K scale (7.0) must never win over model.safetensors."""
+    from safetensors.torch import save_file
+
+    name = scale_tensor_name("compressed-tensors", 0, "k")
+    save_file({name: torch.tensor([7.0], dtype=torch.bfloat16)}, str(root / "zz-stale.safetensors"))
+    return root
+
+
+def _name_in_two_shards(root: Path) -> Path:
+    """A sharded checkpoint where a second shard also holds layer 0's K scale (value 7.0)."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    name = scale_tensor_name("compressed-tensors", 0, "k")
+    other = sorted(set(index["weight_map"].values()) - {index["weight_map"][name]})[0]
+    tensors = load_file(str(root / other))
+    tensors[name] = torch.tensor([7.0], dtype=torch.bfloat16)
+    save_file(tensors, str(root / other), metadata={"format": "pt"})
+    return root
+
+
+def _unreadable_hf_quant_config(root: Path) -> Path:
+    (root / "hf_quant_config.json").write_text("{ not json")
+    return root
+
+
+def _zero_points() -> dict[str, torch.Tensor]:
+    return {
+        f"model.layers.{i}.self_attn.{k}_zero_point": torch.zeros(1, dtype=torch.int8)
+        for i in range(2)
+        for k in "kv"
+    }
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One checkpoint of :data:`CATALOGUE`.
+
+    Attributes:
+        description: what the checkpoint exercises.
+        expect: ``"load"`` (every entry point loads it with the same scales),
+            ``"refuse"`` (every entry point refuses its KV scales:
+            :class:`~kvquant.errors.ScaleFormatError`, ``kvquant doctor`` exit 1)
+            or ``"unreadable"`` (not a readable checkpoint:
+            :class:`~kvquant.errors.CheckpointError`, ``kvquant doctor`` exit 2).
+        options: :func:`write_checkpoint` keyword arguments.
+        edit: a change made to the written folder (a stray file, a broken file).
+    """
+
+    description: str
+    expect: Literal["load", "refuse", "unreadable"]
+    options: Mapping[str, Any]
+    edit: Callable[[Path], Path] | None = None
+
+    def write(self, path: str | Path) -> Path:
+        """Write the checkpoint (tiny random Llama weights) into ``path``; return the folder."""
+        root = write_checkpoint(path, **self.options)
+        return self.edit(root) if self.edit is not None else root
+
+
+CATALOGUE: Mapping[str, CatalogueEntry] = {
+    "compressed-tensors": CatalogueEntry(
+        "per-tensor bf16 (1,) scales", "load", {"convention": "compressed-tensors"}
+    ),
+    "compressed-tensors-per-head": CatalogueEntry(
+        "attn_head (Hkv,1,1) scales",
+        "load",
+        {"convention": "compressed-tensors", "granularity": "per-head"},
+    ),
+    "compressed-tensors-sharded": CatalogueEntry(
+        "three shards and an index", "load", {"convention": "compressed-tensors", "shards": 3}
+    ),
+    "modelopt": CatalogueEntry("fp32 () scales", "load", {"convention": "modelopt"}),
+    "modelopt-fp16": CatalogueEntry(
+        "fp16 () scales", "load", {"convention": "modelopt", "scale_dtype": torch.float16}
+    ),
+    "quark": CatalogueEntry("pre-RoPE max(K, V) in both", "load", {"convention": "quark"}),
+    "quark-post-rope": CatalogueEntry(
+        "separate post-RoPE K and V", "load", {"convention": "quark", "post_rope": True}
+    ),
+    "quark-fp8": CatalogueEntry("Quark fp8-mode names", "load", {"convention": "quark-fp8"}),
+    "quark-mixed-dtypes": CatalogueEntry(
+        "bf16 K and float8_e4m3fn V scales",
+        "load",
+        {
+            "convention": "quark",
+            "post_rope": True,
+            "scales": {
+                (layer, "v"): torch.tensor(0.01 * (layer + 1)).to(torch.float8_e4m3fn)
+                for layer in range(2)
+            },
+        },
+    ),
+    "legacy-kv_scale": CatalogueEntry(
+        "one kv_scale per layer", "load", {"convention": "legacy-kv_scale"}
+    ),
+    "none": CatalogueEntry("no KV scales: dynamic fp32-group", "load", {"convention": "none"}),
+    "stray-safetensors": CatalogueEntry(
+        "a stale zz-stale.safetensors beside model.safetensors is ignored",
+        "load",
+        {"convention": "compressed-tensors"},
+        _stray_file,
+    ),
+    "name-in-two-shards": CatalogueEntry(
+        "a tensor held by two shards: the index decides",
+        "load",
+        {"convention": "compressed-tensors", "shards": 2},
+        _name_in_two_shards,
+    ),
+    "int32-scales": CatalogueEntry(
+        "int32 scales of value 1",
+        "refuse",
+        {
+            "convention": "compressed-tensors",
+            "scales": {
+                (layer, kind): torch.ones(1, dtype=torch.int32)
+                for layer in range(2)
+                for kind in "kv"
+            },
+        },
+    ),
+    "bool-scales": CatalogueEntry(
+        "bool scales",
+        "refuse",
+        {
+            "convention": "modelopt",
+            "scales": {(0, "k"): torch.tensor(True)},
+        },
+    ),
+    "nan-scale": CatalogueEntry(
+        "a NaN K scale",
+        "refuse",
+        {"convention": "compressed-tensors", "scales": {(1, "k"): torch.tensor([float("nan")])}},
+    ),
+    "zero-scale": CatalogueEntry(
+        "a zero V scale",
+        "refuse",
+        {"convention": "modelopt", "scales": {(0, "v"): torch.tensor(0.0)}},
+    ),
+    "missing-v": CatalogueEntry(
+        "layer 1 has a K scale only", "refuse", {"convention": "modelopt", "drop": [(1, "v")]}
+    ),
+    "wrong-shape": CatalogueEntry(
+        "a K scale with one entry per query head",
+        "refuse",
+        {"convention": "compressed-tensors", "scales": {(0, "k"): torch.full((4, 1, 1), 0.02)}},
+    ),
+    "zero-points": CatalogueEntry(
+        "asymmetric K/V zero points",
+        "refuse",
+        {"convention": "compressed-tensors", "extra_tensors": _zero_points()},
+    ),
+    "zero-points-broken-hf-quant-config": CatalogueEntry(
+        "zero points plus an unreadable hf_quant_config.json",
+        "unreadable",
+        {"convention": "compressed-tensors", "extra_tensors": _zero_points()},
+        _unreadable_hf_quant_config,
+    ),
+}
+"""Named checkpoints for agreement tests: ``kvquant doctor``, :func:`kvquant.patch`,
+:func:`kvquant.from_pretrained` and ``from_pretrained(..., quantization_config=KVQuantConfig())``
+must reach the same decision, findings and canonical scales on each."""
+
+
+def write_hf_cache_entry(
+    cache_dir: str | Path, repo_id: str, folder: str | Path, *, commit: str = "0" * 40
+) -> Path:
+    """Put a checkpoint folder into a Hugging Face hub cache, laid out as ``huggingface_hub`` does.
+
+    ``models--{org}--{name}/blobs/`` holds the files, ``snapshots/{commit}/``
+    symlinks to them, ``refs/main`` names the commit. Point ``HF_HUB_CACHE`` at
+    ``cache_dir`` (and set ``HF_HUB_OFFLINE=1``) to load ``repo_id`` from it.
+
+    Args:
+        cache_dir: the hub cache folder.
+        repo_id: ``"org/name"``.
+        folder: the checkpoint to store.
+        commit: the 40-hex-digit commit the snapshot is filed under.
+
+    Returns:
+        The snapshot folder.
+    """
+    import hashlib
+    import shutil
+
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    for file in sorted(Path(folder).iterdir()):
+        if not file.is_file():
+            continue
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            shutil.copyfile(file, blob)
+        link = snapshot / file.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path("..") / ".." / "blobs" / digest)
+    return snapshot

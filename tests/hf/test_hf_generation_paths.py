@@ -11,7 +11,7 @@ from hf_steps import cache_kwarg, min_cosine, returned_cache
 from hf_tiny import VOCAB, build, prompt
 
 import kvquant.integrations.hf as kvhf
-from kvquant.errors import CacheUsageError, UnsupportedModelError
+from kvquant.errors import CacheUsageError, OptionError, UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import KVQuantCache
 
 transformers = pytest.importorskip("transformers")
@@ -281,7 +281,7 @@ def test_disk_offloaded_layers_get_cpu_scale_buffers_and_save(tmp_path: Path) ->
 def test_patch_and_cache_refuse_bad_sizes_and_beam_indices() -> None:
     model = build("llama")
     for bad in (2**40, 0, 2.0):
-        with pytest.raises(CacheUsageError, match="page_size"):
+        with pytest.raises(OptionError, match="page_size"):
             kvhf.patch(model, page_size=bad)  # type: ignore[arg-type]
     assert not hasattr(model, "_kvquant_state")
     handle = kvhf.patch(model, backend="torch", page_size=4)

@@ -32,7 +32,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvquant.errors import KVQuantError, UnsupportedModelError
+from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuantLayer
 
 __all__ = ["ATTN_NAME", "fallback_attention", "kvquant_attention", "kvquant_mask", "register"]
@@ -265,7 +265,7 @@ def kvquant_attention(
     layer = _layer_of(module)
     storage = None if layer is None else layer.storage
     if layer is None or storage is None:
-        raise KVQuantError(
+        raise UnsupportedModelError(
             f"{_name(module)}: kvquant's attention got no K/V and found no kvquant cache layer on "
             "the module (the forward pre-hook installed by kvquant.patch did not run). Fix: call "
             "kvquant.patch(model) again, and pass the cache as a keyword argument."

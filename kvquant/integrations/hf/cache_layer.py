@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvquant import kernels
 from kvquant.cache import MAX_PAGE_SIZE, PageAllocator, PagedLayerStorage, total_memory_bytes
-from kvquant.errors import CacheCapacityError, CacheUsageError, KVQuantError
+from kvquant.errors import CacheCapacityError, CacheUsageError, UnsupportedModelError
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
 
@@ -231,12 +231,12 @@ class KVQuantLayer(CacheLayerMixin):
             return  # the common case; the checks below name what is wrong
         for what, t in (("key_states", key_states), ("value_states", value_states)):
             if t.dim() != 4 or t.shape[1] != hkv or t.shape[3] != d:
-                raise KVQuantError(
+                raise CacheUsageError(
                     f"{self.spec.name}: cache update got {what} of shape {tuple(t.shape)}; "
                     f"expected [batch, {hkv}, new_tokens, {d}] (the layer's KV heads and head_dim)."
                 )
         if key_states.shape[:3] != value_states.shape[:3]:
-            raise KVQuantError(
+            raise CacheUsageError(
                 f"{self.spec.name}: key_states {tuple(key_states.shape)} and value_states "
                 f"{tuple(value_states.shape)} disagree on batch or length."
             )
@@ -278,7 +278,7 @@ class KVQuantLayer(CacheLayerMixin):
             # A decode step of the graph runner: device-side bookkeeping only; the runner
             # reserved the pages and advances seq_len after the step.
             if new != 1 or bsz != static.lens.shape[0]:
-                raise KVQuantError(
+                raise CacheUsageError(
                     f"{self.spec.name}: a CUDA-graph decode step got {new} new tokens for "
                     f"{bsz} sequences; expected 1 token for each of {static.lens.shape[0]}."
                 )
@@ -301,7 +301,7 @@ class KVQuantLayer(CacheLayerMixin):
 
     def _storage(self) -> PagedLayerStorage:
         if self.storage is None:
-            raise KVQuantError(
+            raise CacheUsageError(
                 f"{self.spec.name}: the kvquant cache layer holds nothing yet (it allocates its "
                 "pages on the first update). Fix: run a forward pass with this cache first."
             )
@@ -350,8 +350,8 @@ class KVQuantLayer(CacheLayerMixin):
         src = dst.index_select(0, beam_idx.to(dst.device).long())
         self.storage.copy_pages(src.reshape(-1), dst.reshape(-1))
 
-    def _unsupported(self, what: str) -> KVQuantError:
-        return KVQuantError(
+    def _unsupported(self, what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
             f"{self.spec.name}: {what} is not supported by kvquant's paged FP8 cache. Fix: run "
             "this generation mode without kvquant (handle.remove()), or use greedy / sampling / "
             "beam search / speculative decoding."
@@ -415,7 +415,7 @@ class KVQuantCache(Cache):
     ) -> None:
         state = getattr(model, "_kvquant_state", None)
         if state is None:
-            raise KVQuantError(
+            raise CacheUsageError(
                 f"{type(model).__name__} is not patched by kvquant, so it has no kvquant scales "
                 "or attention. Fix: call kvquant.patch(model) first."
             )
@@ -489,7 +489,7 @@ class KVQuantCache(Cache):
             else:
                 num_pages = batch_size * self._headroom_pages(first_tokens)
             if num_pages < 1:
-                raise KVQuantError(
+                raise CacheUsageError(
                     f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
                     "Fix: pass a positive max_cache_tokens or num_pages."
                 )
@@ -518,7 +518,7 @@ class KVQuantCache(Cache):
             return memo[1]
         self.pool_shape(batch_size, device)
         if batch_size != self.batch_size_:
-            raise KVQuantError(
+            raise CacheUsageError(
                 f"{layer.spec.name}: the kvquant cache holds {self.batch_size_} sequences but the "
                 f"update has batch size {batch_size}. Fix: use a fresh cache (or let generate "
                 "create one) for a different batch size."
@@ -561,13 +561,13 @@ class KVQuantCache(Cache):
     def pages_per_sequence(self) -> int:
         """The most pages one sequence can hold (the pool split evenly over the batch)."""
         if self.allocator is None or self.batch_size_ < 1:
-            raise KVQuantError("the kvquant cache holds nothing yet")
+            raise CacheUsageError("the kvquant cache holds nothing yet")
         return self.allocator.num_pages // self.batch_size_
 
     def _reserve(self, tokens: int, layer: KVQuantLayer) -> None:
         alloc = self.allocator
         if alloc is None:  # pragma: no cover - pool_shape always creates it
-            raise KVQuantError("the kvquant cache has no page allocator")
+            raise CacheUsageError("the kvquant cache has no page allocator")
         ps = self.page_size
         have = -(-self.reserved // ps)
         need = -(-(self.reserved + tokens) // ps)
@@ -656,7 +656,7 @@ class KVQuantCache(Cache):
         if bt is not None:
             return bt
         if self.allocator is None:
-            raise KVQuantError("the kvquant cache holds nothing yet")
+            raise CacheUsageError("the kvquant cache holds nothing yet")
         if len(self._seq_ids) != self.batch_size_:
             self._seq_ids = tuple(range(self.batch_size_))
         host = self.allocator.block_tables(self._seq_ids)

@@ -56,7 +56,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kvquant.errors import KVQuantError
+from kvquant.errors import BackendError
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer, StaticStep
 
 __all__ = ["DecodeGraph", "DecodeGraphRunner", "GraphStats", "left_padding_starts"]
@@ -279,7 +279,7 @@ class DecodeGraphRunner:
             if rec.graph is None:
                 try:
                     self._capture(cache, rec)
-                except KVQuantError as err:
+                except BackendError as err:
                     if cache.cuda_graphs is not None:
                         raise
                     return self._fall_back(cache, layers, kwargs, err)
@@ -305,7 +305,7 @@ class DecodeGraphRunner:
         cache: KVQuantCache,
         layers: list[KVQuantLayer],
         kwargs: dict[str, Any],
-        err: KVQuantError,
+        err: BackendError,
     ) -> Any:
         """Auto mode, failed capture: decode this cache eagerly from now on (logged once)."""
         cache.cuda_graphs = False
@@ -370,7 +370,7 @@ class DecodeGraphRunner:
         except Exception as err:
             torch.cuda.set_stream(stream)
             gen.graphsafe_set_state(rng)
-            raise KVQuantError(
+            raise BackendError(
                 f"kvquant: capturing the decode step of {type(self.model).__name__} in a CUDA "
                 f"graph failed ({type(err).__name__}: {err}). The cache still holds the tokens it "
                 "held. "

@@ -67,7 +67,8 @@ from torch.utils.hooks import RemovableHandle
 from kvquant.cache import MAX_PAGE_SIZE
 from kvquant.errors import (
     CacheUsageError,
-    KVQuantError,
+    OptionError,
+    OptionTypeError,
     ScaleFormatError,
     UnsupportedModelError,
 )
@@ -82,6 +83,7 @@ from kvquant.integrations.hf.models import (
     text_config,
 )
 from kvquant.kernels.backend import BACKENDS
+from kvquant.registry.options import ResolveOptions
 from kvquant.registry.types import LayerGeometry, RawScale
 
 __all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
@@ -101,6 +103,8 @@ class PatchOptions:
         scale_format: registry format name or ``"auto"``.
         missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"`` (registry policy).
         group_size: ``G`` of the dynamic ``fp32-group`` format.
+        missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
+        rope_policy: K calibrated before RoPE: ``"widen"`` or ``"keep"``.
         backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
         page_size: token slots per page.
         max_cache_tokens: token slots of a cache (whole batch), or None.
@@ -115,12 +119,25 @@ class PatchOptions:
     scale_format: str = "auto"
     missing_scales: str = "dynamic"
     group_size: int | None = None
+    missing_kv: str = "error"
+    rope_policy: str = "widen"
     backend: str = "auto"
     page_size: int = 16
     max_cache_tokens: int | None = None
     num_pages: int | None = None
     cuda_graphs: bool | None = None
     source: str = ""
+
+    @property
+    def resolve_options(self) -> ResolveOptions:
+        """The registry options of this patch (what ``kvquant doctor`` resolves with)."""
+        return ResolveOptions(
+            scale_format=self.scale_format,
+            missing_scales=self.missing_scales,
+            group_size=self.group_size,
+            missing_kv=self.missing_kv,
+            rope_policy=self.rope_policy,
+        )
 
 
 @dataclass
@@ -193,10 +210,19 @@ class KVQuantHandle:
         )
 
     def remove(self) -> None:
-        """Undo the patch: hooks, buffers, attributes and attention implementation (idempotent)."""
+        """Undo the patch: hooks, buffers, attributes and attention implementation (idempotent).
+
+        A model loaded with ``quantization_config=KVQuantConfig()`` also loses
+        that config and its quantizer (transformers'
+        ``HfQuantizer.remove_quantization_config``), so it saves and reloads as
+        a plain model.
+        """
         if not self.active:
             return
         _unpatch(self._model, self.state)
+        quantizer = self.state.raw_context.get("quantizer")
+        if quantizer is not None:
+            quantizer.remove_quantization_config(self._model)
 
     def __enter__(self) -> KVQuantHandle:
         return self
@@ -216,19 +242,19 @@ class KVQuantHandle:
 
 
 def _check_options(opts: PatchOptions) -> None:
-    """Refuse bad option values (:class:`CacheUsageError`, a ``ValueError``) before any change."""
+    """Refuse bad option values (:class:`~kvquant.errors.OptionError`, a ``ValueError``) before any change."""
 
     def positive(name: str, value: object, optional: bool = False, limit: int = 0) -> None:
         if optional and value is None:
             return
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CacheUsageError(
+            raise OptionError(
                 f"kvquant.patch: {name}={value!r}; expected a positive int"
                 + (" or None" if optional else "")
                 + f". Fix: pass {name}=<int >= 1>."
             )
         if limit and value > limit:
-            raise CacheUsageError(
+            raise OptionError(
                 f"kvquant.patch: {name}={value}; expected at most {limit}. Fix: pass "
                 f"{name} in 1..{limit} (16, 32 or 64 are typical page sizes)."
             )
@@ -238,28 +264,17 @@ def _check_options(opts: PatchOptions) -> None:
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
     if opts.cuda_graphs is not None and not isinstance(opts.cuda_graphs, bool):
-        raise CacheUsageError(
+        raise OptionTypeError(
             f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected None (auto), True or False."
         )
     if opts.backend not in BACKENDS:
-        raise CacheUsageError(
+        raise OptionError(
             f"kvquant.patch: backend={opts.backend!r}; expected one of {BACKENDS}. "
             "Fix: pass backend='auto'."
         )
 
 
 # ---------------------------------------------------------------------- scales
-
-
-def _model_folder(model: nn.Module) -> Path | None:
-    name = getattr(model, "name_or_path", None) or getattr(
-        getattr(model, "config", None), "_name_or_path", ""
-    )
-    if name:
-        p = Path(str(name))
-        if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-            return p
-    return None
 
 
 def _in_model_scales(sites: list[AttentionSite]) -> dict[str, torch.Tensor]:
@@ -285,39 +300,41 @@ def gather_raw_scales(
         model: the model.
         sites: its attention modules.
         geometry: its attention geometry.
-        scales: a checkpoint folder, a ``{tensor_name: tensor}`` mapping, or
-            None (the model's own folder ``model.name_or_path``, else scale
-            tensors already on the attention modules, else none).
+        scales: a checkpoint folder or hub id, a ``{tensor_name: tensor}``
+            mapping, or None (the model's own checkpoint, from
+            ``model.name_or_path`` as a folder or through the local Hugging
+            Face cache; else scale tensors already on the attention modules,
+            else none).
 
     Returns:
         ``(raw scales, context for the registry, source description)``.
 
     Raises:
-        CheckpointError: a folder that is not a checkpoint.
-        ScaleFormatError: the folder's geometry does not match the model.
+        CheckpointError: a folder that is not a checkpoint, or the model's own
+            checkpoint cannot be found although its config declares quantization.
+        ScaleFormatError: the folder's geometry does not match the model, or a
+            mapping names no KV scale.
     """
-    from kvquant.registry.discovery import discover_scales, raw_scales_from_state_dict
+    from kvquant.checkpoint.discovery import (
+        discover_scales,
+        raw_scales_from_mapping,
+        raw_scales_from_state_dict,
+    )
+    from kvquant.checkpoint.sources import model_checkpoint
 
     if isinstance(scales, (str, Path)):
         found = discover_scales(scales)
         _check_geometry(found.geometry, geometry, str(scales))
         refuse_error_findings(found, str(scales))
-        return list(found.scales), {"discovered": found}, f"checkpoint {scales}"
+        return list(found.scales), {"discovered": found}, f"checkpoint {found.path}"
     if isinstance(scales, Mapping):
-        tensors = dict(scales)
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise ScaleFormatError(
-                    f"kvquant.patch: scales[{name!r}] is a {type(t).__name__}; expected a "
-                    "torch.Tensor. Fix: pass {tensor_name: tensor}."
-                )
-        return raw_scales_from_state_dict(tensors), {}, "mapping"
+        return raw_scales_from_mapping(scales, "kvquant.patch: scales"), {}, "mapping"
     if scales is not None:
-        raise ScaleFormatError(
+        raise OptionTypeError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
             "(str or Path), a {tensor_name: tensor} mapping, or None."
         )
-    folder = _model_folder(model)
+    folder = model_checkpoint(model)
     if folder is not None:
         found = discover_scales(folder)
         _check_geometry(found.geometry, geometry, str(folder))
@@ -369,7 +386,7 @@ def _layer_specs(
 ) -> list[LayerSpec]:
     layers = list(model_scales.layers)
     if len(layers) != len(sites):
-        raise KVQuantError(
+        raise UnsupportedModelError(
             f"the registry resolved {len(layers)} layers of scales for {len(sites)} attention "
             "layers."
         )
@@ -402,13 +419,7 @@ def resolve(
     """
     from kvquant.registry import resolve_scales
 
-    return resolve_scales(
-        raw,
-        geometry,
-        scale_format=opts.scale_format,
-        missing_scales=opts.missing_scales,
-        group_size=opts.group_size,
-    )
+    return resolve_scales(raw, geometry, options=opts.resolve_options)
 
 
 # ---------------------------------------------------------------------- hooks
@@ -600,6 +611,23 @@ def _make_rollback(model: nn.Module, state: PatchState) -> Any:
 # ---------------------------------------------------------------------- apply / undo
 
 
+def _canonical_state_dict_hook(spec: LayerSpec) -> Any:
+    """A ``state_dict`` post-hook writing the canonical fp32 scales, whatever the buffers became.
+
+    ``model.to(torch.float16)`` casts every floating buffer, so a 1e-10 scale
+    would be saved as 0.0 and 0.0123 as its bf16 rounding; the saved scales are
+    the exact canonical fp32 ones instead (on the buffer's device).
+    """
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any) -> None:
+        for attr, value in (("k_scale", spec.k_scale), ("v_scale", spec.v_scale)):
+            key = prefix + attr
+            if value is not None and key in state_dict:
+                state_dict[key] = value.to(device=state_dict[key].device, dtype=torch.float32)
+
+    return hook
+
+
 def _install_scales(state: PatchState) -> None:
     for site, spec in zip(state.sites, state.layer_specs, strict=True):
         mod = site.module
@@ -623,6 +651,10 @@ def _install_scales(state: PatchState) -> None:
                 buf = value.to(device=device, dtype=torch.float32).clone()
                 buf._kvq_canonical = True  # type: ignore[attr-defined]
                 mod.register_buffer(attr, buf, persistent=True)
+        if spec.k_scale is not None or spec.v_scale is not None:
+            state.handles.append(
+                mod.register_state_dict_post_hook(_canonical_state_dict_hook(spec))
+            )
         if hasattr(mod, "kv_cache"):
             # compressed-tensors' own KV fake-quant hook (transformers 5.17): K/V would be
             # rounded twice. Keep its hook (it forwards to our cache), switch its quantization off.
@@ -783,6 +815,8 @@ def patch(
     scale_format: str = "auto",
     missing_scales: str = "dynamic",
     group_size: int | None = None,
+    missing_kv: str = "error",
+    rope_policy: str = "widen",
     backend: str = "auto",
     page_size: int = 16,
     max_cache_tokens: int | None = None,
@@ -803,7 +837,12 @@ def patch(
             ``"per-head"``, ``"fp32-group"`` or a registered name).
         missing_scales: ``"dynamic"`` (fp32-group scales computed as tokens
             are written), ``"error"`` or ``"unit"``.
-        group_size: ``G`` of the ``fp32-group`` format; default 64 capped at head_dim.
+        group_size: ``G`` of the ``fp32-group`` format; default 64 capped at
+            head_dim, halved until it divides head_dim.
+        missing_kv: a layer with only a K or only a V scale: ``"error"``
+            (default) or ``"reuse"`` (the one present serves both, noted).
+        rope_policy: K scales calibrated before RoPE (Quark's default):
+            ``"widen"`` (by sqrt(2), default) or ``"keep"``.
         backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
             ``"triton"`` or ``"torch"``.
         page_size: token slots per page.
@@ -831,7 +870,8 @@ def patch(
         UnsupportedModelError: the family or a feature it uses is not supported.
         ScaleFormatError: the registry rejects the scales (the model is unchanged).
         CheckpointError: ``scales`` names a folder that is not a checkpoint.
-        CacheUsageError: a bad option value (a ``KVQuantError`` and ``ValueError``).
+        OptionError: a bad option value (a ``KVQuantError`` and ``ValueError``;
+            :class:`~kvquant.errors.OptionTypeError` for a wrong type).
     """
     check_supported(model)
     sites = find_attention_sites(model)
@@ -849,6 +889,8 @@ def patch(
         scale_format=scale_format,
         missing_scales=missing_scales,
         group_size=group_size,
+        missing_kv=missing_kv,
+        rope_policy=rope_policy,
         backend=backend,
         page_size=page_size,
         max_cache_tokens=max_cache_tokens,

@@ -3,15 +3,16 @@
 :class:`KVQuantConfig` and :class:`KVQuantizer` are registered with
 transformers' quantizer plugin under ``"kvquant"``. During ``from_pretrained``:
 
-* before the weights load, the quantizer reads the safetensors headers and
-  registers one fp32 buffer per KV-scale tensor, **at the producer's own
-  name and shape** (``self_attn.k_scale``, ``self_attn.k_proj.k_scale``,
-  ``self_attn.k_proj.output_scale``, ``self_attn.kv_scale``, ...), so every
-  scale loads and none is reported UNEXPECTED; no renaming is needed;
-* after loading, those tensors go through discovery's name mapping and the
-  registry (producer taken from the checkpoint's config), the temporary
-  buffers are dropped and the model is patched exactly like
-  :func:`kvquant.patch` (canonical ``k_scale`` / ``v_scale`` buffers,
+* before the weights load, the quantizer runs discovery on the checkpoint
+  folder and the registry on the raw scale tensors as stored (the same
+  pipeline as ``kvquant doctor`` and :func:`kvquant.patch`, so the same
+  decision, findings and scales); any refusal happens here, before a weight
+  is read. It registers one buffer per KV-scale tensor **at the producer's
+  own name and shape** (``self_attn.k_scale``, ``self_attn.k_proj.k_scale``,
+  ``self_attn.k_proj.output_scale``, ``self_attn.kv_scale``, ...), so that no
+  scale is reported UNEXPECTED; their loaded values are never used;
+* after loading, those buffers are dropped and the model is patched exactly
+  like :func:`kvquant.patch` (canonical ``k_scale`` / ``v_scale`` buffers,
   attention + mask functions, hooks).
 
 ``save_pretrained`` then writes the canonical scales and
@@ -35,10 +36,11 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from kvquant.errors import UnsupportedModelError
+from kvquant.errors import CheckpointError, UnsupportedModelError
 from kvquant.integrations.hf.models import check_supported, find_attention_sites, model_geometry
 from kvquant.integrations.hf.patch import (
     PatchOptions,
+    _check_geometry,
     _check_options,
     apply_patch,
     refuse_error_findings,
@@ -50,12 +52,6 @@ __all__ = ["KVQuantConfig", "KVQuantizer", "from_pretrained"]
 _logger = logging.getLogger("kvquant")
 
 _FP8_HEADER_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
-_HEADER_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-}
 
 
 def _register_config(cls: type) -> type:
@@ -80,6 +76,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         scale_format: registry format name or ``"auto"``.
         missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"``.
         group_size: ``G`` of the dynamic ``fp32-group`` format.
+        missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
+        rope_policy: K calibrated before RoPE: ``"widen"`` or ``"keep"``.
         backend: kernel backend (``"auto"``, ``"triton"``, ``"torch"``).
         page_size: token slots per page.
         max_cache_tokens: token slots of each cache (whole batch), or None.
@@ -99,6 +97,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         scale_format: str = "auto",
         missing_scales: str = "dynamic",
         group_size: int | None = None,
+        missing_kv: str = "error",
+        rope_policy: str = "widen",
         backend: str = "auto",
         page_size: int = 16,
         max_cache_tokens: int | None = None,
@@ -110,6 +110,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.scale_format = scale_format
         self.missing_scales = missing_scales
         self.group_size = group_size
+        self.missing_kv = missing_kv
+        self.rope_policy = rope_policy
         self.backend = backend
         self.page_size = page_size
         self.max_cache_tokens = max_cache_tokens
@@ -123,6 +125,8 @@ class KVQuantConfig(QuantizationConfigMixin):
             scale_format=self.scale_format,
             missing_scales=self.missing_scales,
             group_size=self.group_size,
+            missing_kv=self.missing_kv,
+            rope_policy=self.rope_policy,
             backend=self.backend,
             page_size=self.page_size,
             max_cache_tokens=self.max_cache_tokens,
@@ -138,34 +142,14 @@ class KVQuantConfig(QuantizationConfigMixin):
             "scale_format": self.scale_format,
             "missing_scales": self.missing_scales,
             "group_size": self.group_size,
+            "missing_kv": self.missing_kv,
+            "rope_policy": self.rope_policy,
             "backend": self.backend,
             "page_size": self.page_size,
             "max_cache_tokens": self.max_cache_tokens,
             "num_pages": self.num_pages,
             "cuda_graphs": self.cuda_graphs,
         }
-
-
-def _header_scales(files: list[str]) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
-    """KV-scale tensors ``{name: (shape, dtype)}`` and FP8 weight names, from safetensors headers."""
-    from safetensors import safe_open
-
-    from kvquant.registry.discovery import match_scale_name
-
-    scales: dict[str, tuple[tuple[int, ...], str]] = {}
-    fp8: list[str] = []
-    for f in files:
-        if not str(f).endswith(".safetensors"):
-            continue
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                dtype = str(sl.get_dtype())
-                if match_scale_name(name) is not None:
-                    scales[name] = (tuple(int(x) for x in sl.get_shape()), dtype)
-                elif dtype in _FP8_HEADER_DTYPES:
-                    fp8.append(name)
-    return scales, fp8
 
 
 @_register_quantizer
@@ -176,8 +160,9 @@ class KVQuantizer(HfQuantizer):
 
     def __init__(self, quantization_config: KVQuantConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
-        self._buffers: list[tuple[nn.Module, str, str, str]] = []
+        self._buffers: list[tuple[nn.Module, str]] = []
         self._folder: Path | None = None
+        self._resolved: tuple[Any, ...] = ()
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to check: kvquant needs no extra package at load time."""
@@ -190,70 +175,76 @@ class KVQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(
         self, model: nn.Module, checkpoint_files: list[str] | None = None, **kwargs: Any
     ) -> nn.Module:
+        """Read and resolve the checkpoint's KV scales, before any weight is loaded.
+
+        The scales come from discovery on the checkpoint folder (the raw
+        tensors as stored, exactly what ``kvquant doctor`` and
+        :func:`kvquant.patch` read), never from the buffers transformers fills:
+        those would hold integer scales cast to fp32. Everything that can refuse
+        the checkpoint runs here, before the weights load (and before any
+        ``.bin`` file is unpickled). The producer-named buffers registered here
+        only receive the scale tensors so that none is reported UNEXPECTED; they
+        are dropped after loading.
+        """
+        from kvquant.checkpoint.discovery import discover_scales, match_scale_name
+
         check_supported(model)
         sites = find_attention_sites(model)
-        files = [str(f) for f in (checkpoint_files or [])]
-        if files:
-            self._folder = Path(files[0]).parent
-        scales, fp8 = _header_scales(files)
-        if fp8:
-            raise UnsupportedModelError(
-                f"the checkpoint stores {len(fp8)} FP8 weight tensors (e.g. {fp8[0]}); kvquant "
-                "loads KV-cache scales only and would load these weights without their "
-                "weight scales. Fix: use a checkpoint with bf16/fp16 weights and FP8 KV scales."
+        geometry = model_geometry(model, sites)
+        files = [Path(str(f)) for f in (checkpoint_files or [])]
+        pickled = [f.name for f in files if f.suffix != ".safetensors"]
+        if pickled:
+            raise CheckpointError(
+                f"{files[0].parent}: the checkpoint's weights are {pickled[:3]}; kvquant reads "
+                "safetensors checkpoints only (it never unpickles .bin files). Fix: re-save the "
+                "model with save_pretrained() (safetensors is the default)."
             )
-        num_layers = len(sites)
-        from kvquant.registry.discovery import match_scale_name
-
-        for name, (shape, dtype) in sorted(scales.items()):
-            hit = match_scale_name(name)
-            if hit is None or hit[0] >= num_layers:
+        cfg: KVQuantConfig = self.quantization_config  # type: ignore[assignment]
+        raw: list[Any] = []
+        ctx: dict[str, Any] = {}
+        source = "from_pretrained (no checkpoint files)"
+        if files:
+            self._folder = files[0].parent
+            found = discover_scales(self._folder)
+            _check_geometry(found.geometry, geometry, str(self._folder))
+            refuse_error_findings(found, str(self._folder))
+            count = sum(found.weight_dtypes.get(d, 0) for d in _FP8_HEADER_DTYPES)
+            if count:
+                raise UnsupportedModelError(
+                    f"the checkpoint stores {count} FP8 weight tensors; kvquant loads KV-cache "
+                    "scales only and would load these weights without their weight scales. "
+                    "Fix: use a checkpoint with bf16/fp16 weights and FP8 KV scales."
+                )
+            raw = list(found.scales)
+            ctx["discovered"] = found
+            source = f"checkpoint {found.path}"
+        opts = cfg.options(source)
+        self._resolved = (opts, geometry, resolve(raw, geometry, opts, ctx), raw, ctx)
+        for r in raw:
+            hit = match_scale_name(r.name)
+            if hit is None:
                 continue
-            mod_path, _, attr = name.rpartition(".")
+            mod_path, _, attr = r.name.rpartition(".")
             mod = _find_module(model, mod_path)
             if mod is None:
                 continue
-            if attr in mod._parameters or attr in mod._buffers:
-                # compressed-tensors (5.17) may have created it already: keep theirs.
-                self._buffers.append((mod, attr, name, dtype))
-                continue
-            mod.register_buffer(attr, torch.ones(shape, dtype=torch.float32), persistent=True)
-            self._buffers.append((mod, attr, name, dtype))
+            if attr not in mod._parameters and attr not in mod._buffers:
+                # (compressed-tensors on 5.17 may have created it already)
+                mod.register_buffer(
+                    attr, torch.empty(tuple(r.tensor.shape), dtype=torch.float32), persistent=True
+                )
+            self._buffers.append((mod, attr))
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-        from kvquant.registry.discovery import discover_scales, raw_scales_from_state_dict
-
-        cfg: KVQuantConfig = self.quantization_config  # type: ignore[assignment]
-        sites = find_attention_sites(model)
-        geometry = model_geometry(model, sites)
-        mapping: dict[str, torch.Tensor] = {}
-        for mod, attr, name, dtype in self._buffers:
-            t = getattr(mod, attr)
-            mapping[name] = t.detach().cpu().to(_HEADER_DTYPES.get(dtype, torch.float32))
-        producer = "kvquant" if self.pre_quantized else None
-        qcfg = None
-        ctx: dict[str, Any] = {}
-        if self._folder is not None and (self._folder / "config.json").is_file():
-            try:
-                found = discover_scales(self._folder)
-            except Exception:  # the folder is only a hint: the loaded tensors are the source
-                found = None
-            if found is not None:
-                refuse_error_findings(found, str(self._folder))
-                qcfg = found.quantization_config
-                ctx["discovered"] = found
-                if producer is None and found.producer != "none":
-                    producer = found.producer
-        raw = raw_scales_from_state_dict(mapping, producer=producer, quantization_config=qcfg)
-        source = f"checkpoint {self._folder}" if self._folder else "from_pretrained"
-        opts = cfg.options(source)
-        model_scales = resolve(raw, geometry, opts, ctx)
-        for mod, attr, _name, _dtype in self._buffers:
+        """Drop the loading-only buffers and patch the model with the scales resolved before loading."""
+        opts, geometry, model_scales, raw, ctx = self._resolved
+        for mod, attr in self._buffers:
             mod._buffers.pop(attr, None)
             mod._parameters.pop(attr, None)
         self._buffers.clear()
-        apply_patch(model, opts, sites, geometry, model_scales, raw, ctx)
+        ctx = {**ctx, "quantizer": self}
+        apply_patch(model, opts, find_attention_sites(model), geometry, model_scales, raw, ctx)
         return model
 
     def is_serializable(self, **kwargs: Any) -> bool:

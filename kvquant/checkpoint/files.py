@@ -1,0 +1,456 @@
+"""Bounded, confined reading of checkpoint files.
+
+Everything a checkpoint folder holds is untrusted input:
+
+* a file is ``stat``-ed before it is opened and must be a regular file (a FIFO
+  or a device named ``config.json`` is refused instead of blocking the reader);
+  symlinks are followed, since the Hugging Face cache is made of them;
+* JSON files are bounded in size, and nesting too deep for the parser is a
+  :class:`~kvquant.errors.CheckpointError`, never a ``RecursionError``;
+* shard names from ``model.safetensors.index.json`` are confined to the
+  checkpoint folder by their *logical* path (no absolute path, no ``..``);
+* safetensors headers are bounded in size and then read through
+  ``safetensors.safe_open``, the reader transformers uses, which checks the
+  dtypes, shapes and data offsets;
+* the shards read are the ones transformers reads: the index's, or
+  ``model.safetensors`` alone. Other ``*.safetensors`` files are ignored and
+  reported.
+
+A hub id (``"org/name"``) that is not a local path is resolved through the local
+Hugging Face cache only (``huggingface_hub.snapshot_download(...,
+local_files_only=True)``): nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from kvquant.checkpoint.findings import Finding
+from kvquant.errors import CheckpointError
+
+__all__ = [
+    "INDEX_NAME",
+    "MAX_CONFIG_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_INDEX_BYTES",
+    "SINGLE_FILE_NAME",
+    "ShardSelection",
+    "TensorInfo",
+    "locate_checkpoint",
+    "read_json",
+    "read_safetensors_header",
+    "select_shards",
+]
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""Largest ``config.json`` / ``hf_quant_config.json`` read (real ones are a few KiB)."""
+
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+"""Largest ``model.safetensors.index.json`` read."""
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""Largest safetensors header read (the limit the safetensors library itself sets)."""
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+_PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a safetensors header says about one tensor (nothing is loaded).
+
+    Attributes:
+        name: tensor name.
+        dtype: safetensors dtype string, e.g. ``"BF16"``, ``"F8_E4M3"``.
+        shape: the stored shape.
+        file: the shard file holding it.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+
+@dataclass(frozen=True)
+class ShardSelection:
+    """The safetensors files transformers would read for a checkpoint, and where each tensor lives.
+
+    Attributes:
+        root: the checkpoint folder.
+        files: the shards, in the order they are read.
+        tensors: tensor name -> header facts, from the shard that holds it (the
+            index decides when a name is in two shards).
+        findings: stray or unlisted files ignored, names held twice.
+    """
+
+    root: Path
+    files: tuple[Path, ...]
+    tensors: dict[str, TensorInfo]
+    findings: tuple[Finding, ...] = field(default=())
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _regular_size(path: Path, what: str) -> int:
+    """The size of ``path`` after checking, without opening it, that it is a regular file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{path} ({what}) does not exist (or is a broken link). "
+            "Fix: download or re-export the checkpoint completely."
+        ) from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path} ({what}) cannot be examined: {exc}.") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(
+            f"{path} ({what}) is {_kind_of(st.st_mode)}, expected a regular file; kvquant does "
+            "not read special files. Fix: replace it with the real file."
+        )
+    return int(st.st_size)
+
+
+def _read_bytes(path: Path, what: str, limit: int) -> bytes:
+    size = _regular_size(path, what)
+    if size > limit:
+        raise CheckpointError(
+            f"{path} ({what}) is {size} bytes, more than the {limit} kvquant reads. "
+            "Fix: the file is not a real checkpoint file; re-export it."
+        )
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read(limit + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{path} ({what}) could not be read: {exc}.") from exc
+
+
+def read_json(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    """Read a JSON object from a checkpoint file, bounded in size and nesting.
+
+    Args:
+        path: the file.
+        what: how to name the file in messages (``"config.json"``, ...).
+        limit: the most bytes read.
+
+    Returns:
+        The parsed object.
+
+    Raises:
+        CheckpointError: the file is missing, special, too large, not UTF-8
+            JSON, nested too deeply, or not a JSON object.
+    """
+    file = Path(path)
+    blob = _read_bytes(file, what, limit)
+    try:
+        data = json.loads(blob.decode("utf-8"))
+    except RecursionError as exc:
+        raise CheckpointError(
+            f"{file} ({what}) is nested too deeply to be a real checkpoint file. "
+            "Fix: re-export the checkpoint."
+        ) from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{file} ({what}) could not be read as JSON: {exc}. "
+            "Fix: re-export the checkpoint, or repair the file."
+        ) from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{file} ({what}) holds a JSON {type(data).__name__}, expected an object. "
+            "Fix: re-export the checkpoint."
+        )
+    return data
+
+
+def read_safetensors_header(file: str | Path) -> dict[str, TensorInfo]:
+    """The tensors a safetensors file declares (name, dtype, shape); nothing is loaded.
+
+    The 8-byte header length is checked against :data:`MAX_HEADER_BYTES` and the
+    file size first; the header itself is then read by ``safetensors.safe_open``,
+    which validates dtypes, shapes and data offsets.
+
+    Args:
+        file: a ``.safetensors`` file.
+
+    Returns:
+        ``{tensor name: TensorInfo}``.
+
+    Raises:
+        CheckpointError: the file is missing, special, truncated, or its header
+            is malformed.
+    """
+    path = Path(file)
+    size = _regular_size(path, "safetensors file")
+    if size < 8:
+        raise CheckpointError(
+            f"{path} is too short to be a safetensors file ({size} bytes). "
+            "Fix: re-download or re-export the shard."
+        )
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+    except (OSError, struct.error) as exc:
+        raise CheckpointError(f"{path} could not be read: {exc}.") from exc
+    if length == 0 or length > MAX_HEADER_BYTES or 8 + length > size:
+        raise CheckpointError(
+            f"{path} declares a {length}-byte safetensors header in a {size}-byte file, expected "
+            f"1 to {min(MAX_HEADER_BYTES, max(size - 8, 0))} bytes. Fix: the file is corrupt or "
+            "truncated; re-download or re-export it."
+        )
+    from safetensors import SafetensorError, safe_open
+
+    infos: dict[str, TensorInfo] = {}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                shape = tuple(int(d) for d in sl.get_shape())
+                infos[name] = TensorInfo(
+                    name=name, dtype=str(sl.get_dtype()), shape=shape, file=str(path)
+                )
+    except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path} has an unreadable safetensors header ({exc}). "
+            "Fix: the file is corrupt; re-download or re-export it."
+        ) from exc
+    return infos
+
+
+def _confined(root: Path, name: object, index: Path) -> Path:
+    """``root / name`` when ``name`` is a relative path inside ``root`` (by its logical path)."""
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        raise CheckpointError(
+            f"{index} names the shard {name!r}, expected a file name inside {root}. "
+            "Fix: re-export the checkpoint with save_pretrained."
+        )
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if posix.is_absolute() or windows.is_absolute() or windows.drive or ".." in posix.parts:
+        raise CheckpointError(
+            f"{index} names the shard {name!r}, which lies outside the checkpoint folder "
+            f"{root}; kvquant reads only files inside it. Fix: list the shards by their "
+            "file names (as save_pretrained writes them)."
+        )
+    return root / posix
+
+
+def _stray(root: Path, keep: set[str]) -> list[str]:
+    return sorted(p.name for p in root.glob("*.safetensors") if p.name not in keep)
+
+
+def select_shards(root: str | Path) -> ShardSelection:
+    """Choose the safetensors files transformers would read, and read their headers.
+
+    ``model.safetensors.index.json`` when present (its ``weight_map`` decides
+    which shard holds each tensor), else ``model.safetensors`` alone. Any other
+    ``*.safetensors`` file is ignored and reported; a name held by two shards is
+    reported and the index's choice kept.
+
+    Args:
+        root: the checkpoint folder.
+
+    Returns:
+        The :class:`ShardSelection`.
+
+    Raises:
+        CheckpointError: no safetensors weights (``.bin``-only checkpoints are
+            refused here, before anything unpickles them), a malformed index, a
+            shard outside the folder or missing, or a malformed header.
+    """
+    folder = Path(root)
+    findings: list[Finding] = []
+    index = folder / INDEX_NAME
+    if os.path.lexists(index):
+        data = read_json(index, "safetensors index", MAX_INDEX_BYTES)
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, Mapping) or not weight_map:
+            raise CheckpointError(
+                f"{index} has no weight_map (a non-empty object of tensor name -> shard file). "
+                "Fix: re-export the checkpoint with save_pretrained."
+            )
+        shard_of: dict[str, Path] = {}
+        for name, shard in weight_map.items():
+            shard_of[str(name)] = _confined(folder, shard, index)
+        files = tuple(sorted(set(shard_of.values())))
+        missing = [str(f.relative_to(folder)) for f in files if not os.path.lexists(f)]
+        if missing:
+            raise CheckpointError(
+                f"{index} lists shard(s) {missing} that are not in {folder}. "
+                "Fix: download every shard of the checkpoint."
+            )
+        tensors: dict[str, TensorInfo] = {}
+        unlisted: list[str] = []
+        twice: list[str] = []
+        for file in files:
+            for name, info in read_safetensors_header(file).items():
+                owner = shard_of.get(name)
+                if owner is None:
+                    unlisted.append(name)
+                elif owner != file:
+                    twice.append(name)
+                else:
+                    tensors[name] = info
+        absent = sorted(n for n in shard_of if n not in tensors)
+        if absent:
+            findings.append(
+                Finding(
+                    "error",
+                    "index-tensor-missing",
+                    f"{INDEX_NAME} places {len(absent)} tensor(s) (e.g. {absent[0]}) in shards "
+                    "that do not hold them. Fix: re-download the shards, or re-export the "
+                    "checkpoint.",
+                )
+            )
+        if twice:
+            findings.append(
+                Finding(
+                    "warning",
+                    "tensor-in-two-files",
+                    f"{len(twice)} tensor name(s) (e.g. {sorted(twice)[0]}) are held by two "
+                    f"shards; the one {INDEX_NAME} names is used, as transformers does. Fix: "
+                    "remove the stale copies.",
+                )
+            )
+        if unlisted:
+            findings.append(
+                Finding(
+                    "warning",
+                    "tensor-not-in-index",
+                    f"{len(unlisted)} tensor(s) (e.g. {sorted(unlisted)[0]}) are in a shard but "
+                    f"not in {INDEX_NAME}'s weight_map; ignored. Fix: re-export the checkpoint.",
+                )
+            )
+        stray = _stray(folder, {str(f.relative_to(folder)) for f in files})
+        if stray:
+            findings.append(
+                Finding(
+                    "warning",
+                    "unlisted-shard",
+                    f"{len(stray)} *.safetensors file(s) that {INDEX_NAME} does not name "
+                    f"({', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''}); ignored, as "
+                    "transformers ignores them. Fix: delete stale files from the folder.",
+                )
+            )
+        return ShardSelection(folder, files, tensors, tuple(findings))
+    single = folder / SINGLE_FILE_NAME
+    if os.path.lexists(single):
+        tensors = read_safetensors_header(single)
+        stray = _stray(folder, {SINGLE_FILE_NAME})
+        if stray:
+            findings.append(
+                Finding(
+                    "warning",
+                    "stray-safetensors",
+                    f"{len(stray)} *.safetensors file(s) besides {SINGLE_FILE_NAME} "
+                    f"({', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''}); ignored, as "
+                    "transformers ignores them. Fix: delete stale files from the folder.",
+                )
+            )
+        return ShardSelection(folder, (single,), tensors, tuple(findings))
+    pickles = [n for n in _PICKLE_NAMES if os.path.lexists(folder / n)]
+    if pickles:
+        raise CheckpointError(
+            f"{folder} holds {' and '.join(pickles)} but no {SINGLE_FILE_NAME}; kvquant reads "
+            "safetensors checkpoints only (it never unpickles .bin files). Fix: re-save the "
+            "model with save_pretrained() (safetensors is the default)."
+        )
+    other = _stray(folder, set())
+    if other:
+        raise CheckpointError(
+            f"{folder} has {', '.join(other[:3])}{' ...' if len(other) > 3 else ''} but neither "
+            f"{SINGLE_FILE_NAME} nor {INDEX_NAME}, which is what transformers loads. Fix: "
+            "rename the weights file to model.safetensors, or re-save with save_pretrained()."
+        )
+    raise CheckpointError(
+        f"{folder} has no {SINGLE_FILE_NAME} or {INDEX_NAME}; kvquant reads safetensors "
+        "checkpoints only. Fix: re-save the model with save_pretrained() (safetensors is the "
+        "default)."
+    )
+
+
+def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
+    """The local checkpoint folder for a folder path, a ``config.json`` path, or a hub id.
+
+    A path that exists locally is used as is (a ``config.json`` stands for its
+    folder). Otherwise a string shaped like a hub id (``"org/name"``) is looked
+    up in the local Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``) with
+    ``huggingface_hub.snapshot_download(..., local_files_only=True)``; nothing
+    is downloaded.
+
+    Args:
+        path: a folder, its ``config.json``, or a hub id.
+        revision: the hub revision (branch, tag or commit) when ``path`` is a hub id.
+
+    Returns:
+        The checkpoint folder (for a hub id, its snapshot folder in the cache).
+
+    Raises:
+        CheckpointError: the path does not exist and is not a cached hub model,
+            or it is a file other than ``config.json``.
+    """
+    local = Path(path)
+    if os.path.lexists(local):
+        if local.name == "config.json" and not local.is_dir():
+            local = local.parent
+        try:
+            st = os.stat(local)
+        except OSError as exc:
+            raise CheckpointError(f"{local} cannot be examined: {exc}.") from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise CheckpointError(
+                f"{local} is {_kind_of(st.st_mode) if not stat.S_ISREG(st.st_mode) else 'a file'}"
+                ", expected a checkpoint folder holding config.json and model.safetensors."
+            )
+        return local
+    text = str(path)
+    if not _HUB_ID.match(text) or ".." in text:
+        raise CheckpointError(
+            f"{local} does not exist. Fix: pass the folder of a saved checkpoint (the one "
+            "holding config.json and model.safetensors), or a hub id in the local Hugging Face "
+            "cache."
+        )
+    return _from_hf_cache(text, revision)
+
+
+def _from_hf_cache(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError as exc:  # pragma: no cover - transformers depends on huggingface_hub
+        raise CheckpointError(
+            f"{repo_id} is not a local folder, and huggingface_hub (needed to look it up in the "
+            "Hugging Face cache) is not installed. Fix: pip install huggingface_hub, or pass "
+            "the checkpoint folder."
+        ) from exc
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception as exc:  # huggingface_hub raises several error types for "not cached"
+        at = f" at revision {revision!r}" if revision else ""
+        raise CheckpointError(
+            f"{repo_id} is not a local folder and not in the local Hugging Face cache{at} "
+            f"({constants.HF_HUB_CACHE}): {type(exc).__name__}. kvquant never downloads. Fix: "
+            f"download it first (hf download {repo_id}), or pass the checkpoint folder."
+        ) from exc
+    return Path(folder)

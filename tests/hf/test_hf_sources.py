@@ -1,0 +1,215 @@
+"""Where patch() and the quantizer get their scales, and what a patched model saves.
+
+Hub ids through the local Hugging Face cache, explicit mappings that name
+nothing, .bin-only checkpoints, canonical fp32 scales saved after a dtype
+change, and ``remove()`` leaving a model that saves like an unpatched one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import kvquant.integrations.hf as kvhf
+from kvquant.checkpoint.discovery import discover_scales
+from kvquant.errors import CheckpointError, KVQuantError, OptionTypeError, ScaleFormatError
+from kvquant.integrations.hf import KVQuantConfig
+from kvquant.testing.checkpoints import write_checkpoint, write_hf_cache_entry
+
+transformers = pytest.importorskip("transformers")
+
+COMMIT = "1234567890abcdef1234567890abcdef12345678"
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def _installed(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(m.self_attn.k_scale, m.self_attn.v_scale) for m in model.model.layers]
+
+
+def _random_scales() -> dict[tuple[int, str], float]:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
+    return {
+        (layer, kind): float(torch.rand((), generator=g) * 0.1 + 0.001)
+        for layer in range(2)
+        for kind in "kv"
+    }
+
+
+def test_patch_after_hub_id_load_reads_the_cached_checkpoint(
+    tmp_path: Path, hf_cache: Path
+) -> None:
+    src = write_checkpoint(tmp_path / "src", convention="modelopt", scales=_random_scales())
+    snapshot = write_hf_cache_entry(hf_cache, "org/tiny-fp8", src, commit=COMMIT)
+    model = transformers.AutoModelForCausalLM.from_pretrained("org/tiny-fp8", cache_dir=hf_cache)
+    assert model.name_or_path == "org/tiny-fp8"
+    handle = kvhf.patch(model, backend="torch")
+    assert handle.state.options.source == f"checkpoint {snapshot}"
+    found = discover_scales(src)
+    expected = {(s.layer, s.kind): s.tensor for s in found.scales}
+    for layer, (k, v) in enumerate(_installed(model)):
+        assert torch.equal(k, expected[(layer, "k")].float())
+        assert torch.equal(v, expected[(layer, "v")].float())
+
+
+def test_hub_load_through_the_quantizer(tmp_path: Path, hf_cache: Path) -> None:
+    src = write_checkpoint(tmp_path / "src", convention="legacy-kv_scale", scales=_random_scales())
+    write_hf_cache_entry(hf_cache, "org/tiny-kv", src, commit=COMMIT)
+    model = kvhf.from_pretrained(
+        "org/tiny-kv", quantization_config=KVQuantConfig(backend="torch"), cache_dir=hf_cache
+    )
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(src))
+    kvhf.patch(plain, backend="torch")
+    for (k, v), (k2, v2) in zip(_installed(model), _installed(plain), strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_hub_model_whose_files_are_gone_is_an_error_when_it_declares_scales(
+    tmp_path: Path, hf_cache: Path
+) -> None:
+    src = write_checkpoint(tmp_path / "src", convention="modelopt")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src))
+    model.name_or_path = "org/not-cached"
+    model.config._name_or_path = "org/not-cached"
+    model.config.quantization_config = {"quant_method": "modelopt"}
+    with pytest.raises(CheckpointError, match="scales=<the checkpoint folder>"):
+        kvhf.patch(model, backend="torch")
+    assert model.config._attn_implementation != "kvquant"
+    del model.config.quantization_config
+    handle = kvhf.patch(model, backend="torch")  # no declared quantization: warned, dynamic
+    assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [{}, {"model.layers.0.self_attn.k_scal": torch.tensor(0.1)}, {"lm_head.weight": torch.ones(1)}],
+)
+def test_explicit_mapping_naming_nothing_is_an_error(tiny_llama: Any, mapping: dict) -> None:
+    with pytest.raises(ScaleFormatError, match="names no tensor kvquant recognises"):
+        kvhf.patch(tiny_llama, scales=mapping, backend="torch")
+    assert not hasattr(tiny_llama, "_kvquant_state")
+
+
+def test_scales_of_the_wrong_type(tiny_llama: Any) -> None:
+    with pytest.raises(OptionTypeError):
+        kvhf.patch(tiny_llama, scales=42, backend="torch")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        kvhf.patch(tiny_llama, scales=42, backend="torch")  # type: ignore[arg-type]
+
+
+def _bin_only(tmp_path: Path) -> Path:
+    src = write_checkpoint(tmp_path / "src", convention="none")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src))
+    out = tmp_path / "bin"
+    out.mkdir()
+    (out / "config.json").write_text((src / "config.json").read_text())
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    return out
+
+
+def test_bin_only_refused_before_unpickling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _bin_only(tmp_path)
+
+    def no_unpickling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load was reached")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    with pytest.raises(CheckpointError, match="safetensors checkpoints only"):
+        kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch"))
+    with pytest.raises(CheckpointError, match="safetensors checkpoints only"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), quantization_config=KVQuantConfig(backend="torch")
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_saved_scales_are_canonical_fp32_after_a_dtype_change(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    scales = {(0, "k"): 1e-10, (0, "v"): 0.0123, (1, "k"): 0.0123, (1, "v"): 1e-10}
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", scales=scales)
+    model = kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch"))
+    canonical = [(k.clone(), v.clone()) for k, v in _installed(model)]
+    assert float(canonical[0][0]) == pytest.approx(1e-10, rel=1e-6)
+    model.to(dtype)
+    model.save_pretrained(tmp_path / "saved")
+    stored = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    for layer, (k, v) in enumerate(canonical):
+        for kind, want in (("k", k), ("v", v)):
+            got = stored[f"model.layers.{layer}.self_attn.{kind}_scale"]
+            assert got.dtype == torch.float32 and torch.equal(got, want)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    for (k, v), (k2, v2) in zip(_installed(again), canonical, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def _saved(model: Any, out: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    model.save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    return load_file(str(out / "model.safetensors")), cfg
+
+
+def test_remove_leaves_a_model_that_saves_as_if_never_patched(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", scales=_random_scales())
+    model = kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    model._kvquant_state.handle.remove()
+    assert getattr(model.config, "quantization_config", None) is None
+    assert getattr(model, "hf_quantizer", None) is None
+    got, got_cfg = _saved(model, tmp_path / "removed")
+    want, want_cfg = _saved(plain, tmp_path / "plain")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert "quantization_config" not in got_cfg
+    for key in ("quantization_config", "_attn_implementation"):
+        got_cfg.pop(key, None)
+        want_cfg.pop(key, None)
+    assert got_cfg == want_cfg
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "removed"))
+    assert not hasattr(reloaded.model.layers[0].self_attn, "k_scale")
+
+
+def test_patch_remove_on_a_plain_model_restores_its_state_dict(tiny_llama: Any) -> None:
+    before = {k: v.clone() for k, v in tiny_llama.state_dict().items()}
+    scales = {
+        f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor([0.05])
+        for i in range(2)
+        for kind in "kv"
+    }
+    handle = kvhf.patch(tiny_llama, scales=scales, backend="torch")
+    assert "model.layers.0.self_attn.k_scale" in tiny_llama.state_dict()
+    handle.remove()
+    after = tiny_llama.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_every_public_error_derives_from_a_builtin() -> None:
+    import kvquant.errors as errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if cls is KVQuantError:
+            continue
+        assert issubclass(cls, KVQuantError)
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b is not object]
+        assert any(b not in (Exception, BaseException) for b in builtin), name
