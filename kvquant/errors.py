@@ -24,6 +24,7 @@ __all__ = [
     "TextNotFoundError",
     "UnknownFormatError",
     "UnsupportedModelError",
+    "VerbosityError",
 ]
 
 
@@ -107,3 +108,7 @@ class CalibrationError(KVQuantError, ValueError):
 
 class ConventionError(KVQuantError, ValueError):
     """An unknown producer convention, or a scale kind / granularity that producer does not store."""
+
+
+class VerbosityError(KVQuantError, ValueError):
+    """An unknown log verbosity (:func:`kvquant.set_verbosity`, ``KVQUANT_VERBOSITY``)."""

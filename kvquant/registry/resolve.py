@@ -1032,13 +1032,13 @@ def resolve_scales(
 
 
 def _log_once(scales: ModelScales) -> None:
-    """One warning for lossy or risky choices, one info line for the rest."""
+    """One warning for lossy or risky choices, one debug line for the rest (patch logs at INFO)."""
     lossy_markers = ("reduced to per-tensor", "cost:", "set to 1.0", "reuse", "kept, may saturate")
     lossy = [n for n in scales.notes if any(m in n for m in lossy_markers)]
     other = [n for n in scales.notes if n not in lossy]
     if lossy:
         logger.warning("kvquant KV scales: %s", "; ".join(lossy))
-    logger.info(
+    logger.debug(
         "kvquant KV scales: %s for %d layers%s",
         scales.granularity,
         len(scales.layers),
