@@ -228,10 +228,12 @@ def test_render_and_json(tmp_path: Path) -> None:
     text = report.render()
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("layer"))
-    table = lines[header : header + 5]
+    assert set(lines[header + 1]) <= {"-", " "}  # the rule under the header
+    table = [lines[header], *lines[header + 2 : header + 6]]
     # aligned: every column after "layer" starts at the same offset on every line
     col = table[0].index("action")
     assert all(line[col:].split()[0] in ("action", "convert", "reject") for line in table)
+    assert max(len(line) for line in lines) <= 100
     assert "REJECTED" in text and "model.layers.0.self_attn.v_scale" in text
     data = json.loads(report.to_json())
     assert data["ok"] is False and data["exit_code"] == 1
