@@ -150,16 +150,17 @@ class CheckpointReport:
         """Return :meth:`to_dict` as strict JSON (no NaN literals)."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-    def render(self, *, full: bool | None = None) -> str:
+    def render(self, *, full: bool | None = None, width: int = WIDTH) -> str:
         """Render the report as plain text: a header, a table, findings and notes.
 
         Args:
             full: one table row per layer and K/V (True), or one row per distinct
                 decision with the layers it covers (False: the summary view);
                 default: full up to :data:`SUMMARY_ABOVE` layers, the summary above.
+            width: the widest a line may be (long reasons are numbered under the table).
 
         Returns:
-            Text laid out for 100 columns (long reasons wrap).
+            The report as text.
         """
         g = self.geometry
         if full is None:
@@ -174,23 +175,33 @@ class CheckpointReport:
         ]
         if prefix:
             lines.append(f"tensors:    {prefix}<tensor> (N: the layer)")
-        lines.append("")
         groups = _group_rows(self.rows, self.producer, prefix, full=full)
+        header: tuple[str, ...] = ("layer" if full else "layers", "kv", "tensor", "stored")
+        header += ("value", "format", "action", "why")
+        formats = {row[5] for row in groups}
+        if len(formats) == 1:  # one format for every row: said once, above the table
+            lines.append(f"format:     {formats.pop()} (every row)")
+            header = header[:5] + header[6:]
+            groups = [row[:5] + row[6:] for row in groups]
+        lines.append("")
         if not groups:
             lines.append("(no layers)")
         else:
-            header: tuple[str, ...] = ("layer" if full else "layers", "kv", "tensor", "stored")
-            header += ("value", "format", "action", "why")
+            # a reason wider than what the other columns leave is numbered under the table
+            used = sum(
+                2 + max(len(h), *(len(r[i]) for r in groups)) for i, h in enumerate(header[:-1])
+            )
+            room = max(width - used, _SHORT_REASON)
             notes: dict[str, int] = {}
             table = []
             for row in groups:
                 why = row[-1]
-                if len(why) > _SHORT_REASON:
+                if len(why) > room:
                     why = f"see [{notes.setdefault(why, len(notes) + 1)}]"
                 table.append((*row[:-1], why))
-            lines.append(render_table(header, table, wrap={"why"}))
+            lines.append(render_table(header, table, wrap={"why"}, width=width))
             for why, n in notes.items():
-                lines.append(_wrapped(f"[{n}] {why}", indent=""))
+                lines.append(_wrapped(f"[{n}] {why}", width, indent=""))
             if not full:
                 lines.append(
                     f"(summary: one row per distinct decision; --full or render(full=True) "
@@ -200,15 +211,15 @@ class CheckpointReport:
             lines.append("")
             lines.append("findings:")
             for f in self.findings:
-                lines.append(_wrapped(f"[{f.severity}] {f.code}: {f.message}"))
+                lines.append(_wrapped(f"[{f.severity}] {f.code}: {f.message}", width))
             for note in self.notes:
-                lines.append(_wrapped(f"[note] {note}"))
+                lines.append(_wrapped(f"[note] {note}", width))
         rejected_rows = {r.reason for r in self.rows if r.action == "reject"}
         extra_problems = [p for p in self.scales.problems if not any(p in x for x in rejected_rows)]
         if extra_problems:
             lines.append("")
             lines.append("problems:")
-            lines.extend(_wrapped(f"- {p}") for p in extra_problems)
+            lines.extend(_wrapped(f"- {p}", width) for p in extra_problems)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -308,14 +319,14 @@ def _fmt_stored(r: ScaleRecord) -> str:
     return f"{_short_dtype(r.raw_dtype)} {_fmt_shape(r.raw_shape)}"
 
 
-_SHORT_REASON = 24
-"""Longer reasons are printed under the table, numbered, and the row says ``see [n]``."""
+_SHORT_REASON = 16
+"""The least room a reason gets in the table; longer ones are numbered under it (``see [n]``)."""
 
 
-def _wrapped(text: str, indent: str = "  ") -> str:
+def _wrapped(text: str, width: int, indent: str = "  ") -> str:
     return textwrap.fill(
         text,
-        width=WIDTH,
+        width=width,
         initial_indent=indent,
         subsequent_indent=indent + "    ",
         break_on_hyphens=False,

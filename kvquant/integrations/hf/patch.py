@@ -653,9 +653,10 @@ def patch(
             eagerly through the same static buffers.
 
     Returns:
-        A :class:`KVQuantHandle`; ``handle.remove()`` restores the model. Patching
-        again with the same arguments returns the same handle; with other
-        arguments the old patch is removed first (after the new scales resolve).
+        The patch's handle (also a context manager); ``handle.remove()`` restores
+        the model. Patching again with the same arguments returns the same
+        handle; with other arguments the old patch is removed first (after the
+        new scales resolve).
 
     Raises:
         UnsupportedModelError: the family or a feature it uses is not supported.
