@@ -562,9 +562,9 @@ class CalibrationResult:
 
     def render(self) -> str:
         """Plain-text report: what it calibrated on, how, and one row per layer."""
-        from kvquant.tables import render_table
-
         import textwrap
+
+        from kvquant.tables import render_table
 
         source = "; ".join(self.texts) if self.texts else "token ids"
         lines = [f"calibrated: {self.num_layers} layers, {self.granularity} scales"]

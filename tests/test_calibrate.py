@@ -409,7 +409,7 @@ def test_dataset_samples_from_a_local_dataset(
         str(disk), tokenizer, text_column="body", num_samples=100, max_seq_length=32
     )
     assert saved.num_samples == 20 and max(int(t.numel()) for t in saved.samples) <= 32
-    with pytest.raises(CalibrationError, match="no column 'text'.*body"):
+    with pytest.raises(CalibrationError, match=r"no column 'text'.*body"):
         load_dataset_samples(str(disk), tokenizer)
     with pytest.raises(CalibrationError, match="could not load"):
         load_dataset_samples(str(tmp_path / "missing.jsonl"), tokenizer)
@@ -463,6 +463,12 @@ def test_cli_calibrate_on_a_dataset_writes_what_it_did(
         if (out / f.name).is_file():
             assert (out / f.name).stat().st_ino != f.stat().st_ino, f.name
     assert main(["doctor", str(out)]) == 0
+    # placement through transformers' device_map (accelerate), the model's own dtype
+    pytest.importorskip("accelerate")
+    mapped = [*argv[:-2], "--device-map", "cpu", "--dtype", "auto", "--force", "--json"]
+    capsys.readouterr()
+    assert main(mapped) == 0
+    assert json.loads(capsys.readouterr().out)["num_samples"] == 5
 
 
 def test_observer_names_what_was_done(tiny: Any, tmp_path: Path) -> None:
@@ -478,7 +484,9 @@ def test_observer_names_what_was_done(tiny: Any, tmp_path: Path) -> None:
     assert meta["method"].startswith("scale = amax / 448")
     quark = write_calibrated_checkpoint(src, searched, tmp_path / "q", "quark")
     qcfg = json.loads((quark / "config.json").read_text())["quantization_config"]
-    observers = {e["output_tensors"]["observer_cls"] for e in qcfg["kv_cache_quant_config"].values()}
+    observers = {
+        e["output_tensors"]["observer_cls"] for e in qcfg["kv_cache_quant_config"].values()
+    }
     assert observers == {"PerTensorMSEObserver"}
 
 

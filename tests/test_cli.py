@@ -103,7 +103,7 @@ def test_doctor_summary_view_for_many_layers(
 def test_export_progress_and_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = write_checkpoint(tmp_path / "src", convention="modelopt", weights="none")
     (src / "tokenizer.json").write_text("{}", encoding="utf-8")
-    code, out, err = _cli(
+    code, _, err = _cli(
         ["export", str(src), "--engine", "sglang", "--out", str(tmp_path / "o")], capsys
     )
     assert code == 0 and "writing o" in err and "100%" in err
@@ -122,3 +122,13 @@ def test_render_table_fits_and_wraps() -> None:
     assert lines[0].split() == ["layer", "why"] and lines[-1].split() == ["12", "short"]
     with pytest.raises(ValueError, match="one cell per column"):
         render_table(["a", "b"], [["1"]])
+
+
+def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(["demo", "--json", "--keep", str(tmp_path)], capsys)
+    data = json.loads(out)
+    assert code == 0
+    verdicts = {key: entry["ok"] for key, entry in data["checkpoints"].items()}
+    assert verdicts["modelopt"] is True and verdicts["broken-nan"] is False
+    assert all(Path(entry["path"]).is_dir() for entry in data["checkpoints"].values())
+    assert data["generate"]["restored"] is True

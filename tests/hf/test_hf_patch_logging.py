@@ -131,3 +131,15 @@ def test_the_line_is_visible_by_default_and_env_var_silences_it() -> None:
     app = _run(setup="logging.basicConfig(format='APP %(message)s', level=logging.INFO)")
     lines = [ln for ln in app.stderr.splitlines() if "kvquant.patch:" in ln]
     assert len(lines) == 1 and lines[0].startswith("APP "), app.stderr
+
+
+def test_the_handle_is_a_context_manager(tiny_llama: Any) -> None:
+    ids, mask = prompt()
+    before = tiny_llama(input_ids=ids, attention_mask=mask).logits
+    with pytest.raises(KeyError, match="inside"):
+        with kvquant.patch(tiny_llama, backend="torch") as handle:
+            assert handle.active and tiny_llama._kvquant_state is handle.state
+            raise KeyError("inside")
+    assert not handle.active and getattr(tiny_llama, "_kvquant_state", None) is None
+    after = tiny_llama(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
