@@ -46,6 +46,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,7 +65,7 @@ from kvquant.registry.discovery import (
 from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
 from kvquant.registry.resolve import analyze_scales, resolve_scales
 from kvquant.registry.types import RawScale
-from kvquant.tables import render_table
+from kvquant.tables import WIDTH, render_table
 
 __all__ = [
     "ENGINES",
@@ -272,10 +273,15 @@ class ExportReport:
         ]
         if self.reduced:
             worst = max(self.layers, key=lambda layer: layer.reduction_ratio)
-            lines.append(
-                f"cost:       per-head -> per-tensor with max; worst max/min ratio "
+            cost = (
+                f"per-head -> per-tensor with max; worst max/min ratio "
                 f"{self.max_reduction_ratio:.3g} (layer {worst.layer}, the smallest head "
                 f"loses up to {math.log2(self.max_reduction_ratio):.2f} bits)"
+            )
+            lines.append(
+                textwrap.fill(
+                    cost, width=WIDTH, initial_indent="cost:       ", subsequent_indent=" " * 12
+                )
             )
         k_pattern = _name_pattern([(layer.layer, layer.k_name) for layer in self.layers])
         v_pattern = _name_pattern([(layer.layer, layer.v_name) for layer in self.layers])
@@ -302,14 +308,20 @@ class ExportReport:
         lines.append(
             render_table(header, rows, wrap={"K tensor", "V tensor", "K", "V"}, right={"max/min"})
         )
-        if self.notes:
-            lines.append("")
-            lines.append("notes:")
-            lines.extend(f"  - {n}" for n in self.notes)
-        if self.warnings:
-            lines.append("")
-            lines.append("warnings:")
-            lines.extend(f"  - {w}" for w in self.warnings)
+        for title, items in (("notes:", self.notes), ("warnings:", self.warnings)):
+            if items:
+                lines += ["", title]
+                lines.extend(
+                    textwrap.fill(
+                        item,
+                        width=WIDTH,
+                        initial_indent="  - ",
+                        subsequent_indent="    ",
+                        break_long_words=False,
+                        break_on_hyphens=False,
+                    )
+                    for item in items
+                )
         return "\n".join(lines)
 
     def __str__(self) -> str:
