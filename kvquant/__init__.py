@@ -25,7 +25,9 @@ from kvquant.errors import (
     TextNotFoundError,
     UnknownFormatError,
     UnsupportedModelError,
+    VerbosityError,
 )
+from kvquant.log import get_verbosity, set_verbosity
 
 __version__ = "0.1.0"
 
@@ -73,7 +75,10 @@ __all__ = [
     "TextNotFoundError",
     "UnknownFormatError",
     "UnsupportedModelError",
+    "VerbosityError",
     "__version__",
+    "get_verbosity",
+    "set_verbosity",
     *_LAZY,
 ]
 

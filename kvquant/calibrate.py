@@ -30,20 +30,21 @@ Pipeline:
    with :mod:`kvquant.export`'s machinery (temporary folder, re-discovery check,
    atomic rename).
 
-``python -m kvquant.calibrate`` reproduces the SmolLM2-135M table of
-docs/calibration.md (``--help`` for options). Transformers is imported lazily.
+Calibration data: :func:`load_text_files` and :func:`load_dataset_samples` (the
+``datasets`` library, optional) give :class:`CalibrationData`: token windows and
+a description of where they came from, for the report and the written metadata.
+
+``benchmarks/calibrate_smollm2.py`` reproduces the SmolLM2-135M table of
+docs/calibration.md. Transformers is imported lazily.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ __all__ = [
     "LOG2_MAX",
     "LOG2_MIN",
     "OBJECTIVES",
+    "CalibrationData",
     "CalibrationResult",
     "KVStatistics",
     "LayerCalibration",
@@ -70,7 +72,8 @@ __all__ = [
     "choose_scales",
     "collect_statistics",
     "expected_mse",
-    "main",
+    "load_dataset_samples",
+    "load_text_files",
     "search_ratios",
     "write_calibrated_checkpoint",
 ]
@@ -153,6 +156,7 @@ class KVStatistics:
         updates: int64 [num_layers], how many forward calls reached each layer.
         nonfinite: NaN/inf values seen (excluded from the statistics).
         num_tokens: tokens run through the model.
+        num_samples: forward passes (calibration samples) run through the model.
     """
 
     num_layers: int
@@ -167,6 +171,7 @@ class KVStatistics:
     updates: torch.Tensor = field(init=False)
     nonfinite: int = 0
     num_tokens: int = 0
+    num_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.num_kv_heads < 1:
@@ -469,8 +474,10 @@ class CalibrationResult:
         ratios: the ratio grid searched.
         tolerance: the relative MSE margin of the choice.
         objective: ``"mse"`` or ``"attention"`` (see :func:`choose_scales`).
-        texts: names of the calibration texts (when known).
+        texts: where the calibration data came from (file names, or the dataset,
+            config, split and column), when known.
         statistics: the :class:`KVStatistics` the scales were chosen from.
+        num_samples: calibration samples (forward passes) run through the model.
     """
 
     granularity: str
@@ -484,6 +491,27 @@ class CalibrationResult:
     objective: str = "mse"
     texts: tuple[str, ...] = ()
     statistics: KVStatistics | None = None
+    num_samples: int = 0
+
+    @property
+    def observer(self) -> str:
+        """compressed-tensors' name for how the scales were chosen.
+
+        ``"minmax"`` when only ``r = 1.0`` was searched (``amax / 448``), else
+        ``"mse"`` (a clipping search minimising the expected quantization error).
+        """
+        return "minmax" if self.ratios == (1.0,) else "mse"
+
+    @property
+    def method(self) -> str:
+        """One line: how the scales were chosen."""
+        if self.observer == "minmax":
+            return "scale = amax / 448 (no clipping search)"
+        return (
+            f"clipping search: scale = r * amax / 448 with r in [{min(self.ratios):.2f}, "
+            f"{max(self.ratios):.2f}] ({len(self.ratios)} values) minimising the "
+            f"{_OBJECTIVE_TEXT[self.objective]}"
+        )
 
     @property
     def num_layers(self) -> int:
@@ -513,8 +541,11 @@ class CalibrationResult:
         """JSON-ready dict (scales as lists, statistics left out)."""
         return {
             "granularity": self.granularity,
+            "observer": self.observer,
+            "method": self.method,
             "objective": self.objective,
             "objective_description": _OBJECTIVE_TEXT[self.objective],
+            "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
             "num_kv_heads": self.num_kv_heads,
             "ratios": [min(self.ratios), max(self.ratios), len(self.ratios)],
@@ -530,30 +561,43 @@ class CalibrationResult:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
     def render(self) -> str:
-        """Plain-text report: one row per layer (ratio, saturation, MSE vs amax/448)."""
-        lines = [
-            f"calibrated {self.num_layers} layers, {self.granularity}, on {self.num_tokens} "
-            f"tokens" + (f" ({', '.join(self.texts)})" if self.texts else ""),
-            f"objective: {_OBJECTIVE_TEXT[self.objective]}, "
-            f"ratio r in [{min(self.ratios):.2f}, {max(self.ratios):.2f}], scale = r * amax / 448",
-            "",
-        ]
-        rows = [("layer", "K ratio", "K sat.", "K MSE/amax", "V ratio", "V sat.", "V MSE/amax")]
-        for lay in self.layers:
-            rows.append(
-                (
-                    str(lay.layer),
-                    _fmt_ratios(lay.k_ratio),
-                    f"{100 * lay.k_saturation:.3f}%",
-                    f"{lay.k_mse_vs_amax:.3f}",
-                    _fmt_ratios(lay.v_ratio),
-                    f"{100 * lay.v_saturation:.3f}%",
-                    f"{lay.v_mse_vs_amax:.3f}",
+        """Plain-text report: what it calibrated on, how, and one row per layer."""
+        import textwrap
+
+        from kvquant.tables import render_table
+
+        source = "; ".join(self.texts) if self.texts else "token ids"
+        lines = [f"calibrated: {self.num_layers} layers, {self.granularity} scales"]
+        for label, text in (
+            ("data:", f"{source}: {self.num_samples} samples, {self.num_tokens} tokens"),
+            ("method:", self.method),
+        ):
+            lines.append(
+                textwrap.fill(
+                    text,
+                    width=100,
+                    initial_indent=f"{label:<12}",
+                    subsequent_indent=" " * 12,
+                    break_long_words=False,
+                    break_on_hyphens=False,
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        lines.append("")
+        header = ("layer", "K ratio", "K sat.", "K MSE/amax", "V ratio", "V sat.", "V MSE/amax")
+        rows = [
+            (
+                str(lay.layer),
+                _fmt_ratios(lay.k_ratio),
+                f"{100 * lay.k_saturation:.3f}%",
+                f"{lay.k_mse_vs_amax:.3f}",
+                _fmt_ratios(lay.v_ratio),
+                f"{100 * lay.v_saturation:.3f}%",
+                f"{lay.v_mse_vs_amax:.3f}",
+            )
+            for lay in self.layers
+        ]
+        numbers = set(header[1:])
+        lines.append(render_table(header, rows, wrap={"K ratio", "V ratio"}, right=numbers))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -678,6 +722,7 @@ def choose_scales(
         objective=objective,
         texts=tuple(texts),
         statistics=stats,
+        num_samples=stats.num_samples,
     )
 
 
@@ -873,6 +918,7 @@ def collect_statistics(
         for ids in windows:
             decoder(input_ids=ids.to(device), use_cache=False)
             stats.num_tokens += int(ids.numel())
+            stats.num_samples += int(ids.shape[0])
             bar.update(int(ids.numel()))
     if stats.nonfinite:
         raise CalibrationError(
@@ -958,6 +1004,218 @@ def calibrate(
 
 
 # ---------------------------------------------------------------------------
+# calibration data
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationData:
+    """Calibration samples (token windows) and where they came from.
+
+    Attributes:
+        samples: int64 ``[1, T]`` token windows, ``2 <= T <= max_seq_length``;
+            each is one forward pass.
+        source: a description of the data (files, or dataset, config, split, column).
+        max_seq_length: the most tokens per sample.
+    """
+
+    samples: tuple[torch.Tensor, ...]
+    source: str
+    max_seq_length: int
+
+    @property
+    def num_samples(self) -> int:
+        """Samples (forward passes)."""
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens over all samples."""
+        return sum(int(t.numel()) for t in self.samples)
+
+
+def _check_sizes(num_samples: int | None, max_seq_length: int) -> None:
+    if num_samples is not None and num_samples < 1:
+        raise CalibrationError(
+            f"calibration data: num_samples={num_samples}; expected at least 1. "
+            "Fix: pass --num-samples 512 (or another positive count)."
+        )
+    if max_seq_length < 2:
+        raise CalibrationError(
+            f"calibration data: max_seq_length={max_seq_length}; expected at least 2 tokens. "
+            "Fix: pass --max-seq-length 2048 (or another length >= 2)."
+        )
+
+
+def load_text_files(
+    files: Sequence[str | Path],
+    tokenizer: Any,
+    *,
+    num_samples: int | None = None,
+    max_seq_length: int = 2048,
+    progress: bool = False,
+) -> CalibrationData:
+    """Calibration samples from UTF-8 text files.
+
+    Each file is tokenized whole and cut into windows of ``max_seq_length``
+    tokens (a shorter last window is kept when it has at least 2 tokens).
+
+    Args:
+        files: the text files, in order.
+        tokenizer: the model's tokenizer.
+        num_samples: keep at most this many windows (None: all).
+        max_seq_length: tokens per window.
+        progress: show a tqdm bar over the files on stderr.
+
+    Returns:
+        The :class:`CalibrationData`.
+
+    Raises:
+        CalibrationError: no file, an unreadable or non-UTF-8 file, no window of
+            at least 2 tokens, or bad sizes.
+    """
+    from tqdm import tqdm
+
+    _check_sizes(num_samples, max_seq_length)
+    if not files:
+        raise CalibrationError(
+            "calibration data: no text file given; expected at least one. Fix: pass "
+            "--text FILE (repeatable) or --dataset NAME."
+        )
+    samples: list[torch.Tensor] = []
+    for file in tqdm(files, desc="tokenizing", unit="file", file=sys.stderr, disable=not progress):
+        try:
+            text = Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CalibrationError(
+                f"calibration data: --text {file} could not be read as UTF-8 text ({exc}). "
+                "Fix: pass a readable plain-text file."
+            ) from exc
+        ids = tokenizer(text, return_tensors="pt")["input_ids"].long().reshape(-1)
+        for start in range(0, ids.numel(), max_seq_length):
+            piece = ids[start : start + max_seq_length]
+            if piece.numel() >= 2:
+                samples.append(piece.view(1, -1))
+        if num_samples is not None and len(samples) >= num_samples:
+            samples = samples[:num_samples]
+            break
+    if not samples:
+        raise CalibrationError(
+            f"calibration data: {', '.join(map(str, files))} give no sample of at least 2 "
+            "tokens; expected real text. Fix: pass longer text files."
+        )
+    names = ", ".join(str(f) for f in files)
+    return CalibrationData(tuple(samples), f"text files {names}", max_seq_length)
+
+
+def _open_dataset(name: str, config: str | None, split: str) -> Any:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise CalibrationError(
+            f"calibration data: --dataset {name} needs the datasets library, which is not "
+            "installed. Fix: pip install datasets (kvquant's 'calibrate' extra), or pass "
+            "--text FILE instead."
+        ) from exc
+    path = Path(name)
+    try:
+        if path.is_dir() and (path / "dataset_info.json").is_file():
+            loaded = datasets.load_from_disk(str(path))
+            return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        suffix = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+        if path.is_file() and path.suffix in suffix:
+            return datasets.load_dataset(suffix[path.suffix], data_files=str(path), split=split)
+        return datasets.load_dataset(name, config, split=split)
+    except (OSError, ValueError, KeyError, FileNotFoundError) as exc:
+        raise CalibrationError(
+            f"calibration data: the datasets library could not load {name!r} (config "
+            f"{config!r}, split {split!r}): {type(exc).__name__}: {exc}. Fix: check the name, "
+            "--dataset-config and --split (e.g. --dataset wikitext --dataset-config "
+            "wikitext-2-raw-v1 --split train), or pass --text FILE."
+        ) from exc
+
+
+def load_dataset_samples(
+    name: str,
+    tokenizer: Any,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    num_samples: int = 512,
+    max_seq_length: int = 2048,
+    progress: bool = False,
+    dataset: Any = None,
+) -> CalibrationData:
+    """Calibration samples from a dataset of the ``datasets`` library (like llm-compressor's).
+
+    The first ``num_samples`` rows whose text has at least 2 tokens are kept,
+    each truncated to ``max_seq_length`` tokens: one sample per row.
+
+    Args:
+        name: a dataset on the Hugging Face hub (``"wikitext"``), a folder
+            written by ``Dataset.save_to_disk``, or a local ``.json``/``.jsonl``/
+            ``.csv``/``.parquet`` file.
+        tokenizer: the model's tokenizer.
+        config: the dataset configuration (``"wikitext-2-raw-v1"``).
+        split: the split to read.
+        text_column: the column holding the text.
+        num_samples: rows to keep.
+        max_seq_length: tokens per sample at most.
+        progress: show a tqdm bar on stderr.
+        dataset: an already loaded dataset (any sequence of mappings) to read
+            instead of loading ``name``; ``name`` then only describes it.
+
+    Returns:
+        The :class:`CalibrationData`.
+
+    Raises:
+        CalibrationError: ``datasets`` not installed, the dataset cannot be
+            loaded, no such column, too few usable rows, or bad sizes.
+    """
+    from tqdm import tqdm
+
+    _check_sizes(num_samples, max_seq_length)
+    rows = dataset if dataset is not None else _open_dataset(name, config, split)
+    columns = list(getattr(rows, "column_names", None) or [])
+    if columns and text_column not in columns:
+        raise CalibrationError(
+            f"calibration data: dataset {name!r} has no column {text_column!r}; its columns "
+            f"are {columns}. Fix: pass --text-column with one of them."
+        )
+    samples: list[torch.Tensor] = []
+    bar = tqdm(
+        total=num_samples, desc="tokenizing", unit="sample", file=sys.stderr, disable=not progress
+    )
+    with bar:
+        for row in rows:
+            text = row.get(text_column) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise CalibrationError(
+                    f"calibration data: a row of dataset {name!r} has no text in column "
+                    f"{text_column!r} (got {type(text).__name__}). Fix: pass --text-column "
+                    "naming a text column."
+                )
+            if not text.strip():
+                continue
+            ids = tokenizer(text, return_tensors="pt")["input_ids"].long().reshape(-1)
+            ids = ids[:max_seq_length]
+            if ids.numel() < 2:
+                continue
+            samples.append(ids.view(1, -1))
+            bar.update(1)
+            if len(samples) == num_samples:
+                break
+    if not samples:
+        raise CalibrationError(
+            f"calibration data: dataset {name!r} (split {split!r}, column {text_column!r}) has "
+            "no row with at least 2 tokens of text. Fix: pick another split or column."
+        )
+    where = name + (f" ({config})" if config else "")
+    source = f"dataset {where}, split {split}, column {text_column}"
+    return CalibrationData(tuple(samples), source, max_seq_length)
+
+
+# ---------------------------------------------------------------------------
 # writing a checkpoint
 
 
@@ -994,7 +1252,8 @@ def write_calibrated_checkpoint(
     convention: str = "compressed-tensors",
     *,
     force: bool = False,
-    link: bool = True,
+    link: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Write a copy of ``src_dir`` carrying ``result``'s scales in a producer's convention.
 
@@ -1006,12 +1265,15 @@ def write_calibrated_checkpoint(
     * ``quark``: ``self_attn.k_proj.output_scale`` / ``v_proj.output_scale``, fp32
       ``()``, ``kv_cache_post_rope: true`` (separate post-RoPE K and V).
 
-    Shards without the attention of any layer are hard-linked (or copied); the
-    shard(s) receiving scales are re-saved with every other tensor unchanged;
-    KV scales already in the source are replaced. The copy is written into a
-    temporary folder, re-discovered and checked, then renamed into place
-    (:mod:`kvquant.export`'s machinery); ``kvquant-calibration.json`` with the
-    per-layer report is added afterwards.
+    Every file is copied (configs and tokenizer always; weight shards unless
+    ``link``); the shard(s) receiving scales are re-saved with every other tensor
+    unchanged; KV scales already in the source are replaced. The config records
+    how the scales were chosen (compressed-tensors ``observer``: ``"mse"`` after
+    a clipping search, ``"minmax"`` for ``amax / 448``; Quark's ``observer_cls``
+    likewise). The copy is written into a temporary folder, re-discovered and
+    checked, then renamed into place (:mod:`kvquant.export`'s machinery);
+    ``kvquant-calibration.json`` (what was calibrated on, how, the per-layer
+    report, the format written) is added afterwards.
 
     Args:
         src_dir: the checkpoint folder the model was loaded from.
@@ -1020,7 +1282,9 @@ def write_calibrated_checkpoint(
         convention: ``"compressed-tensors"`` (per-tensor or per-head),
             ``"modelopt"`` or ``"quark"`` (per-tensor only).
         force: replace ``out_dir`` if it is an existing folder.
-        link: hard-link unchanged files (falls back to copying).
+        link: hard-link the unchanged weight shards instead of copying them
+            (saves disk space; the output then shares those files with the source).
+        progress: show a tqdm progress bar (bytes written) on stderr.
 
     Returns:
         ``out_dir`` as a Path.
@@ -1096,17 +1360,24 @@ def write_calibrated_checkpoint(
 
     if convention == "quark":
         # KV-only, calibrated after RoPE: separate K and V, nothing else quantized.
-        qcfg: dict[str, Any] | None = conventions.quark_config(post_rope=True)
+        quark = conventions.quark_config(post_rope=True)
+        if result.observer == "mse":
+            for group in ("layer_quant_config", "kv_cache_quant_config"):
+                for entry in quark[group].values():
+                    entry["output_tensors"]["observer_cls"] = "PerTensorMSEObserver"
+        qcfg: dict[str, Any] | None = quark
         hf_quant: dict[str, Any] | None = None
     else:
-        qcfg, hf_quant = _export._new_configs(convention, result.granularity, found, weights)
+        qcfg, hf_quant = _export._new_configs(
+            convention, result.granularity, found, weights, observer=result.observer
+        )
         if convention == "modelopt" and qcfg is None and weights is None:
             qcfg = conventions.modelopt_quantization_config(
                 (hf_quant or {}).get("producer", {"name": "modelopt"}), ignore=()
             )
     notes = [
-        f"scales calibrated by kvquant on {result.num_tokens} tokens "
-        f"({result.granularity}, expected-FP8-MSE clipping search)"
+        f"scales calibrated by kvquant on {result.num_samples} samples, {result.num_tokens} "
+        f"tokens ({result.granularity}; {result.method})"
     ]
     if found.scales:
         notes.append(f"{len(found.scales)} KV-scale tensors of the source were replaced")
@@ -1125,6 +1396,7 @@ def write_calibrated_checkpoint(
         out,
         force=force,
         link=link,
+        progress=progress,
         qcfg=qcfg,
         hf_quant=hf_quant,
         new_tensors=new_tensors,
@@ -1132,201 +1404,20 @@ def write_calibrated_checkpoint(
         drop_by_file=drop_by_file,
         report=report,
     )
+    from kvquant import __version__
+
+    metadata = {
+        "calibrated_by": f"kvquant {__version__}",
+        "source": str(src),
+        "convention": convention,
+        "format": result.granularity,
+        **result.to_dict(),
+    }
     # The report file is added after the atomic rename; replace (not rewrite) so that a
     # hard-linked file of the source is never modified.
     fd, tmp_name = tempfile.mkstemp(prefix=".kvquant-calibration-", dir=out)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(result.to_json() + "\n")
+        handle.write(json.dumps(metadata, indent=2, allow_nan=False) + "\n")
     os.chmod(tmp_name, 0o644)
     os.replace(tmp_name, out / _REPORT_FILE)
     return out
-
-
-# ---------------------------------------------------------------------------
-# evidence on SmolLM2-135M (python -m kvquant.calibrate)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Measure calibrated vs amax/448 scales on SmolLM2-135M through ``kvquant.patch``.
-
-    Calibrates on the calibration text, writes compressed-tensors checkpoint
-    copies (per-tensor and per-head; kvquant-calibrated and amax/448), loads each
-    through ``kvquant.patch`` (torch backend) and evaluates teacher-forced
-    perplexity on the *other* text, plus fp32-group and the unquantized model.
-
-    Args:
-        argv: arguments (default ``sys.argv[1:]``).
-
-    Returns:
-        Exit status 0.
-    """
-    import kvquant.eval as E
-
-    parser = argparse.ArgumentParser(
-        prog="python -m kvquant.calibrate",
-        description="Perplexity of SmolLM2-135M with kvquant-calibrated vs amax/448 FP8 KV "
-        "scales (written checkpoints loaded through kvquant.patch).",
-    )
-    parser.add_argument("--tokens", type=int, default=1500, help="evaluation tokens per window")
-    parser.add_argument("--windows", type=int, default=1, help="evaluation windows (pooled)")
-    parser.add_argument("--calibration-tokens", type=int, default=4096)
-    parser.add_argument("--tolerance", type=float, default=0.0)
-    parser.add_argument("--backend", default="torch")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write rows as JSON")
-    parser.add_argument(
-        "--controls",
-        action="store_true",
-        help="instead of kvquant.patch runs, simulate FP8 K/V (kvquant.eval.simulate_fp8_kv) for "
-        "every variant plus amax/448 scales multiplied by 1.01 ... 1.5 (alignment controls: no "
-        "clipping, same MSE class), with per-window deltas",
-    )
-    args = parser.parse_args(argv)
-
-    from kvquant.testing.smollm2 import load_smollm2, smollm2_path
-    from kvquant.testing.texts import text_pair
-
-    torch.manual_seed(0)
-    path = smollm2_path()
-    model, tokenizer = load_smollm2(path)
-    calib_text, eval_text = text_pair()
-    eval_ids = E.tokenize(
-        tokenizer,
-        eval_text.text,
-        args.tokens,
-        min_tokens=min(args.tokens, 1500),
-        windows=args.windows,
-    )
-    t0 = time.perf_counter()
-    stats = collect_statistics(
-        model,
-        calib_text.text,
-        tokenizer=tokenizer,
-        max_tokens=args.calibration_tokens,
-        objective="attention",  # keeps the plain histograms too: both objectives below
-        progress=True,
-    )
-    calib_seconds = time.perf_counter() - t0
-    variants = (
-        ("amax/448", (1.0,), "mse"),
-        ("calibrated, objective mse", DEFAULT_RATIOS, "mse"),
-        ("calibrated, objective attention", DEFAULT_RATIOS, "attention"),
-    )
-    results = {
-        f"{g} {name}": choose_scales(
-            stats,
-            g,
-            ratios=ratios,
-            tolerance=args.tolerance,
-            objective=objective,
-            texts=(calib_text.name,),
-        )
-        for name, ratios, objective in variants
-        for g in _GRANULARITIES
-    }
-    with E.simulate_fp8_kv(model, "none"):
-        t0 = time.perf_counter()
-        reference = E.teacher_forced(model, eval_ids)
-    rows = [E.evaluate("bf16 KV (unquantized)", reference, reference, time.perf_counter() - t0)]
-    if args.controls:
-        return _controls(model, results, eval_ids, reference, rows)
-    with tempfile.TemporaryDirectory(prefix="kvquant-calibrate-") as workdir:
-        for i, (label, res) in enumerate(results.items()):
-            folder = write_calibrated_checkpoint(path, res, Path(workdir) / str(i))
-            row, _ = E.run_kvquant(
-                model,
-                eval_ids,
-                reference,
-                label=f"kvquant {label} (compressed-tensors checkpoint)",
-                scales=folder,
-                backend=args.backend,
-            )
-            rows.append(row)
-    row, _ = E.run_kvquant(
-        model,
-        eval_ids,
-        reference,
-        label="kvquant fp32-group (G=64, dynamic)",
-        scales={},
-        scale_format="fp32-group",
-        group_size=64,
-        backend=args.backend,
-    )
-    rows.append(row)
-    header = (
-        f"SmolLM2-135M-Instruct (fp32 compute), calibration: {calib_text.name} "
-        f"({stats.num_tokens} tokens, {calib_seconds:.1f} s), evaluation: {eval_text.name} "
-        f"({eval_ids.shape[0]} x {eval_ids.shape[1]} tokens)"
-    )
-    print(header)
-    print(E.format_table(rows))
-    for label, res in results.items():
-        if "calibrated" in label:
-            print(f"\n{label}:\n{res.render()}")
-    if args.json:
-        payload = {
-            "header": header,
-            "rows": [asdict(r) for r in rows],
-            "calibrations": {k: r.to_dict() for k, r in results.items()},
-        }
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    return 0
-
-
-def _as_calibrated(result: CalibrationResult, factor: float = 1.0) -> Any:
-    """A ``kvquant.eval.CalibratedScales`` whose ``amax / 448`` is ``factor`` x the result's scales."""
-    import kvquant.eval as E
-
-    k = result.k_scales * FP8_E4M3_MAX * factor
-    v = result.v_scales * FP8_E4M3_MAX * factor
-    if k.dim() == 1:
-        k = k[:, None].expand(-1, result.num_kv_heads)
-        v = v[:, None].expand(-1, result.num_kv_heads)
-    return E.CalibratedScales(k_amax=k.contiguous(), v_amax=v.contiguous(), num_tokens=0)
-
-
-def _controls(
-    model: torch.nn.Module,
-    results: dict[str, CalibrationResult],
-    eval_ids: torch.Tensor,
-    reference: Any,
-    rows: list[Any],
-) -> int:
-    """Simulated rows for every variant and for amax/448 x factor, with per-window deltas."""
-    import kvquant.eval as E
-
-    runs = [(label, res, 1.0) for label, res in results.items()]
-    for g in _GRANULARITIES:
-        runs += [(f"{g} amax/448 x {f}", results[f"{g} amax/448"], f) for f in _CONTROL_FACTORS]
-    n = eval_ids.shape[1] - 1
-    lines = []
-    for label, res, factor in runs:
-        t0 = time.perf_counter()
-        with E.simulate_fp8_kv(model, res.granularity, _as_calibrated(res, factor)):
-            st = E.teacher_forced(model, eval_ids)
-        row = E.evaluate(f"simulated {label}", st, reference, time.perf_counter() - t0)
-        rows.append(row)
-        per_window = [
-            100.0
-            * (
-                math.exp(float(st.nll[i * n : (i + 1) * n].double().mean()))
-                / math.exp(float(reference.nll[i * n : (i + 1) * n].double().mean()))
-                - 1.0
-            )
-            for i in range(eval_ids.shape[0])
-        ]
-        lines.append(
-            f"| {row.label} | {row.delta_pct:+.2f}% | "
-            + " ".join(f"{d:+.2f}" for d in per_window)
-            + " |"
-        )
-        print(lines[-1], flush=True)
-    print("\n| variant | Δ ppl (pooled) | Δ per window |\n|---|---:|---|")
-    print("\n".join(lines))
-    return 0
-
-
-_CONTROL_FACTORS = (1.01, 1.02, 1.05, 1.1, 1.25, 1.5)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,13 +16,21 @@ Subcommands:
   written, 1 when the checkpoint cannot be exported for that engine (nothing is
   written), 2 on a usage error (not a checkpoint, ``--out`` exists without
   ``--force``).
-* ``kvquant calibrate MODEL_DIR --out DIR``: run the model over real
-  calibration text, choose static FP8 K/V scales by the expected quantization
+* ``kvquant calibrate MODEL_DIR --out DIR (--dataset NAME | --text FILE)``: run
+  the model (``--device``, ``--device-map``, ``--dtype``; its own dtype by
+  default) over calibration data, choose static FP8 K/V scales by the expected quantization
   error they cause and write a copy of the checkpoint carrying them in a
   producer convention (see :mod:`kvquant.calibrate`). Exit code 0 when written,
   1 when the model or the requested convention cannot be calibrated (nothing
-  is written), 2 on a usage error (not a checkpoint, no tokenizer, unreadable
-  text, ``--out`` exists without ``--force``).
+  is written), 2 on a usage error (no data source, not a checkpoint, no
+  tokenizer, unreadable text, ``--out`` exists without ``--force``).
+
+Every subcommand takes ``--json``: its result, or its error as a JSON object
+(``{"error": type, "message": ..., "exit_code": ..., "command": ...}`` on stdout,
+same exit codes). Every PATH follows one rule (:func:`checkpoint_dir`): a
+checkpoint folder, or a file inside it (``config.json``, ``model.safetensors``)
+for its folder. ``doctor`` prints one row per distinct decision above 8 layers
+(``--full`` for every row).
 
 The demo's story lives in :mod:`kvquant.demo`.
 """
@@ -33,18 +41,27 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from kvquant.errors import KVQuantError
 
 __all__ = [
     "build_parser",
+    "checkpoint_dir",
     "main",
 ]
+
+_PATH_HELP = (
+    "checkpoint folder (config.json + *.safetensors), a file inside it such as "
+    "config.json or model.safetensors (its folder is used), or a hub id in the local "
+    "Hugging Face cache"
+)
 
 EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_USAGE = 2
+
+_COMMANDS = ("doctor", "demo", "export", "calibrate")
 
 _DOCTOR_OPTIONS = ("scale_format", "missing_scales", "missing_kv", "group_size", "rope_policy")
 
@@ -61,15 +78,14 @@ def _doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         name: getattr(args, name) for name in _DOCTOR_OPTIONS if getattr(args, name) is not None
     }
     try:
-        report = inspect_checkpoint(args.path, options=ResolveOptions(**options))
+        report = inspect_checkpoint(checkpoint_dir(args.path), options=ResolveOptions(**options))
     except KVQuantError as exc:
         # CheckpointError (not a checkpoint) or an option the registry refuses
-        print(f"kvquant doctor: error: {exc}", file=err)
-        return EXIT_USAGE
+        return _fail(args, exc, EXIT_USAGE, out, err)
     if args.json:
         print(report.to_json(), file=out)
     else:
-        print(report.render(), file=out)
+        print(report.render(full=True if args.full else None), file=out)
     return report.exit_code
 
 
@@ -84,7 +100,7 @@ def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     granularity = "per-head" if args.per_head else args.granularity
     try:
         report = export_checkpoint(
-            args.path,
+            checkpoint_dir(args.path),
             args.out,
             engine=args.engine,
             granularity=granularity,
@@ -92,14 +108,13 @@ def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             missing_kv=args.missing_kv,
             force=args.force,
             link=not args.copy,
+            progress=not args.json,
         )
     except (CheckpointError, ExportTargetExistsError) as exc:
-        print(f"kvquant export: error: {exc}", file=err)
-        return EXIT_USAGE
+        return _fail(args, exc, EXIT_USAGE, out, err)
     except KVQuantError as exc:
         # ExportError (the engine cannot take it) or the registry's ScaleFormatError
-        print(f"kvquant export: refused: {exc}", file=err)
-        return EXIT_REJECTED
+        return _fail(args, exc, EXIT_REJECTED, out, err)
     print(report.to_json() if args.json else report.render(), file=out)
     return EXIT_OK
 
@@ -108,112 +123,173 @@ def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 # calibrate
 
 
-def _load_for_calibration(path: str) -> tuple[Any, Any]:
-    """Load the model (fp32, its quantization_config dropped) and tokenizer of a folder."""
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _load_for_calibration(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
+    """Load the model (its quantization_config dropped) and tokenizer, placed as asked."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvquant.errors import CalibrationError
 
     config = AutoConfig.from_pretrained(path)
     for holder in (config, getattr(config, "text_config", None)):
         if holder is not None and hasattr(holder, "quantization_config"):
             del holder.quantization_config  # KV scales are replaced; weights load as floats
-    model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    dtype: Any = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "attn_implementation": "sdpa"}
+    if args.device_map is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise CalibrationError(
+                f"--device-map {args.device_map} needs the accelerate library, which is not "
+                "installed. Fix: pip install accelerate, or pass --device cuda (one device)."
+            )
+        kwargs["device_map"] = args.device_map
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if args.device_map is None:
+        model.to(_device(args.device))
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
-def _calibration_texts(files: Sequence[Path] | None) -> tuple[list[str], list[str]]:
-    from kvquant.errors import CheckpointError
+def _device(name: str | None) -> Any:
+    """``--device``: a torch device that exists here (default: CUDA when present, else CPU)."""
+    import torch
 
-    if not files:
-        from kvquant.testing.texts import calibration_text
+    from kvquant.errors import CalibrationError
 
-        text = calibration_text()
-        return [text.text], [f"{text.name} ({text.path})"]
-    texts, names = [], []
-    for file in files:
-        try:
-            texts.append(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(
-                f"--text {file} could not be read as UTF-8 text ({exc}). Fix: pass a readable "
-                "plain-text file."
-            ) from exc
-        names.append(str(file))
-    return texts, names
-
-
-def _at_least_two(text: str) -> int:
-    """argparse type: an integer >= 2 (token counts)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{value} is too small; expected at least 2 tokens")
-    return value
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise CalibrationError(
+            f"--device {name!r} is not a torch device ({exc}). Fix: pass cpu, cuda or cuda:N."
+        ) from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CalibrationError(
+            f"--device {name} was requested but torch sees no CUDA device here. Fix: pass "
+            "--device cpu, or run on a machine with a GPU."
+        )
+    return device
+
+
+def _calibration_data(args: argparse.Namespace, tokenizer: Any) -> Any:
+    from kvquant.calibrate import load_dataset_samples, load_text_files
+
+    if args.dataset is not None:
+        return load_dataset_samples(
+            args.dataset,
+            tokenizer,
+            config=args.dataset_config,
+            split=args.split,
+            text_column=args.text_column,
+            num_samples=args.num_samples if args.num_samples is not None else 512,
+            max_seq_length=args.max_seq_length,
+            progress=not args.json,
+        )
+    return load_text_files(
+        args.text,
+        tokenizer,
+        num_samples=args.num_samples,
+        max_seq_length=args.max_seq_length,
+        progress=not args.json,
+    )
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small; expected at least {minimum}")
+        return value
+
+    return parse
 
 
 def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvquant.calibrate import calibrate, write_calibrated_checkpoint
-    from kvquant.errors import CheckpointError
+    from kvquant.errors import CalibrationError, CheckpointError
     from kvquant.export import ExportTargetExistsError
     from kvquant.registry.discovery import discover_scales
 
-    if args.granularity == "per-head" and args.convention != "compressed-tensors":
-        print(
-            f"kvquant calibrate: error: --format per-head is stored by the compressed-tensors "
-            f"convention only (strategy attn_head), not {args.convention}. Fix: drop "
-            "--convention or use --format per-tensor.",
-            file=err,
-        )
-        return EXIT_USAGE
+    path = checkpoint_dir(args.path)
     try:
-        discover_scales(args.path)
+        if args.granularity == "per-head" and args.convention != "compressed-tensors":
+            raise CalibrationError(
+                f"--format per-head is stored by the compressed-tensors convention only "
+                f"(strategy attn_head), not {args.convention}. Fix: drop --convention or use "
+                "--format per-tensor."
+            )
+        if args.dataset is None and not args.text:
+            raise CalibrationError(
+                "no calibration data given; expected --dataset NAME (the datasets library: "
+                "with --dataset-config, --split, --text-column, --num-samples, "
+                "--max-seq-length) or --text FILE (repeatable). Fix: e.g. --dataset wikitext "
+                "--dataset-config wikitext-2-raw-v1, or --text my_corpus.txt."
+            )
+        if args.dataset is not None and args.text:
+            raise CalibrationError(
+                "both --dataset and --text were given; expected one data source. Fix: drop "
+                "one of them."
+            )
+        discover_scales(path)
         if (args.out.exists() or args.out.is_symlink()) and not args.force:
             raise ExportTargetExistsError(
                 f"{args.out} already exists; expected a new folder. Fix: pass another --out, "
                 "or --force to replace it."
             )
-        texts, names = _calibration_texts(args.text)
-    except KVQuantError as exc:  # CheckpointError, ExportTargetExistsError, TextNotFoundError
-        print(f"kvquant calibrate: error: {exc}", file=err)
-        return EXIT_USAGE
+    except KVQuantError as exc:  # CheckpointError, ExportTargetExistsError, CalibrationError
+        return _fail(args, exc, EXIT_USAGE, out, err)
     try:
-        model, tokenizer = _load_for_calibration(args.path)
+        model, tokenizer = _load_for_calibration(args, path)
+    except KVQuantError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
     except (OSError, ValueError, KeyError) as exc:
-        print(
-            f"kvquant calibrate: error: could not load the model and tokenizer of {args.path} "
-            f"with transformers ({type(exc).__name__}: {exc}). Fix: pass a folder that "
-            "AutoModelForCausalLM and AutoTokenizer load (tokenizer files included).",
-            file=err,
+        wrapped = CheckpointError(
+            f"could not load the model and tokenizer of {path} with transformers "
+            f"({type(exc).__name__}: {exc}). Fix: pass a folder that AutoModelForCausalLM and "
+            "AutoTokenizer load (tokenizer files included)."
         )
-        return EXIT_USAGE
+        return _fail(args, wrapped, EXIT_USAGE, out, err)
+    try:
+        data = _calibration_data(args, tokenizer)
+    except KVQuantError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
     try:
         result = calibrate(
             model,
-            texts,
+            list(data.samples),
             granularity=args.granularity,
-            tokenizer=tokenizer,
-            window=args.window,
+            window=data.max_seq_length,
             max_tokens=args.max_tokens,
             tolerance=args.tolerance,
             objective=args.objective,
-            progress=True,
-            text_names=names,
+            progress=not args.json,
+            text_names=(data.source,),
         )
         written = write_calibrated_checkpoint(
-            args.path, result, args.out, args.convention, force=args.force
+            path,
+            result,
+            args.out,
+            args.convention,
+            force=args.force,
+            link=args.link,
+            progress=not args.json,
         )
     except (CheckpointError, ExportTargetExistsError) as exc:
-        print(f"kvquant calibrate: error: {exc}", file=err)
-        return EXIT_USAGE
+        return _fail(args, exc, EXIT_USAGE, out, err)
     except KVQuantError as exc:  # CalibrationError, UnsupportedModelError, ExportError
-        print(f"kvquant calibrate: refused: {exc}", file=err)
-        return EXIT_REJECTED
+        return _fail(args, exc, EXIT_REJECTED, out, err)
     if args.json:
         import json
 
@@ -226,18 +302,91 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import io
+    import json
+
     from kvquant.demo import run_demo
 
-    run_demo(out, workdir=args.keep)
+    if not args.json:
+        run_demo(out, workdir=args.keep)
+        return EXIT_OK
+    ctx = run_demo(io.StringIO(), workdir=args.keep)
+    payload = {
+        "checkpoints": {
+            key: {
+                "path": str(path),
+                "title": ckpt.title,
+                "ok": ctx.reports[key].ok,
+                "summary": ctx.reports[key].summary,
+            }
+            for key, (ckpt, path) in ctx.checkpoints.items()
+        },
+        "generate": ctx.extra.get("generate"),
+    }
+    print(json.dumps(payload, indent=2, allow_nan=False), file=out)
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# shared rules
+
+
+def checkpoint_dir(path: str | Path) -> str:
+    """The checkpoint folder a command-line PATH names, by the same rule in every subcommand.
+
+    A folder is itself; a file inside a checkpoint (``config.json``,
+    ``model.safetensors``, ``model.safetensors.index.json``, ...) names its
+    folder; anything else (a missing path, a Hugging Face hub id) is passed on
+    unchanged for discovery to resolve or refuse.
+
+    Args:
+        path: the PATH argument.
+
+    Returns:
+        The path to hand to discovery.
+    """
+    p = Path(path)
+    if p.is_file():
+        return str(p.parent)
+    return str(path)
+
+
+def _fail(args: argparse.Namespace, exc: BaseException, code: int, out: TextIO, err: TextIO) -> int:
+    """Report a failed subcommand: text on stderr, or a JSON object on stdout with ``--json``."""
+    label = "refused" if code == EXIT_REJECTED else "error"
+    if getattr(args, "json", False):
+        _print_json_error(type(exc).__name__, str(exc), code, out, command=args.command)
+    else:
+        print(f"kvquant {args.command}: {label}: {exc}", file=err)
+    return code
+
+
+def _print_json_error(
+    kind: str, message: str, code: int, out: TextIO, *, command: str | None
+) -> None:
+    import json
+
+    payload = {"error": kind, "message": message, "exit_code": code, "command": command}
+    print(json.dumps(payload, indent=2), file=out)
 
 
 # ---------------------------------------------------------------------------
 # parser
 
 
+class _UsageError(Exception):
+    """An argparse usage error, raised instead of exiting so ``--json`` can report it."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with exit code 2 and the message on the given stream (the argparse default)."""
+    """argparse that raises :class:`_UsageError` on a usage error (exit code 2 in :func:`main`)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,12 +414,16 @@ def build_parser() -> argparse.ArgumentParser:
         "and why. Exit code: 0 the checkpoint would load, 1 a layer (or the checkpoint) "
         "would be rejected, 2 usage error (missing path, not a checkpoint).",
     )
+    doctor.add_argument("path", help=_PATH_HELP)
     doctor.add_argument(
-        "path",
-        help="checkpoint folder (holding config.json and model.safetensors), or a hub id in the "
-        "local Hugging Face cache",
+        "--json", action="store_true", help="print the report (or the error) as JSON"
     )
-    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument(
+        "--full",
+        action="store_true",
+        help="one row per layer and K/V (default for up to 8 layers; above, one row per "
+        "distinct decision with its layer ranges)",
+    )
     doctor.add_argument(
         "--scale-format",
         dest="scale_format",
@@ -323,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write the checkpoints into DIR and keep them (default: a temporary folder)",
     )
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="print each checkpoint's verdict and the generation comparison as JSON",
+    )
     demo.set_defaults(func=_demo)
 
     export = sub.add_parser(
@@ -334,10 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         "copied); shards holding scales are re-saved with every other tensor unchanged. "
         "Exit code: 0 written, 1 refused (nothing written), 2 usage error.",
     )
-    export.add_argument(
-        "path",
-        help="source checkpoint folder (config.json + model.safetensors), or a hub id in the local HF cache",
-    )
+    export.add_argument("path", help=_PATH_HELP)
     export.add_argument(
         "--engine", required=True, choices=("vllm", "sglang", "tensorrt-llm"), help="target engine"
     )
@@ -375,24 +530,92 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--copy", action="store_true", help="copy unchanged files instead of hard-linking them"
     )
-    export.add_argument("--json", action="store_true", help="print the export report as JSON")
+    export.add_argument(
+        "--json", action="store_true", help="print the export report (or the error) as JSON"
+    )
     export.set_defaults(func=_export)
 
     cal = sub.add_parser(
         "calibrate",
         help="calibrate static FP8 KV scales for a checkpoint and write a copy carrying them",
-        description="Run the model over real calibration text (default: a licence text found "
-        "on this machine), collect post-RoPE K/V statistics per layer and KV head (amax and a "
+        description="Run the model over calibration data (a dataset of the datasets library, "
+        "or text files), collect post-RoPE K/V statistics per layer and KV head (amax and a "
         "fixed-size |x| histogram), choose per layer (per-tensor) or per layer and head "
         "(per-head) the clipping ratio r in [0.5, 1] that minimises the expected FP8 e4m3 "
         "MSE of K and of V, and write a copy of the checkpoint with scale = r * amax / 448 in "
         "a producer convention. Exit code: 0 written, 1 refused (nothing written), 2 usage "
-        "error.",
+        "error (no data source, not a checkpoint, --out exists).",
     )
-    cal.add_argument(
-        "path", metavar="MODEL_DIR", help="checkpoint folder (config, weights, tokenizer)"
-    )
+    cal.add_argument("path", metavar="MODEL_DIR", help=_PATH_HELP + "; tokenizer files included")
     cal.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    data = cal.add_argument_group("calibration data (one source is required)")
+    data.add_argument(
+        "--dataset",
+        default=None,
+        metavar="NAME",
+        help="a dataset of the datasets library: a hub name (wikitext), a save_to_disk folder "
+        "or a local .json/.jsonl/.csv/.parquet file (pip install datasets)",
+    )
+    data.add_argument(
+        "--dataset-config", dest="dataset_config", default=None, help="the dataset's configuration"
+    )
+    data.add_argument("--split", default="train", help="the split to read (default train)")
+    data.add_argument(
+        "--text-column",
+        dest="text_column",
+        default="text",
+        help="the column holding the text (default text)",
+    )
+    data.add_argument(
+        "--text",
+        type=Path,
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="FILE",
+        help="UTF-8 text file(s) instead of a dataset (repeatable); each is cut into "
+        "--max-seq-length windows",
+    )
+    data.add_argument(
+        "--num-samples",
+        dest="num_samples",
+        type=_at_least(1),
+        default=None,
+        help="calibration samples (default: 512 dataset rows; every window of the text files)",
+    )
+    data.add_argument(
+        "--max-seq-length",
+        dest="max_seq_length",
+        type=_at_least(2),
+        default=2048,
+        help="tokens per sample at most (default 2048)",
+    )
+    data.add_argument(
+        "--max-tokens",
+        dest="max_tokens",
+        type=_at_least(2),
+        default=None,
+        help="stop after this many tokens in total (default: all samples)",
+    )
+    placement = cal.add_argument_group("model placement")
+    placement.add_argument(
+        "--device",
+        default=None,
+        help="torch device to run on: cpu, cuda, cuda:1 (default: cuda when present, else cpu)",
+    )
+    placement.add_argument(
+        "--device-map",
+        dest="device_map",
+        default=None,
+        help="transformers device_map (e.g. auto: spread over the GPUs; needs accelerate); "
+        "replaces --device",
+    )
+    placement.add_argument(
+        "--dtype",
+        default="auto",
+        choices=_DTYPES,
+        help="compute dtype (default auto: the model's own, e.g. bfloat16)",
+    )
     cal.add_argument(
         "--format",
         dest="granularity",
@@ -402,28 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
         "compressed-tensors attn_head)",
     )
     cal.add_argument(
-        "--text",
-        type=Path,
-        nargs="+",
-        default=None,
-        metavar="FILE",
-        help="calibration text file(s) (UTF-8); default: kvquant.testing.texts' calibration text",
-    )
-    cal.add_argument(
         "--convention",
         default="compressed-tensors",
         choices=("compressed-tensors", "modelopt", "quark"),
         help="producer convention of the written scales (default compressed-tensors)",
-    )
-    cal.add_argument(
-        "--max-tokens",
-        dest="max_tokens",
-        type=_at_least_two,
-        default=8192,
-        help="calibration tokens at most (default 8192)",
-    )
-    cal.add_argument(
-        "--window", type=_at_least_two, default=2048, help="tokens per forward pass (default 2048)"
     )
     cal.add_argument(
         "--tolerance",
@@ -439,8 +644,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="mse: expected FP8 MSE of K and of V, every value counted once (default); "
         "attention: errors weighted by their first-order effect on the attention output",
     )
+    cal.add_argument(
+        "--link",
+        action="store_true",
+        help="hard-link the unchanged weight shards instead of copying them (configs and "
+        "tokenizer files are always copied)",
+    )
     cal.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    cal.add_argument("--json", action="store_true", help="print the calibration report as JSON")
+    cal.add_argument(
+        "--json", action="store_true", help="print the calibration report (or the error) as JSON"
+    )
     cal.set_defaults(func=_calibrate)
     return parser
 
@@ -455,10 +668,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0 ok, 1 a checkpoint would be rejected, 2 usage error.
     """
     parser = build_parser()
+    argv = list(argv) if argv is not None else sys.argv[1:]
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help and --version exit 0
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    except _UsageError as exc:
+        if "--json" in argv:
+            command = next((a for a in argv if a in _COMMANDS), None)
+            _print_json_error("UsageError", str(exc), EXIT_USAGE, sys.stdout, command=command)
+        else:
+            exc.parser.print_usage(sys.stderr)
+            print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE

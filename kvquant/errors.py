@@ -26,6 +26,7 @@ __all__ = [
     "TextNotFoundError",
     "UnknownFormatError",
     "UnsupportedModelError",
+    "VerbosityError",
 ]
 
 
@@ -122,3 +123,7 @@ class OptionTypeError(OptionError, TypeError):
 
 class ConventionError(KVQuantError, ValueError):
     """An unknown producer convention, or a scale kind / granularity that producer does not store."""
+
+
+class VerbosityError(KVQuantError, ValueError):
+    """An unknown log verbosity (:func:`kvquant.set_verbosity`, ``KVQUANT_VERBOSITY``)."""

@@ -7,7 +7,8 @@ registry's :class:`~kvquant.errors.ScaleFormatError`), then writes a copy of
 the checkpoint into a new folder in which only what must change is rewritten:
 
 * the safetensors shard(s) holding KV scales (every other tensor in them is
-  re-saved byte for byte; shards without KV scales are hard-linked or copied);
+  re-saved byte for byte; shards without KV scales are hard-linked or copied,
+  every other file copied);
 * ``model.safetensors.index.json`` (new names, new ``total_size``);
 * ``config.json``'s ``quantization_config`` and ``hf_quant_config.json``.
 
@@ -43,13 +44,16 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from tqdm import tqdm
 
 from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
 from kvquant.registry import conventions
@@ -61,6 +65,7 @@ from kvquant.registry.discovery import (
 from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
 from kvquant.registry.resolve import analyze_scales, resolve_scales
 from kvquant.registry.types import RawScale
+from kvquant.tables import WIDTH, render_table
 
 __all__ = [
     "ENGINES",
@@ -68,6 +73,8 @@ __all__ = [
     "ExportReport",
     "ExportTargetExistsError",
     "LayerExport",
+    "compressed_tensors_config",
+    "compressed_tensors_kv_scheme",
     "engine_rules",
     "export_checkpoint",
 ]
@@ -266,42 +273,70 @@ class ExportReport:
         ]
         if self.reduced:
             worst = max(self.layers, key=lambda layer: layer.reduction_ratio)
-            lines.append(
-                f"cost:       per-head -> per-tensor with max; worst max/min ratio "
+            cost = (
+                f"per-head -> per-tensor with max; worst max/min ratio "
                 f"{self.max_reduction_ratio:.3g} (layer {worst.layer}, the smallest head "
                 f"loses up to {math.log2(self.max_reduction_ratio):.2f} bits)"
             )
+            lines.append(
+                textwrap.fill(
+                    cost, width=WIDTH, initial_indent="cost:       ", subsequent_indent=" " * 12
+                )
+            )
+        k_pattern = _name_pattern([(layer.layer, layer.k_name) for layer in self.layers])
+        v_pattern = _name_pattern([(layer.layer, layer.v_name) for layer in self.layers])
+        named = not (k_pattern and v_pattern)
+        if not named:
+            lines.append(f"K tensors:  {k_pattern}")
+            lines.append(f"V tensors:  {v_pattern}")
         lines.append("")
-        table = [("layer", "K tensor", "V tensor", "shape", "K", "V", "max/min")]
+        header: tuple[str, ...] = ("layer", "K tensor", "V tensor") if named else ("layer",)
+        header += ("shape", "K", "V", "max/min")
+        rows = []
         for layer in self.layers:
-            table.append(
+            names = (layer.k_name, layer.v_name) if named else ()
+            rows.append(
                 (
                     str(layer.layer),
-                    layer.k_name,
-                    layer.v_name,
+                    *names,
                     str(layer.shape),
                     _fmt_values(layer.k),
                     _fmt_values(layer.v),
                     f"{layer.reduction_ratio:.3g}",
                 )
             )
-        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-        for row in table:
-            lines.append(
-                "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            )
-        if self.notes:
-            lines.append("")
-            lines.append("notes:")
-            lines.extend(f"  - {n}" for n in self.notes)
-        if self.warnings:
-            lines.append("")
-            lines.append("warnings:")
-            lines.extend(f"  - {w}" for w in self.warnings)
+        lines.append(
+            render_table(header, rows, wrap={"K tensor", "V tensor", "K", "V"}, right={"max/min"})
+        )
+        for title, items in (("notes:", self.notes), ("warnings:", self.warnings)):
+            if items:
+                lines += ["", title]
+                lines.extend(
+                    textwrap.fill(
+                        item,
+                        width=WIDTH,
+                        initial_indent="  - ",
+                        subsequent_indent="    ",
+                        break_long_words=False,
+                        break_on_hyphens=False,
+                    )
+                    for item in items
+                )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.render()
+
+
+def _name_pattern(names: Sequence[tuple[int, str]]) -> str:
+    """``"model.layers.N.self_attn.k_scale"`` when every name is that with its layer as N."""
+    patterns = set()
+    for layer, name in names:
+        marker = f"layers.{layer}."
+        if marker not in name:
+            return ""
+        patterns.add(name.replace(marker, "layers.N.", 1))
+    return patterns.pop() if len(patterns) == 1 else ""
 
 
 def _fmt_values(values: Sequence[float]) -> str:
@@ -429,24 +464,102 @@ def _shape_for(engine: str, granularity: str, num_kv_heads: int) -> tuple[int, .
 # configs
 
 
+def compressed_tensors_kv_scheme(
+    granularity: str, *, observer: str = "minmax", base: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``kv_cache_scheme`` of static FP8 K/V scales, as compressed-tensors writes it.
+
+    Built with compressed-tensors' own ``QuantizationArgs`` where that package is
+    installed, else :func:`kvquant.registry.conventions.compressed_tensors_kv_scheme`'s
+    hand-written dict (the two agree: tested).
+
+    Args:
+        granularity: ``"per-tensor"`` (``strategy: tensor``) or ``"per-head"``
+            (``strategy: attn_head``).
+        observer: how the scales were chosen (``"minmax"``: amax / 448; ``"mse"``:
+            a clipping search minimising the quantization error).
+        base: an existing scheme whose other keys are kept.
+
+    Returns:
+        A new JSON-ready dict.
+    """
+    scheme = conventions.compressed_tensors_kv_scheme(granularity)
+    scheme["observer"] = observer
+    try:
+        from compressed_tensors.quantization import QuantizationArgs
+    except ImportError:
+        built = scheme
+    else:
+        built = QuantizationArgs(
+            num_bits=8,
+            type="float",
+            strategy="attn_head" if granularity == "per-head" else "tensor",
+            dynamic=False,
+            symmetric=True,
+            observer=observer,
+        ).model_dump(mode="json")
+    if not base:
+        return built
+    merged = dict(base)
+    for key in ("num_bits", "type", "strategy", "dynamic", "symmetric", "observer"):
+        merged[key] = built[key]
+    return merged
+
+
+def compressed_tensors_config(
+    granularity: str, *, observer: str = "minmax", version: str | None = None
+) -> dict[str, Any]:
+    """A KV-only compressed-tensors ``quantization_config`` (weights left unquantized).
+
+    Built with compressed-tensors' ``QuantizationConfig`` where installed, else
+    :func:`kvquant.registry.conventions.compressed_tensors_config`'s dict.
+
+    Args:
+        granularity: see :func:`compressed_tensors_kv_scheme`.
+        observer: see :func:`compressed_tensors_kv_scheme`.
+        version: the ``version`` entry; left out when None.
+
+    Returns:
+        A new JSON-ready dict.
+    """
+    scheme = compressed_tensors_kv_scheme(granularity, observer=observer)
+    try:
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+    except ImportError:
+        out = conventions.compressed_tensors_config(granularity, version=version)
+        out["kv_cache_scheme"] = scheme
+        return out
+    config = QuantizationConfig(
+        config_groups={},
+        kv_cache_scheme=QuantizationArgs.model_validate(scheme),
+        quantization_status="compressed",
+        format="dense",
+        ignore=[],
+    )
+    out = config.model_dump(mode="json")
+    if version is not None:
+        out["version"] = version
+    return out
+
+
 def _new_configs(
     convention: str,
     granularity: str,
     found: DiscoveredCheckpoint,
     weights: str | None,
+    *,
+    observer: str = "minmax",
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """Return (quantization_config or None to leave config.json alone, hf_quant_config or None)."""
     qcfg = dict(found.quantization_config or {})
     if convention == "compressed-tensors":
         if weights is not None and found.producer == "compressed-tensors":
-            qcfg["kv_cache_scheme"] = conventions.compressed_tensors_kv_scheme(
-                granularity, qcfg.get("kv_cache_scheme")
+            qcfg["kv_cache_scheme"] = compressed_tensors_kv_scheme(
+                granularity, observer=observer, base=qcfg.get("kv_cache_scheme")
             )
             return qcfg, None
-        out = conventions.compressed_tensors_config(granularity)
-        if found.producer == "compressed-tensors" and "version" in qcfg:
-            out["version"] = qcfg["version"]
-        return out, None
+        version = qcfg.get("version") if found.producer == "compressed-tensors" else None
+        return compressed_tensors_config(granularity, observer=observer, version=version), None
     # modelopt, weights quantized by ModelOpt: keep the weight config, declare FP8 KV
     # (a checkpoint declaring ModelOpt in hf_quant_config.json only keeps no config entry).
     if qcfg:
@@ -467,8 +580,13 @@ def _new_configs(
 
 
 def _link_or_copy(src: Path, dst: Path, link: bool) -> bool:
-    """Hard-link ``src`` to ``dst`` (True) or copy it (False)."""
-    if link:
+    """Hard-link a weight shard ``src`` to ``dst`` (True) or copy it (False).
+
+    Only ``*.safetensors`` shards are ever linked: configs, tokenizer files and
+    the rest are small and always copied, so editing them in the output never
+    changes the source.
+    """
+    if link and src.suffix == ".safetensors":
         try:
             os.link(src, dst)
             return True
@@ -582,6 +700,7 @@ def export_checkpoint(
     missing_kv: str = "error",
     force: bool = False,
     link: bool = True,
+    progress: bool = False,
 ) -> ExportReport:
     """Write a copy of a checkpoint whose KV scales follow one serving engine's loader.
 
@@ -598,8 +717,9 @@ def export_checkpoint(
         missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
         force: replace ``out`` if it is an existing folder (only after the new
             one is complete).
-        link: hard-link the unchanged files (falls back to copying); ``False``
-            always copies.
+        link: hard-link the unchanged weight shards (falls back to copying);
+            ``False`` always copies. Other files are always copied.
+        progress: show a tqdm progress bar (bytes written) on stderr.
 
     Returns:
         The :class:`ExportReport` (also written to ``out/kvquant-export.json``).
@@ -751,6 +871,7 @@ def export_checkpoint(
         out_path,
         force=force,
         link=link,
+        progress=progress,
         qcfg=qcfg,
         hf_quant=hf_quant,
         new_tensors=new_tensors,
@@ -791,12 +912,20 @@ def _conversion_notes(
         notes.append("legacy single kv_scale split into separate k_scale and v_scale (same value)")
 
 
+def _file_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder (for the progress bar)."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
 def _write(
     found: DiscoveredCheckpoint,
     out: Path,
     *,
     force: bool,
     link: bool,
+    progress: bool = False,
     qcfg: dict[str, Any] | None,
     hf_quant: dict[str, Any] | None,
     new_tensors: Mapping[str, torch.Tensor],
@@ -816,21 +945,37 @@ def _write(
         copied: list[str] = []
         shard_files = {str(f) for f in drop_by_file} | set(new_file_for.values())
         skip = {"config.json", "hf_quant_config.json", _INDEX_FILE, _REPORT_FILE}
-        for entry in sorted(src.iterdir()):
-            if entry.name in skip or str(entry) in shard_files:
-                continue
-            target = tmp / entry.name
-            if entry.is_dir():
-                shutil.copytree(entry, target, symlinks=True)
-                copied.append(entry.name)
-            elif _link_or_copy(entry, target, link):
-                linked.append(entry.name)
-            else:
-                copied.append(entry.name)
-        for file in sorted(shard_files):
-            add = {n: t for n, t in new_tensors.items() if new_file_for[n] == file}
-            _rewrite_shard(Path(file), tmp / Path(file).name, drop_by_file.get(file, set()), add)
-            rewritten.append(Path(file).name)
+        entries = [
+            e for e in sorted(src.iterdir()) if e.name not in skip and str(e) not in shard_files
+        ]
+        sizes = {str(e): _file_bytes(e) for e in entries}
+        sizes.update({f: _file_bytes(Path(f)) for f in shard_files})
+        bar = tqdm(
+            total=sum(sizes.values()),
+            desc=f"writing {out.name}",
+            unit="B",
+            unit_scale=True,
+            file=sys.stderr,
+            disable=not progress,
+        )
+        with bar:
+            for entry in entries:
+                target = tmp / entry.name
+                if entry.is_dir():
+                    shutil.copytree(entry, target, symlinks=True)
+                    copied.append(entry.name)
+                elif _link_or_copy(entry, target, link):
+                    linked.append(entry.name)
+                else:
+                    copied.append(entry.name)
+                bar.update(sizes[str(entry)])
+            for file in sorted(shard_files):
+                name = Path(file).name
+                bar.set_postfix_str(f"rewriting {name}")
+                add = {n: t for n, t in new_tensors.items() if new_file_for[n] == file}
+                _rewrite_shard(Path(file), tmp / name, drop_by_file.get(file, set()), add)
+                rewritten.append(name)
+                bar.update(sizes[file])
 
         index = src / _INDEX_FILE
         if index.is_file():

@@ -18,16 +18,20 @@ steps), ``reject`` (would not load; the reason says why and the fix),
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvquant.registry.discovery import DiscoveredCheckpoint, Finding, discover_scales
+from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
 from kvquant.registry.types import LayerGeometry
+from kvquant.tables import WIDTH, render_table
 
-__all__ = ["CheckpointReport", "inspect_checkpoint"]
+__all__ = ["SUMMARY_ABOVE", "CheckpointReport", "inspect_checkpoint"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,71 +150,188 @@ class CheckpointReport:
         """Return :meth:`to_dict` as strict JSON (no NaN literals)."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-    def render(self) -> str:
-        """Render the report as plain text: a header, an aligned table, findings and notes."""
+    def render(self, *, full: bool | None = None, width: int = WIDTH) -> str:
+        """Render the report as plain text: a header, a table, findings and notes.
+
+        Args:
+            full: one table row per layer and K/V (True), or one row per distinct
+                decision with the layers it covers (False: the summary view);
+                default: full up to :data:`SUMMARY_ABOVE` layers, the summary above.
+            width: the widest a line may be (long reasons are numbered under the table).
+
+        Returns:
+            The report as text.
+        """
         g = self.geometry
+        if full is None:
+            full = g.num_layers <= SUMMARY_ABOVE
+        prefix = _tensor_prefix(self.rows)
         lines = [
             f"checkpoint: {self.path}",
             f"producer:   {self.producer}",
             f"geometry:   {g.num_layers} layers, {g.num_heads} query heads, "
             f"{g.num_kv_heads} KV heads, head_dim {g.head_dim}",
             f"verdict:    {'OK' if self.ok else 'REJECTED'}: {self.summary}",
-            "",
         ]
-        header = (
-            "layer",
-            "kv",
-            "tensor",
-            "convention",
-            "shape",
-            "dtype",
-            "min",
-            "max",
-            "format",
-            "action",
-            "why",
-        )
-        table = [header]
-        for r in self.rows:
-            table.append(
-                (
-                    str(r.layer),
-                    r.kind.upper(),
-                    r.tensor or "-",
-                    r.convention or "-",
-                    _fmt_shape(r.raw_shape),
-                    _short_dtype(r.raw_dtype),
-                    _fmt_num(r.raw_min),
-                    _fmt_num(r.raw_max),
-                    r.format or "-",
-                    r.action,
-                    r.reason,
-                )
-            )
-        if len(table) == 1:
+        if prefix:
+            lines.append(f"tensors:    {prefix}<tensor> (N: the layer)")
+        groups = _group_rows(self.rows, self.producer, prefix, full=full)
+        header: tuple[str, ...] = ("layer" if full else "layers", "kv", "tensor", "stored")
+        header += ("value", "format", "action", "why")
+        formats = {row[5] for row in groups}
+        if len(formats) == 1:  # one format for every row: said once, above the table
+            lines.append(f"format:     {formats.pop()} (every row)")
+            header = header[:5] + header[6:]
+            groups = [row[:5] + row[6:] for row in groups]
+        lines.append("")
+        if not groups:
             lines.append("(no layers)")
         else:
-            widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
-            for row in table:
-                cells = [row[i].ljust(widths[i]) for i in range(len(header) - 1)]
-                lines.append("  ".join([*cells, row[-1]]).rstrip())
+            # a reason wider than what the other columns leave is numbered under the table
+            used = sum(
+                2 + max(len(h), *(len(r[i]) for r in groups)) for i, h in enumerate(header[:-1])
+            )
+            room = max(width - used, _SHORT_REASON)
+            notes: dict[str, int] = {}
+            table = []
+            for row in groups:
+                why = row[-1]
+                if len(why) > room:
+                    why = f"see [{notes.setdefault(why, len(notes) + 1)}]"
+                table.append((*row[:-1], why))
+            lines.append(render_table(header, table, wrap={"why"}, width=width))
+            for why, n in notes.items():
+                lines.append(_wrapped(f"[{n}] {why}", width, indent=""))
+            if not full:
+                lines.append(
+                    f"(summary: one row per distinct decision; --full or render(full=True) "
+                    f"lists all {len(self.rows)} rows)"
+                )
         if self.findings or self.notes:
             lines.append("")
             lines.append("findings:")
             for f in self.findings:
-                lines.append(f"  [{f.severity}] {f.code}: {f.message}")
+                lines.append(_wrapped(f"[{f.severity}] {f.code}: {f.message}", width))
             for note in self.notes:
-                lines.append(f"  [note] {note}")
+                lines.append(_wrapped(f"[note] {note}", width))
         rejected_rows = {r.reason for r in self.rows if r.action == "reject"}
         extra_problems = [p for p in self.scales.problems if not any(p in x for x in rejected_rows)]
         if extra_problems:
             lines.append("")
             lines.append("problems:")
-            lines.extend(f"  - {p}" for p in extra_problems)
+            lines.extend(_wrapped(f"- {p}", width) for p in extra_problems)
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.render()
+
+
+SUMMARY_ABOVE = 8
+"""Above this many layers :meth:`CheckpointReport.render` shows the summary view by default."""
+
+_LAYER_IN_NAME = re.compile(r"^(.*?layers\.)(\d+)\.(.*)$")
+
+
+def _tensor_prefix(rows: Sequence[ScaleRecord]) -> str:
+    """``"model.layers.N."`` when every stored tensor name starts that way, else ``""``."""
+    prefixes = set()
+    for r in rows:
+        if r.tensor:
+            m = _LAYER_IN_NAME.match(r.tensor)
+            if m is None or int(m.group(2)) != r.layer:
+                return ""
+            prefixes.add(m.group(1))
+    return f"{prefixes.pop()}N." if len(prefixes) == 1 else ""
+
+
+def _short_tensor(r: ScaleRecord, producer: str, prefix: str) -> str:
+    if not r.tensor:
+        return "-"
+    name = r.tensor
+    if prefix:
+        m = _LAYER_IN_NAME.match(name)
+        name = m.group(3) if m is not None else name
+    if r.convention and r.convention != producer:
+        name += f" ({r.convention})"
+    return name
+
+
+def _group_rows(
+    rows: Sequence[ScaleRecord], producer: str, prefix: str, *, full: bool
+) -> list[tuple[str, ...]]:
+    """Table rows: one per record (``full``), or one per distinct decision with its layers."""
+    if full:
+        return [
+            (
+                str(r.layer),
+                r.kind.upper(),
+                _short_tensor(r, producer, prefix),
+                _fmt_stored(r),
+                _fmt_range(r.raw_min, r.raw_max),
+                r.format or "-",
+                r.action,
+                r.reason,
+            )
+            for r in rows
+        ]
+    groups: dict[tuple[str, ...], list[ScaleRecord]] = {}
+    for r in rows:
+        layer_free = re.sub(rf"(\blayers?[ .]){r.layer}(?=\D|$)", r"\1N", r.reason)
+        key = (
+            r.kind.upper(),
+            _short_tensor(r, producer, prefix),
+            _fmt_stored(r),
+            r.format or "-",
+            r.action,
+            layer_free,
+        )
+        groups.setdefault(key, []).append(r)
+    out: list[tuple[str, ...]] = []
+    for (kind, tensor, stored, fmt, action, reason), members in groups.items():
+        mins = [r.raw_min for r in members if r.raw_min is not None]
+        maxs = [r.raw_max for r in members if r.raw_max is not None]
+        out.append(
+            (
+                format_layers(r.layer for r in members),
+                kind,
+                tensor,
+                stored,
+                _fmt_range(min(mins) if mins else None, max(maxs) if maxs else None),
+                fmt,
+                action,
+                reason,
+            )
+        )
+    return out
+
+
+def _fmt_range(lo: float | None, hi: float | None) -> str:
+    """``"0.02"`` for one value, ``"0.01..0.04"`` for a range (NaN compares unequal)."""
+    if lo is None or hi is None:
+        return _fmt_num(lo if hi is None else hi)
+    a, b = _fmt_num(lo), _fmt_num(hi)
+    return a if a == b else f"{a}..{b}"
+
+
+def _fmt_stored(r: ScaleRecord) -> str:
+    if r.raw_dtype is None and r.raw_shape is None:
+        return "-"
+    return f"{_short_dtype(r.raw_dtype)} {_fmt_shape(r.raw_shape)}"
+
+
+_SHORT_REASON = 16
+"""The least room a reason gets in the table; longer ones are numbered under it (``see [n]``)."""
+
+
+def _wrapped(text: str, width: int, indent: str = "  ") -> str:
+    return textwrap.fill(
+        text,
+        width=width,
+        initial_indent=indent,
+        subsequent_indent=indent + "    ",
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
 
 
 def _jsonable(value: Any) -> Any:

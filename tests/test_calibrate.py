@@ -342,7 +342,8 @@ def test_cli_calibrate_exit_codes(tiny: Any, tmp_path: Path, capsys: Any) -> Non
     assert main(["doctor", str(out)]) == 0
     capsys.readouterr()
     assert main(argv) == 2  # --out exists
-    assert "already exists" in capsys.readouterr().err
+    error = json.loads(capsys.readouterr().out)
+    assert error["error"] == "ExportTargetExistsError" and "already exists" in error["message"]
     assert main([*argv, "--force", "--convention", "quark"]) == 0
     capsys.readouterr()
     assert main(["doctor", str(out)]) == 0
@@ -352,6 +353,164 @@ def test_cli_calibrate_exit_codes(tiny: Any, tmp_path: Path, capsys: Any) -> Non
     assert main(bad) == 2
     assert main([*argv[:3], str(tmp_path / "z"), "--max-tokens", "1"]) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
+
+
+def test_cli_calibrate_needs_a_data_source(tiny: Any, tmp_path: Path, capsys: Any) -> None:
+    from kvquant.cli import main
+
+    _, src = tiny
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no calibration data" in err and "--dataset" in err and "--text" in err
+    assert main(["calibrate", str(src), "--out", str(out), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["error"] == "CalibrationError" and data["exit_code"] == 2
+    if not torch.cuda.is_available():
+        text = tmp_path / "t.txt"
+        text.write_text("some calibration text " * 20, encoding="utf-8")
+        argv = ["calibrate", str(src), "--out", str(out), "--text", str(text)]
+        assert main([*argv, "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def test_dataset_samples_from_a_local_dataset(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    datasets = pytest.importorskip("datasets")
+    from kvquant.calibrate import load_dataset_samples
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    _, src = tiny
+    tokenizer = _load_tokenizer(src)
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    texts = ["", "  "] + [
+        "".join(chr(int(c)) for c in torch.randint(97, 123, (int(n),), generator=rng))
+        for n in torch.randint(5, 300, (20,), generator=rng)
+    ]
+    lengths = [len(tokenizer(t)["input_ids"]) for t in texts[2:]]
+    data = load_dataset_samples(
+        str(_jsonl(tmp_path / "d.jsonl", texts)), tokenizer, num_samples=7, max_seq_length=64
+    )
+    assert data.num_samples == 7  # the blank rows are skipped
+    assert [int(t.numel()) for t in data.samples] == [min(n, 64) for n in lengths[:7]]
+    assert data.num_tokens == sum(min(n, 64) for n in lengths[:7])
+    assert "split train, column text" in data.source
+    disk = tmp_path / "saved"
+    datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(disk))
+    saved = load_dataset_samples(
+        str(disk), tokenizer, text_column="body", num_samples=100, max_seq_length=32
+    )
+    assert saved.num_samples == 20 and max(int(t.numel()) for t in saved.samples) <= 32
+    with pytest.raises(CalibrationError, match=r"no column 'text'.*body"):
+        load_dataset_samples(str(disk), tokenizer)
+    with pytest.raises(CalibrationError, match="could not load"):
+        load_dataset_samples(str(tmp_path / "missing.jsonl"), tokenizer)
+
+
+def test_dataset_path_without_the_datasets_library(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from kvquant.calibrate import load_dataset_samples
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(CalibrationError, match="pip install datasets"):
+        load_dataset_samples("wikitext", _load_tokenizer(tiny[1]))
+    rows = [{"text": "hello world, calibrate me"}, {"text": "a second row of text"}]
+    data = load_dataset_samples("injected", _load_tokenizer(tiny[1]), dataset=rows)
+    assert data.num_samples == 2  # an injected dataset needs no library
+
+
+def test_cli_calibrate_on_a_dataset_writes_what_it_did(
+    tiny: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("datasets")
+    from kvquant.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    _, src = tiny
+    data = _jsonl(tmp_path / "d.jsonl", ["The quick brown fox jumps over the lazy dog. " * 8] * 9)
+    out = tmp_path / "out"
+    argv = ["calibrate", str(src / "config.json"), "--out", str(out), "--dataset", str(data)]
+    argv += ["--num-samples", "5", "--max-seq-length", "100", "--device", "cpu"]
+    assert main([*argv, "--dtype", "bfloat16"]) == 0
+    captured = capsys.readouterr()
+    flat = " ".join(captured.out.split())  # the report wraps at 100 columns
+    assert f"dataset {data}, split train, column text: 5 samples, 500 tokens" in flat
+    assert "clipping search" in flat
+    assert "calibrating" in captured.err and "writing out" in captured.err  # progress bars
+    lines = [line for line in captured.out.splitlines() if str(tmp_path) not in line]
+    assert max(len(line) for line in lines) <= 100
+    meta = json.loads((out / "kvquant-calibration.json").read_text())
+    assert (meta["num_samples"], meta["num_tokens"]) == (5, 500)
+    assert meta["observer"] == "mse" and meta["format"] == "per-tensor"
+    assert meta["convention"] == "compressed-tensors" and meta["texts"] == [
+        f"dataset {data}, split train, column text"
+    ]
+    scheme = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert scheme["kv_cache_scheme"]["observer"] == "mse"
+    for f in src.iterdir():  # copies, never hard links, of every file
+        if (out / f.name).is_file():
+            assert (out / f.name).stat().st_ino != f.stat().st_ino, f.name
+    assert main(["doctor", str(out)]) == 0
+    # placement through transformers' device_map (accelerate), the model's own dtype
+    pytest.importorskip("accelerate")
+    mapped = [*argv[:-2], "--device-map", "cpu", "--dtype", "auto", "--force", "--json"]
+    capsys.readouterr()
+    assert main(mapped) == 0
+    assert json.loads(capsys.readouterr().out)["num_samples"] == 5
+
+
+def test_observer_names_what_was_done(tiny: Any, tmp_path: Path) -> None:
+    model, src = tiny
+    ids = torch.randint(0, 128, (1, 200))
+    amax_only = calibrate(model, ids, ratios=(1.0,), progress=False)
+    searched = calibrate(model, ids, progress=False)
+    assert (amax_only.observer, searched.observer) == ("minmax", "mse")
+    out = write_calibrated_checkpoint(src, amax_only, tmp_path / "a")
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["kv_cache_scheme"]["observer"] == "minmax"
+    meta = json.loads((out / "kvquant-calibration.json").read_text())
+    assert meta["method"].startswith("scale = amax / 448")
+    quark = write_calibrated_checkpoint(src, searched, tmp_path / "q", "quark")
+    qcfg = json.loads((quark / "config.json").read_text())["quantization_config"]
+    observers = {
+        e["output_tensors"]["observer_cls"] for e in qcfg["kv_cache_quant_config"].values()
+    }
+    assert observers == {"PerTensorMSEObserver"}
+
+
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
+@pytest.mark.parametrize("observer", ["minmax", "mse"])
+def test_compressed_tensors_types_agree_with_the_hand_written_dict(
+    granularity: str, observer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from kvquant import export
+
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    built = export.compressed_tensors_config(granularity, observer=observer, version="0.20.1")
+    monkeypatch.setitem(sys.modules, "compressed_tensors.quantization", None)
+    hand = export.compressed_tensors_config(granularity, observer=observer, version="0.20.1")
+    monkeypatch.undo()
+    assert hand != built  # the fallback really ran without the library
+    assert hand["kv_cache_scheme"]["observer"] == observer
+    assert hand["kv_cache_scheme"]["strategy"] == built["kv_cache_scheme"]["strategy"]
+    normalised = ct.QuantizationConfig.model_validate(hand).model_dump(mode="json")
+    assert {**normalised, "version": "0.20.1"} == built
+    scheme = ct.QuantizationArgs.model_validate(hand["kv_cache_scheme"]).model_dump(mode="json")
+    assert scheme == built["kv_cache_scheme"]
 
 
 def test_cli_calibrate_refuses_unsupported_family(tmp_path: Path, capsys: Any) -> None:

@@ -228,10 +228,12 @@ def test_render_and_json(tmp_path: Path) -> None:
     text = report.render()
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("layer"))
-    table = lines[header : header + 5]
+    assert set(lines[header + 1]) <= {"-", " "}  # the rule under the header
+    table = [lines[header], *lines[header + 2 : header + 6]]
     # aligned: every column after "layer" starts at the same offset on every line
     col = table[0].index("action")
     assert all(line[col:].split()[0] in ("action", "convert", "reject") for line in table)
+    assert max(len(line) for line in lines) <= 100
     assert "REJECTED" in text and "model.layers.0.self_attn.v_scale" in text
     data = json.loads(report.to_json())
     assert data["ok"] is False and data["exit_code"] == 1
@@ -365,3 +367,14 @@ def test_demo_steps_can_be_appended(monkeypatch: pytest.MonkeyPatch) -> None:
     out = io.StringIO()
     run_demo(out, steps=demo.DEMO_STEPS)
     assert seen == [8] and "extra step ran" in out.getvalue()
+
+
+def test_a_healthy_row_of_a_rejected_layer_gives_its_own_reason(tmp_path: Path) -> None:
+    path = _ckpt(tmp_path, convention="modelopt", scales={(1, "v"): torch.tensor(math.nan)})
+    report = inspect_checkpoint(path)
+    k_row, v_row = (r for r in report.rows if r.layer == 1)
+    assert (k_row.action, v_row.action) == ("reject", "reject")  # the layer is unusable
+    assert "not a number" in v_row.reason and "v_proj.v_scale" in v_row.reason
+    assert "not a number" not in k_row.reason and "v_proj.v_scale" not in k_row.reason
+    assert "fine on its own" in k_row.reason and "its V scale" in k_row.reason
+    assert report.rejected_layers == (1,)

@@ -407,7 +407,8 @@ def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert main(["export", str(src), "--engine", "sglang", "--out", str(tmp_path / "a")]) == 0
     text = capsys.readouterr().out
-    assert "max/min" in text and "model.layers.0.self_attn.k_scale" in text
+    assert "max/min" in text and "K tensors:  model.layers.N.self_attn.k_scale" in text
+    assert max(len(line) for line in text.splitlines() if str(tmp_path) not in line) <= 100
     argv = ["export", str(src), "--engine", "vllm", "--per-head", "--json"]
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     data = json.loads(capsys.readouterr().out)

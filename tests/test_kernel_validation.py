@@ -431,7 +431,7 @@ def test_resolve_backend() -> None:
 
 def test_auto_logs_once(caplog: pytest.LogCaptureFixture) -> None:
     backend_mod._logged.clear()
-    with caplog.at_level(logging.INFO, logger="kvquant"):
+    with caplog.at_level(logging.DEBUG, logger="kvquant"):
         resolve_backend("auto", torch.device("cpu"), "write_kv")
         resolve_backend("auto", torch.device("cpu"), "write_kv")
     lines = [r for r in caplog.records if "backend='auto' chose 'torch'" in r.getMessage()]

@@ -117,6 +117,6 @@ def resolve_backend(backend: str, device: torch.device, op: str) -> Literal["tri
             if chosen == "triton"
             else ("triton is not installed" if device.type == "cuda" else f"{device.type} tensors")
         )
-        level = logging.WARNING if device.type == "cuda" and chosen == "torch" else logging.INFO
+        level = logging.WARNING if device.type == "cuda" and chosen == "torch" else logging.DEBUG
         _logger.log(level, "kvquant %s: backend='auto' chose %r (%s).", op, chosen, why)
     return chosen

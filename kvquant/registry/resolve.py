@@ -743,7 +743,19 @@ def analyze_scales(
                     )
                 )
             else:
-                reason = " | ".join(mine)
+                # A row carries its own tensor's problems; a healthy sibling says why it
+                # is rejected with its layer instead of repeating the other row's reason.
+                own = [p for p in mine if side is None or side.name in p]
+                other = "V" if kind == "k" else "K"
+                other_raw = v_raw if kind == "k" else k_raw
+                blamed = other_raw is not None and any(other_raw.name in p for p in mine)
+                if side_read is not None and not own and blamed:
+                    reason = (
+                        f"this {kind.upper()} scale is fine on its own; layer {layer} is "
+                        f"rejected because of its {other} scale (see the {other} row)"
+                    )
+                else:
+                    reason = " | ".join(own or mine)
                 if side is None:
                     reason = f"no {kind.upper()} scale; " + reason
                 records.append(
@@ -1046,13 +1058,13 @@ def resolve_scales(
 
 
 def _log_once(scales: ModelScales) -> None:
-    """One warning for lossy or risky choices, one info line for the rest."""
+    """One warning for lossy or risky choices, one debug line for the rest (patch logs at INFO)."""
     lossy_markers = ("reduced to per-tensor", "cost:", "set to 1.0", "reuse", "kept, may saturate")
     lossy = [n for n in scales.notes if any(m in n for m in lossy_markers)]
     other = [n for n in scales.notes if n not in lossy]
     if lossy:
         logger.warning("kvquant KV scales: %s", "; ".join(lossy))
-    logger.info(
+    logger.debug(
         "kvquant KV scales: %s for %d layers%s",
         scales.granularity,
         len(scales.layers),

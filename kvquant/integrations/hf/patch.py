@@ -82,7 +82,7 @@ from kvquant.integrations.hf.models import (
     model_geometry,
     text_config,
 )
-from kvquant.kernels.backend import BACKENDS
+from kvquant.kernels.backend import BACKENDS, resolve_backend
 from kvquant.registry.options import ResolveOptions
 from kvquant.registry.types import LayerGeometry, RawScale
 
@@ -796,16 +796,37 @@ def apply_patch(
         raise
     handle = KVQuantHandle(model, state)
     state.handle = handle
-    grans = sorted({s.granularity for s in specs})
-    _logger.info(
-        "kvquant: patched %s (%d layers, %s scales from %s, backend=%s).",
-        state.model_name,
-        len(specs),
-        "/".join(grans),
-        opts.source or "none",
-        opts.backend,
-    )
+    _logger.info(_decision_line(model, state))
     return handle
+
+
+def _decision_line(model: nn.Module, state: PatchState) -> str:
+    """The one INFO line :func:`patch` logs: what was found, the format, backend, cache sizing."""
+    opts = state.options
+    grans = "/".join(sorted({s.granularity for s in state.layer_specs}))
+    found = state.raw_context.get("discovered")
+    producer = getattr(found, "producer", None)
+    source = opts.source or "none"
+    if producer not in (None, "none"):
+        source += f", {producer} convention"
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    backend = opts.backend
+    if backend == "auto":
+        backend = f"auto -> {resolve_backend('auto', device, 'kvquant.patch')} on {device.type}"
+    if opts.num_pages is not None:
+        sizing = f"{opts.num_pages} pages of {opts.page_size} tokens per cache"
+    elif opts.max_cache_tokens is not None:
+        sizing = f"{opts.max_cache_tokens} token slots per cache, pages of {opts.page_size}"
+    else:
+        sizing = (
+            f"pages of {opts.page_size} tokens, per sequence min({state.default_tokens_per_seq}, "
+            "max(8192, prompt + 2048)) slots"
+        )
+    return (
+        f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
+        f"{grans} scales (from {source}); backend {backend}; cache: {sizing}"
+    )
 
 
 def patch(
@@ -862,14 +883,17 @@ def patch(
             graph cannot serve run the ordinary forward.
 
     Returns:
-        A :class:`KVQuantHandle`; ``handle.remove()`` restores the model. Patching
-        again with the same arguments returns the same handle; with other
-        arguments the old patch is removed first (after the new scales resolve).
+        The patch's handle (also a context manager); ``handle.remove()`` restores
+        the model. Patching again with the same arguments returns the same
+        handle; with other arguments the old patch is removed first (after the
+        new scales resolve).
 
     Raises:
         UnsupportedModelError: the family or a feature it uses is not supported.
         ScaleFormatError: the registry rejects the scales (the model is unchanged).
         CheckpointError: ``scales`` names a folder that is not a checkpoint.
+        BackendError: ``backend="triton"`` where it cannot run (a CPU model
+            without ``TRITON_INTERPRET=1``, or Triton not installed).
         OptionError: a bad option value (a ``KVQuantError`` and ``ValueError``;
             :class:`~kvquant.errors.OptionTypeError` for a wrong type).
     """
@@ -898,6 +922,11 @@ def patch(
         cuda_graphs=cuda_graphs,
     )
     _check_options(opts)
+    if backend == "triton":  # fail here, not at the first generate
+        param = next(model.parameters(), None)
+        resolve_backend(
+            "triton", param.device if param is not None else torch.device("cpu"), "kvquant.patch"
+        )
     existing: PatchState | None = getattr(model, STATE_ATTR, None)
     if existing is not None and scales is None:
         same = PatchOptions(**{**opts.__dict__, "source": existing.options.source})

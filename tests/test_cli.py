@@ -1,0 +1,134 @@
+"""The command line's shared rules: --json errors, PATH rules, the doctor's summary view,
+export's progress and copies, the shared table renderer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvquant.cli import checkpoint_dir, main
+from kvquant.report import inspect_checkpoint
+from kvquant.tables import render_table
+from kvquant.testing.checkpoints import write_checkpoint
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "kind"),
+    [
+        (["doctor", "{missing}"], 2, "CheckpointError"),
+        (["doctor", "{ckpt}", "--scale-format", "nonsense"], 2, "UnknownFormatError"),
+        (["doctor", "{ckpt}", "--missing-scales", "maybe"], 2, "UsageError"),
+        (["export", "{missing}", "--engine", "vllm", "--out", "{out}"], 2, "CheckpointError"),
+        (
+            ["export", "{ckpt}", "--engine", "tensorrt-llm", "--per-head", "--out", "{out}"],
+            1,
+            "ExportError",
+        ),
+        (["calibrate", "{ckpt}", "--out", "{out}"], 2, "CalibrationError"),
+        (["export", "{ckpt}", "--out", "{out}"], 2, "UsageError"),
+    ],
+)
+def test_json_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, kind: str
+) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", convention="modelopt", weights="none")
+    names = {"missing": str(tmp_path / "nope"), "ckpt": str(ckpt), "out": str(tmp_path / "out")}
+    args = [a.format(**names) for a in argv]
+    got, out, _ = _cli([*args, "--json"], capsys)
+    data = json.loads(out)
+    assert got == code == data["exit_code"]
+    assert data["error"] == kind and data["message"] and data["command"] == args[0]
+    assert not (tmp_path / "out").exists()
+    text_code, text_out, text_err = _cli(args, capsys)
+    assert text_code == code and text_out == "" and text_err  # same exit code as text
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_file_inside_a_checkpoint_names_its_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", convention="quark", weights="none")
+    assert (ckpt / name).is_file()
+    assert checkpoint_dir(ckpt / name) == str(ckpt)
+    code, out, _ = _cli(["doctor", str(ckpt / name), "--json"], capsys)
+    assert code == 0 and json.loads(out)["path"] == str(ckpt)
+    code, out, _ = _cli(
+        ["export", str(ckpt / name), "--engine", "vllm", "--out", str(tmp_path / "o"), "--json"],
+        capsys,
+    )
+    assert code == 0 and json.loads(out)["source"] == str(ckpt)
+    assert checkpoint_dir("org/model-id") == "org/model-id"  # not a path here: passed on
+
+
+def test_doctor_summary_view_for_many_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = write_checkpoint(
+        tmp_path / "big",
+        convention="modelopt",
+        weights="none",
+        num_layers=12,
+        scales={(5, "v"): torch.tensor(float("nan"))},
+    )
+    code, out, _ = _cli(["doctor", str(ckpt)], capsys)
+    assert code == 1
+    assert "summary: one row per distinct decision" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    rows = [line for line in out.splitlines() if line[:1].isdigit()]
+    # healthy layers collapse into one row per kind; layer 5 (V rejected, K with it) apart
+    assert len(rows) == 4
+    assert [r.split()[:3] for r in rows] == [
+        ["0-4,", "6-11", "K"],
+        ["0-4,", "6-11", "V"],
+        ["5", "K", "self_attn.k_proj.k_scale"],
+        ["5", "V", "self_attn.v_proj.v_scale"],
+    ]
+    assert all("used as stored" in r for r in rows[:2]) and "0.02..0.04" not in rows[2]
+    code, full, _ = _cli(["doctor", str(ckpt), "--full"], capsys)
+    assert code == 1 and "summary:" not in full
+    assert len([line for line in full.splitlines() if line[:1].isdigit()]) == 24
+    report = inspect_checkpoint(ckpt)
+    assert report.render(full=True) == full.rstrip("\n")
+
+
+def test_export_progress_and_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = write_checkpoint(tmp_path / "src", convention="modelopt", weights="none")
+    (src / "tokenizer.json").write_text("{}", encoding="utf-8")
+    code, _, err = _cli(
+        ["export", str(src), "--engine", "sglang", "--out", str(tmp_path / "o")], capsys
+    )
+    assert code == 0 and "writing o" in err and "100%" in err
+    for name in ("tokenizer.json", "config.json"):
+        assert (tmp_path / "o" / name).stat().st_ino != (src / name).stat().st_ino
+    (tmp_path / "o" / "tokenizer.json").write_text('{"edited": 1}', encoding="utf-8")
+    assert (src / "tokenizer.json").read_text(encoding="utf-8") == "{}"
+
+
+def test_render_table_fits_and_wraps() -> None:
+    long = "word " * 60
+    text = render_table(["layer", "why"], [["0", long.strip()], ["12", "short"]], wrap={"why"})
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100 and len(lines) > 4
+    assert " ".join(text.split()).count("word") == 60  # nothing cut
+    assert lines[0].split() == ["layer", "why"] and lines[-1].split() == ["12", "short"]
+    with pytest.raises(ValueError, match="one cell per column"):
+        render_table(["a", "b"], [["1"]])
+
+
+def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(["demo", "--json", "--keep", str(tmp_path)], capsys)
+    data = json.loads(out)
+    assert code == 0
+    verdicts = {key: entry["ok"] for key, entry in data["checkpoints"].items()}
+    assert verdicts["modelopt"] is True and verdicts["broken-nan"] is False
+    assert all(Path(entry["path"]).is_dir() for entry in data["checkpoints"].values())
+    assert data["generate"]["restored"] is True
