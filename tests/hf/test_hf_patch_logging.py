@@ -58,7 +58,7 @@ def test_patch_line_names_the_checkpoint_and_its_convention(
     text = line.getMessage()
     assert f"checkpoint {path}" in text and "modelopt convention" in text
     assert "per-tensor scales" in text and "backend torch" in text
-    assert "per sequence min(" in text
+    assert "grown on demand" in text and "decode graphs: auto" in text
 
 
 def test_triton_on_a_cpu_model_fails_at_patch_time(

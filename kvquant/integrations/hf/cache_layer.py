@@ -436,7 +436,6 @@ class KVQuantCache(Cache):
         self.decode_graph: Any = None  # kvquant.integrations.hf.graphs.DecodeGraph
         self.fp8_dtype = torch.float8_e4m3fn
         self.config = state.text_config
-        self.default_tokens_per_seq = state.default_tokens_per_seq
         self.model_name = state.model_name
         self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
         self.capacity_version = 0

@@ -152,8 +152,6 @@ class PatchState:
         raw_scales: the raw scales they came from (reused when re-patching).
         text_config: the decoder config (its ``_attn_implementation`` is switched).
         previous_attn: the attention implementation before the patch.
-        default_tokens_per_seq: the most token slots per sequence a cache built
-            without a size gets (``max_position_embeddings``).
         model_name: for messages.
         handles: removable hook handles.
         saved_attrs: ``(module, name, previous value or _MISSING, kind)`` to restore.
@@ -169,7 +167,6 @@ class PatchState:
     raw_context: dict[str, Any]
     text_config: Any
     previous_attn: str | None
-    default_tokens_per_seq: int
     model_name: str
     handles: list[RemovableHandle] = field(default_factory=list)
     saved_attrs: list[tuple[nn.Module, str, Any, str]] = field(default_factory=list)
@@ -755,7 +752,6 @@ def apply_patch(
         raw_context=dict(ctx),
         text_config=cfg,
         previous_attn=previous,
-        default_tokens_per_seq=int(getattr(cfg, "max_position_embeddings", None) or 4096),
         model_name=type(model).__name__,
     )
     state.raw_context["cache_kwarg"] = cache_kwarg_name(getattr(model, "base_model", model))
@@ -819,13 +815,12 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     elif opts.max_cache_tokens is not None:
         sizing = f"{opts.max_cache_tokens} token slots per cache, pages of {opts.page_size}"
     else:
-        sizing = (
-            f"pages of {opts.page_size} tokens, per sequence min({state.default_tokens_per_seq}, "
-            "max(8192, prompt + 2048)) slots"
-        )
+        sizing = f"pages of {opts.page_size} tokens, grown on demand"
+    graphs = {None: "auto (on CUDA)", True: "on", False: "off"}[opts.cuda_graphs]
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
-        f"{grans} scales (from {source}); backend {backend}; cache: {sizing}"
+        f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
+        f"decode graphs: {graphs}"
     )
 
 
