@@ -112,7 +112,9 @@ def left_padding_starts(
 
     None means the mask is not pure left padding with a real newest token in
     every row (or has another shape): the step must take the ordinary path,
-    which applies or refuses it. Reads the mask's values (one sync).
+    which applies or refuses it. Reads the mask's values: one copy to the host,
+    where the check runs (a handful of GPU launches and a sync cost more than
+    copying a ``[B, total]`` mask at the sizes a decode step has).
 
     Example:
         >>> import torch
@@ -126,11 +128,11 @@ def left_padding_starts(
         return torch.zeros(batch, dtype=torch.int32, device=device)
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch, total):
         return None
-    real = mask if mask.dtype == torch.bool else mask != 0
+    host = mask.to("cpu")
+    real = host if host.dtype == torch.bool else host != 0
     start = (~real).sum(dim=1, dtype=torch.int32)
-    cols = torch.arange(total, dtype=torch.int32, device=real.device)
-    ok = (real == (cols[None, :] >= start[:, None])).all() & real[:, -1].all()
-    if not bool(ok):
+    cols = torch.arange(total, dtype=torch.int32)
+    if not (bool((real == (cols[None, :] >= start[:, None])).all()) and bool(real[:, -1].all())):
         return None
     return start.to(device)
 
