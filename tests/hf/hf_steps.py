@@ -115,3 +115,18 @@ def dense_attention(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.matmul(probs, value.float())
     return out.transpose(1, 2).to(dtype)
+
+
+def generate_exactly(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, **kw: Any) -> Any:
+    """Greedy ``generate`` of exactly ``n`` new tokens, with logits, as a dict output."""
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )

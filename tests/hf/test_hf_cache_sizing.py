@@ -12,25 +12,13 @@ from typing import Any
 import pytest
 import torch
 from hf_steps import cache_kwarg, step_logits
+from hf_steps import generate_exactly as _generate
 from hf_tiny import build, prompt
 
 import kvquant.integrations.hf as kvhf
 from kvquant.cache import PageAllocator, PagedLayerStorage
 from kvquant.errors import CacheCapacityError, CacheUsageError
 from kvquant.integrations.hf.cache_layer import KVQuantCache
-
-
-def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, **kw: Any) -> Any:
-    with torch.no_grad():
-        return model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            return_dict_in_generate=True,
-            **kw,
-        )
 
 
 def _bf16_dynamic_cache_bytes(cache: Any) -> int:

@@ -14,25 +14,12 @@ from typing import Any
 import pytest
 import torch
 from hf_steps import cache_kwarg, calibrate, step_logits
+from hf_steps import generate_exactly as _generate
 from hf_tiny import BUILDERS, build, prompt
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import CacheCapacityError, KVQuantError, UnsupportedModelError
 from kvquant.integrations.hf.graphs import left_padding_starts
-
-
-def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, **kw: Any) -> Any:
-    with torch.no_grad():
-        return model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **kw,
-        )
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
