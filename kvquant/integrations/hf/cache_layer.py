@@ -638,6 +638,8 @@ class KVQuantCache(Cache):
             CacheUsageError: ``beam_idx`` is not an integer tensor of ``B`` sequence
                 indices in range (nothing moves).
         """
+        if self.allocator is None:
+            return  # nothing stored yet
         bsz = self.batch_size_
         ok = (
             isinstance(beam_idx, torch.Tensor)
