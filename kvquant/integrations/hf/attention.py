@@ -201,6 +201,7 @@ def kvquant_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over kvquant's FP8 paged cache (transformers ``AttentionInterface`` signature).
@@ -216,6 +217,7 @@ def kvquant_attention(
         dropout: must be 0 in training mode over kvquant's cache.
         sliding_window: window of a sliding-window layer, or None.
         softcap: logit softcap, or None.
+        s_aux: ``[Hq]`` learned attention-sink logits (gpt-oss), or None.
         **kwargs: other keywords from the model (position ids, ...), unused.
 
     Returns:
@@ -234,6 +236,8 @@ def kvquant_attention(
             extra["sliding_window"] = sliding_window
         if softcap is not None:
             extra["softcap"] = softcap
+        if s_aux is not None:
+            extra["s_aux"] = s_aux
         return fallback_attention(module, query, key, value, attention_mask, **extra, **kwargs)
     if dropout and module.training:
         raise UnsupportedModelError(
@@ -278,5 +282,25 @@ def kvquant_attention(
         causal=True,
         softcap=cap,
         window=window,
+        sinks=None if s_aux is None else _sinks(layer, s_aux),
     )
     return out, None
+
+
+def _sinks(layer: KVQuantLayer, s_aux: torch.Tensor) -> torch.Tensor:
+    """The model's sink logits as the kernels take them (fp32, contiguous), kept per cache layer.
+
+    The same converted tensor serves every step while the parameter is unchanged, so the
+    kernels' value check reads it once.
+    """
+    try:
+        version = int(s_aux._version)
+    except RuntimeError:  # an inference tensor
+        version = -1
+    memo = layer.__dict__.get("_kvq_sinks")
+    if memo is not None and memo[0] is s_aux and memo[1] == version:
+        sinks: torch.Tensor = memo[2]
+        return sinks
+    sinks = s_aux.detach().to(torch.float32).contiguous()
+    layer.__dict__["_kvq_sinks"] = (s_aux, version, sinks)
+    return sinks
