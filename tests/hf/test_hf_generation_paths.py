@@ -142,6 +142,15 @@ def test_output_attentions_refused_over_the_cache_and_exact_without() -> None:
                 **{cache_kwarg(model): cache},
             )
         assert cache.get_seq_length() == 0
+        user = transformers.DynamicCache()
+        with pytest.raises(UnsupportedModelError, match="output_attentions"):
+            model(
+                input_ids=ids,
+                attention_mask=mask,
+                output_attentions=True,
+                **{cache_kwarg(model): user},
+            )
+        assert type(user) is transformers.DynamicCache  # refused before it was converted
         got = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
         want = ref(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
     assert len(got.attentions) == 2
