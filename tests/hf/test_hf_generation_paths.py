@@ -313,3 +313,20 @@ def test_patch_and_cache_refuse_bad_sizes_and_beam_indices() -> None:
     for layer, (k, v) in zip(cache.layers, before, strict=True):
         k2, v2 = layer.dense_kv(torch.float32)
         assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_an_unknown_previous_attention_falls_back_to_eager() -> None:
+    """A model whose attention was kvquant's from the start (no previous one) runs eager attention."""
+    from kvquant.integrations.hf import attention as kvattn
+
+    ids, mask = prompt(batch=2, length=10, pad=(3, 0))
+    ref = build("llama")
+    model = build("llama")
+    kvhf.patch(model, backend="torch")
+    for layer in model.model.layers:
+        layer.self_attn.__dict__[kvattn.FALLBACK_ATTR] = "kvquant"  # would recurse into itself
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)

@@ -146,13 +146,14 @@ def fallback_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention on dense K/V by the implementation the model had before :func:`kvquant.patch`.
 
-    ``"eager"`` runs the model's own ``eager_attention_forward`` with the
-    additive float mask transformers' eager mask function builds (kvquant's
-    mask function builds the boolean SDPA mask, or None where plain causal
-    attention suffices: both are converted); ``"sdpa"`` and any other
-    registered implementation that takes a 4D mask run through
-    ``ALL_ATTENTION_FUNCTIONS``; flash and flex implementations, which need
-    their own mask format, run through ``"sdpa"`` (exact attention too).
+    ``"sdpa"`` and any other registered implementation that takes a 4D mask
+    run through ``ALL_ATTENTION_FUNCTIONS``. ``"eager"`` runs the model's own
+    ``eager_attention_forward`` with the additive float mask transformers'
+    eager mask function builds (kvquant's mask function builds the boolean
+    SDPA mask, or None where plain causal attention suffices: both are
+    converted); so do flash and flex implementations (they need their own mask
+    format) and an unknown previous implementation (a model loaded straight
+    into kvquant): eager is exact for every model, sinks and softcaps included.
 
     Args:
         module: the attention module.
@@ -166,7 +167,13 @@ def fallback_attention(
     Returns:
         ``(attn_output [B, Lq, Hq, D], attention weights or None)``.
     """
-    previous = getattr(module, FALLBACK_ATTR, None) or "sdpa"
+    previous = getattr(module, FALLBACK_ATTR, None)
+    if (
+        previous in (None, ATTN_NAME)
+        or previous.startswith(("flash", "flex"))
+        or previous not in ALL_ATTENTION_FUNCTIONS
+    ):
+        previous = "eager"  # unknown (e.g. loaded straight into kvquant) or its own mask format
     if previous == "eager":
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if callable(eager):
@@ -182,8 +189,6 @@ def fallback_attention(
                 module, query, key, value, mask, **kwargs
             )
             return out
-        previous = "sdpa"
-    if previous.startswith(("flash", "flex")) or previous not in ALL_ATTENTION_FUNCTIONS:
         previous = "sdpa"
     result: tuple[torch.Tensor, torch.Tensor | None] = ALL_ATTENTION_FUNCTIONS[previous](
         module, query, key, value, attention_mask, **kwargs
