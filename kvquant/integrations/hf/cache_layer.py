@@ -383,7 +383,7 @@ class KVQuantCache(Cache):
             batch together); default: the patch's setting, else per sequence
             ``min(max_position_embeddings, max(8192, prompt + 2048))``.
         num_pages: pages in the pool (overrides ``max_cache_tokens``).
-        page_size: token slots per page; default the patch's (16).
+        page_size: token slots per page (1..4096); default the patch's (16).
 
     Raises:
         KVQuantError: the model is not patched.

@@ -791,7 +791,7 @@ def patch(
         group_size: ``G`` of the ``fp32-group`` format; default 64 capped at head_dim.
         backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
             ``"triton"`` or ``"torch"``.
-        page_size: token slots per page.
+        page_size: token slots per page, 1..4096 (16, 32 or 64 are typical).
         max_cache_tokens: token slots of each cache, all sequences together
             (default per sequence: ``min(max_position_embeddings, max(8192,
             prompt length + 2048))``; going beyond raises CacheCapacityError).
