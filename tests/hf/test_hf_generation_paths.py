@@ -330,3 +330,29 @@ def test_an_unknown_previous_attention_falls_back_to_eager() -> None:
         got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_assisted_decoding_rejects_and_accepts_drafts_like_the_unpatched_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids, mask = prompt(batch=1, length=10, pad=(0,))
+    kw: dict[str, Any] = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        want = build("llama").generate(input_ids=ids, attention_mask=mask, **kw)
+    model = build("llama")
+    kvhf.patch(model, backend="torch", page_size=4)
+    crops: list[tuple[int, int]] = []
+    crop = KVQuantCache.crop
+
+    def counted(self: KVQuantCache, n: int) -> None:
+        crops.append((self.get_seq_length(), int(n)))
+        crop(self, n)
+
+    monkeypatch.setattr(KVQuantCache, "crop", counted)
+    with torch.no_grad():
+        got = model.generate(
+            input_ids=ids, attention_mask=mask, assistant_model=build("llama", seed=7), **kw
+        )
+    assert torch.equal(got, want)
+    assert any(n < 0 for _, n in crops)  # a rejected draft was rolled back
+    assert any(n == 0 for _, n in crops)  # and a fully accepted one kept
