@@ -294,6 +294,7 @@ def paged_attention(
     softcap: float = 0.0,
     window: int = 0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 KV cache.
@@ -332,6 +333,8 @@ def paged_attention(
         window: if > 0, each query sees only the last ``window`` positions.
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype, any strides
             with no two elements sharing memory.
+        sinks: fp32 ``[Hq]`` learned attention-sink logits (gpt-oss), contiguous and
+            finite, or None: each head's softmax denominator gets ``exp(sinks[h])``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -352,6 +355,7 @@ def paged_attention(
         "softcap": softcap,
         "window": window,
         "out": out,
+        "sinks": sinks,
     }
     geo = check_attention_inputs(
         query, k_pages, v_pages, block_tables, seq_lens, sm_scale=sm_scale, **options

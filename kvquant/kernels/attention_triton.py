@@ -426,6 +426,7 @@ def _paged_attn_kernel(
     s_ot,
     s_oh,
     s_od,
+    sink_ptr,
     HAS_QLEN: tl.constexpr,
     HAS_START: tl.constexpr,
     GROUP: tl.constexpr,
@@ -447,6 +448,7 @@ def _paged_attn_kernel(
     USE_WHILE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -616,6 +618,11 @@ def _paged_attn_kernel(
         # each row's copy c contributes group c's columns
         acc = tl.sum(tl.reshape(tl.where(in_copy, acc, 0.0), [XG, RB, HEAD_D]), 0)
     has_key = l_i != 0.0  # NaN (a NaN key or value, an overflow) must reach the output
+    if HAS_SINKS and not SPLIT:
+        # the sink's term of the softmax denominator, in the rows' log2 units (the split
+        # reduction adds it once, after merging)
+        sink = tl.load(sink_ptr + head, mask=row_in, other=0.0) * 1.4426950408889634
+        l_i += tl.where(has_key, tl.exp2(sink - m_i), 0.0)
     l_safe = tl.where(has_key, l_i, 1.0)
     keep = has_key & row_valid
     o = tl.where(keep[:, None], acc * (v_mult / l_safe)[:, None], 0.0)
@@ -642,10 +649,12 @@ def _reduce_kernel(
     s_ot,
     s_oh,
     s_od,
+    sink_ptr,
     SPLITS_P2: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Merge the split partials of ``BLOCK_D`` columns of one output row (sequence, token, head)."""
     if PDL:
@@ -668,6 +677,9 @@ def _reduce_kernel(
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_use)
     denom = tl.sum(w, 0)
+    if HAS_SINKS:  # the sink's term of the denominator, once (no key at all: the output stays 0)
+        sink = tl.load(sink_ptr + h) * 1.4426950408889634
+        denom += tl.where(m == float("-inf"), 0.0, tl.exp2(sink - m_use))
     o = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
     o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t * s_ot + h * s_oh + offs_d * s_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
@@ -885,6 +897,7 @@ def paged_attention_triton(
     softcap: float = 0.0,
     window: int = 0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
@@ -912,6 +925,7 @@ def paged_attention_triton(
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         window: if > 0, a query sees only the last ``window`` positions up to itself.
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype (any strides).
+        sinks: fp32 ``[Hq]`` contiguous attention-sink logits, or None.
         num_splits: split-KV count override for the decode path (tests, tuning).
         config: tile configuration override (keys of :func:`choose_config`; ``USE_WHILE``
             forces while-loops on or off, default on in the interpreter; ``FOLD`` forces the
@@ -978,6 +992,7 @@ def paged_attention_triton(
         *query.stride(),
         *k_pages.stride(), *v_pages.stride(),
         block_tables.stride(0), s_ks, s_vs, *kg_strides, *vg_strides, *out.stride(),
+        sinks if sinks is not None else dummy,
     ]  # fmt: skip
     tp = math.gcd(page_size, int(cfg["BLOCK_N"]))
     consts: dict[str, Any] = {
@@ -1007,6 +1022,7 @@ def paged_attention_triton(
         "USE_WHILE": bool(cfg.get("USE_WHILE", _INTERPRETED)),
         "LOOP_STAGES": int(cfg.get("LOOP_STAGES", cfg["num_stages"])),
         "PDL": pdl,
+        "HAS_SINKS": sinks is not None,
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,
@@ -1041,10 +1057,12 @@ def paged_attention_triton(
             hq,
             num_splits,
             *out.stride(),
+            args[-1],
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
             HEAD_D=d,
             BLOCK_D=block_d,
             PDL=pdl,
+            HAS_SINKS=sinks is not None,
             num_warps=1,
             launch_pdl=pdl,
         )

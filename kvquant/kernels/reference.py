@@ -179,6 +179,7 @@ def paged_attention_reference(
     softcap: float = 0.0,
     window: int = 0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache, in fp32.
 
@@ -205,6 +206,9 @@ def paged_attention_reference(
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         window: if > 0, a query sees only the last ``window`` positions up to itself.
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype.
+        sinks: fp32 ``[Hq]`` learned attention-sink logits (gpt-oss), or None: each
+            head's softmax gets one more term ``exp(sinks[h])`` in its denominator
+            (a logit with no value), so the weights of the keys sum to less than 1.
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype. Rows of invalid queries, and rows
@@ -247,7 +251,11 @@ def paged_attention_reference(
         if window > 0:
             visible = visible & (pos_k > pos_q - window)
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # softmax over [scores, sink], the sink's column dropped
+            sink = sinks.float()[:, None, None].expand(-1, nq, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         # A row that sees no key is all -inf (softmax gives NaN): it outputs zeros. A NaN
         # stored in a visible key or value still propagates to the output.
         probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)

@@ -254,23 +254,36 @@ def _version(x: torch.Tensor) -> int:
         return -1
 
 
-def check_scale_values(op: str, name: str, scale: torch.Tensor) -> None:
+def check_scale_values(op: str, name: str, scale: torch.Tensor, *, sinks: bool = False) -> None:
     """Refuse a static scale holding a value outside ``[SCALE_MIN, SCALE_MAX]`` (or NaN).
 
     The values are read once per tensor object and version (a GPU syncs once);
     later calls with the same, unmodified tensor skip the read.
 
+    Args:
+        op: the entry point, for the message.
+        name: the argument, for the message.
+        scale: the tensor.
+        sinks: check attention-sink logits instead: any finite value.
+
     Raises:
         KernelInputError: naming the first bad element, its value and the range.
     """
-    key = (id(scale), scale.data_ptr(), _version(scale), scale.device, tuple(scale.shape))
+    key = (id(scale), scale.data_ptr(), _version(scale), scale.device, tuple(scale.shape), sinks)
     seen = _scale_values_ok.get(key)
     if seen is not None and seen() is scale:
         return
     flat = scale.detach().reshape(-1)
-    ok = torch.isfinite(flat) & (flat >= SCALE_MIN) & (flat <= SCALE_MAX)
+    ok = torch.isfinite(flat)
+    if not sinks:
+        ok &= (flat >= SCALE_MIN) & (flat <= SCALE_MAX)
     if not bool(ok.all()):
         index = int((~ok).nonzero()[0, 0])
+        if sinks:
+            raise _fail(
+                f"{op}: {name} element {index} is {float(flat[index])!r}; expected finite "
+                "attention-sink logits. Fix: pass the model's sinks (module.sinks) as fp32."
+            )
         raise _fail(
             f"{op}: {name} element {index} is {float(flat[index])!r}; expected finite "
             f"dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}] (amax / 448): a "
@@ -464,6 +477,7 @@ def _check_attention_structure(
     softcap: object,
     window: object,
     out: object,
+    sinks: object = None,
 ) -> AttentionGeometry:
     """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
     op = "paged_attention"
@@ -560,6 +574,16 @@ def _check_attention_structure(
                 f"{tuple(o.shape)}, so that elements share memory (an expanded view?); "
                 "expected no two elements sharing memory. Fix: allocate out with "
                 "torch.empty_like(query) or torch.empty(query.shape)."
+            )
+    if sinks is not None:
+        sk = _require_tensor(op, "sinks", sinks)
+        _check_dtype(op, "sinks", sk, (torch.float32,), "pass module.sinks.float() (fp32).")
+        _check_shape(op, "sinks", sk, (hq,), "one attention-sink logit per query head")
+        _check_device(op, "sinks", sk, device, "k_pages")
+        if hq > 1 and sk.stride(0) != 1:
+            raise _fail(
+                f"{op}: sinks has stride {sk.stride(0)}; expected a contiguous [{hq}] tensor. "
+                "Fix: pass sinks.contiguous() once, when it is created."
             )
     return AttentionGeometry(bsz, lq, hq, hkv, d, num_pages, page_size, bt.shape[1], group_size)
 
@@ -791,6 +815,7 @@ def check_attention_inputs(
     softcap: object,
     window: object,
     out: object,
+    sinks: object = None,
 ) -> AttentionGeometry:
     """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
 
@@ -816,6 +841,7 @@ def check_attention_inputs(
         softcap: number >= 0.
         window: int >= 0.
         out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
+        sinks: fp32 ``[Hq]`` contiguous, finite, or None.
 
     Returns:
         The call's sizes.
@@ -840,6 +866,7 @@ def check_attention_inputs(
         softcap,
         window,
         out,
+        sinks,
     )
     geo = _remembered(
         _attention_ok,
@@ -861,12 +888,15 @@ def check_attention_inputs(
             softcap=softcap,
             window=window,
             out=out,
+            sinks=sinks,
         ),
     )
     pages: torch.Tensor = k_pages  # type: ignore[assignment]  # checked above
     if geo.group_size is None:
         check_scale_values("paged_attention", "k_scale", k_scale)  # type: ignore[arg-type]
         check_scale_values("paged_attention", "v_scale", v_scale)  # type: ignore[arg-type]
+    if sinks is not None:
+        check_scale_values("paged_attention", "sinks", sinks, sinks=True)  # type: ignore[arg-type]
     if geo.batch and value_checks_enabled(pages.device):
         _check_attention_values(
             block_tables,  # type: ignore[arg-type]

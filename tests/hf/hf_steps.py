@@ -88,11 +88,13 @@ def dense_attention(
     scaling: float,
     softcap: float,
     window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact fp32 attention on dense K/V: query ``[B, Hq, Lq, D]``, K/V ``[B, Hkv, T, D]`` -> ``[B, Lq, Hq, D]``.
 
     ``mask``: boolean ``[B, 1, Lq, T]`` (True = attend) or an additive float mask, or None
-    (causal over the newest ``Lq`` of ``T`` positions, plus the sliding ``window``).
+    (causal over the newest ``Lq`` of ``T`` positions, plus the sliding ``window``);
+    ``sinks``: ``[Hq]`` attention-sink logits, one more softmax term per head.
     """
     hq, hkv = query.shape[1], key.shape[1]
     if hq != hkv:
@@ -112,7 +114,12 @@ def dense_attention(
         if window > 0:
             visible = visible & (cols > pos_q - window)
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]
     out = torch.matmul(probs, value.float())
     return out.transpose(1, 2).to(dtype)
 

@@ -133,6 +133,23 @@ def _olmo3() -> Any:
     return transformers.Olmo3ForCausalLM(cfg)
 
 
+def _gpt_oss() -> Any:
+    cfg = transformers.GptOssConfig(
+        **_COMMON,
+        **_IDS,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # sinks large enough to matter (the random init is tiny)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -155,6 +172,7 @@ MORE_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": _qwen3_moe,
     "olmo2": _olmo2,
     "olmo3": _olmo3,
+    "gpt_oss": _gpt_oss,
 }
 """Further supported families, tested once each (the default fp32-group scales)."""
 
@@ -166,7 +184,8 @@ def build(family: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     model = ALL_BUILDERS[family]()
     model.eval()
-    model.set_attn_implementation("eager" if family.startswith("gemma") else "sdpa")
+    eager = family.startswith("gemma") or family == "gpt_oss"  # gpt-oss: sinks need eager
+    model.set_attn_implementation("eager" if eager else "sdpa")
     return model
 
 

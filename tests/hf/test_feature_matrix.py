@@ -34,6 +34,7 @@ _BASE: dict[str, Any] = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False
 
 @torch.no_grad()
 def _gen(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> Any:
+    ids, mask = ids.to(model.device), mask.to(model.device)
     return model.generate(input_ids=ids, attention_mask=mask, **{**_BASE, **kw})
 
 
@@ -107,7 +108,7 @@ def pipeline(model: Any, ctx: dict[str, Any]) -> Any:
     pipe = transformers.pipeline("text-generation", model=model, tokenizer=ctx["tok"])
     with torch.no_grad():
         out = pipe(["hello there", "a b"], **{**_BASE, "pad_token_id": None}, batch_size=2)
-    return [o[0]["generated_text"] for o in out]
+    return [o[0]["generated_text"] for o in out]  # the pipeline moves inputs to the model
 
 
 def chat_template(model: Any, ctx: dict[str, Any]) -> Any:
@@ -126,13 +127,14 @@ def continue_from_cache(model: Any, ctx: dict[str, Any]) -> Any:
     first = _gen(model, ids, mask, return_dict_in_generate=True)
     cache = returned_cache(first)
     more = torch.randint(3, VOCAB, (1, 3), generator=torch.Generator().manual_seed(9))
+    more = more.to(model.device)
     ids2 = torch.cat([first.sequences, more], dim=1)
     second = _gen(model, ids2, torch.ones_like(ids2), **{cache_kwarg(model): cache})
     return second
 
 
 def manual_loop(model: Any, ctx: dict[str, Any]) -> Any:
-    ids, mask = _padded()
+    ids, mask = (t.to(model.device) for t in _padded())
     key = cache_kwarg(model)
     cache = transformers.DynamicCache()
     logits = []
@@ -179,7 +181,7 @@ def offloaded_cache(model: Any, ctx: dict[str, Any]) -> Any:
 
 
 def training(model: Any, ctx: dict[str, Any]) -> Any:
-    ids, mask = _padded()
+    ids, mask = (t.to(model.device) for t in _padded())
     model.train()
     try:
         loss = model(
@@ -226,6 +228,8 @@ def _same(got: Any, want: Any) -> None:
         if want.is_floating_point() and want.dim() == 3:  # manual-loop logits [B, steps, V]
             assert min_cosine(got, want) > 0.999
             assert torch.equal(got.argmax(-1), want.argmax(-1))
+        elif want.is_floating_point():  # gradients
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
         else:
             assert torch.equal(got, want)
     elif isinstance(want, (list, tuple)):
@@ -236,16 +240,22 @@ def _same(got: Any, want: Any) -> None:
         assert got == want
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(
     "row",
     [pytest.param(r, marks=[pytest.mark.slow] if r in _SLOW else []) for r in CASES],
 )
-def test_feature_matrix(row: str) -> None:
+def test_feature_matrix(row: str, device: str) -> None:
+    """CPU: the torch reference backend; CUDA: the Triton kernels (``backend="auto"``)."""
     case, expected = CASES[row]
-    ref, model = build("llama"), build("llama")
-    ctx: dict[str, Any] = {"ref": ref, "tok": tokenizer(), "assistant": build("llama", seed=7)}
+    ref, model = build("llama").to(device), build("llama").to(device)
+    ctx: dict[str, Any] = {
+        "ref": ref,
+        "tok": tokenizer(),
+        "assistant": build("llama", seed=7).to(device),
+    }
     want = case(ref, ctx) if expected == "matches" else None
-    kvhf.patch(model, backend="torch", page_size=4)
+    kvhf.patch(model, backend="torch" if device == "cpu" else "auto", page_size=4)
     seen: list[Any] = []
     hook = model.model.layers[0].self_attn.register_forward_pre_hook(
         lambda m, a, kw: seen.append(kw.get("cache", kw.get("past_key_values"))), with_kwargs=True

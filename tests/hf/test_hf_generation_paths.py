@@ -142,6 +142,15 @@ def test_output_attentions_refused_over_the_cache_and_exact_without() -> None:
                 **{cache_kwarg(model): cache},
             )
         assert cache.get_seq_length() == 0
+        user = transformers.DynamicCache()
+        with pytest.raises(UnsupportedModelError, match="output_attentions"):
+            model(
+                input_ids=ids,
+                attention_mask=mask,
+                output_attentions=True,
+                **{cache_kwarg(model): user},
+            )
+        assert type(user) is transformers.DynamicCache  # refused before it was converted
         got = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
         want = ref(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
     assert len(got.attentions) == 2
@@ -304,3 +313,46 @@ def test_patch_and_cache_refuse_bad_sizes_and_beam_indices() -> None:
     for layer, (k, v) in zip(cache.layers, before, strict=True):
         k2, v2 = layer.dense_kv(torch.float32)
         assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_an_unknown_previous_attention_falls_back_to_eager() -> None:
+    """A model whose attention was kvquant's from the start (no previous one) runs eager attention."""
+    from kvquant.integrations.hf import attention as kvattn
+
+    ids, mask = prompt(batch=2, length=10, pad=(3, 0))
+    ref = build("llama")
+    model = build("llama")
+    kvhf.patch(model, backend="torch")
+    for layer in model.model.layers:
+        layer.self_attn.__dict__[kvattn.FALLBACK_ATTR] = "kvquant"  # would recurse into itself
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_assisted_decoding_rejects_and_accepts_drafts_like_the_unpatched_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids, mask = prompt(batch=1, length=10, pad=(0,))
+    kw: dict[str, Any] = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        want = build("llama").generate(input_ids=ids, attention_mask=mask, **kw)
+    model = build("llama")
+    kvhf.patch(model, backend="torch", page_size=4)
+    crops: list[tuple[int, int]] = []
+    crop = KVQuantCache.crop
+
+    def counted(self: KVQuantCache, n: int) -> None:
+        crops.append((self.get_seq_length(), int(n)))
+        crop(self, n)
+
+    monkeypatch.setattr(KVQuantCache, "crop", counted)
+    with torch.no_grad():
+        got = model.generate(
+            input_ids=ids, attention_mask=mask, assistant_model=build("llama", seed=7), **kw
+        )
+    assert torch.equal(got, want)
+    assert any(n < 0 for _, n in crops)  # a rejected draft was rolled back
+    assert any(n == 0 for _, n in crops)  # and a fully accepted one kept

@@ -161,13 +161,14 @@ def fallback_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention on dense K/V by the implementation the model had before :func:`kvquant.patch`.
 
-    ``"eager"`` runs the model's own ``eager_attention_forward`` with the
-    additive float mask transformers' eager mask function builds (kvquant's
-    mask function builds the boolean SDPA mask, or None where plain causal
-    attention suffices: both are converted); ``"sdpa"`` and any other
-    registered implementation that takes a 4D mask run through
-    ``ALL_ATTENTION_FUNCTIONS``; flash and flex implementations, which need
-    their own mask format, run through ``"sdpa"`` (exact attention too).
+    ``"sdpa"`` and any other registered implementation that takes a 4D mask
+    run through ``ALL_ATTENTION_FUNCTIONS``. ``"eager"`` runs the model's own
+    ``eager_attention_forward`` with the additive float mask transformers'
+    eager mask function builds (kvquant's mask function builds the boolean
+    SDPA mask, or None where plain causal attention suffices: both are
+    converted); so do flash and flex implementations (they need their own mask
+    format) and an unknown previous implementation (a model loaded straight
+    into kvquant): eager is exact for every model, sinks and softcaps included.
 
     Args:
         module: the attention module.
@@ -181,7 +182,13 @@ def fallback_attention(
     Returns:
         ``(attn_output [B, Lq, Hq, D], attention weights or None)``.
     """
-    previous = getattr(module, FALLBACK_ATTR, None) or "sdpa"
+    previous = getattr(module, FALLBACK_ATTR, None)
+    if (
+        previous in (None, ATTN_NAME)
+        or previous.startswith(("flash", "flex"))
+        or previous not in ALL_ATTENTION_FUNCTIONS
+    ):
+        previous = "eager"  # unknown (e.g. loaded straight into kvquant) or its own mask format
     if previous == "eager":
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if callable(eager):
@@ -197,8 +204,6 @@ def fallback_attention(
                 module, query, key, value, mask, **kwargs
             )
             return out
-        previous = "sdpa"
-    if previous.startswith(("flash", "flex")) or previous not in ALL_ATTENTION_FUNCTIONS:
         previous = "sdpa"
     result: tuple[torch.Tensor, torch.Tensor | None] = ALL_ATTENTION_FUNCTIONS[previous](
         module, query, key, value, attention_mask, **kwargs
@@ -216,6 +221,7 @@ def kvquant_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over kvquant's FP8 paged cache (transformers ``AttentionInterface`` signature).
@@ -231,6 +237,7 @@ def kvquant_attention(
         dropout: must be 0 in training mode over kvquant's cache.
         sliding_window: window of a sliding-window layer, or None.
         softcap: logit softcap, or None.
+        s_aux: ``[Hq]`` learned attention-sink logits (gpt-oss), or None.
         **kwargs: other keywords from the model (position ids, ...), unused.
 
     Returns:
@@ -250,6 +257,8 @@ def kvquant_attention(
             extra["sliding_window"] = sliding_window
         if softcap is not None:
             extra["softcap"] = softcap
+        if s_aux is not None:
+            extra["s_aux"] = s_aux
         return fallback_attention(module, query, key, value, attention_mask, **extra, **kwargs)
     if dropout and module.training:
         raise UnsupportedModelError(
@@ -294,5 +303,25 @@ def kvquant_attention(
         causal=True,
         softcap=cap,
         window=window,
+        sinks=None if s_aux is None else _sinks(layer, s_aux),
     )
     return out, None
+
+
+def _sinks(layer: KVQuantLayer, s_aux: torch.Tensor) -> torch.Tensor:
+    """The model's sink logits as the kernels take them (fp32, contiguous), kept per cache layer.
+
+    The same converted tensor serves every step while the parameter is unchanged, so the
+    kernels' value check reads it once.
+    """
+    try:
+        version = int(s_aux._version)
+    except RuntimeError:  # an inference tensor
+        version = -1
+    memo = layer.__dict__.get("_kvq_sinks")
+    if memo is not None and memo[0] is s_aux and memo[1] == version:
+        sinks: torch.Tensor = memo[2]
+        return sinks
+    sinks = s_aux.detach().to(torch.float32).contiguous()
+    layer.__dict__["_kvq_sinks"] = (s_aux, version, sinks)
+    return sinks

@@ -399,7 +399,7 @@ class KVQuantCache(Cache):
             beyond it); default: the patch's setting, else none: the pools
             grow on demand (:meth:`KVQuantCache.pool_shape`).
         num_pages: pages in the pool, a hard bound (overrides ``max_cache_tokens``).
-        page_size: token slots per page; default the patch's (16).
+        page_size: token slots per page (1..4096); default the patch's (16).
 
     Raises:
         KVQuantError: the model is not patched.
@@ -701,6 +701,8 @@ class KVQuantCache(Cache):
             CacheUsageError: ``beam_idx`` is not an integer tensor of ``B`` sequence
                 indices in range (nothing moves).
         """
+        if self.allocator is None:
+            return  # nothing stored yet
         bsz = self.batch_size_
         ok = (
             isinstance(beam_idx, torch.Tensor)

@@ -64,6 +64,10 @@ SUPPORTED_FAMILIES: dict[str, FamilySupport] = {
         FamilySupport("qwen3_moe", ("GQA", "RoPE", "q/k RMSNorm", "sparse MoE MLP")),
         FamilySupport("olmo2", ("GQA", "RoPE", "q/k RMSNorm over the whole projection")),
         FamilySupport("olmo3", ("GQA", "RoPE", "q/k RMSNorm", "interleaved sliding-window layers")),
+        FamilySupport(
+            "gpt_oss",
+            ("GQA", "RoPE", "learned attention sinks", "alternating sliding-window layers", "MoE"),
+        ),
     )
 }
 """Supported families, keyed by ``config.model_type``."""
@@ -73,7 +77,6 @@ _KNOWN_UNSUPPORTED: dict[str, str] = {
     "image-token masks); load the text-only Gemma3ForCausalLM instead",
     "gemma4": "Gemma 4 attention (KV sharing across layers, a float `k_scale` attribute)",
     "gpt_neox": "GPT-NeoX attention (the cache update passes no kwargs; not wired)",
-    "gpt_oss": "attention sinks (`s_aux`)",
     "llama4": "chunked attention and no-RoPE layers",
     "deepseek_v3": "multi-head latent attention (MLA)",
     "falcon_h1": "hybrid recurrent (Mamba) layers beside attention",

@@ -58,7 +58,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -490,7 +490,7 @@ def _adopt_dynamic_cache(cache: Any, model: nn.Module) -> KVQuantCache:
     return adopted
 
 
-def _refuse_cache(cache: Any, name: str) -> None:
+def _refuse_cache(cache: Any, name: str) -> NoReturn:
     """Raise :class:`CacheUsageError` for a cache kvquant's attention cannot read."""
     from transformers.cache_utils import DynamicCache
 
@@ -536,6 +536,7 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
         current = kwargs.get(key) if key else None
         grad = _grad_flows(module, kwargs)
         name = state.model_name
+        plain = type(current) is DynamicCache and not getattr(current, "offloading", False)
         if isinstance(current, KVQuantCache):
             if grad:
                 raise UnsupportedModelError(
@@ -546,20 +547,12 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
                     "train with use_cache=False and no cache (kvquant then runs the model's own "
                     "attention on bf16 K/V, exactly)."
                 )
-            cache = current
         elif current is None:
             if grad or not _wants_cache(kwargs, state.text_config):
                 return None  # no kvquant cache: the model's own attention on bf16 K/V
-            cache = KVQuantCache(model)
-        elif grad and type(current) is DynamicCache and not getattr(current, "offloading", False):
+        elif grad and plain:
             return None  # training over the user's bf16 cache: exactly the unpatched model
-        elif (
-            type(current) is DynamicCache
-            and not getattr(current, "offloading", False)
-            and current.get_seq_length() == 0
-        ):
-            cache = _adopt_dynamic_cache(current, model)
-        else:
+        elif not plain or current.get_seq_length() != 0:
             _refuse_cache(current, name)
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
@@ -571,6 +564,12 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
                 "output_attentions=False, or use_cache=False for that forward (kvquant then runs "
                 "the model's own attention, which returns the weights)."
             )
+        if isinstance(current, KVQuantCache):
+            cache = current
+        elif current is None:
+            cache = KVQuantCache(model)
+        else:
+            cache = _adopt_dynamic_cache(current, model)
         cache.rollback_point = cache.get_seq_length()
         if cache is current:
             return None
@@ -861,7 +860,7 @@ def patch(
             ``"widen"`` (by sqrt(2), default) or ``"keep"``.
         backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
             ``"triton"`` or ``"torch"``.
-        page_size: token slots per page.
+        page_size: token slots per page, 1..4096 (16, 32 or 64 are typical).
         max_cache_tokens: a bound on the token slots of each cache, all
             sequences together (going beyond raises CacheCapacityError). Default
             None: no bound; the pages grow on demand and hold memory in

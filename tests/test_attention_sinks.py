@@ -1,0 +1,126 @@
+"""Learned attention sinks (gpt-oss): the reference against dense math, the Triton kernel against it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from numerics import assert_close_rel
+
+from kvquant.errors import KernelInputError
+from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
+from kvquant.kernels.attention_triton import paged_attention_triton
+
+HKV, HQ, D, PS, PAGES, T = 2, 4, 16, 4, 8, 13
+BT = torch.tensor([[3, 0, 5, 1]], dtype=torch.int32)  # shuffled pages, partial last page
+LENS = torch.tensor([T], dtype=torch.int32)
+
+
+def _cache(groups: bool, device: str = "cpu") -> dict[str, Any]:
+    """K/V of ``T`` random tokens written into shuffled pages; the scale arguments of the call."""
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, T, HKV, D, generator=gen).to(device) for _ in range(2))
+    kp, vp = page_storage(PAGES, PS, HKV, D, device=device)
+    pos = torch.arange(T)
+    slots = (BT[0].long()[pos // PS] * PS + pos % PS)[None].to(device)
+    if groups:
+        scales: dict[str, Any] = {
+            "k_group_scales": group_scale_storage(PAGES, PS, HKV, 2, device=device),
+            "v_group_scales": group_scale_storage(PAGES, PS, HKV, 2, device=device),
+        }
+    else:
+        s = torch.tensor(0.02, device=device)
+        scales = {"k_scale": s, "v_scale": s}
+    write_kv(k, v, kp, vp, slots, backend="torch" if device == "cpu" else "auto", **scales)
+    return {"k_pages": kp, "v_pages": vp, **scales}
+
+
+def _dense(q: torch.Tensor, c: dict[str, Any], sinks: torch.Tensor, start: int) -> torch.Tensor:
+    """Softmax over [scores, sink] with the sink's column dropped, on the dequantized K/V."""
+    from kvquant.kernels.reference import dequantize_pages
+
+    ids = BT[0].long()
+    kv = []
+    for pages, static, groups in (
+        (c["k_pages"], c.get("k_scale"), c.get("k_group_scales")),
+        (c["v_pages"], c.get("v_scale"), c.get("v_group_scales")),
+    ):
+        full = dequantize_pages(pages[ids], static, None if groups is None else groups[ids])
+        kv.append(full.reshape(-1, HKV, D)[:T].repeat_interleave(HQ // HKV, dim=1))
+    lq = q.shape[1]
+    scores = torch.einsum("qhd,khd->hqk", q[0].float(), kv[0]) * 0.25
+    pos = torch.arange(T - lq, T)[:, None]
+    cols = torch.arange(T)[None]
+    scores = scores.masked_fill(~((cols >= start) & (cols <= pos)), float("-inf"))
+    logits = torch.cat([scores, sinks[:, None, None].expand(-1, lq, 1)], dim=-1)
+    return torch.einsum("hqk,khd->qhd", logits.softmax(-1)[..., :-1], kv[1])[None]
+
+
+@pytest.mark.parametrize("groups", [False, True])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_reference_sinks_equal_dense_softmax_with_a_sink_column(q_len: int, groups: bool) -> None:
+    c = _cache(groups)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, q_len, HQ, D, generator=gen)
+    sinks = torch.randn(HQ, generator=gen) * 2
+    start = torch.tensor([2], dtype=torch.int32)
+    kw = dict(sm_scale=0.25, kv_start=start, backend="torch", **c)
+    got = paged_attention(q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw)
+    torch.testing.assert_close(got, _dense(q, c, sinks, 2), rtol=1e-5, atol=1e-6)
+    without = paged_attention(q, block_tables=BT, seq_lens=LENS, **kw)
+    assert (got - without).abs().max() > 1e-2  # the sinks take weight away from the keys
+
+
+@pytest.mark.parametrize(
+    ("q_len", "groups", "opts"),
+    [
+        (1, False, {"num_splits": 1}),
+        (1, False, {"num_splits": 3}),  # the split reduction adds the sink once
+        (1, True, {"num_splits": 2, "config": {"FOLD": True}}),
+        (1, True, {"num_splits": 1, "config": {"FOLD": False}}),
+        (5, False, {}),
+        (5, True, {}),
+    ],
+)
+def test_triton_sinks_match_the_reference(q_len: int, groups: bool, opts: dict[str, Any]) -> None:
+    c = _cache(groups)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, q_len, HQ, D, generator=gen)
+    sinks = torch.randn(HQ, generator=gen) * 2
+    kw: dict[str, Any] = dict(sm_scale=0.25, kv_start=torch.tensor([2], dtype=torch.int32), **c)
+    ref = paged_attention(q, block_tables=BT, seq_lens=LENS, sinks=sinks, backend="torch", **kw)
+    got = paged_attention_triton(q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw, **opts)
+    assert_close_rel(got, ref, rel_tol=5e-3, name=f"sinks q_len={q_len} groups={groups} {opts}")
+
+
+@pytest.mark.parametrize(
+    "sinks",
+    [
+        torch.zeros(HQ, dtype=torch.float64),
+        torch.zeros(HQ + 1),
+        torch.zeros(2 * HQ)[::2],
+        torch.tensor([0.0, float("nan"), 0.0, 0.0]),
+        torch.tensor([0.0, 0.0, float("inf"), 0.0]),
+    ],
+)
+def test_bad_sinks_are_refused(sinks: torch.Tensor) -> None:
+    c = _cache(False)
+    q = torch.randn(1, 1, HQ, D)
+    with pytest.raises(KernelInputError, match="sinks"):
+        paged_attention(q, block_tables=BT, seq_lens=LENS, sm_scale=0.25, sinks=sinks, **c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_triton_sinks_on_cuda(q_len: int) -> None:
+    c = _cache(True, "cuda")
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, q_len, HQ, D, generator=gen).cuda()
+    sinks = (torch.randn(HQ, generator=gen) * 2).cuda()
+    kw: dict[str, Any] = dict(
+        block_tables=BT.cuda(), seq_lens=LENS.cuda(), sm_scale=0.25, sinks=sinks, **c
+    )
+    got = paged_attention(q, backend="triton", **kw)
+    ref = paged_attention(q, backend="torch", **kw)
+    assert_close_rel(got, ref, rel_tol=5e-3, name=f"cuda sinks q_len={q_len}")
