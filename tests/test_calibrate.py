@@ -92,7 +92,7 @@ def test_statistics_reject_bad_shapes_and_nonfinite(tiny: Any) -> None:
 
 
 def test_collected_amax_matches_eval_calibrate(tiny: Any) -> None:
-    import kvquant.eval as E
+    import benchmarks.harness.accuracy as E
 
     model, _ = tiny
     ids = torch.randint(0, 128, (1, 200))
@@ -387,20 +387,21 @@ def test_cli_calibrate_refuses_unsupported_family(tmp_path: Path, capsys: Any) -
 def test_smollm2_calibrated_perplexity(tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    import kvquant.eval as E
+    import benchmarks.harness.accuracy as E
+    from benchmarks.harness.smollm2 import load_smollm2, smollm2_path
+    from benchmarks.harness.texts import calibration_texts, evaluation_ids
     from kvquant.errors import CheckpointError
-    from kvquant.testing.smollm2 import load_smollm2, smollm2_path
-    from kvquant.testing.texts import TextNotFoundError, text_pair
 
     try:
-        calib, evaluation = text_pair()
         path = smollm2_path()
-    except (TextNotFoundError, CheckpointError) as exc:
-        pytest.skip(f"SmolLM2 or real texts unavailable: {exc}")
+    except CheckpointError as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")
     model, tokenizer = load_smollm2(path)
-    # two windows of 1500 tokens: FP8 rounding is chaotic, more tokens narrow the noise
-    ids = E.tokenize(tokenizer, evaluation.text, 1500, min_tokens=1500, windows=2)
-    stats = collect_statistics(model, calib.text, tokenizer=tokenizer, progress=False)
+    # one 768-token window per pinned evaluation text: FP8 rounding is chaotic, more tokens
+    # narrow the noise
+    ids = evaluation_ids(tokenizer, 768)
+    calib = [t.text for t in calibration_texts()]
+    stats = collect_statistics(model, calib, tokenizer=tokenizer, progress=False)
     with E.simulate_fp8_kv(model, "none"):
         reference = E.teacher_forced(model, ids)
     deltas: dict[str, float] = {}

