@@ -22,7 +22,6 @@ from kvquant.errors import (
     KernelInputError,
     KVQuantError,
     ScaleFormatError,
-    TextNotFoundError,
     UnknownFormatError,
     UnsupportedModelError,
 )
@@ -69,7 +68,6 @@ __all__ = [
     "KVQuantError",
     "KernelInputError",
     "ScaleFormatError",
-    "TextNotFoundError",
     "UnknownFormatError",
     "UnsupportedModelError",
     "__version__",

@@ -125,13 +125,13 @@ def _load_for_calibration(path: str) -> tuple[Any, Any]:
 
 
 def _calibration_texts(files: Sequence[Path] | None) -> tuple[list[str], list[str]]:
-    from kvquant.errors import CheckpointError
+    from kvquant.errors import CalibrationError, CheckpointError
 
     if not files:
-        from kvquant.testing.texts import calibration_text
-
-        text = calibration_text()
-        return [text.text], [f"{text.name} ({text.path})"]
+        raise CalibrationError(
+            "no calibration text given; expected at least one --text FILE. Fix: pass --text "
+            "with plain-text files like the model's real inputs."
+        )
     texts, names = [], []
     for file in files:
         try:
@@ -178,7 +178,7 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "or --force to replace it."
             )
         texts, names = _calibration_texts(args.text)
-    except KVQuantError as exc:  # CheckpointError, ExportTargetExistsError, TextNotFoundError
+    except KVQuantError as exc:  # CheckpointError, ExportTargetExistsError, CalibrationError
         print(f"kvquant calibrate: error: {exc}", file=err)
         return EXIT_USAGE
     try:
@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="FILE",
-        help="calibration text file(s) (UTF-8); default: kvquant.testing.texts' calibration text",
+        help="calibration text file(s) (UTF-8), required",
     )
     cal.add_argument(
         "--convention",

@@ -21,7 +21,6 @@ __all__ = [
     "KVQuantError",
     "KernelInputError",
     "ScaleFormatError",
-    "TextNotFoundError",
     "UnknownFormatError",
     "UnsupportedModelError",
 ]
@@ -95,10 +94,6 @@ class ExportError(KVQuantError, ValueError):
 
 class ExportTargetExistsError(ExportError, FileExistsError):
     """The output folder already exists (pass ``force=True`` / ``--force`` to replace it)."""
-
-
-class TextNotFoundError(KVQuantError, FileNotFoundError):
-    """No suitable real text document (for calibration or evaluation) was found on this machine."""
 
 
 class CalibrationError(KVQuantError, ValueError):

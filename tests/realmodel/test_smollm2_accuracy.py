@@ -7,19 +7,22 @@ benchmarks/data/texts (calibration: the first CALIBRATION_TOKENS tokens of each
 calibration text; evaluation: one window of EVAL_TOKENS tokens per evaluation
 text, four kinds of text). Everything runs in fp32 on CPU with kvquant's torch backend.
 
-Thresholds. FP8 rounding is chaotic over 30 layers: a 1e-7 difference in fp32
-arithmetic flips a few FP8 roundings in the first layer and the rest of the
-network then sees a different rounding pattern, so two correct
-implementations of the same format land about +-0.5 % apart in perplexity on
-1500 tokens (measured: simulated per-tensor +1.53 %, kvquant with the same fp32
-scales +2.05 %). Position-by-position agreement is therefore tested on a 4-layer
-truncation (mean |ΔNLL| below 5e-3, measured <= 3.4e-4), and the full model is held to
-+3 % for static scales, +2 % for fp32-group and >= 90 % top-1 agreement. Measured
-defects on one window (simulated, per-tensor): K and V scales swapped +94 % (58 % top-1),
-scales of the layers in reverse order +4.7 % (88.5 % top-1); scales silently set to 1.0
-cost only +2.5 % on this model, so that defect is caught by the checks that the
-resolved scales equal the calibrated ones, not by the perplexity bound. The issue's
-targets (2 % / 0.6 %) and the measured numbers are in docs/accuracy.md.
+Thresholds, from measurements on these texts (reference perplexity 21.50 on
+4 x 384 tokens = 1532 scored positions). FP8 rounding is chaotic over 30 layers: a
+1e-7 difference in fp32 arithmetic flips a few FP8 roundings in the first layer and
+the rest of the network then sees a different rounding pattern, so two correct
+implementations of the same format land apart in perplexity (measured: simulated
+per-head +1.59 %, kvquant with the same scales +1.53 %). Position-by-position
+agreement is therefore tested on a 4-layer truncation (mean |ΔNLL| below 5e-3,
+measured <= 6.6e-4 against a rounding effect of 0.10-0.12). The full model is held to
++2.5 % for static scales (measured +1.45 % per-tensor, +1.59 % per-head), +1.5 % for
+fp32-group (measured +0.30 % simulated, +0.56 % kvquant) and >= 93 % top-1 agreement
+(measured 95.2-96.1 %). Measured defects (simulated, per-tensor): K and V scales
+swapped +40.2 % (69.8 % top-1), scales of the layers in reverse order +4.40 % (90.5 %
+top-1) — both caught; scales silently set to 1.0 cost only +0.62 % on this model, so
+that defect is caught by the checks that the resolved scales equal the calibrated
+ones, not by the perplexity bound. The issue's targets (2 % / 0.6 %) are in
+docs/accuracy.md.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ pytest.importorskip("transformers")
 
 EVAL_TOKENS = 384
 CALIBRATION_TOKENS = 512
-STATIC_MAX_DELTA_PCT = 3.0
-GROUP_MAX_DELTA_PCT = 2.0
-MIN_TOP1 = 0.90
+STATIC_MAX_DELTA_PCT = 2.5
+GROUP_MAX_DELTA_PCT = 1.5
+MIN_TOP1 = 0.93
 
 
 @dataclass
@@ -124,8 +127,9 @@ def _truncated_mapping(scales: E.CalibratedScales, layers: int, per_head: bool) 
 def test_kvquant_equals_simulation_on_four_layers(smol: Smol, mode: str) -> None:
     """kvquant's cache + attention reproduce the simulated rounding position by position.
 
-    Measured: mean |ΔNLL| kvquant vs simulation 5e-5 to 3.4e-4 per position; a 1 %
-    change of every scale (or G=32 instead of 64) moves it by 0.10-0.13.
+    Measured on 4 x 96 tokens: mean |ΔNLL| kvquant vs simulation 9.4e-5 to 6.6e-4 per
+    position (max 0.028, argmax agreement >= 99.7 %); the rounding itself moves the NLL by
+    0.10-0.12 per position.
     """
     pytest.importorskip("kvquant.integrations.hf")
     import kvquant
@@ -190,10 +194,10 @@ def copies(smol: Smol, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     return {name: write_scaled_copy(smol.path, root / name, name, k, v) for name in VARIANTS}
 
 
-# A full 1500-token run for the per-head checkpoint (fp32-group has its own test below);
-# the per-tensor producers resolve to the calibrated per-tensor scales (checked below) and
-# their arithmetic is the 4-layer test's, so a 256-token run suffices there (the CPU
-# budget of the slow suite is ~3 minutes; the full table for every producer is in
+# A full run (4 x 384 tokens) for the per-head checkpoint (fp32-group has its own test
+# below); the per-tensor producers resolve to the calibrated per-tensor scales (checked
+# below) and their arithmetic is the 4-layer test's, so 64 tokens per text suffice there
+# (measured +1.31 to +2.21 %, 96.0-96.4 % top-1; the full table for every producer is in
 # docs/accuracy.md).
 FULL_LENGTH = {"compressed-tensors-attn_head"}
 
