@@ -439,7 +439,8 @@ def test_smollm2_calibrated_perplexity(tmp_path: Path, smollm2_dir: Path) -> Non
             deltas[f"{granularity} {name}"] = E.evaluate(name, stats_run, reference).delta_pct
     print(deltas)
     # FP8 rounding over 30 layers is chaotic (scale changes of 1 % move perplexity by up to a
-    # point, docs/calibration.md): calibrated may not lose more than that noise to amax/448
+    # point, docs/calibration.md): calibrated may not lose more than that noise to amax/448.
+    # Measured: per-tensor amax +0.88 %, calibrated +0.84 %; per-head +1.51 %, +1.03 %.
     for granularity in ("per-tensor", "per-head"):
         calibrated = deltas[f"{granularity} calibrated"]
         assert calibrated <= deltas[f"{granularity} amax"] + 0.75
