@@ -373,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser(
         "calibrate",
         help="calibrate static FP8 KV scales for a checkpoint and write a copy carrying them",
-        description="Run the model over real calibration text (default: a licence text found "
-        "on this machine), collect post-RoPE K/V statistics per layer and KV head (amax and a "
+        description="Run the model over real calibration text (--text FILE ...), collect "
+        "post-RoPE K/V statistics per layer and KV head (amax and a "
         "fixed-size |x| histogram), choose per layer (per-tensor) or per layer and head "
         "(per-head) the clipping ratio r in [0.5, 1] that minimises the expected FP8 e4m3 "
         "MSE of K and of V, and write a copy of the checkpoint with scale = r * amax / 448 in "
