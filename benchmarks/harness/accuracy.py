@@ -1,5 +1,7 @@
 """Accuracy harness: perplexity and top-1 agreement of a causal LM with an FP8 KV cache.
 
+Test and benchmark harness, not part of the kvquant package.
+
 Two ways to put FP8 into the KV path are measured the same way:
 
 * **simulated** (independent of :func:`kvquant.patch`): a custom attention
@@ -17,8 +19,8 @@ least 1500 tokens), negative log-likelihood of every next token, perplexity
 ``exp(mean NLL)``, and top-1 agreement = the fraction of positions whose argmax
 equals the unquantized model's argmax.
 
-Run ``python -m kvquant.eval --help`` for the command line (it reproduces
-docs/accuracy.md). Transformers is imported lazily.
+Run ``python -m benchmarks.harness.accuracy --help`` from the checkout's root for
+the command line (it reproduces docs/accuracy.md). Transformers is imported lazily.
 """
 
 from __future__ import annotations
@@ -376,7 +378,7 @@ def teacher_forced(
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
         raise KVQuantError(
             f"teacher_forced: input_ids has shape {tuple(input_ids.shape)}; expected [B, T] "
-            "with T >= 2. Fix: tokenize a text (see kvquant.eval.tokenize)."
+            "with T >= 2. Fix: tokenize a text (see benchmarks.harness.accuracy.tokenize)."
         )
     decoder = getattr(model, "model", None)
     head = getattr(model, "lm_head", None)
@@ -659,7 +661,7 @@ def run_kvquant_checkpoints(
 ) -> list[EvalResult]:
     """kvquant on checkpoint copies carrying the calibrated scales in each producer convention.
 
-    For every variant of :data:`kvquant.testing.smollm2.SCALE_CONVENTIONS`, a
+    For every variant of :data:`benchmarks.harness.smollm2.SCALE_CONVENTIONS`, a
     copy of ``checkpoint`` with the scales is written under ``workdir`` and
     ``kvquant.patch(model, scales=copy)`` runs the evaluation; a last row runs
     the dynamic ``fp32-group`` format (no stored scales).
@@ -678,7 +680,7 @@ def run_kvquant_checkpoints(
     Returns:
         One row per variant, then the ``fp32-group`` row.
     """
-    from kvquant.testing.smollm2 import SCALE_CONVENTIONS, write_scaled_copy
+    from benchmarks.harness.smollm2 import SCALE_CONVENTIONS, write_scaled_copy
 
     k, v = scales.per_head()
     rows = []
@@ -718,20 +720,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         Exit status 0.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m kvquant.eval",
+        prog="python -m benchmarks.harness.accuracy",
         description="Perplexity and top-1 agreement of SmolLM2-135M with a simulated and a "
-        "real (kvquant) FP8 KV cache, teacher-forced on a real licence text.",
+        "real (kvquant) FP8 KV cache, teacher-forced on the pinned evaluation texts "
+        "(benchmarks/data/texts/evaluation, one window per text).",
     )
     parser.add_argument(
-        "--tokens", type=int, default=1500, help="evaluation tokens per window (>= 1500)"
+        "--tokens", type=int, default=1024, help="evaluation tokens per text (one window each)"
     )
     parser.add_argument(
-        "--windows",
+        "--calibration-tokens",
         type=int,
-        default=1,
-        help="consecutive evaluation windows of --tokens each (pooled; lowers the noise)",
+        default=1024,
+        help="calibration tokens per text (benchmarks/data/texts/calibration, concatenated)",
     )
-    parser.add_argument("--calibration-tokens", type=int, default=2048)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument(
         "--kvquant", action="store_true", help="also run kvquant.patch on checkpoint copies"
@@ -745,26 +747,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON")
     args = parser.parse_args(argv)
 
-    from kvquant.testing.smollm2 import load_smollm2
-    from kvquant.testing.texts import text_pair
+    from benchmarks.harness.smollm2 import load_smollm2
+    from benchmarks.harness.texts import (
+        TEXTS_DIR,
+        calibration_ids,
+        calibration_texts,
+        evaluation_ids,
+        evaluation_texts,
+    )
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2()
     model.to(args.device)
-    calib_text, eval_text = text_pair()
-    calib_ids = tokenize(tokenizer, calib_text.text, args.calibration_tokens)
-    eval_ids = tokenize(
-        tokenizer,
-        eval_text.text,
-        args.tokens,
-        min_tokens=min(args.tokens, 1500),
-        windows=args.windows,
-    )
+    calib_ids = calibration_ids(tokenizer, args.calibration_tokens)
+    eval_ids = evaluation_ids(tokenizer, args.tokens)
+    calib_names = ", ".join(t.name for t in calibration_texts())
+    eval_names = ", ".join(t.name for t in evaluation_texts())
     rows, scales, reference = run_simulated(model, calib_ids, eval_ids, group_size=args.group_size)
     if args.kvquant:
         import tempfile
 
-        from kvquant.testing.smollm2 import smollm2_path
+        from benchmarks.harness.smollm2 import smollm2_path
 
         with tempfile.TemporaryDirectory(prefix="kvquant-eval-") as workdir:
             rows += run_kvquant_checkpoints(
@@ -779,8 +782,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     header = (
         f"SmolLM2-135M-Instruct (fp32 compute on {args.device}, bf16 weights, kvquant "
-        f"backend {args.backend}), calibration: {calib_text.name} "
-        f"({calib_ids.shape[1]} tokens), evaluation: {eval_text.name} "
+        f"backend {args.backend}), calibration: {calib_names} "
+        f"({calib_ids.shape[1]} tokens), evaluation: {eval_names} "
         f"({eval_ids.shape[0]} x {eval_ids.shape[1]} tokens)"
     )
     print(header)
@@ -788,8 +791,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         payload = {
             "header": header,
-            "calibration_text": str(calib_text.path),
-            "evaluation_text": str(eval_text.path),
+            "texts": str(TEXTS_DIR.relative_to(TEXTS_DIR.parents[2])),
+            "calibration_texts": calib_names,
+            "evaluation_texts": eval_names,
             "rows": [asdict(r) for r in rows],
         }
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -1,14 +1,16 @@
 """Calibrated vs amax/448 FP8 KV scales on SmolLM2-135M, through ``kvquant.patch``.
 
-Reproduces the SmolLM2-135M table of docs/calibration.md: calibrates on the
-calibration text, writes compressed-tensors checkpoint copies (per-tensor and
-per-head; kvquant-calibrated and amax/448), loads each through ``kvquant.patch``
-(torch backend) and evaluates teacher-forced perplexity on the *other* text, plus
-fp32-group and the unquantized model. ``--controls`` simulates the variants
-instead. Run: ``python benchmarks/calibrate_smollm2.py --help``.
+Reproduces the SmolLM2-135M table of docs/calibration.md. Run from the
+checkout's root (CPU is fine; the model is fetched on first use, see
+``benchmarks/harness/smollm2.py``)::
 
-Moved out of ``kvquant.calibrate`` (it was its ``main``): it is evaluation
-harness, not product code.
+    python -m benchmarks.calibration_table [--controls] [--json out.json]
+
+Calibrates on the pinned calibration texts, writes compressed-tensors checkpoint
+copies (per-tensor and per-head; kvquant-calibrated and amax/448), loads each
+through ``kvquant.patch`` (torch backend) and evaluates teacher-forced
+perplexity on the pinned evaluation texts (one window per text), plus
+fp32-group and the unquantized model.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from typing import Any
 
 import torch
 
+if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in sys.path:
+    # run as a script: make the checkout importable (benchmarks.harness, kvquant)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from kvquant.calibrate import (
-    _GRANULARITIES,
     DEFAULT_RATIOS,
     FP8_E4M3_MAX,
     CalibrationResult,
@@ -35,6 +40,9 @@ from kvquant.calibrate import (
     collect_statistics,
     write_calibrated_checkpoint,
 )
+
+_GRANULARITIES = ("per-tensor", "per-head")
+_CONTROL_FACTORS = (1.01, 1.02, 1.05, 1.1, 1.25, 1.5)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,46 +59,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         Exit status 0.
     """
-    import kvquant.eval as E
+    import benchmarks.harness.accuracy as E
+    from benchmarks.harness.smollm2 import load_smollm2, smollm2_path
+    from benchmarks.harness.texts import calibration_texts, evaluation_ids
 
     parser = argparse.ArgumentParser(
-        prog="python benchmarks/calibrate_smollm2.py",
+        prog="python -m benchmarks.calibration_table",
         description="Perplexity of SmolLM2-135M with kvquant-calibrated vs amax/448 FP8 KV "
         "scales (written checkpoints loaded through kvquant.patch).",
     )
-    parser.add_argument("--tokens", type=int, default=1500, help="evaluation tokens per window")
-    parser.add_argument("--windows", type=int, default=1, help="evaluation windows (pooled)")
-    parser.add_argument("--calibration-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--tokens", type=int, default=1024, help="evaluation tokens per text (one window each)"
+    )
+    parser.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=None,
+        help="stop calibrating after this many tokens (default: all the calibration texts)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.0)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--json", metavar="PATH", default=None, help="write rows as JSON")
     parser.add_argument(
         "--controls",
         action="store_true",
-        help="instead of kvquant.patch runs, simulate FP8 K/V (kvquant.eval.simulate_fp8_kv) for "
+        help="instead of kvquant.patch runs, simulate FP8 K/V (benchmarks.harness.accuracy.simulate_fp8_kv) for "
         "every variant plus amax/448 scales multiplied by 1.01 ... 1.5 (alignment controls: no "
         "clipping, same MSE class), with per-window deltas",
     )
     args = parser.parse_args(argv)
 
-    from kvquant.testing.smollm2 import load_smollm2, smollm2_path
-    from kvquant.testing.texts import text_pair
-
     torch.manual_seed(0)
     path = smollm2_path()
     model, tokenizer = load_smollm2(path)
-    calib_text, eval_text = text_pair()
-    eval_ids = E.tokenize(
-        tokenizer,
-        eval_text.text,
-        args.tokens,
-        min_tokens=min(args.tokens, 1500),
-        windows=args.windows,
-    )
+    calib = calibration_texts()
+    calib_names = tuple(t.name for t in calib)
+    eval_ids = evaluation_ids(tokenizer, args.tokens)
     t0 = time.perf_counter()
     stats = collect_statistics(
         model,
-        calib_text.text,
+        [t.text for t in calib],
         tokenizer=tokenizer,
         max_tokens=args.calibration_tokens,
         objective="attention",  # keeps the plain histograms too: both objectives below
@@ -109,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ratios=ratios,
             tolerance=args.tolerance,
             objective=objective,
-            texts=(calib_text.name,),
+            texts=calib_names,
         )
         for name, ratios, objective in variants
         for g in _GRANULARITIES
@@ -144,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rows.append(row)
     header = (
-        f"SmolLM2-135M-Instruct (fp32 compute), calibration: {calib_text.name} "
-        f"({stats.num_tokens} tokens, {calib_seconds:.1f} s), evaluation: {eval_text.name} "
+        f"SmolLM2-135M-Instruct (fp32 compute), calibration: {', '.join(calib_names)} "
+        f"({stats.num_tokens} tokens, {calib_seconds:.1f} s), evaluation: pinned evaluation texts "
         f"({eval_ids.shape[0]} x {eval_ids.shape[1]} tokens)"
     )
     print(header)
@@ -164,8 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _as_calibrated(result: CalibrationResult, factor: float = 1.0) -> Any:
-    """A ``kvquant.eval.CalibratedScales`` whose ``amax / 448`` is ``factor`` x the result's scales."""
-    import kvquant.eval as E
+    """A ``benchmarks.harness.accuracy.CalibratedScales`` whose ``amax / 448`` is ``factor`` x the result's scales."""
+    import benchmarks.harness.accuracy as E
 
     k = result.k_scales * FP8_E4M3_MAX * factor
     v = result.v_scales * FP8_E4M3_MAX * factor
@@ -183,7 +191,7 @@ def _controls(
     rows: list[Any],
 ) -> int:
     """Simulated rows for every variant and for amax/448 x factor, with per-window deltas."""
-    import kvquant.eval as E
+    import benchmarks.harness.accuracy as E
 
     runs = [(label, res, 1.0) for label, res in results.items()]
     for g in _GRANULARITIES:
@@ -214,9 +222,6 @@ def _controls(
     print("\n| variant | Δ ppl (pooled) | Δ per window |\n|---|---:|---|")
     print("\n".join(lines))
     return 0
-
-
-_CONTROL_FACTORS = (1.01, 1.02, 1.05, 1.1, 1.25, 1.5)
 
 
 if __name__ == "__main__":
