@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_steps import cache_kwarg, min_cosine, returned_cache
+from hf_steps import cache_kwarg, min_cosine, returned_cache, step_logits
 from hf_tiny import VOCAB, build, prompt, tokenizer
 
 import kvquant.integrations.hf as kvhf
@@ -223,6 +223,28 @@ CASES: dict[str, tuple[Callable[[Any, dict[str, Any]], Any], str]] = {
 _SLOW = {"torch.compile(model.forward)"}
 
 
+_SAMPLED = {"sampling (seeded)", "num_return_sequences"}
+"""Rows that draw tokens: on CUDA, FP8 rounding may move a draw across a boundary."""
+
+
+def _same_up_to_rounding(model: Any, ref: Any, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Sampled sequences that differ: every step's distribution differs by FP8 rounding only.
+
+    Both runs drew from the same seed; where a draw differs, the two models' next-token
+    distributions over the patched run's own sequence must still agree: logits of a prefill
+    and one-token steps through each model's own cache (the patched one reads its FP8
+    pages), cosine > 0.999 at every step. The sequences share their prompt.
+    """
+    assert got.shape == want.shape
+    prompt_len = got.shape[1] - _BASE["max_new_tokens"]
+    ids, cont = got[:, :prompt_len], got[:, prompt_len:]
+    assert torch.equal(ids, want[:, :prompt_len])
+    mask = (ids != 0).long()  # the prompts' left padding (pad_token_id 0)
+    a, _ = step_logits(model, ids, mask, cont)
+    b, _ = step_logits(ref, ids, mask, cont)
+    assert min_cosine(a, b) > 0.999
+
+
 def _same(got: Any, want: Any) -> None:
     if isinstance(want, torch.Tensor):
         if want.is_floating_point() and want.dim() == 3:  # manual-loop logits [B, steps, V]
@@ -269,7 +291,10 @@ def test_feature_matrix(row: str, device: str) -> None:
         got = case(model, ctx)
     finally:
         hook.remove()
-    _same(got, want)
+    if row in _SAMPLED and device == "cuda" and not torch.equal(got, want):
+        _same_up_to_rounding(model, ref, got, want)
+    else:
+        _same(got, want)
     if row.startswith("training"):
         assert all(c is None or type(c) is transformers.DynamicCache for c in seen)
     else:  # the FP8 cache served every call that had a cache
