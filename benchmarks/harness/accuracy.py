@@ -365,7 +365,12 @@ def teacher_forced(
             (no padding); their positions are pooled.
         cache_factory: when given, a fresh cache object is passed to the forward
             (``cache=`` or ``past_key_values=``, by feature test) with
-            ``use_cache=True``; otherwise the forward runs with ``use_cache=False``.
+            ``use_cache=True``, in two calls: the first position alone, then every
+            later one as a chunk over it. A kvquant cache hands a prompt with no
+            cached prefix its own unquantized K/V, so one call would measure no
+            FP8 at all; the chunk attends over the FP8 pages (its own keys
+            included), the regime of every decode step. Otherwise the forward
+            runs once with ``use_cache=False``.
         chunk: positions per output-head chunk.
 
     Returns:
@@ -387,14 +392,18 @@ def teacher_forced(
             f"{type(model).__name__}: no `.model` decoder or `.lm_head`; expected a "
             "*ForCausalLM model. Fix: pass the causal-LM wrapper, not the bare decoder."
         )
-    kwargs: dict[str, Any] = {"use_cache": False}
-    if cache_factory is not None:
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    if cache_factory is None:
+        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    else:
         from kvquant.integrations.hf.patch import cache_kwarg_name
 
         kwargs = {"use_cache": True, cache_kwarg_name(decoder): cache_factory()}
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    hidden = decoder(input_ids=ids, **kwargs).last_hidden_state[:, :-1].flatten(0, 1)
+        first = decoder(input_ids=ids[:, :1], **kwargs).last_hidden_state
+        rest = decoder(input_ids=ids[:, 1:], **kwargs).last_hidden_state
+        hidden = torch.cat([first, rest], dim=1)
+    hidden = hidden[:, :-1].flatten(0, 1)
     targets = ids[:, 1:].flatten()
     nll = []
     argmax = []
