@@ -6,6 +6,8 @@
 * :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
   :func:`temporary_format`, :func:`get_scale_format`.
 * :mod:`~kvquant.registry.policy`: one pure function per policy step.
+* :mod:`~kvquant.registry.conversions`: :class:`Conversion` (typed, with
+  ``lossy``) and :class:`AppliedConversion`.
 * :mod:`~kvquant.registry.options`: :class:`ResolveOptions`, the resolve options
   every entry point shares.
 * :mod:`~kvquant.registry.resolve`: :func:`resolve_scales` (raises) and
@@ -19,6 +21,7 @@ This package imports torch only (never transformers).
 
 from __future__ import annotations
 
+from kvquant.registry.conversions import AppliedConversion, Conversion
 from kvquant.registry.formats import (
     Fp32GroupFormat,
     PerHeadFormat,
@@ -51,6 +54,8 @@ __all__ = [
     "FP8_E4M3_MAX",
     "MAX_SCALE",
     "MIN_SCALE",
+    "AppliedConversion",
+    "Conversion",
     "Fp32GroupFormat",
     "Granularity",
     "LayerGeometry",

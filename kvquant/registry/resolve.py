@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from kvquant.errors import OptionError, ScaleFormatError
+from kvquant.registry.conversions import AppliedConversion, Conversion
 from kvquant.registry.formats import QueryHeadMaxFormat, ScaleFormat
 from kvquant.registry.options import ResolveOptions
 from kvquant.registry.policy import (
@@ -218,6 +219,9 @@ class ModelScales:
         notes: model-level summary of conversions and defaults (one line each).
         problems: every problem found (model-level and per layer); empty when usable.
         options: the options resolution ran with (scale_format, missing_scales, ...).
+        conversions: every conversion applied, typed (:class:`AppliedConversion`:
+            what, whether it is lossy, the note, the layers); their notes are in
+            :attr:`notes`.
     """
 
     geometry: LayerGeometry
@@ -227,6 +231,7 @@ class ModelScales:
     notes: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
+    conversions: tuple[AppliedConversion, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -281,6 +286,15 @@ class ModelScales:
             "granularity": self.granularity,
             "group_size": self.group_size,
             "notes": list(self.notes),
+            "conversions": [
+                {
+                    "conversion": c.conversion.value,
+                    "lossy": c.lossy,
+                    "layers": list(c.layers),
+                    "note": c.note,
+                }
+                for c in self.conversions
+            ],
             "problems": list(self.problems),
             "layers": [layer.to_dict() for layer in self.layers],
         }
@@ -568,7 +582,7 @@ def analyze_scales(
     layer_problems: dict[int, list[str]] = {}
     layer_notes: dict[int, list[str]] = {}
     pairs: dict[int, tuple[RawScale | None, RawScale | None]] = {}
-    events: dict[str, list[int]] = {}
+    events: dict[tuple[Conversion, str], list[int]] = {}
     for layer, raws in sorted(by_layer.items()):
         mine: list[str] = []
         notes: list[str] = []
@@ -579,9 +593,9 @@ def analyze_scales(
             notes.extend(pair.notes)
             if pair.k is pair.v:
                 key = (
-                    "one kv_scale serves K and V"
+                    (Conversion.KV_SCALE_SHARED, "one kv_scale serves K and V")
                     if pair.k.kind == "kv"
-                    else 'K and V share one scale (missing_kv="reuse")'
+                    else (Conversion.KV_REUSED, 'K and V share one scale (missing_kv="reuse")')
                 )
                 events.setdefault(key, []).append(layer)
         except ScaleFormatError as exc:
@@ -659,8 +673,11 @@ def analyze_scales(
                 kind_steps = list(read.steps)
                 if isinstance(read.fmt, QueryHeadMaxFormat):
                     events.setdefault(
-                        "query-head scales reduced to per-tensor with max "
-                        '(scale_format="per-tensor")',
+                        (
+                            Conversion.QUERY_HEAD_MAX,
+                            "query-head scales reduced to per-tensor with max "
+                            '(scale_format="per-tensor")',
+                        ),
                         [],
                     ).append(layer)
                 if target == "per-tensor" and tensor.dim() == 1:
@@ -670,14 +687,22 @@ def analyze_scales(
                         f"reduced per-head to per-tensor with max (max/min {ratio:.3g})"
                     )
                     events.setdefault(
-                        'per-head scales reduced to per-tensor with max (scale_format="per-tensor")',
+                        (
+                            Conversion.PER_HEAD_MAX,
+                            "per-head scales reduced to per-tensor with max "
+                            '(scale_format="per-tensor")',
+                        ),
                         [],
                     ).append(layer)
                 elif target == "per-head" and tensor.dim() == 0:
                     tensor = broadcast_to_per_head(tensor, geometry.num_kv_heads)
                     kind_steps.append("per-tensor broadcast to every KV head (lossless)")
                     events.setdefault(
-                        "per-tensor scales broadcast to per-head (lossless)", []
+                        (
+                            Conversion.BROADCAST_PER_HEAD,
+                            "per-tensor scales broadcast to per-head (lossless)",
+                        ),
+                        [],
                     ).append(layer)
                 if kind == "k" and read.raw.pre_rope:
                     tensor, note = apply_rope_policy(tensor, read.raw, rope_policy)
@@ -685,9 +710,15 @@ def analyze_scales(
                     if rope_policy == "widen":
                         kind_steps.append("widened by sqrt(2): calibrated before RoPE")
                     rope_event = (
-                        "K calibrated before RoPE, widened by sqrt(2) (rope_policy='widen')"
+                        (
+                            Conversion.ROPE_WIDENED,
+                            "K calibrated before RoPE, widened by sqrt(2) (rope_policy='widen')",
+                        )
                         if rope_policy == "widen"
-                        else "K calibrated before RoPE, kept, may saturate (rope_policy='keep')"
+                        else (
+                            Conversion.ROPE_KEPT,
+                            "K calibrated before RoPE, kept, may saturate (rope_policy='keep')",
+                        )
                     )
                     events.setdefault(rope_event, []).append(layer)
                 try:
@@ -698,7 +729,11 @@ def analyze_scales(
                 steps[kind] = kind_steps
                 if read.steps and read.steps[0].startswith("cast "):
                     events.setdefault(
-                        f"{_dtype_name(read.raw.tensor.dtype)} scales cast to float32", []
+                        (
+                            Conversion.CAST,
+                            f"{_dtype_name(read.raw.tensor.dtype)} scales cast to float32",
+                        ),
+                        [],
                     ).append(layer)
             if k_read.raw is v_read.raw:
                 pass  # one tensor for both caches: already noted by pair_kv
@@ -707,12 +742,16 @@ def analyze_scales(
                     f"layer {layer}: the producer stores max(K, V) in both tensors "
                     f"({k_read.raw.convention}); kept as stored"
                 )
-                events.setdefault("K and V hold one merged max(K, V) value", []).append(layer)
+                events.setdefault(
+                    (Conversion.MERGED_KV, "K and V hold one merged max(K, V) value"), []
+                ).append(layer)
             elif torch.equal(k_read.tensor, v_read.tensor):
                 notes.append(
                     f"layer {layer}: K and V scales are identical (merged by the producer?)"
                 )
-                events.setdefault("K and V scales identical", []).append(layer)
+                events.setdefault((Conversion.IDENTICAL_KV, "K and V scales identical"), []).append(
+                    layer
+                )
         ok = not mine
         sources = sorted({r.convention for r in (k_raw, v_raw) if r is not None})
         records = []
@@ -767,15 +806,23 @@ def analyze_scales(
         )
         problems.extend(mine)
 
-    model_notes = [f"{what}: layers {format_layers(ls)}" for what, ls in events.items()]
+    applied = [
+        AppliedConversion(conv, f"{what}: layers {format_layers(ls)}", tuple(sorted(set(ls))))
+        for (conv, what), ls in events.items()
+    ]
     if reductions:
         ratios = [r for _, r in reductions]
         worst_layer, worst = max(reductions, key=lambda item: item[1])
-        model_notes.append(
-            f"per-head -> per-tensor cost: max/min scale ratio per layer median "
-            f"{statistics.median(ratios):.3g}, worst {worst:.3g} (layer {worst_layer}); the "
-            f"head with the smallest scale loses up to {math.log2(max(worst, 1.0)):.2f} bits"
+        applied.append(
+            AppliedConversion(
+                Conversion.PER_HEAD_MAX,
+                f"per-head -> per-tensor cost: max/min scale ratio per layer median "
+                f"{statistics.median(ratios):.3g}, worst {worst:.3g} (layer {worst_layer}); the "
+                f"head with the smallest scale loses up to {math.log2(max(worst, 1.0)):.2f} bits",
+                tuple(sorted({layer for layer, _ in reductions})),
+            )
         )
+    model_notes = [a.note for a in applied]
     used = [t for layer_scales in layers for t in (layer_scales.k, layer_scales.v) if t is not None]
     if used and all(bool((t == 1.0).all()) for t in used):
         model_notes.append(
@@ -791,6 +838,7 @@ def analyze_scales(
         notes=tuple(model_notes),
         problems=tuple(problems),
         options=recorded,
+        conversions=tuple(applied),
     )
 
 
@@ -848,17 +896,27 @@ def _dynamic(
                 v_record=recs[1],
             )
         )
-    notes = []
+    applied: list[AppliedConversion] = []
+    every = tuple(range(geometry.num_layers))
     if explicit and raw_scales:
-        notes.append(
-            f'scale_format="{name}": {len(raw_scales)} checkpoint scale tensor(s) ignored; '
-            f"scales are computed per token, KV head and group of {size} elements"
+        applied.append(
+            AppliedConversion(
+                Conversion.CHECKPOINT_IGNORED,
+                f'scale_format="{name}": {len(raw_scales)} checkpoint scale tensor(s) ignored; '
+                f"scales are computed per token, KV head and group of {size} elements",
+                every,
+            )
         )
     elif not explicit:
-        notes.append(
-            f"no KV scales in the checkpoint: using {name} dynamic scales (G={size}, "
-            'missing_scales="dynamic"); pass missing_scales="error" to refuse instead'
+        applied.append(
+            AppliedConversion(
+                Conversion.DYNAMIC_DEFAULT,
+                f"no KV scales in the checkpoint: using {name} dynamic scales (G={size}, "
+                'missing_scales="dynamic"); pass missing_scales="error" to refuse instead',
+                every,
+            )
         )
+    notes = [a.note for a in applied]
     return ModelScales(
         geometry=geometry,
         granularity="fp32-group",
@@ -867,6 +925,7 @@ def _dynamic(
         notes=tuple(notes),
         problems=tuple(problems),
         options=options,
+        conversions=tuple(applied),
     )
 
 
@@ -939,6 +998,9 @@ def _no_scales(
             notes=(note,),
             problems=tuple(problems),
             options=options,
+            conversions=(
+                AppliedConversion(Conversion.UNIT_DEFAULT, note, tuple(range(geometry.num_layers))),
+            ),
         )
     if missing_scales == "error":
         problem = (
@@ -1046,9 +1108,8 @@ def resolve_scales(
 
 
 def _log_once(scales: ModelScales) -> None:
-    """One warning for lossy or risky choices, one info line for the rest."""
-    lossy_markers = ("reduced to per-tensor", "cost:", "set to 1.0", "reuse", "kept, may saturate")
-    lossy = [n for n in scales.notes if any(m in n for m in lossy_markers)]
+    """One warning for lossy or risky choices (:attr:`Conversion.lossy`), one info line for the rest."""
+    lossy = [c.note for c in scales.conversions if c.lossy]
     other = [n for n in scales.notes if n not in lossy]
     if lossy:
         logger.warning("kvquant KV scales: %s", "; ".join(lossy))
