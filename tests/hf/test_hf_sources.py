@@ -213,3 +213,21 @@ def test_every_public_error_derives_from_a_builtin() -> None:
         assert issubclass(cls, KVQuantError)
         builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b is not object]
         assert any(b not in (Exception, BaseException) for b in builtin), name
+
+
+def test_name_or_path_folder_without_weights_is_no_scale_source(
+    tmp_path: Path, tiny_llama: Any
+) -> None:
+    folder = tmp_path / "config-only"
+    tiny_llama.config.save_pretrained(folder)
+    tiny_llama.name_or_path = str(folder)
+    handle = kvhf.patch(tiny_llama, backend="torch")  # warned; nothing to read
+    assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
+    handle.remove()
+    tiny_llama.config.quantization_config = {"quant_method": "modelopt"}
+    with pytest.raises(CheckpointError, match="holds no config.json and weights"):
+        kvhf.patch(tiny_llama, backend="torch")
+    del tiny_llama.config.quantization_config
+    torch.save({}, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safetensors checkpoints only"):
+        kvhf.patch(tiny_llama, backend="torch")
