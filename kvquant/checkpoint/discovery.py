@@ -25,6 +25,7 @@ kvquant                ``self_attn.k_scale`` / ``v_scale``         ``quant_metho
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import Counter
@@ -51,6 +52,7 @@ __all__ = [
     "MAX_HEADS",
     "MAX_HEAD_DIM",
     "MAX_LAYERS",
+    "MAX_SCALE_ELEMENTS",
     "DiscoveredCheckpoint",
     "Finding",
     "TensorInfo",
@@ -70,6 +72,9 @@ MAX_HEADS = 4096
 
 MAX_HEAD_DIM = 4096
 """Largest ``head_dim`` a config may declare."""
+
+MAX_SCALE_ELEMENTS = 1 << 20
+"""Most elements a KV-scale tensor may hold to be loaded (per-channel ``[Hkv, D]`` is far below)."""
 
 # Name patterns. ``prefix`` is whatever precedes ``layers.N`` (``model.``,
 # ``model.language_model.``, ``transformer.``, ...).
@@ -688,6 +693,19 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     matches, findings, weight_dtypes = _classify(infos, geometry)
 
     by_file: dict[str, list[str]] = {}
+    oversized = [m for m in matches if math.prod(infos[m[0]].shape) > MAX_SCALE_ELEMENTS]
+    if oversized:
+        findings.append(
+            Finding(
+                "error",
+                "scale-too-large",
+                f"{len(oversized)} KV-scale tensor(s) (e.g. {oversized[0][0]}, shape "
+                f"{infos[oversized[0][0]].shape}) hold more than {MAX_SCALE_ELEMENTS} elements; "
+                "no KV-scale layout is that large, so they were not loaded. Fix: check the "
+                "export (the tensor names may be wrong).",
+            )
+        )
+        matches = [m for m in matches if m not in oversized]
     for name, layer, _kind, _family in matches:
         if layer < geometry.num_layers:
             by_file.setdefault(infos[name].file, []).append(name)

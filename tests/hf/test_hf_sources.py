@@ -225,7 +225,7 @@ def test_name_or_path_folder_without_weights_is_no_scale_source(
     assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
     handle.remove()
     tiny_llama.config.quantization_config = {"quant_method": "modelopt"}
-    with pytest.raises(CheckpointError, match="holds no config.json and weights"):
+    with pytest.raises(CheckpointError, match=r"holds no config\.json and weights"):
         kvhf.patch(tiny_llama, backend="torch")
     del tiny_llama.config.quantization_config
     torch.save({}, folder / "pytorch_model.bin")
