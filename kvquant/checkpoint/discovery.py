@@ -816,15 +816,19 @@ def scale_tensor_infos(files: Iterable[str | Path]) -> dict[str, TensorInfo]:
     return out
 
 
-def raw_scales_from_mapping(mapping: Mapping[str, Any], where: str = "scales") -> list[RawScale]:
+def raw_scales_from_mapping(
+    mapping: Mapping[str, Any], where: str = "scales", *, allow_none: bool = False
+) -> list[RawScale]:
     """The raw KV scales of an explicit ``{tensor_name: tensor}`` mapping (``patch(scales=...)``).
 
     Unlike :func:`raw_scales_from_state_dict`, a mapping that names no KV scale
-    kvquant recognises (a typo, an empty dict) is an error, not "no scales".
+    kvquant recognises (a typo, an empty dict) is an error, not "no scales";
+    unless ``allow_none`` (a dynamic scale format, which uses no stored scale).
 
     Args:
         mapping: tensor name -> tensor, producer names (other tensors are ignored).
         where: how to name the mapping in messages.
+        allow_none: accept a mapping that names no KV scale.
 
     Returns:
         The raw scales, sorted by (layer, kind).
@@ -841,14 +845,15 @@ def raw_scales_from_mapping(mapping: Mapping[str, Any], where: str = "scales") -
                 "Fix: pass {tensor_name: tensor}."
             )
     raws = raw_scales_from_state_dict(mapping)
-    if not raws:
+    if not raws and not allow_none:
         names = sorted(str(n) for n in mapping)
         shown = f"{len(names)} name(s), e.g. {names[:3]}" if names else "an empty mapping"
         raise ScaleFormatError(
             f"{where} names no tensor kvquant recognises as a KV scale (got {shown}); expected "
             "producer names such as model.layers.0.self_attn.k_scale / v_scale, "
             "self_attn.k_proj.k_scale, self_attn.k_proj.output_scale or self_attn.kv_scale. "
-            "Fix: correct the names, or leave scales unset to read the model's own checkpoint."
+            "Fix: correct the names, leave scales unset to read the model's own checkpoint, or "
+            'pass scale_format="fp32-group" (dynamic scales, no stored ones) with scales={}.'
         )
     return raws
 

@@ -104,6 +104,10 @@ def test_explicit_mapping_naming_nothing_is_an_error(tiny_llama: Any, mapping: d
     with pytest.raises(ScaleFormatError, match="names no tensor kvquant recognises"):
         kvhf.patch(tiny_llama, scales=mapping, backend="torch")
     assert not hasattr(tiny_llama, "_kvquant_state")
+    # a dynamic format uses no stored scale: scales={} then means "read nothing"
+    handle = kvhf.patch(tiny_llama, scales=mapping, scale_format="fp32-group", backend="torch")
+    assert handle.state.options.source == "mapping"
+    assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
 
 
 def test_scales_of_the_wrong_type(tiny_llama: Any) -> None:

@@ -262,6 +262,7 @@ def gather_raw_scales(
     sites: list[AttentionSite],
     geometry: LayerGeometry,
     scales: str | Path | Mapping[str, torch.Tensor] | None,
+    dynamic: bool = False,
 ) -> tuple[list[RawScale], dict[str, Any], str]:
     """Find the raw KV scales for ``model``.
 
@@ -274,6 +275,8 @@ def gather_raw_scales(
             ``model.name_or_path`` as a folder or through the local Hugging
             Face cache; else scale tensors already on the attention modules,
             else none).
+        dynamic: the scale format is dynamic (``fp32-group``), so an explicit
+            mapping may name no KV scale (``scales={}``: read nothing).
 
     Returns:
         ``(raw scales, context for the registry, source description)``.
@@ -297,7 +300,8 @@ def gather_raw_scales(
         refuse_error_findings(found, str(scales))
         return list(found.scales), {"discovered": found}, f"checkpoint {found.path}"
     if isinstance(scales, Mapping):
-        return raw_scales_from_mapping(scales, "kvquant.patch: scales"), {}, "mapping"
+        raws = raw_scales_from_mapping(scales, "kvquant.patch: scales", allow_none=dynamic)
+        return raws, {}, "mapping"
     if scales is not None:
         raise OptionTypeError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
@@ -316,6 +320,21 @@ def gather_raw_scales(
     if folder is not None:
         return [], {"discovered": found}, f"checkpoint {folder} (no KV scales)"
     return [], {}, "none"
+
+
+def _is_dynamic(scale_format: Any) -> bool:
+    """Whether ``scale_format`` names a dynamic format (one that uses no stored scale)."""
+    from kvquant.errors import UnknownFormatError
+    from kvquant.registry import ScaleFormat, get_scale_format
+
+    if isinstance(scale_format, ScaleFormat):
+        return bool(scale_format.dynamic)
+    if not isinstance(scale_format, str) or scale_format == "auto":
+        return False
+    try:
+        return bool(get_scale_format(scale_format).dynamic)
+    except UnknownFormatError:
+        return False  # the registry reports the unknown name when resolving
 
 
 def refuse_error_findings(found: Any, where: str) -> None:
@@ -717,7 +736,8 @@ def patch(
             return existing.handle
         raw, ctx, source = existing.raw_scales, existing.raw_context, existing.options.source
     else:
-        raw, ctx, source = gather_raw_scales(model, sites, geometry, scales)
+        dynamic = _is_dynamic(opts.scale_format)
+        raw, ctx, source = gather_raw_scales(model, sites, geometry, scales, dynamic)
     opts = PatchOptions(**{**opts.__dict__, "source": source})
     model_scales = resolve(raw, geometry, opts, ctx)
     if existing is not None:
