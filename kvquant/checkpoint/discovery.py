@@ -46,7 +46,7 @@ from kvquant.checkpoint.files import (
 from kvquant.checkpoint.findings import Finding
 from kvquant.checkpoint.producers import NAMINGS
 from kvquant.errors import CheckpointError
-from kvquant.registry.types import LayerGeometry, RawScale, ScaleKind
+from kvquant.types import LayerGeometry, RawScale, ScaleKind
 
 __all__ = [
     "MAX_HEADS",

@@ -1,6 +1,7 @@
 """Scale formats, their registry, and the normalise-or-reject policy.
 
-* :mod:`~kvquant.registry.types`: :class:`RawScale`, :class:`LayerGeometry`.
+* :class:`RawScale`, :class:`LayerGeometry` (defined in :mod:`kvquant.types`,
+  shared with :mod:`kvquant.checkpoint`; ``kvquant.registry.types`` re-exports them).
 * :mod:`~kvquant.registry.formats`: :class:`ScaleFormat` and the built-ins
   ``per-tensor``, ``per-head``, ``fp32-group``.
 * :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
@@ -47,7 +48,7 @@ from kvquant.registry.resolve import (
     analyze_scales,
     resolve_scales,
 )
-from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, LayerGeometry, RawScale
 
 __all__ = [
     "BUILTIN_FORMATS",

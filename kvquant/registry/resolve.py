@@ -66,7 +66,7 @@ from kvquant.registry.registry import (
     check_format_contract,
     default_registry,
 )
-from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, LayerGeometry, RawScale
 
 __all__ = [
     "Action",

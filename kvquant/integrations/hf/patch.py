@@ -63,7 +63,7 @@ from kvquant.integrations.hf.models import (
 )
 from kvquant.kernels.backend import BACKENDS
 from kvquant.registry.options import ResolveOptions
-from kvquant.registry.types import LayerGeometry, RawScale
+from kvquant.types import LayerGeometry, RawScale
 
 __all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
 
