@@ -307,3 +307,18 @@ def test_mixed_dtype_quark_pair_is_compared_by_value(tmp_path: Path) -> None:
     report = inspect_checkpoint(path)
     assert report.ok
     assert not any(f.code == "quark-merge-mismatch" for f in report.findings)
+
+
+def test_oversized_scale_tensor_is_not_loaded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvquant.checkpoint.discovery import MAX_SCALE_ELEMENTS
+
+    big = torch.full((MAX_SCALE_ELEMENTS + 1,), 0.01, dtype=torch.float16)
+    path = write_checkpoint(
+        tmp_path / "c", convention="modelopt", weights="none", scales={(0, "k"): big}
+    )
+    found = discover_scales(path)
+    assert all(s.name != scale_tensor_name("modelopt", 0, "k") for s in found.scales)
+    assert any(f.code == "scale-too-large" and f.severity == "error" for f in found.findings)
+    assert _doctor(path, capsys)[0] == 1

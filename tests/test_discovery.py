@@ -17,8 +17,8 @@ from kvquant.checkpoint.discovery import (
     read_geometry,
 )
 from kvquant.errors import CheckpointError, KVQuantError
-from kvquant.registry.types import LayerGeometry
 from kvquant.testing.checkpoints import write_checkpoint
+from kvquant.types import LayerGeometry
 
 # convention written -> (producer decided, names of layer 0, shape, dtype, pre_rope K, merged)
 CASES = {

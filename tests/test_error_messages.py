@@ -98,3 +98,29 @@ def test_group_size_fix_lists_real_divisors() -> None:
         )
     default = PagedLayerStorage(2, 4, 1, 80, granularity="fp32-group", device=torch.device("cpu"))
     assert default.group_size == 16
+
+
+def test_every_public_error_derives_from_a_builtin() -> None:
+    import kvquant.errors as errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if cls is errors.KVQuantError:
+            continue
+        assert issubclass(cls, errors.KVQuantError)
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b is not object]
+        assert any(b not in (Exception, BaseException) for b in builtin), name
+
+
+def test_no_bare_kvquant_error_is_raised() -> None:
+    bare = []
+    for file in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            exc = node.exc if isinstance(node, ast.Raise) else None
+            if isinstance(exc, ast.Call):
+                exc = exc.func
+            if isinstance(exc, ast.Name) and exc.id == "KVQuantError":
+                bare.append(f"{file.relative_to(PACKAGE)}:{node.lineno}")
+    assert not bare, (
+        f"raise a specific subclass (KVQuantError + a builtin), not KVQuantError: {bare}"
+    )

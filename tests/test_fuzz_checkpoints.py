@@ -235,3 +235,60 @@ def test_untrusted_checkpoints(spec: dict[str, Any]) -> None:
                 assert (x is None) == (y is None)
                 if x is not None:
                     assert torch.equal(x, y)
+
+
+def _odd_tensor(t: torch.Tensor, how: str) -> Any:
+    if how == "sparse" and t.dim() > 0 and t.dtype in (torch.float32, torch.float16, torch.int32):
+        return t.to_sparse()
+    if how == "meta":
+        return t.to("meta")
+    if how == "expanded" and t.numel() == 1:
+        return t.reshape(1).expand(2)
+    if how == "transposed" and t.dim() == 2:
+        return t.t()
+    if how == "grad" and t.is_floating_point():
+        return t.float().requires_grad_()
+    if how == "float":
+        return 0.02
+    return t
+
+
+@settings(
+    max_examples=150,
+    deadline=timedelta(seconds=5),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    spec=checkpoints(),
+    hows=st.lists(
+        st.sampled_from(
+            ["dense"] * 6 + ["sparse", "meta", "expanded", "transposed", "grad", "float"]
+        ),
+        min_size=8,
+        max_size=8,
+    ),
+    layer=st.sampled_from([None, -1, True, 10**6]),
+)
+def test_registry_api_takes_odd_tensors(spec: dict[str, Any], hows: list[str], layer: Any) -> None:
+    """RawScale objects built by hand (odd layouts, devices, types, layers): KVQuantErrors only."""
+    from kvquant.registry import LayerGeometry, RawScale, analyze_scales
+    from kvquant.registry.discovery import match_scale_name
+
+    geometry = LayerGeometry(2, 4, 2, 16)
+    raws = []
+    for i, (name, tensor) in enumerate(sorted(spec["tensors"].items())):
+        hit = match_scale_name(name)
+        if hit is None:
+            continue
+        n, kind, _family = hit
+        if layer is not None and i == 0:
+            n = layer
+        raws.append(RawScale(n, kind, name, "fuzz", _odd_tensor(tensor, hows[i % len(hows)])))
+    analysis = analyze_scales(raws, geometry)  # never raises for contents
+    try:
+        resolved = resolve_scales(raws, geometry)
+    except KVQuantError:
+        assert not analysis.ok
+        return
+    assert analysis.ok and resolved.ok
+    _accepted_scales_are_sane(resolved.layers)

@@ -281,3 +281,22 @@ def test_kernels_public_api() -> None:
     ]
     for name in k.__all__:
         assert callable(getattr(k, name))
+
+
+def test_checkpoint_package_imports_neither_registry_nor_transformers() -> None:
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import kvquant.checkpoint, kvquant.checkpoint.discovery, kvquant.checkpoint.producers
+        import kvquant.checkpoint.sources
+        print(json.dumps({
+            "transformers": "transformers" in sys.modules,
+            "registry": any(m.startswith("kvquant.registry") for m in sys.modules),
+            "integrations": any(m.startswith("kvquant.integrations") for m in sys.modules),
+        }))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen == {"transformers": False, "registry": False, "integrations": False}

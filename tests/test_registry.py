@@ -7,7 +7,7 @@ import importlib
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -320,3 +320,30 @@ def test_resolve_options_object_matches_keywords() -> None:
     assert by_object.options == by_keywords.options
     with _pytest.raises(OptionError, match="one or the other"):
         resolve_scales(raws, g, options=opts, missing_kv="reuse")
+
+
+def test_conversions_are_typed_and_drive_the_warning(caplog: Any) -> None:
+    import logging
+
+    from kvquant.registry import Conversion, LayerGeometry, RawScale, resolve_scales
+
+    g = LayerGeometry(2, 4, 2, 16)
+    per_head = [
+        RawScale(layer, kind, f"m.layers.{layer}.self_attn.{kind}_scale", "compressed-tensors", t)
+        for layer in range(2)
+        for kind, t in (("k", torch.rand(2) * 0.1 + 0.01), ("v", torch.rand(2) * 0.1 + 0.01))
+    ]
+    with caplog.at_level(logging.INFO, logger="kvquant"):
+        lossless = resolve_scales(per_head, g)
+    assert {c.conversion for c in lossless.conversions} == set()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvquant"):
+        reduced = resolve_scales(per_head, g, scale_format="per-tensor")
+    kinds = {c.conversion for c in reduced.conversions}
+    assert Conversion.PER_HEAD_MAX in kinds and all(c.lossy for c in reduced.conversions)
+    assert [c.layers for c in reduced.conversions] == [(0, 1), (0, 1)]
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert all(c.note in warning.getMessage() for c in reduced.conversions)
+    assert reduced.to_dict()["conversions"][0]["conversion"] == "per-head-max"
+    assert not Conversion.BROADCAST_PER_HEAD.lossy and Conversion.KV_REUSED.lossy

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvquant.errors import KVQuantError, UnsupportedModelError
+from kvquant.errors import CalibrationError, OptionError, UnsupportedModelError
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -123,7 +123,7 @@ class CalibratedScales:
             KVQuantError: unknown granularity or layer out of range.
         """
         if not 0 <= index < self.num_layers:
-            raise KVQuantError(
+            raise CalibrationError(
                 f"CalibratedScales.layer: layer {index} requested but {self.num_layers} layers "
                 f"were calibrated; expected 0..{self.num_layers - 1}. Fix: calibrate the same "
                 "model that is evaluated."
@@ -133,7 +133,7 @@ class CalibratedScales:
         elif granularity == "per-head":
             k, v = self.per_head()
         else:
-            raise KVQuantError(
+            raise CalibrationError(
                 f"CalibratedScales.layer: granularity {granularity!r} has no static scales; "
                 "expected 'per-tensor' or 'per-head'. Fix: fp32-group scales are dynamic."
             )
@@ -178,7 +178,7 @@ def fake_quantize_kv(
         if group_size is None:
             group_size = min(64, d)
         if group_size <= 0 or d % group_size:
-            raise KVQuantError(
+            raise OptionError(
                 f"fake_quantize_kv: group_size {group_size} does not divide head_dim {d}; "
                 "expected a positive divisor. Fix: pick G in the divisors of head_dim."
             )
@@ -191,7 +191,7 @@ def fake_quantize_kv(
         s = scale.float().to(x.device)
         if s.dim() == 1:
             if s.shape[0] != x.shape[1]:
-                raise KVQuantError(
+                raise CalibrationError(
                     f"fake_quantize_kv: per-head scale has {s.shape[0]} entries but K/V have "
                     f"{x.shape[1]} heads; expected one per KV head. Fix: calibrate this model."
                 )
@@ -228,7 +228,7 @@ def _simulated_attention(
             value = fake_quantize_kv(value, None, group_size=spec.group_size)
         else:
             if spec.scales is None:
-                raise KVQuantError(
+                raise CalibrationError(
                     f"simulated attention: layer {layer} in mode {spec.mode!r} has no scales; "
                     "expected CalibratedScales. Fix: pass scales=calibrate(...)."
                 )
@@ -294,12 +294,12 @@ def simulate_fp8_kv(
         UnsupportedModelError: the model switched to another attention implementation.
     """
     if mode not in _MODES:
-        raise KVQuantError(
+        raise OptionError(
             f"simulate_fp8_kv: mode {mode!r} is unknown; expected one of {_MODES}. "
             "Fix: pass one of those names."
         )
     if mode in ("per-tensor", "per-head") and scales is None:
-        raise KVQuantError(
+        raise OptionError(
             f"simulate_fp8_kv: mode {mode!r} needs static scales but scales=None. "
             "Fix: pass scales=calibrate(model, calibration_ids)."
         )
@@ -381,7 +381,7 @@ def teacher_forced(
         UnsupportedModelError: the model has no ``.model`` / ``.lm_head``.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
-        raise KVQuantError(
+        raise OptionError(
             f"teacher_forced: input_ids has shape {tuple(input_ids.shape)}; expected [B, T] "
             "with T >= 2. Fix: tokenize a text (see benchmarks.harness.accuracy.tokenize)."
         )
@@ -489,7 +489,7 @@ def evaluate(
         KVQuantError: the two runs cover different numbers of positions.
     """
     if stats.argmax.shape != reference.argmax.shape:
-        raise KVQuantError(
+        raise OptionError(
             f"evaluate({label!r}): {stats.argmax.shape[0]} positions vs the reference's "
             f"{reference.argmax.shape[0]}; expected the same evaluation tokens. Fix: reuse "
             "the same input_ids."
@@ -534,14 +534,14 @@ def tokenize(
     if windows > 1:
         need = windows * max_tokens
         if ids.shape[0] < need:
-            raise KVQuantError(
+            raise OptionError(
                 f"tokenize: the text gives {ids.shape[0]} tokens; expected at least {need} for "
                 f"{windows} windows of {max_tokens}. Fix: fewer windows or a longer document."
             )
         return ids[:need].view(windows, max_tokens)
     ids = ids[:max_tokens]
     if ids.shape[0] < min_tokens:
-        raise KVQuantError(
+        raise OptionError(
             f"tokenize: the text gives {ids.shape[0]} tokens; expected at least {min_tokens}. "
             "Fix: use a longer document."
         )

@@ -25,6 +25,7 @@ kvquant                ``self_attn.k_scale`` / ``v_scale``         ``quant_metho
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import Counter
@@ -45,12 +46,13 @@ from kvquant.checkpoint.files import (
 from kvquant.checkpoint.findings import Finding
 from kvquant.checkpoint.producers import NAMINGS
 from kvquant.errors import CheckpointError
-from kvquant.registry.types import LayerGeometry, RawScale, ScaleKind
+from kvquant.types import LayerGeometry, RawScale, ScaleKind
 
 __all__ = [
     "MAX_HEADS",
     "MAX_HEAD_DIM",
     "MAX_LAYERS",
+    "MAX_SCALE_ELEMENTS",
     "DiscoveredCheckpoint",
     "Finding",
     "TensorInfo",
@@ -70,6 +72,9 @@ MAX_HEADS = 4096
 
 MAX_HEAD_DIM = 4096
 """Largest ``head_dim`` a config may declare."""
+
+MAX_SCALE_ELEMENTS = 1 << 20
+"""Most elements a KV-scale tensor may hold to be loaded (per-channel ``[Hkv, D]`` is far below)."""
 
 # Name patterns. ``prefix`` is whatever precedes ``layers.N`` (``model.``,
 # ``model.language_model.``, ``transformer.``, ...).
@@ -688,6 +693,19 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     matches, findings, weight_dtypes = _classify(infos, geometry)
 
     by_file: dict[str, list[str]] = {}
+    oversized = [m for m in matches if math.prod(infos[m[0]].shape) > MAX_SCALE_ELEMENTS]
+    if oversized:
+        findings.append(
+            Finding(
+                "error",
+                "scale-too-large",
+                f"{len(oversized)} KV-scale tensor(s) (e.g. {oversized[0][0]}, shape "
+                f"{infos[oversized[0][0]].shape}) hold more than {MAX_SCALE_ELEMENTS} elements; "
+                "no KV-scale layout is that large, so they were not loaded. Fix: check the "
+                "export (the tensor names may be wrong).",
+            )
+        )
+        matches = [m for m in matches if m not in oversized]
     for name, layer, _kind, _family in matches:
         if layer < geometry.num_layers:
             by_file.setdefault(infos[name].file, []).append(name)
@@ -798,15 +816,19 @@ def scale_tensor_infos(files: Iterable[str | Path]) -> dict[str, TensorInfo]:
     return out
 
 
-def raw_scales_from_mapping(mapping: Mapping[str, Any], where: str = "scales") -> list[RawScale]:
+def raw_scales_from_mapping(
+    mapping: Mapping[str, Any], where: str = "scales", *, allow_none: bool = False
+) -> list[RawScale]:
     """The raw KV scales of an explicit ``{tensor_name: tensor}`` mapping (``patch(scales=...)``).
 
     Unlike :func:`raw_scales_from_state_dict`, a mapping that names no KV scale
-    kvquant recognises (a typo, an empty dict) is an error, not "no scales".
+    kvquant recognises (a typo, an empty dict) is an error, not "no scales";
+    unless ``allow_none`` (a dynamic scale format, which uses no stored scale).
 
     Args:
         mapping: tensor name -> tensor, producer names (other tensors are ignored).
         where: how to name the mapping in messages.
+        allow_none: accept a mapping that names no KV scale.
 
     Returns:
         The raw scales, sorted by (layer, kind).
@@ -823,14 +845,15 @@ def raw_scales_from_mapping(mapping: Mapping[str, Any], where: str = "scales") -
                 "Fix: pass {tensor_name: tensor}."
             )
     raws = raw_scales_from_state_dict(mapping)
-    if not raws:
+    if not raws and not allow_none:
         names = sorted(str(n) for n in mapping)
         shown = f"{len(names)} name(s), e.g. {names[:3]}" if names else "an empty mapping"
         raise ScaleFormatError(
             f"{where} names no tensor kvquant recognises as a KV scale (got {shown}); expected "
             "producer names such as model.layers.0.self_attn.k_scale / v_scale, "
             "self_attn.k_proj.k_scale, self_attn.k_proj.output_scale or self_attn.kv_scale. "
-            "Fix: correct the names, or leave scales unset to read the model's own checkpoint."
+            "Fix: correct the names, leave scales unset to read the model's own checkpoint, or "
+            'pass scale_format="fp32-group" (dynamic scales, no stored ones) with scales={}.'
         )
     return raws
 

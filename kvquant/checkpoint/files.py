@@ -41,6 +41,7 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_INDEX_BYTES",
+    "PICKLE_NAMES",
     "SINGLE_FILE_NAME",
     "ShardSelection",
     "TensorInfo",
@@ -61,7 +62,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
-_PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -370,7 +371,7 @@ def select_shards(root: str | Path) -> ShardSelection:
                 )
             )
         return ShardSelection(folder, (single,), tensors, tuple(findings))
-    pickles = [n for n in _PICKLE_NAMES if os.path.lexists(folder / n)]
+    pickles = [n for n in PICKLE_NAMES if os.path.lexists(folder / n)]
     if pickles:
         raise CheckpointError(
             f"{folder} holds {' and '.join(pickles)} but no {SINGLE_FILE_NAME}; kvquant reads "

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from kvquant.errors import ConventionError
-from kvquant.registry.types import ScaleKind
+from kvquant.types import ScaleKind
 
 __all__ = [
     "CONVENTION_SPECS",

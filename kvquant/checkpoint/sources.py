@@ -7,7 +7,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvquant.checkpoint.files import locate_checkpoint
+from kvquant.checkpoint.files import (
+    INDEX_NAME,
+    PICKLE_NAMES,
+    SINGLE_FILE_NAME,
+    locate_checkpoint,
+)
 from kvquant.errors import CheckpointError
 
 __all__ = ["model_checkpoint"]
@@ -37,8 +42,10 @@ def model_checkpoint(model: Any) -> Path | None:
 
     Returns:
         The folder, or None when the model was not loaded from a checkpoint
-        (empty ``name_or_path``), or its files cannot be found and its config
-        declares no quantization (a warning is logged).
+        (empty ``name_or_path``), or its files (``config.json`` and weights)
+        cannot be found and its config declares no quantization (a warning is
+        logged). A folder whose weights are ``.bin`` only is returned: discovery
+        then refuses it ("safetensors only").
 
     Raises:
         CheckpointError: the files cannot be found although the config declares
@@ -51,21 +58,31 @@ def model_checkpoint(model: Any) -> Path | None:
     local = os.path.lexists(str(name))
     revision = None if local else getattr(config, "_commit_hash", None)
     try:
-        return locate_checkpoint(str(name), revision=revision)
+        folder = locate_checkpoint(str(name), revision=revision)
     except CheckpointError as exc:
-        method = _declared_quantization(config)
-        if method is not None:
-            raise CheckpointError(
-                f"{type(model).__name__} was loaded from {name!r}, whose config declares a "
-                f"quantization_config (quant_method {method!r}), but kvquant cannot find its "
-                f"files to read the KV scales: {exc} Fix: pass "
-                "kvquant.patch(model, scales=<the checkpoint folder>)."
-            ) from exc
-        _logger.warning(
-            "kvquant: %s was loaded from %r, whose files cannot be found (%s); its config "
-            "declares no quantization, so no KV scales are read from it.",
-            type(model).__name__,
-            name,
-            exc,
-        )
+        _not_found(model, str(name), str(exc))
         return None
+    weights = [n for n in (INDEX_NAME, SINGLE_FILE_NAME, *PICKLE_NAMES) if (folder / n).exists()]
+    if not (folder / "config.json").exists() or not weights:
+        _not_found(model, str(name), f"{folder} holds no config.json and weights")
+        return None
+    return folder
+
+
+def _not_found(model: Any, name: str, why: str) -> None:
+    """No checkpoint for ``model``: an error when its config declares quantization, else a warning."""
+    method = _declared_quantization(getattr(model, "config", None))
+    if method is not None:
+        raise CheckpointError(
+            f"{type(model).__name__} was loaded from {name!r}, whose config declares a "
+            f"quantization_config (quant_method {method!r}), but kvquant cannot find its "
+            f"files to read the KV scales: {why} Fix: pass "
+            "kvquant.patch(model, scales=<the checkpoint folder>)."
+        )
+    _logger.warning(
+        "kvquant: %s was loaded from %r, whose checkpoint files cannot be found (%s); its "
+        "config declares no quantization, so no KV scales are read from it.",
+        type(model).__name__,
+        name,
+        why,
+    )

@@ -1,11 +1,14 @@
 """Scale formats, their registry, and the normalise-or-reject policy.
 
-* :mod:`~kvquant.registry.types`: :class:`RawScale`, :class:`LayerGeometry`.
+* :class:`RawScale`, :class:`LayerGeometry` (defined in :mod:`kvquant.types`,
+  shared with :mod:`kvquant.checkpoint`; ``kvquant.registry.types`` re-exports them).
 * :mod:`~kvquant.registry.formats`: :class:`ScaleFormat` and the built-ins
   ``per-tensor``, ``per-head``, ``fp32-group``.
 * :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
   :func:`temporary_format`, :func:`get_scale_format`.
 * :mod:`~kvquant.registry.policy`: one pure function per policy step.
+* :mod:`~kvquant.registry.conversions`: :class:`Conversion` (typed, with
+  ``lossy``) and :class:`AppliedConversion`.
 * :mod:`~kvquant.registry.options`: :class:`ResolveOptions`, the resolve options
   every entry point shares.
 * :mod:`~kvquant.registry.resolve`: :func:`resolve_scales` (raises) and
@@ -19,6 +22,7 @@ This package imports torch only (never transformers).
 
 from __future__ import annotations
 
+from kvquant.registry.conversions import AppliedConversion, Conversion
 from kvquant.registry.formats import (
     Fp32GroupFormat,
     PerHeadFormat,
@@ -44,13 +48,15 @@ from kvquant.registry.resolve import (
     analyze_scales,
     resolve_scales,
 )
-from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, LayerGeometry, RawScale
 
 __all__ = [
     "BUILTIN_FORMATS",
     "FP8_E4M3_MAX",
     "MAX_SCALE",
     "MIN_SCALE",
+    "AppliedConversion",
+    "Conversion",
     "Fp32GroupFormat",
     "Granularity",
     "LayerGeometry",

@@ -68,7 +68,7 @@ from kvquant.registry.policy import (
     read_values,
     resolve_group_size,
 )
-from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, LayerGeometry, RawScale
 
 __all__ = [
     "Fp32GroupFormat",

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.errors import ScaleFormatError
-from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, LayerGeometry, RawScale
 
 __all__ = [
     "FP8_E4M3_MAX",

@@ -28,7 +28,7 @@ from kvquant.registry.formats import (
     ScaleFormat,
 )
 from kvquant.registry.policy import GRANULARITIES, canonical_shape, format_shape
-from kvquant.registry.types import LayerGeometry, RawScale
+from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
     "BUILTIN_FORMATS",

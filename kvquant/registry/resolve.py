@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from kvquant.errors import OptionError, ScaleFormatError
+from kvquant.registry.conversions import AppliedConversion, Conversion
 from kvquant.registry.formats import QueryHeadMaxFormat, ScaleFormat
 from kvquant.registry.options import ResolveOptions
 from kvquant.registry.policy import (
@@ -65,7 +66,7 @@ from kvquant.registry.registry import (
     check_format_contract,
     default_registry,
 )
-from kvquant.registry.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, LayerGeometry, RawScale
 
 __all__ = [
     "Action",
@@ -218,6 +219,9 @@ class ModelScales:
         notes: model-level summary of conversions and defaults (one line each).
         problems: every problem found (model-level and per layer); empty when usable.
         options: the options resolution ran with (scale_format, missing_scales, ...).
+        conversions: every conversion applied, typed (:class:`AppliedConversion`:
+            what, whether it is lossy, the note, the layers); their notes are in
+            :attr:`notes`.
     """
 
     geometry: LayerGeometry
@@ -227,6 +231,7 @@ class ModelScales:
     notes: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
+    conversions: tuple[AppliedConversion, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -281,6 +286,15 @@ class ModelScales:
             "granularity": self.granularity,
             "group_size": self.group_size,
             "notes": list(self.notes),
+            "conversions": [
+                {
+                    "conversion": c.conversion.value,
+                    "lossy": c.lossy,
+                    "layers": list(c.layers),
+                    "note": c.note,
+                }
+                for c in self.conversions
+            ],
             "problems": list(self.problems),
             "layers": [layer.to_dict() for layer in self.layers],
         }
@@ -563,12 +577,91 @@ def analyze_scales(
             geometry, group_size, recorded, missing_scales, requested, target, problems
         )
 
-    # Read every raw tensor once (a kv_scale serving both caches is read once).
+    events: dict[tuple[Conversion, str], list[int]] = {}
+    reads = _read_layers(by_layer, geometry, reader, target, registry, missing_kv, events)
+    missing = [i for i in range(geometry.num_layers) if i not in by_layer]
+    if missing:
+        present = sorted(by_layer)
+        example = by_layer[present[0]][0].name
+        problems.append(
+            f"{_layers_phrase(missing)} no KV scales but {_layers_phrase(present, 'do')} "
+            f"(e.g. {example}); expected scales for all "
+            f"{geometry.num_layers} layers. Fix: re-export the checkpoint with KV scales for "
+            'every layer, or patch(model, scale_format="fp32-group") to ignore them and '
+            "compute scales while writing the cache."
+        )
+
+    # The model-wide granularity: requested, or per-head if any layer has per-head scales.
+    if target is None:
+        grans = {
+            read.fmt.granularity
+            for layer_pair in reads.reads.values()
+            for read in layer_pair
+            if read is not None
+        }
+        target = "per-head" if "per-head" in grans else "per-tensor"
+
+    reductions: list[tuple[int, float]] = []
+    layers: list[LayerScales] = []
+    for layer in range(geometry.num_layers):
+        if layer not in by_layer:
+            reason = "no KV scale for this layer (other layers have them)"
+            layers.append(
+                LayerScales(
+                    layer=layer,
+                    granularity=target,
+                    k=None,
+                    v=None,
+                    group_size=None,
+                    source="none",
+                    k_record=_record(None, layer, "k", "reject", reason, granularity=target),
+                    v_record=_record(None, layer, "v", "reject", reason, granularity=target),
+                    problems=(f"layer {layer} has no KV scales",),
+                )
+            )
+            continue
+        layers.append(
+            _finish_layer(layer, reads, target, geometry, rope_policy, events, reductions)
+        )
+        problems.extend(layers[-1].problems)
+
+    applied, model_notes = _summarise(events, reductions, layers)
+    return ModelScales(
+        geometry=geometry,
+        granularity=target,
+        group_size=None,
+        layers=tuple(layers),
+        notes=tuple(model_notes),
+        problems=tuple(problems),
+        options=recorded,
+        conversions=tuple(applied),
+    )
+
+
+@dataclass
+class _LayerReads:
+    """Per layer: the K/V reads, the raw pair, problems and notes found while reading."""
+
+    reads: dict[int, tuple[_Read | None, _Read | None]]
+    pairs: dict[int, tuple[RawScale | None, RawScale | None]]
+    problems: dict[int, list[str]]
+    notes: dict[int, list[str]]
+
+
+def _read_layers(
+    by_layer: Mapping[int, list[RawScale]],
+    geometry: LayerGeometry,
+    reader: ScaleFormat | None,
+    target: Granularity | None,
+    registry: ScaleFormatRegistry,
+    missing_kv: str,
+    events: dict[tuple[Conversion, str], list[int]],
+) -> _LayerReads:
+    """Pair each layer's K and V and read every raw tensor once (a shared kv_scale once)."""
     layer_reads: dict[int, tuple[_Read | None, _Read | None]] = {}
     layer_problems: dict[int, list[str]] = {}
     layer_notes: dict[int, list[str]] = {}
     pairs: dict[int, tuple[RawScale | None, RawScale | None]] = {}
-    events: dict[str, list[int]] = {}
     for layer, raws in sorted(by_layer.items()):
         mine: list[str] = []
         notes: list[str] = []
@@ -579,9 +672,9 @@ def analyze_scales(
             notes.extend(pair.notes)
             if pair.k is pair.v:
                 key = (
-                    "one kv_scale serves K and V"
+                    (Conversion.KV_SCALE_SHARED, "one kv_scale serves K and V")
                     if pair.k.kind == "kv"
-                    else 'K and V share one scale (missing_kv="reuse")'
+                    else (Conversion.KV_REUSED, 'K and V share one scale (missing_kv="reuse")')
                 )
                 events.setdefault(key, []).append(layer)
         except ScaleFormatError as exc:
@@ -606,188 +699,191 @@ def analyze_scales(
         layer_problems[layer] = mine
         layer_notes[layer] = notes
 
-    missing = [i for i in range(geometry.num_layers) if i not in by_layer]
-    if missing:
-        present = sorted(by_layer)
-        example = by_layer[present[0]][0].name
-        problems.append(
-            f"{_layers_phrase(missing)} no KV scales but {_layers_phrase(present, 'do')} "
-            f"(e.g. {example}); expected scales for all "
-            f"{geometry.num_layers} layers. Fix: re-export the checkpoint with KV scales for "
-            'every layer, or patch(model, scale_format="fp32-group") to ignore them and '
-            "compute scales while writing the cache."
-        )
+    return _LayerReads(reads=layer_reads, pairs=pairs, problems=layer_problems, notes=layer_notes)
 
-    # The model-wide granularity: requested, or per-head if any layer has per-head scales.
-    if target is None:
-        grans = {
-            read.fmt.granularity
-            for reads in layer_reads.values()
-            for read in reads
-            if read is not None
-        }
-        target = "per-head" if "per-head" in grans else "per-tensor"
 
-    reductions: list[tuple[int, float]] = []
-    layers: list[LayerScales] = []
-    for layer in range(geometry.num_layers):
-        if layer not in by_layer:
-            reason = "no KV scale for this layer (other layers have them)"
-            layers.append(
-                LayerScales(
-                    layer=layer,
-                    granularity=target,
-                    k=None,
-                    v=None,
-                    group_size=None,
-                    source="none",
-                    k_record=_record(None, layer, "k", "reject", reason, granularity=target),
-                    v_record=_record(None, layer, "v", "reject", reason, granularity=target),
-                    problems=(f"layer {layer} has no KV scales",),
-                )
-            )
-            continue
-        k_read, v_read = layer_reads[layer]
-        k_raw, v_raw = pairs[layer]
-        mine = layer_problems[layer]
-        notes = layer_notes[layer]
-        finals: dict[str, torch.Tensor] = {}
-        steps: dict[str, list[str]] = {}
-        if not mine and k_read is not None and v_read is not None:
-            for kind, read in (("k", k_read), ("v", v_read)):
-                tensor = read.tensor
-                kind_steps = list(read.steps)
-                if isinstance(read.fmt, QueryHeadMaxFormat):
-                    events.setdefault(
+def _finish_layer(
+    layer: int,
+    reads: _LayerReads,
+    target: Granularity,
+    geometry: LayerGeometry,
+    rope_policy: str,
+    events: dict[tuple[Conversion, str], list[int]],
+    reductions: list[tuple[int, float]],
+) -> LayerScales:
+    """Convert one layer's reads to the target granularity, check them, and record what was done."""
+    k_read, v_read = reads.reads[layer]
+    k_raw, v_raw = reads.pairs[layer]
+    mine = reads.problems[layer]
+    notes = reads.notes[layer]
+    finals: dict[str, torch.Tensor] = {}
+    steps: dict[str, list[str]] = {}
+    if not mine and k_read is not None and v_read is not None:
+        for kind, read in (("k", k_read), ("v", v_read)):
+            tensor = read.tensor
+            kind_steps = list(read.steps)
+            if isinstance(read.fmt, QueryHeadMaxFormat):
+                events.setdefault(
+                    (
+                        Conversion.QUERY_HEAD_MAX,
                         "query-head scales reduced to per-tensor with max "
                         '(scale_format="per-tensor")',
-                        [],
-                    ).append(layer)
-                if target == "per-tensor" and tensor.dim() == 1:
-                    tensor, ratio = reduce_to_per_tensor(tensor)
-                    reductions.append((layer, ratio))
-                    kind_steps.append(
-                        f"reduced per-head to per-tensor with max (max/min {ratio:.3g})"
+                    ),
+                    [],
+                ).append(layer)
+            if target == "per-tensor" and tensor.dim() == 1:
+                tensor, ratio = reduce_to_per_tensor(tensor)
+                reductions.append((layer, ratio))
+                kind_steps.append(f"reduced per-head to per-tensor with max (max/min {ratio:.3g})")
+                events.setdefault(
+                    (
+                        Conversion.PER_HEAD_MAX,
+                        "per-head scales reduced to per-tensor with max "
+                        '(scale_format="per-tensor")',
+                    ),
+                    [],
+                ).append(layer)
+            elif target == "per-head" and tensor.dim() == 0:
+                tensor = broadcast_to_per_head(tensor, geometry.num_kv_heads)
+                kind_steps.append("per-tensor broadcast to every KV head (lossless)")
+                events.setdefault(
+                    (
+                        Conversion.BROADCAST_PER_HEAD,
+                        "per-tensor scales broadcast to per-head (lossless)",
+                    ),
+                    [],
+                ).append(layer)
+            if kind == "k" and read.raw.pre_rope:
+                tensor, note = apply_rope_policy(tensor, read.raw, rope_policy)
+                notes.append(note)
+                if rope_policy == "widen":
+                    kind_steps.append("widened by sqrt(2): calibrated before RoPE")
+                rope_event = (
+                    (
+                        Conversion.ROPE_WIDENED,
+                        "K calibrated before RoPE, widened by sqrt(2) (rope_policy='widen')",
                     )
-                    events.setdefault(
-                        'per-head scales reduced to per-tensor with max (scale_format="per-tensor")',
-                        [],
-                    ).append(layer)
-                elif target == "per-head" and tensor.dim() == 0:
-                    tensor = broadcast_to_per_head(tensor, geometry.num_kv_heads)
-                    kind_steps.append("per-tensor broadcast to every KV head (lossless)")
-                    events.setdefault(
-                        "per-tensor scales broadcast to per-head (lossless)", []
-                    ).append(layer)
-                if kind == "k" and read.raw.pre_rope:
-                    tensor, note = apply_rope_policy(tensor, read.raw, rope_policy)
-                    notes.append(note)
-                    if rope_policy == "widen":
-                        kind_steps.append("widened by sqrt(2): calibrated before RoPE")
-                    rope_event = (
-                        "K calibrated before RoPE, widened by sqrt(2) (rope_policy='widen')"
-                        if rope_policy == "widen"
-                        else "K calibrated before RoPE, kept, may saturate (rope_policy='keep')"
+                    if rope_policy == "widen"
+                    else (
+                        Conversion.ROPE_KEPT,
+                        "K calibrated before RoPE, kept, may saturate (rope_policy='keep')",
                     )
-                    events.setdefault(rope_event, []).append(layer)
-                try:
-                    check_values(tensor, read.raw.name, stage="after conversion")
-                except ScaleFormatError as exc:
-                    mine.append(str(exc))
-                finals[kind] = tensor.clone()  # K and V never share storage
-                steps[kind] = kind_steps
-                if read.steps and read.steps[0].startswith("cast "):
-                    events.setdefault(
-                        f"{_dtype_name(read.raw.tensor.dtype)} scales cast to float32", []
-                    ).append(layer)
-            if k_read.raw is v_read.raw:
-                pass  # one tensor for both caches: already noted by pair_kv
-            elif k_read.raw.merged_kv or v_read.raw.merged_kv:
-                notes.append(
-                    f"layer {layer}: the producer stores max(K, V) in both tensors "
-                    f"({k_read.raw.convention}); kept as stored"
                 )
-                events.setdefault("K and V hold one merged max(K, V) value", []).append(layer)
-            elif torch.equal(k_read.tensor, v_read.tensor):
-                notes.append(
-                    f"layer {layer}: K and V scales are identical (merged by the producer?)"
+                events.setdefault(rope_event, []).append(layer)
+            try:
+                check_values(tensor, read.raw.name, stage="after conversion")
+            except ScaleFormatError as exc:
+                mine.append(str(exc))
+            finals[kind] = tensor.clone()  # K and V never share storage
+            steps[kind] = kind_steps
+            if read.steps and read.steps[0].startswith("cast "):
+                events.setdefault(
+                    (
+                        Conversion.CAST,
+                        f"{_dtype_name(read.raw.tensor.dtype)} scales cast to float32",
+                    ),
+                    [],
+                ).append(layer)
+        if k_read.raw is v_read.raw:
+            pass  # one tensor for both caches: already noted by pair_kv
+        elif k_read.raw.merged_kv or v_read.raw.merged_kv:
+            notes.append(
+                f"layer {layer}: the producer stores max(K, V) in both tensors "
+                f"({k_read.raw.convention}); kept as stored"
+            )
+            events.setdefault(
+                (Conversion.MERGED_KV, "K and V hold one merged max(K, V) value"), []
+            ).append(layer)
+        elif torch.equal(k_read.tensor, v_read.tensor):
+            notes.append(f"layer {layer}: K and V scales are identical (merged by the producer?)")
+            events.setdefault((Conversion.IDENTICAL_KV, "K and V scales identical"), []).append(
+                layer
+            )
+    ok = not mine
+    sources = sorted({r.convention for r in (k_raw, v_raw) if r is not None})
+    records = []
+    for kind, side, side_read in (("k", k_raw, k_read), ("v", v_raw, v_read)):
+        kind_lit: Literal["k", "v"] = "k" if kind == "k" else "v"
+        fmt_name = side_read.fmt.name if side_read is not None else None
+        if ok:
+            kind_steps = steps[kind]
+            if side is not None and side.kind == "kv":
+                kind_steps = ["one kv_scale for K and V", *kind_steps]
+            elif side is not None and side.kind != kind:
+                kind_steps = [
+                    f"{side.kind.upper()} scale reused (missing_kv='reuse')",
+                    *kind_steps,
+                ]
+            action: Action = "convert" if kind_steps else "use"
+            reason = "; ".join(kind_steps) if kind_steps else "used as stored"
+            records.append(
+                _record(
+                    side,
+                    layer,
+                    kind_lit,
+                    action,
+                    reason,
+                    fmt=fmt_name,
+                    granularity=target,
+                    scale=finals[kind],
                 )
-                events.setdefault("K and V scales identical", []).append(layer)
-        ok = not mine
-        sources = sorted({r.convention for r in (k_raw, v_raw) if r is not None})
-        records = []
-        for kind, side, side_read in (("k", k_raw, k_read), ("v", v_raw, v_read)):
-            kind_lit: Literal["k", "v"] = "k" if kind == "k" else "v"
-            fmt_name = side_read.fmt.name if side_read is not None else None
-            if ok:
-                kind_steps = steps[kind]
-                if side is not None and side.kind == "kv":
-                    kind_steps = ["one kv_scale for K and V", *kind_steps]
-                elif side is not None and side.kind != kind:
-                    kind_steps = [
-                        f"{side.kind.upper()} scale reused (missing_kv='reuse')",
-                        *kind_steps,
-                    ]
-                action: Action = "convert" if kind_steps else "use"
-                reason = "; ".join(kind_steps) if kind_steps else "used as stored"
-                records.append(
-                    _record(
-                        side,
-                        layer,
-                        kind_lit,
-                        action,
-                        reason,
-                        fmt=fmt_name,
-                        granularity=target,
-                        scale=finals[kind],
-                    )
+            )
+        else:
+            # A row carries its own tensor's problems; a healthy sibling says why it is
+            # rejected with its layer instead of repeating the other row's reason.
+            own = [p for p in mine if side is None or side.name in p]
+            other = "V" if kind == "k" else "K"
+            other_raw = v_raw if kind == "k" else k_raw
+            blamed = other_raw is not None and any(other_raw.name in p for p in mine)
+            if side_read is not None and not own and blamed:
+                reason = (
+                    f"this {kind.upper()} scale is fine on its own; layer {layer} is "
+                    f"rejected because of its {other} scale (see the {other} row)"
                 )
             else:
-                # A row carries its own tensor's problems; a healthy sibling says why it
-                # is rejected with its layer instead of repeating the other row's reason.
-                own = [p for p in mine if side is None or side.name in p]
-                other = "V" if kind == "k" else "K"
-                other_raw = v_raw if kind == "k" else k_raw
-                blamed = other_raw is not None and any(other_raw.name in p for p in mine)
-                if side_read is not None and not own and blamed:
-                    reason = (
-                        f"this {kind.upper()} scale is fine on its own; layer {layer} is "
-                        f"rejected because of its {other} scale (see the {other} row)"
-                    )
-                else:
-                    reason = " | ".join(own or mine)
-                if side is None:
-                    reason = f"no {kind.upper()} scale; " + reason
-                records.append(
-                    _record(
-                        side, layer, kind_lit, "reject", reason, fmt=fmt_name, granularity=target
-                    )
-                )
-        layers.append(
-            LayerScales(
-                layer=layer,
-                granularity=target,
-                k=finals["k"] if ok else None,
-                v=finals["v"] if ok else None,
-                group_size=None,
-                source="+".join(sources) if sources else "none",
-                k_record=records[0],
-                v_record=records[1],
-                notes=tuple(notes),
-                problems=tuple(mine),
+                reason = " | ".join(own or mine)
+            if side is None:
+                reason = f"no {kind.upper()} scale; " + reason
+            records.append(
+                _record(side, layer, kind_lit, "reject", reason, fmt=fmt_name, granularity=target)
             )
-        )
-        problems.extend(mine)
+    return LayerScales(
+        layer=layer,
+        granularity=target,
+        k=finals["k"] if ok else None,
+        v=finals["v"] if ok else None,
+        group_size=None,
+        source="+".join(sources) if sources else "none",
+        k_record=records[0],
+        v_record=records[1],
+        notes=tuple(notes),
+        problems=tuple(mine),
+    )
 
-    model_notes = [f"{what}: layers {format_layers(ls)}" for what, ls in events.items()]
+
+def _summarise(
+    events: Mapping[tuple[Conversion, str], list[int]],
+    reductions: list[tuple[int, float]],
+    layers: Sequence[LayerScales],
+) -> tuple[list[AppliedConversion], list[str]]:
+    """The applied conversions and the model-level notes (one line each)."""
+    applied = [
+        AppliedConversion(conv, f"{what}: layers {format_layers(ls)}", tuple(sorted(set(ls))))
+        for (conv, what), ls in events.items()
+    ]
     if reductions:
         ratios = [r for _, r in reductions]
         worst_layer, worst = max(reductions, key=lambda item: item[1])
-        model_notes.append(
-            f"per-head -> per-tensor cost: max/min scale ratio per layer median "
-            f"{statistics.median(ratios):.3g}, worst {worst:.3g} (layer {worst_layer}); the "
-            f"head with the smallest scale loses up to {math.log2(max(worst, 1.0)):.2f} bits"
+        applied.append(
+            AppliedConversion(
+                Conversion.PER_HEAD_MAX,
+                f"per-head -> per-tensor cost: max/min scale ratio per layer median "
+                f"{statistics.median(ratios):.3g}, worst {worst:.3g} (layer {worst_layer}); the "
+                f"head with the smallest scale loses up to {math.log2(max(worst, 1.0)):.2f} bits",
+                tuple(sorted({layer for layer, _ in reductions})),
+            )
         )
+    model_notes = [a.note for a in applied]
     used = [t for layer_scales in layers for t in (layer_scales.k, layer_scales.v) if t is not None]
     if used and all(bool((t == 1.0).all()) for t in used):
         model_notes.append(
@@ -795,15 +891,7 @@ def analyze_scales(
             "(ModelOpt's legacy export clamps to >= 1.0); used as stored, re-calibrate if "
             "accuracy drops"
         )
-    return ModelScales(
-        geometry=geometry,
-        granularity=target,
-        group_size=None,
-        layers=tuple(layers),
-        notes=tuple(model_notes),
-        problems=tuple(problems),
-        options=recorded,
-    )
+    return applied, model_notes
 
 
 def _dynamic(
@@ -860,17 +948,27 @@ def _dynamic(
                 v_record=recs[1],
             )
         )
-    notes = []
+    applied: list[AppliedConversion] = []
+    every = tuple(range(geometry.num_layers))
     if explicit and raw_scales:
-        notes.append(
-            f'scale_format="{name}": {len(raw_scales)} checkpoint scale tensor(s) ignored; '
-            f"scales are computed per token, KV head and group of {size} elements"
+        applied.append(
+            AppliedConversion(
+                Conversion.CHECKPOINT_IGNORED,
+                f'scale_format="{name}": {len(raw_scales)} checkpoint scale tensor(s) ignored; '
+                f"scales are computed per token, KV head and group of {size} elements",
+                every,
+            )
         )
     elif not explicit:
-        notes.append(
-            f"no KV scales in the checkpoint: using {name} dynamic scales (G={size}, "
-            'missing_scales="dynamic"); pass missing_scales="error" to refuse instead'
+        applied.append(
+            AppliedConversion(
+                Conversion.DYNAMIC_DEFAULT,
+                f"no KV scales in the checkpoint: using {name} dynamic scales (G={size}, "
+                'missing_scales="dynamic"); pass missing_scales="error" to refuse instead',
+                every,
+            )
         )
+    notes = [a.note for a in applied]
     return ModelScales(
         geometry=geometry,
         granularity="fp32-group",
@@ -879,6 +977,7 @@ def _dynamic(
         notes=tuple(notes),
         problems=tuple(problems),
         options=options,
+        conversions=tuple(applied),
     )
 
 
@@ -951,6 +1050,9 @@ def _no_scales(
             notes=(note,),
             problems=tuple(problems),
             options=options,
+            conversions=(
+                AppliedConversion(Conversion.UNIT_DEFAULT, note, tuple(range(geometry.num_layers))),
+            ),
         )
     if missing_scales == "error":
         problem = (
@@ -1058,9 +1160,8 @@ def resolve_scales(
 
 
 def _log_once(scales: ModelScales) -> None:
-    """One warning for lossy or risky choices, one debug line for the rest (patch logs at INFO)."""
-    lossy_markers = ("reduced to per-tensor", "cost:", "set to 1.0", "reuse", "kept, may saturate")
-    lossy = [n for n in scales.notes if any(m in n for m in lossy_markers)]
+    """One warning for lossy or risky choices (:attr:`Conversion.lossy`), one debug line for the rest."""
+    lossy = [c.note for c in scales.conversions if c.lossy]
     other = [n for n in scales.notes if n not in lossy]
     if lossy:
         logger.warning("kvquant KV scales: %s", "; ".join(lossy))

@@ -193,7 +193,7 @@ def test_fuzzed_checkpoints_patch_agrees_with_the_doctor() -> None:
     from test_fuzz_checkpoints import checkpoints, write_spec
 
     from kvquant.checkpoint.discovery import discover_scales
-    from kvquant.registry.types import LayerGeometry
+    from kvquant.types import LayerGeometry
 
     model = _shared_tiny_llama()
     geometry = LayerGeometry(2, 4, 2, 16)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import kvquant.integrations.hf as kvhf
 from kvquant.checkpoint.discovery import discover_scales
-from kvquant.errors import CheckpointError, KVQuantError, OptionTypeError, ScaleFormatError
+from kvquant.errors import CheckpointError, OptionTypeError, ScaleFormatError
 from kvquant.integrations.hf import KVQuantConfig
 from kvquant.testing.checkpoints import write_checkpoint, write_hf_cache_entry
 
@@ -104,6 +104,10 @@ def test_explicit_mapping_naming_nothing_is_an_error(tiny_llama: Any, mapping: d
     with pytest.raises(ScaleFormatError, match="names no tensor kvquant recognises"):
         kvhf.patch(tiny_llama, scales=mapping, backend="torch")
     assert not hasattr(tiny_llama, "_kvquant_state")
+    # a dynamic format uses no stored scale: scales={} then means "read nothing"
+    handle = kvhf.patch(tiny_llama, scales=mapping, scale_format="fp32-group", backend="torch")
+    assert handle.state.options.source == "mapping"
+    assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
 
 
 def test_scales_of_the_wrong_type(tiny_llama: Any) -> None:
@@ -203,13 +207,19 @@ def test_patch_remove_on_a_plain_model_restores_its_state_dict(tiny_llama: Any) 
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
-def test_every_public_error_derives_from_a_builtin() -> None:
-    import kvquant.errors as errors
-
-    for name in errors.__all__:
-        cls = getattr(errors, name)
-        if cls is KVQuantError:
-            continue
-        assert issubclass(cls, KVQuantError)
-        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b is not object]
-        assert any(b not in (Exception, BaseException) for b in builtin), name
+def test_name_or_path_folder_without_weights_is_no_scale_source(
+    tmp_path: Path, tiny_llama: Any
+) -> None:
+    folder = tmp_path / "config-only"
+    tiny_llama.config.save_pretrained(folder)
+    tiny_llama.name_or_path = str(folder)
+    handle = kvhf.patch(tiny_llama, backend="torch")  # warned; nothing to read
+    assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
+    handle.remove()
+    tiny_llama.config.quantization_config = {"quant_method": "modelopt"}
+    with pytest.raises(CheckpointError, match=r"holds no config\.json and weights"):
+        kvhf.patch(tiny_llama, backend="torch")
+    del tiny_llama.config.quantization_config
+    torch.save({}, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safetensors checkpoints only"):
+        kvhf.patch(tiny_llama, backend="torch")

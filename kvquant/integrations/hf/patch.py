@@ -84,7 +84,7 @@ from kvquant.integrations.hf.models import (
 )
 from kvquant.kernels.backend import BACKENDS, resolve_backend
 from kvquant.registry.options import ResolveOptions
-from kvquant.registry.types import LayerGeometry, RawScale
+from kvquant.types import LayerGeometry, RawScale
 
 __all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
 
@@ -290,6 +290,7 @@ def gather_raw_scales(
     sites: list[AttentionSite],
     geometry: LayerGeometry,
     scales: str | Path | Mapping[str, torch.Tensor] | None,
+    dynamic: bool = False,
 ) -> tuple[list[RawScale], dict[str, Any], str]:
     """Find the raw KV scales for ``model``.
 
@@ -302,6 +303,8 @@ def gather_raw_scales(
             ``model.name_or_path`` as a folder or through the local Hugging
             Face cache; else scale tensors already on the attention modules,
             else none).
+        dynamic: the scale format is dynamic (``fp32-group``), so an explicit
+            mapping may name no KV scale (``scales={}``: read nothing).
 
     Returns:
         ``(raw scales, context for the registry, source description)``.
@@ -325,7 +328,8 @@ def gather_raw_scales(
         refuse_error_findings(found, str(scales))
         return list(found.scales), {"discovered": found}, f"checkpoint {found.path}"
     if isinstance(scales, Mapping):
-        return raw_scales_from_mapping(scales, "kvquant.patch: scales"), {}, "mapping"
+        raws = raw_scales_from_mapping(scales, "kvquant.patch: scales", allow_none=dynamic)
+        return raws, {}, "mapping"
     if scales is not None:
         raise OptionTypeError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
@@ -344,6 +348,21 @@ def gather_raw_scales(
     if folder is not None:
         return [], {"discovered": found}, f"checkpoint {folder} (no KV scales)"
     return [], {}, "none"
+
+
+def _is_dynamic(scale_format: Any) -> bool:
+    """Whether ``scale_format`` names a dynamic format (one that uses no stored scale)."""
+    from kvquant.errors import UnknownFormatError
+    from kvquant.registry import ScaleFormat, get_scale_format
+
+    if isinstance(scale_format, ScaleFormat):
+        return bool(scale_format.dynamic)
+    if not isinstance(scale_format, str) or scale_format == "auto":
+        return False
+    try:
+        return bool(get_scale_format(scale_format).dynamic)
+    except UnknownFormatError:
+        return False  # the registry reports the unknown name when resolving
 
 
 def refuse_error_findings(found: Any, where: str) -> None:
@@ -928,7 +947,8 @@ def patch(
             return existing.handle
         raw, ctx, source = existing.raw_scales, existing.raw_context, existing.options.source
     else:
-        raw, ctx, source = gather_raw_scales(model, sites, geometry, scales)
+        dynamic = _is_dynamic(opts.scale_format)
+        raw, ctx, source = gather_raw_scales(model, sites, geometry, scales, dynamic)
     opts = PatchOptions(**{**opts.__dict__, "source": source})
     model_scales = resolve(raw, geometry, opts, ctx)
     if existing is not None:

@@ -186,7 +186,7 @@ class KVQuantizer(HfQuantizer):
         only receive the scale tensors so that none is reported UNEXPECTED; they
         are dropped after loading.
         """
-        from kvquant.checkpoint.discovery import discover_scales, match_scale_name
+        from kvquant.checkpoint.discovery import discover_scales
 
         check_supported(model)
         sites = find_attention_sites(model)
@@ -221,9 +221,6 @@ class KVQuantizer(HfQuantizer):
         opts = cfg.options(source)
         self._resolved = (opts, geometry, resolve(raw, geometry, opts, ctx), raw, ctx)
         for r in raw:
-            hit = match_scale_name(r.name)
-            if hit is None:
-                continue
             mod_path, _, attr = r.name.rpartition(".")
             mod = _find_module(model, mod_path)
             if mod is None:
@@ -231,7 +228,7 @@ class KVQuantizer(HfQuantizer):
             if attr not in mod._parameters and attr not in mod._buffers:
                 # (compressed-tensors on 5.17 may have created it already)
                 mod.register_buffer(
-                    attr, torch.empty(tuple(r.tensor.shape), dtype=torch.float32), persistent=True
+                    attr, torch.zeros(tuple(r.tensor.shape), dtype=torch.float32), persistent=True
                 )
             self._buffers.append((mod, attr))
         return model
