@@ -213,7 +213,8 @@ def _simulated_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     spec: _SimSpec | None = getattr(module, _SIM_ATTR, None)
-    if spec is not None and spec.mode != "none":
+    fresh = key.shape[2] == query.shape[2]  # no cached prefix: the keys are this call's own
+    if spec is not None and spec.mode != "none" and not (spec.exact_prompt and fresh):
         layer = int(getattr(module, "layer_idx", 0))
         if spec.mode == "capture":
             k_amax = key.detach().float().abs().amax(dim=(0, 2, 3))
@@ -243,6 +244,7 @@ class _SimSpec:
     mode: str
     scales: CalibratedScales | None = None
     group_size: int | None = None
+    exact_prompt: bool = False
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -272,6 +274,7 @@ def simulate_fp8_kv(
     scales: CalibratedScales | None = None,
     *,
     group_size: int | None = None,
+    exact_prompt: bool = False,
 ) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Route the model's attention through simulated FP8 K/V rounding for a ``with`` block.
 
@@ -284,6 +287,9 @@ def simulate_fp8_kv(
             amax, no rounding), ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
         scales: calibrated scales, required by ``"per-tensor"`` and ``"per-head"``.
         group_size: G of ``"fp32-group"`` (default 64 capped at head_dim).
+        exact_prompt: leave a call with no cached prefix unrounded, as kvquant does
+            (a prompt attends over its own K/V; later calls read every key from
+            FP8). Without it every call rounds.
 
     Yields:
         In ``"capture"`` mode, a dict filled during forwards: layer ->
@@ -307,7 +313,7 @@ def simulate_fp8_kv(
     hf_model: Any = model
     config = hf_model.config
     previous = config._attn_implementation
-    spec = _SimSpec(mode=mode, scales=scales, group_size=group_size)
+    spec = _SimSpec(mode=mode, scales=scales, group_size=group_size, exact_prompt=exact_prompt)
     mods = _attention_modules(model)
     hf_model.set_attn_implementation(SIMULATED_ATTENTION)
     try:

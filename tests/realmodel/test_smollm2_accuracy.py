@@ -126,6 +126,8 @@ def test_kvquant_equals_simulation_on_four_layers(smol: Smol, mode: str) -> None
     0.10-0.12 per position.
     """
     pytest.importorskip("kvquant.integrations.hf")
+    from transformers import DynamicCache
+
     import kvquant
     from benchmarks.harness.smollm2 import load_smollm2
 
@@ -137,8 +139,10 @@ def test_kvquant_equals_simulation_on_four_layers(smol: Smol, mode: str) -> None
     )
     with E.simulate_fp8_kv(model, "none"):
         ref = E.teacher_forced(model, ids)
-    with E.simulate_fp8_kv(model, mode, sub):
-        sim = E.teacher_forced(model, ids)
+    # kvquant's regime: the first position is a prompt (its own K/V, unrounded), the rest a
+    # chunk over it that reads every key from FP8; the simulation runs the same two calls.
+    with E.simulate_fp8_kv(model, mode, sub, exact_prompt=True):
+        sim = E.teacher_forced(model, ids, cache_factory=lambda: DynamicCache(config=model.config))
     if mode == "fp32-group":
         # scales={}: no stored scales (else patch reads the 30-layer folder of name_or_path)
         handle = kvquant.patch(
