@@ -800,17 +800,29 @@ class PagedLayerStorage:
             )
         old = self.num_pages
         shape = (n, self.page_size, self.num_kv_heads, self.head_dim)
-        k_pages, v_pages = page_storage(*shape, dtype=self.kv_dtype, device=self.device)
+        kg, vg = self.k_group_scales, self.v_group_scales
+        groups: tuple[torch.Tensor, torch.Tensor] | None = None
+        try:
+            k_pages, v_pages = page_storage(*shape, dtype=self.kv_dtype, device=self.device)
+            if kg is not None and vg is not None:
+                gshape = (*shape[:3], kg.shape[-1])
+                groups = (
+                    group_scale_storage(*gshape, device=self.device),
+                    group_scale_storage(*gshape, device=self.device),
+                )
+        except RuntimeError as err:  # torch.OutOfMemoryError, or a CPU allocation failure
+            raise CacheCapacityError(
+                f"{self.name}: growing the pages from {old} to {n} on {self.device} failed "
+                f"({type(err).__name__}); the storage still holds every page it held. Fix: "
+                "generate fewer tokens or sequences at once, or free memory on the device."
+            ) from err
         k_pages[:old].copy_(self.k_pages)
         v_pages[:old].copy_(self.v_pages)
         self.k_pages, self.v_pages = k_pages, v_pages
-        if self.k_group_scales is not None and self.v_group_scales is not None:
-            gshape = (*shape[:3], self.k_group_scales.shape[-1])
-            k_groups = group_scale_storage(*gshape, device=self.device)
-            v_groups = group_scale_storage(*gshape, device=self.device)
-            k_groups[:old].copy_(self.k_group_scales)
-            v_groups[:old].copy_(self.v_group_scales)
-            self.k_group_scales, self.v_group_scales = k_groups, v_groups
+        if groups is not None and kg is not None and vg is not None:
+            groups[0][:old].copy_(kg)
+            groups[1][:old].copy_(vg)
+            self.k_group_scales, self.v_group_scales = groups
         self.num_pages = n
 
     # ----------------------------------------------------------- accounting

@@ -144,3 +144,24 @@ def test_auto_cuda_graphs_stay_off_on_cpu() -> None:
     assert stats.ordinary == 6
     handle.remove()
     assert "forward" not in model.__dict__
+
+
+def test_failed_growth_keeps_every_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocation that fails while growing raises CacheCapacityError and changes nothing."""
+    import kvquant.cache as kvcache
+
+    store = PagedLayerStorage(2, 4, 2, 16, granularity="fp32-group", backend="torch")
+    alloc = PageAllocator(2, 4)
+    slots = alloc.reserve([0], 6)
+    store.write(torch.randn(1, 6, 2, 16), torch.randn(1, 6, 2, 16), slots)
+    before = store.dense(alloc.block_tables([0]), 6)
+
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("test: no memory")
+
+    monkeypatch.setattr(kvcache, "group_scale_storage", no_memory)
+    with pytest.raises(CacheCapacityError, match="still holds every page"):
+        store.grow(5)
+    assert store.num_pages == 2 and store.k_pages.shape[0] == 2
+    after = store.dense(alloc.block_tables([0]), 6)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
