@@ -1297,7 +1297,7 @@ def write_calibrated_checkpoint(
         ExportError: the written copy failed its own check (nothing is left behind).
     """
     from kvquant import export as _export
-    from kvquant.registry.discovery import discover_scales, scale_tensor_infos
+    from kvquant.checkpoint.discovery import discover_scales, scale_tensor_infos
 
     if convention not in CONVENTIONS:
         raise CalibrationError(

@@ -218,9 +218,9 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvquant.calibrate import calibrate, write_calibrated_checkpoint
+    from kvquant.checkpoint.discovery import discover_scales
     from kvquant.errors import CalibrationError, CheckpointError
     from kvquant.export import ExportTargetExistsError
-    from kvquant.registry.discovery import discover_scales
 
     path = checkpoint_dir(args.path)
     try:

@@ -1,7 +1,7 @@
 """``kvquant export``: rewrite a checkpoint's KV scales into what a serving engine's loader accepts.
 
 :func:`export_checkpoint` reads a checkpoint's KV scales with discovery and the
-registry (:func:`~kvquant.registry.discovery.discover_scales`,
+registry (:func:`~kvquant.checkpoint.discovery.discover_scales`,
 :func:`~kvquant.registry.resolve.resolve_scales`: canonical fp32 scales, or the
 registry's :class:`~kvquant.errors.ScaleFormatError`), then writes a copy of
 the checkpoint into a new folder in which only what must change is rewritten:
@@ -55,17 +55,17 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
-from kvquant.registry import conventions
-from kvquant.registry.discovery import (
+from kvquant.checkpoint.discovery import (
     DiscoveredCheckpoint,
     discover_scales,
     scale_tensor_infos,
 )
+from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
+from kvquant.registry import conventions
 from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
 from kvquant.registry.resolve import analyze_scales, resolve_scales
-from kvquant.registry.types import RawScale
 from kvquant.tables import WIDTH, render_table
+from kvquant.types import RawScale
 
 __all__ = [
     "ENGINES",
@@ -470,7 +470,7 @@ def compressed_tensors_kv_scheme(
     """The ``kv_cache_scheme`` of static FP8 K/V scales, as compressed-tensors writes it.
 
     Built with compressed-tensors' own ``QuantizationArgs`` where that package is
-    installed, else :func:`kvquant.registry.conventions.compressed_tensors_kv_scheme`'s
+    installed, else :func:`kvquant.checkpoint.producers.compressed_tensors_kv_scheme`'s
     hand-written dict (the two agree: tested).
 
     Args:
@@ -512,7 +512,7 @@ def compressed_tensors_config(
     """A KV-only compressed-tensors ``quantization_config`` (weights left unquantized).
 
     Built with compressed-tensors' ``QuantizationConfig`` where installed, else
-    :func:`kvquant.registry.conventions.compressed_tensors_config`'s dict.
+    :func:`kvquant.checkpoint.producers.compressed_tensors_config`'s dict.
 
     Args:
         granularity: see :func:`compressed_tensors_kv_scheme`.

@@ -1,7 +1,7 @@
 """What kvquant would do with a checkpoint: :func:`inspect_checkpoint` and :class:`CheckpointReport`.
 
 :func:`inspect_checkpoint` chains discovery (config, safetensors headers, the
-scale tensors only; :func:`~kvquant.registry.discovery.discover_scales`) and the
+scale tensors only; :func:`~kvquant.checkpoint.discovery.discover_scales`) and the
 registry's normalise-or-reject step in analysis mode
 (:func:`~kvquant.registry.resolve.analyze_scales`: nothing raises for a bad
 layer, every layer gets a K row and a V row). The report renders as an aligned
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvquant.registry.discovery import DiscoveredCheckpoint, Finding, discover_scales
+from kvquant.checkpoint.discovery import DiscoveredCheckpoint, Finding, discover_scales
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
-from kvquant.registry.types import LayerGeometry
 from kvquant.tables import WIDTH, render_table
+from kvquant.types import LayerGeometry
 
 __all__ = ["SUMMARY_ABOVE", "CheckpointReport", "inspect_checkpoint"]
 
@@ -372,7 +372,7 @@ def _fmt_num(x: float | None) -> str:
 def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
     """Say what kvquant would do with a checkpoint's KV scales, without loading its weights.
 
-    Runs :func:`~kvquant.registry.discovery.discover_scales` (config,
+    Runs :func:`~kvquant.checkpoint.discovery.discover_scales` (config,
     safetensors headers, the scale tensors only) and
     :func:`~kvquant.registry.resolve.analyze_scales` (normalise-or-reject in
     analysis mode): a bad layer becomes a ``"reject"`` row, not an exception.

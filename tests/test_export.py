@@ -19,10 +19,10 @@ import safetensors
 import torch
 
 import kvquant.export as export_mod
+from kvquant.checkpoint.discovery import discover_scales
 from kvquant.cli import main
 from kvquant.errors import KVQuantError, ScaleFormatError
 from kvquant.export import ExportError, ExportTargetExistsError, export_checkpoint
-from kvquant.registry.discovery import discover_scales
 from kvquant.testing.checkpoints import write_checkpoint
 
 NUM_LAYERS = 2

@@ -271,8 +271,8 @@ def _odd_tensor(t: torch.Tensor, how: str) -> Any:
 )
 def test_registry_api_takes_odd_tensors(spec: dict[str, Any], hows: list[str], layer: Any) -> None:
     """RawScale objects built by hand (odd layouts, devices, types, layers): KVQuantErrors only."""
+    from kvquant.checkpoint.discovery import match_scale_name
     from kvquant.registry import LayerGeometry, RawScale, analyze_scales
-    from kvquant.registry.discovery import match_scale_name
 
     geometry = LayerGeometry(2, 4, 2, 16)
     raws = []

@@ -86,7 +86,7 @@ def scale_tensor_name(convention: str, layer: int, kind: str) -> str:
 
     Raises:
         ValueError: unknown convention or a kind the convention does not use
-            (:class:`~kvquant.registry.conventions.ConventionError`).
+            (:class:`~kvquant.errors.ConventionError`).
     """
     return conventions.scale_tensor_name(convention, layer, kind)
 

@@ -47,7 +47,7 @@ from kvquant.errors import ScaleFormatError
 from kvquant.registry.formats import ScaleFormat
 from kvquant.registry.policy import MAX_SCALE, MIN_SCALE, canonical_shape, format_shape
 from kvquant.registry.registry import check_format_contract, default_registry
-from kvquant.registry.types import LayerGeometry, RawScale
+from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
     "CONFORMANCE_GEOMETRIES",

@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from kvquant.registry.formats import ScaleFormat
-from kvquant.registry.types import Granularity, LayerGeometry
+from kvquant.types import Granularity, LayerGeometry
 
 __all__ = ["InverseAmaxFormat", "PerChannelMaxFormat"]
 

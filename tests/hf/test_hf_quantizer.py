@@ -10,9 +10,9 @@ import torch
 from hf_tiny import prompt
 
 import kvquant.integrations.hf as kvhf
+from kvquant.checkpoint.discovery import discover_scales
 from kvquant.integrations.hf import KVQuantConfig
 from kvquant.registry import resolve_scales
-from kvquant.registry.discovery import discover_scales
 from kvquant.testing.checkpoints import write_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from kvquant.errors import UnsupportedModelError
-from kvquant.registry.types import LayerGeometry
+from kvquant.types import LayerGeometry
 
 __all__ = [
     "SUPPORTED_FAMILIES",
