@@ -48,6 +48,7 @@ JITTER_FACTORS = (1.0, 1.01, 1.02, 1.05, 1.10)
 """Scale multipliers of the jitter control (1.0 is the calibrated run itself)."""
 
 STATIC = ("per-tensor", "per-head")
+CALIBRATED = "per-head kvquant calibrate ({})"
 GROUPS = (64, 32)
 
 
@@ -101,6 +102,33 @@ def _run(
     return hidden, time.perf_counter() - t0
 
 
+def _formats(runs: dict[str, Any]) -> list[str]:
+    """The compared formats (every run but the jittered ones), in run order."""
+    return [k for k, r in runs.items() if r.get("scale_factor", 1.0) == 1.0]
+
+
+def _kvquant_calibrated(model: Any, tokenizer: Any) -> dict[str, A.CalibratedScales]:
+    """Per-head scales from ``kvquant.calibrate`` (both objectives) on the calibration texts."""
+    from benchmarks.harness.texts import calibration_texts
+    from kvquant.calibrate import FP8_E4M3_MAX, choose_scales, collect_statistics
+
+    texts = calibration_texts()
+    stats = collect_statistics(
+        model, [t.text for t in texts], tokenizer=tokenizer, objective="attention", progress=False
+    )
+    out = {}
+    for objective in ("mse", "attention"):
+        res = choose_scales(
+            stats, "per-head", objective=objective, texts=tuple(t.name for t in texts)
+        )
+        out[objective] = A.CalibratedScales(
+            k_amax=res.k_scales * FP8_E4M3_MAX,
+            v_amax=res.v_scales * FP8_E4M3_MAX,
+            num_tokens=res.num_tokens,
+        )
+    return out
+
+
 def _row(metrics: M.RunMetrics) -> dict[str, Any]:
     return {
         "pooled": asdict(metrics.pooled),
@@ -143,31 +171,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             hidden, sec = _run(model, ids, mode, _scaled(scales, factor))
             label = mode if factor == 1.0 else f"{mode} x{factor:.2f}"
             record(label, hidden, sec, format=mode, scale_factor=factor)
+    if args.calibrated:
+        for objective, calibrated in _kvquant_calibrated(model, tokenizer).items():
+            hidden, sec = _run(model, ids, "per-head", calibrated)
+            record(
+                CALIBRATED.format(objective), hidden, sec, format="per-head", objective=objective
+            )
     for g in GROUPS:
         hidden, sec = _run(model, ids, "fp32-group", group=g)
         record(f"fp32-group G={g}", hidden, sec, format="fp32-group", group_size=g)
 
-    jitter: dict[str, dict[str, Any]] = {}
-    for mode in STATIC:
-        family = [
-            runs[k] for k in runs if runs[k].get("format") == mode and "scale_factor" in runs[k]
-        ]
-        jitter[mode] = {
-            "factors": [r["scale_factor"] for r in family],
-            **{m: M.spread([r["pooled"][m] for r in family]) for m in (*M.METRICS, "kl_p99")},
-        }
-    band = {m: max(jitter[s][m]["range"] for s in STATIC) for m in (*M.METRICS, "kl_p99")}
-    formats = [*STATIC, *(f"fp32-group G={g}" for g in GROUPS)]
-    comparisons = []
-    for a, b in itertools.combinations(formats, 2):
-        row: dict[str, Any] = {"a": a, "b": b}
-        for m in (*M.METRICS, "kl_p99"):
-            gap = runs[a]["pooled"][m] - runs[b]["pooled"][m]
-            entry = {"gap": gap, "jitter_range": band[m], "exceeds_jitter": abs(gap) > band[m]}
-            if m in M.METRICS:
-                entry["paired_se"] = float((boots[a][m] - boots[b][m]).std())
-            row[m] = entry
-        comparisons.append(row)
+    jitter, band, comparisons = jitter_control(runs, boots)
     return {
         "command": "python -m benchmarks.accuracy_table " + " ".join(args.argv),
         "model": "SmolLM2-135M-Instruct (benchmarks/harness/smollm2.py), fp32 on CPU",
@@ -204,16 +218,68 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _short(label: str) -> str:
+    """A tick label of a few short lines."""
+    return (
+        label.replace(" kvquant calibrate (", "\ncalibrated\n")
+        .replace(")", "")
+        .replace(" G=", "\nG=")
+    )
+
+
+def jitter_control(
+    runs: dict[str, dict[str, Any]], boots: dict[str, dict[str, torch.Tensor]]
+) -> tuple[dict[str, Any], dict[str, float], list[dict[str, Any]]]:
+    """Spread of every metric over each static jitter family, and every pairwise format gap.
+
+    Args:
+        runs: label -> run record (``"format"``, ``"scale_factor"`` for the jitter
+            runs, ``"pooled"`` metrics), in run order.
+        boots: label -> :func:`benchmarks.harness.metrics.metric_draws` on shared draws.
+
+    Returns:
+        ``(jitter, band, comparisons)``: per static format the factors and
+        :func:`~benchmarks.harness.metrics.spread` of each metric; per metric the
+        wider of the two families' ranges; per pair of formats and metric the
+        gap ``a - b``, its paired bootstrap SE, the band and whether ``|gap|`` exceeds it.
+    """
+    names = (*M.METRICS, "kl_p99")
+    jitter: dict[str, Any] = {}
+    for mode in STATIC:
+        family = [r for r in runs.values() if r.get("format") == mode and "scale_factor" in r]
+        jitter[mode] = {
+            "factors": [r["scale_factor"] for r in family],
+            **{m: M.spread([r["pooled"][m] for r in family]) for m in names},
+        }
+    band = {m: max(jitter[s][m]["range"] for s in STATIC) for m in names}
+    comparisons = []
+    for a, b in itertools.combinations(_formats(runs), 2):
+        row: dict[str, Any] = {"a": a, "b": b}
+        for m in names:
+            gap = runs[a]["pooled"][m] - runs[b]["pooled"][m]
+            entry = {"gap": gap, "jitter_range": band[m], "exceeds_jitter": abs(gap) > band[m]}
+            if m in M.METRICS:
+                entry["paired_se"] = float((boots[a][m] - boots[b][m]).std())
+            row[m] = entry
+        comparisons.append(row)
+    return jitter, band, comparisons
+
+
 def plot(payload: dict[str, Any], path: str | Path) -> None:
-    """KL divergence and top-1 agreement by format, with each static format's jitter band."""
+    """KL divergence and top-1 agreement by format, with the static formats' jitter bands.
+
+    A static format's band spans its jitter family (scales x 1.00 ... 1.10, the
+    runs drawn as small dots); the per-head runs of ``kvquant calibrate`` are
+    drawn over the per-head band.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    formats = [*STATIC, *(f"fp32-group G={g}" for g in GROUPS)]
     runs = payload["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    formats = _formats(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     panels = (
         ("kl_mean", "mean KL to unquantized (nats)", 1.0),
         ("top1", "top-1 agreement (%)", 100.0),
@@ -229,33 +295,38 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
                 color="C0",
                 capsize=4,
                 zorder=3,
+                label="run (block-bootstrap SE)" if x == 0 else None,
             )
-            if name in payload["jitter"]:
-                j = payload["jitter"][name][metric]
-                ax.fill_between(
-                    [x - 0.3, x + 0.3],
-                    mult * j["min"],
-                    mult * j["max"],
-                    color="C1",
-                    alpha=0.35,
-                    zorder=2,
-                    label="scale x1.00-1.10 (jitter)" if x == 0 else None,
-                )
-                values = [r["pooled"][metric] for r in runs.values() if r.get("format") == name]
+            family = runs[name].get("format") if runs[name].get("format") in STATIC else None
+            if family is None:
+                continue
+            j = payload["jitter"][family][metric]
+            ax.fill_between(
+                [x - 0.3, x + 0.3],
+                mult * j["min"],
+                mult * j["max"],
+                color="C1",
+                alpha=0.35,
+                zorder=2,
+                label="jitter band (scales x1.00-1.10)" if x == 0 else None,
+            )
+            if "scale_factor" in runs[name]:
+                values = [
+                    r["pooled"][metric]
+                    for r in runs.values()
+                    if r.get("format") == family and "scale_factor" in r
+                ]
                 ax.scatter(
                     [x] * len(values), [mult * v for v in values], s=10, color="C1", zorder=2
                 )
-        ax.set_xticks(range(len(formats)), formats, rotation=15)
+        ax.set_xticks(range(len(formats)), [_short(f) for f in formats], fontsize=8)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(loc="upper right", fontsize=8)
     n = payload["evaluation"]["scored_positions"]
-    fig.suptitle(
-        f"SmolLM2-135M, simulated FP8 K/V, {n} scored positions (error bars: block-bootstrap SE)",
-        fontsize=10,
-    )
+    fig.suptitle(f"SmolLM2-135M, simulated FP8 K/V, {n} scored positions", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -283,6 +354,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=64, help="bootstrap block (positions)")
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-calibrated",
+        dest="calibrated",
+        action="store_false",
+        help="skip the per-head scales of kvquant calibrate (objectives mse and attention)",
+    )
     args = parser.parse_args(argv)
     args.argv = argv
     if args.from_json:

@@ -234,3 +234,44 @@ def test_decoder_hidden_and_compare_hidden_match_the_model_logits() -> None:
     assert float(same.kl.abs().max()) < 1e-9 and bool(same.agree.all())
     with pytest.raises(KVQuantError, match="compare_hidden"):
         M.compare_hidden(model, hidden, hidden[:-1], ids)
+
+
+# ---------------------------------------------------------------- the jitter control
+
+
+def test_jitter_control_marks_only_gaps_wider_than_both_families() -> None:
+    from benchmarks.accuracy_table import JITTER_FACTORS, jitter_control
+
+    def run(kl: float, top1: float, **extra: Any) -> dict[str, Any]:
+        pooled = {"kl_mean": kl, "top1": top1, "ppl_delta_pct": 1.0, "kl_p99": 10 * kl}
+        return {**extra, "pooled": pooled}
+
+    runs: dict[str, dict[str, Any]] = {}
+    for mode, base, step in (("per-tensor", 0.010, 0.001), ("per-head", 0.011, 0.0005)):
+        for i, f in enumerate(JITTER_FACTORS):
+            label = mode if f == 1.0 else f"{mode} x{f}"
+            runs[label] = run(base + step * i, 0.95, format=mode, scale_factor=f)
+    runs["calibrated"] = run(0.0105, 0.96, format="per-head")
+    runs["group"] = run(0.002, 0.97, format="fp32-group")
+    g = torch.Generator().manual_seed(0)
+    boots = {k: {m: torch.rand(20, generator=g) for m in M.METRICS} for k in runs}
+    jitter, band, comparisons = jitter_control(runs, boots)
+    assert jitter["per-tensor"]["factors"] == list(JITTER_FACTORS)
+    assert jitter["per-tensor"]["kl_mean"]["range"] == pytest.approx(0.004)
+    assert jitter["per-head"]["kl_mean"]["range"] == pytest.approx(0.002)
+    assert band["kl_mean"] == pytest.approx(0.004) and band["top1"] == 0.0
+    pairs = {(c["a"], c["b"]): c for c in comparisons}
+    assert set(pairs) == {
+        (a, b)
+        for i, a in enumerate(["per-tensor", "per-head", "calibrated", "group"])
+        for b in ["per-tensor", "per-head", "calibrated", "group"][i + 1 :]
+    }
+    assert not pairs[("per-tensor", "calibrated")]["kl_mean"]["exceeds_jitter"]
+    assert pairs[("per-head", "group")]["kl_mean"]["exceeds_jitter"]
+    assert pairs[("per-head", "group")]["kl_mean"]["gap"] == pytest.approx(0.009)
+    assert pairs[("per-head", "calibrated")]["top1"]["exceeds_jitter"]
+    assert not pairs[("per-tensor", "per-head")]["ppl_delta_pct"]["exceeds_jitter"]
+    se = pairs[("per-head", "group")]["kl_mean"]["paired_se"]
+    assert se == pytest.approx(
+        float((boots["per-head"]["kl_mean"] - boots["group"]["kl_mean"]).std())
+    )
