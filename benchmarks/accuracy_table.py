@@ -322,7 +322,7 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
         ax.set_xticks(range(len(formats)), [_short(f) for f in formats], fontsize=8)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(loc="upper right", fontsize=8)
+    axes[0].legend(loc="lower left", fontsize=8)
     n = payload["evaluation"]["scored_positions"]
     fig.suptitle(f"SmolLM2-135M, simulated FP8 K/V, {n} scored positions", fontsize=10)
     fig.tight_layout()
