@@ -144,7 +144,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     started = time.perf_counter()
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_smollm2(args.model)
     scales, calib_used = _calibrate(model, tokenizer, args.calibration_tokens)
     ids, window_texts = _windows(tokenizer, args.window, args.windows_per_text)
     layout = M.BlockLayout(window_texts, ids.shape[1] - 1, args.block)
@@ -348,6 +348,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, metavar="FILE.json")
     parser.add_argument("--plot", metavar="FILE.png", default=None)
     parser.add_argument("--from-json", action="store_true", help="only plot the --out file")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="SmolLM2-135M bf16 folder (default: smollm2_path(), fetched on first use)",
+    )
     parser.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
     parser.add_argument("--windows-per-text", type=int, default=3)
     parser.add_argument("--calibration-tokens", type=int, default=4096, help="per calibration text")
