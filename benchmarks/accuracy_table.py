@@ -1,0 +1,382 @@
+"""FP8 KV formats on SmolLM2-135M by simulation, beside a scale-jitter control.
+
+Reproduces ``benchmarks/results/cpu_smollm2_accuracy_table.json`` and
+``docs/assets/accuracy_formats.png`` (docs/accuracy.md). Run from the checkout's
+root (CPU, fp32; the model is fetched on first use, see
+``benchmarks/harness/smollm2.py``)::
+
+    python -m benchmarks.accuracy_table --out table.json [--plot formats.png]
+
+Static scales are ``amax / 448`` of the post-RoPE K/V per layer (per-tensor) or
+per layer and KV head (per-head), measured on the pinned calibration texts. Every
+format is evaluated by simulation (:func:`benchmarks.harness.accuracy.simulate_fp8_kv`,
+one forward per run, every key and value read from FP8, including each window's
+first position), teacher-forced on windows of the pinned evaluation texts, and
+compared with the unquantized model's next-token distribution
+(:mod:`benchmarks.harness.metrics`).
+
+**Scale-jitter control.** Multiplying a set of static scales by 1.01 ... 1.10
+changes neither clipping (the scales only grow) nor the size of FP8's relative
+rounding error; it only moves values on the FP8 grid. The spread of a metric
+over those runs (the unjittered run included) is what the metric moves for no
+reason a format could claim, so a gap between two formats is called resolved
+only when it is larger than the wider of the two static families' ranges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in sys.path:
+    # run as a script: make the checkout importable (benchmarks.harness, kvquant)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import accuracy as A
+from benchmarks.harness import metrics as M
+
+JITTER_FACTORS = (1.0, 1.01, 1.02, 1.05, 1.10)
+"""Scale multipliers of the jitter control (1.0 is the calibrated run itself)."""
+
+STATIC = ("per-tensor", "per-head")
+CALIBRATED = "per-head kvquant calibrate ({})"
+GROUPS = (64, 32)
+
+
+def _scaled(scales: A.CalibratedScales, factor: float) -> A.CalibratedScales:
+    return A.CalibratedScales(
+        k_amax=scales.k_amax * factor, v_amax=scales.v_amax * factor, num_tokens=scales.num_tokens
+    )
+
+
+def _calibrate(model: Any, tokenizer: Any, max_tokens: int) -> tuple[A.CalibratedScales, dict]:
+    """amax over every calibration text, each its own forward (at most ``max_tokens``)."""
+    from benchmarks.harness.texts import calibration_texts
+
+    k = v = None
+    used = {}
+    for text in calibration_texts():
+        ids = A.tokenize(tokenizer, text.text, max_tokens)
+        s = A.calibrate(model, ids)
+        k = s.k_amax if k is None else torch.maximum(k, s.k_amax)
+        v = s.v_amax if v is None else torch.maximum(v, s.v_amax)
+        used[text.name] = int(ids.shape[1])
+    if k is None or v is None:
+        raise FileNotFoundError("no calibration texts; expected benchmarks/data/texts/calibration")
+    return A.CalibratedScales(k_amax=k, v_amax=v, num_tokens=sum(used.values())), used
+
+
+def _windows(tokenizer: Any, length: int, per_text: int) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """Up to ``per_text`` consecutive windows of ``length`` tokens from every evaluation text."""
+    from benchmarks.harness.texts import evaluation_texts
+
+    rows, names = [], []
+    for text in evaluation_texts():
+        n = len(tokenizer(text.text)["input_ids"]) // length
+        count = min(per_text, n)
+        if count == 0:
+            raise ValueError(
+                f"{text.path} is shorter than one window of {length} tokens; expected at "
+                "least one. Fix: pass a smaller --window."
+            )
+        rows.append(A.tokenize(tokenizer, text.text, length, windows=count))
+        names += [text.name] * count
+    return torch.cat(rows), tuple(names)
+
+
+def _run(
+    model: Any, ids: torch.Tensor, mode: str, scales: Any = None, group: int | None = None
+) -> tuple[torch.Tensor, float]:
+    t0 = time.perf_counter()
+    with A.simulate_fp8_kv(model, mode, scales, group_size=group):
+        hidden = M.decoder_hidden(model, ids)
+    return hidden, time.perf_counter() - t0
+
+
+def _formats(runs: dict[str, Any]) -> list[str]:
+    """The compared formats (every run but the jittered ones), in run order."""
+    return [k for k, r in runs.items() if r.get("scale_factor", 1.0) == 1.0]
+
+
+def _kvquant_calibrated(model: Any, tokenizer: Any) -> dict[str, A.CalibratedScales]:
+    """Per-head scales from ``kvquant.calibrate`` (both objectives) on the calibration texts."""
+    from benchmarks.harness.texts import calibration_texts
+    from kvquant.calibrate import FP8_E4M3_MAX, choose_scales, collect_statistics
+
+    texts = calibration_texts()
+    stats = collect_statistics(
+        model, [t.text for t in texts], tokenizer=tokenizer, objective="attention", progress=False
+    )
+    out = {}
+    for objective in ("mse", "attention"):
+        res = choose_scales(
+            stats, "per-head", objective=objective, texts=tuple(t.name for t in texts)
+        )
+        out[objective] = A.CalibratedScales(
+            k_amax=res.k_scales * FP8_E4M3_MAX,
+            v_amax=res.v_scales * FP8_E4M3_MAX,
+            num_tokens=res.num_tokens,
+        )
+    return out
+
+
+def _row(metrics: M.RunMetrics) -> dict[str, Any]:
+    return {
+        "pooled": asdict(metrics.pooled),
+        "per_text": {k: asdict(v) for k, v in metrics.per_text.items()},
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every format and the jitter families; return the JSON payload."""
+    import transformers
+
+    from benchmarks.harness.smollm2 import load_smollm2
+
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    model, tokenizer = load_smollm2(args.model)
+    scales, calib_used = _calibrate(model, tokenizer, args.calibration_tokens)
+    ids, window_texts = _windows(tokenizer, args.window, args.windows_per_text)
+    layout = M.BlockLayout(window_texts, ids.shape[1] - 1, args.block)
+    draws = M.bootstrap_draws(layout, args.resamples, args.seed)
+    ref_hidden, ref_seconds = _run(model, ids, "none")
+
+    runs: dict[str, dict[str, Any]] = {}
+    boots: dict[str, dict[str, torch.Tensor]] = {}
+
+    def record(label: str, hidden: torch.Tensor, seconds: float, **extra: Any) -> None:
+        stats = M.compare_hidden(model, ref_hidden, hidden, ids)
+        summary = M.summarize(stats, layout, resamples=args.resamples, seed=args.seed)
+        boots[label] = M.metric_draws(stats, layout, draws)
+        runs[label] = {**extra, "seconds": round(seconds, 1), **_row(summary)}
+        p = summary.pooled
+        print(
+            f"{label:28s} KL {p.kl_mean:.5f} (p99 {p.kl_p99:.4f})  top-1 {100 * p.top1:.2f} %  "
+            f"ppl {p.ppl_delta_pct:+.2f} %  [{seconds:.0f} s]",
+            flush=True,
+        )
+
+    for mode in STATIC:
+        for factor in JITTER_FACTORS:
+            hidden, sec = _run(model, ids, mode, _scaled(scales, factor))
+            label = mode if factor == 1.0 else f"{mode} x{factor:.2f}"
+            record(label, hidden, sec, format=mode, scale_factor=factor)
+    if args.calibrated:
+        for objective, calibrated in _kvquant_calibrated(model, tokenizer).items():
+            hidden, sec = _run(model, ids, "per-head", calibrated)
+            record(
+                CALIBRATED.format(objective), hidden, sec, format="per-head", objective=objective
+            )
+    for g in GROUPS:
+        hidden, sec = _run(model, ids, "fp32-group", group=g)
+        record(f"fp32-group G={g}", hidden, sec, format="fp32-group", group_size=g)
+
+    jitter, band, comparisons = jitter_control(runs, boots)
+    return {
+        "command": "python -m benchmarks.accuracy_table " + " ".join(args.argv),
+        "model": "SmolLM2-135M-Instruct (benchmarks/harness/smollm2.py), fp32 on CPU",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "method": (
+            "simulation: simulate_fp8_kv rounds K/V through float8_e4m3fn in every attention "
+            "call of one teacher-forced forward (every position reads every key and value from "
+            "FP8, each window's first position included); metrics against the unquantized "
+            "model's next-token distribution on the same tokens"
+        ),
+        "calibration": {"texts": calib_used, "scales": "amax / 448 of post-RoPE K/V"},
+        "evaluation": {
+            "window_tokens": args.window,
+            "windows": list(window_texts),
+            "scored_positions": layout.num_positions,
+            "positions_per_text": {t: int(layout.text_mask(t).sum()) for t in layout.texts},
+        },
+        "bootstrap": {
+            "block_positions": args.block,
+            "resamples": args.resamples,
+            "seed": args.seed,
+            "scheme": "blocks resampled with replacement within each text; paired across runs",
+        },
+        "jitter_rule": (
+            "a gap is resolved (exceeds_jitter) when |gap| > the wider range (max - min) of the "
+            "per-tensor and per-head jitter families (scales x 1.00, 1.01, 1.02, 1.05, 1.10)"
+        ),
+        "reference_seconds": round(ref_seconds, 1),
+        "runs": runs,
+        "jitter": jitter,
+        "jitter_band": band,
+        "comparisons": comparisons,
+        "total_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _short(label: str) -> str:
+    """A tick label of a few short lines."""
+    return (
+        label.replace(" kvquant calibrate (", "\ncalibrated\n")
+        .replace(")", "")
+        .replace(" G=", "\nG=")
+    )
+
+
+def jitter_control(
+    runs: dict[str, dict[str, Any]], boots: dict[str, dict[str, torch.Tensor]]
+) -> tuple[dict[str, Any], dict[str, float], list[dict[str, Any]]]:
+    """Spread of every metric over each static jitter family, and every pairwise format gap.
+
+    Args:
+        runs: label -> run record (``"format"``, ``"scale_factor"`` for the jitter
+            runs, ``"pooled"`` metrics), in run order.
+        boots: label -> :func:`benchmarks.harness.metrics.metric_draws` on shared draws.
+
+    Returns:
+        ``(jitter, band, comparisons)``: per static format the factors and
+        :func:`~benchmarks.harness.metrics.spread` of each metric; per metric the
+        wider of the two families' ranges; per pair of formats and metric the
+        gap ``a - b``, its paired bootstrap SE, the band and whether ``|gap|`` exceeds it.
+    """
+    names = (*M.METRICS, "kl_p99")
+    jitter: dict[str, Any] = {}
+    for mode in STATIC:
+        family = [r for r in runs.values() if r.get("format") == mode and "scale_factor" in r]
+        jitter[mode] = {
+            "factors": [r["scale_factor"] for r in family],
+            **{m: M.spread([r["pooled"][m] for r in family]) for m in names},
+        }
+    band = {m: max(jitter[s][m]["range"] for s in STATIC) for m in names}
+    comparisons = []
+    for a, b in itertools.combinations(_formats(runs), 2):
+        row: dict[str, Any] = {"a": a, "b": b}
+        for m in names:
+            gap = runs[a]["pooled"][m] - runs[b]["pooled"][m]
+            entry = {"gap": gap, "jitter_range": band[m], "exceeds_jitter": abs(gap) > band[m]}
+            if m in M.METRICS:
+                entry["paired_se"] = float((boots[a][m] - boots[b][m]).std())
+            row[m] = entry
+        comparisons.append(row)
+    return jitter, band, comparisons
+
+
+def plot(payload: dict[str, Any], path: str | Path) -> None:
+    """KL divergence and top-1 agreement by format, with the static formats' jitter bands.
+
+    A static format's band spans its jitter family (scales x 1.00 ... 1.10, the
+    runs drawn as small dots); the per-head runs of ``kvquant calibrate`` are
+    drawn over the per-head band.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = payload["runs"]
+    formats = _formats(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (
+        ("kl_mean", "mean KL to unquantized (nats)", 1.0),
+        ("top1", "top-1 agreement (%)", 100.0),
+    )
+    for ax, (metric, title, mult) in zip(axes, panels, strict=True):
+        for x, name in enumerate(formats):
+            pooled = runs[name]["pooled"]
+            ax.errorbar(
+                x,
+                mult * pooled[metric],
+                yerr=mult * pooled["se"][metric],
+                fmt="o",
+                color="C0",
+                capsize=4,
+                zorder=3,
+                label="run (block-bootstrap SE)" if x == 0 else None,
+            )
+            family = runs[name].get("format") if runs[name].get("format") in STATIC else None
+            if family is None:
+                continue
+            j = payload["jitter"][family][metric]
+            ax.fill_between(
+                [x - 0.3, x + 0.3],
+                mult * j["min"],
+                mult * j["max"],
+                color="C1",
+                alpha=0.35,
+                zorder=2,
+                label="jitter band (scales x1.00-1.10)" if x == 0 else None,
+            )
+            if "scale_factor" in runs[name]:
+                values = [
+                    r["pooled"][metric]
+                    for r in runs.values()
+                    if r.get("format") == family and "scale_factor" in r
+                ]
+                ax.scatter(
+                    [x] * len(values), [mult * v for v in values], s=10, color="C1", zorder=2
+                )
+        ax.set_xticks(range(len(formats)), [_short(f) for f in formats], fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(loc="lower left", fontsize=8)
+    n = payload["evaluation"]["scored_positions"]
+    fig.suptitle(f"SmolLM2-135M, simulated FP8 K/V, {n} scored positions", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: measure, write the JSON, optionally plot.
+
+    Args:
+        argv: arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        Exit status 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.accuracy_table",
+        description="KL divergence, top-1 agreement and perplexity change of simulated FP8 KV "
+        "formats on SmolLM2-135M, beside a scale-jitter control.",
+    )
+    parser.add_argument("--out", required=True, metavar="FILE.json")
+    parser.add_argument("--plot", metavar="FILE.png", default=None)
+    parser.add_argument("--from-json", action="store_true", help="only plot the --out file")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="SmolLM2-135M bf16 folder (default: smollm2_path(), fetched on first use)",
+    )
+    parser.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
+    parser.add_argument("--windows-per-text", type=int, default=3)
+    parser.add_argument("--calibration-tokens", type=int, default=4096, help="per calibration text")
+    parser.add_argument("--block", type=int, default=64, help="bootstrap block (positions)")
+    parser.add_argument("--resamples", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-calibrated",
+        dest="calibrated",
+        action="store_false",
+        help="skip the per-head scales of kvquant calibrate (objectives mse and attention)",
+    )
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if args.from_json:
+        payload = json.loads(Path(args.out).read_text(encoding="utf-8"))
+    else:
+        payload = measure(args)
+        Path(args.out).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(payload, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
