@@ -5,14 +5,7 @@
 # Writes under $OUT: env.log, gpu_tests_hf.log, e2e_<shape>.json, e2e.log
 set -u
 OUT=${OUT:-./e2e_round_out}
-mkdir -p "$OUT"
-export PYTHONPATH=.
-export PYTHONUNBUFFERED=1
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
-  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-} 2>&1 | tee "$OUT/env.log"
+. "$(dirname "$0")/round_env.sh"
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/hf -p no:cacheprovider 2>&1 \
     | tail -n 60 > "$OUT/gpu_tests_hf.log"

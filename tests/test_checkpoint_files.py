@@ -233,19 +233,6 @@ def test_fifo_is_refused_without_blocking(tmp_path: Path, name: str) -> None:
 # ---------------------------------------------------------------------- hub ids
 
 
-@pytest.fixture
-def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hf-cache"
-    cache.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
-
-
 def test_hub_id_resolves_through_the_local_cache(
     tmp_path: Path, hf_cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

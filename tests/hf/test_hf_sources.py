@@ -26,19 +26,6 @@ transformers = pytest.importorskip("transformers")
 COMMIT = "1234567890abcdef1234567890abcdef12345678"
 
 
-@pytest.fixture
-def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hf-cache"
-    cache.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
-
-
 def _installed(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(m.self_attn.k_scale, m.self_attn.v_scale) for m in model.model.layers]
 
