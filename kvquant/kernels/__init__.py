@@ -367,12 +367,9 @@ def paged_attention(
     _check_triton_attention_limits(geo, block_tables, k_group_scales, v_group_scales)
     attention_triton = _triton_module("attention_triton")
     if k_pages.device.type != "cuda":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        interpreted = any(
-            isinstance(v, InterpretedFunction) for v in vars(attention_triton).values()
+        _require_interpreter_for_cpu(
+            k_pages.device, attention_triton.is_interpreted(), "paged_attention"
         )
-        _require_interpreter_for_cpu(k_pages.device, interpreted, "paged_attention")
     return attention_triton.paged_attention_triton(
         query, k_pages, v_pages, block_tables, seq_lens, **options
     )
