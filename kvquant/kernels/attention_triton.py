@@ -105,6 +105,11 @@ def paged_attention_triton(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: dict[str, Any] | None = None,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
+    first_k: torch.Tensor | None = None,
+    first_v: torch.Tensor | None = None,
+    first_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
 
@@ -140,6 +145,12 @@ def paged_attention_triton(
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
     """
+    if k_offset is not None or k_rotation is not None or first_k is not None:
+        from kvquant.errors import BackendError
+
+        raise BackendError(
+            "paged_attention: the Triton K transform is not available yet; use backend='torch'."
+        )
     bsz, lq, hq, d = query.shape
     page_size, hkv = k_pages.shape[1], k_pages.shape[2]
     group = hq // hkv
