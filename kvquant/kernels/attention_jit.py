@@ -51,6 +51,15 @@ are one contiguous span, they are loaded as one flat row per run: a warp's copie
 then contiguous in the shared-memory staging buffer too (no bank conflicts). Any page
 strides work.
 
+The static K transform (``k-transform``, static scales only) is folded in the same way:
+with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands,
+``input_precision="ieee"``), with an offset ``c`` each row's ``(q @ R)·c / k_scale`` is added
+to every paged score in raw units before softcap, masks and sinks, and with first tokens the
+online-softmax state starts from the side buffer (``first_k``, rotated frame, and ``first_v``,
+fp32 per key, split 0 only) while the paged range starts after them. All of it sits behind
+``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile to
+the code they had.
+
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row
 of the block) and a masked rest (causal diagonal, tail, sliding window).
@@ -295,6 +304,7 @@ def _attn_tile(
     win,
     qk_scale,
     softcap,
+    qcs,
     bt_row,
     k_base,
     v_base,
@@ -317,6 +327,7 @@ def _attn_tile(
     GROUP_SCALES: tl.constexpr,
     FOLD: tl.constexpr,
     NG: tl.constexpr,
+    HAS_OFF: tl.constexpr,
     RB: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
@@ -328,7 +339,8 @@ def _attn_tile(
     """Online-softmax step over keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l).
 
     ``qk_scale`` multiplies the raw scores: in natural units with ``USE_SOFTCAP``, else in
-    log2 units and positive.
+    log2 units and positive. With ``HAS_OFF`` each row's ``qcs`` (``q'·c / k_scale``, raw
+    units) is added to its scores first.
     """
     k, v, ks, vs = _load_kv(
         n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
@@ -344,6 +356,8 @@ def _attn_tile(
         else:
             v = tl.where(in_range[:, None], v.to(tl.float16), 0.0)
     s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
+    if HAS_OFF:
+        s = s + qcs[:, None]
     # scale of the scores in log2 units, applied after the row maximum (it is positive) and
     # joined with the exponent's subtraction in one FMA: no multiply per score
     s_mult = qk_scale
@@ -367,6 +381,65 @@ def _attn_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _first_tokens(
+    acc,
+    m_i,
+    l_i,
+    q32,
+    n_first,
+    kv0,
+    seq_len,
+    pos,
+    win,
+    qk_scale,
+    softcap,
+    k_div,
+    v_div,
+    fk_row,
+    fv_row,
+    row_stride,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    HEAD_D: tl.constexpr,
+):
+    """Online-softmax steps over the first ``n_first`` keys from the side buffer (fp32).
+
+    Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
+    (sequence, KV head), keys ``row_stride`` apart. Scores are in the paged tiles' raw units
+    (``q'·k / k_scale``, no offset term) and values in the accumulator's (``v / v_scale``).
+    """
+    offs_d = tl.arange(0, HEAD_D)
+    i = 0
+    while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
+        fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
+        fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
+        s = tl.sum(q32 * fk[None, :], 1) / k_div
+        s_mult = qk_scale
+        if USE_SOFTCAP:
+            x = s * (qk_scale / softcap)
+            e = tl.exp(2.0 * x)
+            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+            s_mult = 1.0
+        j = kv0 + i
+        vis = j < seq_len
+        if CAUSAL:
+            vis = vis & (j <= pos)
+        if USE_WINDOW:
+            vis = vis & (j > pos - win)
+        s = tl.where(vis, s * s_mult, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * (fv / v_div)[None, :]
+        m_i = m_new
+        i += 1
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -418,6 +491,12 @@ def _paged_attn_kernel(
     s_oh,
     s_od,
     sink_ptr,
+    rot_ptr,
+    off_ptr,
+    fk_ptr,
+    fv_ptr,
+    flen_ptr,
+    n_first_max,
     HAS_QLEN: tl.constexpr,
     HAS_START: tl.constexpr,
     GROUP: tl.constexpr,
@@ -440,6 +519,9 @@ def _paged_attn_kernel(
     LOOP_STAGES: tl.constexpr,
     PDL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_ROT: tl.constexpr,
+    HAS_OFF: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -481,14 +563,30 @@ def _paged_attn_kernel(
     in_copy = (offs_d // (HEAD_D // XG))[None, :] == copy_x[:, None]
     q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
     q_ptrs += offs_d[None, :] * s_qd
-    q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
+    # with the K transform (static scales: XG = 1, BLOCK_M = RB) the query is kept in fp32 too,
+    # rotated into the pages' frame
+    TRANSFORM_ROWS: tl.constexpr = HAS_OFF or HAS_FIRST
+    if HAS_ROT or TRANSFORM_ROWS:
+        q32 = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float32)
+        if HAS_ROT:
+            rot = tl.load(rot_ptr + offs_d[:, None] * HEAD_D + offs_d[None, :])
+            q32 = tl.dot(q32, rot, input_precision="ieee")
+        q = q32.to(tl.float16)
+    else:
+        q32 = 0.0
+        q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
+    n_first = 0
+    if HAS_FIRST:
+        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (split 0)
+        n_first = tl.minimum(tl.minimum(tl.load(flen_ptr + b), n_first_max), seq_len - kv0)
+        n_first = tl.maximum(n_first, 0)
 
     # key range of this query block: [lo, hi)
     t_first = qb * QPB
     t_last = tl.minimum(t_first + QPB, q_len) - 1
     p_min = seq_len - q_len + t_first
     p_max = seq_len - q_len + t_last
-    lo = kv0
+    lo = kv0 + n_first
     if USE_WINDOW:
         lo = tl.maximum(lo, p_min - window + 1)
     hi = seq_len
@@ -524,7 +622,8 @@ def _paged_attn_kernel(
         qk_scale = sm_scale * 0.0625
         v_mult = 0.0625
     else:
-        qk_scale = sm_scale * tl.load(ks_ptr + kvh * s_ks)
+        k_mult = tl.load(ks_ptr + kvh * s_ks)
+        qk_scale = sm_scale * k_mult
         v_mult = tl.load(vs_ptr + kvh * s_vs)
     if not USE_SOFTCAP:
         # the tiles take the exponent's scale in log2 units, made positive: its sign goes into
@@ -532,7 +631,14 @@ def _paged_attn_kernel(
         # (scores ~0, the same uniform weights), NaN stays NaN
         qk_scale = qk_scale * 1.4426950408889634
         q = tl.where(qk_scale < 0.0, -q, q)
+        if TRANSFORM_ROWS:
+            q32 = tl.where(qk_scale < 0.0, -q32, q32)
         qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
+    qcs = 0.0
+    if HAS_OFF:
+        # (q @ R)·c per row, in the raw units of the paged scores (divided by k_scale)
+        c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
+        qcs = tl.sum(q32 * c[None, :], 1) / k_mult
 
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     k_base = k_ptr + kvh * s_kh
@@ -543,34 +649,42 @@ def _paged_attn_kernel(
     m_i = tl.full([RB], float("-inf"), tl.float32)
     l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    if HAS_FIRST:
+        row_stride = (Hq // GROUP) * HEAD_D
+        first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
+        acc, m_i, l_i = _first_tokens(
+            acc, m_i, l_i, q32, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, window,
+            qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off, fv_ptr + first_off,
+            row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
+        )  # fmt: skip
 
     if USE_WHILE:
         n0 = s_lo
         while n0 < head_hi:
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
         n0 = int_lo
         while n0 < mid:
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < s_hi:
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -578,28 +692,28 @@ def _paged_attn_kernel(
         for n0 in tl.range(s_lo, head_hi, BLOCK_N, num_stages=1):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(int_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(mid, s_hi, BLOCK_N, num_stages=1):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
 
