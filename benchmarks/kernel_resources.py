@@ -37,6 +37,8 @@ from kvquant.kernels import attention_jit as at
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
+# the k-transform format: per-head scales, offset, Hadamard rotation and first tokens
+TRANSFORM_FORMATS = {"per-head-kt"}
 DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "64,2,9"]
 
 
@@ -45,7 +47,8 @@ def compile_decode(
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel."""
-    group_scales, ng = FORMATS[fmt]
+    kt = fmt in TRANSFORM_FORMATS
+    group_scales, ng = FORMATS["per-tensor" if kt else fmt]
     fn = at._paged_attn_kernel
     names = list(fn.arg_names)
     pointers = {
@@ -54,6 +57,9 @@ def compile_decode(
         "vs_ptr": "*fp32", "kg_ptr": "*fp32", "vg_ptr": "*fp32", "out_ptr": "*bf16",
         "part_ptr": "*fp32", "lse_ptr": "*fp32",
     }  # fmt: skip
+    if kt:
+        pointers.update(rot_ptr="*fp32", off_ptr="*fp32", fk_ptr="*bf16", fv_ptr="*bf16",
+                        flen_ptr="*i32")  # fmt: skip
     fold = fold and group_scales
     block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
     consts: dict[str, Any] = dict(
@@ -62,7 +68,7 @@ def compile_decode(
         V_RUNS_DENSE=math.gcd(page, block_n) == page, SCALE_RUNS_DENSE=group_scales,
         GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
         CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=True, USE_WHILE=False,
-        LOOP_STAGES=loop_stages, PDL=pdl,
+        LOOP_STAGES=loop_stages, PDL=pdl, HAS_ROT=kt, HAS_OFF=kt, HAS_FIRST=kt,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -158,7 +164,7 @@ def main() -> None:
     ap.add_argument(
         "--variant",
         action="append",
-        help="BLOCK_N,num_warps,LOOP_STAGES[,per-tensor|group64|group128] (repeatable)",
+        help="BLOCK_N,num_warps,LOOP_STAGES[,per-tensor|group64|group128|per-head-kt] (repeatable)",
     )
     ap.add_argument("--no-fold", action="store_true", help="dequantize group-scale tiles")
     args = ap.parse_args()

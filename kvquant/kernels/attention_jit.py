@@ -566,11 +566,19 @@ def _paged_attn_kernel(
     # with the K transform (static scales: XG = 1, BLOCK_M = RB) the query is kept in fp32 too,
     # rotated into the pages' frame
     TRANSFORM_ROWS: tl.constexpr = HAS_OFF or HAS_FIRST
-    if HAS_ROT or TRANSFORM_ROWS:
+    if HAS_ROT:
+        # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers)
+        RK: tl.constexpr = 16
+        offs_k = tl.arange(0, RK)
+        q_rows = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
+        q32 = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        for k0 in tl.static_range(0, HEAD_D, RK):
+            q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_qd, mask=ok_x[:, None], other=0.0)
+            r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
+            q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision="ieee")
+        q = q32.to(tl.float16)
+    elif TRANSFORM_ROWS:
         q32 = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float32)
-        if HAS_ROT:
-            rot = tl.load(rot_ptr + offs_d[:, None] * HEAD_D + offs_d[None, :])
-            q32 = tl.dot(q32, rot, input_precision="ieee")
         q = q32.to(tl.float16)
     else:
         q32 = 0.0
