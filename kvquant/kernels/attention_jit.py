@@ -55,9 +55,9 @@ The static K transform (``k-transform``, static scales only) is folded in the sa
 with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands,
 ``input_precision="ieee"``), with an offset ``c`` each row's ``(q @ R)·c / k_scale`` is added
 to every paged score in raw units before softcap, masks and sinks, and with first tokens the
-online-softmax state starts from the side buffer (``first_k``, rotated frame, and ``first_v``,
-fp32 per key, split 0 only) while the paged range starts after them. All of it sits behind
-``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile to
+online-softmax state takes the side buffer's keys too (``first_k``, rotated frame, and
+``first_v``, after the paged keys, split 0 only) while the paged range starts after them. All
+of it sits behind ``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile to
 the code they had.
 
 The key loop is split into a masked first tile (keys before the first visible
@@ -339,8 +339,9 @@ def _attn_tile(
     """Online-softmax step over keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l).
 
     ``qk_scale`` multiplies the raw scores: in natural units with ``USE_SOFTCAP``, else in
-    log2 units and positive. With ``HAS_OFF`` each row's ``qcs`` (``q'·c / k_scale``, raw
-    units) is added to its scores first.
+    log2 units and positive. With ``HAS_OFF`` each row's ``qcs`` (``q'·c / k_scale``) is
+    added to its scores: before the softcap in raw units with ``USE_SOFTCAP``, else in log2
+    units (times ``qk_scale``) to the row maximum and the exponent.
     """
     k, v, ks, vs = _load_kv(
         n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
@@ -356,7 +357,7 @@ def _attn_tile(
         else:
             v = tl.where(in_range[:, None], v.to(tl.float16), 0.0)
     s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
-    if HAS_OFF:
+    if HAS_OFF and USE_SOFTCAP:
         s = s + qcs[:, None]
     # scale of the scores in log2 units, applied after the row maximum (it is positive) and
     # joined with the exponent's subtraction in one FMA: no multiply per score
@@ -374,10 +375,18 @@ def _attn_tile(
         if USE_WINDOW:
             vis = vis & (offs_n[None, :] > pos[:, None] - win)
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s * s_mult - m_use[:, None])
+    if HAS_OFF and not USE_SOFTCAP:
+        # the row's offset term (log2 units) is constant along the row: it joins the row
+        # maximum and the exponent's FMA instead of every score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult + qcs)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s * s_mult - (m_use - qcs)[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s * s_mult - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
     return acc, m_new, l_i
@@ -388,11 +397,13 @@ def _first_tokens(
     acc,
     m_i,
     l_i,
-    q32,
+    q,
     n_first,
     kv0,
     seq_len,
     pos,
+    p_min,
+    p_max,
     win,
     qk_scale,
     softcap,
@@ -405,19 +416,28 @@ def _first_tokens(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     HEAD_D: tl.constexpr,
+    FB: tl.constexpr,
 ):
-    """Online-softmax steps over the first ``n_first`` keys from the side buffer (fp32).
+    """Online-softmax steps over the first ``n_first`` keys, from the side buffer.
 
     Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
-    (sequence, KV head), keys ``row_stride`` apart. Scores are in the paged tiles' raw units
-    (``q'·k / k_scale``, no offset term) and values in the accumulator's (``v / v_scale``).
+    (sequence, KV head), keys ``row_stride`` apart. Tiles of ``FB`` keys (the paged tiles'
+    shape, so that the query operand keeps one layout) go through the tensor cores, K and V in fp16 in model units: scores are brought to the
+    paged tiles' raw units (``q'·k / k_scale``, no offset term) and values to the
+    accumulator's (``v / v_scale``) in fp32 after the dots.
     """
+    offs_f = tl.arange(0, FB)
     offs_d = tl.arange(0, HEAD_D)
-    i = 0
-    while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
-        fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
-        fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
-        s = tl.sum(q32 * fk[None, :], 1) / k_div
+    f0 = 0
+    while (
+        f0 < n_first
+    ):  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
+        i = f0 + offs_f
+        ok = i < n_first
+        ptr_off = i[:, None] * row_stride + offs_d[None, :]
+        fk = tl.load(fk_row + ptr_off, mask=ok[:, None], other=0.0).to(tl.float16)
+        fv = tl.load(fv_row + ptr_off, mask=ok[:, None], other=0.0).to(tl.float16)
+        s = tl.dot(q, tl.trans(fk)) / k_div
         s_mult = qk_scale
         if USE_SOFTCAP:
             x = s * (qk_scale / softcap)
@@ -425,20 +445,25 @@ def _first_tokens(
             s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
             s_mult = 1.0
         j = kv0 + i
-        vis = j < seq_len
+        seen = ok & (j < seq_len)  # keys some row of the block may see
+        vis = seen[None, :]
         if CAUSAL:
-            vis = vis & (j <= pos)
+            vis = vis & (j[None, :] <= pos[:, None])
+            seen = seen & (j <= p_max)
         if USE_WINDOW:
-            vis = vis & (j > pos - win)
+            vis = vis & (j[None, :] > pos[:, None] - win)
+            seen = seen & (j > p_min - win)
+        # a value no row sees never reaches the output (0 * NaN would)
+        fv = tl.where(seen[:, None], fv, 0.0)
         s = tl.where(vis, s * s_mult, float("-inf"))
-        m_new = tl.maximum(m_i, s)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * (fv / v_div)[None, :]
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), fv) / v_div
         m_i = m_new
-        i += 1
+        f0 += FB
     return acc, m_i, l_i
 
 
@@ -563,25 +588,20 @@ def _paged_attn_kernel(
     in_copy = (offs_d // (HEAD_D // XG))[None, :] == copy_x[:, None]
     q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
     q_ptrs += offs_d[None, :] * s_qd
-    # with the K transform (static scales: XG = 1, BLOCK_M = RB) the query is kept in fp32 too,
-    # rotated into the pages' frame
-    TRANSFORM_ROWS: tl.constexpr = HAS_OFF or HAS_FIRST
+    # with a K rotation (static scales: XG = 1, BLOCK_M = RB) the query tile is rotated into
+    # the pages' frame in fp32, then cast like any query tile
     if HAS_ROT:
         # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers)
         RK: tl.constexpr = 16
         offs_k = tl.arange(0, RK)
         q_rows = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
         q32 = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-        for k0 in tl.static_range(0, HEAD_D, RK):
+        for k0 in tl.range(0, HEAD_D, RK, num_stages=1):  # a loop, so R's rows are not hoisted
             q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_qd, mask=ok_x[:, None], other=0.0)
             r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
             q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision="ieee")
         q = q32.to(tl.float16)
-    elif TRANSFORM_ROWS:
-        q32 = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float32)
-        q = q32.to(tl.float16)
     else:
-        q32 = 0.0
         q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
     n_first = 0
     if HAS_FIRST:
@@ -639,14 +659,14 @@ def _paged_attn_kernel(
         # (scores ~0, the same uniform weights), NaN stays NaN
         qk_scale = qk_scale * 1.4426950408889634
         q = tl.where(qk_scale < 0.0, -q, q)
-        if TRANSFORM_ROWS:
-            q32 = tl.where(qk_scale < 0.0, -q32, q32)
         qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
     qcs = 0.0
     if HAS_OFF:
-        # (q @ R)·c per row, in the raw units of the paged scores (divided by k_scale)
+        # (q @ R)·c per row (the query tile the paged scores use), in their raw units
         c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
-        qcs = tl.sum(q32 * c[None, :], 1) / k_mult
+        qcs = tl.sum(q.to(tl.float32) * c[None, :], 1) / k_mult
+        if not USE_SOFTCAP:
+            qcs = qcs * qk_scale  # log2 units (the tiles add it to the row maximum)
 
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     k_base = k_ptr + kvh * s_kh
@@ -658,12 +678,14 @@ def _paged_attn_kernel(
     l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     if HAS_FIRST:
+        # the first tokens' keys start the online softmax (it is order-free); before the key
+        # loops, their tiles kept the decode kernel's registers (offline sm_90 compile)
         row_stride = (Hq // GROUP) * HEAD_D
         first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
         acc, m_i, l_i = _first_tokens(
-            acc, m_i, l_i, q32, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, window,
-            qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off, fv_ptr + first_off,
-            row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
+            acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, p_min,
+            p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
+            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D, 16,
         )  # fmt: skip
 
     if USE_WHILE:
