@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
+from kvquant.checkpoint import producers
 from kvquant.errors import CalibrationError, UnsupportedModelError
-from kvquant.registry import conventions
 
 __all__ = [
     "BINS_PER_OCTAVE",
@@ -1335,14 +1335,14 @@ def write_calibrated_checkpoint(
     for raw in found.scales:
         drop_by_file.setdefault(infos[raw.name].file, set()).add(raw.name)
 
-    shape = conventions.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
+    shape = producers.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
     new_tensors: dict[str, torch.Tensor] = {}
     new_file_for: dict[str, str] = {}
     layers: list[Any] = []
     for i in range(result.num_layers):
         k, v = result.layer_scales(i)
-        k_name = conventions.scale_tensor_name(convention, i, "k", prefix=prefix)
-        v_name = conventions.scale_tensor_name(convention, i, "v", prefix=prefix)
+        k_name = producers.scale_tensor_name(convention, i, "k", prefix=prefix)
+        v_name = producers.scale_tensor_name(convention, i, "v", prefix=prefix)
         kt = k.float().reshape(shape).contiguous()
         vt = v.float().reshape(shape).contiguous()
         new_tensors[k_name], new_tensors[v_name] = kt, vt
@@ -1360,7 +1360,7 @@ def write_calibrated_checkpoint(
 
     if convention == "quark":
         # KV-only, calibrated after RoPE: separate K and V, nothing else quantized.
-        quark = conventions.quark_config(post_rope=True)
+        quark = producers.quark_config(post_rope=True)
         if result.observer == "mse":
             for group in ("layer_quant_config", "kv_cache_quant_config"):
                 for entry in quark[group].values():
@@ -1372,7 +1372,7 @@ def write_calibrated_checkpoint(
             convention, result.granularity, found, weights, observer=result.observer
         )
         if convention == "modelopt" and qcfg is None and weights is None:
-            qcfg = conventions.modelopt_quantization_config(
+            qcfg = producers.modelopt_quantization_config(
                 (hf_quant or {}).get("producer", {"name": "modelopt"}), ignore=()
             )
     notes = [

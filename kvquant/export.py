@@ -55,13 +55,13 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
+from kvquant.checkpoint import producers
 from kvquant.checkpoint.discovery import (
     DiscoveredCheckpoint,
     discover_scales,
     scale_tensor_infos,
 )
 from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
-from kvquant.registry import conventions
 from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
 from kvquant.registry.resolve import analyze_scales, resolve_scales
 from kvquant.tables import WIDTH, render_table
@@ -483,7 +483,7 @@ def compressed_tensors_kv_scheme(
     Returns:
         A new JSON-ready dict.
     """
-    scheme = conventions.compressed_tensors_kv_scheme(granularity)
+    scheme = producers.compressed_tensors_kv_scheme(granularity)
     scheme["observer"] = observer
     try:
         from compressed_tensors.quantization import QuantizationArgs
@@ -526,7 +526,7 @@ def compressed_tensors_config(
     try:
         from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
     except ImportError:
-        out = conventions.compressed_tensors_config(granularity, version=version)
+        out = producers.compressed_tensors_config(granularity, version=version)
         out["kv_cache_scheme"] = scheme
         return out
     config = QuantizationConfig(
@@ -563,7 +563,7 @@ def _new_configs(
     # modelopt, weights quantized by ModelOpt: keep the weight config, declare FP8 KV
     # (a checkpoint declaring ModelOpt in hf_quant_config.json only keeps no config entry).
     if qcfg:
-        qcfg["kv_cache_scheme"] = conventions.modelopt_kv_cache_scheme()
+        qcfg["kv_cache_scheme"] = producers.modelopt_kv_cache_scheme()
     hf_quant = json.loads(json.dumps(found.hf_quant_config or {}))
     if not hf_quant:
         hf_quant = {
@@ -793,8 +793,8 @@ def export_checkpoint(
         raws = by_layer[layer]
         notes.extend([n for n in layer_scales.notes if n not in notes])
         prefix = _prefix(raws[0])
-        k_name = conventions.scale_tensor_name(convention, layer, "k", prefix=prefix)
-        v_name = conventions.scale_tensor_name(convention, layer, "v", prefix=prefix)
+        k_name = producers.scale_tensor_name(convention, layer, "k", prefix=prefix)
+        v_name = producers.scale_tensor_name(convention, layer, "v", prefix=prefix)
         written: dict[str, tuple[torch.Tensor, float]] = {}
         for kind, value in (("k", layer_scales.k), ("v", layer_scales.v)):
             if value is None:  # resolve_scales raised for rejected layers
