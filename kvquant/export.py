@@ -33,9 +33,9 @@ reported. A legacy single ``kv_scale`` becomes separate ``k_scale`` and
 ``v_scale``. Quark's pre-RoPE K scales follow the registry's ``rope_policy``
 (``"widen"`` multiplies by sqrt(2), ``"keep"`` exports as stored and warns).
 
-The output is written into a temporary folder beside ``out`` and renamed into
-place only after it has been re-discovered and checked: a failed export leaves
-no ``out`` behind.
+The output is written by :mod:`kvquant.checkpoint.writer` into a temporary
+folder beside ``out`` and renamed into place only after it has been
+re-discovered and checked: a failed export leaves no ``out`` behind.
 """
 
 from __future__ import annotations
