@@ -408,6 +408,24 @@ def load(folder: Path, relpath: str, names: Sequence[str], ns: dict[str, Any]) -
     return out
 
 
+def class_members(folder: Path, relpath: str) -> dict[str, set[str]]:
+    """The methods and attributes each top-level class of ``folder/relpath`` defines itself."""
+    path = folder / relpath
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    out: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names = out.setdefault(node.name, set())
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+    return out
+
+
 def _main() -> int:
     cache = default_cache_dir()
     for release in RELEASES.values():

@@ -64,6 +64,7 @@ from engine_sources import (
     VLLM,
     EngineSourceUnavailable,
     Release,
+    class_members,
     fetch,
     is_cached,
     load,
@@ -677,7 +678,7 @@ def test_vllm_modelopt_fp8_weights(vllm: _Vllm, tmp_path: Path) -> None:
     """A ModelOpt FP8-weight source stays ModelOpt; vLLM's ModelOpt KV method takes its scales."""
     seed = secrets.randbits(31)
     src = _random_source(
-        tmp_path / "src", "modelopt", seed, weights="tiny-random", fp8_weights=True
+        tmp_path / "src", "modelopt", seed, weights="tiny-random", fp8_weights=True, shards=3
     )
     report = export_checkpoint(src, tmp_path / "out", engine="vllm")
     assert report.target_convention == "modelopt"
@@ -702,6 +703,30 @@ def test_vllm_per_head_needs_attn_head_scheme(vllm: _Vllm, tmp_path: Path) -> No
     tampered = replace(exported, config={**exported.config, "quantization_config": qcfg})
     with pytest.raises((AssertionError, ValueError), match="into parameter"):
         _vllm_load(vllm, tampered, 0, 1)
+
+
+def test_vllm_quant_configs_keep_the_base_mappers_and_kv_methods(
+    pytestconfig: pytest.Config,
+) -> None:
+    """What the skeleton assumes of vLLM's config classes, checked in their source.
+
+    Neither the compressed-tensors nor a ModelOpt config overrides the base
+    ``QuantizationConfig``'s KV-scale name mappers the test runs, and the ModelOpt
+    KV cache method adds nothing to ``BaseKVCacheMethod``.
+    """
+    folder = _folder(VLLM, pytestconfig)
+    quant = "vllm/model_executor/layers/quantization/"
+    for relpath in (quant + "compressed_tensors/compressed_tensors.py", quant + "modelopt.py"):
+        for cls, members in class_members(folder, relpath).items():
+            overridden = members & {"get_cache_scale_mapper", "get_checkpoint_weight_mapper"}
+            assert not overridden, f"{relpath}: {cls} overrides {overridden}"
+    assert class_members(folder, quant + "modelopt.py")["ModelOptKVCacheMethod"] == {"__init__"}
+
+
+def test_sglang_modelopt_kv_method_is_the_base_one(pytestconfig: pytest.Config) -> None:
+    folder = _folder(SGLANG, pytestconfig)
+    members = class_members(folder, "sglang/srt/layers/quantization/modelopt_quant.py")
+    assert members["ModelOptFp8KVCacheMethod"] == {"__init__"}
 
 
 # ---------------------------------------------------------------------------
