@@ -22,7 +22,7 @@ import torch
 
 import kvquant.checkpoint.writer as writer
 from kvquant.calibrate import CalibrationResult, LayerCalibration, write_calibrated_checkpoint
-from kvquant.checkpoint.discovery import discover_scales
+from kvquant.checkpoint.discovery import discover_scales, scale_tensor_infos
 from kvquant.checkpoint.writer import CheckpointEdit, kv_scale_tensors, write_checkpoint_copy
 from kvquant.errors import CalibrationError, ExportError, KVQuantError
 from kvquant.testing.checkpoints import write_checkpoint
@@ -80,7 +80,7 @@ def _edit(src: Path) -> tuple[CheckpointEdit, dict[str, torch.Tensor], set[str]]
     """Replace layer 1's K/V scales with fresh random ones and add a tensor beside them."""
     found = discover_scales(src)
     dropped = {r.name for r in found.scales if r.layer == 1}
-    home = src / _where(src)[sorted(dropped)[0]]
+    home = Path(scale_tensor_infos(found.files)[sorted(dropped)[0]].file)
     scales = {1: (torch.rand(()) + 0.01, torch.rand(()) + 0.01)}
     (k_name, k), (v_name, v) = kv_scale_tensors("compressed-tensors", scales, (1,))[1]
     extra = torch.randn(NUM_KV_HEADS, HEAD_DIM)
@@ -131,6 +131,41 @@ def test_copy_holds_exactly_the_edit(src: Path, tmp_path: Path) -> None:
     assert json.loads((out / "notes.json").read_text()) == {"a": [1, 2]}
     assert (out / "notes.txt").read_text() == "text\n"
     assert (out / "blob.bin").read_bytes() == b"\x00\x01"
+
+
+def test_shards_in_a_subfolder_and_symlinked_shards(src: Path, tmp_path: Path) -> None:
+    """Shards the index places in a subfolder, one a symlink out of the checkpoint (as in the
+    Hugging Face cache): the copy rewrites them in place, never through the link."""
+    index = json.loads((src / writer.INDEX_FILE).read_text())
+    (src / "sub").mkdir()
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    for i, name in enumerate(shards):
+        if i == 0:
+            (src / name).rename(blobs / name)
+            (src / "sub" / name).symlink_to(blobs / name)
+        else:
+            (src / name).rename(src / "sub" / name)
+    index["weight_map"] = {k: f"sub/{v}" for k, v in index["weight_map"].items()}
+    (src / writer.INDEX_FILE).write_text(json.dumps(index))
+    blob_before = _digests(blobs)
+    found = discover_scales(src)
+    edit, new, _ = _edit(src)
+    home = Path(edit.homes[sorted(new)[0]])
+    assert home.parent.name == "sub"
+    out = tmp_path / "out"
+    write_checkpoint_copy(found.path, found.files, found.config, out, edit)
+    assert _digests(blobs) == blob_before
+    rel = home.relative_to(src).as_posix()
+    assert not (out / rel).is_symlink()
+    got = {}
+    for file in sorted((out / "sub").glob("*.safetensors")):
+        with safetensors.safe_open(str(file), framework="pt") as fh:
+            got.update({n: f"sub/{file.name}" for n in fh.keys()})
+    weight_map = json.loads((out / writer.INDEX_FILE).read_text())["weight_map"]
+    assert weight_map == got and set(new) <= set(got)
+    assert {r.name for r in discover_scales(out).scales} >= {n for n in new if "scale" in n}
 
 
 def test_link_false_copies_every_shard(src: Path, tmp_path: Path) -> None:

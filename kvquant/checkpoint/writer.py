@@ -273,14 +273,21 @@ def write_checkpoint_copy(
                     copied.append(entry.name)
                 bar.update(sizes[entry])
             for file in sorted(changed):
-                bar.set_postfix_str(f"rewriting {file.name}")
+                rel = file.relative_to(src).as_posix()
+                bar.set_postfix_str(f"rewriting {rel}")
                 add = {n: t for n, t in edit.tensors.items() if Path(edit.homes[n]) == file}
-                _rewrite_shard(file, tmp / file.name, drop_by_file.get(file, set()), add)
-                rewritten.append(file.name)
+                dst = tmp / rel
+                # a shard in a subfolder arrived with the folder's copy, possibly as a symlink
+                # into the source: replace it, never write through it
+                if dst.is_symlink() or dst.exists():
+                    dst.unlink()
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                _rewrite_shard(file, dst, drop_by_file.get(file, set()), add)
+                rewritten.append(rel)
                 bar.update(sizes[file])
 
         if (src / INDEX_FILE).is_file():
-            _write_index(src / INDEX_FILE, tmp, drop_by_file, edit)
+            _write_index(src, tmp, drop_by_file, edit)
             rewritten.append(INDEX_FILE)
         new_config = _new_config(config, edit.quantization_config)
         _write_file(tmp, "config.json", new_config, strict=False)
@@ -319,6 +326,12 @@ def _check_file_name(name: str) -> None:
 
 
 def _check_edit(src: Path, shards: set[Path], edit: CheckpointEdit) -> None:
+    outside = sorted(str(f) for f in shards if not f.is_relative_to(src))
+    if outside:
+        raise ExportError(
+            f"writing a copy of {src}: shards {outside[:3]} are not inside it; expected the "
+            "shard paths discovery found in that folder. This is a kvquant bug; please report it."
+        )
     homeless = sorted(set(edit.tensors) - set(edit.homes))
     stray = sorted(n for n, h in edit.homes.items() if Path(h) not in shards)
     if homeless or stray:
@@ -415,15 +428,15 @@ def _total_size(files: Sequence[Path]) -> int:
 
 
 def _write_index(
-    index: Path, tmp: Path, drop_by_file: Mapping[Path, set[str]], edit: CheckpointEdit
+    src: Path, tmp: Path, drop_by_file: Mapping[Path, set[str]], edit: CheckpointEdit
 ) -> None:
-    data = json.loads(index.read_text(encoding="utf-8"))
+    data = json.loads((src / INDEX_FILE).read_text(encoding="utf-8"))
     weight_map = dict(data.get("weight_map", {}))
     for names in drop_by_file.values():
         for name in names:
             weight_map.pop(name, None)
     for name in edit.tensors:
-        weight_map[name] = Path(edit.homes[name]).name
+        weight_map[name] = Path(edit.homes[name]).relative_to(src).as_posix()
     data["weight_map"] = dict(sorted(weight_map.items()))
     meta = dict(data.get("metadata") or {})
     meta["total_size"] = _total_size(sorted({tmp / f for f in weight_map.values()}))
