@@ -42,18 +42,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+import re
 import sys
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvquant.checkpoint import producers
+from kvquant.checkpoint.writer import (
+    CheckpointEdit,
+    FileContent,
+    check_output_path,
+    kv_scale_tensors,
+)
 from kvquant.errors import CalibrationError, UnsupportedModelError
-from kvquant.registry import conventions
 
 __all__ = [
     "BINS_PER_OCTAVE",
@@ -1221,8 +1226,6 @@ def load_dataset_samples(
 
 def _layer_homes(files: Sequence[Path], num_layers: int) -> tuple[str, dict[int, str]]:
     """Tensor-name prefix of the decoder layers and, per layer, the shard holding its attention."""
-    import re
-
     from safetensors import safe_open
 
     pattern = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.")
@@ -1254,6 +1257,8 @@ def write_calibrated_checkpoint(
     force: bool = False,
     link: bool = False,
     progress: bool = False,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+    extra_files: Mapping[str, FileContent] | None = None,
 ) -> Path:
     """Write a copy of ``src_dir`` carrying ``result``'s scales in a producer's convention.
 
@@ -1270,10 +1275,11 @@ def write_calibrated_checkpoint(
     unchanged; KV scales already in the source are replaced. The config records
     how the scales were chosen (compressed-tensors ``observer``: ``"mse"`` after
     a clipping search, ``"minmax"`` for ``amax / 448``; Quark's ``observer_cls``
-    likewise). The copy is written into a temporary folder, re-discovered and
-    checked, then renamed into place (:mod:`kvquant.export`'s machinery);
-    ``kvquant-calibration.json`` (what was calibrated on, how, the per-layer
-    report, the format written) is added afterwards.
+    likewise), and ``kvquant-calibration.json`` what was calibrated on, how, the
+    per-layer report and the format written. The copy is written into a
+    temporary folder with :mod:`kvquant.checkpoint.writer` (the writer
+    ``kvquant export`` uses), re-discovered and checked, then renamed into place:
+    a failed write leaves nothing at ``out_dir``.
 
     Args:
         src_dir: the checkpoint folder the model was loaded from.
@@ -1285,6 +1291,12 @@ def write_calibrated_checkpoint(
         link: hard-link the unchanged weight shards instead of copying them
             (saves disk space; the output then shares those files with the source).
         progress: show a tqdm progress bar (bytes written) on stderr.
+        extra_tensors: more tensors to store, by name (e.g. per-layer tensors of a
+            format beyond the K/V scales); a name with ``layers.N.`` goes into the
+            shard holding layer ``N``'s attention, any other into layer 0's. A
+            name the checkpoint already holds is an error.
+        extra_files: more files to write into the copy, by file name: a
+            JSON-ready dict (strict JSON), text or bytes.
 
     Returns:
         ``out_dir`` as a Path.
@@ -1297,7 +1309,7 @@ def write_calibrated_checkpoint(
         ExportError: the written copy failed its own check (nothing is left behind).
     """
     from kvquant import export as _export
-    from kvquant.checkpoint.discovery import discover_scales, scale_tensor_infos
+    from kvquant.checkpoint.discovery import discover_scales
 
     if convention not in CONVENTIONS:
         raise CalibrationError(
@@ -1328,25 +1340,22 @@ def write_calibrated_checkpoint(
             f"convention={found.producer!r} if kvquant writes it, or calibrate the unquantized "
             "checkpoint."
         )
-    _export._check_paths(src, out, force)
+    check_output_path(src, out, force)
     prefix, homes = _layer_homes(found.files, result.num_layers)
-    infos = scale_tensor_infos(found.files)
-    drop_by_file: dict[str, set[str]] = {}
-    for raw in found.scales:
-        drop_by_file.setdefault(infos[raw.name].file, set()).add(raw.name)
 
-    shape = conventions.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
+    shape = producers.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
+    named = kv_scale_tensors(
+        convention,
+        {i: result.layer_scales(i) for i in range(result.num_layers)},
+        shape,
+        prefix=prefix,
+    )
     new_tensors: dict[str, torch.Tensor] = {}
-    new_file_for: dict[str, str] = {}
+    tensor_homes: dict[str, Path] = {}
     layers: list[Any] = []
-    for i in range(result.num_layers):
-        k, v = result.layer_scales(i)
-        k_name = conventions.scale_tensor_name(convention, i, "k", prefix=prefix)
-        v_name = conventions.scale_tensor_name(convention, i, "v", prefix=prefix)
-        kt = k.float().reshape(shape).contiguous()
-        vt = v.float().reshape(shape).contiguous()
+    for i, ((k_name, kt), (v_name, vt)) in named.items():
         new_tensors[k_name], new_tensors[v_name] = kt, vt
-        new_file_for[k_name] = new_file_for[v_name] = homes[i]
+        tensor_homes[k_name] = tensor_homes[v_name] = Path(homes[i])
         layers.append(
             _export.LayerExport(
                 layer=i,
@@ -1357,10 +1366,25 @@ def write_calibrated_checkpoint(
                 v=tuple(float(x) for x in vt.reshape(-1)),
             )
         )
+    for name, tensor in (extra_tensors or {}).items():
+        if name in new_tensors:
+            raise CalibrationError(
+                f"write_calibrated_checkpoint: extra tensor {name!r} has the name of a KV scale "
+                "being written. Fix: give it another name."
+            )
+        layer = re.search(r"layers\.(\d+)\.", name)
+        index = int(layer.group(1)) if layer is not None else 0
+        if index not in homes:
+            raise CalibrationError(
+                f"write_calibrated_checkpoint: extra tensor {name!r} names layer {index}; the "
+                f"checkpoint has layers 0..{result.num_layers - 1}. Fix: name an existing layer."
+            )
+        new_tensors[name] = tensor
+        tensor_homes[name] = Path(homes[index])
 
     if convention == "quark":
         # KV-only, calibrated after RoPE: separate K and V, nothing else quantized.
-        quark = conventions.quark_config(post_rope=True)
+        quark = producers.quark_config(post_rope=True)
         if result.observer == "mse":
             for group in ("layer_quant_config", "kv_cache_quant_config"):
                 for entry in quark[group].values():
@@ -1372,7 +1396,7 @@ def write_calibrated_checkpoint(
             convention, result.granularity, found, weights, observer=result.observer
         )
         if convention == "modelopt" and qcfg is None and weights is None:
-            qcfg = conventions.modelopt_quantization_config(
+            qcfg = producers.modelopt_quantization_config(
                 (hf_quant or {}).get("producer", {"name": "modelopt"}), ignore=()
             )
     notes = [
@@ -1391,19 +1415,6 @@ def write_calibrated_checkpoint(
         layers=tuple(layers),
         notes=tuple(notes),
     )
-    _export._write(
-        found,
-        out,
-        force=force,
-        link=link,
-        progress=progress,
-        qcfg=qcfg,
-        hf_quant=hf_quant,
-        new_tensors=new_tensors,
-        new_file_for=new_file_for,
-        drop_by_file=drop_by_file,
-        report=report,
-    )
     from kvquant import __version__
 
     metadata = {
@@ -1413,11 +1424,25 @@ def write_calibrated_checkpoint(
         "format": result.granularity,
         **result.to_dict(),
     }
-    # The report file is added after the atomic rename; replace (not rewrite) so that a
-    # hard-linked file of the source is never modified.
-    fd, tmp_name = tempfile.mkstemp(prefix=".kvquant-calibration-", dir=out)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(metadata, indent=2, allow_nan=False) + "\n")
-    os.chmod(tmp_name, 0o644)
-    os.replace(tmp_name, out / _REPORT_FILE)
+    files: dict[str, FileContent] = {_REPORT_FILE: metadata}
+    for name, content in (extra_files or {}).items():
+        if name in files:
+            raise CalibrationError(
+                f"write_calibrated_checkpoint: extra file {name!r} is the calibration report's "
+                "name. Fix: give it another name."
+            )
+        files[name] = content
+    edit = CheckpointEdit(
+        tensors=new_tensors,
+        homes=tensor_homes,
+        drop=[raw.name for raw in found.scales],
+        quantization_config=qcfg,
+        hf_quant_config=hf_quant,
+        files=files,
+        # an export report of the source describes other scales than the copy's
+        skip=(_export.REPORT_FILE,),
+    )
+    _export.write_report_copy(
+        found, out, edit, report, force=force, link=link, progress=progress, report_file=None
+    )
     return out

@@ -33,19 +33,15 @@ reported. A legacy single ``kv_scale`` becomes separate ``k_scale`` and
 ``v_scale``. Quark's pre-RoPE K scales follow the registry's ``rope_policy``
 (``"widen"`` multiplies by sqrt(2), ``"keep"`` exports as stored and warns).
 
-The output is written into a temporary folder beside ``out`` and renamed into
-place only after it has been re-discovered and checked: a failed export leaves
-no ``out`` behind.
+The output is written by :mod:`kvquant.checkpoint.writer` into a temporary
+folder beside ``out`` and renamed into place only after it has been
+re-discovered and checked: a failed export leaves no ``out`` behind.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import sys
-import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -53,15 +49,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tqdm import tqdm
 
+from kvquant.checkpoint import producers
 from kvquant.checkpoint.discovery import (
     DiscoveredCheckpoint,
     discover_scales,
     scale_tensor_infos,
 )
-from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
-from kvquant.registry import conventions
+from kvquant.checkpoint.writer import (
+    CheckpointEdit,
+    FileContent,
+    WrittenCheckpoint,
+    check_output_path,
+    kv_scale_tensors,
+    write_checkpoint_copy,
+)
+from kvquant.errors import ExportError, ExportTargetExistsError
 from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
 from kvquant.registry.resolve import analyze_scales, resolve_scales
 from kvquant.tables import WIDTH, render_table
@@ -85,8 +88,7 @@ ExportGranularity = Literal["per-tensor", "per-head"]
 ENGINES: tuple[str, ...] = ("vllm", "sglang", "tensorrt-llm")
 """The serving engines :func:`export_checkpoint` writes for."""
 
-_REPORT_FILE = "kvquant-export.json"
-_INDEX_FILE = "model.safetensors.index.json"
+REPORT_FILE = "kvquant-export.json"
 _FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 _BUFFER_DTYPES = frozenset({"I64", "BOOL"})  # position ids, masks: not quantized weights
 
@@ -483,7 +485,7 @@ def compressed_tensors_kv_scheme(
     Returns:
         A new JSON-ready dict.
     """
-    scheme = conventions.compressed_tensors_kv_scheme(granularity)
+    scheme = producers.compressed_tensors_kv_scheme(granularity)
     scheme["observer"] = observer
     try:
         from compressed_tensors.quantization import QuantizationArgs
@@ -526,7 +528,7 @@ def compressed_tensors_config(
     try:
         from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
     except ImportError:
-        out = conventions.compressed_tensors_config(granularity, version=version)
+        out = producers.compressed_tensors_config(granularity, version=version)
         out["kv_cache_scheme"] = scheme
         return out
     config = QuantizationConfig(
@@ -563,7 +565,7 @@ def _new_configs(
     # modelopt, weights quantized by ModelOpt: keep the weight config, declare FP8 KV
     # (a checkpoint declaring ModelOpt in hf_quant_config.json only keeps no config entry).
     if qcfg:
-        qcfg["kv_cache_scheme"] = conventions.modelopt_kv_cache_scheme()
+        qcfg["kv_cache_scheme"] = producers.modelopt_kv_cache_scheme()
     hf_quant = json.loads(json.dumps(found.hf_quant_config or {}))
     if not hf_quant:
         hf_quant = {
@@ -573,117 +575,6 @@ def _new_configs(
     quant = hf_quant.setdefault("quantization", {})
     quant["kv_cache_quant_algo"] = "FP8"
     return qcfg or None, hf_quant
-
-
-# ---------------------------------------------------------------------------
-# files
-
-
-def _link_or_copy(src: Path, dst: Path, link: bool) -> bool:
-    """Hard-link a weight shard ``src`` to ``dst`` (True) or copy it (False).
-
-    Only ``*.safetensors`` shards are ever linked: configs, tokenizer files and
-    the rest are small and always copied, so editing them in the output never
-    changes the source.
-    """
-    if link and src.suffix == ".safetensors":
-        try:
-            os.link(src, dst)
-            return True
-        except OSError:
-            pass
-    shutil.copy2(src, dst)
-    return False
-
-
-def _rewrite_shard(
-    src: Path,
-    dst: Path,
-    drop: set[str],
-    add: Mapping[str, torch.Tensor],
-) -> None:
-    """Re-save a shard without ``drop`` and with ``add``; every other tensor keeps its bytes."""
-    import safetensors
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        with safetensors.safe_open(str(src), framework="pt", device="cpu") as fh:
-            metadata = fh.metadata() or {}
-            for name in fh.keys():
-                if name not in drop:
-                    tensors[name] = fh.get_tensor(name)
-    except Exception as exc:  # safetensors raises its own error types
-        raise CheckpointError(
-            f"{src} could not be read while exporting: {exc}. Fix: re-download or re-export it."
-        ) from exc
-    clash = sorted(set(tensors) & set(add))
-    if clash:
-        raise ExportError(
-            f"{src} already holds {clash[:3]} under the names the export writes; expected the "
-            "old KV-scale tensors to be the only ones with those names. Fix: remove the stale "
-            "tensors from the checkpoint."
-        )
-    tensors.update({name: t.contiguous() for name, t in add.items()})
-    save_file(tensors, str(dst), metadata={str(k): str(v) for k, v in metadata.items()})
-
-
-def _total_size(files: Sequence[Path]) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as fh:
-            for name in fh.keys():
-                sl = fh.get_slice(name)
-                numel = math.prod(sl.get_shape())
-                total += numel * _DTYPE_BYTES.get(sl.get_dtype(), 1)
-    return total
-
-
-_DTYPE_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
-
-
-def _check_paths(src: Path, out: Path, force: bool) -> None:
-    src_r = src.resolve()
-    out_r = out.resolve()
-    if out_r == src_r or src_r in out_r.parents:
-        raise ExportError(
-            f"--out {out} is the source checkpoint or inside it; expected a new folder "
-            "elsewhere. Fix: pass another output folder."
-        )
-    if out_r in src_r.parents:
-        raise ExportError(
-            f"--out {out} contains the source checkpoint {src}; replacing it would delete the "
-            "source. Fix: pass another output folder."
-        )
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise ExportTargetExistsError(
-                f"{out} already exists; expected a new folder. Fix: pass another --out, or "
-                "--force (force=True) to replace it."
-            )
-        if not out.is_dir() or out.is_symlink():
-            raise ExportTargetExistsError(
-                f"{out} exists and is not a folder; --force replaces folders only. "
-                "Fix: remove it or pass another --out."
-            )
 
 
 # ---------------------------------------------------------------------------
@@ -759,7 +650,7 @@ def export_checkpoint(
     out_path = Path(out)
     found = discover_scales(src_path)
     src_path = found.path
-    _check_paths(src_path, out_path, force)
+    check_output_path(src_path, out_path, force)
     _refuse_unusable(found)
     scales = resolve_scales(
         found.scales,
@@ -782,46 +673,44 @@ def export_checkpoint(
 
     layers: list[LayerExport] = []
     new_tensors: dict[str, torch.Tensor] = {}
-    new_file_for: dict[str, str] = {}
+    homes: dict[str, Path] = {}
     infos = scale_tensor_infos(found.files)
-    drop_by_file: dict[str, set[str]] = {}
-    for raw in found.scales:
-        drop_by_file.setdefault(infos[raw.name].file, set()).add(raw.name)
     broadcast = False
     for layer_scales in scales.layers:
         layer = layer_scales.layer
         raws = by_layer[layer]
         notes.extend([n for n in layer_scales.notes if n not in notes])
-        prefix = _prefix(raws[0])
-        k_name = conventions.scale_tensor_name(convention, layer, "k", prefix=prefix)
-        v_name = conventions.scale_tensor_name(convention, layer, "v", prefix=prefix)
-        written: dict[str, tuple[torch.Tensor, float]] = {}
+        values: dict[str, torch.Tensor] = {}
+        ratios: dict[str, float] = {}
         for kind, value in (("k", layer_scales.k), ("v", layer_scales.v)):
             if value is None:  # resolve_scales raised for rejected layers
                 raise ExportError(f"layer {layer} has no usable {kind.upper()} scale.")
-            ratio = 1.0
+            ratios[kind] = 1.0
             if granularity == "per-tensor" and value.dim() == 1:
-                value, ratio = reduce_to_per_tensor(value)
+                value, ratios[kind] = reduce_to_per_tensor(value)
             elif granularity == "per-head" and value.dim() == 0:
                 value = broadcast_to_per_head(value, geometry.num_kv_heads)
                 broadcast = True
-            written[kind] = (value.to(torch.float32).reshape(shape).contiguous(), ratio)
+            values[kind] = value
+        (k_name, k_t), (v_name, v_t) = kv_scale_tensors(
+            convention, {layer: (values["k"], values["v"])}, shape, prefix=_prefix(raws[0])
+        )[layer]
         kinds = {r.kind: r for r in raws}
         k_src = kinds.get("k", kinds.get("kv", raws[0]))
         v_src = kinds.get("v", kinds.get("kv", raws[0]))
-        for name, kind, source in ((k_name, "k", k_src), (v_name, "v", v_src)):
-            new_tensors[name] = written[kind][0]
-            new_file_for[name] = infos[source.name].file
+        for name, tensor, source in ((k_name, k_t, k_src), (v_name, v_t, v_src)):
+            new_tensors[name] = tensor
+            homes[name] = Path(infos[source.name].file)
         layers.append(
             LayerExport(
                 layer=layer,
                 k_name=k_name,
                 v_name=v_name,
                 shape=shape,
-                k=tuple(float(x) for x in written["k"][0].reshape(-1)),
-                v=tuple(float(x) for x in written["v"][0].reshape(-1)),
-                k_ratio=written["k"][1],
-                v_ratio=written["v"][1],
+                k=tuple(float(x) for x in k_t.reshape(-1)),
+                v=tuple(float(x) for x in v_t.reshape(-1)),
+                k_ratio=ratios["k"],
+                v_ratio=ratios["v"],
                 sources=tuple(sorted(r.name for r in raws)),
             )
         )
@@ -866,18 +755,15 @@ def export_checkpoint(
         notes=tuple(notes),
         warnings=tuple(warnings),
     )
-    return _write(
-        found,
-        out_path,
-        force=force,
-        link=link,
-        progress=progress,
-        qcfg=qcfg,
-        hf_quant=hf_quant,
-        new_tensors=new_tensors,
-        new_file_for=new_file_for,
-        drop_by_file=drop_by_file,
-        report=report_base,
+    edit = CheckpointEdit(
+        tensors=new_tensors,
+        homes=homes,
+        drop=[raw.name for raw in found.scales],
+        quantization_config=qcfg,
+        hf_quant_config=hf_quant,
+    )
+    return write_report_copy(
+        found, out_path, edit, report_base, force=force, link=link, progress=progress
     )
 
 
@@ -919,116 +805,60 @@ def _file_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
-def _write(
+def write_report_copy(
     found: DiscoveredCheckpoint,
     out: Path,
-    *,
-    force: bool,
-    link: bool,
-    progress: bool = False,
-    qcfg: dict[str, Any] | None,
-    hf_quant: dict[str, Any] | None,
-    new_tensors: Mapping[str, torch.Tensor],
-    new_file_for: Mapping[str, str],
-    drop_by_file: Mapping[str, set[str]],
+    edit: CheckpointEdit,
     report: ExportReport,
+    *,
+    force: bool = False,
+    link: bool = True,
+    progress: bool = False,
+    report_file: str | None = REPORT_FILE,
 ) -> ExportReport:
-    src = found.path
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvquant-tmp-", dir=out.parent))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the usual mode
-    try:
-        rewritten: list[str] = []
-        linked: list[str] = []
-        copied: list[str] = []
-        shard_files = {str(f) for f in drop_by_file} | set(new_file_for.values())
-        skip = {"config.json", "hf_quant_config.json", _INDEX_FILE, _REPORT_FILE}
-        entries = [
-            e for e in sorted(src.iterdir()) if e.name not in skip and str(e) not in shard_files
-        ]
-        sizes = {str(e): _file_bytes(e) for e in entries}
-        sizes.update({f: _file_bytes(Path(f)) for f in shard_files})
-        bar = tqdm(
-            total=sum(sizes.values()),
-            desc=f"writing {out.name}",
-            unit="B",
-            unit_scale=True,
-            file=sys.stderr,
-            disable=not progress,
-        )
-        with bar:
-            for entry in entries:
-                target = tmp / entry.name
-                if entry.is_dir():
-                    shutil.copytree(entry, target, symlinks=True)
-                    copied.append(entry.name)
-                elif _link_or_copy(entry, target, link):
-                    linked.append(entry.name)
-                else:
-                    copied.append(entry.name)
-                bar.update(sizes[str(entry)])
-            for file in sorted(shard_files):
-                name = Path(file).name
-                bar.set_postfix_str(f"rewriting {name}")
-                add = {n: t for n, t in new_tensors.items() if new_file_for[n] == file}
-                _rewrite_shard(Path(file), tmp / name, drop_by_file.get(file, set()), add)
-                rewritten.append(name)
-                bar.update(sizes[file])
+    """Write ``found`` with ``edit`` applied (:mod:`kvquant.checkpoint.writer`) and check it.
 
-        index = src / _INDEX_FILE
-        if index.is_file():
-            data = json.loads(index.read_text(encoding="utf-8"))
-            weight_map = dict(data.get("weight_map", {}))
-            for names in drop_by_file.values():
-                for name in names:
-                    weight_map.pop(name, None)
-            for name, file in new_file_for.items():
-                weight_map[name] = Path(file).name
-            data["weight_map"] = dict(sorted(weight_map.items()))
-            meta = dict(data.get("metadata") or {})
-            shards = sorted({tmp / f for f in weight_map.values()})
-            meta["total_size"] = _total_size(shards)
-            data["metadata"] = meta
-            (tmp / _INDEX_FILE).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-            rewritten.append(_INDEX_FILE)
+    Before the copy is renamed into place it is re-discovered and compared with
+    ``report`` (convention, granularity, names, shapes, fp32 values); the final
+    report, with the files written, linked and copied, goes into ``report_file``
+    (``None``: none). :func:`export_checkpoint` and
+    :func:`kvquant.calibrate.write_calibrated_checkpoint` write through here.
 
-        config = json.loads(json.dumps(found.config))
-        text = config.get("text_config")
-        if qcfg is None:
-            pass  # ModelOpt declared in hf_quant_config.json only: leave config.json so
-        elif (
-            "quantization_config" not in config
-            and isinstance(text, dict)
-            and ("quantization_config" in text)
-        ):
-            text["quantization_config"] = qcfg
-        else:
-            config["quantization_config"] = qcfg
-        (tmp / "config.json").write_text(
-            json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-        )
-        rewritten.append("config.json")
-        if hf_quant is not None:
-            (tmp / "hf_quant_config.json").write_text(
-                json.dumps(hf_quant, indent=2) + "\n", encoding="utf-8"
-            )
-            rewritten.append("hf_quant_config.json")
+    Returns:
+        ``report`` with the file lists filled in.
 
-        final = replace(
+    Raises:
+        ExportError: the copy failed its check, or the writer refused (nothing is
+            left at ``out``).
+    """
+    final: list[ExportReport] = []
+
+    def finish(written: WrittenCheckpoint) -> dict[str, FileContent]:
+        done = replace(
             report,
-            rewritten_files=tuple(rewritten),
-            linked_files=tuple(linked),
-            copied_files=tuple(copied),
+            rewritten_files=written.rewritten,
+            linked_files=written.linked,
+            copied_files=written.copied,
         )
-        _verify(tmp, final, found)
-        (tmp / _REPORT_FILE).write_text(final.to_json() + "\n", encoding="utf-8")
-        _move_into_place(tmp, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+        _verify(written.path, done, found)
+        if report_file is not None:
+            done = replace(done, rewritten_files=(*done.rewritten_files, report_file))
+        final.append(done)
+        return {report_file: done.to_json() + "\n"} if report_file is not None else {}
+
+    skip = (*edit.skip, report_file) if report_file is not None else tuple(edit.skip)
+    write_checkpoint_copy(
+        found.path,
+        found.files,
+        found.config,
+        out,
+        replace(edit, skip=skip),
+        force=force,
+        link=link,
+        progress=progress,
+        finish=finish,
+    )
+    return final[0]
 
 
 def _verify(tmp: Path, report: ExportReport, source: DiscoveredCheckpoint) -> None:
@@ -1066,25 +896,3 @@ def _verify(tmp: Path, report: ExportReport, source: DiscoveredCheckpoint) -> No
             f"{report.out}): " + "; ".join(problems[:5]) + ". This is a kvquant bug; please "
             "report it with `kvquant doctor` output of the source."
         )
-
-
-def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
-    if not out.exists():
-        try:
-            tmp.rename(out)
-        except OSError as exc:
-            raise ExportError(f"could not move the export into {out}: {exc}.") from exc
-        return
-    if not force:  # appeared while we were writing
-        raise ExportTargetExistsError(
-            f"{out} appeared while exporting; nothing was replaced. Fix: pass --force."
-        )
-    backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvquant-old-", dir=out.parent))
-    backup.rmdir()
-    out.rename(backup)
-    try:
-        tmp.rename(out)
-    except OSError as exc:
-        backup.rename(out)
-        raise ExportError(f"could not move the export into {out}: {exc}.") from exc
-    shutil.rmtree(backup, ignore_errors=True)

@@ -3,9 +3,10 @@
 On a machine without CUDA the Triton kernels run in Triton's interpreter, which
 must be enabled before triton is first imported: this file is imported by pytest
 before any test module, so it sets ``TRITON_INTERPRET=1`` here. transformers runs
-offline; the only download is the SmolLM2 wheel of the slow real-model tests, and
-the header of every run says whether it is cached and where
-(benchmarks/harness/smollm2.py).
+offline; the only downloads are the SmolLM2 wheel of the slow real-model tests
+(benchmarks/harness/smollm2.py) and the serving engines' releases whose loader code
+tests/test_engine_loaders.py runs (tests/engine_sources.py); the header of every run
+says whether they are cached and where.
 """
 
 from __future__ import annotations
@@ -37,11 +38,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    """Say where the real-model tests' model is, or that the first of them will fetch it."""
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Say where the downloaded test inputs are, or that the first test using them fetches them.
+
+    The real-model tests' model (benchmarks/harness/smollm2.py) and the serving engines'
+    loader sources (tests/engine_sources.py).
+    """
+    from engine_sources import cache_status as engine_cache_status
+
     from benchmarks.harness.smollm2 import cache_status
 
-    return cache_status()
+    return [cache_status(), engine_cache_status()]
 
 
 @pytest.fixture(scope="session")

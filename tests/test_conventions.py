@@ -1,4 +1,4 @@
-"""The producer conventions table: names, stored shapes/dtypes and configs (kvquant.registry.conventions)."""
+"""The producer conventions table: names, stored shapes/dtypes and configs (kvquant.checkpoint.producers)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ def test_table_covers_every_convention() -> None:
     assert set(cv.NAMINGS) - written == {"tensorrt-llm"}
 
 
-def test_the_old_module_paths_still_work() -> None:
-    from kvquant.checkpoint import discovery
-    from kvquant.registry import conventions
-    from kvquant.registry import discovery as old_discovery
+def test_the_registry_shims_are_gone() -> None:
+    """kvquant.registry.{discovery,conventions,types} were removed; kvquant.checkpoint and
+    kvquant.types are the only homes of those names."""
+    import importlib
 
-    assert conventions.CONVENTION_SPECS is cv.CONVENTION_SPECS
-    assert old_discovery.discover_scales is discovery.discover_scales
+    for name in ("discovery", "conventions", "types"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"kvquant.registry.{name}")
 
 
 @pytest.mark.parametrize("convention", cv.PRODUCER_CONVENTIONS)

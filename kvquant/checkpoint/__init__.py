@@ -12,10 +12,14 @@
   reading, the shard selection transformers itself makes (the index's shards,
   or ``model.safetensors`` alone), confined paths, safetensors headers read
   through ``safetensors.safe_open``.
+* :mod:`~kvquant.checkpoint.writer`: :func:`~kvquant.checkpoint.writer.write_checkpoint_copy`,
+  the atomic writer of a changed checkpoint copy that ``kvquant export`` and
+  ``kvquant calibrate`` share.
 
 Every file is treated as untrusted: sizes, depths, types and paths are checked,
 and a bad file is a :class:`~kvquant.errors.CheckpointError`, never another
-exception. This package imports torch and safetensors only (never transformers).
+exception. This package imports torch and safetensors only (and tqdm for the writer's
+progress bar; never transformers).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Scale formats, their registry, and the normalise-or-reject policy.
 
 * :class:`RawScale`, :class:`LayerGeometry` (defined in :mod:`kvquant.types`,
-  shared with :mod:`kvquant.checkpoint`; ``kvquant.registry.types`` re-exports them).
+  shared with :mod:`kvquant.checkpoint`).
 * :mod:`~kvquant.registry.formats`: :class:`ScaleFormat` and the built-ins
   ``per-tensor``, ``per-head``, ``fp32-group``.
 * :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
@@ -14,8 +14,7 @@
 * :mod:`~kvquant.registry.resolve`: :func:`resolve_scales` (raises) and
   :func:`analyze_scales` (records), returning :class:`ModelScales`.
 Reading scales out of checkpoints lives in :mod:`kvquant.checkpoint`
-(``kvquant.registry.discovery`` and ``kvquant.registry.conventions`` re-export
-:mod:`kvquant.checkpoint.discovery` and :mod:`kvquant.checkpoint.producers`).
+(:mod:`kvquant.checkpoint.discovery`, :mod:`kvquant.checkpoint.producers`).
 
 This package imports torch only (never transformers).
 """
