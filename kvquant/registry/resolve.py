@@ -707,9 +707,25 @@ def _with_k_transform(
                 mine.append(str(exc))
         problems.extend(mine)
         ok = layer_scales.ok and not mine
+        k_record, v_record = layer_scales.k_record, layer_scales.v_record
+        if mine and layer_scales.ok:
+            k_record = dataclasses.replace(
+                k_record, action="reject", reason=" | ".join(mine), scale=None
+            )
+            v_record = dataclasses.replace(
+                v_record,
+                action="reject",
+                reason=(
+                    f"this V scale is fine on its own; layer {layer_scales.layer} is rejected "
+                    "because of its K offset (see the K row)"
+                ),
+                scale=None,
+            )
         layers.append(
             dataclasses.replace(
                 layer_scales,
+                k_record=k_record,
+                v_record=v_record,
                 k=layer_scales.k if ok else None,
                 v=layer_scales.v if ok else None,
                 k_offset=offset if ok else None,

@@ -68,6 +68,10 @@ class LayerSpec:
         k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for ``fp32-group``.
         v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for ``fp32-group``.
         group_size: ``G`` of ``fp32-group`` (divides ``head_dim``), else None.
+        k_offset: fp32 ``[Hkv, D]`` per-channel K offset (``k-transform``), else None.
+        rotation: ``"hadamard"`` or None (``k-transform``: the K / query rotation).
+        first_tokens: first visible tokens per sequence kept at full precision
+            (``k-transform``), else 0.
     """
 
     name: str
@@ -77,6 +81,9 @@ class LayerSpec:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     group_size: int | None
+    k_offset: torch.Tensor | None = None
+    rotation: str | None = None
+    first_tokens: int = 0
 
 
 @dataclass
