@@ -224,6 +224,8 @@ def write_kv_triton(
     v_scale: torch.Tensor | None,
     k_group_scales: torch.Tensor | None,
     v_group_scales: torch.Tensor | None,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
 ) -> None:
     """Launch the fused K/V write (no validation: call :func:`kvquant.kernels.write_kv`).
 
@@ -241,6 +243,12 @@ def write_kv_triton(
             dimensions), or None.
         v_group_scales: like ``k_group_scales``.
     """
+    if k_offset is not None or k_rotation is not None:
+        from kvquant.errors import BackendError
+
+        raise BackendError(
+            "write_kv: the Triton K transform is not available yet; use backend='torch'."
+        )
     bsz, seq, hkv, d = key.shape
     n_tokens = bsz * seq
     if n_tokens == 0:
