@@ -1193,6 +1193,13 @@ class PagedKVCache:
                 )
             k_list: list[torch.Tensor | None] = [None] * num_layers
             v_list: list[torch.Tensor | None] = [None] * num_layers
+        elif granularity == "k-transform":
+            raise CacheUsageError(
+                f"{owner}: granularity='k-transform' needs a K offset per layer, which "
+                "PagedKVCache does not take. Fix: build one PagedLayerStorage per layer with "
+                "k_offset= / k_rotation= / first_tokens=, or use kvquant.patch(model) for "
+                "transformers models."
+            )
         elif granularity in GRANULARITIES:
             k_list = list(self._scale_list("k_scales", k_scales, granularity))
             v_list = list(self._scale_list("v_scales", v_scales, granularity))
