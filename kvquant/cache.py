@@ -806,7 +806,7 @@ class PagedLayerStorage:
                 ``window``, ``out`` (see :func:`~kvquant.kernels.paged_attention`).
                 With a K transform the offset and rotation are added, and the
                 side buffer of first tokens once :meth:`keep_first` filled it
-                (its ``first_start`` must be the call's ``kv_start``).
+                (for the rows whose ``first_start`` is the call's ``kv_start``).
 
         Returns:
             ``[B, Lq, Hq, D]`` in the query dtype.
@@ -816,7 +816,7 @@ class PagedLayerStorage:
             "backend": self.backend,
             **self.scale_kwargs(),
             **self._transform_kwargs(),
-            **self.first_kwargs(),
+            **self.first_kwargs(options.get("kv_start")),
             **options,
         }
         return paged_attention(
@@ -824,11 +824,22 @@ class PagedLayerStorage:
         )
 
     # ------------------------------------------------------ first tokens
-    def first_kwargs(self) -> dict[str, torch.Tensor]:
-        """``first_k`` / ``first_v`` / ``first_lens`` for the kernels, once the side buffer exists."""
-        if self.first_k is None or self.first_v is None or self.first_lens is None:
+    def first_kwargs(self, kv_start: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``first_k`` / ``first_v`` / ``first_lens`` for the kernels, once the side buffer exists.
+
+        Args:
+            kv_start: int ``[B]`` the attention call's first visible key per row
+                (None: 0). A row whose buffer was filled for another start gets
+                ``first_lens`` 0 (its keys are read from the pages), on the
+                device, without a sync: the side buffer is never read for
+                positions it does not hold.
+        """
+        fk, fv, fl, fs = self.first_k, self.first_v, self.first_lens, self.first_start
+        if fk is None or fv is None or fl is None or fs is None:
             return {}
-        return {"first_k": self.first_k, "first_v": self.first_v, "first_lens": self.first_lens}
+        starts = torch.zeros_like(fs) if kv_start is None else kv_start.to(fs.device, fs.dtype)
+        lens = torch.where(starts == fs, fl, torch.zeros_like(fl))
+        return {"first_k": fk, "first_v": fv, "first_lens": lens}
 
     def keep_first(
         self, key: torch.Tensor, value: torch.Tensor, start: int, kv_start: torch.Tensor | None

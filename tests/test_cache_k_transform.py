@@ -100,7 +100,7 @@ def test_storage_matches_reference_and_fp32_with_left_padding(
     want = paged_attention_reference(
         q, store.k_pages, store.v_pages, bt, lens, D**-0.5,
         k_scale=store.k_scale, v_scale=store.v_scale, kv_start=kv_start,
-        k_offset=offset, k_rotation=rotation, **store.first_kwargs(),
+        k_offset=offset, k_rotation=rotation, **store.first_kwargs(kv_start),
     )  # fmt: skip
     assert torch.equal(got, want)
     assert_close_rel(got, _fp32_attention(q, keys, values, starts), rel_tol=5e-2)
@@ -160,6 +160,10 @@ def test_a_window_that_moves_restarts_or_is_given_up() -> None:
     assert store.memory_bytes()["k_transform"] == (
         4 * HKV * D + 2 * (2 * 2 * HKV * D * 4) + 2 * 2 * 4
     )
+    # an attention call whose kv_start differs from a row's window reads that row from the pages
+    lens = store.first_kwargs(torch.tensor([5, 4], dtype=torch.int32))["first_lens"]
+    assert lens.tolist() == [1, 0]
+    assert store.first_kwargs()["first_lens"].tolist() == [0, 0]
     store.reset_first()
     assert store.first_kwargs() == {} and store.first_window_end() == 0
 

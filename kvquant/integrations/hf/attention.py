@@ -81,7 +81,13 @@ def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def kv_start_from_mask(
-    mask: torch.Tensor | None, seq_len: int, q_len: int, window: int, name: str
+    mask: torch.Tensor | None,
+    seq_len: int,
+    q_len: int,
+    window: int,
+    name: str,
+    *,
+    raw: bool = False,
 ) -> torch.Tensor | None:
     """Left-padding start ``int32 [B]`` from a boolean mask ``[B, 1, Lq, T]`` (None: no padding).
 
@@ -90,7 +96,11 @@ def kv_start_from_mask(
     that an older transformers turned all-True to dodge NaNs are ignored
     unless the newest row (always a real token) sees column 0. The mask is
     then checked to be exactly "causal from ``kv_start``" (plus the sliding
-    window): packed sequences or custom 4D masks are refused.
+    window): packed sequences or custom 4D masks are refused. ``raw=True``
+    skips that check and gives a sequence without any real query ``seq_len``
+    instead of 0 (its first visible token is still to come): the starts the
+    first-token buffer of the ``k-transform`` format needs, also on the dense
+    prompt path, which runs the model's own attention on the mask.
 
     Raises:
         UnsupportedModelError: the mask is not left padding + causal (+ window).
@@ -116,6 +126,8 @@ def kv_start_from_mask(
         first = torch.where(rows, cols, seq_len).amin(-1)  # [B, r]
         ignore = ~rows.any(-1) | (rows.all(-1) & ~last_sees_zero[:, None])
         start = torch.minimum(start, torch.where(ignore, seq_len, first).amin(-1))
+    if raw:
+        return start.to(torch.int32)
     start = torch.where(start >= seq_len, torch.zeros_like(start), start)
     # Check: real rows must equal the reconstructed pattern.
     bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -255,10 +267,7 @@ def kvquant_attention(
         fresh = _layer_of(module)
         if fresh is not None and fresh.pending_first is not None:
             # k-transform: keep the prompt's first visible tokens at full precision
-            window = int(sliding_window or 0)
-            fresh.flush_first_tokens(
-                _kv_start(fresh, attention_mask, query.shape[2], window, module)
-            )
+            fresh.flush_first_tokens(_first_visible(fresh, attention_mask, query, module))
         extra: dict[str, Any] = {"dropout": dropout, "scaling": scaling}
         if sliding_window is not None:
             extra["sliding_window"] = sliding_window
@@ -289,7 +298,7 @@ def kvquant_attention(
     cache = layer.cache
     kv_start = _kv_start(layer, attention_mask, query.shape[2], window, module)
     if layer.pending_first is not None:
-        layer.flush_first_tokens(kv_start)
+        layer.flush_first_tokens(_first_visible(layer, attention_mask, query, module))
     out = storage.attend(
         query.transpose(1, 2),
         cache.block_table(storage.device),
@@ -326,6 +335,21 @@ def _kv_start(
     kv_start = kv_start_from_mask(attention_mask, layer.seq_len, q_len, window, _name(module))
     cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
     return kv_start
+
+
+def _first_visible(
+    layer: KVQuantLayer, attention_mask: torch.Tensor | None, query: torch.Tensor, module: nn.Module
+) -> torch.Tensor | None:
+    """Each sequence's first visible position for the k-transform's first tokens (None: 0).
+
+    A sequence with no real token yet (all padding so far) gets ``seq_len``: its
+    first tokens are still to come.
+    """
+    if attention_mask is None:
+        return None
+    return kv_start_from_mask(
+        attention_mask, layer.seq_len, query.shape[2], 0, _name(module), raw=True
+    )
 
 
 def _sinks(layer: KVQuantLayer, s_aux: torch.Tensor) -> torch.Tensor:
