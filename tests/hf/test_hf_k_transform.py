@@ -43,11 +43,12 @@ def biased_llama(seed: int = 0) -> Any:
 
 @torch.no_grad()
 def unpatched_kv(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> list[Any]:
-    """The unpatched model's post-RoPE K/V per layer, ``[B, Hkv, T, D]``."""
+    """The unpatched model's post-RoPE K/V per layer, ``[B, Hkv, T, D]`` (fp32, on the CPU)."""
     cache = transformers.DynamicCache(config=model.config)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     model(input_ids=ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): cache})
-    return [(layer.keys.float(), layer.values.float()) for layer in cache.layers]
+    return [(layer.keys.float().cpu(), layer.values.float().cpu()) for layer in cache.layers]
 
 
 def k_transform_scales(
@@ -296,3 +297,26 @@ def test_a_static_format_without_the_transform_is_refused() -> None:
     )
     assert handle.scales.granularity == "fp32-group"
     assert any("K transform" in n for n in handle.scales.notes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_kernels_and_cuda_graphs_on_gpu(dtype: torch.dtype) -> None:
+    """CUDA, backend="triton", decode graphs: the unpatched model within FP8, the reference closer."""
+    ids, mask = prompt(batch=3, length=40, pad=(5, 0, 9), seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    cont = torch.randint(3, VOCAB, (3, 24), generator=torch.Generator().manual_seed(5)).cuda()
+    model = biased_llama().to(device="cuda", dtype=dtype)
+    scales = k_transform_scales(model, first_tokens=2)
+    want, _ = step_logits(model, ids, mask, cont)
+    handle = kvhf.patch(model, scales=scales, backend="triton", cuda_graphs=True)
+    got, cache = step_logits(model, ids, mask, cont)
+    runner = handle.state.graph_runner
+    assert runner.stats.replays > 0 and cache.layers[0].k_pages.is_cuda
+    assert cache.layers[0].storage.first_start.tolist() == [5, 0, 9]
+    assert bool(torch.isfinite(got).all())
+    assert min_cosine(got, want) >= (0.995 if dtype == torch.bfloat16 else 0.999)
+    handle.remove()
+    kvhf.patch(model, scales=scales, backend="torch", cuda_graphs=False)
+    ref, _ = step_logits(model, ids, mask, cont)
+    assert min_cosine(got, ref) >= 0.9999
