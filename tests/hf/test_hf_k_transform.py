@@ -190,6 +190,12 @@ def test_greedy_generate_and_assisted_decoding_crop() -> None:
         )
     assert torch.equal(greedy, want)
     assert torch.equal(assisted, want)
+    ids, mask = prompt(batch=2, length=10, pad=(0, 3), seed=1)
+    with torch.no_grad():
+        beams = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=3
+        )
+    assert beams.shape == (2, 18) and torch.equal(beams[:, :10], ids)  # FP8 may flip beams
 
 
 def test_decode_steps_through_the_static_buffers_match_eager_steps() -> None:
