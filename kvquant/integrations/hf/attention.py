@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -347,9 +348,17 @@ def _first_visible(
     """
     if attention_mask is None:
         return None
-    return kv_start_from_mask(
+    cache = layer.cache
+    # The layers of one forward share the mask; a weak reference keeps a prompt's large
+    # mask from outliving its forward.
+    memo = cache.first_visible_memo
+    if memo is not None and memo[0]() is attention_mask and memo[1] == layer.seq_len:
+        return memo[2]
+    starts = kv_start_from_mask(
         attention_mask, layer.seq_len, query.shape[2], 0, _name(module), raw=True
     )
+    cache.first_visible_memo = (weakref.ref(attention_mask), layer.seq_len, starts)
+    return starts
 
 
 def _sinks(layer: KVQuantLayer, s_aux: torch.Tensor) -> torch.Tensor:

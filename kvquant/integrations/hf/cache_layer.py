@@ -307,7 +307,7 @@ class KVQuantLayer(CacheLayerMixin):
         if new > 0:
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
             self._storage().write(k, v, slots)
-            if self.wants_first_tokens():
+            if self.wants_first_tokens() and self.cache.attention_is_kvquant():
                 self.pending_first = (k, v, self.seq_len)
         self.seq_len += new
         if fresh:
@@ -491,6 +491,7 @@ class KVQuantCache(Cache):
         self._block_table_dev: dict[torch.device, torch.Tensor] = {}
         self._slot_base_dev: dict[torch.device, torch.Tensor] = {}
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
+        self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
         self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
@@ -732,6 +733,7 @@ class KVQuantCache(Cache):
         self._block_table_dev.clear()
         self._slot_base_dev.clear()
         self.kv_start_memo = None
+        self.first_visible_memo = None
         self._slot_memo = None
         self._lens_memo = None
         self.decode_graph = None
@@ -831,6 +833,7 @@ class KVQuantCache(Cache):
             self._block_table_dev.clear()
             self._slot_base_dev.clear()
         self.kv_start_memo = None
+        self.first_visible_memo = None
         self._slot_memo = None
         self._lens_memo = None
         static = getattr(self.decode_graph, "static", None)
