@@ -715,7 +715,10 @@ class PagedLayerStorage:
                         f"expected <= {ORTHONORMAL_TOL:g}); the query would not be rotated "
                         "back exactly. Fix: pass kvquant.kernels.hadamard(head_dim), or None."
                     )
-            copy = host.clone() if self.device.type == "cpu" else host.to(self.device)
+            if self.device.type == "cpu":
+                copy = host.clone()
+            else:  # no stream sync from pinned memory (kvquant.patch pins what it passes)
+                copy = host.to(device=self.device, non_blocking=True)
             setattr(self, label, copy.contiguous())
         self.first_tokens = first_tokens
 

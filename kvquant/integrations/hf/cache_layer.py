@@ -210,9 +210,11 @@ class KVQuantLayer(CacheLayerMixin):
         )
         spec = self.spec
         group = spec.granularity == "fp32-group"
-        rotation = (
-            kernels.hadamard(spec.head_dim, device=device) if spec.rotation == "hadamard" else None
-        )
+        rotation = None
+        if spec.rotation == "hadamard":  # built on the host: the storage checks it there once
+            rotation = kernels.hadamard(spec.head_dim)
+            if device.type == "cuda":
+                rotation = rotation.pin_memory()
         self.storage = PagedLayerStorage(
             num_pages,
             page_size,
