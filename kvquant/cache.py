@@ -30,6 +30,7 @@ from kvquant.kernels import group_scale_storage, page_storage, paged_attention, 
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.reference import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES, SCALE_MAX, SCALE_MIN
+from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = [
     "GRANULARITIES",
@@ -43,9 +44,6 @@ __all__ = [
 
 GRANULARITIES: tuple[str, ...] = ("per-tensor", "per-head", "fp32-group", "k-transform")
 """Scale granularities a :class:`PagedLayerStorage` stores."""
-
-MAX_FIRST_TOKENS = 1024
-"""Most first tokens per sequence a ``k-transform`` storage keeps at full precision."""
 
 ORTHONORMAL_TOL = 1e-4
 """Largest ``|R R^T - I|`` element accepted for a K rotation (checked once, at construction)."""
