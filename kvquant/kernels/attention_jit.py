@@ -416,28 +416,22 @@ def _first_tokens(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     HEAD_D: tl.constexpr,
-    FB: tl.constexpr,
 ):
-    """Online-softmax steps over the first ``n_first`` keys, from the side buffer.
+    """Online-softmax steps over the first ``n_first`` keys, from the side buffer, one by one.
 
     Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
-    (sequence, KV head), keys ``row_stride`` apart. Tiles of ``FB`` keys (the paged tiles'
-    shape, so that the query operand keeps one layout) go through the tensor cores, K and V in fp16 in model units: scores are brought to the
-    paged tiles' raw units (``q'·k / k_scale``, no offset term) and values to the
-    accumulator's (``v / v_scale``) in fp32 after the dots.
+    (sequence, KV head), keys ``row_stride`` apart. Each key's scores are one fp32 dot per
+    row with the query tile, in the paged tiles' raw units (``q'·k / k_scale``, no offset
+    term), and its value enters the accumulator's units (``v / v_scale``). No tensor-core
+    tile: the query keeps the layout it was loaded in, and the key loops their registers.
     """
-    offs_f = tl.arange(0, FB)
     offs_d = tl.arange(0, HEAD_D)
-    f0 = 0
-    while (
-        f0 < n_first
-    ):  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
-        i = f0 + offs_f
-        ok = i < n_first
-        ptr_off = i[:, None] * row_stride + offs_d[None, :]
-        fk = tl.load(fk_row + ptr_off, mask=ok[:, None], other=0.0).to(tl.float16)
-        fv = tl.load(fv_row + ptr_off, mask=ok[:, None], other=0.0).to(tl.float16)
-        s = tl.dot(q, tl.trans(fk)) / k_div
+    qf = q.to(tl.float32)
+    i = 0
+    while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
+        fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
+        fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
+        s = tl.sum(qf * fk[None, :], 1) / k_div
         s_mult = qk_scale
         if USE_SOFTCAP:
             x = s * (qk_scale / softcap)
@@ -445,25 +439,24 @@ def _first_tokens(
             s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
             s_mult = 1.0
         j = kv0 + i
-        seen = ok & (j < seq_len)  # keys some row of the block may see
-        vis = seen[None, :]
+        vis = j < seq_len
+        seen = vis  # some row of the block sees the key
         if CAUSAL:
-            vis = vis & (j[None, :] <= pos[:, None])
+            vis = vis & (j <= pos)
             seen = seen & (j <= p_max)
         if USE_WINDOW:
-            vis = vis & (j[None, :] > pos[:, None] - win)
+            vis = vis & (j > pos - win)
             seen = seen & (j > p_min - win)
-        # a value no row sees never reaches the output (0 * NaN would)
-        fv = tl.where(seen[:, None], fv, 0.0)
+        fv = tl.where(seen, fv, 0.0)  # a value no row sees never reaches the output (0 * NaN)
         s = tl.where(vis, s * s_mult, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), fv) / v_div
+        p = tl.exp2(s - m_use)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * (fv / v_div)[None, :]
         m_i = m_new
-        f0 += FB
+        i += 1
     return acc, m_i, l_i
 
 
@@ -678,14 +671,13 @@ def _paged_attn_kernel(
     l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     if HAS_FIRST:
-        # the first tokens' keys start the online softmax (it is order-free); before the key
-        # loops, their tiles kept the decode kernel's registers (offline sm_90 compile)
+        # the first tokens' keys start the online softmax (it is order-free), key by key
         row_stride = (Hq // GROUP) * HEAD_D
         first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, p_min,
             p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D, 16,
+            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
         )  # fmt: skip
 
     if USE_WHILE:
