@@ -53,12 +53,14 @@ strides work.
 
 The static K transform (``k-transform``, static scales only) is folded in the same way:
 with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands,
-``input_precision="ieee"``), with an offset ``c`` each row's ``(q @ R)·c / k_scale`` is added
-to every paged score in raw units before softcap, masks and sinks, and with first tokens the
-online-softmax state takes the side buffer's keys too (``first_k``, rotated frame, and
-``first_v``, after the paged keys, split 0 only) while the paged range starts after them. All
-of it sits behind ``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile to
-the code they had.
+``input_precision="ieee"``, over 16-row slices of ``R``) before its fp16 cast; with an offset
+``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) joins the row maximum and the
+exponent's FMA of every paged tile (it is constant along the row; with softcap it is added to
+the scores before the cap); with first tokens the online softmax starts from the side
+buffer's keys (``first_k``, rotated frame, ``first_v``), one fp32 dot per row and key, in
+split 0 only, while the paged range starts after them. All of it sits behind
+``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile
+to the code they had.
 
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row
