@@ -10,7 +10,11 @@ Measures, in one run (notes §6 protocol):
 * split-count and tile sweeps on a few decode shapes;
 * prefill/extend: chunk C causal over a paged prefix P vs SDPA (bf16, K/V expanded,
   ``causal_lower_right``), FLOP/s over visible keys only;
-* the write kernel for one decode step at B32 x 16k, when ``kvquant.kernels.write_kv`` exists.
+* the write kernel for one decode step at B32 x 16k, when ``kvquant.kernels.write_kv`` exists;
+* the ``k-transform`` format (``per-head-kt``: per-head scales, K offset, Hadamard rotation
+  and one first token from the side buffer) beside ``per-head`` on the same cache: decode
+  B32 x 16k and B16 x 8k at 32/8/128 and 9/3/64 (eager and CUDA-graph replay), and chunk
+  over prefix prefill; ``--only-kt`` runs just that section.
 
 Every configuration is checked against the fp32 reference (on a few sequences,
 NaN-poisoned output) before it is timed. Results go to ``--out`` as JSON and PNG.
@@ -39,7 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kvquant.kernels import group_scale_storage, page_storage
+from kvquant.kernels import group_scale_storage, hadamard, page_storage
 from kvquant.kernels.attention_triton import paged_attention_triton
 from kvquant.kernels.reference import paged_attention_reference
 from kvquant.kernels.tuning import choose_config
@@ -114,14 +118,27 @@ class Problem:
         return logical[self._inv].contiguous()
 
     def fmt(self, name: str) -> dict[str, Any]:
-        """Pages and scales of one format: per-tensor, per-head, group64, group128."""
+        """Pages and scales of one format: per-tensor, per-head, per-head-kt, group64, group128."""
         out: dict[str, Any] = {}
         for which, x in (("k", self.k), ("v", self.v)):
-            if name == "per-tensor":
+            if name == "per-head-kt" and which == "k":
+                # the k-transform format: K rotated by the Hadamard matrix, offset by its mean,
+                # per-head scales; the first token of each sequence kept apart in bf16
+                rot = hadamard(self.d, device=x.device)
+                rotated = x.float() @ rot
+                off = rotated.mean(dim=(0, 1))
+                s = (rotated - off).abs().amax(dim=(0, 1, 3)) / FP8_MAX
+                pages = self.to_pages(quantize(rotated - off, s.view(1, 1, -1, 1)))
+                out.update(k_scale=s.contiguous(), k_offset=off.contiguous(), k_rotation=rot)
+                out["first_k"] = rotated[:, :1].to(torch.bfloat16).contiguous()
+                out["first_v"] = self.v[:, :1].contiguous()
+                out["first_lens"] = torch.ones(self.bsz, dtype=torch.int32, device=x.device)
+                del rotated
+            elif name == "per-tensor":
                 s = (x.float().abs().amax() / FP8_MAX).reshape(())
                 pages = self.to_pages(quantize(x, s))
                 out[f"{which}_scale"] = s
-            elif name == "per-head":
+            elif name in ("per-head", "per-head-kt"):
                 s = x.float().abs().amax(dim=(0, 1, 3)) / FP8_MAX
                 pages = self.to_pages(quantize(x, s.view(1, 1, -1, 1)))
                 out[f"{which}_scale"] = s.contiguous()
@@ -167,8 +184,12 @@ def run_kvquant(p: Problem, f: dict[str, Any], q: torch.Tensor, **kw: Any) -> to
         v_scale=f.get("v_scale"),
         k_group_scales=f.get("k_group_scales"),
         v_group_scales=f.get("v_group_scales"),
+        **{k: f[k] for k in KT_KEYS if k in f},
         **kw,
     )
+
+
+KT_KEYS = ("k_offset", "k_rotation", "first_k", "first_v", "first_lens")
 
 
 def check(p: Problem, f: dict[str, Any], q: torch.Tensor, **kw: Any) -> float:
@@ -191,6 +212,7 @@ def check(p: Problem, f: dict[str, Any], q: torch.Tensor, **kw: Any) -> float:
         k: (v[ids] if k.endswith("pages") or k.endswith("group_scales") else v)
         for k, v in f.items()
     }
+    sub.update({k: f[k][sel] for k in ("first_k", "first_v", "first_lens") if k in f})
     ref = paged_attention_reference(
         q[sel].float(),
         sub["k_pages"],
@@ -203,6 +225,7 @@ def check(p: Problem, f: dict[str, Any], q: torch.Tensor, **kw: Any) -> float:
         k_group_scales=sub.get("k_group_scales"),
         v_group_scales=sub.get("v_group_scales"),
         causal=kw.get("causal", True),
+        **{k: sub[k] for k in KT_KEYS if k in sub},
     )
     got = out[sel].float()
     return float((got - ref).norm() / ref.norm())
@@ -405,6 +428,47 @@ def run_prefill(results: dict[str, Any], deadline: float, sweep: bool) -> None:
         del p
 
 
+KT_DECODE_SHAPES = [
+    (32, 8, 128, 32, 16384),
+    (32, 8, 128, 16, 8192),
+    (9, 3, 64, 32, 16384),
+    (9, 3, 64, 16, 8192),
+]
+KT_PREFILL_SHAPES = [(4, 8192, 2048), (8, 2048, 512)]
+
+
+def run_k_transform(results: dict[str, Any], deadline: float) -> None:
+    """``per-head-kt`` beside ``per-head`` on the same cache: decode (eager, graph), prefill."""
+    rows = results["k_transform"]
+    shapes = [("decode", hq, hkv, d, bsz, ctx, 1) for hq, hkv, d, bsz, ctx in KT_DECODE_SHAPES]
+    shapes += [("prefill", 32, 8, 128, b, pre + ch, ch) for b, pre, ch in KT_PREFILL_SHAPES]
+    if SMOKE:
+        shapes = [("decode", 32, 8, 128, 2, 256, 1), ("prefill", 32, 8, 128, 1, 192, 128)]
+    for kind, hq, hkv, d, bsz, ctx, lq in shapes:
+        label = f"{kind} {hq}/{hkv}/{d} B{bsz} ctx{ctx} lq{lq}"
+        if time.time() > deadline:
+            results["skipped"].append(f"k-transform {label}: time budget")
+            continue
+        p = Problem(bsz, ctx, hq, hkv, d, lq=lq)
+        row: dict[str, Any] = {"kind": kind, "hq": hq, "hkv": hkv, "d": d, "B": bsz,
+                               "ctx": ctx, "lq": lq}  # fmt: skip
+        for name in ("per-head", "per-head-kt"):
+            f = p.fmt(name)
+            err = check(p, f, p.q)
+            t = bench(lambda f=f: run_kvquant(p, f, p.q))
+            row[name] = {"ms": t, "rel_err": err}
+            if kind == "decode" and not SMOKE:
+                row[name]["graph_ms"] = bench_graph(lambda f=f: run_kvquant(p, f, p.q))
+            del f
+        row["kt_over_per_head"] = row["per-head-kt"]["ms"] / row["per-head"]["ms"]
+        if "graph_ms" in row["per-head"]:
+            g = row["per-head-kt"]["graph_ms"] / row["per-head"]["graph_ms"]
+            row["kt_over_per_head_graph"] = g
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del p
+
+
 def run_write(results: dict[str, Any]) -> None:
     """One decode step's write (B32, 32/8/128, per-tensor) vs that step's decode time."""
     try:
@@ -503,6 +567,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new shapes after")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter script check")
+    ap.add_argument("--only-kt", action="store_true", help="only the k-transform section")
     args = ap.parse_args()
     global DEV, SMOKE, SWEEP_SHAPES, PREFILL_SHAPES
     if args.smoke:
@@ -532,9 +597,16 @@ def main() -> None:
         "decode": [],
         "sweeps": [],
         "prefill": [],
+        "k_transform": [],
         "skipped": [],
     }
     print(json.dumps(results["bandwidth"]), flush=True)
+    if args.only_kt:
+        run_k_transform(results, deadline)
+        results["elapsed_s"] = time.time() - start
+        save(results, args.out)
+        summarize_kt(results)
+        return
     formats = ["per-tensor", "per-head", "group64", "group128"]
     main_shapes = [(32, 8, 128, b, c) for b in (1, 8, 32, 64) for c in (1024, 4096, 16384, 32768)]
     extra = [(64, 8, 128, b, c) for b in (1, 8, 32) for c in (4096, 16384)]
@@ -551,6 +623,8 @@ def main() -> None:
     if not SMOKE:
         run_write(results)
     run_prefill(results, deadline + 60, sweep=not args.no_sweep)
+    save(results, args.out)
+    run_k_transform(results, deadline + 90)
     save(results, args.out)
     if not args.no_sweep:
         run_sweeps(results, deadline + 120)
@@ -599,6 +673,19 @@ def summarize(results: dict[str, Any]) -> None:
     ]
     worst = max(errs) if errs else math.nan
     print(f"worst rel err {worst:.2e} (tolerance {REL_TOL}); skipped: {results['skipped']}")
+    summarize_kt(results)
+
+
+def summarize_kt(results: dict[str, Any]) -> None:
+    """Print the k-transform rows: time over per-head's (target: within 5 %)."""
+    for r in results["k_transform"]:
+        line = f"k-transform {r['kind']} {r['hq']}/{r['hkv']}/{r['d']} B{r['B']} ctx{r['ctx']}"
+        line += f" lq{r['lq']}: per-head {r['per-head']['ms']:.4f} ms, kt "
+        line += f"{r['per-head-kt']['ms']:.4f} ms = {r['kt_over_per_head']:.3f}x"
+        if "kt_over_per_head_graph" in r:
+            line += f" (graph {r['kt_over_per_head_graph']:.3f}x)"
+        line += f", err {r['per-head']['rel_err']:.1e} / {r['per-head-kt']['rel_err']:.1e}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -37,15 +37,29 @@ from kvquant.kernels import attention_jit as at
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
+# the k-transform format: per-head scales with (HAS_ROT, HAS_OFF, HAS_FIRST); "per-head-kt" is
+# the full format (Hadamard rotation, offset, first tokens)
+TRANSFORM_FORMATS = {
+    "per-head-kt": (True, True, True),
+    "per-head-kt-rot": (True, False, False),
+    "per-head-kt-off": (False, True, False),
+    "per-head-kt-first": (False, False, True),
+}
 DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "64,2,9"]
 
 
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
-    d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True,
+    d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
 ) -> Any:  # fmt: skip
-    """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel."""
-    group_scales, ng = FORMATS[fmt]
+    """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
+
+    With ``prefill`` the one-split prefill kernel instead: 128 query rows per program (the
+    launcher's prefill tile), no group-scale folding.
+    """
+    kt = fmt in TRANSFORM_FORMATS
+    has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
+    group_scales, ng = FORMATS["per-tensor" if kt else fmt]
     fn = at._paged_attn_kernel
     names = list(fn.arg_names)
     pointers = {
@@ -54,15 +68,22 @@ def compile_decode(
         "vs_ptr": "*fp32", "kg_ptr": "*fp32", "vg_ptr": "*fp32", "out_ptr": "*bf16",
         "part_ptr": "*fp32", "lse_ptr": "*fp32",
     }  # fmt: skip
-    fold = fold and group_scales
+    if kt:
+        pointers.update(rot_ptr="*fp32", off_ptr="*fp32", fk_ptr="*bf16", fv_ptr="*bf16",
+                        flen_ptr="*i32")  # fmt: skip
+    fold = fold and group_scales and not prefill
     block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
+    if prefill:
+        block_m = 128
     consts: dict[str, Any] = dict(
-        HAS_QLEN=False, HAS_START=False, GROUP=hq // hkv, QPB=1, BLOCK_M=block_m,
+        HAS_QLEN=False, HAS_START=False, GROUP=hq // hkv,
+        QPB=block_m // (hq // hkv) if prefill else 1, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_D=d, PAGE=page, TP=math.gcd(page, block_n),
         V_RUNS_DENSE=math.gcd(page, block_n) == page, SCALE_RUNS_DENSE=group_scales,
         GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
-        CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=True, USE_WHILE=False,
-        LOOP_STAGES=loop_stages, PDL=pdl,
+        CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill, USE_WHILE=False,
+        LOOP_STAGES=loop_stages, PDL=pdl, HAS_SINKS=False, HAS_ROT=has_rot,
+        HAS_OFF=has_off, HAS_FIRST=has_first,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -72,7 +93,8 @@ def compile_decode(
         s_vs=0,
         # group scales head-major (kvquant.kernels.group_scale_storage)
         s_kgp=page * hkv * ng, s_kgt=ng, s_kgh=page * ng, s_vgp=page * hkv * ng,
-        s_vgt=ng, s_vgh=page * ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1, Lq=1, Hq=hq,
+        s_vgt=ng, s_vgh=page * ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1,
+        Lq=2048 if prefill else 1, Hq=hq,
     )  # fmt: skip
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
@@ -100,7 +122,7 @@ def compile_decode(
     return triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": 3, "launch_pdl": pdl},
+        options={"num_warps": warps, "num_stages": 2 if prefill else 3, "launch_pdl": pdl},
     )
 
 
@@ -158,9 +180,13 @@ def main() -> None:
     ap.add_argument(
         "--variant",
         action="append",
-        help="BLOCK_N,num_warps,LOOP_STAGES[,per-tensor|group64|group128] (repeatable)",
+        help="BLOCK_N,num_warps,LOOP_STAGES[,per-tensor|group64|group128|per-head-kt"
+        "[-rot|-off|-first]] (repeatable)",
     )
     ap.add_argument("--no-fold", action="store_true", help="dequantize group-scale tiles")
+    ap.add_argument(
+        "--prefill", action="store_true", help="the prefill kernel (128-row tiles, one split)"
+    )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
@@ -168,7 +194,7 @@ def main() -> None:
         parts = spec.split(",")
         bn, warps, ls = (int(x) for x in parts[:3])
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
-        kernel = compile_decode(bn, warps, ls, fmt, fold=not args.no_fold)
+        kernel = compile_decode(bn, warps, ls, fmt, fold=not args.no_fold, prefill=args.prefill)
         print(json.dumps({"variant": spec, **resources(kernel)}), flush=True)
 
 

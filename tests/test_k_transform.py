@@ -19,6 +19,7 @@ from paged_cases import PagedCase, build_case
 
 from kvquant.errors import KernelInputError, KVQuantError
 from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
+from kvquant.kernels.attention_triton import paged_attention_triton
 from kvquant.kernels.reference import dequantize_pages, gather_kv
 
 REL_TOL = 5e-3
@@ -254,3 +255,150 @@ def test_write_refuses_malformed_transform() -> None:
         write_kv(key, key, kp, vp, slots, k_group_scales=gs, v_group_scales=gs.clone(),
                  k_offset=torch.zeros(2, 16), backend="torch")  # fmt: skip
     assert torch.equal(kp.view(torch.uint8), before.view(torch.uint8))  # nothing written
+
+
+# ------------------------------------------------------------------ Triton vs reference
+
+# (id, build_case kwargs, launcher extras); every case has the biased K of build_case
+KT_CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("decode-offset", dict(lens=[37, 90], hq=8, hkv=2, d=64, k_transform="offset"), {}),
+    ("decode-rotation-per-tensor",
+     dict(lens=[37, 90], hq=8, hkv=2, d=64, k_transform="rotation", granularity="per-tensor"),
+     {}),
+    ("decode-both-split3", dict(lens=[150, 33], hq=8, hkv=2, d=64, k_transform="both"),
+     {"num_splits": 3}),
+    ("decode-first-only", dict(lens=[40, 70], hq=8, hkv=2, d=64, first_lens=[1, 2], n_first=2),
+     {"num_splits": 2}),
+    ("decode-both-first-rows-differ-split2",
+     dict(lens=[75, 30, 50], hq=8, hkv=2, d=64, k_transform="both", first_lens=[1, 0, 3],
+          n_first=3, kv_start=[0, 5, 13]),
+     {"num_splits": 2}),
+    ("decode-gqa3-d16-first-bf16",
+     dict(lens=[20, 9], hq=6, hkv=2, d=16, k_transform="both", first_lens=[1, 1], n_first=1,
+          first_dtype=torch.bfloat16, qdtype=torch.bfloat16),
+     {}),
+    ("decode-mha-d128-page32-both-first",
+     dict(lens=[70, 1], hq=2, hkv=2, d=128, page=32, k_transform="both", first_lens=[1, 1],
+          n_first=1),
+     {"num_splits": 2}),
+    ("decode-softcap-window-first",
+     dict(lens=[90, 40], hq=8, hkv=2, d=64, k_transform="both", first_lens=[2, 1], n_first=2,
+          softcap=5.0, window=24),
+     {"num_splits": 2}),
+    ("decode-window-hides-first",
+     dict(lens=[90], hq=4, hkv=1, d=64, k_transform="offset", first_lens=[1], n_first=1,
+          window=30),
+     {}),
+    ("decode-speculative-lq3-first",
+     dict(lens=[60, 4], hq=8, hkv=2, d=64, lq=3, q_lens=[3, 2], k_transform="both",
+          first_lens=[1, 1], n_first=1),
+     {"num_splits": 2}),
+    ("decode-fp32-query-e5m2",
+     dict(lens=[41, 3], hq=8, hkv=2, d=64, k_transform="both", first_lens=[1, 1], n_first=1,
+          qdtype=torch.float32, fp8=torch.float8_e5m2),
+     {}),
+    ("prefill-fresh-first-tokens",
+     dict(lens=[40, 55], hq=8, hkv=2, d=64, lq=40, q_lens=[40, 33], k_transform="both",
+          first_lens=[1, 2], n_first=2),
+     {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}),
+    ("prefill-chunk-over-prefix-left-padding",
+     dict(lens=[80, 64], hq=8, hkv=2, d=64, lq=24, kv_start=[3, 17], k_transform="both",
+          first_lens=[1, 0], n_first=1),
+     {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 32}}),
+    ("prefill-softcap-window-offset",
+     dict(lens=[100], hq=8, hkv=2, d=64, lq=48, softcap=3.0, window=30, k_transform="offset",
+          first_lens=[1], n_first=1),
+     {"config": {"BLOCK_M": 64, "QPB": 16, "BLOCK_N": 16}}),
+    ("prefill-non-causal-rotation",
+     dict(lens=[70], hq=2, hkv=2, d=128, lq=70, page=64, causal=False, k_transform="rotation",
+          first_lens=[2], n_first=2),
+     {"config": {"BLOCK_M": 32, "QPB": 32, "BLOCK_N": 32}}),
+]  # fmt: skip
+
+
+def _triton(case: PagedCase, **extra: Any) -> torch.Tensor:
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
+    got = paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out, **extra,
+    )  # fmt: skip
+    assert got is out
+    return out
+
+
+@pytest.mark.parametrize("case_kw, extra", [c[1:] for c in KT_CASES], ids=[c[0] for c in KT_CASES])
+def test_triton_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> None:
+    """NaN-poisoned output, pages and first-token slots; rows beyond first_lens hold NaN."""
+    kw = {"granularity": "per-head", **case_kw}
+    case = build_case(**kw, seed=len(kw["lens"]) * 5 + kw["hq"])
+    ref = case.reference()
+    assert bool(torch.isfinite(ref).all())
+    assert_close_rel(_triton(case, **extra), ref, rel_tol=REL_TOL, name=str(case_kw))
+
+
+@pytest.mark.parametrize("lq", [1, 40], ids=["decode", "prefill"])
+@pytest.mark.parametrize("sm_scale", [-0.2, 0.0])
+def test_triton_transform_score_scale_of_any_sign(lq: int, sm_scale: float) -> None:
+    """The offset term and the first tokens follow the sign trick of the score scale."""
+    case = build_case(
+        [50, 70], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", k_transform="both",
+        first_lens=[1, 2], n_first=2, seed=11,
+    )  # fmt: skip
+    case.sm_scale = sm_scale
+    case.scales["k_scale"][1] *= -1.0
+    extra = {"num_splits": 2} if lq == 1 else {}
+    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL)
+
+
+def test_triton_learned_sinks_with_transform() -> None:
+    """Sinks add to the denominator after the offset term (split decode and one split)."""
+    case = build_case(
+        [64, 100], hq=8, hkv=2, d=64, granularity="per-head", k_transform="both",
+        first_lens=[1, 1], n_first=1, seed=4,
+    )  # fmt: skip
+    case.options["sinks"] = torch.linspace(-2.0, 6.0, 8)
+    ref = case.reference()
+    for splits in (1, 3):
+        assert_close_rel(_triton(case, num_splits=splits), ref, rel_tol=REL_TOL)
+
+
+def test_nan_first_key_reaches_only_rows_that_see_it() -> None:
+    """A NaN in a visible first token's K makes its rows NaN; unused buffer rows never matter."""
+    case = build_case(
+        [30, 30], hq=4, hkv=2, d=64, granularity="per-head", k_transform="both",
+        first_lens=[1, 1], n_first=2, seed=9,
+    )  # fmt: skip
+    case.options["first_k"][0, 0, 1, 5] = float("nan")  # row 0, KV head 1
+    ref = case.reference()
+    assert bool(ref[0, :, 2:].isnan().all()) and bool(ref[0, :, :2].isfinite().all())
+    got = _triton(case, num_splits=2)
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert_close_rel(got[1], ref[1], rel_tol=REL_TOL)
+
+
+def test_public_api_dispatches_transform_to_triton() -> None:
+    """``paged_attention(backend="triton")`` passes the transform through (and checks layout)."""
+    case = _kt_case()
+    got = paged_attention(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), backend="triton",
+    )  # fmt: skip
+    assert_close_rel(got, case.reference(), rel_tol=REL_TOL)
+    strided = case.options["first_k"].transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(KernelInputError, match=r"first_k has strides .* needs it contiguous"):
+        paged_attention(
+            case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+            **{**case.kwargs(), "first_k": strided}, backend="triton",
+        )  # fmt: skip
+
+
+def test_nan_first_value_no_query_sees_never_reaches_the_output() -> None:
+    """A sliding window hides the first token from every query: its NaN value stays out."""
+    case = build_case(
+        [90, 90], hq=4, hkv=2, d=64, granularity="per-head", k_transform="offset",
+        first_lens=[1, 1], n_first=1, window=30, seed=8,
+    )  # fmt: skip
+    case.options["first_v"][0, 0] = float("nan")
+    ref = case.reference()
+    assert bool(ref.isfinite().all())
+    assert_close_rel(_triton(case, num_splits=2), ref, rel_tol=REL_TOL)

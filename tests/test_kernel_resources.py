@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvquant.kernels.tuning import programs_per_sm
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,3 +37,29 @@ def test_offline_sm90_compile_reports_pipelined_loads_and_pdl() -> None:
     # three key loops (masked first tile, pipelined interior, masked rest)
     loops = report["sass_loop_instructions"]
     assert len(loops) == 3 and min(loops) == loops[1] > 0
+
+
+def test_offline_sm90_k_transform_decode_keeps_registers_and_key_loop() -> None:
+    """The k-transform path (offset, rotation, first tokens) adds work outside the key loop only.
+
+    No register spills, and the pipelined interior loop (the cost per tile) stays within 5 %
+    of the per-tensor kernel's instructions.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/kernel_resources.py",
+         "--variant", "64,2,6", "--variant", "64,2,6,per-head-kt"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    plain, kt = (json.loads(line) for line in out.strip().splitlines()[-2:])
+    assert kt["variant"].endswith("per-head-kt")
+    assert kt["stack_bytes"] == 0
+    # as many programs resident per SM as the plain kernel (the split count assumes it)
+    assert programs_per_sm(kt["registers"], 2, kt["shared_bytes"]) == programs_per_sm(
+        plain["registers"], 2, plain["shared_bytes"]
+    )
+    # the query rotation and the first tokens' tiles, then the three key loops
+    loops = kt["sass_loop_instructions"]
+    assert len(loops) == 5
+    assert loops[3] <= 1.05 * plain["sass_loop_instructions"][1]

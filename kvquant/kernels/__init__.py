@@ -264,7 +264,7 @@ def group_scale_storage(
 
 def _check_triton_attention_limits(
     geo: AttentionGeometry, block_tables: torch.Tensor, k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None, transform: list[tuple[str, torch.Tensor | None]],
 ) -> None:  # fmt: skip
     """Restrictions of the Triton attention kernel beyond the common contract."""
     d = geo.head_dim
@@ -288,6 +288,13 @@ def _check_triton_attention_limits(
                 f"paged_attention: {name} has strides {gs.stride()}; the Triton kernel needs "
                 "its last dimension (the groups of one head) contiguous. Fix: allocate it with "
                 "kvquant.kernels.group_scale_storage, or pass backend='torch'."
+            )
+    for name, x in transform:
+        if x is not None and not x.is_contiguous():
+            raise KernelInputError(
+                f"paged_attention: {name} has strides {x.stride()} for shape {tuple(x.shape)}; "
+                "the Triton kernel needs it contiguous. Fix: pass it .contiguous() once, when "
+                "it is created (or backend='torch')."
             )
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise KernelInputError(
@@ -406,7 +413,13 @@ def paged_attention(
     chosen = resolve_backend(backend, k_pages.device, "paged_attention")
     if chosen == "torch":
         return paged_attention_reference(query, k_pages, v_pages, block_tables, seq_lens, **options)
-    _check_triton_attention_limits(geo, block_tables, k_group_scales, v_group_scales)
+    transform = [
+        ("k_offset", k_offset),
+        ("k_rotation", k_rotation),
+        ("first_k", first_k),
+        ("first_v", first_v),
+    ]
+    _check_triton_attention_limits(geo, block_tables, k_group_scales, v_group_scales, transform)
     attention_triton = _triton_module("attention_triton")
     if k_pages.device.type != "cuda":
         _require_interpreter_for_cpu(

@@ -51,6 +51,17 @@ are one contiguous span, they are loaded as one flat row per run: a warp's copie
 then contiguous in the shared-memory staging buffer too (no bank conflicts). Any page
 strides work.
 
+The static K transform (``k-transform``, static scales only) is folded in the same way:
+with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands,
+``input_precision="ieee"``, over 16-row slices of ``R``) before its fp16 cast; with an offset
+``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) joins the row maximum and the
+exponent's FMA of every paged tile (it is constant along the row; with softcap it is added to
+the scores before the cap); with first tokens the online softmax starts from the side
+buffer's keys (``first_k``, rotated frame, ``first_v``), one fp32 dot per row and key, in
+split 0 only, while the paged range starts after them. All of it sits behind
+``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile
+to the code they had.
+
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row
 of the block) and a masked rest (causal diagonal, tail, sliding window).
@@ -295,6 +306,7 @@ def _attn_tile(
     win,
     qk_scale,
     softcap,
+    qcs,
     bt_row,
     k_base,
     v_base,
@@ -317,6 +329,7 @@ def _attn_tile(
     GROUP_SCALES: tl.constexpr,
     FOLD: tl.constexpr,
     NG: tl.constexpr,
+    HAS_OFF: tl.constexpr,
     RB: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
@@ -328,7 +341,9 @@ def _attn_tile(
     """Online-softmax step over keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l).
 
     ``qk_scale`` multiplies the raw scores: in natural units with ``USE_SOFTCAP``, else in
-    log2 units and positive.
+    log2 units and positive. With ``HAS_OFF`` each row's ``qcs`` (``q'·c / k_scale``) is
+    added to its scores: before the softcap in raw units with ``USE_SOFTCAP``, else in log2
+    units (times ``qk_scale``) to the row maximum and the exponent.
     """
     k, v, ks, vs = _load_kv(
         n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
@@ -344,6 +359,8 @@ def _attn_tile(
         else:
             v = tl.where(in_range[:, None], v.to(tl.float16), 0.0)
     s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
+    if HAS_OFF and USE_SOFTCAP:
+        s = s + qcs[:, None]
     # scale of the scores in log2 units, applied after the row maximum (it is positive) and
     # joined with the exponent's subtraction in one FMA: no multiply per score
     s_mult = qk_scale
@@ -360,13 +377,89 @@ def _attn_tile(
         if USE_WINDOW:
             vis = vis & (offs_n[None, :] > pos[:, None] - win)
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s * s_mult - m_use[:, None])
+    if HAS_OFF and not USE_SOFTCAP:
+        # the row's offset term (log2 units) is constant along the row: it joins the row
+        # maximum and the exponent's FMA instead of every score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult + qcs)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s * s_mult - (m_use - qcs)[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s * s_mult - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _first_tokens(
+    acc,
+    m_i,
+    l_i,
+    q,
+    n_first,
+    kv0,
+    seq_len,
+    pos,
+    p_min,
+    p_max,
+    win,
+    qk_scale,
+    softcap,
+    k_div,
+    v_div,
+    fk_row,
+    fv_row,
+    row_stride,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    HEAD_D: tl.constexpr,
+):
+    """Online-softmax steps over the first ``n_first`` keys, from the side buffer, one by one.
+
+    Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
+    (sequence, KV head), keys ``row_stride`` apart. Each key's scores are one fp32 dot per
+    row with the query tile, in the paged tiles' raw units (``q'·k / k_scale``, no offset
+    term), and its value enters the accumulator's units (``v / v_scale``). No tensor-core
+    tile: the query keeps the layout it was loaded in, and the key loops their registers.
+    """
+    offs_d = tl.arange(0, HEAD_D)
+    qf = q.to(tl.float32)
+    i = 0
+    while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
+        fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
+        fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
+        s = tl.sum(qf * fk[None, :], 1) / k_div
+        s_mult = qk_scale
+        if USE_SOFTCAP:
+            x = s * (qk_scale / softcap)
+            e = tl.exp(2.0 * x)
+            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+            s_mult = 1.0
+        j = kv0 + i
+        vis = j < seq_len
+        seen = vis  # some row of the block sees the key
+        if CAUSAL:
+            vis = vis & (j <= pos)
+            seen = seen & (j <= p_max)
+        if USE_WINDOW:
+            vis = vis & (j > pos - win)
+            seen = seen & (j > p_min - win)
+        fv = tl.where(seen, fv, 0.0)  # a value no row sees never reaches the output (0 * NaN)
+        s = tl.where(vis, s * s_mult, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * (fv / v_div)[None, :]
+        m_i = m_new
+        i += 1
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -418,6 +511,12 @@ def _paged_attn_kernel(
     s_oh,
     s_od,
     sink_ptr,
+    rot_ptr,
+    off_ptr,
+    fk_ptr,
+    fv_ptr,
+    flen_ptr,
+    n_first_max,
     HAS_QLEN: tl.constexpr,
     HAS_START: tl.constexpr,
     GROUP: tl.constexpr,
@@ -440,6 +539,9 @@ def _paged_attn_kernel(
     LOOP_STAGES: tl.constexpr,
     PDL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_ROT: tl.constexpr,
+    HAS_OFF: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -481,14 +583,33 @@ def _paged_attn_kernel(
     in_copy = (offs_d // (HEAD_D // XG))[None, :] == copy_x[:, None]
     q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
     q_ptrs += offs_d[None, :] * s_qd
-    q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
+    # with a K rotation (static scales: XG = 1, BLOCK_M = RB) the query tile is rotated into
+    # the pages' frame in fp32, then cast like any query tile
+    if HAS_ROT:
+        # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers)
+        RK: tl.constexpr = 16
+        offs_k = tl.arange(0, RK)
+        q_rows = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
+        q32 = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        for k0 in tl.range(0, HEAD_D, RK, num_stages=1):  # a loop, so R's rows are not hoisted
+            q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_qd, mask=ok_x[:, None], other=0.0)
+            r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
+            q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision="ieee")
+        q = q32.to(tl.float16)
+    else:
+        q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
+    n_first = 0
+    if HAS_FIRST:
+        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (split 0)
+        n_first = tl.minimum(tl.minimum(tl.load(flen_ptr + b), n_first_max), seq_len - kv0)
+        n_first = tl.maximum(n_first, 0)
 
     # key range of this query block: [lo, hi)
     t_first = qb * QPB
     t_last = tl.minimum(t_first + QPB, q_len) - 1
     p_min = seq_len - q_len + t_first
     p_max = seq_len - q_len + t_last
-    lo = kv0
+    lo = kv0 + n_first
     if USE_WINDOW:
         lo = tl.maximum(lo, p_min - window + 1)
     hi = seq_len
@@ -524,7 +645,8 @@ def _paged_attn_kernel(
         qk_scale = sm_scale * 0.0625
         v_mult = 0.0625
     else:
-        qk_scale = sm_scale * tl.load(ks_ptr + kvh * s_ks)
+        k_mult = tl.load(ks_ptr + kvh * s_ks)
+        qk_scale = sm_scale * k_mult
         v_mult = tl.load(vs_ptr + kvh * s_vs)
     if not USE_SOFTCAP:
         # the tiles take the exponent's scale in log2 units, made positive: its sign goes into
@@ -533,6 +655,13 @@ def _paged_attn_kernel(
         qk_scale = qk_scale * 1.4426950408889634
         q = tl.where(qk_scale < 0.0, -q, q)
         qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
+    qcs = 0.0
+    if HAS_OFF:
+        # (q @ R)·c per row (the query tile the paged scores use), in their raw units
+        c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
+        qcs = tl.sum(q.to(tl.float32) * c[None, :], 1) / k_mult
+        if not USE_SOFTCAP:
+            qcs = qcs * qk_scale  # log2 units (the tiles add it to the row maximum)
 
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     k_base = k_ptr + kvh * s_kh
@@ -543,34 +672,43 @@ def _paged_attn_kernel(
     m_i = tl.full([RB], float("-inf"), tl.float32)
     l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    if HAS_FIRST:
+        # the first tokens' keys start the online softmax (it is order-free), key by key
+        row_stride = (Hq // GROUP) * HEAD_D
+        first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
+        acc, m_i, l_i = _first_tokens(
+            acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, p_min,
+            p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
+            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
+        )  # fmt: skip
 
     if USE_WHILE:
         n0 = s_lo
         while n0 < head_hi:
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
         n0 = int_lo
         while n0 < mid:
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < s_hi:
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -578,28 +716,28 @@ def _paged_attn_kernel(
         for n0 in tl.range(s_lo, head_hi, BLOCK_N, num_stages=1):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(int_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(mid, s_hi, BLOCK_N, num_stages=1):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
+                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
 

@@ -141,16 +141,15 @@ def paged_attention_triton(
             forces while-loops on or off, default on in the interpreter; ``FOLD`` forces the
             folding of group scales in decode on or off; ``PDL`` 0 turns programmatic
             dependent launches off).
+        k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
+        k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
+        first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
+        first_v: ``[B, NF, Hkv, D]`` contiguous first-token values, or None.
+        first_lens: int32 ``[B]`` first tokens per sequence (with ``first_k``/``first_v``).
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
     """
-    if k_offset is not None or k_rotation is not None or first_k is not None:
-        from kvquant.errors import BackendError
-
-        raise BackendError(
-            "paged_attention: the Triton K transform is not available yet; use backend='torch'."
-        )
     bsz, lq, hq, d = query.shape
     page_size, hkv = k_pages.shape[1], k_pages.shape[2]
     group = hq // hkv
@@ -209,6 +208,12 @@ def paged_attention_triton(
         *k_pages.stride(), *v_pages.stride(),
         block_tables.stride(0), s_ks, s_vs, *kg_strides, *vg_strides, *out.stride(),
         sinks if sinks is not None else dummy,
+        k_rotation if k_rotation is not None else dummy,
+        k_offset if k_offset is not None else dummy,
+        first_k if first_k is not None else dummy,
+        first_v if first_v is not None else dummy,
+        first_lens if first_lens is not None else dummy,
+        first_k.shape[1] if first_k is not None else 0,
     ]  # fmt: skip
     tp = math.gcd(page_size, int(cfg["BLOCK_N"]))
     consts: dict[str, Any] = {
@@ -239,6 +244,9 @@ def paged_attention_triton(
         "LOOP_STAGES": int(cfg.get("LOOP_STAGES", cfg["num_stages"])),
         "PDL": pdl,
         "HAS_SINKS": sinks is not None,
+        "HAS_ROT": k_rotation is not None,
+        "HAS_OFF": k_offset is not None,
+        "HAS_FIRST": first_k is not None and first_v is not None and first_lens is not None,
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,
@@ -273,7 +281,7 @@ def paged_attention_triton(
             hq,
             num_splits,
             *out.stride(),
-            args[-1],
+            sinks if sinks is not None else dummy,
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
             HEAD_D=d,
             BLOCK_D=block_d,
