@@ -420,6 +420,15 @@ def _target_convention(
 
 
 def _refuse_unusable(found: DiscoveredCheckpoint) -> None:
+    if found.k_transform is not None:
+        raise ExportError(
+            f"{found.path} holds kvquant's k-transform format (per-channel K offsets, "
+            f"rotation {found.k_transform.settings.rotation or 'none'}, first tokens at full "
+            "precision; kvquant_kv_transform.json): no serving engine reads it, and its K scales "
+            "were calibrated for the offset keys, so exporting them alone would saturate. Fix: "
+            "calibrate a per-head format for export (`kvquant calibrate MODEL_DIR --format "
+            "per-head --out DIR`) and export that checkpoint; serve this one with kvquant.patch()."
+        )
     errors = [f for f in found.findings if f.severity == "error"]
     if errors:
         listed = "; ".join(f"{f.code}: {f.message}" for f in errors)

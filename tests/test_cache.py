@@ -394,6 +394,7 @@ def test_layer_storage_dense_copy_pages_and_accounting() -> None:
         "pages": 2 * 6 * page * hkv * d,
         "group_scales": 2 * 6 * page * hkv * 2 * 4,
         "static_scales": 0,
+        "k_transform": 0,
         "total": 2 * 6 * page * hkv * (d + 8),
     }
     with pytest.raises(CacheUsageError, match=r"L0\.copy_pages: src \(3,\) and dst \(2,\)"):

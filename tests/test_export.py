@@ -493,3 +493,17 @@ def test_modelopt_declared_in_hf_quant_config_only(
     assert hf_quant["quantization"]["kv_cache_quant_algo"] == "FP8"
     assert main(["doctor", str(tmp_path / "o")]) == 0
     _check_weights_identical(src, tmp_path / "o")
+
+
+def test_k_transform_checkpoint_refused_with_the_format_named(tmp_path: Path) -> None:
+    """No serving engine reads kvquant's k-transform: export refuses it before writing anything."""
+    from kvquant.testing.checkpoints import K_TRANSFORM
+
+    src = write_checkpoint(tmp_path / "src", convention=K_TRANSFORM, weights="none")
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ExportError, match="k-transform format") as info:
+            export_checkpoint(src, tmp_path / f"out-{engine}", engine=engine)
+        assert isinstance(info.value, ValueError)
+        assert "no serving engine reads it" in str(info.value)
+        assert "--format per-head" in str(info.value)
+        assert not (tmp_path / f"out-{engine}").exists()

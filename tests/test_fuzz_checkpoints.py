@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from kvquant.checkpoint.discovery import discover_scales
+from kvquant.checkpoint.producers import KV_TRANSFORM_FILE, k_offset_tensor_name
 from kvquant.cli import main as cli_main
 from kvquant.errors import CheckpointError, KVQuantError
 from kvquant.registry import MAX_SCALE, MIN_SCALE, resolve_scales
@@ -89,7 +90,8 @@ def _names(layers: int) -> st.SearchStrategy[str]:
         st.sampled_from(["k_zero_point", "q_scale", "k_proj.weight", "k_proj.k_bias"]),
     )
     junk = st.text(st.characters(codec="ascii", exclude_characters="\x00"), min_size=1, max_size=12)
-    return st.one_of(known, known, known, legacy, extras, junk)
+    offsets = st.builds(k_offset_tensor_name, layer)  # kvquant's k-transform
+    return st.one_of(known, known, known, legacy, extras, junk, offsets)
 
 
 @st.composite
@@ -127,8 +129,8 @@ def checkpoints(
         shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
         if complete or draw(st.booleans()):
             kv = config.get("num_key_value_heads")
-            kv = kv if isinstance(kv, int) and 0 < kv < 8 else 2
-            shape = draw(st.sampled_from([(), (1,), (kv,), (kv, 1, 1), (2,), (4, 1, 1)]))
+            kv = kv if isinstance(kv, int) and not isinstance(kv, bool) and 0 < kv < 8 else 2
+            shape = draw(st.sampled_from([(), (1,), (kv,), (kv, 1, 1), (2,), (4, 1, 1), (kv, 16)]))
         values = draw(st.lists(VALUES, min_size=math.prod(shape), max_size=math.prod(shape)))
         dtype = draw(st.sampled_from(DTYPES[:4] if complete else DTYPES))
         t = torch.tensor(values, dtype=torch.float64).reshape(shape)
@@ -139,9 +141,27 @@ def checkpoints(
         else:
             t = t.to(dtype)
         tensors[name] = t
+    transform: dict[str, Any] | None = None
+    if draw(st.integers(0, 3)) == 3:  # kvquant_kv_transform.json, maybe with a bad entry
+        transform = {
+            "format": "k-transform",
+            "version": 1,
+            "rotation": draw(st.sampled_from(["hadamard", None])),
+            "first_tokens": draw(st.sampled_from([0, 1, 2])),
+            "head_dim": 16,
+            "num_kv_heads": config.get("num_key_value_heads"),
+            "num_layers": layers,
+        }
+        if draw(st.booleans()):
+            key = draw(st.sampled_from(sorted(transform)))
+            if draw(st.booleans()):
+                del transform[key]
+            else:
+                transform[key] = draw(JUNK)
     return {
         "config": config,
         "tensors": tensors,
+        "transform": transform,
         "shards": draw(st.sampled_from([1, 1, 2])),
         "stray": draw(st.integers(0, 3)) == 3,
         "flip": draw(st.integers(0, 3)) == 3
@@ -164,6 +184,8 @@ def write_spec(root: Path, spec: dict[str, Any]) -> None:
         (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     for file, ns in files.items():
         save_file({n: spec["tensors"][n].contiguous() for n in ns}, str(root / file))
+    if spec.get("transform") is not None:
+        (root / KV_TRANSFORM_FILE).write_text(json.dumps(spec["transform"]))
     if spec["stray"]:
         save_file(
             {n: torch.full_like(spec["tensors"][n], 7) for n in names}, str(root / "zz.safetensors")
@@ -222,7 +244,9 @@ def test_untrusted_checkpoints(spec: dict[str, Any]) -> None:
         try:
             if found.has_errors:
                 raise CheckpointError("error findings")  # what patch() and the quantizer do
-            resolved = resolve_scales(list(found.scales), found.geometry)
+            resolved = resolve_scales(
+                list(found.scales), found.geometry, k_transform=found.k_transform
+            )
         except KVQuantError:
             assert not report.ok
             event("refused")
@@ -230,8 +254,11 @@ def test_untrusted_checkpoints(spec: dict[str, Any]) -> None:
         assert report.ok
         event(f"accepted {report.granularity}")
         _accepted_scales_are_sane(resolved.layers)
+        assert resolved.k_transform == report.scales.k_transform
         for a, b in zip(resolved.layers, report.scales.layers, strict=True):
-            for x, y in ((a.k, b.k), (a.v, b.v)):
+            if a.k_offset is not None:
+                assert a.k_offset.dtype == torch.float32 and bool(torch.isfinite(a.k_offset).all())
+            for x, y in ((a.k, b.k), (a.v, b.v), (a.k_offset, b.k_offset)):
                 assert (x is None) == (y is None)
                 if x is not None:
                     assert torch.equal(x, y)

@@ -275,6 +275,7 @@ def test_kernels_public_api() -> None:
     assert sorted(k.__all__) == [
         "compute_slot_mapping",
         "group_scale_storage",
+        "hadamard",
         "page_storage",
         "paged_attention",
         "write_kv",

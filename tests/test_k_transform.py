@@ -390,3 +390,15 @@ def test_public_api_dispatches_transform_to_triton() -> None:
             case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
             **{**case.kwargs(), "first_k": strided}, backend="triton",
         )  # fmt: skip
+
+
+def test_nan_first_value_no_query_sees_never_reaches_the_output() -> None:
+    """A sliding window hides the first token from every query: its NaN value stays out."""
+    case = build_case(
+        [90, 90], hq=4, hkv=2, d=64, granularity="per-head", k_transform="offset",
+        first_lens=[1, 1], n_first=1, window=30, seed=8,
+    )  # fmt: skip
+    case.options["first_v"][0, 0] = float("nan")
+    ref = case.reference()
+    assert bool(ref.isfinite().all())
+    assert_close_rel(_triton(case, num_splits=2), ref, rel_tol=REL_TOL)

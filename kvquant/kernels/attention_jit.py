@@ -53,12 +53,14 @@ strides work.
 
 The static K transform (``k-transform``, static scales only) is folded in the same way:
 with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands,
-``input_precision="ieee"``), with an offset ``c`` each row's ``(q @ R)·c / k_scale`` is added
-to every paged score in raw units before softcap, masks and sinks, and with first tokens the
-online-softmax state takes the side buffer's keys too (``first_k``, rotated frame, and
-``first_v``, after the paged keys, split 0 only) while the paged range starts after them. All
-of it sits behind ``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile to
-the code they had.
+``input_precision="ieee"``, over 16-row slices of ``R``) before its fp16 cast; with an offset
+``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) joins the row maximum and the
+exponent's FMA of every paged tile (it is constant along the row; with softcap it is added to
+the scores before the cap); with first tokens the online softmax starts from the side
+buffer's keys (``first_k``, rotated frame, ``first_v``), one fp32 dot per row and key, in
+split 0 only, while the paged range starts after them. All of it sits behind
+``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile
+to the code they had.
 
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row
@@ -416,28 +418,22 @@ def _first_tokens(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     HEAD_D: tl.constexpr,
-    FB: tl.constexpr,
 ):
-    """Online-softmax steps over the first ``n_first`` keys, from the side buffer.
+    """Online-softmax steps over the first ``n_first`` keys, from the side buffer, one by one.
 
     Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
-    (sequence, KV head), keys ``row_stride`` apart. Tiles of ``FB`` keys (the paged tiles'
-    shape, so that the query operand keeps one layout) go through the tensor cores, K and V in fp16 in model units: scores are brought to the
-    paged tiles' raw units (``q'·k / k_scale``, no offset term) and values to the
-    accumulator's (``v / v_scale``) in fp32 after the dots.
+    (sequence, KV head), keys ``row_stride`` apart. Each key's scores are one fp32 dot per
+    row with the query tile, in the paged tiles' raw units (``q'·k / k_scale``, no offset
+    term), and its value enters the accumulator's units (``v / v_scale``). No tensor-core
+    tile: the query keeps the layout it was loaded in, and the key loops their registers.
     """
-    offs_f = tl.arange(0, FB)
     offs_d = tl.arange(0, HEAD_D)
-    f0 = 0
-    while (
-        f0 < n_first
-    ):  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
-        i = f0 + offs_f
-        ok = i < n_first
-        ptr_off = i[:, None] * row_stride + offs_d[None, :]
-        fk = tl.load(fk_row + ptr_off, mask=ok[:, None], other=0.0).to(tl.float16)
-        fv = tl.load(fv_row + ptr_off, mask=ok[:, None], other=0.0).to(tl.float16)
-        s = tl.dot(q, tl.trans(fk)) / k_div
+    qf = q.to(tl.float32)
+    i = 0
+    while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
+        fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
+        fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
+        s = tl.sum(qf * fk[None, :], 1) / k_div
         s_mult = qk_scale
         if USE_SOFTCAP:
             x = s * (qk_scale / softcap)
@@ -445,25 +441,24 @@ def _first_tokens(
             s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
             s_mult = 1.0
         j = kv0 + i
-        seen = ok & (j < seq_len)  # keys some row of the block may see
-        vis = seen[None, :]
+        vis = j < seq_len
+        seen = vis  # some row of the block sees the key
         if CAUSAL:
-            vis = vis & (j[None, :] <= pos[:, None])
+            vis = vis & (j <= pos)
             seen = seen & (j <= p_max)
         if USE_WINDOW:
-            vis = vis & (j[None, :] > pos[:, None] - win)
+            vis = vis & (j > pos - win)
             seen = seen & (j > p_min - win)
-        # a value no row sees never reaches the output (0 * NaN would)
-        fv = tl.where(seen[:, None], fv, 0.0)
+        fv = tl.where(seen, fv, 0.0)  # a value no row sees never reaches the output (0 * NaN)
         s = tl.where(vis, s * s_mult, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), fv) / v_div
+        p = tl.exp2(s - m_use)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * (fv / v_div)[None, :]
         m_i = m_new
-        f0 += FB
+        i += 1
     return acc, m_i, l_i
 
 
@@ -678,14 +673,13 @@ def _paged_attn_kernel(
     l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     if HAS_FIRST:
-        # the first tokens' keys start the online softmax (it is order-free); before the key
-        # loops, their tiles kept the decode kernel's registers (offline sm_90 compile)
+        # the first tokens' keys start the online softmax (it is order-free), key by key
         row_stride = (Hq // GROUP) * HEAD_D
         first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, p_min,
             p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D, 16,
+            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
         )  # fmt: skip
 
     if USE_WHILE:

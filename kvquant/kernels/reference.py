@@ -42,6 +42,7 @@ __all__ = [
     "hadamard",
     "paged_attention_reference",
     "quantize_fp8",
+    "transform_keys",
     "write_kv_reference",
 ]
 
@@ -366,7 +367,7 @@ def paged_attention_reference(
         if nf and first_k is not None and first_v is not None:
             # the first tokens from the full-precision side buffer, not from their slots
             s0 = int(start_cpu[b])
-            nf = max(0, min(nf, n - s0))
+            nf = max(0, min(nf, n - s0, first_k.shape[1]))
             k[s0 : s0 + nf] = first_k[b, :nf].float()
             v[s0 : s0 + nf] = first_v[b, :nf].float()
         k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -81,7 +82,13 @@ def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def kv_start_from_mask(
-    mask: torch.Tensor | None, seq_len: int, q_len: int, window: int, name: str
+    mask: torch.Tensor | None,
+    seq_len: int,
+    q_len: int,
+    window: int,
+    name: str,
+    *,
+    raw: bool = False,
 ) -> torch.Tensor | None:
     """Left-padding start ``int32 [B]`` from a boolean mask ``[B, 1, Lq, T]`` (None: no padding).
 
@@ -90,7 +97,11 @@ def kv_start_from_mask(
     that an older transformers turned all-True to dodge NaNs are ignored
     unless the newest row (always a real token) sees column 0. The mask is
     then checked to be exactly "causal from ``kv_start``" (plus the sliding
-    window): packed sequences or custom 4D masks are refused.
+    window): packed sequences or custom 4D masks are refused. ``raw=True``
+    skips that check and gives a sequence without any real query ``seq_len``
+    instead of 0 (its first visible token is still to come): the starts the
+    first-token buffer of the ``k-transform`` format needs, also on the dense
+    prompt path, which runs the model's own attention on the mask.
 
     Raises:
         UnsupportedModelError: the mask is not left padding + causal (+ window).
@@ -116,6 +127,8 @@ def kv_start_from_mask(
         first = torch.where(rows, cols, seq_len).amin(-1)  # [B, r]
         ignore = ~rows.any(-1) | (rows.all(-1) & ~last_sees_zero[:, None])
         start = torch.minimum(start, torch.where(ignore, seq_len, first).amin(-1))
+    if raw:
+        return start.to(torch.int32)
     start = torch.where(start >= seq_len, torch.zeros_like(start), start)
     # Check: real rows must equal the reconstructed pattern.
     bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -252,6 +265,10 @@ def kvquant_attention(
         # Dense K/V: a prompt with no cached prefix, or a forward without a kvquant cache
         # (use_cache=False, gradients): the model's previous attention implementation, so the
         # call (and its gradients) is exactly the unpatched model's.
+        fresh = _layer_of(module)
+        if fresh is not None and fresh.pending_first is not None:
+            # k-transform: keep the prompt's first visible tokens at full precision
+            fresh.flush_first_tokens(_first_visible(fresh, attention_mask, query, module))
         extra: dict[str, Any] = {"dropout": dropout, "scaling": scaling}
         if sliding_window is not None:
             extra["sliding_window"] = sliding_window
@@ -280,20 +297,9 @@ def kvquant_attention(
             "kvquant.patch(model) again, and pass the cache as a keyword argument."
         )
     cache = layer.cache
-    memo = cache.kv_start_memo
-    kv_start: torch.Tensor | None
-    if cache.static is not None:
-        kv_start = cache.static.kv_start  # a CUDA-graph decode step: checked by its runner
-    elif attention_mask is None:
-        kv_start = cache.kv_start_memo = None  # no mask: no padding
-    elif memo is not None and memo[0] is attention_mask and memo[1] == window:
-        kv_start = memo[2]
-    else:
-        # A refused mask raises after this layer stored the call's tokens: kvquant.patch's
-        # decoder hook then rolls the whole cache back to where the forward began.
-        lq = query.shape[2]
-        kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, _name(module))
-        cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
+    kv_start = _kv_start(layer, attention_mask, query.shape[2], window, module)
+    if layer.pending_first is not None:
+        layer.flush_first_tokens(_first_visible(layer, attention_mask, query, module))
     out = storage.attend(
         query.transpose(1, 2),
         cache.block_table(storage.device),
@@ -306,6 +312,53 @@ def kvquant_attention(
         sinks=None if s_aux is None else _sinks(layer, s_aux),
     )
     return out, None
+
+
+def _kv_start(
+    layer: KVQuantLayer,
+    attention_mask: torch.Tensor | None,
+    q_len: int,
+    window: int,
+    module: nn.Module,
+) -> torch.Tensor | None:
+    """The call's per-sequence first visible key (left padding), memoised per mask on the cache."""
+    cache = layer.cache
+    memo = cache.kv_start_memo
+    if cache.static is not None:
+        return cache.static.kv_start  # a CUDA-graph decode step: checked by its runner
+    if attention_mask is None:
+        cache.kv_start_memo = None  # no mask: no padding
+        return None
+    if memo is not None and memo[0] is attention_mask and memo[1] == window:
+        return memo[2]
+    # A refused mask raises after this layer stored the call's tokens: kvquant.patch's
+    # decoder hook then rolls the whole cache back to where the forward began.
+    kv_start = kv_start_from_mask(attention_mask, layer.seq_len, q_len, window, _name(module))
+    cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
+    return kv_start
+
+
+def _first_visible(
+    layer: KVQuantLayer, attention_mask: torch.Tensor | None, query: torch.Tensor, module: nn.Module
+) -> torch.Tensor | None:
+    """Each sequence's first visible position for the k-transform's first tokens (None: 0).
+
+    A sequence with no real token yet (all padding so far) gets ``seq_len``: its
+    first tokens are still to come.
+    """
+    if attention_mask is None:
+        return None
+    cache = layer.cache
+    # The layers of one forward share the mask; a weak reference keeps a prompt's large
+    # mask from outliving its forward.
+    memo = cache.first_visible_memo
+    if memo is not None and memo[0]() is attention_mask and memo[1] == layer.seq_len:
+        return memo[2]
+    starts = kv_start_from_mask(
+        attention_mask, layer.seq_len, query.shape[2], 0, _name(module), raw=True
+    )
+    cache.first_visible_memo = (weakref.ref(attention_mask), layer.seq_len, starts)
+    return starts
 
 
 def _sinks(layer: KVQuantLayer, s_aux: torch.Tensor) -> torch.Tensor:
