@@ -65,6 +65,15 @@ SUPPORTED_FAMILIES: dict[str, FamilySupport] = {
         FamilySupport("olmo2", ("GQA", "RoPE", "q/k RMSNorm over the whole projection")),
         FamilySupport("olmo3", ("GQA", "RoPE", "q/k RMSNorm", "interleaved sliding-window layers")),
         FamilySupport(
+            "gemma4_text",
+            (
+                "per-layer head_dim and KV heads (global_head_dim, num_global_key_value_heads)",
+                "K reused as V on full-attention layers (attention_k_eq_v)",
+                "q/k/v RMSNorm",
+                "alternating sliding-window layers",
+            ),
+        ),
+        FamilySupport(
             "gpt_oss",
             ("GQA", "RoPE", "learned attention sinks", "alternating sliding-window layers", "MoE"),
         ),
@@ -75,7 +84,8 @@ SUPPORTED_FAMILIES: dict[str, FamilySupport] = {
 _KNOWN_UNSUPPORTED: dict[str, str] = {
     "gemma3": "the multimodal Gemma3ForConditionalGeneration (vision tower, bidirectional "
     "image-token masks); load the text-only Gemma3ForCausalLM instead",
-    "gemma4": "Gemma 4 attention (KV sharing across layers, a float `k_scale` attribute)",
+    "gemma4": "the multimodal Gemma4ForConditionalGeneration (vision and audio towers, "
+    "bidirectional image-token masks); load the text-only Gemma4ForCausalLM instead",
     "gpt_neox": "GPT-NeoX attention (the cache update passes no kwargs; not wired)",
     "llama4": "chunked attention and no-RoPE layers",
     "deepseek_v3": "multi-head latent attention (MLA)",
@@ -132,6 +142,15 @@ def check_supported(model: nn.Module) -> FamilySupport:
             f"{type(model).__name__} (model_type={top_type!r}) is not supported by kvquant: it needs "
             f"{missing}. Supported families: {supported}. Fix: use a supported family, or run "
             "this model without kvquant."
+        )
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    if shared:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type={top_type!r}): config.num_kv_shared_layers="
+            f"{shared}: its last {shared} layers attend over K/V that an earlier layer "
+            "produced (KV sharing across layers), and kvquant keeps one FP8 cache per layer that "
+            "only the layer itself writes and reads. Gemma 4 checkpoints without KV sharing "
+            "(num_kv_shared_layers=0) are supported. Fix: run this model without kvquant."
         )
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
@@ -200,21 +219,46 @@ def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
     return sites
 
 
+def _layer_config(config: Any, layer: int) -> Any:
+    """Layer ``layer``'s config: ``config.per_layer_config[layer]`` for a heterogeneous config.
+
+    transformers' heterogeneous configs (``per_layer_config``, e.g. Gemma 4's
+    ``global_head_dim``) refuse a model-wide read of a per-layer attribute.
+    """
+    if getattr(config, "is_heterogeneous", False):
+        return config.per_layer_config[layer]
+    return config
+
+
 def model_geometry(model: nn.Module, sites: list[AttentionSite]) -> LayerGeometry:
     """The attention geometry of ``model`` (what the registry checks scale shapes against).
 
+    head_dim comes from each attention module, KV heads from each layer's config,
+    so a model whose layers differ (Gemma 4's full-attention layers) gets a
+    per-layer geometry (:meth:`LayerGeometry.layer`).
+
     Raises:
-        UnsupportedModelError: the layers disagree on head counts or head_dim.
+        UnsupportedModelError: the layers disagree on the number of query heads, or a
+            layer's KV heads do not divide its query heads.
     """
     config = text_config(model)
-    num_heads = int(config.num_attention_heads)
-    num_kv = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dims = {_int_attr(s.module, "head_dim") for s in sites}
-    if len(head_dims) != 1:
+    heads: list[int] = []
+    kv_heads: list[int] = []
+    for site in sites:
+        cfg = _layer_config(config, site.layer_idx)
+        num_heads = int(cfg.num_attention_heads)
+        num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        if num_heads % num_kv:
+            raise UnsupportedModelError(
+                f"{site.name}: {num_heads} query heads are not a multiple of {num_kv} KV heads; "
+                "kvquant's kernels share each KV head among a whole group of query heads."
+            )
+        heads.append(num_heads)
+        kv_heads.append(num_kv)
+    if len(set(heads)) != 1:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: attention layers have different head_dim values "
-            f"{sorted(head_dims)}; kvquant needs one head_dim for the whole model."
+            f"{type(model).__name__}: attention layers have different numbers of query heads "
+            f"{sorted(set(heads))}; kvquant needs one query-head count for the whole model."
         )
-    return LayerGeometry(
-        num_layers=len(sites), num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dims.pop()
-    )
+    head_dims = [_int_attr(s.module, "head_dim") for s in sites]
+    return LayerGeometry.from_layers(heads[0], kv_heads, head_dims)

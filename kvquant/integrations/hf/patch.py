@@ -378,11 +378,19 @@ def refuse_error_findings(found: Any, where: str) -> None:
 
 
 def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> None:
-    if (found.num_layers, found.num_kv_heads) != (model.num_layers, model.num_kv_heads):
+    """Refuse a checkpoint whose config does not describe ``model``.
+
+    The checkpoint's geometry comes from its ``config.json`` (the model-wide
+    ``num_key_value_heads``); a model whose layers differ in KV heads matches
+    when that count is one of its layers' counts.
+    """
+    kv_counts = sorted({model.kv_heads_of(i) for i in range(model.num_layers)})
+    if found.num_layers != model.num_layers or found.num_kv_heads not in kv_counts:
+        heads = "/".join(str(h) for h in kv_counts)
         raise ScaleFormatError(
             f"{where}: the checkpoint config has {found.num_layers} layers and "
             f"{found.num_kv_heads} KV heads, the model {model.num_layers} layers and "
-            f"{model.num_kv_heads} KV heads. Fix: pass the checkpoint the model was loaded from."
+            f"{heads} KV heads. Fix: pass the checkpoint the model was loaded from."
         )
 
 
@@ -407,15 +415,15 @@ def _layer_specs(
             "layers."
         )
     specs = []
-    for site, ls in zip(sites, layers, strict=True):
+    for i, (site, ls) in enumerate(zip(sites, layers, strict=True)):
         gran = str(ls.granularity)
         k = None if ls.k is None else _host_scale(ls.k)
         v = None if ls.v is None else _host_scale(ls.v)
         specs.append(
             LayerSpec(
                 name=site.name,
-                num_kv_heads=geometry.num_kv_heads,
-                head_dim=geometry.head_dim,
+                num_kv_heads=geometry.kv_heads_of(i),
+                head_dim=geometry.head_dim_of(i),
                 granularity=gran,
                 k_scale=k,
                 v_scale=v,
