@@ -107,7 +107,8 @@ class LayerGeometry:
         for i in range(self.num_layers):
             groups.setdefault((self.kv_heads_of(i), self.head_dim_of(i)), []).append(i)
         parts = [
-            f"{kv} KV heads x head_dim {d} (layers {_ranges(layers)})"
+            f"{kv} KV head{'s' if kv != 1 else ''} x head_dim {d} "
+            f"(layer{'s' if len(layers) > 1 else ''} {_ranges(layers)})"
             for (kv, d), layers in groups.items()
         ]
         return "; ".join(parts)

@@ -144,7 +144,7 @@ def test_kv_sharing_is_refused_before_any_change() -> None:
     ).eval()
     before = sorted(k for m in model.modules() for k in m.__dict__)
     impl = model.config._attn_implementation
-    with pytest.raises(UnsupportedModelError, match="num_kv_shared_layers=1.*KV sharing"):
+    with pytest.raises(UnsupportedModelError, match=r"num_kv_shared_layers=1.*KV sharing"):
         kvhf.patch(model, backend="torch")
     assert sorted(k for m in model.modules() for k in m.__dict__) == before
     assert model.config._attn_implementation == impl
