@@ -224,3 +224,13 @@ def test_refused_families_change_nothing(config: str, match: str) -> None:
     with pytest.raises(UnsupportedModelError, match=match):
         kvhf.patch(model, backend="torch")
     assert sorted(k for m in model.modules() for k in m.__dict__) == before
+
+
+def test_every_supported_family_is_tested_and_documented() -> None:
+    from pathlib import Path
+
+    from kvquant.integrations.hf.models import SUPPORTED_FAMILIES
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    assert set(SUPPORTED_FAMILIES) == set(ALL_BUILDERS)
+    assert [f for f in SUPPORTED_FAMILIES if f"| `{f}` |" not in docs] == []

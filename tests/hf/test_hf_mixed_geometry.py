@@ -148,3 +148,15 @@ def test_kv_sharing_is_refused_before_any_change() -> None:
         kvhf.patch(model, backend="torch")
     assert sorted(k for m in model.modules() for k in m.__dict__) == before
     assert model.config._attn_implementation == impl
+
+
+def test_calibration_refuses_mixed_kv_heads() -> None:
+    from kvquant.calibrate import calibrate as kv_calibrate
+    from kvquant.errors import CalibrationError
+
+    model = build("gemma4_text")
+    ids = torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(
+        CalibrationError, match=r"different KV-head counts.*1 KV head x head_dim 32"
+    ):
+        kv_calibrate(model, ids, granularity="per-head", progress=False)

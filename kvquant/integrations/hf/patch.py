@@ -380,12 +380,13 @@ def refuse_error_findings(found: Any, where: str) -> None:
 def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> None:
     """Refuse a checkpoint whose config does not describe ``model``.
 
-    The checkpoint's geometry comes from its ``config.json`` (the model-wide
-    ``num_key_value_heads``); a model whose layers differ in KV heads matches
-    when that count is one of its layers' counts.
+    The checkpoint's geometry comes from its ``config.json``; a model whose
+    layers differ in KV heads matches a per-layer config layer by layer, and a
+    model-wide ``num_key_value_heads`` when that count is one of its layers'.
     """
     kv_counts = sorted({model.kv_heads_of(i) for i in range(model.num_layers)})
-    if found.num_layers != model.num_layers or found.num_kv_heads not in kv_counts:
+    per_layer = found.uniform or found.layer_num_kv_heads == model.layer_num_kv_heads
+    if found.num_layers != model.num_layers or found.num_kv_heads not in kv_counts or not per_layer:
         heads = "/".join(str(h) for h in kv_counts)
         raise ScaleFormatError(
             f"{where}: the checkpoint config has {found.num_layers} layers and "
