@@ -540,11 +540,21 @@ def _refuse_cache(cache: Any, name: str) -> NoReturn:
             "FP8 pages and cannot continue from it. Fix: start from handle.new_cache() (or an "
             "empty DynamicCache) and run the prompt again with the patched model."
         )
+    if getattr(cache, "is_compileable", False):
+        raise CacheUsageError(
+            f"{name}: got a {kind} (cache_implementation='static' or 'sliding_window', a "
+            "StaticCache object, or generate's torch.compile route through them); kvquant's "
+            "attention reads only its own FP8 pages, and its paged cache cannot be compiled "
+            "(its allocator keeps host-side page tables and its kernels are not torch custom "
+            "ops), so a forward over this cache would attend without kvquant. Nothing was "
+            "written. Fix: drop cache_implementation (generate then uses kvquant's FP8 cache; on "
+            "CUDA its decode steps replay from CUDA graphs, cuda_graphs=None), or "
+            "handle.remove() to compile the model without kvquant."
+        )
     raise CacheUsageError(
-        f"{name}: got a {kind} (e.g. cache_implementation='static' or 'quantized'); kvquant's "
+        f"{name}: got a {kind} (e.g. cache_implementation='quantized'); kvquant's "
         "attention reads only its own FP8 pages (a KVQuantCache), and a forward over another "
-        f"cache would attend without kvquant and without the mask that cache needs. {fix} "
-        "For a static decode step use kvquant.patch(model, cuda_graphs=True)."
+        f"cache would attend without kvquant and without the mask that cache needs. {fix}"
     )
 
 
