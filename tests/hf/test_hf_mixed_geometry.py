@@ -5,21 +5,24 @@ and a full-attention layer of 1 KV head x head_dim 32 (transformers' own
 ``global_head_dim`` / ``num_global_key_value_heads`` options). The family test
 (logits, greedy, left padding, ``remove()``) is in test_hf_families.py; these
 tests check what the mixed geometry changes: static scales of each layer's
-shape, the fp32-group size, the static decode step, and the refusals.
+shape, the fp32-group size, the static decode step, and the refusals; and
+Gemma 4's KV sharing (later layers attend over an earlier layer's K/V).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
-from hf_steps import calibrate, min_cosine, step_logits
+from hf_steps import calibrate, generate_exactly, min_cosine, step_logits
 from hf_tiny import _gemma4, build, prompt
 
 import kvquant.integrations.hf as kvhf
-from kvquant.errors import ScaleFormatError, UnsupportedModelError
+from kvquant.errors import ScaleFormatError
 from kvquant.integrations.hf.models import find_attention_sites, model_geometry
 
 FP8_MAX = 448.0
@@ -120,8 +123,6 @@ def test_scale_of_another_layers_shape_is_refused() -> None:
 
 
 def test_static_decode_step_equals_ordinary_step() -> None:
-    from hf_steps import generate_exactly
-
     model = build("gemma4_text")
     ids, mask = prompt(batch=3, length=20, pad=(7, 0, 2))
     results = {}
@@ -136,18 +137,98 @@ def test_static_decode_step_equals_ordinary_step() -> None:
     assert torch.equal(results[True][1], results[False][1])
 
 
-def test_kv_sharing_is_refused_before_any_change() -> None:
-    model = _gemma4(
-        num_hidden_layers=3,
-        layer_types=["sliding_attention", "full_attention", "full_attention"],
-        num_kv_shared_layers=1,
-    ).eval()
+def _shared() -> Any:
+    """Gemma 4 whose last two layers reuse the K/V of layers 0 (sliding) and 1 (full)."""
+    torch.manual_seed(0)
+    types = ["sliding_attention", "full_attention"] * 2
+    model = _gemma4(num_hidden_layers=4, layer_types=types, num_kv_shared_layers=2).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+@contextmanager
+def _simulated_dynamic(model: Any) -> Iterator[None]:
+    """HF's eager attention over K/V rounded like kvquant's fp32-group pages (G=16).
+
+    A forward over an empty cache attends over its own unquantized K/V (kvquant hands them
+    back); every later forward attends over rounded K/V, its own new tokens included.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+
+    from benchmarks.harness.accuracy import fake_quantize_kv
+
+    eager = importlib.import_module(type(model).__module__).eager_attention_forward
+    fresh = [True]
+
+    def watch(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        fresh[0] = cache is None or cache.get_seq_length() == 0
+
+    def attend(module, query, key, value, attention_mask, **kw):  # type: ignore[no-untyped-def]
+        if not fresh[0]:
+            key = fake_quantize_kv(key.float(), None, group_size=16).to(key.dtype)
+            value = fake_quantize_kv(value.float(), None, group_size=16).to(value.dtype)
+        return eager(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("kvquant_test_dynamic", attend)
+    AttentionMaskInterface.register("kvquant_test_dynamic", eager_mask)
+    hook = model.model.register_forward_pre_hook(watch, with_kwargs=True)
+    model.set_attn_implementation("kvquant_test_dynamic")
+    try:
+        yield
+    finally:
+        hook.remove()
+        model.set_attn_implementation("eager")
+
+
+def test_kv_sharing_layers_read_their_source_layer() -> None:
+    """Shared layers attend over the K/V of their source layer's FP8 pages: simulated rounding.
+
+    The random tiny model amplifies FP8 rounding itself (min cosine 0.966 to the unquantized
+    logits for rounding alone), so kvquant is compared with that rounding simulated on HF's
+    own attention path: decode steps of a left-padded batch, greedy with chunked prefill,
+    beam search.
+    """
+    model = _shared()
+    ids, mask, cont = _inputs()
+    ref, _ = step_logits(model, ids, mask, cont)
+    with _simulated_dynamic(model):
+        sim, _ = step_logits(model, ids, mask, cont)
+        sim_chunked = generate_exactly(model, ids, mask, 6, prefill_chunk_size=4)
+        sim_beams = generate_exactly(model, ids, mask, 6, num_beams=3)
+    handle = kvhf.patch(model, backend="torch", page_size=4, group_size=16)
+    assert [s.kv_source for s in handle.state.sites] == [None, None, 0, 1]
+    assert [s.kv_reused for s in handle.state.layer_specs] == [True, True, False, False]
+    assert handle.state.graph_runner is None  # no CUDA-graph step for shared K/V
+    got, cache = step_logits(model, ids, mask, cont)
+    assert [layer.seq_len for layer in cache.layers] == [
+        22,
+        22,
+        0,
+        0,
+    ]  # shared layers store nothing
+    assert not torch.equal(got, ref)
+    assert min_cosine(got, sim) >= 0.99999
+    chunked = generate_exactly(model, ids, mask, 6, prefill_chunk_size=4)
+    assert torch.equal(chunked.sequences, sim_chunked.sequences)
+    assert min_cosine(torch.stack(chunked.logits), torch.stack(sim_chunked.logits)) >= 0.99999
+    beams = generate_exactly(model, ids, mask, 6, num_beams=3)
+    assert torch.equal(beams.sequences, sim_beams.sequences)
+    handle.remove()
+    again, _ = step_logits(model, ids, mask, cont)
+    assert torch.equal(again, ref)
+
+
+def test_kv_sharing_refuses_cuda_graphs_before_any_change() -> None:
+    from kvquant.errors import OptionError
+
+    model = _shared()
     before = sorted(k for m in model.modules() for k in m.__dict__)
-    impl = model.config._attn_implementation
-    with pytest.raises(UnsupportedModelError, match=r"num_kv_shared_layers=1.*KV sharing"):
-        kvhf.patch(model, backend="torch")
+    with pytest.raises(OptionError, match=r"cuda_graphs=True.*KV sharing.*cuda_graphs=None"):
+        kvhf.patch(model, backend="torch", cuda_graphs=True)
     assert sorted(k for m in model.modules() for k in m.__dict__) == before
-    assert model.config._attn_implementation == impl
+    assert model.config._attn_implementation == "eager"
 
 
 def test_calibration_refuses_mixed_kv_heads() -> None:

@@ -68,6 +68,9 @@ class LayerSpec:
         k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for ``fp32-group``.
         v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for ``fp32-group``.
         group_size: ``G`` of ``fp32-group`` (divides ``head_dim``), else None.
+        kv_reused: later layers attend over this layer's K/V (Gemma 4's KV
+            sharing): transformers hands them what this layer's ``update()``
+            returns, so it returns dense K/V instead of ``(None, None)``.
     """
 
     name: str
@@ -77,6 +80,7 @@ class LayerSpec:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     group_size: int | None
+    kv_reused: bool = False
 
 
 @dataclass
@@ -262,7 +266,8 @@ class KVQuantLayer(CacheLayerMixin):
             On the first update (no token stored before: a prompt), ``key_states``
             and ``value_states`` themselves, since they are all there is to
             attend to; later, ``(None, None)`` while kvquant's attention is
-            active (it reads the FP8 pages), else dense dequantized
+            active (it reads the FP8 pages), else (or when other layers reuse
+            this layer's K/V, ``spec.kv_reused``) dense dequantized
             ``([B, Hkv, T, D], [B, Hkv, T, D])`` in the dtype of ``key_states``.
 
         Raises:
@@ -295,7 +300,7 @@ class KVQuantLayer(CacheLayerMixin):
             # already holds at full precision (the write above stored them in FP8 for later
             # steps). kvquant's attention runs SDPA on them, as the unpatched model does.
             return key_states, value_states
-        if self.cache.attention_is_kvquant():
+        if self.cache.attention_is_kvquant() and not self.spec.kv_reused:
             return None, None
         return self.dense_kv(key_states.dtype)
 

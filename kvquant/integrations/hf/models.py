@@ -71,6 +71,7 @@ SUPPORTED_FAMILIES: dict[str, FamilySupport] = {
                 "K reused as V on full-attention layers (attention_k_eq_v)",
                 "q/k/v RMSNorm",
                 "alternating sliding-window layers",
+                "KV sharing across layers (num_kv_shared_layers)",
             ),
         ),
         FamilySupport(
@@ -101,6 +102,9 @@ class AttentionSite:
         name: dotted module path, e.g. ``model.layers.3.self_attn``.
         module: the attention module.
         layer_idx: its decoder layer index (``module.layer_idx``).
+        kv_source: for a layer that attends over the K/V another layer produced
+            (Gemma 4's KV sharing: ``is_kv_shared_layer``), that layer's index;
+            else None.
 
     The sliding window and logit softcap of a layer reach the attention
     function as call keywords (``sliding_window=``, ``softcap=``), as they do
@@ -110,6 +114,7 @@ class AttentionSite:
     name: str
     module: nn.Module
     layer_idx: int
+    kv_source: int | None = None
 
 
 def text_config(model: nn.Module) -> Any:
@@ -142,15 +147,6 @@ def check_supported(model: nn.Module) -> FamilySupport:
             f"{type(model).__name__} (model_type={top_type!r}) is not supported by kvquant: it needs "
             f"{missing}. Supported families: {supported}. Fix: use a supported family, or run "
             "this model without kvquant."
-        )
-    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
-    if shared:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} (model_type={top_type!r}): config.num_kv_shared_layers="
-            f"{shared}: its last {shared} layers attend over K/V that an earlier layer "
-            "produced (KV sharing across layers), and kvquant keeps one FP8 cache per layer that "
-            "only the layer itself writes and reads. Gemma 4 checkpoints without KV sharing "
-            "(num_kv_shared_layers=0) are supported. Fix: run this model without kvquant."
         )
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
@@ -214,9 +210,46 @@ def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
         if site.layer_idx != i:
             raise UnsupportedModelError(
                 f"{site.name} has layer_idx={site.layer_idx} but sits at position {i}; kvquant "
-                "expects one cache layer per decoder layer in order (KV sharing is not supported)."
+                "expects one cache layer per decoder layer in order."
             )
-    return sites
+    return _with_kv_sources(sites)
+
+
+def _with_kv_sources(sites: list[AttentionSite]) -> list[AttentionSite]:
+    """Mark the layers that attend over another layer's K/V (Gemma 4's KV sharing).
+
+    transformers' Gemma 4 gives a KV-shared layer (``is_kv_shared_layer``) the
+    K/V that the last earlier layer of its ``layer_type`` returned from its cache
+    update (that layer has ``store_full_length_kv``); the shared layer itself
+    never updates the cache.
+
+    Raises:
+        UnsupportedModelError: a shared layer whose source layer cannot be found.
+    """
+    if not any(getattr(s.module, "is_kv_shared_layer", False) for s in sites):
+        return sites
+    out: list[AttentionSite] = []
+    for site in sites:
+        if not getattr(site.module, "is_kv_shared_layer", False):
+            out.append(site)
+            continue
+        kind = getattr(site.module, "layer_type", None)
+        sources = [
+            s.layer_idx
+            for s in sites[: site.layer_idx]
+            if getattr(s.module, "store_full_length_kv", False)
+            and not getattr(s.module, "is_kv_shared_layer", False)
+            and getattr(s.module, "layer_type", None) == kind
+        ]
+        if len(sources) != 1:
+            raise UnsupportedModelError(
+                f"{site.name} reuses the K/V of an earlier layer (is_kv_shared_layer) but "
+                f"{len(sources)} earlier layers of type {kind!r} store them "
+                "(store_full_length_kv); kvquant expects exactly one. Fix: run this model "
+                "without kvquant."
+            )
+        out.append(AttentionSite(site.name, site.module, site.layer_idx, kv_source=sources[0]))
+    return out
 
 
 def _layer_config(config: Any, layer: int) -> Any:

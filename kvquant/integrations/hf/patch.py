@@ -415,6 +415,7 @@ def _layer_specs(
             f"the registry resolved {len(layers)} layers of scales for {len(sites)} attention "
             "layers."
         )
+    reused = {s.kv_source for s in sites if s.kv_source is not None}
     specs = []
     for i, (site, ls) in enumerate(zip(sites, layers, strict=True)):
         gran = str(ls.granularity)
@@ -429,6 +430,7 @@ def _layer_specs(
                 k_scale=k,
                 v_scale=v,
                 group_size=int(ls.group_size) if ls.group_size else None,
+                kv_reused=i in reused,
             )
         )
     return specs
@@ -776,7 +778,9 @@ def apply_patch(
 
     Raises:
         UnsupportedModelError: the model refuses the ``"kvquant"`` attention implementation.
+        OptionError: ``cuda_graphs=True`` for a model whose layers share K/V.
     """
+    _check_graphs(model, opts, sites)
     specs = _layer_specs(sites, geometry, model_scales)
     cfg = text_config(model)
     previous = getattr(cfg, "_attn_implementation", None)
@@ -814,7 +818,7 @@ def apply_patch(
                 _make_rollback(model, state), with_kwargs=True, always_call=True
             )
         )
-        if opts.cuda_graphs is not False:
+        if opts.cuda_graphs is not False and not _shares_kv(sites):
             _install_graph_runner(model, state)
         _set_attn(model, ATTN_NAME)
         if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
@@ -831,6 +835,30 @@ def apply_patch(
     state.handle = handle
     _logger.info(_decision_line(model, state))
     return handle
+
+
+def _shares_kv(sites: list[AttentionSite]) -> bool:
+    """Whether some layers attend over another layer's K/V (Gemma 4's KV sharing).
+
+    Such a model decodes without the CUDA-graph runner: the shared layers attend
+    over the K/V their source layer's update returns, which a graph step does not
+    produce.
+    """
+    return any(s.kv_source is not None for s in sites)
+
+
+def _check_graphs(model: nn.Module, opts: PatchOptions, sites: list[AttentionSite]) -> None:
+    """Refuse ``cuda_graphs=True`` for a model whose layers share K/V (before any change).
+
+    Raises:
+        OptionError: ``cuda_graphs=True`` and some layers attend over another layer's K/V.
+    """
+    if opts.cuda_graphs and _shares_kv(sites):
+        raise OptionError(
+            f"kvquant.patch: cuda_graphs=True, but {type(model).__name__} has layers that attend "
+            "over another layer's K/V (KV sharing), which kvquant's CUDA-graph decode step does "
+            "not serve. Fix: pass cuda_graphs=None (such a model decodes eagerly)."
+        )
 
 
 def _decision_line(model: nn.Module, state: PatchState) -> str:
@@ -854,6 +882,8 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     else:
         sizing = f"pages of {opts.page_size} tokens, grown on demand"
     graphs = {None: "auto (on CUDA)", True: "on", False: "off"}[opts.cuda_graphs]
+    if _shares_kv(state.sites):
+        graphs = "off (layers share K/V)"
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
         f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
@@ -954,6 +984,7 @@ def patch(
         cuda_graphs=cuda_graphs,
     )
     _check_options(opts)
+    _check_graphs(model, opts, sites)
     if backend == "triton":  # fail here, not at the first generate
         param = next(model.parameters(), None)
         resolve_backend(
