@@ -284,14 +284,16 @@ def model_geometry(model: nn.Module, sites: list[AttentionSite]) -> LayerGeometr
         if num_heads % num_kv:
             raise UnsupportedModelError(
                 f"{site.name}: {num_heads} query heads are not a multiple of {num_kv} KV heads; "
-                "kvquant's kernels share each KV head among a whole group of query heads."
+                "kvquant's kernels share each KV head among a whole group of query heads. "
+                "Fix: run this model without kvquant."
             )
         heads.append(num_heads)
         kv_heads.append(num_kv)
     if len(set(heads)) != 1:
         raise UnsupportedModelError(
             f"{type(model).__name__}: attention layers have different numbers of query heads "
-            f"{sorted(set(heads))}; kvquant needs one query-head count for the whole model."
+            f"{sorted(set(heads))}; kvquant needs one query-head count for the whole model. "
+            "Fix: run this model without kvquant."
         )
     head_dims = [_int_attr(s.module, "head_dim") for s in sites]
     return LayerGeometry.from_layers(heads[0], kv_heads, head_dims)

@@ -984,7 +984,6 @@ def patch(
         cuda_graphs=cuda_graphs,
     )
     _check_options(opts)
-    _check_graphs(model, opts, sites)
     if backend == "triton":  # fail here, not at the first generate
         param = next(model.parameters(), None)
         resolve_backend(
