@@ -902,6 +902,13 @@ def collect_statistics(
     check_supported(model)  # the written checkpoint must be usable by kvquant.patch
     sites = find_attention_sites(model)
     geometry = model_geometry(model, sites)
+    if geometry.layer_num_kv_heads is not None:
+        raise CalibrationError(
+            f"calibrate: {type(model).__name__} has layers with different KV-head counts "
+            f"({geometry.describe()}); kvquant's calibration statistics hold one KV-head count "
+            "for every layer. Fix: patch the model without static scales (kvquant.patch(model): "
+            "the dynamic fp32-group scales serve every layer geometry)."
+        )
     windows = _windows(model, texts_or_token_ids, tokenizer, window, max_tokens)
     if not windows:
         raise CalibrationError(

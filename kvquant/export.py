@@ -678,7 +678,6 @@ def export_checkpoint(
     by_layer: dict[int, list[RawScale]] = {}
     for raw in found.scales:
         by_layer.setdefault(raw.layer, []).append(raw)
-    shape = _shape_for(engine, granularity, geometry.num_kv_heads)
 
     layers: list[LayerExport] = []
     new_tensors: dict[str, torch.Tensor] = {}
@@ -688,6 +687,8 @@ def export_checkpoint(
     for layer_scales in scales.layers:
         layer = layer_scales.layer
         raws = by_layer[layer]
+        heads = geometry.kv_heads_of(layer)  # models such as Gemma 4 differ per layer
+        shape = _shape_for(engine, granularity, heads)
         notes.extend([n for n in layer_scales.notes if n not in notes])
         values: dict[str, torch.Tensor] = {}
         ratios: dict[str, float] = {}
@@ -698,7 +699,7 @@ def export_checkpoint(
             if granularity == "per-tensor" and value.dim() == 1:
                 value, ratios[kind] = reduce_to_per_tensor(value)
             elif granularity == "per-head" and value.dim() == 0:
-                value = broadcast_to_per_head(value, geometry.num_kv_heads)
+                value = broadcast_to_per_head(value, heads)
                 broadcast = True
             values[kind] = value
         (k_name, k_t), (v_name, v_t) = kv_scale_tensors(

@@ -139,6 +139,14 @@ class CheckpointReport:
                 "num_heads": g.num_heads,
                 "num_kv_heads": g.num_kv_heads,
                 "head_dim": g.head_dim,
+                **(
+                    {}
+                    if g.uniform
+                    else {
+                        "layer_num_kv_heads": [g.kv_heads_of(i) for i in range(g.num_layers)],
+                        "layer_head_dims": [g.head_dim_of(i) for i in range(g.num_layers)],
+                    }
+                ),
             },
             "options": {k: _jsonable(v) for k, v in self.options.items()},
             "rejected_layers": list(self.rejected_layers),
@@ -171,8 +179,7 @@ class CheckpointReport:
         lines = [
             f"checkpoint: {self.path}",
             f"producer:   {self.producer}",
-            f"geometry:   {g.num_layers} layers, {g.num_heads} query heads, "
-            f"{g.num_kv_heads} KV heads, head_dim {g.head_dim}",
+            f"geometry:   {g.num_layers} layers, {g.num_heads} query heads, {g.describe()}",
             f"verdict:    {'OK' if self.ok else 'REJECTED'}: {self.summary}",
         ]
         if prefix:

@@ -234,9 +234,80 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
             f"{where}: num_attention_heads={heads} is not a multiple of "
             f"num_key_value_heads={kv_heads}. Fix: correct config.json."
         )
-    return LayerGeometry(
-        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim
-    )
+    overrides = _layer_overrides(config, layers, where)
+    if not overrides:
+        return LayerGeometry(
+            num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim
+        )
+    kv_per_layer = [kv_heads] * layers
+    dims = [head_dim] * layers
+    for layer, fields in overrides.items():
+        lwhere = f"{where} layer {layer}"
+        kv_per_layer[layer] = _positive_int(fields, "num_key_value_heads", lwhere, MAX_HEADS) or (
+            kv_heads
+        )
+        dims[layer] = _positive_int(fields, "head_dim", lwhere, MAX_HEAD_DIM) or head_dim
+        if heads % kv_per_layer[layer]:
+            raise CheckpointError(
+                f"{lwhere}: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={kv_per_layer[layer]}. Fix: correct config.json."
+            )
+    return LayerGeometry.from_layers(heads, kv_per_layer, dims)
+
+
+_GEMMA4_DEFAULT_GLOBAL_HEAD_DIM = 512
+"""transformers' Gemma 4 default ``global_head_dim`` (full-attention layers) when config.json has none."""
+
+
+def _layer_overrides(config: Mapping[str, Any], layers: int, where: str) -> dict[int, Any]:
+    """Per-layer ``head_dim`` / ``num_key_value_heads`` overrides of a config, by layer index.
+
+    Two spellings: transformers' generic ``per_layer_config`` (``{"3": {"head_dim": 512}}``,
+    what a heterogeneous config saves), and Gemma 4's ``global_head_dim`` /
+    ``num_global_key_value_heads`` for its ``full_attention`` layers (its hub
+    configs; the KV-head override only with ``attention_k_eq_v``, as transformers reads it).
+
+    Raises:
+        CheckpointError: a malformed ``per_layer_config`` or ``layer_types``.
+    """
+    per_layer = config.get("per_layer_config")
+    if per_layer is not None:
+        if not isinstance(per_layer, Mapping) or len(per_layer) > layers:
+            raise CheckpointError(
+                f"{where}: per_layer_config is not a mapping of at most {layers} layer indices "
+                "to attribute overrides. Fix: correct config.json."
+            )
+        out: dict[int, Any] = {}
+        for key, fields in per_layer.items():
+            index = int(key) if isinstance(key, str) and key.isdigit() else key
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < layers:
+                raise CheckpointError(
+                    f"{where}: per_layer_config has key {str(key)[:40]!r}; expected a layer index "
+                    f"0-{layers - 1}. Fix: correct config.json."
+                )
+            if not isinstance(fields, Mapping):
+                raise CheckpointError(
+                    f"{where}: per_layer_config[{index}] is not a mapping of attribute "
+                    "overrides. Fix: correct config.json."
+                )
+            out[index] = fields
+        return out
+    if not str(config.get("model_type", "")).startswith("gemma4"):
+        return {}
+    types = config.get("layer_types")
+    if types is None:  # transformers' default pattern: every 6th layer is full
+        types = ["full_attention" if (i + 1) % 6 == 0 else "sliding" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise CheckpointError(
+            f"{where}: layer_types is not a list of {layers} layer types. Fix: correct config.json."
+        )
+    types = [*types[:-1], "full_attention"]  # transformers forces the last layer to full
+    full: dict[str, Any] = {
+        "head_dim": config.get("global_head_dim", _GEMMA4_DEFAULT_GLOBAL_HEAD_DIM)
+    }
+    if config.get("attention_k_eq_v") and config.get("num_global_key_value_heads") is not None:
+        full["num_key_value_heads"] = config.get("num_global_key_value_heads")
+    return {i: full for i, t in enumerate(types) if t == "full_attention"}
 
 
 # ---------------------------------------------------------------------------

@@ -76,8 +76,8 @@ from kvquant.registry.policy import (
     check_values,
     format_shape,
     format_shapes,
+    model_group_size,
     read_values,
-    resolve_group_size,
 )
 from kvquant.types import Granularity, LayerGeometry, RawScale
 
@@ -313,8 +313,8 @@ class Fp32GroupFormat(ScaleFormat):
         )
 
     def check_geometry(self, geometry: LayerGeometry) -> None:
-        """Reject a ``group_size`` that does not divide ``head_dim``."""
-        resolve_group_size(self.group_size, geometry.head_dim)
+        """Reject a ``group_size`` that does not divide every layer's ``head_dim``."""
+        model_group_size(self.group_size, geometry)
 
 
 @dataclass(frozen=True)

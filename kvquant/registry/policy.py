@@ -69,6 +69,7 @@ __all__ = [
     "format_shape",
     "format_shapes",
     "missing_layers",
+    "model_group_size",
     "pair_kv",
     "read_values",
     "reduce_to_per_tensor",
@@ -149,6 +150,20 @@ def check_geometry(geometry: LayerGeometry) -> None:
                 f"LayerGeometry.{field_name} is {value!r}; expected a positive int. "
                 "Fix: build the geometry from the model config (num_hidden_layers, "
                 "num_attention_heads, num_key_value_heads, head_dim)."
+            )
+    for field_name in ("layer_num_kv_heads", "layer_head_dims"):
+        values = getattr(geometry, field_name)
+        if values is None:
+            continue
+        if (
+            not isinstance(values, tuple)
+            or len(values) != geometry.num_layers
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values)
+        ):
+            raise ScaleFormatError(
+                f"LayerGeometry.{field_name} is {values!r}; expected None or a tuple of "
+                f"{geometry.num_layers} positive ints (one per layer). Fix: build the geometry "
+                "with LayerGeometry.from_layers(num_heads, kv_heads_per_layer, head_dims)."
             )
 
 
@@ -560,6 +575,36 @@ def apply_rope_policy(k: torch.Tensor, raw: RawScale, rope_policy: str) -> tuple
         f"{raw.name}: calibrated before RoPE; kept as stored, rotated keys up to sqrt(2) "
         'above it saturate at 448 (rope_policy="keep")',
     )
+
+
+def model_group_size(group_size: int | None, geometry: LayerGeometry) -> int:
+    """The fp32-group ``G`` of a whole model: one size that divides every layer's head_dim.
+
+    Args:
+        group_size: requested ``G``, or ``None`` for the default of
+            :func:`resolve_group_size` on the greatest common divisor of the
+            layers' head_dims (the head_dim itself when the layers agree).
+        geometry: the model's attention geometry.
+
+    Raises:
+        ScaleFormatError: an explicit ``G`` that does not divide some layer's head_dim.
+    """
+    dims = geometry.head_dims()
+    if group_size is None:
+        return resolve_group_size(None, math.gcd(*dims))
+    for dim in dims:
+        try:
+            resolve_group_size(group_size, dim)
+        except ScaleFormatError as exc:
+            if len(dims) == 1:
+                raise
+            common = resolve_group_size(None, math.gcd(*dims))
+            raise ScaleFormatError(
+                f"group_size={group_size!r} does not divide head_dim={dim} of some layers (the "
+                f"model's layers have head_dims {list(dims)}); expected a divisor of every one, "
+                f"such as {common}. Fix: pass group_size={common}, or group_size=None."
+            ) from exc
+    return group_size
 
 
 def resolve_group_size(group_size: int | None, head_dim: int) -> int:

@@ -59,9 +59,9 @@ from kvquant.registry.policy import (
     format_layers,
     format_shape,
     format_shapes,
+    model_group_size,
     pair_kv,
     reduce_to_per_tensor,
-    resolve_group_size,
 )
 from kvquant.registry.registry import (
     BUILTIN_FORMATS,
@@ -313,6 +313,18 @@ class ModelScales:
                 "num_heads": self.geometry.num_heads,
                 "num_kv_heads": self.geometry.num_kv_heads,
                 "head_dim": self.geometry.head_dim,
+                **(
+                    {}
+                    if self.geometry.uniform
+                    else {
+                        "layer_num_kv_heads": [
+                            self.geometry.kv_heads_of(i) for i in range(self.geometry.num_layers)
+                        ],
+                        "layer_head_dims": [
+                            self.geometry.head_dim_of(i) for i in range(self.geometry.num_layers)
+                        ],
+                    }
+                ),
             },
             "options": dict(self.options),
             "granularity": self.granularity,
@@ -351,8 +363,8 @@ class ModelScales:
                 if self.k_transform is not None
                 else ""
             )
-            + f" for {len(self.layers)} layers ({g.num_heads} heads, {g.num_kv_heads} KV heads, "
-            f"head_dim {g.head_dim}): {'ok' if self.ok else 'REJECTED'}"
+            + f" for {len(self.layers)} layers ({g.num_heads} heads, {g.describe()}): "
+            f"{'ok' if self.ok else 'REJECTED'}"
         )
         lines = [head]
         lines += [f"  note: {n}" for n in self.notes]
@@ -901,7 +913,7 @@ def _read_layers(
             if side is None or id(side) in done:
                 continue
             try:
-                done[id(side)] = _read_raw(side, geometry, reader, target, registry)
+                done[id(side)] = _read_raw(side, geometry.layer(layer), reader, target, registry)
             except ScaleFormatError as exc:
                 done[id(side)] = None
                 mine.append(str(exc))
@@ -957,7 +969,7 @@ def _finish_layer(
                     [],
                 ).append(layer)
             elif target in ("per-head", "k-transform") and tensor.dim() == 0:
-                tensor = broadcast_to_per_head(tensor, geometry.num_kv_heads)
+                tensor = broadcast_to_per_head(tensor, geometry.kv_heads_of(layer))
                 kind_steps.append("per-tensor broadcast to every KV head (lossless)")
                 events.setdefault(
                     (
@@ -1118,7 +1130,7 @@ def _dynamic(
     reason: str | None,
     problems: Sequence[str] = (),
 ) -> ModelScales:
-    size = resolve_group_size(group_size, geometry.head_dim)
+    size = model_group_size(group_size, geometry)
     by_layer: dict[tuple[int, str], RawScale] = {}
     for raw in raw_scales:
         for kind in ("k", "v") if raw.kind == "kv" else (raw.kind,):
@@ -1218,10 +1230,10 @@ def _no_scales(
         )
     if missing_scales == "unit":
         granularity: Granularity = target or "per-tensor"
-        shape = () if granularity == "per-tensor" else (geometry.num_kv_heads,)
         reason = 'no KV scale in the checkpoint; 1.0 used (missing_scales="unit")'
         layers = []
         for layer in range(geometry.num_layers):
+            shape = () if granularity == "per-tensor" else (geometry.kv_heads_of(layer),)
             k = torch.ones(shape, dtype=torch.float32)
             v = torch.ones(shape, dtype=torch.float32)
             layers.append(

@@ -150,6 +150,31 @@ def _gpt_oss() -> Any:
     return model
 
 
+def _gemma4(**overrides: Any) -> Any:
+    """Gemma 4 text: its full-attention layer has another head_dim and KV-head count.
+
+    ``global_head_dim`` and ``num_global_key_value_heads`` are transformers' own
+    config options (a heterogeneous ``per_layer_config``); with
+    ``attention_k_eq_v`` that layer reuses K as V.
+    """
+    cfg = transformers.Gemma4TextConfig(
+        **{
+            **_COMMON,
+            **_IDS,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 8,
+            **overrides,
+        }
+    )
+    return transformers.Gemma4ForCausalLM(cfg)
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -173,6 +198,7 @@ MORE_BUILDERS: dict[str, Callable[[], Any]] = {
     "olmo2": _olmo2,
     "olmo3": _olmo3,
     "gpt_oss": _gpt_oss,
+    "gemma4_text": _gemma4,
 }
 """Further supported families, tested once each (the default fp32-group scales)."""
 

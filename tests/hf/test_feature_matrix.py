@@ -153,6 +153,46 @@ def static_cache(model: Any, ctx: dict[str, Any]) -> Any:
     return _gen(model, *_plain(), cache_implementation="static")
 
 
+def sliding_window_cache(model: Any, ctx: dict[str, Any]) -> Any:
+    return _gen(model, *_plain(), cache_implementation="sliding_window")
+
+
+def hybrid_cache(model: Any, ctx: dict[str, Any]) -> Any:
+    # transformers unsets the legacy "hybrid" name: the dynamic cache (kvquant's FP8 one)
+    return _gen(model, *_plain(), cache_implementation="hybrid")
+
+
+def user_static_cache(model: Any, ctx: dict[str, Any]) -> Any:
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    return _gen(model, *_plain(), past_key_values=cache)
+
+
+def _compile_config(model: Any, **kw: Any) -> Any:
+    model.generation_config.compile_config = transformers.CompileConfig(backend="eager")
+    try:
+        return _gen(model, *_plain(), **kw)
+    finally:
+        model.generation_config.compile_config = None
+        torch._dynamo.reset()
+
+
+def compile_config(model: Any, ctx: dict[str, Any]) -> Any:
+    # generate compiles only over a compileable cache: neither DynamicCache nor kvquant's
+    return _compile_config(model)
+
+
+def compile_config_static(model: Any, ctx: dict[str, Any]) -> Any:
+    return _compile_config(model, cache_implementation="static")
+
+
+def compiled_model_generate(model: Any, ctx: dict[str, Any]) -> Any:
+    compiled = torch.compile(model, backend="eager")
+    try:
+        return compiled.generate(input_ids=_plain()[0], attention_mask=_plain()[1], **_BASE)
+    finally:
+        torch._dynamo.reset()
+
+
 def compile_forward(model: Any, ctx: dict[str, Any]) -> Any:
     model.forward = torch.compile(model.forward, backend="eager")
     try:
@@ -211,6 +251,12 @@ CASES: dict[str, tuple[Callable[[Any, dict[str, Any]], Any], str]] = {
     "continue from the returned cache": (continue_from_cache, "matches"),
     "manual decode loop (user's DynamicCache)": (manual_loop, "matches"),
     "cache_implementation='static'": (static_cache, "raises"),
+    "cache_implementation='sliding_window'": (sliding_window_cache, "raises"),
+    "cache_implementation='hybrid'": (hybrid_cache, "matches"),
+    "a user's StaticCache (past_key_values=StaticCache(...))": (user_static_cache, "raises"),
+    "generation_config.compile_config": (compile_config, "matches"),
+    "compile_config with cache_implementation='static'": (compile_config_static, "raises"),
+    "torch.compile(model) then generate": (compiled_model_generate, "matches"),
     "torch.compile(model.forward)": (compile_forward, "matches"),
     "assisted decoding (assistant_model)": (assisted, "matches"),
     "prompt lookup decoding": (prompt_lookup, "matches"),

@@ -22,7 +22,14 @@ CASES = [(f, g) for f in sorted(BUILDERS) for g in GRANULARITIES] + [
 # matches that simulation (test_equals_simulated_rounding); measured 0.985-0.998 over
 # granularities for the Gemmas, 0.9988 for olmo2, 0.9987 for olmo3 and 0.9984 for gpt_oss.
 # Every other family is held to 0.998 (0.9989-0.9999 measured; qwen3/per-tensor lowest).
-FLOORS = {"gemma2": 0.98, "gemma3_text": 0.98, "gpt_oss": 0.998, "olmo2": 0.998, "olmo3": 0.998}
+FLOORS = {
+    "gemma2": 0.98,
+    "gemma3_text": 0.98,
+    "gemma4_text": 0.98,
+    "gpt_oss": 0.998,
+    "olmo2": 0.998,
+    "olmo3": 0.998,
+}
 
 
 @pytest.mark.parametrize(("family", "granularity"), CASES)
@@ -163,12 +170,13 @@ def test_equals_simulated_rounding(family: str) -> None:
     else:
         attend, mask_fn = ALL_ATTENTION_FUNCTIONS[impl], sdpa_mask
 
+    group = 16  # divides every layer's head_dim (gemma4_text mixes 16 and 32)
+
     def simulated(mod, query, key, value, attention_mask, **kw):  # type: ignore[no-untyped-def]
-        d = key.shape[-1]
         if query.shape[2] > 1:  # the prompt: no cached prefix, exact K/V
             return attend(mod, query, key, value, attention_mask, **kw)
-        key = fake_quantize_kv(key.float(), None, group_size=d).to(key.dtype)
-        value = fake_quantize_kv(value.float(), None, group_size=d).to(value.dtype)
+        key = fake_quantize_kv(key.float(), None, group_size=group).to(key.dtype)
+        value = fake_quantize_kv(value.float(), None, group_size=group).to(value.dtype)
         return attend(mod, query, key, value, attention_mask, **kw)
 
     ids, mask = prompt(batch=2, length=10, pad=(3, 0))
@@ -180,7 +188,12 @@ def test_equals_simulated_rounding(family: str) -> None:
     sim, _ = step_logits(model, ids, mask, cont, cache=None)
     model.set_attn_implementation(impl)
     handle = kvhf.patch(
-        model, scales=None, scale_format="fp32-group", group_size=16, backend="torch", page_size=4
+        model,
+        scales=None,
+        scale_format="fp32-group",
+        group_size=group,
+        backend="torch",
+        page_size=4,
     )
     got, _ = step_logits(model, ids, mask, cont, cache=None)
     handle.remove()
@@ -211,3 +224,13 @@ def test_refused_families_change_nothing(config: str, match: str) -> None:
     with pytest.raises(UnsupportedModelError, match=match):
         kvhf.patch(model, backend="torch")
     assert sorted(k for m in model.modules() for k in m.__dict__) == before
+
+
+def test_every_supported_family_is_tested_and_documented() -> None:
+    from pathlib import Path
+
+    from kvquant.integrations.hf.models import SUPPORTED_FAMILIES
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    assert set(SUPPORTED_FAMILIES) == set(ALL_BUILDERS)
+    assert [f for f in SUPPORTED_FAMILIES if f"| `{f}` |" not in docs] == []

@@ -72,6 +72,9 @@ class LayerSpec:
         rotation: ``"hadamard"`` or None (``k-transform``: the K / query rotation).
         first_tokens: first visible tokens per sequence kept at full precision
             (``k-transform``), else 0.
+        kv_reused: later layers attend over this layer's K/V (Gemma 4's KV
+            sharing): transformers hands them what this layer's ``update()``
+            returns, so it returns dense K/V instead of ``(None, None)``.
     """
 
     name: str
@@ -84,6 +87,7 @@ class LayerSpec:
     k_offset: torch.Tensor | None = None
     rotation: str | None = None
     first_tokens: int = 0
+    kv_reused: bool = False
 
 
 @dataclass
@@ -281,7 +285,8 @@ class KVQuantLayer(CacheLayerMixin):
             On the first update (no token stored before: a prompt), ``key_states``
             and ``value_states`` themselves, since they are all there is to
             attend to; later, ``(None, None)`` while kvquant's attention is
-            active (it reads the FP8 pages), else dense dequantized
+            active (it reads the FP8 pages), else (or when other layers reuse
+            this layer's K/V, ``spec.kv_reused``) dense dequantized
             ``([B, Hkv, T, D], [B, Hkv, T, D])`` in the dtype of ``key_states``.
 
         Raises:
@@ -317,7 +322,7 @@ class KVQuantLayer(CacheLayerMixin):
             # already holds at full precision (the write above stored them in FP8 for later
             # steps). kvquant's attention runs SDPA on them, as the unpatched model does.
             return key_states, value_states
-        if self.cache.attention_is_kvquant():
+        if self.cache.attention_is_kvquant() and not self.spec.kv_reused:
             return None, None
         return self.dense_kv(key_states.dtype)
 

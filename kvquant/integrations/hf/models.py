@@ -65,6 +65,16 @@ SUPPORTED_FAMILIES: dict[str, FamilySupport] = {
         FamilySupport("olmo2", ("GQA", "RoPE", "q/k RMSNorm over the whole projection")),
         FamilySupport("olmo3", ("GQA", "RoPE", "q/k RMSNorm", "interleaved sliding-window layers")),
         FamilySupport(
+            "gemma4_text",
+            (
+                "per-layer head_dim and KV heads (global_head_dim, num_global_key_value_heads)",
+                "K reused as V on full-attention layers (attention_k_eq_v)",
+                "q/k/v RMSNorm",
+                "alternating sliding-window layers",
+                "KV sharing across layers (num_kv_shared_layers)",
+            ),
+        ),
+        FamilySupport(
             "gpt_oss",
             ("GQA", "RoPE", "learned attention sinks", "alternating sliding-window layers", "MoE"),
         ),
@@ -75,7 +85,8 @@ SUPPORTED_FAMILIES: dict[str, FamilySupport] = {
 _KNOWN_UNSUPPORTED: dict[str, str] = {
     "gemma3": "the multimodal Gemma3ForConditionalGeneration (vision tower, bidirectional "
     "image-token masks); load the text-only Gemma3ForCausalLM instead",
-    "gemma4": "Gemma 4 attention (KV sharing across layers, a float `k_scale` attribute)",
+    "gemma4": "the multimodal Gemma4ForConditionalGeneration (vision and audio towers, "
+    "bidirectional image-token masks); load the text-only Gemma4ForCausalLM instead",
     "gpt_neox": "GPT-NeoX attention (the cache update passes no kwargs; not wired)",
     "llama4": "chunked attention and no-RoPE layers",
     "deepseek_v3": "multi-head latent attention (MLA)",
@@ -91,6 +102,9 @@ class AttentionSite:
         name: dotted module path, e.g. ``model.layers.3.self_attn``.
         module: the attention module.
         layer_idx: its decoder layer index (``module.layer_idx``).
+        kv_source: for a layer that attends over the K/V another layer produced
+            (Gemma 4's KV sharing: ``is_kv_shared_layer``), that layer's index;
+            else None.
 
     The sliding window and logit softcap of a layer reach the attention
     function as call keywords (``sliding_window=``, ``softcap=``), as they do
@@ -100,6 +114,7 @@ class AttentionSite:
     name: str
     module: nn.Module
     layer_idx: int
+    kv_source: int | None = None
 
 
 def text_config(model: nn.Module) -> Any:
@@ -195,26 +210,90 @@ def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
         if site.layer_idx != i:
             raise UnsupportedModelError(
                 f"{site.name} has layer_idx={site.layer_idx} but sits at position {i}; kvquant "
-                "expects one cache layer per decoder layer in order (KV sharing is not supported)."
+                "expects one cache layer per decoder layer in order."
             )
-    return sites
+    return _with_kv_sources(sites)
+
+
+def _with_kv_sources(sites: list[AttentionSite]) -> list[AttentionSite]:
+    """Mark the layers that attend over another layer's K/V (Gemma 4's KV sharing).
+
+    transformers' Gemma 4 gives a KV-shared layer (``is_kv_shared_layer``) the
+    K/V that the last earlier layer of its ``layer_type`` returned from its cache
+    update (that layer has ``store_full_length_kv``); the shared layer itself
+    never updates the cache.
+
+    Raises:
+        UnsupportedModelError: a shared layer whose source layer cannot be found.
+    """
+    if not any(getattr(s.module, "is_kv_shared_layer", False) for s in sites):
+        return sites
+    out: list[AttentionSite] = []
+    for site in sites:
+        if not getattr(site.module, "is_kv_shared_layer", False):
+            out.append(site)
+            continue
+        kind = getattr(site.module, "layer_type", None)
+        sources = [
+            s.layer_idx
+            for s in sites[: site.layer_idx]
+            if getattr(s.module, "store_full_length_kv", False)
+            and not getattr(s.module, "is_kv_shared_layer", False)
+            and getattr(s.module, "layer_type", None) == kind
+        ]
+        if len(sources) != 1:
+            raise UnsupportedModelError(
+                f"{site.name} reuses the K/V of an earlier layer (is_kv_shared_layer) but "
+                f"{len(sources)} earlier layers of type {kind!r} store them "
+                "(store_full_length_kv); kvquant expects exactly one. Fix: run this model "
+                "without kvquant."
+            )
+        out.append(AttentionSite(site.name, site.module, site.layer_idx, kv_source=sources[0]))
+    return out
+
+
+def _layer_config(config: Any, layer: int) -> Any:
+    """Layer ``layer``'s config: ``config.per_layer_config[layer]`` for a heterogeneous config.
+
+    transformers' heterogeneous configs (``per_layer_config``, e.g. Gemma 4's
+    ``global_head_dim``) refuse a model-wide read of a per-layer attribute.
+    """
+    if getattr(config, "is_heterogeneous", False):
+        return config.per_layer_config[layer]
+    return config
 
 
 def model_geometry(model: nn.Module, sites: list[AttentionSite]) -> LayerGeometry:
     """The attention geometry of ``model`` (what the registry checks scale shapes against).
 
+    head_dim comes from each attention module, KV heads from each layer's config,
+    so a model whose layers differ (Gemma 4's full-attention layers) gets a
+    per-layer geometry (:meth:`LayerGeometry.layer`).
+
     Raises:
-        UnsupportedModelError: the layers disagree on head counts or head_dim.
+        UnsupportedModelError: the layers disagree on the number of query heads, or a
+            layer's KV heads do not divide its query heads.
     """
     config = text_config(model)
-    num_heads = int(config.num_attention_heads)
-    num_kv = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dims = {_int_attr(s.module, "head_dim") for s in sites}
-    if len(head_dims) != 1:
+    heads: list[int] = []
+    kv_heads: list[int] = []
+    for site in sites:
+        cfg = _layer_config(config, site.layer_idx)
+        num_heads = int(cfg.num_attention_heads)
+        num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        if num_heads % num_kv:
+            raise UnsupportedModelError(
+                f"{site.name}: {num_heads} query heads are not a multiple of {num_kv} KV heads; "
+                "kvquant's kernels share each KV head among a whole group of query heads. "
+                "Fix: run this model without kvquant."
+            )
+        heads.append(num_heads)
+        kv_heads.append(num_kv)
+    if len(set(heads)) != 1:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: attention layers have different head_dim values "
-            f"{sorted(head_dims)}; kvquant needs one head_dim for the whole model."
+            f"{type(model).__name__}: attention layers have different numbers of query heads "
+            f"{sorted(set(heads))}; kvquant needs one query-head count for the whole model. "
+            "Fix: run this model without kvquant."
         )
-    return LayerGeometry(
-        num_layers=len(sites), num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dims.pop()
-    )
+    head_dims = [_int_attr(s.module, "head_dim") for s in sites]
+    return LayerGeometry.from_layers(heads[0], kv_heads, head_dims)

@@ -380,11 +380,20 @@ def refuse_error_findings(found: Any, where: str) -> None:
 
 
 def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> None:
-    if (found.num_layers, found.num_kv_heads) != (model.num_layers, model.num_kv_heads):
+    """Refuse a checkpoint whose config does not describe ``model``.
+
+    The checkpoint's geometry comes from its ``config.json``; a model whose
+    layers differ in KV heads matches a per-layer config layer by layer, and a
+    model-wide ``num_key_value_heads`` when that count is one of its layers'.
+    """
+    kv_counts = sorted({model.kv_heads_of(i) for i in range(model.num_layers)})
+    per_layer = found.uniform or found.layer_num_kv_heads == model.layer_num_kv_heads
+    if found.num_layers != model.num_layers or found.num_kv_heads not in kv_counts or not per_layer:
+        heads = "/".join(str(h) for h in kv_counts)
         raise ScaleFormatError(
             f"{where}: the checkpoint config has {found.num_layers} layers and "
             f"{found.num_kv_heads} KV heads, the model {model.num_layers} layers and "
-            f"{model.num_kv_heads} KV heads. Fix: pass the checkpoint the model was loaded from."
+            f"{heads} KV heads. Fix: pass the checkpoint the model was loaded from."
         )
 
 
@@ -408,8 +417,9 @@ def _layer_specs(
             f"the registry resolved {len(layers)} layers of scales for {len(sites)} attention "
             "layers."
         )
+    reused = {s.kv_source for s in sites if s.kv_source is not None}
     specs = []
-    for site, ls in zip(sites, layers, strict=True):
+    for i, (site, ls) in enumerate(zip(sites, layers, strict=True)):
         gran = str(ls.granularity)
         k = None if ls.k is None else _host_scale(ls.k)
         v = None if ls.v is None else _host_scale(ls.v)
@@ -418,8 +428,8 @@ def _layer_specs(
         specs.append(
             LayerSpec(
                 name=site.name,
-                num_kv_heads=geometry.num_kv_heads,
-                head_dim=geometry.head_dim,
+                num_kv_heads=geometry.kv_heads_of(i),
+                head_dim=geometry.head_dim_of(i),
                 granularity=gran,
                 k_scale=k,
                 v_scale=v,
@@ -427,6 +437,7 @@ def _layer_specs(
                 k_offset=None if offset is None else _host_scale(offset),
                 rotation=None if transform is None else transform.rotation,
                 first_tokens=0 if transform is None else int(transform.first_tokens),
+                kv_reused=i in reused,
             )
         )
     return specs
@@ -540,11 +551,21 @@ def _refuse_cache(cache: Any, name: str) -> NoReturn:
             "FP8 pages and cannot continue from it. Fix: start from handle.new_cache() (or an "
             "empty DynamicCache) and run the prompt again with the patched model."
         )
+    if getattr(cache, "is_compileable", False):
+        raise CacheUsageError(
+            f"{name}: got a {kind} (cache_implementation='static' or 'sliding_window', a "
+            "StaticCache object, or generate's torch.compile route through them); kvquant's "
+            "attention reads only its own FP8 pages, and its paged cache cannot be compiled "
+            "(its allocator keeps host-side page tables and its kernels are not torch custom "
+            "ops), so a forward over this cache would attend without kvquant. Nothing was "
+            "written. Fix: drop cache_implementation (generate then uses kvquant's FP8 cache; on "
+            "CUDA its decode steps replay from CUDA graphs, cuda_graphs=None), or "
+            "handle.remove() to compile the model without kvquant."
+        )
     raise CacheUsageError(
-        f"{name}: got a {kind} (e.g. cache_implementation='static' or 'quantized'); kvquant's "
+        f"{name}: got a {kind} (e.g. cache_implementation='quantized'); kvquant's "
         "attention reads only its own FP8 pages (a KVQuantCache), and a forward over another "
-        f"cache would attend without kvquant and without the mask that cache needs. {fix} "
-        "For a static decode step use kvquant.patch(model, cuda_graphs=True)."
+        f"cache would attend without kvquant and without the mask that cache needs. {fix}"
     )
 
 
@@ -783,7 +804,9 @@ def apply_patch(
 
     Raises:
         UnsupportedModelError: the model refuses the ``"kvquant"`` attention implementation.
+        OptionError: ``cuda_graphs=True`` for a model whose layers share K/V.
     """
+    _check_graphs(model, opts, sites)
     specs = _layer_specs(sites, geometry, model_scales)
     cfg = text_config(model)
     previous = getattr(cfg, "_attn_implementation", None)
@@ -821,7 +844,7 @@ def apply_patch(
                 _make_rollback(model, state), with_kwargs=True, always_call=True
             )
         )
-        if opts.cuda_graphs is not False:
+        if opts.cuda_graphs is not False and not _shares_kv(sites):
             _install_graph_runner(model, state)
         _set_attn(model, ATTN_NAME)
         if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
@@ -838,6 +861,30 @@ def apply_patch(
     state.handle = handle
     _logger.info(_decision_line(model, state))
     return handle
+
+
+def _shares_kv(sites: list[AttentionSite]) -> bool:
+    """Whether some layers attend over another layer's K/V (Gemma 4's KV sharing).
+
+    Such a model decodes without the CUDA-graph runner: the shared layers attend
+    over the K/V their source layer's update returns, which a graph step does not
+    produce.
+    """
+    return any(s.kv_source is not None for s in sites)
+
+
+def _check_graphs(model: nn.Module, opts: PatchOptions, sites: list[AttentionSite]) -> None:
+    """Refuse ``cuda_graphs=True`` for a model whose layers share K/V (before any change).
+
+    Raises:
+        OptionError: ``cuda_graphs=True`` and some layers attend over another layer's K/V.
+    """
+    if opts.cuda_graphs and _shares_kv(sites):
+        raise OptionError(
+            f"kvquant.patch: cuda_graphs=True, but {type(model).__name__} has layers that attend "
+            "over another layer's K/V (KV sharing), which kvquant's CUDA-graph decode step does "
+            "not serve. Fix: pass cuda_graphs=None (such a model decodes eagerly)."
+        )
 
 
 def _decision_line(model: nn.Module, state: PatchState) -> str:
@@ -861,6 +908,8 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     else:
         sizing = f"pages of {opts.page_size} tokens, grown on demand"
     graphs = {None: "auto (on CUDA)", True: "on", False: "off"}[opts.cuda_graphs]
+    if _shares_kv(state.sites):
+        graphs = "off (layers share K/V)"
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
         f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
