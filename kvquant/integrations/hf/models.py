@@ -23,6 +23,7 @@ __all__ = [
     "AttentionSite",
     "FamilySupport",
     "check_supported",
+    "decoder_layers",
     "find_attention_sites",
     "model_geometry",
     "text_config",
@@ -218,3 +219,12 @@ def model_geometry(model: nn.Module, sites: list[AttentionSite]) -> LayerGeometr
     return LayerGeometry(
         num_layers=len(sites), num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dims.pop()
     )
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of ``model`` in order (the modules that hold the attention sites).
+
+    Raises:
+        UnsupportedModelError: the decoder has no ``layers`` list.
+    """
+    return _decoder_layers(model)[1]
