@@ -259,12 +259,16 @@ class CompiledLayers:
         layers: the decoder layers (:func:`~kvquant.integrations.hf.models.decoder_layers`).
         attention: their attention modules, in layer order.
         backend: the ``torch.compile`` backend; ``"inductor"`` (the fused
-            kernels) except in tests (``"aot_eager"`` checks the wiring on CPU
-            without a C++ compile).
+            kernels) except in tests (``"aot_eager"`` or a counting backend
+            check the wiring on CPU without a C++ compile). Set it before the
+            first compiled step.
     """
 
     def __init__(
-        self, layers: Sequence[nn.Module], attention: Sequence[nn.Module], backend: str = "inductor"
+        self,
+        layers: Sequence[nn.Module],
+        attention: Sequence[nn.Module],
+        backend: str | Callable[..., Any] = "inductor",
     ) -> None:
         self.layers = list(layers)
         self.attention = list(attention)
