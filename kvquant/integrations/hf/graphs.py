@@ -241,6 +241,17 @@ def _compiled_layer_call(
     return compiled(layer, *args, **kwargs)
 
 
+RECOMPILE_LIMIT = 64
+"""dynamo's per-code-object recompile limit while the compiled layers run (default 8).
+
+dynamo keeps the compiled versions of a function on its code object and stops
+compiling it (running it eagerly, with a warning) past the limit. Some code
+objects are shared widely: transformers 5.24 wraps every decoder layer's and
+attention module's ``forward`` in one ``deprecate_kwarg`` wrapper function, so
+each layer class, attention class, dtype and batch size adds a version of the
+same code object. Raised only inside :meth:`CompiledLayers.installed`."""
+
+
 class CompiledLayers:
     """The decoder layers of one model, with ``torch.compile``'d forwards for decode-graph steps.
 
@@ -310,12 +321,14 @@ class CompiledLayers:
             functools.partial(_compiled_layer_call, self._forward_of(type(m)), m)
             for m in self.layers
         ]
+        limit = max(int(torch._dynamo.config.recompile_limit), RECOMPILE_LIMIT)
         try:
             for layer, call in zip(self.layers, calls, strict=True):
                 layer.__dict__["forward"] = call
             for attn, cache_layer in zip(self.attention, cache_layers, strict=True):
                 attn.__dict__[STEP_LAYER_ATTR] = cache_layer
-            yield
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                yield
         finally:
             for layer in self.layers:
                 layer.__dict__.pop("forward", None)
