@@ -624,8 +624,10 @@ class DecodeGraphRunner:
         except Exception as err:
             torch.cuda.set_stream(stream)
             gen.graphsafe_set_state(rng)
+            if isinstance(err, _CompileFailure):
+                raise
             if compiled:  # retried with the eager step (compile_step=None) or raised
-                raise (err if isinstance(err, _CompileFailure) else _CompileFailure(err)) from err
+                raise _CompileFailure(err) from err
             raise BackendError(
                 f"kvquant: capturing the decode step of {type(self.model).__name__} in a CUDA "
                 f"graph failed ({type(err).__name__}: {err}). The cache still holds the tokens it "
