@@ -20,7 +20,7 @@ import torch
 import transformers
 from hf_steps import cache_kwarg, min_cosine, step_logits
 from hf_steps import generate_exactly as _generate
-from hf_tiny import build, prompt
+from hf_tiny import ALL_BUILDERS, build, prompt
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import BackendError, OptionError, OptionTypeError, UnsupportedModelError
@@ -137,7 +137,13 @@ def test_poisoned_compiled_graphs_reach_the_logits() -> None:
     handle.remove()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3"])
+_FAST_FAMILIES = ["qwen3", "gemma2", "phi3"]
+_SLOW_FAMILIES = [
+    pytest.param(f, marks=pytest.mark.slow) for f in sorted(ALL_BUILDERS) if f not in _FAST_FAMILIES
+]
+
+
+@pytest.mark.parametrize("family", _FAST_FAMILIES + _SLOW_FAMILIES)
 def test_greedy_generate_with_left_padding_equals_eager(family: str) -> None:
     model = build(family)
     ids, mask = prompt(batch=3, length=14, pad=(6, 0, 3))
