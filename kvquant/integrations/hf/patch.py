@@ -694,8 +694,10 @@ def _install_scales(state: PatchState) -> None:
 
 
 def _compiled_layers(model: nn.Module, state: PatchState) -> CompiledLayers | None:
-    """The decoder layers for compiled decode steps, or None (``compile_step=False``, or auto
-    where a layer's ``forward`` is already wrapped, e.g. by accelerate's device hooks).
+    """The decoder layers for compiled decode steps, or None.
+
+    None for ``compile_step=False``, and in auto mode where a layer's ``forward``
+    is already wrapped (accelerate's device hooks, for instance).
 
     Raises:
         UnsupportedModelError: ``compile_step=True`` and a layer's ``forward`` is wrapped.
