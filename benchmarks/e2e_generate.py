@@ -9,7 +9,11 @@ timed calls. Per call: wall time of the whole call (everything ``generate``
 does, CUDA-graph capture included), prefill (start to first token), every
 decode step (a timestamp after each step, the device synchronised), and peak
 memory (``torch.cuda.max_memory_allocated``, reset before the call). The
-first call's wall time is kept too (``first_call_s``).
+first call's wall time is kept too (``first_call_s``: capture and compile
+included). Arms run one after the other in one process, so a compiling arm
+after another one finds torch.compile's imports done and may find kernels in
+inductor's caches: for the first-call comparison run each compiling arm alone
+in a fresh process with fresh compile caches (``benchmarks/e2e_round.sh first``).
 
 Arms:
 
@@ -19,6 +23,11 @@ Arms:
 * ``kvquant``: ``kvquant.patch(model, scales=per_tensor)``, every other
   argument default (random weights have no checkpoint scales: per-tensor
   scales are calibrated on a short random prompt, as a checkpoint would ship);
+  on CUDA its decode graph captures ``torch.compile``'d decoder layers
+  (``compile_step=None``), so its first call pays that compile;
+* ``kvquant-nocompile``: the same with ``compile_step=False`` (the graph
+  captures the eager layers), beside the default to show what the fused
+  kernels gain and what their compile costs;
 * ``kvquant-fp32-group``: ``kvquant.patch(model)``, nothing else: without
   scales the default is the dynamic ``fp32-group`` format;
 * ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``.
@@ -65,7 +74,7 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
     # run as a script from a checkout: make the repository's kvquant importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ARMS = ("default", "static", "kvquant", "kvquant-fp32-group", "kvquant-eager")
+ARMS = ("default", "static", "kvquant", "kvquant-nocompile", "kvquant-fp32-group", "kvquant-eager")
 SHAPES: dict[str, dict[str, Any]] = {
     "b16x8k": {"batch": 16, "prompt": 8192, "new": 64, "arms": ARMS},
     "chat": {"batch": 1, "prompt": 512, "new": 256, "arms": ARMS},
@@ -262,6 +271,8 @@ class Arm:
         kw: dict[str, Any] = {} if self.backend == "auto" else {"backend": self.backend}
         if self.name == "kvquant":
             self.handle = kvquant.patch(self.model, scales=self.scales, **kw)
+        elif self.name == "kvquant-nocompile":
+            self.handle = kvquant.patch(self.model, scales=self.scales, compile_step=False, **kw)
         elif self.name == "kvquant-fp32-group":
             self.handle = kvquant.patch(self.model, **kw)
         elif self.name == "kvquant-eager":

@@ -263,4 +263,6 @@ def test_triton_kernels_match_the_reference_on_gpu(shared: bool, dtype: torch.dt
         assert cache.layers[0].k_pages.is_cuda
         handle.remove()
     assert torch.isfinite(got["triton"]).all()
-    assert min_cosine(got["triton"], got["torch"]) >= 0.999
+    # bf16 activations round differently in the two backends' attention (test_hf_gpu.py's floor)
+    floor = 0.995 if dtype == torch.bfloat16 else 0.999
+    assert min_cosine(got["triton"], got["torch"]) >= floor

@@ -47,6 +47,15 @@ CACHE_ATTR = "_kvq_cache"
 FALLBACK_ATTR = "_kvq_fallback_attn"
 """Attribute of an attention module: the attention implementation the model had before the patch."""
 
+STEP_LAYER_ATTR = "_kvq_step_layer"
+"""Attribute of an attention module during a compiled decode step: its cache layer.
+
+Set by the graph runner (:mod:`kvquant.integrations.hf.graphs`) while the
+decoder layers run their ``torch.compile``'d forwards, which get no cache
+(so that no per-layer index enters the compiled code): the attention function
+then stores the new token's K/V itself, in the layer named here.
+"""
+
 
 def kvquant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """Mask function: transformers' boolean SDPA mask ``[B, 1, Lq, T]`` (True = attend) or None."""
@@ -224,6 +233,7 @@ def fallback_attention(
     return result
 
 
+@torch.compiler.disable
 def kvquant_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -238,6 +248,11 @@ def kvquant_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over kvquant's FP8 paged cache (transformers ``AttentionInterface`` signature).
+
+    Marked ``torch.compiler.disable``: ``torch.compile`` of a model (or of its
+    decoder layers, see ``kvquant.patch(compile_step=...)``) breaks its graph
+    here cleanly instead of tracing the cache's Python bookkeeping and the
+    kernel launches; outside ``torch.compile`` it is a plain call.
 
     Args:
         module: the attention module (``layer_idx``, ``scaling``).
@@ -261,6 +276,11 @@ def kvquant_attention(
         UnsupportedModelError: dropout during training, or an unsupported mask pattern.
         KVQuantError: K/V are missing and the layer's kvquant cache cannot be found.
     """
+    step_layer: KVQuantLayer | None = module.__dict__.get(STEP_LAYER_ATTR)
+    if step_layer is not None and key is not None and value is not None:
+        # A compiled decode step: the layer got no cache, so these are the new token's K/V.
+        step_layer.update(key, value)
+        key = value = None
     if key is not None and value is not None:
         # Dense K/V: a prompt with no cached prefix, or a forward without a kvquant cache
         # (use_cache=False, gradients): the model's previous attention implementation, so the
@@ -288,7 +308,7 @@ def kvquant_attention(
         sm_scale = 1.0 / math.sqrt(query.shape[-1])
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
-    layer = _layer_of(module)
+    layer = step_layer if step_layer is not None else _layer_of(module)
     storage = None if layer is None else layer.storage
     if layer is None or storage is None:
         raise UnsupportedModelError(

@@ -264,6 +264,7 @@ class KVQuantLayer(CacheLayerMixin):
                 f"{tuple(value_states.shape)} disagree on batch or length."
             )
 
+    @torch.compiler.disable  # torch.compile of a patched model breaks its graph here
     def update(
         self,
         key_states: torch.Tensor,

@@ -37,6 +37,31 @@ transformers builds no mask. On a CPU model the same static step runs
 eagerly, without a graph (logged once): it is how the CPU tests check the
 step's bookkeeping.
 
+Compiled decode steps (``compile_step``): at chat shapes the captured graph
+of an eager model is still a few hundred small kernels per step (every
+RMSNorm, rotary embedding, SiLU-and-multiply and residual add is its own
+launch), and their GPU time, not kvquant's attention, dominates the step.
+With ``compile_step`` on, the graph captures each decoder layer's
+``torch.compile``'d forward instead (:class:`CompiledLayers`: inductor, static
+shapes, one compiled graph shared by every layer of a class, torch's "regional
+compilation"), so the graph replays inductor's fused kernels. Only the warm-up
+and capture of a decode graph (and, on CPU, the static step itself) run the
+compiled layers; prefill, chunks and eager steps run the original forwards.
+kvquant's own work stays outside the compiled code: the layers get no cache
+(so no per-layer index is traced into the shared graph), and kvquant's
+attention function, marked ``torch.compiler.disable`` (a clean graph break
+at a point where nothing could be fused anyway: matrix multiplications on
+either side), stores the new token's K/V and attends over the pages. Graph
+breaks cost host time only where Python runs, and a replayed graph runs none.
+A custom op (``torch.library.custom_op``) would keep one graph per layer but
+needs the cache's Python state (block table, storage, lengths) passed as
+tensors and the layer's identity as an argument that the shared graph must
+not specialise on; the graph break needs neither and behaves the same on
+torch 2.11 and 2.13. The first compiled warm-up pays the compile (once per
+process, layer class and batch size); with the default ``compile_step=None``
+a compile that fails is logged once and the eager step is captured instead;
+with ``compile_step=True`` it raises.
+
 The seam: transformers' ``generate`` calls the model's ``forward`` for each
 step and offers no hook that can replace a step's computation (its own
 ``torch.compile`` path needs a cache that dynamo can trace). kvquant therefore
@@ -47,19 +72,28 @@ wrapping the previous one (as accelerate's hooks do); the patch handle's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from kvquant.errors import BackendError
+from kvquant.errors import BackendError, KVQuantError
+from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer, StaticStep
 
-__all__ = ["DecodeGraph", "DecodeGraphRunner", "GraphStats", "left_padding_starts"]
+__all__ = [
+    "CompiledLayers",
+    "DecodeGraph",
+    "DecodeGraphRunner",
+    "GraphStats",
+    "compile_unusable_reason",
+    "left_padding_starts",
+]
 
 _logger = logging.getLogger("kvquant")
 
@@ -166,6 +200,142 @@ def _copy_output(out: Any) -> Any:
     return type(out)(**items)
 
 
+def compile_unusable_reason(device: torch.device) -> str | None:
+    """Why ``torch.compile`` with inductor cannot build the decode step on ``device``, or None.
+
+    ``compile_step=None`` (auto) compiles only decode graphs on CUDA devices,
+    where inductor emits Triton kernels: it needs a usable Triton.
+    """
+    if device.type != "cuda":
+        return f"the model is on {device.type}, and compiled steps run inside CUDA graphs only"
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return "this torch build has no inductor Triton support"
+    if not has_triton():
+        return "Triton is not usable here (inductor generates Triton kernels for CUDA)"
+    return None
+
+
+class _CompileFailure(Exception):
+    """Internal: the compiled step failed (``error``); the runner decides between raising and eager."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+def _compiled_layer_call(
+    compiled: Callable[..., Any], layer: nn.Module, *args: Any, **kwargs: Any
+) -> Any:
+    """One decoder layer of a compiled decode step: no cache, no mask enter the compiled code.
+
+    The attention module reads its cache layer from ``STEP_LAYER_ATTR`` (set by
+    :meth:`CompiledLayers.installed`); the static step masks the padding with
+    its own ``kv_start``, so the mask (whose length grows every step, which
+    would recompile a static-shape graph) is not needed.
+    """
+    for name in ("cache", "past_key_values", "attention_mask"):
+        if name in kwargs:
+            kwargs[name] = None
+    return compiled(layer, *args, **kwargs)
+
+
+RECOMPILE_LIMIT = 64
+"""dynamo's per-code-object recompile limit while the compiled layers run (default 8).
+
+dynamo keeps the compiled versions of a function on its code object and stops
+compiling it (running it eagerly, with a warning) past the limit. Some code
+objects are shared widely: transformers 5.24 wraps every decoder layer's and
+attention module's ``forward`` in one ``deprecate_kwarg`` wrapper function, so
+each layer class, attention class, dtype and batch size adds a version of the
+same code object. Raised only inside :meth:`CompiledLayers.installed`."""
+
+
+class CompiledLayers:
+    """The decoder layers of one model, with ``torch.compile``'d forwards for decode-graph steps.
+
+    One compiled function per decoder-layer class (``torch.compile`` of the
+    class's ``forward``, the layer passed as its first argument): dynamo
+    treats the layer's parameters as inputs (``inline_inbuilt_nn_modules``),
+    so every layer of the class runs the same compiled graph. Compiled with
+    ``dynamic=False`` (a decode step has one shape per batch size) and
+    ``fullgraph=False`` (kvquant's attention is a graph break).
+
+    Nothing is installed outside :meth:`installed`: the layers keep their
+    original ``forward`` for every other call, and nothing is left on any
+    module after it.
+
+    Args:
+        layers: the decoder layers (:func:`~kvquant.integrations.hf.models.decoder_layers`).
+        attention: their attention modules, in layer order.
+        backend: the ``torch.compile`` backend; ``"inductor"`` (the fused
+            kernels) except in tests (``"aot_eager"`` or a counting backend
+            check the wiring on CPU without a C++ compile). Set it before the
+            first compiled step.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        attention: Sequence[nn.Module],
+        backend: str | Callable[..., Any] = "inductor",
+    ) -> None:
+        self.layers = list(layers)
+        self.attention = list(attention)
+        self.backend = backend
+        self._compiled: dict[type[nn.Module], Callable[..., Any]] = {}
+
+    def _forward_of(self, cls: type[nn.Module]) -> Callable[..., Any]:
+        fn = self._compiled.get(cls)
+        if fn is None:
+            fn = torch.compile(
+                cls.forward,
+                backend=self.backend,
+                mode="default" if self.backend == "inductor" else None,
+                dynamic=False,
+                fullgraph=False,
+            )
+            self._compiled[cls] = fn
+        return fn
+
+    @contextlib.contextmanager
+    def installed(self, cache_layers: Sequence[KVQuantLayer]) -> Iterator[None]:
+        """While the block runs, the layers call their compiled forwards over ``cache_layers``.
+
+        Raises:
+            _CompileFailure: a decoder layer already has an instance-level
+                ``forward`` (a wrapper such as accelerate's hooks), which a
+                compiled class ``forward`` would bypass.
+            Exception: whatever ``torch.compile`` raises.
+        """
+        for layer in self.layers:
+            if "forward" in layer.__dict__:
+                raise _CompileFailure(
+                    BackendError(
+                        f"{type(layer).__name__} has an instance-level forward (a wrapper such as "
+                        "accelerate's device hooks) that a compiled layer would bypass"
+                    )
+                )
+        calls = [
+            functools.partial(_compiled_layer_call, self._forward_of(type(m)), m)
+            for m in self.layers
+        ]
+        limit = max(int(torch._dynamo.config.recompile_limit), RECOMPILE_LIMIT)
+        try:
+            for layer, call in zip(self.layers, calls, strict=True):
+                layer.__dict__["forward"] = call
+            for attn, cache_layer in zip(self.attention, cache_layers, strict=True):
+                attn.__dict__[STEP_LAYER_ATTR] = cache_layer
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                yield
+        finally:
+            for layer in self.layers:
+                layer.__dict__.pop("forward", None)
+            for attn in self.attention:
+                attn.__dict__.pop(STEP_LAYER_ATTR, None)
+
+
 @dataclass
 class GraphStats:
     """What the runner did (for tests and benchmarks).
@@ -176,6 +346,10 @@ class GraphStats:
         static_eager: decode steps run through the static buffers without a graph (CPU).
         ordinary: calls passed to the ordinary forward.
         fallbacks: caches that fell back to eager decoding after a failed capture.
+        compiled_runs: static-step forwards run through the compiled layers
+            (a warm-up, a capture, or a CPU step).
+        compile_fallbacks: compiled steps that failed and were run eagerly
+            (``compile_step=None``).
     """
 
     captures: int = 0
@@ -183,6 +357,8 @@ class GraphStats:
     static_eager: int = 0
     ordinary: int = 0
     fallbacks: int = 0
+    compiled_runs: int = 0
+    compile_fallbacks: int = 0
 
 
 class DecodeGraphRunner:
@@ -192,17 +368,32 @@ class DecodeGraphRunner:
         model: the patched model.
         original: the forward it had before (bound).
         is_active: whether the patch that installed the runner is still applied.
+        compiled: the model's decoder layers for compiled steps, or None
+            (``compile_step=False``).
+        compile_step: None (auto: compile decode graphs on CUDA devices where
+            inductor is usable; a failed compile is logged once and the eager
+            step is captured) or True (compile every static step, also on CPU;
+            a failed compile raises).
     """
 
     def __init__(
-        self, model: nn.Module, original: Callable[..., Any], is_active: Callable[[], bool]
+        self,
+        model: nn.Module,
+        original: Callable[..., Any],
+        is_active: Callable[[], bool],
+        compiled: CompiledLayers | None = None,
+        compile_step: bool | None = None,
     ) -> None:
         self.model = model
         self.original = original
         self.is_active = is_active
+        self.compiled = compiled
+        self.compile_step = compile_step
         self.stats = GraphStats()
         self._logged_cpu = False
         self._logged_fallback = False
+        self._compile_off = compiled is None
+        self._unusable: dict[torch.device, str | None] = {}
         self._warmed: set[tuple[Any, ...]] = set()
         functools.update_wrapper(self, original)
 
@@ -247,7 +438,26 @@ class DecodeGraphRunner:
 
     # ------------------------------------------------------------------ running
 
+    def _compiling(self, device: torch.device) -> bool:
+        """Whether this step runs the compiled layers (see ``compile_step``)."""
+        if self._compile_off:
+            return False
+        if self.compile_step:
+            return True
+        if device not in self._unusable:
+            self._unusable[device] = compile_unusable_reason(device)
+        return self._unusable[device] is None
+
     def _step(self, cache: KVQuantCache, kwargs: dict[str, Any]) -> Any:
+        try:
+            return self._try_step(cache, kwargs)
+        except _CompileFailure as fail:
+            # The forward raised, so kvquant.patch's rollback hook put the cache back where
+            # the step began: run the whole step again, eagerly.
+            self._compile_failed(fail)
+            return self._try_step(cache, kwargs)
+
+    def _try_step(self, cache: KVQuantCache, kwargs: dict[str, Any]) -> Any:
         layers = cast(list[KVQuantLayer], cache.layers)  # checked by _eligible
         key = _signature(kwargs)
         device = kwargs["input_ids"].device
@@ -279,10 +489,11 @@ class DecodeGraphRunner:
         st.kv_start.copy_(starts)
         for name, buf in rec.inputs.items():
             buf.copy_(kwargs[name])
+        compiled = self._compiling(device)
         if device.type == "cuda":
             if rec.graph is None:
                 try:
-                    self._capture(cache, rec)
+                    self._capture(cache, rec, compiled)
                 except BackendError as err:
                     if cache.cuda_graphs is not None:
                         raise
@@ -298,7 +509,7 @@ class DecodeGraphRunner:
                     "the static step buffers (CUDA graphs need a CUDA device).",
                     device.type,
                 )
-            out = self._run(cache, rec)
+            out = self._run(cache, rec, compiled)
             self.stats.static_eager += 1
         for layer in layers:
             layer.seq_len += 1
@@ -325,6 +536,25 @@ class DecodeGraphRunner:
         self.stats.ordinary += 1
         return self.original(**kwargs)
 
+    def _compile_failed(self, fail: _CompileFailure) -> None:
+        """A compiled step failed: raise (``compile_step=True``) or run eager steps from now on."""
+        name = type(self.model).__name__
+        if self.compile_step:
+            raise BackendError(
+                f"kvquant: the compiled decode step of {name} failed ({fail}). The cache still "
+                "holds the tokens it held. Fix: kvquant.patch(model, compile_step=False) (the "
+                "decode graph then captures the eager step)."
+            ) from fail.error
+        self._compile_off = True
+        self.stats.compile_fallbacks += 1
+        _logger.warning(
+            "kvquant: the compiled decode step of %s failed (%s); running the eager step instead "
+            "(compile_step=None falls back; pass compile_step=False to skip the compile, or True "
+            "to make this an error).",
+            name,
+            fail,
+        )
+
     def _build(
         self,
         cache: KVQuantCache,
@@ -341,26 +571,43 @@ class DecodeGraphRunner:
         call = {**kwargs, **inputs, "attention_mask": None}
         return DecodeGraph(key=key, static=static, inputs=inputs, call_kwargs=call)
 
-    def _run(self, cache: KVQuantCache, rec: DecodeGraph) -> Any:
+    def _run(self, cache: KVQuantCache, rec: DecodeGraph, compiled: bool = False) -> Any:
+        """The static step's forward, through the compiled layers when ``compiled``.
+
+        Raises:
+            _CompileFailure: the compiled forward raised anything but a kvquant
+                error or an out-of-memory error (those are the step's own).
+        """
         rec.static.derive(cache.page_size)
         cache.static = rec.static
         try:
-            return self.original(**rec.call_kwargs)
+            if not compiled or self.compiled is None:
+                return self.original(**rec.call_kwargs)
+            self.stats.compiled_runs += 1
+            try:
+                with self.compiled.installed(cast(list[KVQuantLayer], cache.layers)):
+                    return self.original(**rec.call_kwargs)
+            except (_CompileFailure, KVQuantError, torch.OutOfMemoryError):
+                raise
+            except Exception as err:
+                raise _CompileFailure(err) from err
         finally:
             cache.static = None
 
-    def _capture(self, cache: KVQuantCache, rec: DecodeGraph) -> None:
+    def _capture(self, cache: KVQuantCache, rec: DecodeGraph, compiled: bool) -> None:
         device = rec.static.pos.device
         stream = torch.cuda.current_stream(device)
-        if rec.key not in self._warmed:
+        if (rec.key, compiled) not in self._warmed:
             side = _side_stream(device)
             side.wait_stream(stream)
-            with torch.cuda.stream(side):
-                # Warm-up (compiles and loads every kernel, creates library handles): it
-                # writes this step's K/V, which the replay then writes again, identically.
-                # Later captures of the same signature (a new cache, a grown pool) skip it.
-                self._run(cache, rec)
-            stream.wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    # Warm-up (compiles and loads every kernel, creates library handles): it
+                    # writes this step's K/V, which the replay then writes again, identically.
+                    # Later captures of the same signature (a new cache, a grown pool) skip it.
+                    self._run(cache, rec, compiled)
+            finally:
+                stream.wait_stream(side)
         # A capture that fails leaves torch's CUDA generator in capture mode (every later
         # random op on the device raises) and the capture stream current: keep what to put back.
         gen = torch.cuda.default_generators[
@@ -369,11 +616,20 @@ class DecodeGraphRunner:
         rng = gen.clone_state()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                output = self._run(cache, rec)
+            with contextlib.ExitStack() as stack:
+                if compiled:
+                    # Nothing may compile inside the capture: a guard that fails there raises
+                    # (and the eager step is captured instead) rather than recompiling.
+                    stack.enter_context(torch.compiler.set_stance("fail_on_recompile"))
+                stack.enter_context(torch.cuda.graph(graph))
+                output = self._run(cache, rec, compiled)
         except Exception as err:
             torch.cuda.set_stream(stream)
             gen.graphsafe_set_state(rng)
+            if isinstance(err, _CompileFailure):
+                raise
+            if compiled:  # retried with the eager step (compile_step=None) or raised
+                raise _CompileFailure(err) from err
             raise BackendError(
                 f"kvquant: capturing the decode step of {type(self.model).__name__} in a CUDA "
                 f"graph failed ({type(err).__name__}: {err}). The cache still holds the tokens it "
@@ -381,5 +637,5 @@ class DecodeGraphRunner:
                 "Fix: kvquant.patch(model, cuda_graphs=False)."
             ) from err
         rec.graph, rec.output = graph, output
-        self._warmed.add(rec.key)
+        self._warmed.add((rec.key, compiled))
         self.stats.captures += 1

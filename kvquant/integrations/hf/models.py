@@ -23,6 +23,7 @@ __all__ = [
     "AttentionSite",
     "FamilySupport",
     "check_supported",
+    "decoder_layers",
     "find_attention_sites",
     "model_geometry",
     "text_config",
@@ -297,3 +298,12 @@ def model_geometry(model: nn.Module, sites: list[AttentionSite]) -> LayerGeometr
         )
     head_dims = [_int_attr(s.module, "head_dim") for s in sites]
     return LayerGeometry.from_layers(heads[0], kv_heads, head_dims)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of ``model`` in order (the modules that hold the attention sites).
+
+    Raises:
+        UnsupportedModelError: the decoder has no ``layers`` list.
+    """
+    return _decoder_layers(model)[1]

@@ -74,10 +74,11 @@ from kvquant.errors import (
 )
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
-from kvquant.integrations.hf.graphs import DecodeGraphRunner
+from kvquant.integrations.hf.graphs import CompiledLayers, DecodeGraphRunner
 from kvquant.integrations.hf.models import (
     AttentionSite,
     check_supported,
+    decoder_layers,
     find_attention_sites,
     model_geometry,
     text_config,
@@ -113,6 +114,11 @@ class PatchOptions:
             (auto: on CUDA devices, falling back to eager steps with one log line
             if a capture fails), True (also on CPU, through the static buffers;
             a failed capture raises) or False.
+        compile_step: run the decode graph's step through ``torch.compile``'d
+            decoder layers (inductor's fused kernels): None (auto: where decode
+            graphs are captured on CUDA and inductor is usable; a failed compile
+            is logged once and the eager step is captured), True (every static
+            step, also on CPU; a failed compile raises) or False.
         source: a description of where the scales came from.
     """
 
@@ -126,6 +132,7 @@ class PatchOptions:
     max_cache_tokens: int | None = None
     num_pages: int | None = None
     cuda_graphs: bool | None = None
+    compile_step: bool | None = None
     source: str = ""
 
     @property
@@ -260,9 +267,17 @@ def _check_options(opts: PatchOptions) -> None:
     positive("group_size", opts.group_size, optional=True)
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
-    if opts.cuda_graphs is not None and not isinstance(opts.cuda_graphs, bool):
-        raise OptionTypeError(
-            f"kvquant.patch: cuda_graphs={opts.cuda_graphs!r}; expected None (auto), True or False."
+    for name in ("cuda_graphs", "compile_step"):
+        value = getattr(opts, name)
+        if value is not None and not isinstance(value, bool):
+            raise OptionTypeError(
+                f"kvquant.patch: {name}={value!r}; expected None (auto), True or False."
+            )
+    if opts.compile_step and opts.cuda_graphs is False:
+        raise OptionError(
+            "kvquant.patch: compile_step=True with cuda_graphs=False; the compiled layers run "
+            "only in the decode-graph step. Fix: pass cuda_graphs=None (or True) with "
+            "compile_step=True, or compile_step=None."
         )
     if opts.backend not in BACKENDS:
         raise OptionError(
@@ -725,12 +740,42 @@ def _install_scales(state: PatchState) -> None:
             mod.__dict__["quantization_enabled"] = False
 
 
+def _compiled_layers(model: nn.Module, state: PatchState) -> CompiledLayers | None:
+    """The decoder layers for compiled decode steps, or None.
+
+    None for ``compile_step=False``, and in auto mode where a layer's ``forward``
+    is already wrapped (accelerate's device hooks, for instance).
+
+    Raises:
+        UnsupportedModelError: ``compile_step=True`` and a layer's ``forward`` is wrapped.
+    """
+    if state.options.compile_step is False:
+        return None
+    layers = decoder_layers(model)
+    wrapped = [i for i, layer in enumerate(layers) if "forward" in layer.__dict__]
+    if wrapped:
+        if state.options.compile_step:
+            raise UnsupportedModelError(
+                f"{state.model_name}: decoder layers {wrapped[:4]} have an instance-level "
+                "forward (a wrapper such as accelerate's device hooks) that compiling the "
+                "layer class's forward would bypass. Fix: kvquant.patch(model, "
+                "compile_step=False), or load the model on one device without offloading."
+            )
+        return None
+    return CompiledLayers(layers, [site.module for site in state.sites])
+
+
 def _install_graph_runner(model: nn.Module, state: PatchState) -> None:
     """Wrap the instance's ``forward`` in a :class:`DecodeGraphRunner` (restored by ``remove()``)."""
+    compiled = _compiled_layers(model, state)
     prev = model.__dict__.get("forward", _MISSING)
     state.saved_attrs.append((model, "forward", prev, "attr"))
     runner = DecodeGraphRunner(
-        model, model.forward, lambda: getattr(model, STATE_ATTR, None) is state
+        model,
+        model.forward,
+        lambda: getattr(model, STATE_ATTR, None) is state,
+        compiled=compiled,
+        compile_step=state.options.compile_step,
     )
     model.__dict__["forward"] = runner
     state.graph_runner = runner
@@ -910,10 +955,15 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     graphs = {None: "auto (on CUDA)", True: "on", False: "off"}[opts.cuda_graphs]
     if _shares_kv(state.sites):
         graphs = "off (layers share K/V)"
+    runner = state.graph_runner
+    if runner is None or runner.compiled is None:
+        compiled = "off" if opts.compile_step is False or runner is None else "off (wrapped layers)"
+    else:
+        compiled = {None: "auto (on CUDA)", True: "on", False: "off"}[opts.compile_step]
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
         f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
-        f"decode graphs: {graphs}"
+        f"decode graphs: {graphs}; compiled step: {compiled}"
     )
 
 
@@ -931,6 +981,7 @@ def patch(
     max_cache_tokens: int | None = None,
     num_pages: int | None = None,
     cuda_graphs: bool | None = None,
+    compile_step: bool | None = None,
 ) -> KVQuantHandle:
     """Give ``model`` kvquant's FP8 paged KV cache; ``generate`` then uses it with no extra argument.
 
@@ -969,6 +1020,17 @@ def patch(
             failed capture raises. False: every step runs the eager forward. The
             runner wraps the model instance's ``forward``; prefill and any call a
             graph cannot serve run the ordinary forward.
+        compile_step: capture the decode graph from ``torch.compile``'d decoder
+            layers (inductor's fused RMSNorm, rotary, SiLU-and-multiply and
+            residual kernels; kvquant's attention stays a graph break), so a
+            replay runs far fewer kernels. Default None (auto): on wherever a
+            decode graph is captured on CUDA and inductor (Triton) is usable;
+            the first decode of a new batch size pays the compile (once per
+            process and layer class); a compile that fails is logged once and
+            the eager step is captured instead. True: every static step, also
+            the CPU one (for tests), and a failed compile raises. False: the
+            graph captures the eager layers. Prefill and eager steps always
+            run the original forwards.
 
     Returns:
         The patch's handle (also a context manager); ``handle.remove()`` restores
@@ -1008,6 +1070,7 @@ def patch(
         max_cache_tokens=max_cache_tokens,
         num_pages=num_pages,
         cuda_graphs=cuda_graphs,
+        compile_step=compile_step,
     )
     _check_options(opts)
     if backend == "triton":  # fail here, not at the first generate

@@ -84,6 +84,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         num_pages: pages of each cache, or None.
         cuda_graphs: replay one-token decode steps from a CUDA graph: None
             (auto, on CUDA devices), True or False (see :func:`kvquant.patch`).
+        compile_step: capture decode graphs from ``torch.compile``'d decoder
+            layers: None (auto), True or False (see :func:`kvquant.patch`).
         **kwargs: ignored keys of a saved config (``quant_method``, ...).
 
     Example:
@@ -104,6 +106,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         max_cache_tokens: int | None = None,
         num_pages: int | None = None,
         cuda_graphs: bool | None = None,
+        compile_step: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.quant_method = "kvquant"  # type: ignore[assignment]
@@ -117,6 +120,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.max_cache_tokens = max_cache_tokens
         self.num_pages = num_pages
         self.cuda_graphs = cuda_graphs
+        self.compile_step = compile_step
         _check_options(self.options())
 
     def options(self, source: str = "") -> PatchOptions:
@@ -132,6 +136,7 @@ class KVQuantConfig(QuantizationConfigMixin):
             max_cache_tokens=self.max_cache_tokens,
             num_pages=self.num_pages,
             cuda_graphs=self.cuda_graphs,
+            compile_step=self.compile_step,
             source=source,
         )
 
@@ -149,6 +154,7 @@ class KVQuantConfig(QuantizationConfigMixin):
             "max_cache_tokens": self.max_cache_tokens,
             "num_pages": self.num_pages,
             "cuda_graphs": self.cuda_graphs,
+            "compile_step": self.compile_step,
         }
 
 

@@ -1,0 +1,89 @@
+"""The compiled decode step on CUDA: inductor's kernels inside kvquant's CUDA graph (device tool)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hf_steps import generate_exactly, min_cosine, step_logits
+from hf_tiny import build, prompt
+
+import kvquant.integrations.hf as kvhf
+from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
+
+pytestmark = pytest.mark.gpu
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_compiled_graph_matches_eager_graph_and_unpatched(family: str) -> None:
+    model = build(family).to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=3, length=40, pad=(5, 0, 9))
+    ids, mask = ids.cuda(), mask.cuda()
+    cont = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(5)).cuda()
+    ref, _ = step_logits(model, ids, mask, cont)
+    got = {}
+    for compiled in (False, None):  # None: the default, compiled on CUDA
+        handle = kvhf.patch(model, page_size=16, compile_step=compiled)
+        got[compiled], cache = step_logits(model, ids, mask, cont)
+        assert cache.get_seq_length() == 70
+        stats = handle.state.graph_runner.stats
+        assert (stats.captures, stats.replays, stats.static_eager) == (1, 30, 0)
+        assert stats.compile_fallbacks == 0
+        assert stats.compiled_runs == (0 if compiled is False else 2)  # warm-up, capture
+        handle.remove()
+    assert torch.isfinite(got[None]).all()
+    # inductor fuses the bf16 elementwise work (rounding differs from eager's): close to
+    # the eager graph, and as close to the unpatched model as test_hf_gpu.py asks of it
+    gemma = family.startswith("gemma")
+    assert min_cosine(got[None], got[False]) >= (0.99 if gemma else 0.999)
+    assert min_cosine(got[None], ref) >= (0.98 if gemma else 0.995)
+
+
+def test_no_recompile_across_steps_and_calls() -> None:
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    handle = kvhf.patch(model, page_size=16)
+    ids, mask = prompt(batch=2, length=24, pad=(3, 0))
+    generate_exactly(model, ids.cuda(), mask.cuda(), 12)
+    stats = handle.state.graph_runner.stats
+    assert (stats.captures, stats.replays, stats.compiled_runs) == (1, 11, 2)
+    graphs = _graphs_compiled()
+    assert graphs > 0
+    for length in (9, 57):  # other prompt lengths, same batch: nothing compiles again
+        ids, mask = prompt(batch=2, length=length, pad=(1, 0), seed=length)
+        out = generate_exactly(model, ids.cuda(), mask.cuda(), 12)
+        assert torch.isfinite(torch.stack(out.logits)).all()
+    assert _graphs_compiled() == graphs
+    # each new cache captures again (without a second warm-up): 22 more replays
+    assert (stats.captures, stats.replays, stats.compiled_runs) == (3, 33, 4)
+    handle.remove()
+    for layer in model.model.layers:
+        assert "forward" not in layer.__dict__
+        assert STEP_LAYER_ATTR not in layer.self_attn.__dict__
+
+
+def test_compile_failure_in_auto_mode_captures_the_eager_step(monkeypatch: Any) -> None:
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=20, pad=(4, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    handle = kvhf.patch(model, compile_step=False)
+    want = torch.stack(generate_exactly(model, ids, mask, 8).logits)
+    handle.remove()
+
+    def broken(gm: Any, example_inputs: Any) -> Any:
+        raise RuntimeError("inductor is broken here")
+
+    torch._dynamo.reset()  # nothing compiled by an earlier test may serve this one
+    handle = kvhf.patch(model)
+    handle.state.graph_runner.compiled.backend = broken
+    got = torch.stack(generate_exactly(model, ids, mask, 8).logits)
+    stats = handle.state.graph_runner.stats
+    assert stats.compile_fallbacks == 1 and stats.captures == 1 and stats.replays == 7
+    assert min_cosine(got, want) >= 0.9999  # the eager step's graph: the same kernels
+    handle.remove()
