@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from numerics import assert_close_rel
 
 from kvquant.errors import BackendError, KernelInputError, KVQuantError
 from kvquant.kernels import backend as backend_mod
@@ -399,7 +400,9 @@ def test_attention_triton_needs_contiguous_groups() -> None:
         paged_attention(**a, backend="triton")
     ref = paged_attention(**a, backend="torch")
     a["k_group_scales"] = a["k_group_scales"].contiguous()
-    torch.testing.assert_close(paged_attention(**a, backend="triton"), ref, rtol=5e-3, atol=2e-3)
+    # the kernels' tolerance (relative norm, as in test_attention.py): an elementwise bound
+    # failed on a few elements for about 1 in 13 random draws
+    assert_close_rel(paged_attention(**a, backend="triton"), ref, rel_tol=5e-3)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

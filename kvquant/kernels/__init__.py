@@ -379,6 +379,8 @@ def paged_attention(
         first_lens: int32 ``[B]``, ``0..NF``: keys ``kv_start[b]`` ..
             ``kv_start[b] + first_lens[b] - 1`` are attended from ``first_k[b]`` /
             ``first_v[b]`` (same masks) instead of their slots, which are never read.
+            The Triton backend needs ``k_offset``, ``k_rotation``, ``first_k`` and
+            ``first_v`` contiguous.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:

@@ -67,6 +67,8 @@ def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.dev
     if _INTERPRETED or device.type != "cuda":
         return 2
     dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args[:14])
+    if consts["HAS_FIRST"]:  # the first-token buffers' dtypes (args[-4:-2]) compile apart too
+        dtypes += (args[-4].dtype, args[-3].dtype)
     key: tuple[Any, ...] = (device, dtypes, *sorted(consts.items()))
     res = _RESIDENCY.get(key)
     if res is None:
