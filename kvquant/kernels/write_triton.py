@@ -195,11 +195,31 @@ def _write_kv_kernel(
     vg_off = (pg * svg_p + tk * svg_t)[:, None] + (h * svg_h + g)[None, :]
     group_mask = t_ok[:, None] & r_ok[None, :]
 
-    k_off = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h + d * sk_d)[None, :, :]
-    k = tl.load(k_ptr + k_off, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ROT or HAS_OFF:
-        k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
-                         HAS_ROT, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
+    k_row = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h)[None, :, :]
+    if HAS_ROT and BLOCK_G > 128:
+        # The whole fp32 R of a wide head does not fit in shared memory (256 x 256 x 4 bytes):
+        # x @ R as a sum over 16-column slices of x (loaded from K) times 16-row slices of R.
+        acc = tl.zeros([BLOCK_T * BLOCK_R, BLOCK_G], tl.float32)
+        for j in tl.static_range(0, BLOCK_G // 16):
+            i = j * 16 + tl.arange(0, 16)
+            xs_ok = t_ok[:, None, None] & (r_ok[:, None] & (i < D)[None, :])[None, :, :]
+            xs = tl.load(k_ptr + k_row + (i * sk_d)[None, None, :], mask=xs_ok, other=0.0)
+            rs_ok = (i < D)[:, None] & (e < D)[None, :]
+            rs = tl.load(rot_ptr + i[:, None] * s_r0 + e[None, :] * s_r1, mask=rs_ok, other=0.0)
+            acc += tl.dot(
+                tl.reshape(xs.to(tl.float32), [BLOCK_T * BLOCK_R, 16]),
+                rs.to(tl.float32),
+                input_precision="ieee",
+            )
+        k = tl.reshape(acc, [BLOCK_T, BLOCK_R, BLOCK_G])
+        if HAS_OFF:
+            k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
+                             False, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
+    else:
+        k = tl.load(k_ptr + k_row + (d * sk_d)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_ROT or HAS_OFF:
+            k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
+                             HAS_ROT, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
     _quantize_tile(
         k,
         kp_ptr,

@@ -258,7 +258,8 @@ def test_triton_kernels_match_the_reference_on_gpu(shared: bool, dtype: torch.dt
     cont = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
     got = {}
     for backend in ("triton", "torch"):
-        handle = kvhf.patch(model, backend=backend, group_size=16)
+        # eager steps: this compares kernels (Gemma 4's decode graph capture falls back)
+        handle = kvhf.patch(model, backend=backend, group_size=16, cuda_graphs=False)
         got[backend], cache = step_logits(model, ids, mask, cont)
         assert cache.layers[0].k_pages.is_cuda
         handle.remove()
