@@ -21,6 +21,7 @@ This module imports torch and :mod:`kvquant.kernels` only (no transformers).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +40,9 @@ __all__ = [
     "PageAllocator",
     "PagedKVCache",
     "PagedLayerStorage",
+    "SequenceBook",
+    "StaticStep",
+    "slot_mapping",
     "total_memory_bytes",
 ]
 
@@ -47,10 +51,6 @@ GRANULARITIES: tuple[str, ...] = ("per-tensor", "per-head", "fp32-group", "k-tra
 
 ORTHONORMAL_TOL = 1e-4
 """Largest ``|R R^T - I|`` element accepted for a K rotation (checked once, at construction)."""
-
-_PY_SLOTS_MAX = 64
-"""Up to this many new tokens per sequence, :meth:`PageAllocator.reserve` builds slots in Python."""
-
 
 MAX_PAGES = 2**31 - 1
 """Most pages of a pool: block tables hold page ids as int32."""
@@ -103,6 +103,35 @@ def _page_ids(
                 "cache's block table."
             )
     return out
+
+
+def slot_mapping(
+    page_base: torch.Tensor, positions: int | torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Slots of token positions: the one implementation of ``slot = page * page_size + offset``.
+
+    Every slot kvquant's caches write to comes from here (:meth:`PageAllocator.reserve`,
+    :meth:`SequenceBook.slots`, :meth:`StaticStep.derive`).
+
+    Args:
+        page_base: int64 ``[B, max_pages]``: a block table times ``page_size``.
+        positions: one position for every row (an int: a column slice, no gather),
+            or int64 ``[B, L]`` positions ``>= 0`` inside the pages the table lists.
+        page_size: token slots per page.
+
+    Returns:
+        int64 ``[B, 1]`` (an int position) or ``[B, L]`` on ``page_base``'s device.
+
+    Example:
+        >>> import torch
+        >>> base = torch.tensor([[3, 1]]) * 16
+        >>> slot_mapping(base, torch.tensor([[0, 17]]), 16).tolist(), slot_mapping(base, 17, 16).tolist()
+        ([[48, 17]], [[17]])
+    """
+    if isinstance(positions, int):
+        col = positions // page_size
+        return page_base[:, col : col + 1] + positions % page_size
+    return page_base.gather(1, positions // page_size) + positions % page_size
 
 
 class PageAllocator:
@@ -224,26 +253,14 @@ class PageAllocator:
         ids = self._distinct(seq_ids, "reserve")
         counts = self._counts(ids, num_new_tokens)
         olds = self._take(ids, counts, "reserve")
-        page = self.page_size
         width = max(counts, default=0)
-        if width <= _PY_SLOTS_MAX:
-            # Few tokens per sequence (decode): plain Python, one tensor at the end.
-            rows = []
-            for sid, n, old in zip(ids, counts, olds, strict=True):
-                plist = self._pages[sid]
-                row = [plist[p // page] * page + p % page for p in range(old, old + n)]
-                if n < width:
-                    row.extend([-1] * (width - n))
-                rows.append(row)
-            out = torch.tensor(rows, dtype=torch.int64).reshape(len(ids), width)
-        else:
-            out = torch.full((len(ids), width), -1, dtype=torch.int64)
-            for row_idx, (sid, n, old) in enumerate(zip(ids, counts, olds, strict=True)):
-                if n:
-                    pos = torch.arange(old, old + n, dtype=torch.int64)
-                    table = torch.tensor(self._pages[sid], dtype=torch.int64)
-                    out[row_idx, :n] = table[pos // page] * page + pos % page
-        return out.to(self.device)
+        if not ids or not width:
+            return torch.full((len(ids), width), -1, dtype=torch.int64, device=self.device)
+        base = self.block_tables(ids).to(device="cpu", dtype=torch.int64) * self.page_size
+        pos = torch.tensor(olds, dtype=torch.int64)[:, None] + torch.arange(width)[None, :]
+        valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+        slots = slot_mapping(base, torch.where(valid, pos, torch.zeros_like(pos)), self.page_size)
+        return torch.where(valid, slots, torch.full_like(slots, -1)).to(self.device)
 
     def reserve_pages(
         self, seq_ids: Sequence[Hashable], num_new_tokens: int | Sequence[int]
@@ -442,6 +459,270 @@ class PageAllocator:
         """
         lens = [self._lens[self._known(s, "seq_lens")] for s in seq_ids]
         return torch.tensor(lens, dtype=torch.int32).to(self.device)
+
+
+@dataclass
+class StaticStep:
+    """Device tensors of a one-token decode step whose addresses never change.
+
+    A CUDA graph of the decode step (:mod:`kvquant.integrations.hf.graphs`)
+    replays kernels with the pointers it captured, so everything a step
+    varies lives in these tensors and is refreshed in place before each
+    replay (:meth:`SequenceBook.load_static`); everything derived from them is
+    computed on the device inside the graph (:meth:`derive`). While a step
+    runs, the book's ``static`` is this object: the cache layers write to
+    ``slots`` and the attention reads ``block_table``, ``lens`` and
+    ``kv_start`` (the book hands them out instead of its own tensors).
+
+    Attributes:
+        pos: int64 ``[1]``, position of the new token (tokens stored before the step).
+        lens: int32 ``[B]``, ``pos + 1``.
+        slots: int64 ``[B, 1]``, slot of the new token of each sequence.
+        block_table: int32 ``[B, pages_per_sequence]``, the whole capacity of
+            each sequence; columns past the book's table are not used yet.
+        kv_start: int32 ``[B]``, first visible key (left padding).
+        version: the :attr:`SequenceBook.version` of the table copied in (-1: none yet).
+    """
+
+    pos: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    kv_start: torch.Tensor
+    version: int = field(default=-1)
+
+    @classmethod
+    def allocate(cls, batch: int, pages_per_sequence: int, device: torch.device) -> StaticStep:
+        """Zeroed static tensors for ``batch`` sequences of ``pages_per_sequence`` pages."""
+        return cls(
+            pos=torch.zeros(1, dtype=torch.int64, device=device),
+            lens=torch.zeros(batch, dtype=torch.int32, device=device),
+            slots=torch.zeros(batch, 1, dtype=torch.int64, device=device),
+            block_table=torch.zeros(batch, pages_per_sequence, dtype=torch.int32, device=device),
+            kv_start=torch.zeros(batch, dtype=torch.int32, device=device),
+        )
+
+    def derive(self, page_size: int) -> None:
+        """On the device: ``lens`` and ``slots`` of the token at ``pos`` (captured with the step)."""
+        self.lens.copy_((self.pos + 1).expand_as(self.lens))
+        base = self.block_table.to(torch.int64) * page_size
+        self.slots.copy_(slot_mapping(base, self.pos.expand(self.slots.shape[0], 1), page_size))
+
+
+class SequenceBook:
+    """The batch bookkeeping of a paged cache: one owner for reservation, tables, slots and lengths.
+
+    A batch of ``B`` rows (sequence ids ``0 .. B-1`` of one :class:`PageAllocator`)
+    that grow in lockstep, as a transformers cache does (every position, left
+    padding included, is stored for every row), stored by ``num_layers`` layers
+    that share the pages' addresses (a token occupies the same slot in every
+    layer) and update one after another inside a forward. The book holds:
+
+    - the pages of each row and the free list (its :attr:`allocator`, created by
+      :meth:`open`), and the tokens reserved per row (:attr:`reserved`, the
+      allocator's length of every row);
+    - each layer's stored length (:attr:`layer_lens`): the first layer to reach a
+      position reserves its pages for all (:meth:`reserve_through`), later
+      layers reuse them;
+    - one block table per device (int32 ``[B, max_pages]``), appended to in
+      place of a rebuild when the rows take pages in lockstep, and its
+      ``* page_size`` base for slots; :attr:`version` counts their changes;
+    - the slot mapping of a step (:meth:`slots`, memoised: every layer of a
+      step gets the same tensor) and the lengths tensor (:meth:`lens`), both
+      from :func:`slot_mapping`;
+    - the static-step variant (:class:`StaticStep`): :meth:`static_step`
+      allocates one for the whole capacity, :meth:`load_static` refreshes it
+      before a step, and while :attr:`static` is set, :meth:`block_table`,
+      :meth:`lens` and :meth:`slots` hand out its tensors;
+    - rollback and crop (:meth:`truncate`), beam reordering (:meth:`beam_moves`)
+      and :meth:`reset`.
+
+    The storage (:class:`PagedLayerStorage`, one per layer) knows nothing of
+    sequences: it takes the slots, tables and lengths the book produces. The
+    book knows nothing of transformers: pool sizing and growth policy belong
+    to the cache that owns the storages (it grows them, then :attr:`allocator`).
+
+    Args:
+        num_layers: layers that store into the pages.
+        page_size: token slots per page.
+
+    Example:
+        >>> book = SequenceBook(num_layers=2, page_size=4)
+        >>> _ = book.open(num_pages=8, batch_size=2, device="cpu")
+        >>> book.reserve_through(5)
+        >>> book.slots(0, 5, torch.device("cpu")).tolist()
+        [[0, 1, 2, 3, 4], [8, 9, 10, 11, 12]]
+        >>> book.block_table(torch.device("cpu")).tolist(), book.reserved
+        ([[0, 1], [2, 3]], 5)
+    """
+
+    def __init__(self, num_layers: int, page_size: int) -> None:
+        self.page_size = _positive_int("page_size", page_size, "SequenceBook", MAX_PAGE_SIZE)
+        self.allocator: PageAllocator | None = None
+        self.batch_size = 0
+        self.layer_lens = [0] * _positive_int("num_layers", num_layers, "SequenceBook")
+        self.static: StaticStep | None = None
+        self.version = 0
+        self._rows: tuple[int, ...] = ()
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._bases: dict[torch.device, torch.Tensor] = {}
+        self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+
+    def open(self, num_pages: int, batch_size: int, device: torch.device | str) -> PageAllocator:
+        """The allocator of ``batch_size`` rows; created with ``num_pages`` on first use."""
+        if self.allocator is None:
+            self.allocator = PageAllocator(num_pages, self.page_size, device=device)
+            self.batch_size = batch_size
+            self._rows = tuple(range(batch_size))
+        return self.allocator
+
+    def _alloc(self) -> PageAllocator:
+        if self.allocator is None:
+            raise CacheUsageError("the kvquant cache holds nothing yet")
+        return self.allocator
+
+    # ------------------------------------------------------------- reservation
+    @property
+    def reserved(self) -> int:
+        """Token slots reserved per row (0 before the first reservation)."""
+        return 0 if self.allocator is None else self.allocator._lens.get(0, 0)
+
+    def pages_needed(self, tokens: int) -> int:
+        """Free pages :meth:`reserve_through` of ``tokens`` takes (0 if the rows hold them)."""
+        ps = self.page_size
+        return max(0, -(-tokens // ps) - -(-self.reserved // ps)) * self.batch_size
+
+    def pages_per_sequence(self) -> int:
+        """The most pages one row can hold (the pool split evenly over the batch)."""
+        if self.allocator is None or self.batch_size < 1:
+            raise CacheUsageError("the kvquant cache holds nothing yet")
+        return self.allocator.num_pages // self.batch_size
+
+    def reserve_through(self, tokens: int) -> None:
+        """Reserve pages so that every row holds ``tokens`` slots (no-op if it does).
+
+        Raises:
+            CacheCapacityError: too few free pages (nothing changes).
+        """
+        have = self.reserved
+        if tokens <= have:
+            return
+        ps = self.page_size
+        old_pages, new_pages = -(-have // ps), -(-tokens // ps)
+        taken = self._alloc().reserve_pages(self._rows, tokens - have)
+        if new_pages == old_pages:
+            return  # no page changed hands: the tables stay valid
+        self.version += 1
+        self._bases.clear()
+        if old_pages == 0 or any(len(t) != new_pages - old_pages for t in taken):
+            self._tables.clear()  # rebuilt from the allocator on next use
+            return
+        # The rows grow in lockstep: append the new page columns on each device.
+        cols = torch.tensor(taken, dtype=torch.int32)
+        for dev, bt in list(self._tables.items()):
+            self._tables[dev] = torch.cat([bt, cols.to(dev)], dim=1)
+
+    def advance(self, layer_idx: int, tokens: int) -> None:
+        """Layer ``layer_idx`` stored ``tokens`` more positions (reserved before)."""
+        self.layer_lens[layer_idx] += tokens
+
+    def advance_all(self, tokens: int) -> None:
+        """Every layer stored ``tokens`` more positions (a static step of the whole model)."""
+        self.layer_lens = [n + tokens for n in self.layer_lens]
+
+    # ------------------------------------------------------------- tensors
+    def _table(self, device: torch.device) -> torch.Tensor:
+        bt = self._tables.get(device)
+        if bt is None:
+            host = self._alloc().block_tables(self._rows)
+            bt = self._tables[device] = host.to(device=device, dtype=torch.int32)
+        return bt
+
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        """The int32 ``[B, max_pages]`` block table on ``device`` (read-only; a static step's own)."""
+        if self.static is not None:
+            return self.static.block_table
+        return self._table(device)
+
+    def slots(self, start: int, new_tokens: int, device: torch.device) -> torch.Tensor:
+        """int64 ``[B, new_tokens]`` slots of positions ``start ..`` (reserved before), memoised.
+
+        The layers of a step share one tensor; a one-token step costs one
+        slice and one add on the device. During a static step: its ``slots``.
+        """
+        if self.static is not None:
+            return self.static.slots
+        key = (start, new_tokens, device)
+        memo = self._slot_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        base = self._bases.get(device)
+        if base is None:
+            base = self._bases[device] = self._table(device).to(torch.int64) * self.page_size
+        if new_tokens == 1:
+            slots = slot_mapping(base, start, self.page_size)
+        else:
+            pos = torch.arange(start, start + new_tokens, device=device, dtype=torch.int64)
+            slots = slot_mapping(base, pos.expand(self.batch_size, -1), self.page_size)
+        self._slot_memo = (key, slots)
+        return slots
+
+    def lens(self, length: int, device: torch.device) -> torch.Tensor:
+        """int32 ``[B]`` filled with ``length`` on ``device`` (memoised; a static step's ``lens``)."""
+        if self.static is not None:
+            return self.static.lens
+        memo = self._lens_memo
+        if memo is not None and memo[0] == (length, device):
+            return memo[1]
+        lens = torch.full((self.batch_size,), length, dtype=torch.int32, device=device)
+        self._lens_memo = ((length, device), lens)
+        return lens
+
+    def static_step(self, device: torch.device) -> StaticStep:
+        """A new :class:`StaticStep` spanning the whole capacity of every row."""
+        return StaticStep.allocate(self.batch_size, self.pages_per_sequence(), device)
+
+    def load_static(self, step: StaticStep, pos: int, kv_start: torch.Tensor) -> None:
+        """Before a static step at ``pos``: its table (copied when :attr:`version` changed), start."""
+        if step.version != self.version:
+            bt = self._table(step.block_table.device)
+            step.block_table[:, : bt.shape[1]].copy_(bt)
+            step.version = self.version
+        step.pos.fill_(pos)
+        step.kv_start.copy_(kv_start)
+
+    # ------------------------------------------------------------- whole batch
+    def beam_moves(
+        self, beam_idx: torch.Tensor, tokens: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beam search: flat ``(src, dst)`` page ids that give row ``b`` row ``beam_idx[b]``'s first ``tokens``."""
+        dst = self._table(device)[:, : -(-tokens // self.page_size)].long()
+        src = dst.index_select(0, beam_idx.to(dst.device).long())
+        return src.reshape(-1), dst.reshape(-1)
+
+    def truncate(self, tokens: int) -> None:
+        """Keep the first ``tokens`` positions of every row in every layer; free the pages past them."""
+        self.layer_lens = [min(n, tokens) for n in self.layer_lens]
+        alloc = self.allocator
+        if alloc is not None and tokens < self.reserved:
+            for row in self._rows:
+                alloc.truncate(row, tokens)
+            self._changed()
+        self._slot_memo = self._lens_memo = None
+
+    def reset(self) -> None:
+        """Forget every stored token; all pages become free (the pool keeps its size)."""
+        if self.allocator is not None:
+            self.allocator.reset()
+        self.layer_lens = [0] * len(self.layer_lens)
+        self._changed()
+        self._slot_memo = self._lens_memo = None
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._tables.clear()
+        self._bases.clear()
 
 
 def _static_scale(

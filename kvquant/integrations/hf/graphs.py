@@ -19,7 +19,7 @@ How a step runs (:class:`DecodeGraphRunner`):
 2. The cache reserves the new token's pages on the host (a full cache raises
    :class:`~kvquant.errors.CacheCapacityError` before anything is written).
 3. The step's inputs are copied into static buffers
-   (:class:`~kvquant.integrations.hf.cache_layer.StaticStep` and one buffer per
+   (:class:`~kvquant.cache.StaticStep`, refreshed by the cache's book, and one buffer per
    tensor argument); the first step of a cache warms the forward up on a side
    stream and captures it; every step then replays the graph. When the pool
    grows (a cache without a size bound enlarges its pages on demand) the
@@ -270,13 +270,7 @@ class DecodeGraphRunner:
         if not isinstance(rec, DecodeGraph) or rec.key != key:
             rec = self._build(cache, kwargs, key, device)
             cache.decode_graph = rec
-        st = rec.static
-        bt = cache.block_table(device)
-        if bt.shape[1] != st.width:
-            st.block_table[:, : bt.shape[1]].copy_(bt)
-            st.width = bt.shape[1]
-        st.pos.fill_(seq)
-        st.kv_start.copy_(starts)
+        cache.book.load_static(rec.static, seq, starts)
         for name, buf in rec.inputs.items():
             buf.copy_(kwargs[name])
         if device.type == "cuda":
@@ -300,8 +294,7 @@ class DecodeGraphRunner:
                 )
             out = self._run(cache, rec)
             self.stats.static_eager += 1
-        for layer in layers:
-            layer.seq_len += 1
+        cache.book.advance_all(1)
         return out
 
     def _fall_back(
@@ -332,7 +325,7 @@ class DecodeGraphRunner:
         key: tuple[Any, ...],
         device: torch.device,
     ) -> DecodeGraph:
-        static = StaticStep.allocate(cache.batch_size_, cache.pages_per_sequence(), device)
+        static = cache.book.static_step(device)
         inputs = {
             name: torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for name, v in kwargs.items()
