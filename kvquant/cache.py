@@ -1,15 +1,18 @@
-"""Paged FP8 KV storage: a page allocator and per-layer page tensors.
+"""Paged FP8 KV storage: a page allocator, the batch bookkeeping, per-layer page tensors.
 
-:class:`PageAllocator` hands out fixed-size pages to sequences and turns
-"sequence ``s`` gets ``n`` more tokens" into a slot mapping (where each new
-token is stored), block tables and sequence lengths: the index tensors the
-kernels in :mod:`kvquant.kernels` consume. :class:`PagedLayerStorage` is one
-layer's FP8 K/V pages with its fp32 group scales (for the dynamic
-``fp32-group`` format) or static K/V scales, and the kernel calls on them
-(write, attend, dequantize, page copies, memory accounting): the one
-implementation of paged FP8 storage, which the transformers cache layer
-builds on too. :class:`PagedKVCache` is one allocator (shared by all layers:
-a token occupies the same slot in every layer) plus one storage per layer.
+:class:`PageAllocator` hands out fixed-size pages to sequences (any ids, any
+lengths) and turns "sequence ``s`` gets ``n`` more tokens" into a slot mapping
+(where each new token is stored), block tables and sequence lengths: the
+index tensors the kernels in :mod:`kvquant.kernels` consume.
+:class:`SequenceBook` is the one owner of a batch's bookkeeping on top of it
+(reservation, device block tables, slots, lengths, the static decode step
+:class:`StaticStep`, rollback, beams): the transformers cache asks it for
+all of them. Every slot comes from :func:`slot_mapping`.
+:class:`PagedLayerStorage` is one layer's FP8 K/V pages with its fp32 group
+scales (for the dynamic ``fp32-group`` format) or static K/V scales, and the
+kernel calls on them (write, attend, dequantize, page copies, memory
+accounting): the one implementation of paged FP8 storage. Several layers
+share one allocator or book (a token occupies the same slot in every layer).
 
 Layout (see :mod:`kvquant.kernels`): pages ``[num_pages, page_size, Hkv, D]``,
 slot ``= page * page_size + offset``, block tables int32 ``[B, max_pages]``,
@@ -38,7 +41,6 @@ __all__ = [
     "MAX_FIRST_TOKENS",
     "ORTHONORMAL_TOL",
     "PageAllocator",
-    "PagedKVCache",
     "PagedLayerStorage",
     "SequenceBook",
     "StaticStep",
@@ -764,12 +766,11 @@ def _static_scale(
 class PagedLayerStorage:
     """One attention layer's FP8 K/V pages and their scales, and the kernel calls on them.
 
-    This is the single implementation of paged FP8 storage: :class:`PagedKVCache`
-    holds one per layer beside its shared :class:`PageAllocator`, and the
-    transformers cache layer (:class:`kvquant.integrations.hf.KVQuantLayer`)
-    builds one on its first update. The storage knows nothing of sequences:
-    callers pass the slot mapping, block tables and sequence lengths that an
-    allocator produced.
+    This is the single implementation of paged FP8 storage: the transformers
+    cache layer (:class:`kvquant.integrations.hf.KVQuantLayer`) builds one on
+    its first update. The storage knows nothing of sequences: callers pass the
+    slot mapping, block tables and sequence lengths that an allocator or a
+    :class:`SequenceBook` produced.
 
     Pages are zero-filled and group scales one-filled when allocated (slots not
     yet written dequantize to 0).
@@ -1388,236 +1389,3 @@ def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:
         for key, value in storage.memory_bytes().items():
             total[key] += value
     return total
-
-
-def _layers_attr(attr: str, doc: str) -> Any:
-    """A read-only property: ``attr`` of every layer's storage that has it (not None), as a list."""
-
-    def get(cache: PagedKVCache) -> list[torch.Tensor]:
-        values = (getattr(storage, attr) for storage in cache.layers)
-        return [v for v in values if v is not None]
-
-    return property(get, doc=doc)
-
-
-class PagedKVCache:
-    """FP8 paged K/V storage for ``num_layers`` attention layers.
-
-    One :class:`PagedLayerStorage` per layer (``self.layers``) beside one shared
-    :class:`PageAllocator` (``self.allocator``): reserve slots once per step,
-    then :meth:`write` and :meth:`attend` each layer with the same slot
-    mapping, block tables and sequence lengths.
-
-    Args:
-        num_layers: attention layers.
-        num_pages: pages per layer.
-        page_size: token slots per page (16, 32 or 64 are typical).
-        num_kv_heads: ``Hkv``.
-        head_dim: ``D``.
-        granularity: ``"per-tensor"``, ``"per-head"`` (static scales given in
-            ``k_scales``/``v_scales``) or ``"fp32-group"`` (dynamic: one fp32
-            scale per token, KV head and group of ``group_size`` elements,
-            computed on write).
-        group_size: ``G`` for ``fp32-group``; must divide ``head_dim``;
-            default ``min(64, head_dim)``.
-        kv_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-        device: where pages and index tensors live.
-        k_scales: per layer, the fp32 K scale, ``[]`` for per-tensor or
-            ``[Hkv]`` for per-head (from :mod:`kvquant.registry`); None for
-            ``fp32-group``. Copied to fp32 on ``device`` once.
-        v_scales: like ``k_scales`` for V.
-        backend: kernel backend for :meth:`write` / :meth:`attend`
-            (``"auto"``, ``"triton"``, ``"torch"``).
-
-    Attributes:
-        allocator: the shared :class:`PageAllocator`.
-        layers: one :class:`PagedLayerStorage` per layer.
-        k_pages: per layer ``[num_pages, page_size, Hkv, D]`` FP8 (a list, read-only view
-            of ``layers``).
-        v_pages: per layer ``[num_pages, page_size, Hkv, D]`` FP8.
-        k_group_scales: per layer fp32 ``[num_pages, page_size, Hkv, D // G]``
-            (``fp32-group`` only, else empty).
-        v_group_scales: like ``k_group_scales``.
-        k_scales: per layer fp32 ``[]`` or ``[Hkv]`` (static granularities, else empty).
-        v_scales: like ``k_scales``.
-
-    Example:
-        >>> import torch
-        >>> cache = PagedKVCache(2, num_pages=8, page_size=16, num_kv_heads=2, head_dim=64,
-        ...                      granularity="fp32-group", group_size=32, backend="torch")
-        >>> slots = cache.allocator.reserve([0], 5)
-        >>> k = v = torch.randn(1, 5, 2, 64)
-        >>> for layer in range(2):
-        ...     cache.write(layer, k, v, slots)
-        >>> q = torch.randn(1, 5, 4, 64)
-        >>> out = cache.attend(0, q, cache.allocator.block_tables([0]), cache.allocator.seq_lens([0]))
-        >>> out.shape
-        torch.Size([1, 5, 4, 64])
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        granularity: str,
-        group_size: int | None = None,
-        kv_dtype: torch.dtype = torch.float8_e4m3fn,
-        device: torch.device | str = "cpu",
-        k_scales: Sequence[torch.Tensor] | None = None,
-        v_scales: Sequence[torch.Tensor] | None = None,
-        backend: str = "auto",
-    ) -> None:
-        owner = "PagedKVCache"
-        self.num_layers = _positive_int("num_layers", num_layers, owner)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads, owner)
-        self.head_dim = _positive_int("head_dim", head_dim, owner)
-        self.allocator = PageAllocator(num_pages, page_size, device)
-        self.device = self.allocator.device
-        if granularity == "fp32-group":
-            if k_scales is not None or v_scales is not None:
-                raise CacheUsageError(
-                    f"{owner}: k_scales/v_scales were given with granularity='fp32-group', "
-                    "whose scales are computed on write. Fix: drop them, or pass "
-                    "granularity='per-tensor' / 'per-head'."
-                )
-            k_list: list[torch.Tensor | None] = [None] * num_layers
-            v_list: list[torch.Tensor | None] = [None] * num_layers
-        elif granularity == "k-transform":
-            raise CacheUsageError(
-                f"{owner}: granularity='k-transform' needs a K offset per layer, which "
-                "PagedKVCache does not take. Fix: build one PagedLayerStorage per layer with "
-                "k_offset= / k_rotation= / first_tokens=, or use kvquant.patch(model) for "
-                "transformers models."
-            )
-        elif granularity in GRANULARITIES:
-            k_list = list(self._scale_list("k_scales", k_scales, granularity))
-            v_list = list(self._scale_list("v_scales", v_scales, granularity))
-        else:
-            k_list = v_list = [None] * num_layers  # the storage names the bad granularity
-        self.layers = [
-            PagedLayerStorage(
-                self.allocator.num_pages,
-                self.allocator.page_size,
-                num_kv_heads,
-                head_dim,
-                granularity=granularity,
-                group_size=group_size,
-                k_scale=k_list[i],
-                v_scale=v_list[i],
-                kv_dtype=kv_dtype,
-                device=self.device,
-                backend=backend,
-                name=owner,
-                scale_names=(f"k_scales[{i}]", f"v_scales[{i}]"),
-            )
-            for i in range(num_layers)
-        ]
-        first = self.layers[0]
-        self.granularity = first.granularity
-        self.kv_dtype = first.kv_dtype
-        self.backend = first.backend
-        self.group_size = first.group_size
-
-    def _scale_list(
-        self, name: str, scales: Sequence[torch.Tensor] | None, granularity: str
-    ) -> Sequence[torch.Tensor]:
-        if scales is None or len(scales) != self.num_layers:
-            found = "None" if scales is None else f"{len(scales)} tensors"
-            raise ScaleFormatError(
-                f"PagedKVCache: {name} is {found}; granularity {granularity!r} needs one "
-                f"scale per layer ({self.num_layers}). Fix: pass the per-layer scales "
-                "kvquant.registry resolved for the model."
-            )
-        return scales
-
-    # ------------------------------------------------------------ accessors
-    @property
-    def num_pages(self) -> int:
-        """Pages per layer."""
-        return self.allocator.num_pages
-
-    @property
-    def page_size(self) -> int:
-        """Token slots per page."""
-        return self.allocator.page_size
-
-    k_pages = _layers_attr("k_pages", "Per layer FP8 ``[num_pages, page_size, Hkv, D]`` K pages.")
-    v_pages = _layers_attr("v_pages", "Per layer FP8 ``[num_pages, page_size, Hkv, D]`` V pages.")
-    k_group_scales = _layers_attr(
-        "k_group_scales",
-        "Per layer fp32 ``[num_pages, page_size, Hkv, D // G]`` (empty unless ``fp32-group``).",
-    )
-    v_group_scales = _layers_attr("v_group_scales", "Like ``k_group_scales`` for V.")
-    k_scales = _layers_attr(
-        "k_scale", "Per layer fp32 ``[]`` or ``[Hkv]`` static K scales (empty for ``fp32-group``)."
-    )
-    v_scales = _layers_attr("v_scale", "Like ``k_scales`` for V.")
-
-    def _layer(self, layer: int) -> PagedLayerStorage:
-        if (
-            isinstance(layer, bool)
-            or not isinstance(layer, int)
-            or not 0 <= layer < self.num_layers
-        ):
-            raise CacheUsageError(
-                f"PagedKVCache: layer {layer!r} is out of range; the cache has "
-                f"{self.num_layers} layers (0..{self.num_layers - 1}). Fix: pass the layer index."
-            )
-        return self.layers[layer]
-
-    def scale_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
-        """The scale arguments of the kernels for ``layer`` (static or group scales)."""
-        return self._layer(layer).scale_kwargs()
-
-    # ------------------------------------------------------------- kernels
-    def write(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """:meth:`PagedLayerStorage.write` on ``layer``'s storage.
-
-        ``key`` / ``value`` are ``[B, L, Hkv, D]``; ``slot_mapping`` int64
-        ``[B, L]`` comes from :meth:`PageAllocator.reserve`.
-        """
-        self._layer(layer).write(key, value, slot_mapping)
-
-    def attend(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        sm_scale: float | None = None,
-        **options: Any,
-    ) -> torch.Tensor:
-        """:meth:`PagedLayerStorage.attend` on ``layer``'s storage: ``[B, Lq, Hq, D]``.
-
-        ``block_tables`` / ``seq_lens`` come from :meth:`PageAllocator.block_tables`
-        and :meth:`PageAllocator.seq_lens`.
-        """
-        return self._layer(layer).attend(
-            query, block_tables, seq_lens, sm_scale=sm_scale, **options
-        )
-
-    def reset(self) -> None:
-        """Forget every sequence (pages keep stale bytes, unreachable until rewritten)."""
-        self.allocator.reset()
-
-    # ----------------------------------------------------------- accounting
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes held over all layers (:meth:`PagedLayerStorage.memory_bytes`, summed)."""
-        return total_memory_bytes(self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of pages and scales over all layers."""
-        return self.memory_bytes()["total"]
-
-    def bytes_per_token(self) -> float:
-        """Bytes per token slot over all layers (K + V payload and group scales)."""
-        m = self.memory_bytes()
-        return (m["pages"] + m["group_scales"]) / (self.num_pages * self.page_size)
