@@ -539,6 +539,14 @@ class SequenceBook:
     - rollback and crop (:meth:`truncate`), beam reordering (:meth:`beam_moves`)
       and :meth:`reset`.
 
+    Who asks it, in the transformers integration: ``KVQuantCache.slots_for``
+    (each layer's ``update``: reserve, then the step's slots), kvquant's
+    attention function (``block_table``, ``lens``), the CUDA-graph runner
+    (``static_step``, ``load_static``, ``advance_all``), and
+    ``KVQuantCache.truncate`` / ``crop`` / ``reset`` / ``reorder_cache`` (the
+    failed-forward rollback of :func:`kvquant.patch` goes through
+    ``truncate``). Nothing else keeps a copy of a length or a table.
+
     The storage (:class:`PagedLayerStorage`, one per layer) knows nothing of
     sequences: it takes the slots, tables and lengths the book produces. The
     book knows nothing of transformers: pool sizing and growth policy belong
