@@ -463,6 +463,13 @@ class PageAllocator:
         return torch.tensor(lens, dtype=torch.int32).to(self.device)
 
 
+_EMPTY_BOOK = (
+    "SequenceBook: the batch holds nothing yet (no pages: open() was not called; a kvquant cache "
+    "opens its book on its first update). Fix: run a forward pass with the cache first, or call "
+    "SequenceBook.open(num_pages, batch_size, device)."
+)
+
+
 @dataclass
 class StaticStep:
     """Device tensors of a one-token decode step whose addresses never change.
@@ -587,9 +594,10 @@ class SequenceBook:
             self._rows = tuple(range(batch_size))
         return self.allocator
 
-    def _alloc(self) -> PageAllocator:
+    def require_allocator(self) -> PageAllocator:
+        """The :attr:`allocator`; :class:`CacheUsageError` before :meth:`open`."""
         if self.allocator is None:
-            raise CacheUsageError("the kvquant cache holds nothing yet")
+            raise CacheUsageError(_EMPTY_BOOK)
         return self.allocator
 
     # ------------------------------------------------------------- reservation
@@ -606,7 +614,7 @@ class SequenceBook:
     def pages_per_sequence(self) -> int:
         """The most pages one row can hold (the pool split evenly over the batch)."""
         if self.allocator is None or self.batch_size < 1:
-            raise CacheUsageError("the kvquant cache holds nothing yet")
+            raise CacheUsageError(_EMPTY_BOOK)
         return self.allocator.num_pages // self.batch_size
 
     def reserve_through(self, tokens: int) -> None:
@@ -620,7 +628,7 @@ class SequenceBook:
             return
         ps = self.page_size
         old_pages, new_pages = -(-have // ps), -(-tokens // ps)
-        taken = self._alloc().reserve_pages(self._rows, tokens - have)
+        taken = self.require_allocator().reserve_pages(self._rows, tokens - have)
         if new_pages == old_pages:
             return  # no page changed hands: the tables stay valid
         self.version += 1
@@ -645,7 +653,7 @@ class SequenceBook:
     def _table(self, device: torch.device) -> torch.Tensor:
         bt = self._tables.get(device)
         if bt is None:
-            host = self._alloc().block_tables(self._rows)
+            host = self.require_allocator().block_tables(self._rows)
             bt = self._tables[device] = host.to(device=device, dtype=torch.int32)
         return bt
 

@@ -46,7 +46,7 @@ from kvquant.cache import (
 )
 from kvquant.errors import CacheCapacityError, CacheUsageError, UnsupportedModelError
 
-__all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
+__all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec"]
 
 HEADROOM_FRACTION = 16
 """A cache built without a size holds ``n + max(page_size, n // HEADROOM_FRACTION)`` slots
@@ -512,7 +512,8 @@ class KVQuantCache(Cache):
         demand (:meth:`reserve_through`), so that the pages hold memory in
         proportion to what is stored, like transformers' ``DynamicCache``.
         """
-        if self.allocator is None:
+        alloc = self.book.allocator
+        if alloc is None:
             if self.num_pages_requested is not None:
                 num_pages = int(self.num_pages_requested)
             elif self.max_cache_tokens is not None:
@@ -524,8 +525,7 @@ class KVQuantCache(Cache):
                     f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
                     "Fix: pass a positive max_cache_tokens or num_pages."
                 )
-            self.book.open(num_pages, batch_size, device)
-        alloc = self.book._alloc()
+            alloc = self.book.open(num_pages, batch_size, device)
         return alloc.num_pages, self.page_size
 
     def slots_for(self, layer: KVQuantLayer, batch_size: int, new_tokens: int) -> torch.Tensor:
@@ -571,7 +571,7 @@ class KVQuantCache(Cache):
         book = self.book
         if tokens <= book.reserved:
             return
-        alloc = book._alloc()
+        alloc = book.require_allocator()
         ps = self.page_size
         extra_pages = book.pages_needed(tokens)
         free = alloc.num_free_pages

@@ -56,8 +56,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kvquant.cache import StaticStep
 from kvquant.errors import BackendError
-from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer, StaticStep
+from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
 
 __all__ = ["DecodeGraph", "DecodeGraphRunner", "GraphStats", "left_padding_starts"]
 
