@@ -7,7 +7,7 @@ index tensors the kernels in :mod:`kvquant.kernels` consume.
 :class:`SequenceBook` is the one owner of a batch's bookkeeping on top of it
 (reservation, device block tables, slots, lengths, the static decode step
 :class:`StaticStep`, rollback, beams): the transformers cache asks it for
-all of them. Every slot comes from :func:`slot_mapping`.
+all of them. Every slot comes from :func:`kvquant.kernels.slot_mapping`.
 :class:`PagedLayerStorage` is one layer's FP8 K/V pages with its fp32 group
 scales (for the dynamic ``fp32-group`` format) or static K/V scales, and the
 kernel calls on them (write, attend, dequantize, page copies, memory
@@ -30,7 +30,13 @@ from typing import Any
 import torch
 
 from kvquant.errors import CacheCapacityError, CacheUsageError, ScaleFormatError
-from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
+from kvquant.kernels import (
+    group_scale_storage,
+    page_storage,
+    paged_attention,
+    slot_mapping,
+    write_kv,
+)
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.reference import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES, SCALE_MAX, SCALE_MIN
@@ -44,7 +50,6 @@ __all__ = [
     "PagedLayerStorage",
     "SequenceBook",
     "StaticStep",
-    "slot_mapping",
     "total_memory_bytes",
 ]
 
@@ -105,35 +110,6 @@ def _page_ids(
                 "cache's block table."
             )
     return out
-
-
-def slot_mapping(
-    page_base: torch.Tensor, positions: int | torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """Slots of token positions: the one implementation of ``slot = page * page_size + offset``.
-
-    Every slot kvquant's caches write to comes from here (:meth:`PageAllocator.reserve`,
-    :meth:`SequenceBook.slots`, :meth:`StaticStep.derive`).
-
-    Args:
-        page_base: int64 ``[B, max_pages]``: a block table times ``page_size``.
-        positions: one position for every row (an int: a column slice, no gather),
-            or int64 ``[B, L]`` positions ``>= 0`` inside the pages the table lists.
-        page_size: token slots per page.
-
-    Returns:
-        int64 ``[B, 1]`` (an int position) or ``[B, L]`` on ``page_base``'s device.
-
-    Example:
-        >>> import torch
-        >>> base = torch.tensor([[3, 1]]) * 16
-        >>> slot_mapping(base, torch.tensor([[0, 17]]), 16).tolist(), slot_mapping(base, 17, 16).tolist()
-        ([[48, 17]], [[17]])
-    """
-    if isinstance(positions, int):
-        col = positions // page_size
-        return page_base[:, col : col + 1] + positions % page_size
-    return page_base.gather(1, positions // page_size) + positions % page_size
 
 
 class PageAllocator:
@@ -537,8 +513,8 @@ class SequenceBook:
       place of a rebuild when the rows take pages in lockstep, and its
       ``* page_size`` base for slots; :attr:`version` counts their changes;
     - the slot mapping of a step (:meth:`slots`, memoised: every layer of a
-      step gets the same tensor) and the lengths tensor (:meth:`lens`), both
-      from :func:`slot_mapping`;
+      step gets the same tensor, from :func:`kvquant.kernels.slot_mapping`)
+      and the lengths tensor (:meth:`lens`);
     - the static-step variant (:class:`StaticStep`): :meth:`static_step`
       allocates one for the whole capacity, :meth:`load_static` refreshes it
       before a step, and while :attr:`static` is set, :meth:`block_table`,

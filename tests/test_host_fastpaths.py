@@ -1,6 +1,6 @@
 """Fast paths that cut host overhead must not change results or skip a failing check.
 
-Covers :meth:`PageAllocator.reserve` (slots from :func:`kvquant.cache.slot_mapping`
+Covers :meth:`PageAllocator.reserve` (slots from :func:`kvquant.kernels.slot_mapping`
 for ragged counts), :meth:`PageAllocator.reserve_pages`, and the signature memo of the
 kernel validators (:mod:`kvquant.kernels.validate`).
 """

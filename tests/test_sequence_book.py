@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from kvquant.cache import PageAllocator, SequenceBook, StaticStep, slot_mapping
+from kvquant.cache import PageAllocator, SequenceBook, StaticStep
 from kvquant.errors import CacheCapacityError, CacheUsageError
-from kvquant.kernels import compute_slot_mapping
+from kvquant.kernels import compute_slot_mapping, slot_mapping
 
 CPU = torch.device("cpu")
 
