@@ -41,7 +41,6 @@ from kvquant.cache import (
     PageAllocator,
     PagedLayerStorage,
     SequenceBook,
-    StaticStep,
     total_memory_bytes,
 )
 from kvquant.errors import CacheCapacityError, CacheUsageError, UnsupportedModelError
@@ -261,7 +260,9 @@ class KVQuantLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
         bsz, _, new, _ = key_states.shape
-        static = self.cache.static
+        cache = self.cache
+        book = cache.book
+        static = book.static
         if static is not None:
             # A decode step of the graph runner: device-side bookkeeping only; the runner
             # reserved the pages and advances the lengths after the step.
@@ -273,20 +274,20 @@ class KVQuantLayer(CacheLayerMixin):
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
             self._storage().write(k, v, static.slots)
             return None, None
-        fresh = self.seq_len == 0
-        slots = self.cache.slots_for(self, bsz, new)
+        start = book.layer_lens[self.layer_idx]
+        slots = cache.slots_for(self, bsz, new)
         if new > 0:
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
             self._storage().write(k, v, slots)
-            if self.wants_first_tokens() and self.cache.attention_is_kvquant():
-                self.pending_first = (k, v, self.seq_len)
-        self.cache.book.advance(self.layer_idx, new)
-        if fresh:
+            if self.wants_first_tokens() and cache.attention_is_kvquant():
+                self.pending_first = (k, v, start)
+        book.layer_lens[self.layer_idx] = start + new
+        if start == 0:
             # Nothing stored before: attention over exactly these keys, which the caller
             # already holds at full precision (the write above stored them in FP8 for later
             # steps). kvquant's attention runs SDPA on them, as the unpatched model does.
             return key_states, value_states
-        if self.cache.attention_is_kvquant() and not self.spec.kv_reused:
+        if cache.attention_is_kvquant() and not self.spec.kv_reused:
             return None, None
         return self.dense_kv(key_states.dtype)
 
@@ -321,7 +322,7 @@ class KVQuantLayer(CacheLayerMixin):
     def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize everything stored: ``([B, Hkv, seq_len, D], [B, Hkv, seq_len, D])`` in ``dtype``."""
         storage = self._storage()
-        k, v = storage.dense(self.cache.block_table(storage.device), self.seq_len, dtype)
+        k, v = storage.dense(self.cache.book.block_table(storage.device), self.seq_len, dtype)
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def memory_bytes(self) -> dict[str, int]:
@@ -483,15 +484,6 @@ class KVQuantCache(Cache):
         """Token slots reserved per sequence (the first layer to reach a position reserves it)."""
         return self.book.reserved
 
-    @property
-    def static(self) -> StaticStep | None:
-        """The static decode step being run (set by the graph runner), else None."""
-        return self.book.static
-
-    @static.setter
-    def static(self, step: StaticStep | None) -> None:
-        self.book.static = step
-
     # ------------------------------------------------------------------ pool sizing
 
     def _headroom_pages(self, tokens_per_seq: int) -> int:
@@ -542,7 +534,7 @@ class KVQuantCache(Cache):
         storage = layer.storage
         device = storage.device if storage is not None else _CPU
         book = self.book
-        start = layer.seq_len
+        start = book.layer_lens[layer.layer_idx]
         memo = book._slot_memo
         if memo is not None and memo[0] == (start, new_tokens, device):
             return memo[1]
@@ -555,10 +547,6 @@ class KVQuantCache(Cache):
             )
         self.reserve_through(start + new_tokens, layer)
         return book.slots(start, new_tokens, device)
-
-    def seq_lens(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """int32 ``[B]`` filled with ``seq_len`` on ``device`` (shared by the layers of a step)."""
-        return self.book.lens(seq_len, device)
 
     def reserve_through(self, tokens: int, layer: KVQuantLayer) -> None:
         """Reserve pages so that every sequence holds ``tokens`` slots (no-op if it does).
@@ -592,10 +580,6 @@ class KVQuantCache(Cache):
             book.reserve_through(tokens)
         except CacheCapacityError as err:  # pragma: no cover - pre-checked above
             raise CacheCapacityError(f"kvquant cache of {self.model_name}: {err}") from err
-
-    def pages_per_sequence(self) -> int:
-        """The most pages one sequence can hold (the pool split evenly over the batch)."""
-        return self.book.pages_per_sequence()
 
     def ensure_decode_headroom(self, tokens: int) -> None:
         """Before a decode graph is captured: room for ``MIN_GROWTH_TOKENS`` more steps.
@@ -635,15 +619,6 @@ class KVQuantCache(Cache):
         alloc.grow(target)
         self.capacity_version += 1
         self.decode_graph = None  # captured on the old pools
-
-    def block_table(self, device: torch.device) -> torch.Tensor:
-        """The int32 ``[B, max_pages]`` block table on ``device`` (:meth:`kvquant.cache.SequenceBook.block_table`).
-
-        Cached per device; a reservation that takes pages appends their
-        columns in place of a rebuild. Treat it as read-only. During a CUDA-graph
-        decode step: the step's full-capacity static table.
-        """
-        return self.book.block_table(device)
 
     def attention_is_kvquant(self) -> bool:
         """Whether the model's active attention implementation is kvquant's."""

@@ -222,7 +222,11 @@ class DecodeGraphRunner:
         cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
         if not isinstance(cache, KVQuantCache) or cache.cuda_graphs is False:
             return None
-        if cache.static is not None or cache.allocator is None or not cache.attention_is_kvquant():
+        if (
+            cache.book.static is not None
+            or cache.allocator is None
+            or not cache.attention_is_kvquant()
+        ):
             return None
         ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
         if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (cache.batch_size_, 1):
@@ -337,11 +341,11 @@ class DecodeGraphRunner:
 
     def _run(self, cache: KVQuantCache, rec: DecodeGraph) -> Any:
         rec.static.derive(cache.page_size)
-        cache.static = rec.static
+        cache.book.static = rec.static
         try:
             return self.original(**rec.call_kwargs)
         finally:
-            cache.static = None
+            cache.book.static = None
 
     def _capture(self, cache: KVQuantCache, rec: DecodeGraph) -> None:
         device = rec.static.pos.device
