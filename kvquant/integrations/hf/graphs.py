@@ -26,8 +26,9 @@ How a step runs (:class:`DecodeGraphRunner`):
    page tensors move, and the next step captures again. With the default
    ``cuda_graphs=None`` a capture that fails is logged once and the cache
    decodes eagerly from then on; with ``cuda_graphs=True`` it raises.
-4. The host-side counters of the cache layers advance, and the step returns a
-   copy of the captured output (the next replay overwrites the static one).
+4. The layers' lengths in the cache's :class:`~kvquant.cache.SequenceBook`
+   advance, and the step returns a copy of the captured output (the next
+   replay overwrites the static one).
 
 Inside the step, the cache layers write to slots computed on the device from
 the static position and the block table, and kvquant's attention reads the
