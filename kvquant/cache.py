@@ -1,15 +1,18 @@
-"""Paged FP8 KV storage: a page allocator and per-layer page tensors.
+"""Paged FP8 KV storage: a page allocator, the batch bookkeeping, per-layer page tensors.
 
-:class:`PageAllocator` hands out fixed-size pages to sequences and turns
-"sequence ``s`` gets ``n`` more tokens" into a slot mapping (where each new
-token is stored), block tables and sequence lengths: the index tensors the
-kernels in :mod:`kvquant.kernels` consume. :class:`PagedLayerStorage` is one
-layer's FP8 K/V pages with its fp32 group scales (for the dynamic
-``fp32-group`` format) or static K/V scales, and the kernel calls on them
-(write, attend, dequantize, page copies, memory accounting): the one
-implementation of paged FP8 storage, which the transformers cache layer
-builds on too. :class:`PagedKVCache` is one allocator (shared by all layers:
-a token occupies the same slot in every layer) plus one storage per layer.
+:class:`PageAllocator` hands out fixed-size pages to sequences (any ids, any
+lengths) and turns "sequence ``s`` gets ``n`` more tokens" into a slot mapping
+(where each new token is stored), block tables and sequence lengths: the
+index tensors the kernels in :mod:`kvquant.kernels` consume.
+:class:`SequenceBook` is the one owner of a batch's bookkeeping on top of it
+(reservation, device block tables, slots, lengths, the static decode step
+:class:`StaticStep`, rollback, beams): the transformers cache asks it for
+all of them. Every slot comes from :func:`kvquant.kernels.slot_mapping`.
+:class:`PagedLayerStorage` is one layer's FP8 K/V pages with its fp32 group
+scales (for the dynamic ``fp32-group`` format) or static K/V scales, and the
+kernel calls on them (write, attend, dequantize, page copies, memory
+accounting): the one implementation of paged FP8 storage. Several layers
+share one allocator or book (a token occupies the same slot in every layer).
 
 Layout (see :mod:`kvquant.kernels`): pages ``[num_pages, page_size, Hkv, D]``,
 slot ``= page * page_size + offset``, block tables int32 ``[B, max_pages]``,
@@ -21,12 +24,19 @@ This module imports torch and :mod:`kvquant.kernels` only (no transformers).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvquant.errors import CacheCapacityError, CacheUsageError, ScaleFormatError
-from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
+from kvquant.kernels import (
+    group_scale_storage,
+    page_storage,
+    paged_attention,
+    slot_mapping,
+    write_kv,
+)
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.reference import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES, SCALE_MAX, SCALE_MIN
@@ -37,8 +47,9 @@ __all__ = [
     "MAX_FIRST_TOKENS",
     "ORTHONORMAL_TOL",
     "PageAllocator",
-    "PagedKVCache",
     "PagedLayerStorage",
+    "SequenceBook",
+    "StaticStep",
     "total_memory_bytes",
 ]
 
@@ -47,10 +58,6 @@ GRANULARITIES: tuple[str, ...] = ("per-tensor", "per-head", "fp32-group", "k-tra
 
 ORTHONORMAL_TOL = 1e-4
 """Largest ``|R R^T - I|`` element accepted for a K rotation (checked once, at construction)."""
-
-_PY_SLOTS_MAX = 64
-"""Up to this many new tokens per sequence, :meth:`PageAllocator.reserve` builds slots in Python."""
-
 
 MAX_PAGES = 2**31 - 1
 """Most pages of a pool: block tables hold page ids as int32."""
@@ -224,26 +231,14 @@ class PageAllocator:
         ids = self._distinct(seq_ids, "reserve")
         counts = self._counts(ids, num_new_tokens)
         olds = self._take(ids, counts, "reserve")
-        page = self.page_size
         width = max(counts, default=0)
-        if width <= _PY_SLOTS_MAX:
-            # Few tokens per sequence (decode): plain Python, one tensor at the end.
-            rows = []
-            for sid, n, old in zip(ids, counts, olds, strict=True):
-                plist = self._pages[sid]
-                row = [plist[p // page] * page + p % page for p in range(old, old + n)]
-                if n < width:
-                    row.extend([-1] * (width - n))
-                rows.append(row)
-            out = torch.tensor(rows, dtype=torch.int64).reshape(len(ids), width)
-        else:
-            out = torch.full((len(ids), width), -1, dtype=torch.int64)
-            for row_idx, (sid, n, old) in enumerate(zip(ids, counts, olds, strict=True)):
-                if n:
-                    pos = torch.arange(old, old + n, dtype=torch.int64)
-                    table = torch.tensor(self._pages[sid], dtype=torch.int64)
-                    out[row_idx, :n] = table[pos // page] * page + pos % page
-        return out.to(self.device)
+        if not ids or not width:
+            return torch.full((len(ids), width), -1, dtype=torch.int64, device=self.device)
+        base = self.block_tables(ids).to(device="cpu", dtype=torch.int64) * self.page_size
+        pos = torch.tensor(olds, dtype=torch.int64)[:, None] + torch.arange(width)[None, :]
+        valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+        slots = slot_mapping(base, torch.where(valid, pos, torch.zeros_like(pos)), self.page_size)
+        return torch.where(valid, slots, torch.full_like(slots, -1)).to(self.device)
 
     def reserve_pages(
         self, seq_ids: Sequence[Hashable], num_new_tokens: int | Sequence[int]
@@ -444,6 +439,286 @@ class PageAllocator:
         return torch.tensor(lens, dtype=torch.int32).to(self.device)
 
 
+_EMPTY_BOOK = (
+    "SequenceBook: the batch holds nothing yet (no pages: open() was not called; a kvquant cache "
+    "opens its book on its first update). Fix: run a forward pass with the cache first, or call "
+    "SequenceBook.open(num_pages, batch_size, device)."
+)
+
+
+@dataclass
+class StaticStep:
+    """Device tensors of a one-token decode step whose addresses never change.
+
+    A CUDA graph of the decode step (:mod:`kvquant.integrations.hf.graphs`)
+    replays kernels with the pointers it captured, so everything a step
+    varies lives in these tensors and is refreshed in place before each
+    replay (:meth:`SequenceBook.load_static`); everything derived from them is
+    computed on the device inside the graph (:meth:`derive`). While a step
+    runs, the book's ``static`` is this object: the cache layers write to
+    ``slots`` and the attention reads ``block_table``, ``lens`` and
+    ``kv_start`` (the book hands them out instead of its own tensors).
+
+    Attributes:
+        pos: int64 ``[1]``, position of the new token (tokens stored before the step).
+        lens: int32 ``[B]``, ``pos + 1``.
+        slots: int64 ``[B, 1]``, slot of the new token of each sequence.
+        block_table: int32 ``[B, pages_per_sequence]``, the whole capacity of
+            each sequence; columns past the book's table are not used yet.
+        kv_start: int32 ``[B]``, first visible key (left padding).
+        version: the :attr:`SequenceBook.version` of the table copied in (-1: none yet).
+    """
+
+    pos: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    kv_start: torch.Tensor
+    version: int = field(default=-1)
+
+    @classmethod
+    def allocate(cls, batch: int, pages_per_sequence: int, device: torch.device) -> StaticStep:
+        """Zeroed static tensors for ``batch`` sequences of ``pages_per_sequence`` pages."""
+        return cls(
+            pos=torch.zeros(1, dtype=torch.int64, device=device),
+            lens=torch.zeros(batch, dtype=torch.int32, device=device),
+            slots=torch.zeros(batch, 1, dtype=torch.int64, device=device),
+            block_table=torch.zeros(batch, pages_per_sequence, dtype=torch.int32, device=device),
+            kv_start=torch.zeros(batch, dtype=torch.int32, device=device),
+        )
+
+    def derive(self, page_size: int) -> None:
+        """On the device: ``lens`` and ``slots`` of the token at ``pos`` (captured with the step)."""
+        self.lens.copy_((self.pos + 1).expand_as(self.lens))
+        base = self.block_table.to(torch.int64) * page_size
+        self.slots.copy_(slot_mapping(base, self.pos.expand(self.slots.shape[0], 1), page_size))
+
+
+class SequenceBook:
+    """The batch bookkeeping of a paged cache: one owner for reservation, tables, slots and lengths.
+
+    A batch of ``B`` rows (sequence ids ``0 .. B-1`` of one :class:`PageAllocator`)
+    that grow in lockstep, as a transformers cache does (every position, left
+    padding included, is stored for every row), stored by ``num_layers`` layers
+    that share the pages' addresses (a token occupies the same slot in every
+    layer) and update one after another inside a forward. The book holds:
+
+    - the pages of each row and the free list (its :attr:`allocator`, created by
+      :meth:`open`), and the tokens reserved per row (:attr:`reserved`, the
+      allocator's length of every row);
+    - each layer's stored length (:attr:`layer_lens`): the first layer to reach a
+      position reserves its pages for all (:meth:`reserve_through`), later
+      layers reuse them;
+    - one block table per device (int32 ``[B, max_pages]``), appended to in
+      place of a rebuild when the rows take pages in lockstep, and its
+      ``* page_size`` base for slots; :attr:`version` counts their changes;
+    - the slot mapping of a step (:meth:`slots`, memoised: every layer of a
+      step gets the same tensor, from :func:`kvquant.kernels.slot_mapping`)
+      and the lengths tensor (:meth:`lens`);
+    - the static-step variant (:class:`StaticStep`): :meth:`static_step`
+      allocates one for the whole capacity, :meth:`load_static` refreshes it
+      before a step, and while :attr:`static` is set, :meth:`block_table`,
+      :meth:`lens` and :meth:`slots` hand out its tensors;
+    - rollback and crop (:meth:`truncate`), beam reordering (:meth:`beam_moves`)
+      and :meth:`reset`.
+
+    Who asks it, in the transformers integration: ``KVQuantCache.slots_for``
+    (each layer's ``update``: reserve, then the step's slots), kvquant's
+    attention function (``block_table``, ``lens``), the CUDA-graph runner
+    (``static_step``, ``load_static``, ``advance_all``), and
+    ``KVQuantCache.truncate`` / ``crop`` / ``reset`` / ``reorder_cache`` (the
+    failed-forward rollback of :func:`kvquant.patch` goes through
+    ``truncate``). Nothing else keeps a copy of a length or a table.
+
+    The storage (:class:`PagedLayerStorage`, one per layer) knows nothing of
+    sequences: it takes the slots, tables and lengths the book produces. The
+    book knows nothing of transformers: pool sizing and growth policy belong
+    to the cache that owns the storages (it grows them, then :attr:`allocator`).
+
+    Args:
+        num_layers: layers that store into the pages.
+        page_size: token slots per page.
+
+    Example:
+        >>> book = SequenceBook(num_layers=2, page_size=4)
+        >>> _ = book.open(num_pages=8, batch_size=2, device="cpu")
+        >>> book.reserve_through(5)
+        >>> book.slots(0, 5, torch.device("cpu")).tolist()
+        [[0, 1, 2, 3, 4], [8, 9, 10, 11, 12]]
+        >>> book.block_table(torch.device("cpu")).tolist(), book.reserved
+        ([[0, 1], [2, 3]], 5)
+    """
+
+    def __init__(self, num_layers: int, page_size: int) -> None:
+        self.page_size = _positive_int("page_size", page_size, "SequenceBook", MAX_PAGE_SIZE)
+        self.allocator: PageAllocator | None = None
+        self.batch_size = 0
+        self.layer_lens = [0] * _positive_int("num_layers", num_layers, "SequenceBook")
+        self.static: StaticStep | None = None
+        self.version = 0
+        self._rows: tuple[int, ...] = ()
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._bases: dict[torch.device, torch.Tensor] = {}
+        self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+
+    def open(self, num_pages: int, batch_size: int, device: torch.device | str) -> PageAllocator:
+        """The allocator of ``batch_size`` rows; created with ``num_pages`` on first use."""
+        if self.allocator is None:
+            self.allocator = PageAllocator(num_pages, self.page_size, device=device)
+            self.batch_size = batch_size
+            self._rows = tuple(range(batch_size))
+        return self.allocator
+
+    def require_allocator(self) -> PageAllocator:
+        """The :attr:`allocator`; :class:`CacheUsageError` before :meth:`open`."""
+        if self.allocator is None:
+            raise CacheUsageError(_EMPTY_BOOK)
+        return self.allocator
+
+    # ------------------------------------------------------------- reservation
+    @property
+    def reserved(self) -> int:
+        """Token slots reserved per row (0 before the first reservation)."""
+        return 0 if self.allocator is None else self.allocator._lens.get(0, 0)
+
+    def pages_needed(self, tokens: int) -> int:
+        """Free pages :meth:`reserve_through` of ``tokens`` takes (0 if the rows hold them)."""
+        ps = self.page_size
+        return max(0, -(-tokens // ps) - -(-self.reserved // ps)) * self.batch_size
+
+    def pages_per_sequence(self) -> int:
+        """The most pages one row can hold (the pool split evenly over the batch)."""
+        if self.allocator is None or self.batch_size < 1:
+            raise CacheUsageError(_EMPTY_BOOK)
+        return self.allocator.num_pages // self.batch_size
+
+    def reserve_through(self, tokens: int) -> None:
+        """Reserve pages so that every row holds ``tokens`` slots (no-op if it does).
+
+        Raises:
+            CacheCapacityError: too few free pages (nothing changes).
+        """
+        have = self.reserved
+        if tokens <= have:
+            return
+        ps = self.page_size
+        old_pages, new_pages = -(-have // ps), -(-tokens // ps)
+        taken = self.require_allocator().reserve_pages(self._rows, tokens - have)
+        if new_pages == old_pages:
+            return  # no page changed hands: the tables stay valid
+        self.version += 1
+        self._bases.clear()
+        if old_pages == 0 or any(len(t) != new_pages - old_pages for t in taken):
+            self._tables.clear()  # rebuilt from the allocator on next use
+            return
+        # The rows grow in lockstep: append the new page columns on each device.
+        cols = torch.tensor(taken, dtype=torch.int32)
+        for dev, bt in list(self._tables.items()):
+            self._tables[dev] = torch.cat([bt, cols.to(dev)], dim=1)
+
+    def advance(self, layer_idx: int, tokens: int) -> None:
+        """Layer ``layer_idx`` stored ``tokens`` more positions (reserved before)."""
+        self.layer_lens[layer_idx] += tokens
+
+    def advance_all(self, tokens: int) -> None:
+        """Every layer stored ``tokens`` more positions (a static step of the whole model)."""
+        self.layer_lens = [n + tokens for n in self.layer_lens]
+
+    # ------------------------------------------------------------- tensors
+    def _table(self, device: torch.device) -> torch.Tensor:
+        bt = self._tables.get(device)
+        if bt is None:
+            host = self.require_allocator().block_tables(self._rows)
+            bt = self._tables[device] = host.to(device=device, dtype=torch.int32)
+        return bt
+
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        """The int32 ``[B, max_pages]`` block table on ``device`` (read-only; a static step's own)."""
+        if self.static is not None:
+            return self.static.block_table
+        return self._table(device)
+
+    def slots(self, start: int, new_tokens: int, device: torch.device) -> torch.Tensor:
+        """int64 ``[B, new_tokens]`` slots of positions ``start ..`` (reserved before), memoised.
+
+        The layers of a step share one tensor; a one-token step costs one
+        slice and one add on the device. During a static step: its ``slots``.
+        """
+        if self.static is not None:
+            return self.static.slots
+        key = (start, new_tokens, device)
+        memo = self._slot_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        base = self._bases.get(device)
+        if base is None:
+            base = self._bases[device] = self._table(device).to(torch.int64) * self.page_size
+        if new_tokens == 1:
+            slots = slot_mapping(base, start, self.page_size)
+        else:
+            pos = torch.arange(start, start + new_tokens, device=device, dtype=torch.int64)
+            slots = slot_mapping(base, pos.expand(self.batch_size, -1), self.page_size)
+        self._slot_memo = (key, slots)
+        return slots
+
+    def lens(self, length: int, device: torch.device) -> torch.Tensor:
+        """int32 ``[B]`` filled with ``length`` on ``device`` (memoised; a static step's ``lens``)."""
+        if self.static is not None:
+            return self.static.lens
+        memo = self._lens_memo
+        if memo is not None and memo[0] == (length, device):
+            return memo[1]
+        lens = torch.full((self.batch_size,), length, dtype=torch.int32, device=device)
+        self._lens_memo = ((length, device), lens)
+        return lens
+
+    def static_step(self, device: torch.device) -> StaticStep:
+        """A new :class:`StaticStep` spanning the whole capacity of every row."""
+        return StaticStep.allocate(self.batch_size, self.pages_per_sequence(), device)
+
+    def load_static(self, step: StaticStep, pos: int, kv_start: torch.Tensor) -> None:
+        """Before a static step at ``pos``: its table (copied when :attr:`version` changed), start."""
+        if step.version != self.version:
+            bt = self._table(step.block_table.device)
+            step.block_table[:, : bt.shape[1]].copy_(bt)
+            step.version = self.version
+        step.pos.fill_(pos)
+        step.kv_start.copy_(kv_start)
+
+    # ------------------------------------------------------------- whole batch
+    def beam_moves(
+        self, beam_idx: torch.Tensor, tokens: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beam search: flat ``(src, dst)`` page ids that give row ``b`` row ``beam_idx[b]``'s first ``tokens``."""
+        dst = self._table(device)[:, : -(-tokens // self.page_size)].long()
+        src = dst.index_select(0, beam_idx.to(dst.device).long())
+        return src.reshape(-1), dst.reshape(-1)
+
+    def truncate(self, tokens: int) -> None:
+        """Keep the first ``tokens`` positions of every row in every layer; free the pages past them."""
+        self.layer_lens = [min(n, tokens) for n in self.layer_lens]
+        alloc = self.allocator
+        if alloc is not None and tokens < self.reserved:
+            for row in self._rows:
+                alloc.truncate(row, tokens)
+            self._changed()
+        self._slot_memo = self._lens_memo = None
+
+    def reset(self) -> None:
+        """Forget every stored token; all pages become free (the pool keeps its size)."""
+        if self.allocator is not None:
+            self.allocator.reset()
+        self.layer_lens = [0] * len(self.layer_lens)
+        self._changed()
+        self._slot_memo = self._lens_memo = None
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._tables.clear()
+        self._bases.clear()
+
+
 def _static_scale(
     owner: str, label: str, scale: object, granularity: str, num_kv_heads: int, device: torch.device
 ) -> torch.Tensor:
@@ -483,12 +758,11 @@ def _static_scale(
 class PagedLayerStorage:
     """One attention layer's FP8 K/V pages and their scales, and the kernel calls on them.
 
-    This is the single implementation of paged FP8 storage: :class:`PagedKVCache`
-    holds one per layer beside its shared :class:`PageAllocator`, and the
-    transformers cache layer (:class:`kvquant.integrations.hf.KVQuantLayer`)
-    builds one on its first update. The storage knows nothing of sequences:
-    callers pass the slot mapping, block tables and sequence lengths that an
-    allocator produced.
+    This is the single implementation of paged FP8 storage: the transformers
+    cache layer (:class:`kvquant.integrations.hf.KVQuantLayer`) builds one on
+    its first update. The storage knows nothing of sequences: callers pass the
+    slot mapping, block tables and sequence lengths that an allocator or a
+    :class:`SequenceBook` produced.
 
     Pages are zero-filled and group scales one-filled when allocated (slots not
     yet written dequantize to 0).
@@ -1107,236 +1381,3 @@ def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:
         for key, value in storage.memory_bytes().items():
             total[key] += value
     return total
-
-
-def _layers_attr(attr: str, doc: str) -> Any:
-    """A read-only property: ``attr`` of every layer's storage that has it (not None), as a list."""
-
-    def get(cache: PagedKVCache) -> list[torch.Tensor]:
-        values = (getattr(storage, attr) for storage in cache.layers)
-        return [v for v in values if v is not None]
-
-    return property(get, doc=doc)
-
-
-class PagedKVCache:
-    """FP8 paged K/V storage for ``num_layers`` attention layers.
-
-    One :class:`PagedLayerStorage` per layer (``self.layers``) beside one shared
-    :class:`PageAllocator` (``self.allocator``): reserve slots once per step,
-    then :meth:`write` and :meth:`attend` each layer with the same slot
-    mapping, block tables and sequence lengths.
-
-    Args:
-        num_layers: attention layers.
-        num_pages: pages per layer.
-        page_size: token slots per page (16, 32 or 64 are typical).
-        num_kv_heads: ``Hkv``.
-        head_dim: ``D``.
-        granularity: ``"per-tensor"``, ``"per-head"`` (static scales given in
-            ``k_scales``/``v_scales``) or ``"fp32-group"`` (dynamic: one fp32
-            scale per token, KV head and group of ``group_size`` elements,
-            computed on write).
-        group_size: ``G`` for ``fp32-group``; must divide ``head_dim``;
-            default ``min(64, head_dim)``.
-        kv_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-        device: where pages and index tensors live.
-        k_scales: per layer, the fp32 K scale, ``[]`` for per-tensor or
-            ``[Hkv]`` for per-head (from :mod:`kvquant.registry`); None for
-            ``fp32-group``. Copied to fp32 on ``device`` once.
-        v_scales: like ``k_scales`` for V.
-        backend: kernel backend for :meth:`write` / :meth:`attend`
-            (``"auto"``, ``"triton"``, ``"torch"``).
-
-    Attributes:
-        allocator: the shared :class:`PageAllocator`.
-        layers: one :class:`PagedLayerStorage` per layer.
-        k_pages: per layer ``[num_pages, page_size, Hkv, D]`` FP8 (a list, read-only view
-            of ``layers``).
-        v_pages: per layer ``[num_pages, page_size, Hkv, D]`` FP8.
-        k_group_scales: per layer fp32 ``[num_pages, page_size, Hkv, D // G]``
-            (``fp32-group`` only, else empty).
-        v_group_scales: like ``k_group_scales``.
-        k_scales: per layer fp32 ``[]`` or ``[Hkv]`` (static granularities, else empty).
-        v_scales: like ``k_scales``.
-
-    Example:
-        >>> import torch
-        >>> cache = PagedKVCache(2, num_pages=8, page_size=16, num_kv_heads=2, head_dim=64,
-        ...                      granularity="fp32-group", group_size=32, backend="torch")
-        >>> slots = cache.allocator.reserve([0], 5)
-        >>> k = v = torch.randn(1, 5, 2, 64)
-        >>> for layer in range(2):
-        ...     cache.write(layer, k, v, slots)
-        >>> q = torch.randn(1, 5, 4, 64)
-        >>> out = cache.attend(0, q, cache.allocator.block_tables([0]), cache.allocator.seq_lens([0]))
-        >>> out.shape
-        torch.Size([1, 5, 4, 64])
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        granularity: str,
-        group_size: int | None = None,
-        kv_dtype: torch.dtype = torch.float8_e4m3fn,
-        device: torch.device | str = "cpu",
-        k_scales: Sequence[torch.Tensor] | None = None,
-        v_scales: Sequence[torch.Tensor] | None = None,
-        backend: str = "auto",
-    ) -> None:
-        owner = "PagedKVCache"
-        self.num_layers = _positive_int("num_layers", num_layers, owner)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads, owner)
-        self.head_dim = _positive_int("head_dim", head_dim, owner)
-        self.allocator = PageAllocator(num_pages, page_size, device)
-        self.device = self.allocator.device
-        if granularity == "fp32-group":
-            if k_scales is not None or v_scales is not None:
-                raise CacheUsageError(
-                    f"{owner}: k_scales/v_scales were given with granularity='fp32-group', "
-                    "whose scales are computed on write. Fix: drop them, or pass "
-                    "granularity='per-tensor' / 'per-head'."
-                )
-            k_list: list[torch.Tensor | None] = [None] * num_layers
-            v_list: list[torch.Tensor | None] = [None] * num_layers
-        elif granularity == "k-transform":
-            raise CacheUsageError(
-                f"{owner}: granularity='k-transform' needs a K offset per layer, which "
-                "PagedKVCache does not take. Fix: build one PagedLayerStorage per layer with "
-                "k_offset= / k_rotation= / first_tokens=, or use kvquant.patch(model) for "
-                "transformers models."
-            )
-        elif granularity in GRANULARITIES:
-            k_list = list(self._scale_list("k_scales", k_scales, granularity))
-            v_list = list(self._scale_list("v_scales", v_scales, granularity))
-        else:
-            k_list = v_list = [None] * num_layers  # the storage names the bad granularity
-        self.layers = [
-            PagedLayerStorage(
-                self.allocator.num_pages,
-                self.allocator.page_size,
-                num_kv_heads,
-                head_dim,
-                granularity=granularity,
-                group_size=group_size,
-                k_scale=k_list[i],
-                v_scale=v_list[i],
-                kv_dtype=kv_dtype,
-                device=self.device,
-                backend=backend,
-                name=owner,
-                scale_names=(f"k_scales[{i}]", f"v_scales[{i}]"),
-            )
-            for i in range(num_layers)
-        ]
-        first = self.layers[0]
-        self.granularity = first.granularity
-        self.kv_dtype = first.kv_dtype
-        self.backend = first.backend
-        self.group_size = first.group_size
-
-    def _scale_list(
-        self, name: str, scales: Sequence[torch.Tensor] | None, granularity: str
-    ) -> Sequence[torch.Tensor]:
-        if scales is None or len(scales) != self.num_layers:
-            found = "None" if scales is None else f"{len(scales)} tensors"
-            raise ScaleFormatError(
-                f"PagedKVCache: {name} is {found}; granularity {granularity!r} needs one "
-                f"scale per layer ({self.num_layers}). Fix: pass the per-layer scales "
-                "kvquant.registry resolved for the model."
-            )
-        return scales
-
-    # ------------------------------------------------------------ accessors
-    @property
-    def num_pages(self) -> int:
-        """Pages per layer."""
-        return self.allocator.num_pages
-
-    @property
-    def page_size(self) -> int:
-        """Token slots per page."""
-        return self.allocator.page_size
-
-    k_pages = _layers_attr("k_pages", "Per layer FP8 ``[num_pages, page_size, Hkv, D]`` K pages.")
-    v_pages = _layers_attr("v_pages", "Per layer FP8 ``[num_pages, page_size, Hkv, D]`` V pages.")
-    k_group_scales = _layers_attr(
-        "k_group_scales",
-        "Per layer fp32 ``[num_pages, page_size, Hkv, D // G]`` (empty unless ``fp32-group``).",
-    )
-    v_group_scales = _layers_attr("v_group_scales", "Like ``k_group_scales`` for V.")
-    k_scales = _layers_attr(
-        "k_scale", "Per layer fp32 ``[]`` or ``[Hkv]`` static K scales (empty for ``fp32-group``)."
-    )
-    v_scales = _layers_attr("v_scale", "Like ``k_scales`` for V.")
-
-    def _layer(self, layer: int) -> PagedLayerStorage:
-        if (
-            isinstance(layer, bool)
-            or not isinstance(layer, int)
-            or not 0 <= layer < self.num_layers
-        ):
-            raise CacheUsageError(
-                f"PagedKVCache: layer {layer!r} is out of range; the cache has "
-                f"{self.num_layers} layers (0..{self.num_layers - 1}). Fix: pass the layer index."
-            )
-        return self.layers[layer]
-
-    def scale_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
-        """The scale arguments of the kernels for ``layer`` (static or group scales)."""
-        return self._layer(layer).scale_kwargs()
-
-    # ------------------------------------------------------------- kernels
-    def write(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """:meth:`PagedLayerStorage.write` on ``layer``'s storage.
-
-        ``key`` / ``value`` are ``[B, L, Hkv, D]``; ``slot_mapping`` int64
-        ``[B, L]`` comes from :meth:`PageAllocator.reserve`.
-        """
-        self._layer(layer).write(key, value, slot_mapping)
-
-    def attend(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        sm_scale: float | None = None,
-        **options: Any,
-    ) -> torch.Tensor:
-        """:meth:`PagedLayerStorage.attend` on ``layer``'s storage: ``[B, Lq, Hq, D]``.
-
-        ``block_tables`` / ``seq_lens`` come from :meth:`PageAllocator.block_tables`
-        and :meth:`PageAllocator.seq_lens`.
-        """
-        return self._layer(layer).attend(
-            query, block_tables, seq_lens, sm_scale=sm_scale, **options
-        )
-
-    def reset(self) -> None:
-        """Forget every sequence (pages keep stale bytes, unreachable until rewritten)."""
-        self.allocator.reset()
-
-    # ----------------------------------------------------------- accounting
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes held over all layers (:meth:`PagedLayerStorage.memory_bytes`, summed)."""
-        return total_memory_bytes(self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of pages and scales over all layers."""
-        return self.memory_bytes()["total"]
-
-    def bytes_per_token(self) -> float:
-        """Bytes per token slot over all layers (K + V payload and group scales)."""
-        m = self.memory_bytes()
-        return (m["pages"] + m["group_scales"]) / (self.num_pages * self.page_size)

@@ -1,4 +1,4 @@
-"""PageAllocator and PagedKVCache: growth, freeing, reset, capacity, accounting, write/attend."""
+"""PageAllocator and PagedLayerStorage: growth, freeing, reset, capacity, accounting, write/attend."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvquant.cache import PageAllocator, PagedKVCache, PagedLayerStorage, total_memory_bytes
+from kvquant.cache import PageAllocator, PagedLayerStorage, total_memory_bytes
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError, ScaleFormatError
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or interpreted on CPU
@@ -159,18 +159,18 @@ def test_cache_decode_matches_dense_attention(page: int, granularity: str, backe
     hkv, d, hq, layers = 2, 32, 4, 2
     kw: dict = {}
     if granularity == "per-tensor":
-        kw = {"k_scales": [torch.tensor(0.25)] * layers, "v_scales": [torch.tensor(0.5)] * layers}
+        kw = {"k_scale": torch.tensor(0.25), "v_scale": torch.tensor(0.5)}
     elif granularity == "per-head":
-        kw = {
-            "k_scales": [torch.tensor([0.25, 0.125])] * layers,
-            "v_scales": [torch.tensor([0.5, 1.0])] * layers,
-        }
+        kw = {"k_scale": torch.tensor([0.25, 0.125]), "v_scale": torch.tensor([0.5, 1.0])}
     else:
         kw = {"group_size": 16}
-    cache = PagedKVCache(
-        layers, 8, page, hkv, d, granularity=granularity, backend=backend, device=DEV, **kw
-    )
-    alloc = cache.allocator
+    alloc = PageAllocator(8, page, DEV)  # shared by the layers: a token has one slot in each
+    stores = [
+        PagedLayerStorage(
+            8, page, hkv, d, granularity=granularity, backend=backend, device=DEV, **kw
+        )
+        for _ in range(layers)
+    ]
     lens = [page + 3, page - 1]  # the first spans two pages; decode takes the second across one
     steps = 3
     total = max(lens) + steps
@@ -185,8 +185,8 @@ def test_cache_decode_matches_dense_attention(page: int, granularity: str, backe
                 v = _exact_kv((hkv, d), 2.0**-8)
                 v[:, 0], v[:, 16] = 448 * 2.0**-8, 448 * 2.0**-8
             else:
-                sk = kw["k_scales"][0].reshape(-1, 1)
-                sv = kw["v_scales"][0].reshape(-1, 1)
+                sk = kw["k_scale"].reshape(-1, 1)
+                sv = kw["v_scale"].reshape(-1, 1)
                 k = _exact_kv((hkv, d), 1.0) * sk
                 v = _exact_kv((hkv, d), 1.0) * sv
             hist_k[b, t], hist_v[b, t] = k, v
@@ -195,7 +195,7 @@ def test_cache_decode_matches_dense_attention(page: int, granularity: str, backe
         bt = alloc.block_tables([0, 1])
         sl = alloc.seq_lens([0, 1])
         ql = torch.tensor(q_lens, dtype=torch.int32)
-        out = cache.attend(layer, q.to(DEV), bt, sl, q_lens=ql.to(DEV)).cpu()
+        out = stores[layer].attend(q.to(DEV), bt, sl, q_lens=ql.to(DEV)).cpu()
         for b in range(2):
             n, nq = seq_lens[b], q_lens[b]
             k = hist_k[b, :n].repeat_interleave(hq // hkv, dim=1)
@@ -215,7 +215,7 @@ def test_cache_decode_matches_dense_attention(page: int, granularity: str, backe
         key[b, : lens[b]] = hist_k[b, : lens[b]]
         val[b, : lens[b]] = hist_v[b, : lens[b]].to(torch.bfloat16)
     for layer in range(layers):
-        cache.write(layer, key.to(DEV), val.to(DEV), slots)
+        stores[layer].write(key.to(DEV), val.to(DEV), slots)
     q = torch.randn(2, max(lens), hq, d, dtype=torch.float16)
     check(1, q, lens, lens)
     # decode
@@ -225,141 +225,99 @@ def test_cache_decode_matches_dense_attention(page: int, granularity: str, backe
         key = torch.stack([hist_k[b, cur[b]] for b in range(2)])[:, None]
         val = torch.stack([hist_v[b, cur[b]] for b in range(2)])[:, None]
         for layer in range(layers):
-            cache.write(layer, key.to(DEV), val.to(DEV), slots)
+            stores[layer].write(key.to(DEV), val.to(DEV), slots)
         cur = [c + 1 for c in cur]
         check(0, torch.randn(2, 1, hq, d), [1, 1], cur)
     if granularity == "fp32-group":
-        g = cache.k_group_scales[0].reshape(-1, hkv, 2).cpu()
+        g = stores[0].k_group_scales.reshape(-1, hkv, 2).cpu()
         used = alloc.block_tables([0])[0, 0].item() * page
         assert (g[used : used + 3] == 2.0**-6).all()
 
 
 def test_capacity_error_before_anything_written() -> None:
-    cache = PagedKVCache(1, 2, 16, 1, 16, granularity="fp32-group", backend="torch")
-    cache.allocator.reserve([0], 20)
-    before = (cache.k_pages[0].clone(), cache.k_group_scales[0].clone())
+    alloc = PageAllocator(2, 16)
+    store = PagedLayerStorage(2, 16, 1, 16, granularity="fp32-group", backend="torch")
+    alloc.reserve([0], 20)
+    assert store.k_group_scales is not None
+    before = (store.k_pages.clone(), store.k_group_scales.clone())
     with pytest.raises(CacheCapacityError):
-        slots = cache.allocator.reserve([0, 1], [1, 16])
-        cache.write(0, torch.ones(2, 16, 1, 16), torch.ones(2, 16, 1, 16), slots)
-    assert torch.equal(cache.k_pages[0].view(torch.uint8), before[0].view(torch.uint8))
-    assert torch.equal(cache.k_group_scales[0], before[1])
-    assert cache.allocator.seq_len(0) == 20
+        slots = alloc.reserve([0, 1], [1, 16])
+        store.write(torch.ones(2, 16, 1, 16), torch.ones(2, 16, 1, 16), slots)
+    assert torch.equal(store.k_pages.view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(store.k_group_scales, before[1])
+    assert alloc.seq_len(0) == 20 and 1 not in alloc
 
 
-def test_failed_write_leaves_cache_unchanged() -> None:
-    cache = PagedKVCache(
-        1,
-        2,
-        16,
-        2,
-        32,
-        granularity="per-tensor",
-        k_scales=[torch.tensor(0.1)],
-        v_scales=[torch.tensor(0.1)],
-        backend="torch",
-    )
-    slots = cache.allocator.reserve([0], 3)
-    cache.write(0, torch.randn(1, 3, 2, 32), torch.randn(1, 3, 2, 32), slots)
-    snap = cache.k_pages[0].clone(), cache.v_pages[0].clone()
+def test_failed_write_leaves_storage_unchanged() -> None:
+    alloc = PageAllocator(2, 16)
+    store = PagedLayerStorage(
+        2, 16, 2, 32, granularity="per-tensor", k_scale=torch.tensor(0.1),
+        v_scale=torch.tensor(0.1), backend="torch",
+    )  # fmt: skip
+    slots = alloc.reserve([0], 3)
+    store.write(torch.randn(1, 3, 2, 32), torch.randn(1, 3, 2, 32), slots)
+    snap = store.k_pages.clone(), store.v_pages.clone()
     with pytest.raises(KernelInputError, match="value has shape"):
-        cache.write(0, torch.randn(1, 3, 2, 32), torch.randn(1, 2, 2, 32), slots)
-    assert torch.equal(cache.k_pages[0].view(torch.uint8), snap[0].view(torch.uint8))
-    assert torch.equal(cache.v_pages[0].view(torch.uint8), snap[1].view(torch.uint8))
+        store.write(torch.randn(1, 3, 2, 32), torch.randn(1, 2, 2, 32), slots)
+    assert torch.equal(store.k_pages.view(torch.uint8), snap[0].view(torch.uint8))
+    assert torch.equal(store.v_pages.view(torch.uint8), snap[1].view(torch.uint8))
 
 
 def test_memory_accounting() -> None:
-    c = PagedKVCache(3, 10, 16, 4, 64, granularity="fp32-group", group_size=32)
-    m = c.memory_bytes()
+    group = [
+        PagedLayerStorage(10, 16, 4, 64, granularity="fp32-group", group_size=32) for _ in range(3)
+    ]
+    m = total_memory_bytes(group)
     assert m["pages"] == 2 * 3 * 10 * 16 * 4 * 64
     assert m["group_scales"] == 2 * 3 * 10 * 16 * 4 * 2 * 4
-    assert m["static_scales"] == 0
-    assert m["total"] == c.nbytes == m["pages"] + m["group_scales"]
-    assert c.bytes_per_token() == 3 * 2 * 4 * (64 + 2 * 4)
-    s = PagedKVCache(
-        2,
-        5,
-        32,
-        4,
-        64,
-        granularity="per-head",
-        k_scales=[torch.ones(4)] * 2,
-        v_scales=[torch.ones(4)] * 2,
-    )
-    assert s.memory_bytes()["static_scales"] == 2 * 2 * 4 * 4
-    assert s.memory_bytes()["pages"] == 2 * 2 * 5 * 32 * 4 * 64
-    assert s.k_pages[0].dtype == torch.float8_e4m3fn
+    assert m["static_scales"] == m["k_transform"] == 0
+    assert m["total"] == m["pages"] + m["group_scales"]
+    assert m["total"] == sum(s.memory_bytes()["total"] for s in group)
+    static = [
+        PagedLayerStorage(
+            5, 32, 4, 64, granularity="per-head", k_scale=torch.ones(4), v_scale=torch.ones(4)
+        )
+        for _ in range(2)
+    ]
+    assert total_memory_bytes(static)["static_scales"] == 2 * 2 * 4 * 4
+    assert total_memory_bytes(static)["pages"] == 2 * 2 * 5 * 32 * 4 * 64
+    assert static[0].k_pages.dtype == torch.float8_e4m3fn
 
 
-def test_cache_defaults_and_e5m2() -> None:
-    c = PagedKVCache(1, 2, 16, 1, 128, granularity="fp32-group", kv_dtype=torch.float8_e5m2)
-    assert c.group_size == 64 and c.k_group_scales[0].shape == (2, 16, 1, 2)
-    assert c.v_pages[0].dtype == torch.float8_e5m2
-    c2 = PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group")
+def test_storage_defaults_and_e5m2() -> None:
+    c = PagedLayerStorage(2, 16, 1, 128, granularity="fp32-group", kv_dtype=torch.float8_e5m2)
+    assert c.k_group_scales is not None
+    assert c.group_size == 64 and c.k_group_scales.shape == (2, 16, 1, 2)
+    assert c.v_pages.dtype == torch.float8_e5m2
+    c2 = PagedLayerStorage(2, 16, 1, 32, granularity="fp32-group")
     assert c2.group_size == 32  # default 64 capped at head_dim
 
 
-def test_cache_constructor_errors() -> None:
+def test_storage_constructor_errors() -> None:
     with pytest.raises(CacheUsageError, match="granularity='per-token'"):
-        PagedKVCache(1, 2, 16, 1, 32, granularity="per-token")
+        PagedLayerStorage(2, 16, 1, 32, granularity="per-token")
     with pytest.raises(CacheUsageError, match="group_size=24 does not divide head_dim 32"):
-        PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group", group_size=24)
+        PagedLayerStorage(2, 16, 1, 32, granularity="fp32-group", group_size=24)
     with pytest.raises(CacheUsageError, match="kv_dtype"):
-        PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group", kv_dtype=torch.float16)
-    with pytest.raises(CacheUsageError, match="k_scales/v_scales were given"):
-        PagedKVCache(1, 2, 16, 1, 32, granularity="fp32-group", k_scales=[torch.tensor(1.0)])
-    with pytest.raises(ScaleFormatError, match="k_scales is None"):
-        PagedKVCache(1, 2, 16, 1, 32, granularity="per-tensor")
-    with pytest.raises(ScaleFormatError, match=r"v_scales\[0\] has shape \(2,\); expected \(\)"):
-        PagedKVCache(
-            1,
-            2,
-            16,
-            2,
-            32,
-            granularity="per-tensor",
-            k_scales=[torch.tensor(1.0)],
-            v_scales=[torch.ones(2)],
-        )
+        PagedLayerStorage(2, 16, 1, 32, granularity="fp32-group", kv_dtype=torch.float16)
+    with pytest.raises(CacheUsageError, match="k_scale/v_scale were given"):
+        PagedLayerStorage(2, 16, 1, 32, granularity="fp32-group", k_scale=torch.tensor(1.0))
+    with pytest.raises(ScaleFormatError, match="k_scale is None"):
+        PagedLayerStorage(2, 16, 1, 32, granularity="per-tensor")
+    with pytest.raises(ScaleFormatError, match=r"v_scale has shape \(2,\); expected \(\)"):
+        PagedLayerStorage(
+            2, 16, 2, 32, granularity="per-tensor", k_scale=torch.tensor(1.0),
+            v_scale=torch.ones(2),
+        )  # fmt: skip
     with pytest.raises(ScaleFormatError, match="zero, negative, non-finite"):
-        PagedKVCache(
-            1,
-            2,
-            16,
-            1,
-            32,
-            granularity="per-head",
-            k_scales=[torch.zeros(1)],
-            v_scales=[torch.ones(1)],
+        PagedLayerStorage(
+            2, 16, 1, 32, granularity="per-head", k_scale=torch.zeros(1), v_scale=torch.ones(1)
         )
-    with pytest.raises(ScaleFormatError, match="needs one scale per layer"):
-        PagedKVCache(
-            2,
-            2,
-            16,
-            1,
-            32,
-            granularity="per-head",
-            k_scales=[torch.ones(1)],
-            v_scales=[torch.ones(1)],
-        )
-    c = PagedKVCache(
-        1,
-        2,
-        16,
-        1,
-        32,
-        granularity="per-tensor",
-        k_scales=[torch.tensor(1.0, dtype=torch.bfloat16)],
-        v_scales=[torch.tensor(2.0)],
-    )
-    assert c.k_scales[0].dtype == torch.float32
-    with pytest.raises(CacheUsageError, match="layer 1 is out of range"):
-        c.write(
-            1,
-            torch.ones(1, 1, 1, 32),
-            torch.ones(1, 1, 1, 32),
-            torch.zeros(1, 1, dtype=torch.int64),
-        )
+    c = PagedLayerStorage(
+        2, 16, 1, 32, granularity="per-tensor", k_scale=torch.tensor(1.0, dtype=torch.bfloat16),
+        v_scale=torch.tensor(2.0),
+    )  # fmt: skip
+    assert c.k_scale is not None and c.k_scale.dtype == torch.float32
 
 
 # ------------------------------------------------------------ layer storage
@@ -420,19 +378,3 @@ def test_layer_storage_errors_name_the_owner() -> None:
         PagedLayerStorage(2, 16, 2, 32, granularity="fp32-group", backend="cuda", name="X")
     with pytest.raises(CacheUsageError, match="X: num_pages is 0"):
         PagedLayerStorage(0, 16, 2, 32, granularity="fp32-group", name="X")
-
-
-def test_cache_is_its_layer_storages() -> None:
-    """PagedKVCache's per-layer lists are the storages' own tensors, and bytes add up."""
-    c = PagedKVCache(
-        2, 3, 16, 2, 32, granularity="per-head", k_scales=[torch.ones(2)] * 2,
-        v_scales=[torch.full((2,), 2.0)] * 2, backend="torch",
-    )  # fmt: skip
-    assert all(isinstance(s, PagedLayerStorage) for s in c.layers)
-    for i, s in enumerate(c.layers):
-        assert c.k_pages[i] is s.k_pages and c.v_pages[i] is s.v_pages
-        assert c.k_scales[i] is s.k_scale and c.v_scales[i] is s.v_scale
-        assert c.scale_kwargs(i) == {"k_scale": s.k_scale, "v_scale": s.v_scale}
-    assert c.k_group_scales == [] and c.v_group_scales == []
-    assert c.memory_bytes() == total_memory_bytes(c.layers)
-    assert c.memory_bytes()["total"] == sum(s.memory_bytes()["total"] for s in c.layers)

@@ -1,7 +1,7 @@
 """Fast paths that cut host overhead must not change results or skip a failing check.
 
-Covers :meth:`PageAllocator.reserve` (Python slots for few tokens, torch for
-many), :meth:`PageAllocator.reserve_pages`, and the signature memo of the
+Covers :meth:`PageAllocator.reserve` (slots from :func:`kvquant.kernels.slot_mapping`
+for ragged counts), :meth:`PageAllocator.reserve_pages`, and the signature memo of the
 kernel validators (:mod:`kvquant.kernels.validate`).
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvquant import cache as cache_mod
 from kvquant.cache import PageAllocator
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError
 from kvquant.kernels import validate
@@ -42,8 +41,6 @@ def test_reserve_slots_match_page_lists(big: bool) -> None:
     ids = [0, 1, 2, 3]
     for _ in range(12):
         counts = [rng.randrange(0, 100 if big else 6) for _ in ids]
-        if big:
-            counts[0] = cache_mod._PY_SLOTS_MAX + 1  # force the torch path
         olds = [alloc.seq_len(s) if s in alloc else 0 for s in ids]
         got = alloc.reserve(ids, counts)
         assert got.dtype == torch.int64 and got.shape == (4, max(counts))

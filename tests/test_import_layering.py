@@ -278,6 +278,7 @@ def test_kernels_public_api() -> None:
         "hadamard",
         "page_storage",
         "paged_attention",
+        "slot_mapping",
         "write_kv",
     ]
     for name in k.__all__:

@@ -45,6 +45,7 @@ __all__ = [
     "hadamard",
     "page_storage",
     "paged_attention",
+    "slot_mapping",
     "write_kv",
 ]
 
@@ -464,6 +465,36 @@ def compute_slot_mapping(
     pos = positions.to(torch.int64)
     valid = pos >= 0
     safe = torch.where(valid, pos, torch.zeros_like(pos))
-    pages = torch.gather(block_tables.to(torch.int64), 1, safe // page_size)
-    slots = pages * page_size + safe % page_size
+    slots = slot_mapping(block_tables.to(torch.int64) * page_size, safe, page_size)
     return torch.where(valid, slots, torch.full_like(slots, -1))
+
+
+def slot_mapping(
+    page_base: torch.Tensor, positions: int | torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Slots of token positions: the one implementation of ``slot = page * page_size + offset``.
+
+    Unchecked (callers own the index tensors): every slot kvquant's caches write
+    to comes from here (:func:`compute_slot_mapping`, which checks its inputs,
+    :meth:`kvquant.cache.PageAllocator.reserve`, :meth:`kvquant.cache.SequenceBook.slots`,
+    :meth:`kvquant.cache.StaticStep.derive`).
+
+    Args:
+        page_base: int64 ``[B, max_pages]``: a block table times ``page_size``.
+        positions: one position for every row (an int: a column slice, no gather),
+            or int64 ``[B, L]`` positions ``>= 0`` inside the pages the table lists.
+        page_size: token slots per page.
+
+    Returns:
+        int64 ``[B, 1]`` (an int position) or ``[B, L]`` on ``page_base``'s device.
+
+    Example:
+        >>> import torch
+        >>> base = torch.tensor([[3, 1]]) * 16
+        >>> slot_mapping(base, torch.tensor([[0, 17]]), 16).tolist(), slot_mapping(base, 17, 16).tolist()
+        ([[48, 17]], [[17]])
+    """
+    if isinstance(positions, int):
+        col = positions // page_size
+        return page_base[:, col : col + 1] + positions % page_size
+    return page_base.gather(1, positions // page_size) + positions % page_size

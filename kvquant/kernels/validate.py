@@ -215,7 +215,7 @@ def _check_written_layout(
             f"{op}: {name} is written in place but has strides {x.stride()} for shape "
             f"{tuple(x.shape)}{found}; expected {expected} (kvquant never copies a tensor it "
             f"writes into). Fix: allocate it with kvquant.kernels.{helper} "
-            "(kvquant.cache.PagedKVCache does), or torch.zeros in the documented shape."
+            "(kvquant.cache.PagedLayerStorage does), or torch.zeros in the documented shape."
         )
 
 
@@ -237,7 +237,7 @@ def _check_disjoint(op: str, written: list[tuple[str, Any]]) -> None:
                 raise _fail(
                     f"{op}: {a} and {b} share memory; each is written in place, so one "
                     f"would overwrite the other. Fix: allocate them separately "
-                    "(kvquant.cache.PagedKVCache does)."
+                    "(kvquant.cache.PagedLayerStorage does)."
                 )
 
 
@@ -466,7 +466,7 @@ def _check_scales(
     expected = (num_pages, page_size, hkv, n_groups)
     for name, g in (("k_group_scales", kg), ("v_group_scales", vg)):
         _check_dtype(
-            op, name, g, (torch.float32,), "allocate group scales as float32 (PagedKVCache does)."
+            op, name, g, (torch.float32,), "allocate fp32 group scales (PagedLayerStorage does)."
         )
         _check_shape(op, name, g, expected, f"{layout} of the pages")
         _check_device(op, name, g, device, "k_pages")

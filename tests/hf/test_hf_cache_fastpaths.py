@@ -27,10 +27,11 @@ def _step(cache: KVQuantCache, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         start = layer.seq_len
         layer.update(k, v)
         assert layer.seq_len == start + k.shape[2]
-        assert cache._slot_memo is not None  # the slots of this update, shared by the layers
+        memo = cache.book._slot_memo
+        assert memo is not None  # the slots of this update, shared by the layers
         if slots is None:
-            slots = cache._slot_memo[1]
-        assert cache._slot_memo[1] is slots
+            slots = memo[1]
+        assert memo[1] is slots
     assert slots is not None
     return slots
 
@@ -40,7 +41,7 @@ def _check_tables(cache: KVQuantCache, slots: torch.Tensor, start: int, new: int
     assert cache.allocator is not None
     ids = list(range(cache.batch_size_))
     fresh = cache.allocator.block_tables(ids)
-    bt = cache.block_table(torch.device("cpu"))
+    bt = cache.book.block_table(torch.device("cpu"))
     assert bt.dtype == torch.int32 and bt.is_contiguous()
     assert torch.equal(bt, fresh)
     pos = torch.arange(start, start + new).expand(len(ids), -1)
@@ -91,11 +92,11 @@ def test_decode_after_beam_reorder_uses_the_same_block_table(tiny_llama: Any) ->
     gen = torch.Generator().manual_seed(2)
     cache = _cache(tiny_llama, max_cache_tokens=3 * 16)
     _step(cache, *_kv(gen, 3, 3))
-    bt = cache.block_table(torch.device("cpu")).clone()
+    bt = cache.book.block_table(torch.device("cpu")).clone()
     before = cache.layers[1].dense_kv(torch.float32)
     beam_idx = torch.tensor([1, 1, 0])
     cache.reorder_cache(beam_idx)
-    assert torch.equal(cache.block_table(torch.device("cpu")), bt)
+    assert torch.equal(cache.book.block_table(torch.device("cpu")), bt)
     _check_tables(cache, _step(cache, *_kv(gen, 3, 1)), 3, 1)  # last slot of the first page
     _check_tables(cache, _step(cache, *_kv(gen, 3, 1)), 4, 1)  # a new page
     after_k, after_v = cache.layers[1].dense_kv(torch.float32)
@@ -108,13 +109,13 @@ def test_capacity_error_leaves_tables_unchanged(tiny_llama: Any) -> None:
     cache = _cache(tiny_llama, num_pages=4)
     _step(cache, *_kv(gen, 2, 4))  # 2 pages
     _step(cache, *_kv(gen, 2, 1))  # 2 more pages: full
-    bt = cache.block_table(torch.device("cpu")).clone()
+    bt = cache.book.block_table(torch.device("cpu")).clone()
     for _ in range(3):
         _step(cache, *_kv(gen, 2, 1))  # fills the pages
     with pytest.raises(CacheCapacityError):
         cache.layers[0].update(*_kv(gen, 2, 1))
     assert cache.reserved == 8 and cache.layers[0].seq_len == 8
-    assert torch.equal(cache.block_table(torch.device("cpu")), bt)
+    assert torch.equal(cache.book.block_table(torch.device("cpu")), bt)
 
 
 @pytest.mark.gpu
@@ -130,7 +131,7 @@ def test_cuda_block_table_and_slots_across_page_boundaries(tiny_llama: Any) -> N
         k, v = _kv(gen, 2, 1)
         slots = _step(cache, k.to(dev), v.to(dev))
         fresh = cache.allocator.block_tables([0, 1])  # type: ignore[union-attr]
-        bt = cache.block_table(dev)
+        bt = cache.book.block_table(dev)
         assert bt.is_cuda and bt.dtype == torch.int32 and bt.is_contiguous()
         assert torch.equal(bt.cpu(), fresh.cpu())
         pos = torch.full((2, 1), start)

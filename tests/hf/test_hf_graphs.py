@@ -223,6 +223,6 @@ def test_graph_step_makes_decode_headroom_once(tiny_llama: Any) -> None:
     out = _generate(tiny_llama, ids, mask, 20)
     cache = out.past_key_values
     assert cache.capacity_version == 1  # grown once, before the first (static) step
-    assert cache.pages_per_sequence() * 4 >= 13 + MIN_GROWTH_TOKENS
+    assert cache.book.pages_per_sequence() * 4 >= 13 + MIN_GROWTH_TOKENS
     assert handle.state.graph_runner.stats.static_eager == 19
     handle.remove()

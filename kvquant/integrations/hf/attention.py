@@ -322,8 +322,8 @@ def kvquant_attention(
         layer.flush_first_tokens(_first_visible(layer, attention_mask, query, module))
     out = storage.attend(
         query.transpose(1, 2),
-        cache.block_table(storage.device),
-        cache.seq_lens(layer.seq_len, query.device),
+        cache.book.block_table(storage.device),
+        cache.book.lens(layer.seq_len, query.device),
         sm_scale=sm_scale,
         kv_start=kv_start,
         causal=True,
@@ -344,8 +344,9 @@ def _kv_start(
     """The call's per-sequence first visible key (left padding), memoised per mask on the cache."""
     cache = layer.cache
     memo = cache.kv_start_memo
-    if cache.static is not None:
-        return cache.static.kv_start  # a CUDA-graph decode step: checked by its runner
+    static = cache.book.static
+    if static is not None:
+        return static.kv_start  # a CUDA-graph decode step: checked by its runner
     if attention_mask is None:
         cache.kv_start_memo = None  # no mask: no padding
         return None

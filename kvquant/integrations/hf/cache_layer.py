@@ -3,7 +3,9 @@
 :class:`KVQuantCache` is a :class:`transformers.Cache` made of one
 :class:`KVQuantLayer` per decoder layer. All layers share one
 :class:`~kvquant.cache.PageAllocator` (the sequences of a batch grow in
-lockstep, so one block table serves every layer); each layer builds one
+lockstep, so one block table serves every layer), kept with the batch's
+whole bookkeeping (reservation, block tables, slots, lengths, the static
+decode step) by one :class:`~kvquant.cache.SequenceBook`; each layer builds one
 :class:`~kvquant.cache.PagedLayerStorage` on its first update (FP8 page pools
 ``[num_pages, page_size, Hkv, D]`` for K and V, plus fp32 group scales for the
 dynamic ``fp32-group`` format) and delegates writes, dense dequantization,
@@ -27,17 +29,23 @@ the padding with a per-sequence ``kv_start`` taken from the attention mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvquant import kernels
-from kvquant.cache import MAX_PAGE_SIZE, PageAllocator, PagedLayerStorage, total_memory_bytes
+from kvquant.cache import (
+    MAX_PAGE_SIZE,
+    PageAllocator,
+    PagedLayerStorage,
+    SequenceBook,
+    total_memory_bytes,
+)
 from kvquant.errors import CacheCapacityError, CacheUsageError, UnsupportedModelError
 
-__all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec", "StaticStep"]
+__all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec"]
 
 HEADROOM_FRACTION = 16
 """A cache built without a size holds ``n + max(page_size, n // HEADROOM_FRACTION)`` slots
@@ -90,56 +98,6 @@ class LayerSpec:
     kv_reused: bool = False
 
 
-@dataclass
-class StaticStep:
-    """Device tensors of a one-token decode step whose addresses never change.
-
-    A CUDA graph of the decode step (:mod:`kvquant.integrations.hf.graphs`)
-    replays kernels with the pointers it captured, so everything a step
-    varies lives in these tensors and is refreshed in place before each
-    replay; everything derived from them is computed on the device inside the
-    graph (:meth:`derive`). While a step runs, the cache's ``static`` is this
-    object: its layers write to ``slots`` and leave their host-side counters
-    alone (the runner advances them after the step), and kvquant's attention
-    reads ``block_table``, ``lens`` and ``kv_start`` instead of deriving them
-    from host integers and the mask.
-
-    Attributes:
-        pos: int64 ``[1]``, position of the new token (tokens stored before the step).
-        lens: int32 ``[B]``, ``pos + 1``.
-        slots: int64 ``[B, 1]``, slot of the new token of each sequence.
-        block_table: int32 ``[B, pages_per_sequence]``, the whole capacity of
-            each sequence; columns past ``width`` are not used yet.
-        kv_start: int32 ``[B]``, first visible key (left padding).
-        width: columns of ``block_table`` copied from the allocator.
-    """
-
-    pos: torch.Tensor
-    lens: torch.Tensor
-    slots: torch.Tensor
-    block_table: torch.Tensor
-    kv_start: torch.Tensor
-    width: int = field(default=0)
-
-    @classmethod
-    def allocate(cls, batch: int, pages_per_sequence: int, device: torch.device) -> StaticStep:
-        """Zeroed static tensors for ``batch`` sequences of ``pages_per_sequence`` pages."""
-        return cls(
-            pos=torch.zeros(1, dtype=torch.int64, device=device),
-            lens=torch.zeros(batch, dtype=torch.int32, device=device),
-            slots=torch.zeros(batch, 1, dtype=torch.int64, device=device),
-            block_table=torch.zeros(batch, pages_per_sequence, dtype=torch.int32, device=device),
-            kv_start=torch.zeros(batch, dtype=torch.int32, device=device),
-        )
-
-    def derive(self, page_size: int) -> None:
-        """On the device: ``lens`` and ``slots`` of the token at ``pos`` (captured with the step)."""
-        self.lens.copy_((self.pos + 1).expand_as(self.lens))
-        col = (self.pos // page_size).expand(self.slots.shape[0], 1)
-        self.slots.copy_(self.block_table.gather(1, col).to(torch.int64) * page_size)
-        self.slots.add_(self.pos % page_size)
-
-
 def _from_storage(attr: str, doc: str) -> Any:
     """A read-only property: ``attr`` of the layer's storage, None before the first update."""
 
@@ -156,7 +114,8 @@ class KVQuantLayer(CacheLayerMixin):
     the tensor attributes below are read-only views of it.
 
     Attributes:
-        seq_len: positions stored per sequence (left-padding slots included).
+        seq_len: positions stored per sequence (left-padding slots included), kept by
+            the cache's :class:`~kvquant.cache.SequenceBook`.
         storage: the layer's :class:`~kvquant.cache.PagedLayerStorage` (None before
             the first update).
         k_pages: FP8 ``[num_pages, page_size, Hkv, D]`` (None before the first update).
@@ -177,7 +136,6 @@ class KVQuantLayer(CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
         self.spec = spec
-        self.seq_len = 0
         self.storage: PagedLayerStorage | None = None
         # k-transform: the K/V of the last update, until kvquant's attention knows each row's
         # first visible position (kv_start) and keeps the first tokens (flush_first_tokens)
@@ -188,6 +146,11 @@ class KVQuantLayer(CacheLayerMixin):
         return (
             f"KVQuantLayer(layer={self.layer_idx}, {self.spec.granularity}, seq_len={self.seq_len})"
         )
+
+    @property
+    def seq_len(self) -> int:
+        """Positions this layer stored per sequence (left-padding slots included)."""
+        return self.cache.book.layer_lens[self.layer_idx]
 
     # ------------------------------------------------------------------ storage
 
@@ -298,10 +261,12 @@ class KVQuantLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
         bsz, _, new, _ = key_states.shape
-        static = self.cache.static
+        cache = self.cache
+        book = cache.book
+        static = book.static
         if static is not None:
             # A decode step of the graph runner: device-side bookkeeping only; the runner
-            # reserved the pages and advances seq_len after the step.
+            # reserved the pages and advances the lengths after the step.
             if new != 1 or bsz != static.lens.shape[0]:
                 raise CacheUsageError(
                     f"{self.spec.name}: a CUDA-graph decode step got {new} new tokens for "
@@ -310,20 +275,20 @@ class KVQuantLayer(CacheLayerMixin):
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
             self._storage().write(k, v, static.slots)
             return None, None
-        fresh = self.seq_len == 0
-        slots = self.cache.slots_for(self, bsz, new)
+        start = book.layer_lens[self.layer_idx]
+        slots = cache.slots_for(self, bsz, new)
         if new > 0:
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
             self._storage().write(k, v, slots)
-            if self.wants_first_tokens() and self.cache.attention_is_kvquant():
-                self.pending_first = (k, v, self.seq_len)
-        self.seq_len += new
-        if fresh:
+            if self.wants_first_tokens() and cache.attention_is_kvquant():
+                self.pending_first = (k, v, start)
+        book.layer_lens[self.layer_idx] = start + new
+        if start == 0:
             # Nothing stored before: attention over exactly these keys, which the caller
             # already holds at full precision (the write above stored them in FP8 for later
             # steps). kvquant's attention runs SDPA on them, as the unpatched model does.
             return key_states, value_states
-        if self.cache.attention_is_kvquant() and not self.spec.kv_reused:
+        if cache.attention_is_kvquant() and not self.spec.kv_reused:
             return None, None
         return self.dense_kv(key_states.dtype)
 
@@ -358,7 +323,7 @@ class KVQuantLayer(CacheLayerMixin):
     def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize everything stored: ``([B, Hkv, seq_len, D], [B, Hkv, seq_len, D])`` in ``dtype``."""
         storage = self._storage()
-        k, v = storage.dense(self.cache.block_table(storage.device), self.seq_len, dtype)
+        k, v = storage.dense(self.cache.book.block_table(storage.device), self.seq_len, dtype)
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def memory_bytes(self) -> dict[str, int]:
@@ -386,7 +351,7 @@ class KVQuantLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget every stored token (the pages stay allocated)."""
-        self.seq_len = 0
+        self.cache.book.layer_lens[self.layer_idx] = 0
         self.pending_first = None
         self.first_end = None
         if self.storage is not None:
@@ -396,11 +361,8 @@ class KVQuantLayer(CacheLayerMixin):
         """Beam search: sequence ``b`` takes the stored tokens of sequence ``beam_idx[b]`` [B]."""
         if self.seq_len == 0 or self.storage is None:
             return
-        bt = self.cache.block_table(self.storage.device)
-        used = -(-self.seq_len // self.storage.page_size)
-        dst = bt[:, :used].long()
-        src = dst.index_select(0, beam_idx.to(dst.device).long())
-        self.storage.copy_pages(src.reshape(-1), dst.reshape(-1))
+        src, dst = self.cache.book.beam_moves(beam_idx, self.seq_len, self.storage.device)
+        self.storage.copy_pages(src, dst)
         self.storage.reorder_first(beam_idx)
 
     def _unsupported(self, what: str) -> UnsupportedModelError:
@@ -485,23 +447,15 @@ class KVQuantCache(Cache):
             )
         self.backend = opts.backend
         self.cuda_graphs: bool | None = opts.cuda_graphs  # None: auto (CUDA devices only)
-        self.static: StaticStep | None = None
         self.decode_graph: Any = None  # kvquant.integrations.hf.graphs.DecodeGraph
         self.fp8_dtype = torch.float8_e4m3fn
         self.config = state.text_config
         self.model_name = state.model_name
         self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
         self.capacity_version = 0
-        self.allocator: PageAllocator | None = None
-        self.batch_size_ = 0
-        self.reserved = 0
-        self._seq_ids: tuple[int, ...] = ()
-        self._block_table_dev: dict[torch.device, torch.Tensor] = {}
-        self._slot_base_dev: dict[torch.device, torch.Tensor] = {}
+        self.book = SequenceBook(max(1, len(state.layer_specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
-        self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
-        self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
         layers: list[Any] = [
             KVQuantLayer(self, i, spec) for i, spec in enumerate(state.layer_specs)
@@ -513,6 +467,23 @@ class KVQuantCache(Cache):
             f"KVQuantCache(layers={len(self.layers)}, page_size={self.page_size}, "
             f"pages={self.allocator.num_pages if self.allocator else 'lazy'}, seq_len={self.reserved})"
         )
+
+    # ------------------------------------------------------------------ the book's state
+
+    @property
+    def allocator(self) -> PageAllocator | None:
+        """The shared :class:`~kvquant.cache.PageAllocator` (None before the first update)."""
+        return self.book.allocator
+
+    @property
+    def batch_size_(self) -> int:
+        """Sequences the cache holds (0 before the first update)."""
+        return self.book.batch_size
+
+    @property
+    def reserved(self) -> int:
+        """Token slots reserved per sequence (the first layer to reach a position reserves it)."""
+        return self.book.reserved
 
     # ------------------------------------------------------------------ pool sizing
 
@@ -534,7 +505,8 @@ class KVQuantCache(Cache):
         demand (:meth:`reserve_through`), so that the pages hold memory in
         proportion to what is stored, like transformers' ``DynamicCache``.
         """
-        if self.allocator is None:
+        alloc = self.book.allocator
+        if alloc is None:
             if self.num_pages_requested is not None:
                 num_pages = int(self.num_pages_requested)
             elif self.max_cache_tokens is not None:
@@ -546,17 +518,15 @@ class KVQuantCache(Cache):
                     f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
                     "Fix: pass a positive max_cache_tokens or num_pages."
                 )
-            self.allocator = PageAllocator(num_pages, self.page_size, device=device)
-            self.batch_size_ = batch_size
-        return self.allocator.num_pages, self.page_size
+            alloc = self.book.open(num_pages, batch_size, device)
+        return alloc.num_pages, self.page_size
 
     def slots_for(self, layer: KVQuantLayer, batch_size: int, new_tokens: int) -> torch.Tensor:
         """Slot mapping int64 ``[B, new_tokens]`` of positions ``layer.seq_len ...``, reserving pages.
 
         The first layer to reach a position reserves its pages for all layers
-        (all-or-nothing, before any write); later layers reuse them. A decode
-        step (one new token) costs one small device op: the slots are read
-        from a cached ``block_table * page_size`` tensor.
+        (all-or-nothing, before any write); later layers reuse them
+        (:meth:`kvquant.cache.SequenceBook.slots`).
 
         Raises:
             CacheCapacityError: too few free pages (nothing changes).
@@ -564,98 +534,53 @@ class KVQuantCache(Cache):
         """
         storage = layer.storage
         device = storage.device if storage is not None else _CPU
-        start = layer.seq_len
-        key = (start, new_tokens, batch_size, device)
-        memo = self._slot_memo
-        if memo is not None and memo[0] == key:
+        book = self.book
+        start = book.layer_lens[layer.layer_idx]
+        memo = book._slot_memo
+        if memo is not None and memo[0] == (start, new_tokens, device):
             return memo[1]
         self.pool_shape(batch_size, device)
-        if batch_size != self.batch_size_:
+        if batch_size != book.batch_size:
             raise CacheUsageError(
-                f"{layer.spec.name}: the kvquant cache holds {self.batch_size_} sequences but the "
+                f"{layer.spec.name}: the kvquant cache holds {book.batch_size} sequences but the "
                 f"update has batch size {batch_size}. Fix: use a fresh cache (or let generate "
                 "create one) for a different batch size."
             )
-        end = start + new_tokens
-        if end > self.reserved:
-            self._reserve(end - self.reserved, layer)
-        ps = self.page_size
-        if new_tokens == 1:
-            base = self._slot_base(device)  # int64 [B, max_pages]: page id * page_size
-            col = start // ps
-            slots = base[:, col : col + 1] + (start % ps)
-        else:
-            bt = self.block_table(device)
-            pos = torch.arange(start, end, device=device, dtype=torch.int64).expand(batch_size, -1)
-            slots = kernels.compute_slot_mapping(bt, pos, ps)
-        self._slot_memo = (key, slots)
-        return slots
-
-    def seq_lens(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """int32 ``[B]`` filled with ``seq_len`` on ``device`` (shared by the layers of a step)."""
-        if self.static is not None:
-            return self.static.lens
-        memo = self._lens_memo
-        if memo is not None and memo[0] == (seq_len, device):
-            return memo[1]
-        lens = torch.full((self.batch_size_,), seq_len, dtype=torch.int32, device=device)
-        self._lens_memo = ((seq_len, device), lens)
-        return lens
+        self.reserve_through(start + new_tokens, layer)
+        return book.slots(start, new_tokens, device)
 
     def reserve_through(self, tokens: int, layer: KVQuantLayer) -> None:
         """Reserve pages so that every sequence holds ``tokens`` slots (no-op if it does).
 
+        A growable cache enlarges its pools first when the free pages do not suffice.
+
         Raises:
             CacheCapacityError: too few free pages (nothing changes).
         """
-        if tokens > self.reserved:
-            self._reserve(tokens - self.reserved, layer)
-
-    def pages_per_sequence(self) -> int:
-        """The most pages one sequence can hold (the pool split evenly over the batch)."""
-        if self.allocator is None or self.batch_size_ < 1:
-            raise CacheUsageError("the kvquant cache holds nothing yet")
-        return self.allocator.num_pages // self.batch_size_
-
-    def _reserve(self, tokens: int, layer: KVQuantLayer) -> None:
-        alloc = self.allocator
-        if alloc is None:  # pragma: no cover - pool_shape always creates it
-            raise CacheUsageError("the kvquant cache has no page allocator")
+        book = self.book
+        if tokens <= book.reserved:
+            return
+        alloc = book.require_allocator()
         ps = self.page_size
-        have = -(-self.reserved // ps)
-        need = -(-(self.reserved + tokens) // ps)
-        extra_pages = (need - have) * self.batch_size_
+        extra_pages = book.pages_needed(tokens)
         free = alloc.num_free_pages
         if extra_pages > free and self.growable:
-            self._grow(alloc, need)
+            self._grow(alloc, -(-tokens // ps))
             free = alloc.num_free_pages
         if extra_pages > free:
             capacity = alloc.num_pages * ps
             raise CacheCapacityError(
-                f"kvquant cache of {self.model_name} is full: {self.batch_size_} sequence(s) of "
-                f"{self.reserved} tokens need {tokens} more each ({extra_pages} more pages of "
-                f"{ps} tokens), but only {free} of {alloc.num_pages} pages are free (capacity "
-                f"{capacity} token slots in all). Nothing was written. Fix: "
+                f"kvquant cache of {self.model_name} is full: {book.batch_size} sequence(s) of "
+                f"{book.reserved} tokens need {tokens - book.reserved} more each ({extra_pages} "
+                f"more pages of {ps} tokens), but only {free} of {alloc.num_pages} pages are free "
+                f"(capacity {capacity} token slots in all). Nothing was written. Fix: "
                 "kvquant.patch(model, max_cache_tokens=...) or num_pages=... with a larger value, "
                 "or generate fewer tokens (max_new_tokens)."
             )
-        if len(self._seq_ids) != self.batch_size_:
-            self._seq_ids = tuple(range(self.batch_size_))
         try:
-            taken = alloc.reserve_pages(self._seq_ids, tokens)
+            book.reserve_through(tokens)
         except CacheCapacityError as err:  # pragma: no cover - pre-checked above
             raise CacheCapacityError(f"kvquant cache of {self.model_name}: {err}") from err
-        self.reserved += tokens
-        if need == have:
-            return  # no page changed hands: the block tables stay valid
-        self._slot_base_dev.clear()
-        if have == 0 or any(len(t) != need - have for t in taken):
-            self._block_table_dev.clear()  # rebuilt from the allocator on next use
-            return
-        # The sequences grow in lockstep: append the new page columns on each device.
-        cols = torch.tensor(taken, dtype=torch.int32)
-        for dev, bt in list(self._block_table_dev.items()):
-            self._block_table_dev[dev] = torch.cat([bt, cols.to(dev)], dim=1)
 
     def ensure_decode_headroom(self, tokens: int) -> None:
         """Before a decode graph is captured: room for ``MIN_GROWTH_TOKENS`` more steps.
@@ -696,35 +621,6 @@ class KVQuantCache(Cache):
         self.capacity_version += 1
         self.decode_graph = None  # captured on the old pools
 
-    def block_table(self, device: torch.device) -> torch.Tensor:
-        """The int32 ``[B, max_pages]`` block table on ``device``.
-
-        Cached per device; a reservation that takes pages appends their
-        columns in place of a rebuild. Treat it as read-only. During a CUDA-graph
-        decode step: the step's full-capacity static table.
-        """
-        if self.static is not None:
-            return self.static.block_table
-        bt = self._block_table_dev.get(device)
-        if bt is not None:
-            return bt
-        if self.allocator is None:
-            raise CacheUsageError("the kvquant cache holds nothing yet")
-        if len(self._seq_ids) != self.batch_size_:
-            self._seq_ids = tuple(range(self.batch_size_))
-        host = self.allocator.block_tables(self._seq_ids)
-        bt = host.to(device=device, dtype=torch.int32)
-        self._block_table_dev[device] = bt
-        return bt
-
-    def _slot_base(self, device: torch.device) -> torch.Tensor:
-        """int64 ``[B, max_pages]``: the block table times ``page_size`` (cached like it)."""
-        base = self._slot_base_dev.get(device)
-        if base is None:
-            base = self.block_table(device).to(torch.int64) * self.page_size
-            self._slot_base_dev[device] = base
-        return base
-
     def attention_is_kvquant(self) -> bool:
         """Whether the model's active attention implementation is kvquant's."""
         return getattr(self.config, "_attn_implementation", None) == ATTN_NAME
@@ -735,15 +631,9 @@ class KVQuantCache(Cache):
         """Forget every stored token and free all pages (the pools stay allocated)."""
         for layer in self.layers:
             layer.reset()
-        if self.allocator is not None:
-            self.allocator.reset()
-        self.reserved = 0
-        self._block_table_dev.clear()
-        self._slot_base_dev.clear()
+        self.book.reset()
         self.kv_start_memo = None
         self.first_visible_memo = None
-        self._slot_memo = None
-        self._lens_memo = None
         self.decode_graph = None
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
@@ -829,24 +719,12 @@ class KVQuantCache(Cache):
             )
         for layer in self.layers:
             if isinstance(layer, KVQuantLayer):
-                layer.seq_len = min(layer.seq_len, tokens)
                 layer.pending_first = None
                 if layer.storage is not None:
                     layer.storage.truncate_first(tokens)
-        alloc = self.allocator
-        if alloc is not None and tokens < self.reserved:
-            for sid in self._seq_ids:
-                alloc.truncate(sid, tokens)
-            self.reserved = tokens
-            self._block_table_dev.clear()
-            self._slot_base_dev.clear()
+        self.book.truncate(tokens)  # a graph's static table is copied again if pages moved
         self.kv_start_memo = None
         self.first_visible_memo = None
-        self._slot_memo = None
-        self._lens_memo = None
-        static = getattr(self.decode_graph, "static", None)
-        if static is not None:
-            static.width = -1  # the graph's static block table is copied again before its next step
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """-1: the cache has no fixed per-sequence length."""

@@ -19,15 +19,16 @@ How a step runs (:class:`DecodeGraphRunner`):
 2. The cache reserves the new token's pages on the host (a full cache raises
    :class:`~kvquant.errors.CacheCapacityError` before anything is written).
 3. The step's inputs are copied into static buffers
-   (:class:`~kvquant.integrations.hf.cache_layer.StaticStep` and one buffer per
+   (:class:`~kvquant.cache.StaticStep`, refreshed by the cache's book, and one buffer per
    tensor argument); the first step of a cache warms the forward up on a side
    stream and captures it; every step then replays the graph. When the pool
    grows (a cache without a size bound enlarges its pages on demand) the
    page tensors move, and the next step captures again. With the default
    ``cuda_graphs=None`` a capture that fails is logged once and the cache
    decodes eagerly from then on; with ``cuda_graphs=True`` it raises.
-4. The host-side counters of the cache layers advance, and the step returns a
-   copy of the captured output (the next replay overwrites the static one).
+4. The layers' lengths in the cache's :class:`~kvquant.cache.SequenceBook`
+   advance, and the step returns a copy of the captured output (the next
+   replay overwrites the static one).
 
 Inside the step, the cache layers write to slots computed on the device from
 the static position and the block table, and kvquant's attention reads the
@@ -82,9 +83,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kvquant.cache import StaticStep
 from kvquant.errors import BackendError, KVQuantError
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
-from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer, StaticStep
+from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
 
 __all__ = [
     "CompiledLayers",
@@ -412,7 +414,11 @@ class DecodeGraphRunner:
         cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
         if not isinstance(cache, KVQuantCache) or cache.cuda_graphs is False:
             return None
-        if cache.static is not None or cache.allocator is None or not cache.attention_is_kvquant():
+        if (
+            cache.book.static is not None
+            or cache.allocator is None
+            or not cache.attention_is_kvquant()
+        ):
             return None
         ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
         if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (cache.batch_size_, 1):
@@ -480,13 +486,7 @@ class DecodeGraphRunner:
         if not isinstance(rec, DecodeGraph) or rec.key != key:
             rec = self._build(cache, kwargs, key, device)
             cache.decode_graph = rec
-        st = rec.static
-        bt = cache.block_table(device)
-        if bt.shape[1] != st.width:
-            st.block_table[:, : bt.shape[1]].copy_(bt)
-            st.width = bt.shape[1]
-        st.pos.fill_(seq)
-        st.kv_start.copy_(starts)
+        cache.book.load_static(rec.static, seq, starts)
         for name, buf in rec.inputs.items():
             buf.copy_(kwargs[name])
         compiled = self._compiling(device)
@@ -511,8 +511,7 @@ class DecodeGraphRunner:
                 )
             out = self._run(cache, rec, compiled)
             self.stats.static_eager += 1
-        for layer in layers:
-            layer.seq_len += 1
+        cache.book.advance_all(1)
         return out
 
     def _fall_back(
@@ -562,7 +561,7 @@ class DecodeGraphRunner:
         key: tuple[Any, ...],
         device: torch.device,
     ) -> DecodeGraph:
-        static = StaticStep.allocate(cache.batch_size_, cache.pages_per_sequence(), device)
+        static = cache.book.static_step(device)
         inputs = {
             name: torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for name, v in kwargs.items()
@@ -579,7 +578,7 @@ class DecodeGraphRunner:
                 error or an out-of-memory error (those are the step's own).
         """
         rec.static.derive(cache.page_size)
-        cache.static = rec.static
+        cache.book.static = rec.static
         try:
             if not compiled or self.compiled is None:
                 return self.original(**rec.call_kwargs)
@@ -592,7 +591,7 @@ class DecodeGraphRunner:
             except Exception as err:
                 raise _CompileFailure(err) from err
         finally:
-            cache.static = None
+            cache.book.static = None
 
     def _capture(self, cache: KVQuantCache, rec: DecodeGraph, compiled: bool) -> None:
         device = rec.static.pos.device
