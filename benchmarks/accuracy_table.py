@@ -325,7 +325,7 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
 
     runs = payload["runs"]
     formats = _formats(runs)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.6))
     panels = (
         ("kl_mean", "mean KL to unquantized (nats)", 1.0),
         ("top1", "top-1 agreement (%)", 100.0),
