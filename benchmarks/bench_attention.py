@@ -40,8 +40,9 @@ import triton
 import triton.testing
 
 from kvquant.kernels import group_scale_storage, page_storage
-from kvquant.kernels.attention_triton import choose_config, paged_attention_triton
+from kvquant.kernels.attention_triton import paged_attention_triton
 from kvquant.kernels.reference import paged_attention_reference
+from kvquant.kernels.tuning import choose_config
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

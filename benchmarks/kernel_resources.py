@@ -33,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvquant.kernels import attention_triton as at
+from kvquant.kernels import attention_jit as at
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}

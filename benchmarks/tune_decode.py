@@ -4,7 +4,9 @@ For each decode shape and format, every ``(BLOCK_N, num_warps, num_stages)`` con
 runs with the launcher's own split choice and with forced split counts; each run is checked
 against the fp32 reference first (NaN-poisoned output), then timed. SDPA over a contiguous
 bf16 cache of the same shape is timed in the same process, and ``--baseline`` names another
-copy of ``attention_triton.py`` (e.g. the previous commit's) to time beside the current one.
+copy of the launcher module ``attention_triton.py`` to time beside the current one. A copy from
+after the kernels moved to ``attention_jit.py`` imports kvquant's current kernels, so to time a
+kernel change give a copy that defines its kernels itself (e.g. one from before that split).
 Prints the best configuration per shape and writes everything to ``--out/tune.json``.
 
 ``--graph`` times CUDA-graph replays (device time without host gaps), ``--auto-splits``

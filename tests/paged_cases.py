@@ -5,6 +5,14 @@ A case is random K/V written into shuffled pages with
 nobody wrote poisoned with NaN codes (so a kernel reading past a sequence's
 end or through an unused block-table entry produces NaN), and unused
 block-table entries set to -1.
+
+With ``k_transform`` (``"offset"``, ``"rotation"`` or ``"both"``; ``"biased"`` for the same
+K stored without a transform) K gets a few large,
+near-constant channels (the RoPE bias the ``k-transform`` format removes) and is written
+with a per-(KV head, channel) offset (the mean of the rotated K) and/or the Hadamard
+rotation; ``n_first`` / ``first_lens`` add the first-token side buffer (``first_k`` in the
+rotated frame, ``first_v`` as generated; the first tokens' own slots are poisoned with NaN
+codes, since the attention must never read them).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvquant.kernels import group_scale_storage, page_storage
+from kvquant.kernels import group_scale_storage, hadamard, page_storage
 from kvquant.kernels.reference import fp8_max, paged_attention_reference, write_kv_reference
 
 __all__ = ["PagedCase", "build_case"]
@@ -32,6 +40,8 @@ class PagedCase:
     sm_scale: float
     scales: dict[str, torch.Tensor]
     options: dict[str, Any] = field(default_factory=dict)
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments shared by the reference and the Triton launcher."""
@@ -69,6 +79,10 @@ def build_case(
     window: int = 0,
     value_gain: float = 1.0,
     contiguous_pages: bool = False,
+    k_transform: str | None = None,
+    first_lens: list[int] | None = None,
+    n_first: int = 0,
+    first_dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> PagedCase:
@@ -95,6 +109,11 @@ def build_case(
         contiguous_pages: V pages and group scales token-major (contiguous) instead of the
             cache's layouts (:func:`kvquant.kernels.page_storage`,
             :func:`kvquant.kernels.group_scale_storage`).
+        k_transform: None, "biased", "offset", "rotation" or "both" (biased K channels,
+            static scales; the same seed gives the same K, V and query for each).
+        first_lens: first tokens per sequence taken from the side buffer, or None.
+        n_first: ``NF``, the side buffer's tokens per row (>= every ``first_lens``).
+        first_dtype: dtype of ``first_k`` / ``first_v``.
         device: where the tensors live.
         seed: RNG seed.
 
@@ -120,6 +139,23 @@ def build_case(
     head_gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1)
     key = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain * value_gain
     value = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain.flip(2) * value_gain
+    options: dict[str, Any] = {"causal": causal, "softcap": softcap, "window": window}
+    rotation = offset = None
+    if k_transform is not None:
+        # a few near-constant channels of large magnitude (the RoPE bias), per KV head
+        bias = torch.zeros(hkv, d)
+        chans = torch.randperm(d, generator=gen)[:3]
+        bias[:, chans] = (torch.rand(hkv, 3, generator=gen) * 10 + 10) * value_gain
+        key = key * 0.5 + bias
+        if k_transform in ("rotation", "both"):
+            rotation = hadamard(d)
+            options["k_rotation"] = rotation
+        rotated = key if rotation is None else key @ rotation
+        if k_transform in ("offset", "both"):
+            offset = rotated[:, 1:].mean(dim=(0, 1))  # [Hkv, D], rotated frame
+            options["k_offset"] = offset
+        elif k_transform not in ("rotation", "biased"):
+            raise ValueError(f"unknown k_transform {k_transform!r}")
     nan_code = torch.full((num_pages, page, hkv, d), float("nan")).to(fp8)
     if contiguous_pages:
         k_pages, v_pages = nan_code.clone(), nan_code.clone()
@@ -136,6 +172,14 @@ def build_case(
             else:  # the cache's (head-major) layout
                 gs = group_scale_storage(num_pages, page, hkv, d // group_size)
             scales[name] = gs.fill_(float("nan"))
+    elif k_transform not in (None, "biased"):  # static scales of the stored (transformed) K
+        stored = key if rotation is None else key @ rotation
+        stored = stored if offset is None else stored - offset
+        k_amax = stored.abs().amax(dim=(0, 1, 3))
+        v_amax = value.abs().amax(dim=(0, 1, 3))
+        if granularity == "per-tensor":
+            k_amax, v_amax = k_amax.amax().reshape(()), v_amax.amax().reshape(())
+        scales["k_scale"], scales["v_scale"] = k_amax / limit, v_amax / limit
     elif granularity == "per-head":
         scales["k_scale"] = key.abs().amax(dim=(0, 1, 3)) / limit
         scales["v_scale"] = value.abs().amax(dim=(0, 1, 3)) / limit
@@ -144,13 +188,31 @@ def build_case(
         scales["v_scale"] = (value.abs().amax() / limit).reshape(())
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
-    write_kv_reference(key, value, k_pages, v_pages, slots, **scales)
+    write_kv_reference(
+        key, value, k_pages, v_pages, slots, **scales, k_offset=offset, k_rotation=rotation
+    )
+    if first_lens is not None:
+        starts = kv_start if kv_start is not None else [0] * bsz
+        first_k = torch.full((bsz, n_first, hkv, d), float("nan"))
+        first_v = torch.full((bsz, n_first, hkv, d), float("nan"))
+        rotated = key if rotation is None else key @ rotation
+        for b, (s0, nf) in enumerate(zip(starts, first_lens, strict=True)):
+            first_k[b, :nf] = rotated[b, s0 : s0 + nf]
+            first_v[b, :nf] = value[b, s0 : s0 + nf]
+        options["first_k"] = first_k.to(first_dtype)
+        options["first_v"] = first_v.to(first_dtype)
+        options["first_lens"] = torch.tensor(first_lens, dtype=torch.int32)
+        # the first tokens' slots were written, but the attention must never read them
+        for b, (s0, nf) in enumerate(zip(starts, first_lens, strict=True)):
+            for pos in range(s0, s0 + nf):
+                slot = int(slots[b, pos])
+                k_pages[slot // page, slot % page] = nan_code[0, 0]
+                v_pages[slot // page, slot % page] = nan_code[0, 0]
 
     if hf_layout:
         query = torch.randn(bsz, hq, lq, d, generator=gen).to(qdtype).transpose(1, 2)
     else:
         query = torch.randn(bsz, lq, hq, d, generator=gen).to(qdtype)
-    options: dict[str, Any] = {"causal": causal, "softcap": softcap, "window": window}
     if q_lens is not None:
         options["q_lens"] = torch.tensor(q_lens, dtype=torch.int32, device=device)
     if kv_start is not None:
@@ -163,5 +225,7 @@ def build_case(
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         sm_scale=d**-0.5,
         scales={k: v.to(device) for k, v in scales.items()},
-        options=options,
+        options={k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()},
+        key=key.to(device),
+        value=value.to(device),
     )

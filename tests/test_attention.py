@@ -17,11 +17,8 @@ import torch
 from numerics import assert_close_rel, error_report
 from paged_cases import build_case
 
-from kvquant.kernels.attention_triton import (
-    choose_num_splits,
-    paged_attention_triton,
-    programs_per_sm,
-)
+from kvquant.kernels.attention_triton import paged_attention_triton
+from kvquant.kernels.tuning import choose_num_splits, programs_per_sm
 
 REL_TOL = 5e-3
 NUMPY_2_4 = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4)

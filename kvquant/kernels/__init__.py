@@ -10,6 +10,12 @@ backend (:mod:`kvquant.kernels.backend`): ``"triton"`` (the Triton kernels),
 This package imports only torch at import time; the Triton kernel modules are
 imported at the first Triton dispatch. It never imports transformers.
 
+The static K transform (format ``k-transform``): ``write_kv(k_offset=, k_rotation=)``
+stores K as ``fp8((k @ R - c) / k_scale)``, and ``paged_attention`` with the same arguments
+attends with the query rotated alike, adding ``(q @ R)·c`` to every paged key's score; its
+``first_k`` / ``first_v`` / ``first_lens`` attend the first tokens of each sequence from a
+full-precision side buffer instead of their slots. :func:`hadamard` is the built-in rotation.
+
 Layout shared by every function here: pages ``[num_pages, page_size, Hkv, D]``
 (``float8_e4m3fn`` or ``float8_e5m2``), slot ``= page * page_size + offset``,
 block tables int32 ``[B, max_pages]``, sequence lengths int32 ``[B]``.
@@ -25,7 +31,7 @@ import torch
 
 from kvquant.errors import BackendError, KernelInputError
 from kvquant.kernels.backend import resolve_backend
-from kvquant.kernels.reference import paged_attention_reference, write_kv_reference
+from kvquant.kernels.reference import hadamard, paged_attention_reference, write_kv_reference
 from kvquant.kernels.validate import (
     AttentionGeometry,
     check_attention_inputs,
@@ -36,6 +42,7 @@ from kvquant.kernels.validate import (
 __all__ = [
     "compute_slot_mapping",
     "group_scale_storage",
+    "hadamard",
     "page_storage",
     "paged_attention",
     "write_kv",
@@ -74,6 +81,8 @@ def write_kv(
     v_scale: torch.Tensor | None = None,
     k_group_scales: torch.Tensor | None = None,
     v_group_scales: torch.Tensor | None = None,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Quantize new K/V tokens to FP8 and store them into their page slots (in place).
@@ -84,7 +93,9 @@ def write_kv(
     attention output instead of being clipped. With group scales, the scale
     of each (token, KV head, group of ``G`` elements) is ``amax / fp8_max``,
     1.0 for an all-zero group, NaN for a group holding a non-finite value,
-    and is stored beside the token's slot.
+    and is stored beside the token's slot. With a K transform (static scales only) K is
+    rotated and offset first: ``fp8((key @ k_rotation - k_offset) / k_scale)``, clamped and
+    NaN-marked as above (a non-finite transformed value is stored as NaN); V is unchanged.
 
     Every argument is validated before anything is written: a call that
     raises leaves the pages and group scales as they were.
@@ -108,6 +119,10 @@ def write_kv(
             :func:`group_scale_storage`), written in place (dynamic
             ``fp32-group`` format); give it with ``v_group_scales``.
         v_group_scales: like ``k_group_scales``.
+        k_offset: fp32 ``[Hkv, D]`` finite K offset in the rotated frame (``k-transform``),
+            or None (zeros); needs static scales.
+        k_rotation: fp32 ``[D, D]`` orthonormal K rotation (e.g. :func:`hadamard`), or None
+            (identity); needs static scales.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
@@ -138,6 +153,8 @@ def write_kv(
         v_scale,
         k_group_scales,
         v_group_scales,
+        k_offset=k_offset,
+        k_rotation=k_rotation,
     )
     chosen = resolve_backend(backend, k_pages.device, "write_kv")
     if key.numel() == 0:
@@ -153,6 +170,8 @@ def write_kv(
             v_scale=v_scale,
             k_group_scales=k_group_scales,
             v_group_scales=v_group_scales,
+            k_offset=k_offset,
+            k_rotation=k_rotation,
         )
         return
     write_triton = _triton_module("write_triton")
@@ -168,6 +187,8 @@ def write_kv(
         v_scale,
         k_group_scales,
         v_group_scales,
+        k_offset,
+        k_rotation,
     )
 
 
@@ -243,7 +264,7 @@ def group_scale_storage(
 
 def _check_triton_attention_limits(
     geo: AttentionGeometry, block_tables: torch.Tensor, k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None, transform: list[tuple[str, torch.Tensor | None]],
 ) -> None:  # fmt: skip
     """Restrictions of the Triton attention kernel beyond the common contract."""
     d = geo.head_dim
@@ -267,6 +288,13 @@ def _check_triton_attention_limits(
                 f"paged_attention: {name} has strides {gs.stride()}; the Triton kernel needs "
                 "its last dimension (the groups of one head) contiguous. Fix: allocate it with "
                 "kvquant.kernels.group_scale_storage, or pass backend='torch'."
+            )
+    for name, x in transform:
+        if x is not None and not x.is_contiguous():
+            raise KernelInputError(
+                f"paged_attention: {name} has strides {x.stride()} for shape {tuple(x.shape)}; "
+                "the Triton kernel needs it contiguous. Fix: pass it .contiguous() once, when "
+                "it is created (or backend='torch')."
             )
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise KernelInputError(
@@ -295,6 +323,11 @@ def paged_attention(
     window: int = 0,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
+    first_k: torch.Tensor | None = None,
+    first_v: torch.Tensor | None = None,
+    first_lens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 KV cache.
@@ -335,6 +368,17 @@ def paged_attention(
             with no two elements sharing memory.
         sinks: fp32 ``[Hq]`` learned attention-sink logits (gpt-oss), contiguous and
             finite, or None: each head's softmax denominator gets ``exp(sinks[h])``.
+        k_offset: fp32 ``[Hkv, D]`` K offset the pages were written with (``k-transform``),
+            or None: the logical key is ``code * k_scale + k_offset``; static scales only.
+        k_rotation: fp32 ``[D, D]`` K rotation the pages were written with, or None: the
+            query is rotated alike (``query @ k_rotation``) inside the kernel.
+        first_k: ``[B, NF, Hkv, D]`` float16/bfloat16/float32 keys of the first tokens in
+            the rotated frame (``k @ k_rotation``, no offset), or None; with ``first_v``
+            and ``first_lens``, static scales only.
+        first_v: ``[B, NF, Hkv, D]`` their values, as the model produced them.
+        first_lens: int32 ``[B]``, ``0..NF``: keys ``kv_start[b]`` ..
+            ``kv_start[b] + first_lens[b] - 1`` are attended from ``first_k[b]`` /
+            ``first_v[b]`` (same masks) instead of their slots, which are never read.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -356,6 +400,11 @@ def paged_attention(
         "window": window,
         "out": out,
         "sinks": sinks,
+        "k_offset": k_offset,
+        "k_rotation": k_rotation,
+        "first_k": first_k,
+        "first_v": first_v,
+        "first_lens": first_lens,
     }
     geo = check_attention_inputs(
         query, k_pages, v_pages, block_tables, seq_lens, sm_scale=sm_scale, **options
@@ -364,15 +413,18 @@ def paged_attention(
     chosen = resolve_backend(backend, k_pages.device, "paged_attention")
     if chosen == "torch":
         return paged_attention_reference(query, k_pages, v_pages, block_tables, seq_lens, **options)
-    _check_triton_attention_limits(geo, block_tables, k_group_scales, v_group_scales)
+    transform = [
+        ("k_offset", k_offset),
+        ("k_rotation", k_rotation),
+        ("first_k", first_k),
+        ("first_v", first_v),
+    ]
+    _check_triton_attention_limits(geo, block_tables, k_group_scales, v_group_scales, transform)
     attention_triton = _triton_module("attention_triton")
     if k_pages.device.type != "cuda":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        interpreted = any(
-            isinstance(v, InterpretedFunction) for v in vars(attention_triton).values()
+        _require_interpreter_for_cpu(
+            k_pages.device, attention_triton.is_interpreted(), "paged_attention"
         )
-        _require_interpreter_for_cpu(k_pages.device, interpreted, "paged_attention")
     return attention_triton.paged_attention_triton(
         query, k_pages, v_pages, block_tables, seq_lens, **options
     )

@@ -1,704 +1,45 @@
-"""Triton kernels for attention over the paged FP8 KV cache (decode and prefill/extend).
+"""Launcher of the paged-attention Triton kernels (decode and prefill/extend).
 
-One kernel serves both regimes. A program owns one (sequence, KV head, query
-block, KV split) and holds every query row of that KV head in one tile of
-``BLOCK_M`` rows, a row being one (query token, head within the GQA group)
-pair: row ``r`` is token ``r // GROUP`` and head ``r % GROUP``. Each K/V tile
-of ``BLOCK_N`` keys is therefore gathered from the pages and converted from
-FP8 to fp16 once for the whole group, and both products are tensor-core
-``tl.dot`` calls on fp16 operands with fp32 accumulation.
+:func:`paged_attention_triton` picks the tile configuration and the split-KV count
+(:mod:`kvquant.kernels.tuning`), measures the split kernel's residency once per signature,
+and launches :mod:`kvquant.kernels.attention_jit`'s kernels, with programmatic dependent
+launch on sm_90 and newer. The kernels' design is described in
+:mod:`kvquant.kernels.attention_jit`.
 
-* **Decode** (``Lq * group`` small): one query block holds all ``Lq`` tokens;
-  the key range is cut into ``num_splits`` contiguous splits
-  (flash-decoding) chosen to fill the GPU; each split writes a normalised
-  partial output and its log-sum-exp (base 2), and :func:`_reduce_kernel`
-  merges them. With one split the kernel writes the output directly.
-* **Prefill / extend** (``Lq * group`` large): ``QPB = BLOCK_M // GROUP``
-  query tokens per program, heavy causal blocks launched first, one split.
-
-Scales: static per-tensor / per-KV-head scales are folded out of the loop
-(``k_scale`` into the exp2 scale of the scores, ``v_scale`` onto the output). The exp2
-scale is made positive (its sign goes into the query), so that it multiplies the row
-maximum of the raw scores and joins the exponent's subtraction in one FMA.
-fp32 group scales ``[num_pages, page_size, Hkv, D // G]`` are folded too in
-decode: the query tile holds ``NG = D // G`` copies of each row, copy ``c``
-zero outside group ``c``, so one dot gives every group's partial scores; they
-are scaled per (group, key) and summed over the copies (K), and copy ``c`` of
-the probabilities is weighted by group ``c``'s per-key V scales (divided by the
-tile's largest, so that the fp16 operand keeps the range of ``p``) and keeps
-group ``c``'s output columns (V). No per-element multiply, no range limit; the
-row copies fill the padding rows of the 16-row tensor-core tile (GQA 4 with
-``G = D / 2`` costs nothing), up to ``_FOLD_MAX_ROWS`` rows. Otherwise (prefill,
-or too many rows) each tile is dequantized in registers in fp16 (one packed
-multiply per element pair), the scales multiplied by 16 so that groups with
-amax down to ~1.7e-3 stay fp16-normal, and the 16 folded out of the scores and
-the output.
-
-On sm_90 and newer both kernels are launched with programmatic dependent
-launch: the attention kernel lets the split reduction launch as its programs
-finish, and the reduction waits (``griddepcontrol.wait``) for all of its stores.
-
-Tiles start at multiples of ``BLOCK_N`` and are gathered as runs of
-``TP = gcd(page_size, BLOCK_N)`` keys, each inside one page: one block-table
-entry per run, and the pages' stride-1 axis gives wide copies. V pages stored
-keys-fastest (:func:`kvquant.kernels.page_storage`) reach ``P @ V``, which
-contracts over keys, through ``ldmatrix``; token-major FP8 V tiles are read
-byte by byte from shared memory (Triton has no 8-bit transposing load on
-sm_90). Dequantized tiles take V transposed, ``[D, BLOCK_N]``, so that its fp16
-copy keeps keys contiguous in shared memory. Where a run's ``[D, TP]`` block of V
-(keys-fastest, ``TP`` the page size), or its ``[TP, NG]`` group scales (head-major),
-are one contiguous span, they are loaded as one flat row per run: a warp's copies are
-then contiguous in the shared-memory staging buffer too (no bank conflicts). Any page
-strides work.
-
-The key loop is split into a masked first tile (keys before the first visible
-one, e.g. left padding), an unmasked interior (every key visible to every row
-of the block) and a masked rest (causal diagonal, tail, sliding window).
-
-The launcher does no argument validation: :mod:`kvquant.kernels` validates
-before dispatching here. Restrictions it relies on: ``head_dim`` a power of
-two (>= 16), group scales and block tables contiguous in their last
-dimension, ``D // G`` a power of two, queries within fp16 range (|q| < 65504), and, with
-fp32 group scales dequantized in tiles (prefill), K/V values below 4094 in magnitude (fp16
-range after the x16 boost; beyond it the output turns inf/NaN, never silently wrong).
+The launcher does no argument validation: :mod:`kvquant.kernels` validates before
+dispatching here (restrictions: see :mod:`kvquant.kernels.attention_jit`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import Any
 
 import torch
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["choose_config", "choose_num_splits", "paged_attention_triton", "programs_per_sm"]
+from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_kernel
+from kvquant.kernels.tuning import (
+    _FOLD_MAX_ROWS,
+    _is_decode,
+    _num_sms,
+    choose_config,
+    choose_num_splits,
+    programs_per_sm,
+)
 
-# Triton reads TRITON_INTERPRET when the kernels below are decorated: fixed for this module.
+__all__ = ["is_interpreted", "paged_attention_triton"]
+
+# Triton reads TRITON_INTERPRET when the kernels are decorated: fixed for this process.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
-def _load(ptrs, mask, other, MASKED: tl.constexpr):
-    """``tl.load(ptrs)``; with ``MASKED``, masked-out elements read as ``other``."""
-    if MASKED:
-        x = tl.load(ptrs, mask=mask, other=other)
-    else:
-        x = tl.load(ptrs)
-    return x
+def is_interpreted() -> bool:
+    """Whether the attention kernels run in the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
 
-
-@triton.jit
-def _load_kv(
-    n0,
-    lo,
-    limit,
-    bt_row,
-    k_base,
-    v_base,
-    kg_base,
-    vg_base,
-    s_kp,
-    s_kt,
-    s_kd,
-    s_vp,
-    s_vt,
-    s_vd,
-    s_kgp,
-    s_kgt,
-    s_vgp,
-    s_vgt,
-    MASKED: tl.constexpr,
-    GROUP_SCALES: tl.constexpr,
-    FOLD: tl.constexpr,
-    NG: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    TP: tl.constexpr,
-    V_RUNS_DENSE: tl.constexpr,
-    SCALE_RUNS_DENSE: tl.constexpr,
-):
-    """Gather the raw FP8 tiles ``[BLOCK_N, D]`` of keys ``n0 + i`` and their group scales.
-
-    ``n0`` is a multiple of ``TP``, which divides ``PAGE``: the tile is ``BLOCK_N // TP``
-    runs of ``TP`` keys, each inside one page, so each run takes one block-table entry, and
-    a stride-1 axis (head dim, or keys for V stored keys-fastest) gives wide copies. Masked
-    tiles load only keys in ``[lo, limit)``. Returns ``(k, v, ks, vs)``. With dequantized
-    group scales ``v`` is transposed, ``[D, BLOCK_N]``, and ``ks`` is ``[BLOCK_N, NG]``; the
-    other group scales are ``[NG, BLOCK_N]``; without group scales they are placeholders.
-    """
-    NP: tl.constexpr = BLOCK_N // TP
-    offs_d = tl.arange(0, HEAD_D)
-    offs_t = tl.arange(0, TP)
-    run = n0 + tl.arange(0, NP) * TP  # first key of each run [NP]
-    key = run[:, None] + offs_t[None, :]  # [NP, TP]
-    key_ok = (key >= lo) & (key < limit)
-    run_ok = (run + TP > lo) & (run < limit)  # the run holds a key to load: its page exists
-    page = _load(bt_row + run // PAGE, run_ok, 0, MASKED).to(tl.int64)
-    tok = tl.multiple_of(run % PAGE, TP)  # runs start at multiples of TP (wide, aligned copies)
-    # [NP, TP, D]: the run's base, then the key within the run, then the head dim
-    k_off = (page * s_kp + tok * s_kt)[:, None, None] + (offs_t * s_kt)[None, :, None]
-    k_ptrs = k_base + k_off + (offs_d * s_kd)[None, None, :]
-    # Masked tiles load whole runs (a mask constant along both axes keeps the copies wide);
-    # the scores of keys outside [lo, limit) are masked later, and their V rows are zeroed by
-    # the caller, since stale slots may hold NaN codes and 0 * NaN would reach the output.
-    k = tl.reshape(_load(k_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
-    if GROUP_SCALES and not FOLD:
-        # dequantized tiles: V transposed, [D, BLOCK_N], gathered as [NP, D, TP], so that the
-        # fp16 operand of P @ V keeps keys contiguous in shared memory (K-major)
-        if V_RUNS_DENSE:
-            # each run's [D, TP] block is one contiguous span (V keys-fastest, TP = PAGE):
-            # loaded as [NP, D * TP], so that a warp's copies are contiguous both in global
-            # memory and in the shared-memory staging buffer (no bank conflicts)
-            offs_j = tl.arange(0, HEAD_D * TP)
-            v_ptrs = v_base + (page * s_vp + tok)[:, None] + offs_j[None, :]
-            v = tl.reshape(_load(v_ptrs, run_ok[:, None], 0.0, MASKED), [NP, HEAD_D, TP])
-        else:
-            v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, None, :]
-            v = _load(v_base + v_off + (offs_d * s_vd)[None, :, None], run_ok[:, None, None],
-                      0.0, MASKED)  # fmt: skip
-        v = tl.reshape(tl.permute(v, (1, 0, 2)), [HEAD_D, BLOCK_N])
-    else:
-        v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, :, None]
-        v_ptrs = v_base + v_off + (offs_d * s_vd)[None, None, :]
-        v = tl.reshape(_load(v_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
-    ks = 1.0
-    vs = 1.0
-    if GROUP_SCALES:
-        ok = tl.reshape(key_ok, [BLOCK_N])
-        # one scale per (group, key), padding keys 0: [NG, BLOCK_N] where they fold into the
-        # scores and probabilities or multiply V transposed, [BLOCK_N, NG] to multiply K
-        if SCALE_RUNS_DENSE:
-            # a run's scales [TP, NG] are contiguous (head-major storage): loaded as
-            # [NP, TP * NG], wide copies along each run, then zeroed outside [lo, limit)
-            offs_j = tl.arange(0, TP * NG)
-            ks = _load(kg_base + (page * s_kgp + tok * NG)[:, None] + offs_j[None, :],
-                       run_ok[:, None], 0.0, MASKED)  # fmt: skip
-            vs = _load(vg_base + (page * s_vgp + tok * NG)[:, None] + offs_j[None, :],
-                       run_ok[:, None], 0.0, MASKED)  # fmt: skip
-            ks = tl.reshape(ks, [BLOCK_N, NG])
-            vs = tl.reshape(vs, [BLOCK_N, NG])
-            if MASKED:
-                ks = tl.where(ok[:, None], ks, 0.0)
-                vs = tl.where(ok[:, None], vs, 0.0)
-            if FOLD:
-                ks = tl.trans(ks)
-            vs = tl.trans(vs)
-        else:
-            # per key: page and slot of its run
-            key_page = tl.reshape(tl.broadcast_to(page[:, None], [NP, TP]), [BLOCK_N])
-            key_tok = tl.reshape(tok[:, None] + offs_t[None, :], [BLOCK_N])
-            offs_g = tl.arange(0, NG)
-            kg_off = key_page * s_kgp + key_tok * s_kgt
-            vg_off = key_page * s_vgp + key_tok * s_vgt
-            if FOLD:
-                ks = _load(kg_base + kg_off[None, :] + offs_g[:, None], ok[None, :], 0.0, MASKED)
-            else:
-                ks = _load(kg_base + kg_off[:, None] + offs_g[None, :], ok[:, None], 0.0, MASKED)
-            vs = _load(vg_base + vg_off[None, :] + offs_g[:, None], ok[None, :], 0.0, MASKED)
-    return k, v, ks, vs
-
-
-@triton.jit
-def _group_dequant(x, xs, NG: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    """FP8 tile ``[BLOCK_N, D]`` times group scales ``[BLOCK_N, NG]`` x 16, in fp16."""
-    xs16 = (xs * 16.0).to(tl.float16)
-    x3 = tl.reshape(x.to(tl.float16), [BLOCK_N, NG, HEAD_D // NG]) * xs16[:, :, None]
-    return tl.reshape(x3, [BLOCK_N, HEAD_D])
-
-
-@triton.jit
-def _group_dequant_t(x, xs, NG: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
-    """Transposed FP8 tile ``[D, BLOCK_N]`` times group scales ``[NG, BLOCK_N]`` x 16, in fp16."""
-    xs16 = (xs * 16.0).to(tl.float16)
-    x3 = tl.reshape(x.to(tl.float16), [NG, HEAD_D // NG, BLOCK_N]) * xs16[:, None, :]
-    return tl.reshape(x3, [HEAD_D, BLOCK_N])
-
-
-@triton.jit
-def _copy_rows(x, NG: tl.constexpr, RB: tl.constexpr):
-    """Per-copy values ``[NG]`` -> one per expanded row (row ``c * RB + r`` gets ``x[c]``)."""
-    return tl.reshape(tl.broadcast_to(x[:, None], [NG, RB]), [NG * RB])
-
-
-@triton.jit
-def _copy_tiles(x, NG: tl.constexpr, RB: tl.constexpr, N: tl.constexpr):
-    """Per-copy rows ``[NG, N]`` -> ``[NG * RB, N]`` (row ``c * RB + r`` gets ``x[c]``)."""
-    return tl.reshape(tl.broadcast_to(x[:, None, :], [NG, RB, N]), [NG * RB, N])
-
-
-@triton.jit
-def _base_rows(x, NG: tl.constexpr, RB: tl.constexpr):
-    """Per-row values ``[RB]`` -> the same value on each of the row's ``NG`` copies."""
-    return tl.reshape(tl.broadcast_to(x[None, :], [NG, RB]), [NG * RB])
-
-
-@triton.jit
-def _qk(q, k, ks, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr, NG: tl.constexpr,
-        RB: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
-    """Raw scores ``q @ (k * scales)^T`` ``[RB, BLOCK_N]`` (x 16 for dequantized group scales).
-
-    With ``FOLD`` the query holds ``NG`` copies of each row, copy ``c`` zero outside
-    group ``c``: the dot gives every group's partial scores, which are scaled per
-    (group, key) and summed over the copies.
-    """
-    if FOLD:
-        s = tl.dot(q, tl.trans(k.to(tl.float16)))
-        if NG == 1:
-            s = s * ks
-        else:
-            s = tl.sum(tl.reshape(s * _copy_tiles(ks, NG, RB, BLOCK_N), [NG, RB, BLOCK_N]), 0)
-    elif GROUP_SCALES:
-        s = tl.dot(q, tl.trans(_group_dequant(k, ks, NG, BLOCK_N, HEAD_D)))
-    else:
-        s = tl.dot(q, tl.trans(k.to(tl.float16)))
-    return s
-
-
-@triton.jit
-def _pv(acc, alpha, p, v, vs, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr,
-        NG: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
-    """``acc * alpha + p @ (v * scales)`` (x 16 for dequantized group scales).
-
-    With ``FOLD``, ``acc`` is ``[NG * RB, D]``: copy ``c`` of the rows accumulates ``p``
-    weighted by group ``c``'s per-key scales (divided by the tile's largest, so that the fp16
-    operand keeps the range of ``p`` whatever the size of V); only its group's columns are
-    kept at the end.
-    """
-    if FOLD:
-        vs_max = tl.max(vs, 1)
-        vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-        w = vs / vs_max[:, None]
-        if NG == 1:
-            pw = p * w
-            acc = acc * alpha[:, None]
-        else:
-            pw = tl.reshape(p[None, :, :] * w[:, None, :], [NG * RB, BLOCK_N])
-            acc = acc * _base_rows(alpha, NG, RB)[:, None]
-        pv = tl.dot(pw.to(tl.float16), v.to(tl.float16))
-        acc = acc + pv * _copy_rows(vs_max, NG, RB)[:, None]
-    elif GROUP_SCALES:
-        # V is transposed: keys stay contiguous in the operand's shared-memory copy (K-major);
-        # dequantized before p's fp16 copy exists (the order the H200 timings were taken in)
-        v16 = _group_dequant_t(v, vs, NG, BLOCK_N, HEAD_D)
-        acc = tl.dot(p.to(tl.float16), tl.trans(v16), acc * alpha[:, None])
-    else:
-        acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc * alpha[:, None])
-    return acc
-
-
-@triton.jit
-def _attn_tile(
-    acc,
-    m_i,
-    l_i,
-    q,
-    n0,
-    lo,
-    s_hi,
-    pos,
-    win,
-    qk_scale,
-    softcap,
-    bt_row,
-    k_base,
-    v_base,
-    kg_base,
-    vg_base,
-    s_kp,
-    s_kt,
-    s_kd,
-    s_vp,
-    s_vt,
-    s_vd,
-    s_kgp,
-    s_kgt,
-    s_vgp,
-    s_vgt,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    GROUP_SCALES: tl.constexpr,
-    FOLD: tl.constexpr,
-    NG: tl.constexpr,
-    RB: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    TP: tl.constexpr,
-    V_RUNS_DENSE: tl.constexpr,
-    SCALE_RUNS_DENSE: tl.constexpr,
-):
-    """Online-softmax step over keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l).
-
-    ``qk_scale`` multiplies the raw scores: in natural units with ``USE_SOFTCAP``, else in
-    log2 units and positive.
-    """
-    k, v, ks, vs = _load_kv(
-        n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
-        s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-        MASKED, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
-    )  # fmt: skip
-    if MASKED:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_range = (offs_n >= lo) & (offs_n < s_hi)
-        # V rows of keys outside [lo, s_hi) to zero (they were loaded with their whole run)
-        if GROUP_SCALES and not FOLD:
-            v = tl.where(in_range[None, :], v.to(tl.float16), 0.0)  # transposed
-        else:
-            v = tl.where(in_range[:, None], v.to(tl.float16), 0.0)
-    s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
-    # scale of the scores in log2 units, applied after the row maximum (it is positive) and
-    # joined with the exponent's subtraction in one FMA: no multiply per score
-    s_mult = qk_scale
-    if USE_SOFTCAP:
-        # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
-        x = s * (qk_scale / softcap)
-        e = tl.exp(2.0 * x)
-        s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
-        s_mult = 1.0
-    if MASKED:
-        vis = in_range[None, :]
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= pos[:, None])
-        if USE_WINDOW:
-            vis = vis & (offs_n[None, :] > pos[:, None] - win)
-        s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * s_mult)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s * s_mult - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _pv(acc, alpha, p, v, vs, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _paged_attn_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    bt_ptr,
-    seq_ptr,
-    qlen_ptr,
-    start_ptr,
-    ks_ptr,
-    vs_ptr,
-    kg_ptr,
-    vg_ptr,
-    out_ptr,
-    part_ptr,
-    lse_ptr,
-    sm_scale,
-    softcap,
-    window,
-    Lq,
-    Hq,
-    n_qblocks,
-    num_splits,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_qd,
-    s_kp,
-    s_kt,
-    s_kh,
-    s_kd,
-    s_vp,
-    s_vt,
-    s_vh,
-    s_vd,
-    s_bt,
-    s_ks,
-    s_vs,
-    s_kgp,
-    s_kgt,
-    s_kgh,
-    s_vgp,
-    s_vgt,
-    s_vgh,
-    s_ob,
-    s_ot,
-    s_oh,
-    s_od,
-    sink_ptr,
-    HAS_QLEN: tl.constexpr,
-    HAS_START: tl.constexpr,
-    GROUP: tl.constexpr,
-    QPB: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    TP: tl.constexpr,
-    V_RUNS_DENSE: tl.constexpr,
-    SCALE_RUNS_DENSE: tl.constexpr,
-    GROUP_SCALES: tl.constexpr,
-    FOLD: tl.constexpr,
-    NG: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr,
-    USE_WHILE: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
-    if PDL:
-        gdc_wait()  # programmatic dependent launch: the previous kernel's writes are visible
-    pid0 = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2)
-    qb = n_qblocks - 1 - pid0 // num_splits  # heavy causal blocks first
-    split = pid0 % num_splits
-
-    seq_len = tl.load(seq_ptr + b)
-    if HAS_QLEN:
-        q_len = tl.minimum(tl.load(qlen_ptr + b), Lq)
-    else:
-        q_len = Lq
-    if HAS_START:
-        kv0 = tl.load(start_ptr + b)
-    else:
-        kv0 = 0
-
-    # RB rows (query token, head); with FOLD the dots see XG = NG copies of them
-    XG: tl.constexpr = NG if FOLD else 1
-    RB: tl.constexpr = BLOCK_M // XG
-    rows = tl.arange(0, RB)
-    t_loc = rows // GROUP
-    t = qb * QPB + t_loc
-    head = kvh * GROUP + rows % GROUP
-    row_in = (t_loc < QPB) & (t < Lq)
-    row_valid = row_in & (t < q_len)
-    pos = seq_len - q_len + t
-    offs_d = tl.arange(0, HEAD_D)
-
-    # query tile [BLOCK_M, D]; copy c of a row keeps only group c's columns
-    rows_x = tl.arange(0, BLOCK_M)
-    copy_x = rows_x // RB
-    t_x = qb * QPB + (rows_x % RB) // GROUP
-    head_x = kvh * GROUP + (rows_x % RB) % GROUP
-    ok_x = ((rows_x % RB) // GROUP < QPB) & (t_x < Lq) & (t_x < q_len)
-    in_copy = (offs_d // (HEAD_D // XG))[None, :] == copy_x[:, None]
-    q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
-    q_ptrs += offs_d[None, :] * s_qd
-    q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
-
-    # key range of this query block: [lo, hi)
-    t_first = qb * QPB
-    t_last = tl.minimum(t_first + QPB, q_len) - 1
-    p_min = seq_len - q_len + t_first
-    p_max = seq_len - q_len + t_last
-    lo = kv0
-    if USE_WINDOW:
-        lo = tl.maximum(lo, p_min - window + 1)
-    hi = seq_len
-    if CAUSAL:
-        hi = tl.minimum(hi, p_max + 1)
-    hi = tl.where(t_last >= t_first, hi, lo)
-    hi = tl.maximum(hi, lo)
-    # this split's share, in whole tiles aligned to multiples of BLOCK_N
-    lo_al = lo - lo % BLOCK_N
-    n_tiles = (hi - lo_al + BLOCK_N - 1) // BLOCK_N
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    s_lo = tl.minimum(lo_al + split * per_split * BLOCK_N, hi)
-    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
-    # [s_lo, int_lo): a masked first tile holding keys before lo (split 0 only, lo unaligned);
-    # [int_lo, mid): unmasked interior, keys visible to every row of the block;
-    # [mid, s_hi): masked rest (causal diagonal, tail, sliding window)
-    int_lo = tl.maximum(s_lo, (lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
-    head_hi = tl.minimum(int_lo, s_hi)
-    if CAUSAL:
-        full_hi = tl.minimum(p_min + 1, s_hi)
-    else:
-        full_hi = s_hi
-    if USE_WINDOW:
-        mid = int_lo
-    else:
-        mid = int_lo + tl.maximum(full_hi - int_lo, 0) // BLOCK_N * BLOCK_N
-
-    if FOLD:
-        qk_scale = sm_scale
-        v_mult = 1.0
-    elif GROUP_SCALES:
-        # tiles were dequantized with scales x 16 (fp16-normal down to amax ~1.7e-3)
-        qk_scale = sm_scale * 0.0625
-        v_mult = 0.0625
-    else:
-        qk_scale = sm_scale * tl.load(ks_ptr + kvh * s_ks)
-        v_mult = tl.load(vs_ptr + kvh * s_vs)
-    if not USE_SOFTCAP:
-        # the tiles take the exponent's scale in log2 units, made positive: its sign goes into
-        # the query (exact in fp16), so that it commutes with the row maximum; 0 becomes 1e-30
-        # (scores ~0, the same uniform weights), NaN stays NaN
-        qk_scale = qk_scale * 1.4426950408889634
-        q = tl.where(qk_scale < 0.0, -q, q)
-        qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
-
-    bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    k_base = k_ptr + kvh * s_kh
-    v_base = v_ptr + kvh * s_vh
-    kg_base = kg_ptr + kvh * s_kgh
-    vg_base = vg_ptr + kvh * s_vgh
-
-    m_i = tl.full([RB], float("-inf"), tl.float32)
-    l_i = tl.zeros([RB], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-
-    if USE_WHILE:
-        n0 = s_lo
-        while n0 < head_hi:
-            acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
-                bt_row, k_base, v_base, kg_base, vg_base,
-                s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
-            )  # fmt: skip
-            n0 += BLOCK_N
-        n0 = int_lo
-        while n0 < mid:
-            acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
-                bt_row, k_base, v_base, kg_base, vg_base,
-                s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
-            )  # fmt: skip
-            n0 += BLOCK_N
-        while n0 < s_hi:
-            acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
-                bt_row, k_base, v_base, kg_base, vg_base,
-                s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
-            )  # fmt: skip
-            n0 += BLOCK_N
-    else:
-        for n0 in tl.range(s_lo, head_hi, BLOCK_N, num_stages=1):
-            n0 = tl.multiple_of(n0, BLOCK_N)
-            acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
-                bt_row, k_base, v_base, kg_base, vg_base,
-                s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
-            )  # fmt: skip
-        for n0 in tl.range(int_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
-            n0 = tl.multiple_of(n0, BLOCK_N)
-            acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
-                bt_row, k_base, v_base, kg_base, vg_base,
-                s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
-            )  # fmt: skip
-        for n0 in tl.range(mid, s_hi, BLOCK_N, num_stages=1):
-            n0 = tl.multiple_of(n0, BLOCK_N)
-            acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap,
-                bt_row, k_base, v_base, kg_base, vg_base,
-                s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
-            )  # fmt: skip
-
-    if PDL:
-        gdc_launch_dependents()  # the split reduction may launch (it waits for our stores)
-    if XG > 1:
-        # each row's copy c contributes group c's columns
-        acc = tl.sum(tl.reshape(tl.where(in_copy, acc, 0.0), [XG, RB, HEAD_D]), 0)
-    has_key = l_i != 0.0  # NaN (a NaN key or value, an overflow) must reach the output
-    if HAS_SINKS and not SPLIT:
-        # the sink's term of the softmax denominator, in the rows' log2 units (the split
-        # reduction adds it once, after merging)
-        sink = tl.load(sink_ptr + head, mask=row_in, other=0.0) * 1.4426950408889634
-        l_i += tl.where(has_key, tl.exp2(sink - m_i), 0.0)
-    l_safe = tl.where(has_key, l_i, 1.0)
-    keep = has_key & row_valid
-    o = tl.where(keep[:, None], acc * (v_mult / l_safe)[:, None], 0.0)
-    if SPLIT:
-        prow = ((b.to(tl.int64) * Lq + t) * Hq + head) * num_splits + split
-        lse = tl.where(keep, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(lse_ptr + prow, lse, mask=row_in)
-        tl.store(part_ptr + prow[:, None] * HEAD_D + offs_d[None, :], o, mask=row_in[:, None])
-    else:
-        o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t[:, None] * s_ot + head[:, None] * s_oh
-        o_ptrs += offs_d[None, :] * s_od
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None])
-
-
-@triton.jit
-def _reduce_kernel(
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    Lq,
-    Hq,
-    num_splits,
-    s_ob,
-    s_ot,
-    s_oh,
-    s_od,
-    sink_ptr,
-    SPLITS_P2: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    """Merge the split partials of ``BLOCK_D`` columns of one output row (sequence, token, head)."""
-    if PDL:
-        gdc_wait()  # launched early: the partials are complete only after this
-    row = tl.program_id(0)
-    h = row % Hq
-    t = (row // Hq) % Lq
-    b = row // (Hq * Lq)
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    base = row.to(tl.int64) * num_splits
-    lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-    part = tl.load(
-        part_ptr + (base + offs_s)[:, None] * HEAD_D + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
-    m = tl.max(lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_use)
-    denom = tl.sum(w, 0)
-    if HAS_SINKS:  # the sink's term of the denominator, once (no key at all: the output stays 0)
-        sink = tl.load(sink_ptr + h) * 1.4426950408889634
-        denom += tl.where(m == float("-inf"), 0.0, tl.exp2(sink - m_use))
-    o = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
-    o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t * s_ot + h * s_oh + offs_d * s_od
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
-
-
-# Largest expanded row count of a folded decode tile (query rows x groups per head)
-_FOLD_MAX_ROWS = 32
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessor count of a CUDA device (cached); a small constant on CPU."""
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return isinstance(_paged_attn_kernel, InterpretedFunction)
 
 
 _PDL: dict[int, bool] = {}
@@ -714,143 +55,7 @@ def _supports_pdl(device: torch.device) -> bool:
     return _PDL[idx]
 
 
-def _is_decode(lq: int, group: int) -> bool:
-    """Decode path (one query block, split-KV) when all rows of a KV head fit in 64."""
-    return lq * group <= 64
-
-
-def choose_config(
-    lq: int, group: int, head_dim: int, *, group_dequant: bool = False, fold_groups: int = 0
-) -> dict[str, int]:
-    """Tile configuration for a problem: ``BLOCK_M``, ``QPB``, ``BLOCK_N``, warps, stages.
-
-    Args:
-        lq: query tokens per sequence (``Lq``).
-        group: query heads per KV head.
-        head_dim: ``D``.
-        group_dequant: K/V tiles are multiplied by fp32 group scales element-wise (group
-            scales the kernel does not fold).
-        fold_groups: fp32 group scales per head folded into the scores and probabilities
-            (decode; the tile holds that many copies of each query row), or 0.
-
-    Returns:
-        A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and
-        ``LOOP_STAGES`` (software-pipelining depth of the key loop).
-    """
-    if _is_decode(lq, group):
-        block_m = max(16, triton.next_power_of_2(lq * group) * max(1, fold_groups))
-        # The key loop's loads are indirect (block table) and feed dots: Triton gives them
-        # LOOP_STAGES - 3 prefetch buffers; the register-heavy dequantizing variants keep none.
-        if head_dim > 128:
-            block_n, warps, loop_stages = 32, 4, 3 if group_dequant else 5
-        else:
-            # 64-key tiles on 2 warps: H200, B32 x 16k 32/8/128, graph replay
-            # (benchmarks/tune_decode.py --graph): per-tensor 329 vs 346 us with 128-key tiles
-            # on 4 warps; G = 64 451 vs 473 us (128-key tiles, 2 stages)
-            block_n, warps, loop_stages = 64, 2, 3 if group_dequant else 6
-        return {
-            "BLOCK_M": block_m,
-            "QPB": lq,
-            "BLOCK_N": block_n,
-            "num_warps": warps,
-            "num_stages": 3,
-            "LOOP_STAGES": loop_stages,
-        }
-    # V pages keys-fastest, H200, B4 x (8k prefix + 2k chunk): static scales ran faster on
-    # 64-key tiles and 4 warps, dequantized group scales on 128-key tiles and 8 warps (a
-    # scratch sweep; bench_attention.py times the defaults)
-    if head_dim > 128:
-        block_m, block_n, warps, loop_stages = 64, 64, 4, 2
-    elif group_dequant:
-        block_m, block_n, warps, loop_stages = 128, 128, 8, 3
-    else:
-        block_m, block_n, warps, loop_stages = 128, 64, 4, 3
-    return {
-        "BLOCK_M": block_m,
-        "QPB": max(1, block_m // group),
-        "BLOCK_N": block_n,
-        "num_warps": warps,
-        "num_stages": 2,
-        "LOOP_STAGES": loop_stages,
-    }
-
-
-@functools.lru_cache(maxsize=1024)
-def choose_num_splits(
-    programs: int,
-    max_keys: int,
-    num_sms: int,
-    *,
-    programs_per_sm: int = 2,
-    block_n: int = 128,
-) -> int:
-    """Split-KV count that fills the GPU in whole waves of whole, balanced tiles.
-
-    With ``slots = programs_per_sm * num_sms`` resident programs and ``tiles =
-    ceil(max_keys / block_n)`` key tiles per sequence, ``s`` splits have
-    efficiency ``wave(s) * balance(s)``: ``wave(s) = programs * s / (ceil(programs * s /
-    slots) * slots)`` (a partial wave costs as much as a full one) and ``balance(s) = tiles /
-    (s * ceil(tiles / s))`` (the kernel gives each split ``ceil(tiles / s)`` whole tiles, so the
-    longest split sets the time). The smallest ``s`` within 95 % of the best efficiency wins.
-    With wave efficiency alone, B1 x 32k took 28 splits of 10 tiles where 32 splits of 8 do;
-    and short contexts stayed unsplit. With this rule and 64-key tiles, the H200 graph-replay
-    table of ``benchmarks/bench_attention.py`` went from 38.0 to 30.4 us (B1 x 32k) and from
-    16.0 to 11.8 us (B8 x 1k), 32/8/128 per-tensor.
-
-    Args:
-        programs: programs without splitting (``B * Hkv * query blocks``).
-        max_keys: upper bound of keys per sequence (block-table capacity).
-        num_sms: multiprocessors of the device.
-        programs_per_sm: programs of the kernel resident on one SM at once.
-        block_n: keys per tile of the kernel.
-
-    Returns:
-        The number of splits, 1 to ``min(64, tiles)``.
-    """
-    slots = max(1, programs_per_sm) * num_sms
-    tiles = max(1, triton.cdiv(max_keys, max(1, block_n)))
-    cap = max(1, min(64, tiles))
-
-    def efficiency(s: int) -> float:
-        n = programs * s
-        return n / (triton.cdiv(n, slots) * slots) * tiles / (s * triton.cdiv(tiles, s))
-
-    best = max(efficiency(s) for s in range(1, cap + 1))
-    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.95 * best)
-
-
 _RESIDENCY: dict[tuple[Any, ...], int] = {}
-
-
-def programs_per_sm(
-    n_regs: int,
-    num_warps: int,
-    shared_bytes: int,
-    *,
-    regs_per_sm: int = 65536,
-    shared_per_sm: int = 233472,
-    threads_per_sm: int = 2048,
-) -> int:
-    """Programs of a kernel resident on one SM, limited by registers, shared memory and threads.
-
-    Registers are allocated per warp in units of 256. Defaults: H100/H200 (sm_90).
-
-    Args:
-        n_regs: registers per thread of the compiled kernel.
-        num_warps: warps per program.
-        shared_bytes: shared memory per program.
-        regs_per_sm: 32-bit registers per SM.
-        shared_per_sm: shared memory per SM in bytes.
-        threads_per_sm: resident threads per SM.
-
-    Returns:
-        At least 1.
-    """
-    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
-    by_regs = regs_per_sm // (regs_per_warp * num_warps)
-    by_smem = shared_per_sm // shared_bytes if shared_bytes else by_regs
-    by_threads = threads_per_sm // (32 * num_warps)
-    return max(1, min(by_regs, by_smem, by_threads))
 
 
 def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
@@ -900,6 +105,11 @@ def paged_attention_triton(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: dict[str, Any] | None = None,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
+    first_k: torch.Tensor | None = None,
+    first_v: torch.Tensor | None = None,
+    first_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
 
@@ -931,6 +141,11 @@ def paged_attention_triton(
             forces while-loops on or off, default on in the interpreter; ``FOLD`` forces the
             folding of group scales in decode on or off; ``PDL`` 0 turns programmatic
             dependent launches off).
+        k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
+        k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
+        first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
+        first_v: ``[B, NF, Hkv, D]`` contiguous first-token values, or None.
+        first_lens: int32 ``[B]`` first tokens per sequence (with ``first_k``/``first_v``).
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
@@ -993,6 +208,12 @@ def paged_attention_triton(
         *k_pages.stride(), *v_pages.stride(),
         block_tables.stride(0), s_ks, s_vs, *kg_strides, *vg_strides, *out.stride(),
         sinks if sinks is not None else dummy,
+        k_rotation if k_rotation is not None else dummy,
+        k_offset if k_offset is not None else dummy,
+        first_k if first_k is not None else dummy,
+        first_v if first_v is not None else dummy,
+        first_lens if first_lens is not None else dummy,
+        first_k.shape[1] if first_k is not None else 0,
     ]  # fmt: skip
     tp = math.gcd(page_size, int(cfg["BLOCK_N"]))
     consts: dict[str, Any] = {
@@ -1009,8 +230,8 @@ def paged_attention_triton(
         # V stored keys-fastest with runs of whole pages: a run's [D, TP] block is contiguous
         "V_RUNS_DENSE": v_pages.stride(1) == 1 and v_pages.stride(3) == tp,
         # group scales stored head-major: a run's [TP, NG] scales are contiguous. Loaded so
-        # where they fold (decode) or with one group per head; H200, B4 x (8k + 2k) prefill:
-        # G = 128 4.58 vs 4.95 ms, G = 64 4.57 vs 4.47 ms (per-key loads kept there)
+        # where they fold (decode) or with one group per head (per-key loads were faster for
+        # several groups per head in prefill: docs/dev/kernels.md, tuning)
         "SCALE_RUNS_DENSE": kg_strides[1] == ng and vg_strides[1] == ng and (fold or ng == 1),
         "GROUP_SCALES": group_scales,
         # one group per head: the scales fold into the scores and the probabilities
@@ -1023,6 +244,9 @@ def paged_attention_triton(
         "LOOP_STAGES": int(cfg.get("LOOP_STAGES", cfg["num_stages"])),
         "PDL": pdl,
         "HAS_SINKS": sinks is not None,
+        "HAS_ROT": k_rotation is not None,
+        "HAS_OFF": k_offset is not None,
+        "HAS_FIRST": first_k is not None and first_v is not None and first_lens is not None,
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,
@@ -1057,7 +281,7 @@ def paged_attention_triton(
             hq,
             num_splits,
             *out.stride(),
-            args[-1],
+            sinks if sinks is not None else dummy,
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
             HEAD_D=d,
             BLOCK_D=block_d,

@@ -23,6 +23,14 @@ read once per scale tensor (one sync on a GPU) and remembered while the same
 tensor object holds the same data (its version counter), so a decode loop over
 a cache's scales pays a dictionary lookup.
 
+**K transform.** ``k_offset`` (fp32 ``[Hkv, D]``) and ``k_rotation`` (fp32 ``[D, D]``) of
+the ``k-transform`` format need static scales; their values must be finite (read once per
+tensor object and version, like scales). That ``k_rotation`` is orthonormal is the caller's
+promise (checked once where it enters storage, not per call). The first-token side buffer
+(``first_k``, ``first_v`` ``[B, NF, Hkv, D]`` float and ``first_lens`` int32 ``[B]``) is given
+all together or not at all, with static scales; ``first_lens[b] <= NF`` and
+``kv_start[b] + first_lens[b] <= seq_lens[b]`` are value checks.
+
 **Repeated calls.** The metadata checks of :func:`check_write_inputs` and
 :func:`check_attention_inputs` are remembered once they pass, keyed on
 everything they read (each tensor's shape, strides, dtype and device, the
@@ -54,6 +62,7 @@ __all__ = [
     "AttentionGeometry",
     "WriteGeometry",
     "check_attention_inputs",
+    "check_finite_values",
     "check_scale_values",
     "check_slot_mapping_inputs",
     "check_write_inputs",
@@ -295,6 +304,120 @@ def check_scale_values(op: str, name: str, scale: torch.Tensor, *, sinks: bool =
     _scale_values_ok[key] = weakref.ref(scale)
 
 
+_finite_ok: dict[tuple[object, ...], weakref.ref[torch.Tensor]] = {}
+
+
+def check_finite_values(op: str, name: str, x: torch.Tensor, fix: str) -> None:
+    """Refuse a tensor holding a non-finite value (read once per tensor object and version).
+
+    Args:
+        op: the entry point, for the message.
+        name: the argument, for the message.
+        x: the tensor (e.g. ``k_offset``, ``k_rotation``).
+        fix: the message's fix.
+
+    Raises:
+        KernelInputError: naming the first bad element and its value.
+    """
+    key = (id(x), x.data_ptr(), _version(x), x.device, tuple(x.shape))
+    seen = _finite_ok.get(key)
+    if seen is not None and seen() is x:
+        return
+    flat = x.detach().reshape(-1)
+    ok = torch.isfinite(flat)
+    if not bool(ok.all()):
+        index = int((~ok).nonzero()[0, 0])
+        raise _fail(
+            f"{op}: {name} element {index} (of shape {tuple(x.shape)}) is "
+            f"{float(flat[index])!r}; expected finite values. Fix: {fix}"
+        )
+    if len(_finite_ok) >= _MEMO_MAX:
+        _finite_ok.clear()
+    _finite_ok[key] = weakref.ref(x)
+
+
+_TRANSFORM_FIX = (
+    "build k_offset [num_kv_heads, head_dim] and k_rotation [head_dim, head_dim] as fp32 "
+    "tensors on the cache's device (kvquant.kernels.hadamard(head_dim) for the rotation)."
+)
+
+
+def _check_k_transform(
+    op: str,
+    k_offset: object,
+    k_rotation: object,
+    group_size: int | None,
+    hkv: int,
+    d: int,
+    device: torch.device,
+) -> None:
+    """Structure of the static K transform: fp32 offset ``[Hkv, D]``, rotation ``[D, D]``."""
+    if k_offset is None and k_rotation is None:
+        return
+    if group_size is not None:
+        raise _fail(
+            f"{op}: a K transform (k_offset / k_rotation) was given with fp32 group scales; "
+            "expected static k_scale and v_scale (per-tensor or per-head): the k-transform "
+            "format offsets K before a fixed scale. Fix: pass k_scale and v_scale, or drop "
+            "k_offset and k_rotation."
+        )
+    for name, x, shape, what in (
+        ("k_offset", k_offset, (hkv, d), "one offset per KV head and channel, rotated frame"),
+        ("k_rotation", k_rotation, (d, d), "an orthonormal [head_dim, head_dim] rotation"),
+    ):
+        if x is None:
+            continue
+        t = _require_tensor(op, name, x)
+        _check_dtype(op, name, t, (torch.float32,), _TRANSFORM_FIX)
+        _check_shape(op, name, t, shape, what)
+        _check_device(op, name, t, device, "k_pages")
+
+
+def _check_first_tokens(
+    op: str,
+    first_k: object,
+    first_v: object,
+    first_lens: object,
+    group_size: int | None,
+    bsz: int,
+    hkv: int,
+    d: int,
+    device: torch.device,
+) -> None:
+    """Structure of the first-token side buffer: all three or none, static scales."""
+    given = (first_k is not None, first_v is not None, first_lens is not None)
+    if not any(given):
+        return
+    if not all(given):
+        missing = [
+            n for n, g in zip(("first_k", "first_v", "first_lens"), given, strict=True) if not g
+        ]
+        raise _fail(
+            f"{op}: {', '.join(missing)} is None but the other first-token arguments are "
+            "given; expected first_k, first_v and first_lens together, or none of them. "
+            "Fix: pass all three (first_lens zeros where a row has none), or none."
+        )
+    if group_size is not None:
+        raise _fail(
+            f"{op}: first-token buffers (first_k / first_v) were given with fp32 group "
+            "scales; expected static k_scale and v_scale (the k-transform format). Fix: pass "
+            "k_scale and v_scale, or drop first_k, first_v and first_lens."
+        )
+    fk = _require_tensor(op, "first_k", first_k)
+    fv = _require_tensor(op, "first_v", first_v)
+    layout = "[batch, n_first, num_kv_heads, head_dim]"
+    _check_ndim(op, "first_k", fk, 4, layout)
+    fix = "keep the first tokens' K (rotated frame) and V in the model dtype."
+    _check_dtype(op, "first_k", fk, INPUT_DTYPES, fix)
+    _check_dtype(op, "first_v", fv, INPUT_DTYPES, fix)
+    nf = fk.shape[1]
+    _check_shape(op, "first_k", fk, (bsz, nf, hkv, d), f"{layout} of the query and pages")
+    _check_shape(op, "first_v", fv, (bsz, nf, hkv, d), f"{layout}, the shape of first_k")
+    _check_device(op, "first_k", fk, device, "k_pages")
+    _check_device(op, "first_v", fv, device, "k_pages")
+    _check_index_vector(op, "first_lens", first_lens, bsz, device)
+
+
 def _check_scales(
     op: str,
     k_scale: torch.Tensor | None,
@@ -387,6 +510,8 @@ def _check_write_structure(
     v_scale: torch.Tensor | None,
     k_group_scales: torch.Tensor | None,
     v_group_scales: torch.Tensor | None,
+    k_offset: object = None,
+    k_rotation: object = None,
 ) -> WriteGeometry:
     """Dtype, shape, device and stride checks of :func:`check_write_inputs`."""
     op = "write_kv"
@@ -428,6 +553,7 @@ def _check_write_structure(
         device,
         group_scales_written=True,
     )
+    _check_k_transform(op, k_offset, k_rotation, group_size, hkv, d, device)
     written = [("k_pages", kp), ("v_pages", v_pages)]
     if k_group_scales is not None and v_group_scales is not None:
         written += [("k_group_scales", k_group_scales), ("v_group_scales", v_group_scales)]
@@ -478,6 +604,11 @@ def _check_attention_structure(
     window: object,
     out: object,
     sinks: object = None,
+    k_offset: object = None,
+    k_rotation: object = None,
+    first_k: object = None,
+    first_v: object = None,
+    first_lens: object = None,
 ) -> AttentionGeometry:
     """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
     op = "paged_attention"
@@ -533,6 +664,8 @@ def _check_attention_structure(
         device,
         group_scales_written=False,
     )
+    _check_k_transform(op, k_offset, k_rotation, group_size, hkv, d, device)
+    _check_first_tokens(op, first_k, first_v, first_lens, group_size, bsz, hkv, d, device)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise _fail(
             f"{op}: sm_scale is a {type(sm_scale).__name__}; expected a Python float. "
@@ -619,6 +752,8 @@ def _check_attention_values(
     ql: torch.Tensor | None,
     ks: torch.Tensor | None,
     geo: AttentionGeometry,
+    first_lens: torch.Tensor | None = None,
+    n_first: int = 0,
 ) -> None:
     """Value checks of :func:`check_attention_inputs` (read the index tensors: sync a GPU)."""
     op = "paged_attention"
@@ -657,6 +792,16 @@ def _check_attention_values(
                 raise _fail(
                     f"{op}: kv_start[{b}] is {s0}; expected 0..seq_lens[{b}]={n}. "
                     "Fix: pass the number of left-padding tokens of each sequence."
+                )
+    if first_lens is not None:
+        starts = ks.tolist() if ks is not None else [0] * len(lens)
+        for b, (nf, s0, n) in enumerate(zip(first_lens.tolist(), starts, lens, strict=True)):
+            if nf < 0 or nf > n_first or s0 + nf > n:
+                raise _fail(
+                    f"{op}: first_lens[{b}] is {nf}; expected 0..min(n_first={n_first}, "
+                    f"seq_lens[{b}] - kv_start[{b}] = {n - s0}) (first_k holds {n_first} "
+                    "tokens per row, and only tokens in the cache can be first tokens). Fix: "
+                    "count the first tokens stored for each row (0 where it has none)."
                 )
 
 
@@ -735,6 +880,9 @@ def check_write_inputs(
     v_scale: torch.Tensor | None,
     k_group_scales: torch.Tensor | None,
     v_group_scales: torch.Tensor | None,
+    *,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
 ) -> WriteGeometry:
     """Validate the arguments of :func:`kvquant.kernels.write_kv`.
 
@@ -758,6 +906,8 @@ def check_write_inputs(
         k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, last dimension
             contiguous and no two elements sharing memory, with ``v_group_scales``.
         v_group_scales: like ``k_group_scales``.
+        k_offset: fp32 ``[Hkv, D]`` finite, or None; needs static scales.
+        k_rotation: fp32 ``[D, D]`` finite, or None; needs static scales.
 
     Returns:
         The call's sizes.
@@ -766,7 +916,17 @@ def check_write_inputs(
         KernelInputError: any argument is malformed.
     """
     sig = _signature(
-        key, value, k_pages, v_pages, slot_mapping, k_scale, v_scale, k_group_scales, v_group_scales
+        key,
+        value,
+        k_pages,
+        v_pages,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+        k_offset,
+        k_rotation,
     )
     if sig is not None:
         # where the written tensors live (they must not overlap): the cache's tensors stay put,
@@ -785,8 +945,11 @@ def check_write_inputs(
             v_scale,
             k_group_scales,
             v_group_scales,
+            k_offset,
+            k_rotation,
         ),
     )
+    _check_transform_values("write_kv", k_offset, k_rotation)
     sm: torch.Tensor = slot_mapping  # type: ignore[assignment]  # checked above
     pages: torch.Tensor = k_pages  # type: ignore[assignment]
     if geo.group_size is None:
@@ -816,6 +979,11 @@ def check_attention_inputs(
     window: object,
     out: object,
     sinks: object = None,
+    k_offset: object = None,
+    k_rotation: object = None,
+    first_k: object = None,
+    first_v: object = None,
+    first_lens: object = None,
 ) -> AttentionGeometry:
     """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
 
@@ -842,6 +1010,11 @@ def check_attention_inputs(
         window: int >= 0.
         out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
         sinks: fp32 ``[Hq]`` contiguous, finite, or None.
+        k_offset: fp32 ``[Hkv, D]`` finite, or None; needs static scales.
+        k_rotation: fp32 ``[D, D]`` finite, or None; needs static scales.
+        first_k: ``[B, NF, Hkv, D]`` fp32/fp16/bf16, with ``first_v`` and ``first_lens``.
+        first_v: like ``first_k``.
+        first_lens: int32 ``[B]``, each in ``0..NF`` and at most ``seq_lens - kv_start``.
 
     Returns:
         The call's sizes.
@@ -867,6 +1040,11 @@ def check_attention_inputs(
         window,
         out,
         sinks,
+        k_offset,
+        k_rotation,
+        first_k,
+        first_v,
+        first_lens,
     )
     geo = _remembered(
         _attention_ok,
@@ -889,8 +1067,14 @@ def check_attention_inputs(
             window=window,
             out=out,
             sinks=sinks,
+            k_offset=k_offset,
+            k_rotation=k_rotation,
+            first_k=first_k,
+            first_v=first_v,
+            first_lens=first_lens,
         ),
     )
+    _check_transform_values("paged_attention", k_offset, k_rotation)
     pages: torch.Tensor = k_pages  # type: ignore[assignment]  # checked above
     if geo.group_size is None:
         check_scale_values("paged_attention", "k_scale", k_scale)  # type: ignore[arg-type]
@@ -904,8 +1088,17 @@ def check_attention_inputs(
             q_lens,  # type: ignore[arg-type]
             kv_start,  # type: ignore[arg-type]
             geo,
+            first_lens,  # type: ignore[arg-type]
+            first_k.shape[1] if isinstance(first_k, torch.Tensor) else 0,
         )
     return geo
+
+
+def _check_transform_values(op: str, k_offset: object, k_rotation: object) -> None:
+    """Finite ``k_offset`` / ``k_rotation`` (structure already checked; values read once)."""
+    for name, x in (("k_offset", k_offset), ("k_rotation", k_rotation)):
+        if isinstance(x, torch.Tensor):
+            check_finite_values(op, name, x, _TRANSFORM_FIX)
 
 
 def check_slot_mapping_inputs(block_tables: object, positions: object, page_size: object) -> None:

@@ -15,6 +15,14 @@ group with a non-finite value gets scale NaN, and non-finite inputs are
 stored as NaN. Slots that are negative (skip) or beyond the cache
 (``>= num_pages * page_size``) are not stored.
 
+The static K transform (``k-transform``, static scales only) rotates each K tile by ``R``
+(one ``tl.dot`` over the flattened ``[BLOCK_T * BLOCK_H, D]`` rows, fp32 inputs with
+``input_precision="ieee"``, so that a GPU rounds like the fp32 reference up to summation
+order) and subtracts the per-(head, channel) offset before the static-scale quantization;
+a non-finite transformed value is stored as NaN. V is written as without it. Without a
+transform the kernel compiles to the same code as before (``HAS_ROT``/``HAS_OFF`` are
+``tl.constexpr``).
+
 This module holds the kernel and its launcher only; arguments are validated
 by :func:`kvquant.kernels.write_kv`.
 """
@@ -32,9 +40,41 @@ __all__ = ["is_interpreted", "write_kv_triton"]
 
 
 @triton.jit
+def _transform_k(
+    x,
+    rot_ptr,
+    off_ptr,
+    h,
+    d,
+    rd_ok,
+    s_r0,
+    s_r1,
+    s_o0,
+    s_o1,
+    HAS_ROT: tl.constexpr,
+    HAS_OFF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+):
+    """``x @ R - c`` of a static-scale K tile ``[T, R, G]`` (fp32; ``G >= D``, one group per head)."""
+    if HAS_ROT:
+        i = tl.arange(0, BLOCK_G)
+        r_ok = (i < D)[:, None] & (i < D)[None, :]
+        rot = tl.load(rot_ptr + i[:, None] * s_r0 + i[None, :] * s_r1, mask=r_ok, other=0.0)
+        x2 = tl.reshape(x, [BLOCK_T * BLOCK_R, BLOCK_G])
+        x2 = tl.dot(x2, rot.to(tl.float32), input_precision="ieee")
+        x = tl.reshape(x2, [BLOCK_T, BLOCK_R, BLOCK_G])
+    if HAS_OFF:
+        c = tl.load(off_ptr + h[:, None] * s_o0 + d * s_o1, mask=rd_ok, other=0.0)  # [R, G]
+        x = x - c[None, :, :]
+    return x
+
+
+@triton.jit
 def _quantize_tile(
-    x_ptr,
-    in_off,
+    x,
     pages_ptr,
     page_off,
     mask,
@@ -47,8 +87,7 @@ def _quantize_tile(
     GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
-    """Quantize one [T, R, G] tile of K or V and store it (and its group scales)."""
-    x = tl.load(x_ptr + in_off, mask=mask, other=0.0).to(tl.float32)
+    """Quantize one fp32 [T, R, G] tile of K or V and store it (and its group scales)."""
     finite = tl.abs(x) < float("inf")
     if GROUP:
         amax = tl.max(tl.abs(x), axis=2)  # [T, R]; NaN groups are overridden below
@@ -81,6 +120,8 @@ def _write_kv_kernel(
     vs_ptr,
     kg_ptr,
     vg_ptr,
+    rot_ptr,
+    off_ptr,
     n_tokens,
     seq_len,
     num_slots,
@@ -111,6 +152,10 @@ def _write_kv_kernel(
     svg_p,
     svg_t,
     svg_h,
+    s_r0,
+    s_r1,
+    s_o0,
+    s_o1,
     HKV: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
@@ -121,6 +166,8 @@ def _write_kv_kernel(
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    HAS_ROT: tl.constexpr,
+    HAS_OFF: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
@@ -149,9 +196,12 @@ def _write_kv_kernel(
     group_mask = t_ok[:, None] & r_ok[None, :]
 
     k_off = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h + d * sk_d)[None, :, :]
+    k = tl.load(k_ptr + k_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROT or HAS_OFF:
+        k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
+                         HAS_ROT, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
     _quantize_tile(
-        k_ptr,
-        k_off,
+        k,
         kp_ptr,
         kp_off,
         mask,
@@ -166,8 +216,7 @@ def _write_kv_kernel(
     )
     v_off = (b * sv_b + pos * sv_l)[:, None, None] + (h[:, None] * sv_h + d * sv_d)[None, :, :]
     _quantize_tile(
-        v_ptr,
-        v_off,
+        tl.load(v_ptr + v_off, mask=mask, other=0.0).to(tl.float32),
         vp_ptr,
         vp_off,
         mask,
@@ -199,14 +248,21 @@ def _current_device() -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _blocks(hkv: int, g: int, ng: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_NG, BLOCK_R, BLOCK_G, BLOCK_T)`` of the tile for ``hkv`` heads of ``ng`` groups of ``g``."""
+def _blocks(hkv: int, g: int, ng: int, rotate: bool = False) -> tuple[int, int, int, int]:
+    """``(BLOCK_NG, BLOCK_R, BLOCK_G, BLOCK_T)`` of the tile for ``hkv`` heads of ``ng`` groups of ``g``.
+
+    With ``rotate`` the tile is one ``tl.dot`` operand: at least 16 rows and 16 columns.
+    """
     block_ng = triton.next_power_of_2(ng)
     block_r = triton.next_power_of_2(hkv) * block_ng
     block_g = triton.next_power_of_2(g)
+    if rotate:
+        block_g = max(16, block_g)
     per_token = block_r * block_g
     block_t = max(1, min(16, 4096 // per_token))
     block_t = 1 << (block_t.bit_length() - 1)  # power of two
+    if rotate:
+        block_t = max(block_t, triton.cdiv(16, block_r))
     return block_ng, block_r, block_g, block_t
 
 
@@ -224,6 +280,8 @@ def write_kv_triton(
     v_scale: torch.Tensor | None,
     k_group_scales: torch.Tensor | None,
     v_group_scales: torch.Tensor | None,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
 ) -> None:
     """Launch the fused K/V write (no validation: call :func:`kvquant.kernels.write_kv`).
 
@@ -240,6 +298,8 @@ def write_kv_triton(
             contiguous, no two elements sharing memory (any order of the other
             dimensions), or None.
         v_group_scales: like ``k_group_scales``.
+        k_offset: fp32 ``[Hkv, D]`` K offset (static scales only), any strides, or None.
+        k_rotation: fp32 ``[D, D]`` K rotation (static scales only), any strides, or None.
     """
     bsz, seq, hkv, d = key.shape
     n_tokens = bsz * seq
@@ -262,7 +322,11 @@ def write_kv_triton(
         kg_strides = vg_strides = (0, 0, 0)
     else:
         raise ValueError("write_kv_triton needs k_scale/v_scale or k_group_scales/v_group_scales")
-    block_ng, block_r, block_g, block_t = _blocks(hkv, g, ng)
+    rot_arg = k_rotation if k_rotation is not None else k_pages
+    off_arg = k_offset if k_offset is not None else k_pages
+    rot_strides = k_rotation.stride() if k_rotation is not None else (0, 0)
+    off_strides = k_offset.stride() if k_offset is not None else (0, 0)
+    block_ng, block_r, block_g, block_t = _blocks(hkv, g, ng, k_rotation is not None)
     grid = (triton.cdiv(n_tokens, block_t),)
     fp8_max = _FP8_MAX[k_pages.dtype]
     dev = key.device
@@ -279,6 +343,8 @@ def write_kv_triton(
             vs_arg,
             kg_arg,
             vg_arg,
+            rot_arg,
+            off_arg,
             n_tokens,
             seq,
             num_pages * page_size,
@@ -292,6 +358,8 @@ def write_kv_triton(
             *v_pages.stride(),
             *kg_strides,
             *vg_strides,
+            *rot_strides,
+            *off_strides,
             HKV=hkv,
             D=d,
             G=g,
@@ -302,5 +370,7 @@ def write_kv_triton(
             BLOCK_G=block_g,
             GROUP=group,
             FP8_MAX=fp8_max,
+            HAS_ROT=k_rotation is not None,
+            HAS_OFF=k_offset is not None,
             num_warps=4,
         )

@@ -1,0 +1,161 @@
+"""Tuning heuristics of the paged-attention launcher: tile configuration, split-KV count.
+
+Pure host-side arithmetic (no kernel here): :func:`choose_config` picks the tile of a
+problem, :func:`choose_num_splits` the flash-decoding split count that fills the GPU,
+:func:`programs_per_sm` the residency it assumes. The measurements behind the choices are in
+the kernel work log (``docs/dev/kernels.md``, "Tuning choices").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+__all__ = ["choose_config", "choose_num_splits", "programs_per_sm"]
+
+_FOLD_MAX_ROWS = 32
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (cached); a small constant on CPU."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _is_decode(lq: int, group: int) -> bool:
+    """Decode path (one query block, split-KV) when all rows of a KV head fit in 64."""
+    return lq * group <= 64
+
+
+def choose_config(
+    lq: int, group: int, head_dim: int, *, group_dequant: bool = False, fold_groups: int = 0
+) -> dict[str, int]:
+    """Tile configuration for a problem: ``BLOCK_M``, ``QPB``, ``BLOCK_N``, warps, stages.
+
+    Args:
+        lq: query tokens per sequence (``Lq``).
+        group: query heads per KV head.
+        head_dim: ``D``.
+        group_dequant: K/V tiles are multiplied by fp32 group scales element-wise (group
+            scales the kernel does not fold).
+        fold_groups: fp32 group scales per head folded into the scores and probabilities
+            (decode; the tile holds that many copies of each query row), or 0.
+
+    Returns:
+        A dict with keys ``BLOCK_M``, ``QPB``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and
+        ``LOOP_STAGES`` (software-pipelining depth of the key loop).
+    """
+    if _is_decode(lq, group):
+        block_m = max(16, triton.next_power_of_2(lq * group) * max(1, fold_groups))
+        # The key loop's loads are indirect (block table) and feed dots: Triton gives them
+        # LOOP_STAGES - 3 prefetch buffers; the register-heavy dequantizing variants keep none.
+        if head_dim > 128:
+            block_n, warps, loop_stages = 32, 4, 3 if group_dequant else 5
+        else:
+            # 64-key tiles on 2 warps beat 128-key tiles on 4 (docs/dev/kernels.md, tuning)
+            block_n, warps, loop_stages = 64, 2, 3 if group_dequant else 6
+        return {
+            "BLOCK_M": block_m,
+            "QPB": lq,
+            "BLOCK_N": block_n,
+            "num_warps": warps,
+            "num_stages": 3,
+            "LOOP_STAGES": loop_stages,
+        }
+    # static scales: 64-key tiles and 4 warps; dequantized group scales: 128-key tiles and
+    # 8 warps (a sweep with V pages keys-fastest: docs/dev/kernels.md, tuning)
+    if head_dim > 128:
+        block_m, block_n, warps, loop_stages = 64, 64, 4, 2
+    elif group_dequant:
+        block_m, block_n, warps, loop_stages = 128, 128, 8, 3
+    else:
+        block_m, block_n, warps, loop_stages = 128, 64, 4, 3
+    return {
+        "BLOCK_M": block_m,
+        "QPB": max(1, block_m // group),
+        "BLOCK_N": block_n,
+        "num_warps": warps,
+        "num_stages": 2,
+        "LOOP_STAGES": loop_stages,
+    }
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_num_splits(
+    programs: int,
+    max_keys: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = 2,
+    block_n: int = 128,
+) -> int:
+    """Split-KV count that fills the GPU in whole waves of whole, balanced tiles.
+
+    With ``slots = programs_per_sm * num_sms`` resident programs and ``tiles =
+    ceil(max_keys / block_n)`` key tiles per sequence, ``s`` splits have
+    efficiency ``wave(s) * balance(s)``: ``wave(s) = programs * s / (ceil(programs * s /
+    slots) * slots)`` (a partial wave costs as much as a full one) and ``balance(s) = tiles /
+    (s * ceil(tiles / s))`` (the kernel gives each split ``ceil(tiles / s)`` whole tiles, so the
+    longest split sets the time). The smallest ``s`` within 95 % of the best efficiency wins.
+    With wave efficiency alone, B1 x 32k took 28 splits of 10 tiles where 32 splits of 8 do;
+    and short contexts stayed unsplit (measurements: ``docs/dev/kernels.md``, tuning).
+
+    Args:
+        programs: programs without splitting (``B * Hkv * query blocks``).
+        max_keys: upper bound of keys per sequence (block-table capacity).
+        num_sms: multiprocessors of the device.
+        programs_per_sm: programs of the kernel resident on one SM at once.
+        block_n: keys per tile of the kernel.
+
+    Returns:
+        The number of splits, 1 to ``min(64, tiles)``.
+    """
+    slots = max(1, programs_per_sm) * num_sms
+    tiles = max(1, triton.cdiv(max_keys, max(1, block_n)))
+    cap = max(1, min(64, tiles))
+
+    def efficiency(s: int) -> float:
+        n = programs * s
+        return n / (triton.cdiv(n, slots) * slots) * tiles / (s * triton.cdiv(tiles, s))
+
+    best = max(efficiency(s) for s in range(1, cap + 1))
+    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.95 * best)
+
+
+def programs_per_sm(
+    n_regs: int,
+    num_warps: int,
+    shared_bytes: int,
+    *,
+    regs_per_sm: int = 65536,
+    shared_per_sm: int = 233472,
+    threads_per_sm: int = 2048,
+) -> int:
+    """Programs of a kernel resident on one SM, limited by registers, shared memory and threads.
+
+    Registers are allocated per warp in units of 256. Defaults: H100/H200 (sm_90).
+
+    Args:
+        n_regs: registers per thread of the compiled kernel.
+        num_warps: warps per program.
+        shared_bytes: shared memory per program.
+        regs_per_sm: 32-bit registers per SM.
+        shared_per_sm: shared memory per SM in bytes.
+        threads_per_sm: resident threads per SM.
+
+    Returns:
+        At least 1.
+    """
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_smem = shared_per_sm // shared_bytes if shared_bytes else by_regs
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads))

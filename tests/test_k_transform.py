@@ -1,0 +1,392 @@
+"""The static K transform (``k-transform``): offset, Hadamard rotation, first tokens.
+
+The torch reference is checked against exact algebra (attention with the transform equals
+fp32 attention over the model-frame keys it dequantizes to) and against the unquantized
+model (FP8 tolerance; the transform beats plain per-head scales on biased K). The public
+entry points refuse malformed transform arguments with ``KernelInputError``. The Triton
+kernels (interpreter) are compared with the reference: write codes as in test_write.py,
+attention within 5e-3 over NaN-poisoned outputs and pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from numerics import assert_close_rel
+from paged_cases import PagedCase, build_case
+
+from kvquant.errors import KernelInputError, KVQuantError
+from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
+from kvquant.kernels.attention_triton import paged_attention_triton
+from kvquant.kernels.reference import dequantize_pages, gather_kv
+
+REL_TOL = 5e-3
+
+
+@pytest.mark.parametrize("dim", [1, 2, 16, 64, 128])
+def test_hadamard_is_symmetric_orthonormal_with_equal_magnitudes(dim: int) -> None:
+    h = hadamard(dim)
+    assert h.dtype == torch.float32 and h.shape == (dim, dim)
+    assert torch.equal(h, h.T)
+    assert torch.allclose(h @ h, torch.eye(dim), atol=1e-6)
+    assert torch.allclose(h.abs(), torch.full((dim, dim), dim**-0.5))
+    assert bool((h[0] > 0).all())  # Sylvester's first row is all +
+
+
+@pytest.mark.parametrize("dim", [0, 3, 96, -4])
+def test_hadamard_refuses_non_power_of_two(dim: int) -> None:
+    with pytest.raises(KernelInputError, match="power-of-two head_dim") as info:
+        hadamard(dim)
+    assert isinstance(info.value, ValueError) and "rotation=None" in str(info.value)
+
+
+def _model_frame_attention(case: PagedCase) -> torch.Tensor:
+    """fp32 SDPA per sequence over the keys the pages dequantize to in the model frame.
+
+    First tokens come from the side buffer rotated back (``first_k @ R^T``). No transform
+    algebra here: if the reference's rotated-frame scores differ, this catches it.
+    """
+    opts = case.options
+    rot, off = opts.get("k_rotation"), opts.get("k_offset")
+    bsz, lq, hq, d = case.query.shape
+    hkv = case.k_pages.shape[2]
+    group = hq // hkv
+    out = torch.zeros(bsz, lq, hq, d)
+    starts = opts["kv_start"].tolist() if "kv_start" in opts else [0] * bsz
+    firsts = opts["first_lens"].tolist() if "first_lens" in opts else [0] * bsz
+    for b in range(bsz):
+        n = int(case.seq_lens[b])
+        if n == 0:
+            continue
+        k = dequantize_pages(
+            gather_kv(case.k_pages, case.block_tables, n, b),
+            case.scales["k_scale"],
+            None,
+            k_offset=off,
+            k_rotation=rot,
+        )
+        v = dequantize_pages(
+            gather_kv(case.v_pages, case.block_tables, n, b), case.scales["v_scale"], None
+        )
+        s0, nf = starts[b], firsts[b]
+        if nf:
+            fk = opts["first_k"][b, :nf].float()
+            k[s0 : s0 + nf] = fk if rot is None else fk @ rot.T
+            v[s0 : s0 + nf] = opts["first_v"][b, :nf].float()
+        pos_q = torch.arange(n - lq, n)[:, None]
+        pos_k = torch.arange(n)[None, :]
+        mask = (pos_k >= s0) & (pos_k <= pos_q)
+        qb = case.query[b].float().transpose(0, 1)  # [Hq, Lq, D]
+        kb = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        vb = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, scale=case.sm_scale
+        )
+        out[b] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("transform", ["offset", "rotation", "both"])
+@pytest.mark.parametrize("first", [None, [1, 0, 2]], ids=["no-first", "first-1-0-2"])
+def test_reference_transform_is_exact_algebra(transform: str, first: list[int] | None) -> None:
+    """The rotated-frame scores ``q'·(code*s + c)`` equal ``q·k`` on the model-frame keys."""
+    case = build_case(
+        [37, 20, 50], hq=8, hkv=2, d=64, lq=3, kv_start=[0, 4, 9], granularity="per-head",
+        k_transform=transform, first_lens=first, n_first=2, qdtype=torch.float32, seed=3,
+    )  # fmt: skip
+    ref = case.reference()
+    assert bool(torch.isfinite(ref).all())  # the poisoned first-token slots were never read
+    assert_close_rel(ref, _model_frame_attention(case), rel_tol=2e-5)
+
+
+@pytest.mark.parametrize("transform", ["offset", "rotation", "both"])
+def test_write_reference_stores_the_transformed_key(transform: str) -> None:
+    """Codes are ``fp8((k @ R - c) / s)``: dequantized to the model frame they give K back."""
+    d, hkv = 64, 2
+    gen = torch.Generator().manual_seed(1)
+    key = torch.randn(1, 12, hkv, d, generator=gen)
+    key[..., 5] += 20.0  # a near-constant channel
+    rot = hadamard(d) if transform != "offset" else None
+    rotated = key if rot is None else key @ rot
+    off = rotated[0].mean(0) if transform != "rotation" else None
+    stored = rotated - (0 if off is None else off)
+    ks = stored.abs().amax(dim=(0, 1, 3)) / 448
+    vs = torch.full((hkv,), 0.01)
+    kp, vp = page_storage(2, 16, hkv, d)
+    slots = torch.arange(12)[None]
+    write_kv(key, key, kp, vp, slots, k_scale=ks, v_scale=vs, k_offset=off, k_rotation=rot,
+             backend="torch")  # fmt: skip
+    want = (stored / ks[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(kp.view(-1, hkv, d)[:12].view(torch.uint8), want[0].view(torch.uint8))
+    plain_v = (key / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)  # V untouched
+    assert torch.equal(vp[0, :12].view(torch.uint8), plain_v[0].view(torch.uint8))
+    back = dequantize_pages(kp.view(-1, hkv, d)[:12], ks, None, k_offset=off, k_rotation=rot)
+    assert_close_rel(back, key[0], rel_tol=0.04)
+
+
+def _unquantized_attention(case: PagedCase) -> torch.Tensor:
+    """fp32 causal SDPA over the K/V ``build_case`` drew, before any rounding."""
+    assert case.key is not None and case.value is not None
+    bsz, lq, hq, d = case.query.shape
+    group = hq // case.key.shape[2]
+    out = torch.zeros(bsz, lq, hq, d)
+    for b, n in enumerate(case.seq_lens.tolist()):
+        qb = case.query[b].float().transpose(0, 1)
+        kb = case.key[b, :n].repeat_interleave(group, dim=1).transpose(0, 1)
+        vb = case.value[b, :n].repeat_interleave(group, dim=1).transpose(0, 1)
+        mask = torch.arange(n)[None, :] <= torch.arange(n - lq, n)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, scale=case.sm_scale
+        )
+        out[b] = o.transpose(0, 1)
+    return out
+
+
+def test_transform_beats_per_head_on_biased_keys() -> None:
+    """Against unquantized attention, offset + rotation + first token lose under half of per-head.
+
+    The same K (large near-constant channels), V and query: per-head scales round the biased
+    channels coarsely; the transform stores K around its offset.
+    """
+    errs = {}
+    for name, kw in (
+        ("per-head", {"k_transform": "biased"}),
+        ("k-transform", {"k_transform": "both", "first_lens": [1, 1], "n_first": 1}),
+    ):
+        case = build_case(
+            [300, 200], hq=8, hkv=2, d=64, lq=4, granularity="per-head", qdtype=torch.float32,
+            seed=21, **kw,
+        )  # fmt: skip
+        exact = _unquantized_attention(case)
+        errs[name] = float((case.reference() - exact).norm() / exact.norm())
+    # FP8 rounding of V alone costs a few per cent against unquantized attention on random data
+    assert errs["k-transform"] < 0.04, errs
+    assert errs["k-transform"] * 2 < errs["per-head"], errs
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _kt_case(**kw: Any) -> PagedCase:
+    return build_case(
+        [20, 9], hq=4, hkv=2, d=16, granularity="per-head", k_transform="both",
+        first_lens=[1, 1], n_first=2, **kw,
+    )  # fmt: skip
+
+
+def _attend(case: PagedCase, **changes: Any) -> torch.Tensor:
+    kw = {**case.kwargs(), **changes}
+    return paged_attention(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        backend="torch", **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"k_offset": torch.zeros(2, 8)}, r"k_offset has shape \(2, 8\); expected \(2, 16\)"),
+        ({"k_offset": torch.zeros(2, 16, dtype=torch.float16)}, "k_offset has dtype"),
+        ({"k_rotation": torch.eye(8)}, r"k_rotation has shape \(8, 8\); expected \(16, 16\)"),
+        ({"k_rotation": torch.eye(16, dtype=torch.float64)}, "k_rotation has dtype"),
+        ({"k_offset": torch.full((2, 16), float("nan"))}, "k_offset element 0 .* expected finite"),
+        ({"k_rotation": torch.eye(16) * float("inf")}, "k_rotation element 0 .* expected finite"),
+        ({"first_v": None}, "first_v is None but the other first-token arguments"),
+        ({"first_k": None, "first_lens": None}, "first_k, first_lens is None"),
+        ({"first_k": torch.zeros(2, 2, 2, 8)}, "first_k has shape"),
+        ({"first_v": torch.zeros(2, 3, 2, 16)}, "first_v has shape"),
+        ({"first_k": torch.zeros(2, 2, 2, 16, dtype=torch.float64)}, "first_k has dtype"),
+        ({"first_lens": torch.tensor([1, 1])}, "first_lens has dtype torch.int64"),
+        ({"first_lens": torch.tensor([3, 0], dtype=torch.int32)}, r"first_lens\[0\] is 3"),
+        ({"first_lens": torch.tensor([0, -1], dtype=torch.int32)}, r"first_lens\[1\] is -1"),
+    ],
+)
+def test_attention_refuses_malformed_transform(changes: dict[str, Any], match: str) -> None:
+    case = _kt_case()
+    with pytest.raises(KernelInputError, match=match) as info:
+        _attend(case, **changes)
+    assert isinstance(info.value, ValueError) and "Fix:" in str(info.value)
+
+
+def test_first_lens_beyond_the_cached_tokens_is_refused() -> None:
+    case = _kt_case(kv_start=[0, 8])  # row 1: 9 tokens, 8 of them padding: one first token max
+    _attend(case)
+    with pytest.raises(KernelInputError, match=r"first_lens\[1\] is 2.*seq_lens\[1\] - kv_start"):
+        _attend(case, first_lens=torch.tensor([1, 2], dtype=torch.int32))
+
+
+def test_transform_with_group_scales_is_refused() -> None:
+    case = build_case([20], hq=4, hkv=2, d=16, granularity="fp32-group", group_size=8)
+    for extra, what in (
+        ({"k_offset": torch.zeros(2, 16)}, "K transform"),
+        ({"k_rotation": hadamard(16)}, "K transform"),
+        (
+            {
+                "first_k": torch.zeros(1, 1, 2, 16),
+                "first_v": torch.zeros(1, 1, 2, 16),
+                "first_lens": torch.ones(1, dtype=torch.int32),
+            },
+            "first-token buffers",
+        ),
+    ):
+        with pytest.raises(KernelInputError, match=f"{what}.*fp32 group scales"):
+            _attend(case, **extra)
+
+
+def test_write_refuses_malformed_transform() -> None:
+    kp, vp = page_storage(2, 16, 2, 16)
+    key = torch.randn(1, 3, 2, 16)
+    slots = torch.arange(3)[None]
+    ks = torch.tensor(0.01)
+    static = {"k_scale": ks, "v_scale": ks}
+    before = kp.clone()
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({**static, "k_offset": torch.zeros(16)}, r"k_offset has shape \(16,\)"),
+        ({**static, "k_rotation": torch.eye(4)}, r"k_rotation has shape \(4, 4\)"),
+        ({**static, "k_offset": torch.full((2, 16), float("inf"))}, "expected finite"),
+    ]
+    for kw, match in bad:
+        with pytest.raises(KernelInputError, match=match):
+            write_kv(key, key, kp, vp, slots, **kw, backend="torch")
+    gs = torch.ones(2, 16, 2, 2)
+    with pytest.raises(KVQuantError, match=r"K transform.*fp32 group scales"):
+        write_kv(key, key, kp, vp, slots, k_group_scales=gs, v_group_scales=gs.clone(),
+                 k_offset=torch.zeros(2, 16), backend="torch")  # fmt: skip
+    assert torch.equal(kp.view(torch.uint8), before.view(torch.uint8))  # nothing written
+
+
+# ------------------------------------------------------------------ Triton vs reference
+
+# (id, build_case kwargs, launcher extras); every case has the biased K of build_case
+KT_CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("decode-offset", dict(lens=[37, 90], hq=8, hkv=2, d=64, k_transform="offset"), {}),
+    ("decode-rotation-per-tensor",
+     dict(lens=[37, 90], hq=8, hkv=2, d=64, k_transform="rotation", granularity="per-tensor"),
+     {}),
+    ("decode-both-split3", dict(lens=[150, 33], hq=8, hkv=2, d=64, k_transform="both"),
+     {"num_splits": 3}),
+    ("decode-first-only", dict(lens=[40, 70], hq=8, hkv=2, d=64, first_lens=[1, 2], n_first=2),
+     {"num_splits": 2}),
+    ("decode-both-first-rows-differ-split2",
+     dict(lens=[75, 30, 50], hq=8, hkv=2, d=64, k_transform="both", first_lens=[1, 0, 3],
+          n_first=3, kv_start=[0, 5, 13]),
+     {"num_splits": 2}),
+    ("decode-gqa3-d16-first-bf16",
+     dict(lens=[20, 9], hq=6, hkv=2, d=16, k_transform="both", first_lens=[1, 1], n_first=1,
+          first_dtype=torch.bfloat16, qdtype=torch.bfloat16),
+     {}),
+    ("decode-mha-d128-page32-both-first",
+     dict(lens=[70, 1], hq=2, hkv=2, d=128, page=32, k_transform="both", first_lens=[1, 1],
+          n_first=1),
+     {"num_splits": 2}),
+    ("decode-softcap-window-first",
+     dict(lens=[90, 40], hq=8, hkv=2, d=64, k_transform="both", first_lens=[2, 1], n_first=2,
+          softcap=5.0, window=24),
+     {"num_splits": 2}),
+    ("decode-window-hides-first",
+     dict(lens=[90], hq=4, hkv=1, d=64, k_transform="offset", first_lens=[1], n_first=1,
+          window=30),
+     {}),
+    ("decode-speculative-lq3-first",
+     dict(lens=[60, 4], hq=8, hkv=2, d=64, lq=3, q_lens=[3, 2], k_transform="both",
+          first_lens=[1, 1], n_first=1),
+     {"num_splits": 2}),
+    ("decode-fp32-query-e5m2",
+     dict(lens=[41, 3], hq=8, hkv=2, d=64, k_transform="both", first_lens=[1, 1], n_first=1,
+          qdtype=torch.float32, fp8=torch.float8_e5m2),
+     {}),
+    ("prefill-fresh-first-tokens",
+     dict(lens=[40, 55], hq=8, hkv=2, d=64, lq=40, q_lens=[40, 33], k_transform="both",
+          first_lens=[1, 2], n_first=2),
+     {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}),
+    ("prefill-chunk-over-prefix-left-padding",
+     dict(lens=[80, 64], hq=8, hkv=2, d=64, lq=24, kv_start=[3, 17], k_transform="both",
+          first_lens=[1, 0], n_first=1),
+     {"config": {"BLOCK_M": 32, "QPB": 8, "BLOCK_N": 32}}),
+    ("prefill-softcap-window-offset",
+     dict(lens=[100], hq=8, hkv=2, d=64, lq=48, softcap=3.0, window=30, k_transform="offset",
+          first_lens=[1], n_first=1),
+     {"config": {"BLOCK_M": 64, "QPB": 16, "BLOCK_N": 16}}),
+    ("prefill-non-causal-rotation",
+     dict(lens=[70], hq=2, hkv=2, d=128, lq=70, page=64, causal=False, k_transform="rotation",
+          first_lens=[2], n_first=2),
+     {"config": {"BLOCK_M": 32, "QPB": 32, "BLOCK_N": 32}}),
+]  # fmt: skip
+
+
+def _triton(case: PagedCase, **extra: Any) -> torch.Tensor:
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
+    got = paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out, **extra,
+    )  # fmt: skip
+    assert got is out
+    return out
+
+
+@pytest.mark.parametrize("case_kw, extra", [c[1:] for c in KT_CASES], ids=[c[0] for c in KT_CASES])
+def test_triton_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> None:
+    """NaN-poisoned output, pages and first-token slots; rows beyond first_lens hold NaN."""
+    kw = {"granularity": "per-head", **case_kw}
+    case = build_case(**kw, seed=len(kw["lens"]) * 5 + kw["hq"])
+    ref = case.reference()
+    assert bool(torch.isfinite(ref).all())
+    assert_close_rel(_triton(case, **extra), ref, rel_tol=REL_TOL, name=str(case_kw))
+
+
+@pytest.mark.parametrize("lq", [1, 40], ids=["decode", "prefill"])
+@pytest.mark.parametrize("sm_scale", [-0.2, 0.0])
+def test_triton_transform_score_scale_of_any_sign(lq: int, sm_scale: float) -> None:
+    """The offset term and the first tokens follow the sign trick of the score scale."""
+    case = build_case(
+        [50, 70], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", k_transform="both",
+        first_lens=[1, 2], n_first=2, seed=11,
+    )  # fmt: skip
+    case.sm_scale = sm_scale
+    case.scales["k_scale"][1] *= -1.0
+    extra = {"num_splits": 2} if lq == 1 else {}
+    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL)
+
+
+def test_triton_learned_sinks_with_transform() -> None:
+    """Sinks add to the denominator after the offset term (split decode and one split)."""
+    case = build_case(
+        [64, 100], hq=8, hkv=2, d=64, granularity="per-head", k_transform="both",
+        first_lens=[1, 1], n_first=1, seed=4,
+    )  # fmt: skip
+    case.options["sinks"] = torch.linspace(-2.0, 6.0, 8)
+    ref = case.reference()
+    for splits in (1, 3):
+        assert_close_rel(_triton(case, num_splits=splits), ref, rel_tol=REL_TOL)
+
+
+def test_nan_first_key_reaches_only_rows_that_see_it() -> None:
+    """A NaN in a visible first token's K makes its rows NaN; unused buffer rows never matter."""
+    case = build_case(
+        [30, 30], hq=4, hkv=2, d=64, granularity="per-head", k_transform="both",
+        first_lens=[1, 1], n_first=2, seed=9,
+    )  # fmt: skip
+    case.options["first_k"][0, 0, 1, 5] = float("nan")  # row 0, KV head 1
+    ref = case.reference()
+    assert bool(ref[0, :, 2:].isnan().all()) and bool(ref[0, :, :2].isfinite().all())
+    got = _triton(case, num_splits=2)
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert_close_rel(got[1], ref[1], rel_tol=REL_TOL)
+
+
+def test_public_api_dispatches_transform_to_triton() -> None:
+    """``paged_attention(backend="triton")`` passes the transform through (and checks layout)."""
+    case = _kt_case()
+    got = paged_attention(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), backend="triton",
+    )  # fmt: skip
+    assert_close_rel(got, case.reference(), rel_tol=REL_TOL)
+    strided = case.options["first_k"].transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(KernelInputError, match=r"first_k has strides .* needs it contiguous"):
+        paged_attention(
+            case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+            **{**case.kwargs(), "first_k": strided}, backend="triton",
+        )  # fmt: skip
