@@ -33,14 +33,22 @@ from kvquant.kernels.validate import FP8_DTYPES, SCALE_MAX, SCALE_MIN
 
 __all__ = [
     "GRANULARITIES",
+    "MAX_FIRST_TOKENS",
+    "ORTHONORMAL_TOL",
     "PageAllocator",
     "PagedKVCache",
     "PagedLayerStorage",
     "total_memory_bytes",
 ]
 
-GRANULARITIES: tuple[str, ...] = ("per-tensor", "per-head", "fp32-group")
+GRANULARITIES: tuple[str, ...] = ("per-tensor", "per-head", "fp32-group", "k-transform")
 """Scale granularities a :class:`PagedLayerStorage` stores."""
+
+MAX_FIRST_TOKENS = 1024
+"""Most first tokens per sequence a ``k-transform`` storage keeps at full precision."""
+
+ORTHONORMAL_TOL = 1e-4
+"""Largest ``|R R^T - I|`` element accepted for a K rotation (checked once, at construction)."""
 
 _PY_SLOTS_MAX = 64
 """Up to this many new tokens per sequence, :meth:`PageAllocator.reserve` builds slots in Python."""
@@ -493,8 +501,10 @@ class PagedLayerStorage:
         num_kv_heads: ``Hkv``.
         head_dim: ``D``.
         granularity: ``"per-tensor"``, ``"per-head"`` (static ``k_scale`` /
-            ``v_scale``) or ``"fp32-group"`` (dynamic: one fp32 scale per token,
-            KV head and group of ``group_size`` elements, computed on write).
+            ``v_scale``), ``"fp32-group"`` (dynamic: one fp32 scale per token,
+            KV head and group of ``group_size`` elements, computed on write) or
+            ``"k-transform"`` (per-head static scales plus ``k_offset``, an
+            optional ``k_rotation`` and ``first_tokens``).
         group_size: ``G`` for ``fp32-group``; must divide ``head_dim``; default
             ``min(64, head_dim)``, halved until it divides ``head_dim`` (80 -> 16). Must
             be None for static granularities.
@@ -507,6 +517,13 @@ class PagedLayerStorage:
             (``"auto"``, ``"triton"``, ``"torch"``).
         name: the owner named in error messages (e.g. a module path).
         scale_names: how error messages call ``k_scale`` and ``v_scale``.
+        k_offset: ``k-transform`` only: fp32 ``[Hkv, D]`` per-channel K offset
+            in the rotated frame (required). Copied to fp32 on ``device`` once.
+        k_rotation: ``k-transform`` only: fp32 ``[D, D]`` orthonormal rotation
+            (e.g. :func:`kvquant.kernels.hadamard`), or None. Checked to be
+            orthonormal within :data:`ORTHONORMAL_TOL` once.
+        first_tokens: ``k-transform`` only: the first visible tokens of each
+            sequence attended from a full-precision side buffer (0..1024).
 
     Attributes:
         k_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
@@ -519,6 +536,17 @@ class PagedLayerStorage:
         k_scale: fp32 ``[]`` or ``[Hkv]`` for static granularities, else None.
         v_scale: like ``k_scale``.
         group_size: ``G`` for ``fp32-group``, else None.
+        k_offset: fp32 ``[Hkv, D]`` on the device (``k-transform``), else None.
+        k_rotation: fp32 ``[D, D]`` on the device, or None.
+        first_tokens: first visible tokens per sequence kept at full precision.
+        first_k: ``[B, first_tokens, Hkv, D]`` side buffer of rotated keys
+            (``k @ R``, no offset) in the keys' dtype, allocated by the first
+            :meth:`keep_first`; None before.
+        first_v: like ``first_k`` for the values (as given).
+        first_lens: int32 ``[B]``: how many of each row's first tokens the side
+            buffer holds (the kernels' ``first_lens``).
+        first_start: int32 ``[B]``: the position of each row's first visible
+            token (its ``kv_start``) when the buffer was filled.
 
     Raises:
         CacheUsageError: a bad size, granularity, group size, dtype or backend.
@@ -556,6 +584,9 @@ class PagedLayerStorage:
         backend: str = "auto",
         name: str = "PagedLayerStorage",
         scale_names: tuple[str, str] = ("k_scale", "v_scale"),
+        k_offset: torch.Tensor | None = None,
+        k_rotation: torch.Tensor | None = None,
+        first_tokens: int = 0,
     ) -> None:
         self.name = name
         self.num_pages = _positive_int("num_pages", num_pages, name, MAX_PAGES)
@@ -585,6 +616,14 @@ class PagedLayerStorage:
         self.v_scale: torch.Tensor | None = None
         self.k_group_scales: torch.Tensor | None = None
         self.v_group_scales: torch.Tensor | None = None
+        self.k_offset: torch.Tensor | None = None
+        self.k_rotation: torch.Tensor | None = None
+        self.first_tokens = 0
+        self.first_k: torch.Tensor | None = None
+        self.first_v: torch.Tensor | None = None
+        self.first_lens: torch.Tensor | None = None
+        self.first_start: torch.Tensor | None = None
+        self._check_transform(granularity, k_offset, k_rotation, first_tokens)
         shape = (self.num_pages, self.page_size, num_kv_heads, head_dim)
         if granularity == "fp32-group":
             if k_scale is not None or v_scale is not None:
@@ -617,6 +656,69 @@ class PagedLayerStorage:
             )
         self._allocate(shape, kv_dtype)
 
+    def _check_transform(
+        self,
+        granularity: str,
+        k_offset: torch.Tensor | None,
+        k_rotation: torch.Tensor | None,
+        first_tokens: int,
+    ) -> None:
+        """Check the K transform once and keep fp32 copies on the device."""
+        name, hkv, d = self.name, self.num_kv_heads, self.head_dim
+        if granularity != "k-transform":
+            if k_offset is not None or k_rotation is not None or first_tokens:
+                raise CacheUsageError(
+                    f"{name}: k_offset / k_rotation / first_tokens were given with granularity="
+                    f"{granularity!r}. Fix: pass granularity='k-transform' (the format they "
+                    "belong to), or drop them."
+                )
+            return
+        if isinstance(first_tokens, bool) or not isinstance(first_tokens, int):
+            raise CacheUsageError(
+                f"{name}: first_tokens is {first_tokens!r}; expected an int from 0 to "
+                f"{MAX_FIRST_TOKENS}."
+            )
+        if not 0 <= first_tokens <= MAX_FIRST_TOKENS:
+            raise CacheUsageError(
+                f"{name}: first_tokens is {first_tokens}; expected 0..{MAX_FIRST_TOKENS}. Fix: "
+                "pass the first_tokens of the checkpoint's K transform (1 is usual)."
+            )
+        fix = "Fix: pass the K transform kvquant.registry resolved for the model."
+        for label, t, want in (
+            ("k_offset", k_offset, (hkv, d)),
+            ("k_rotation", k_rotation, (d, d)),
+        ):
+            if t is None:
+                if label == "k_offset":
+                    raise ScaleFormatError(
+                        f"{name}: granularity 'k-transform' needs k_offset, fp32 {want}; got "
+                        f"None. {fix}"
+                    )
+                continue
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ScaleFormatError(
+                    f"{name}: {label} is not a floating-point tensor; expected fp32 {want}. {fix}"
+                )
+            if tuple(t.shape) != want:
+                raise ScaleFormatError(
+                    f"{name}: {label} has shape {tuple(t.shape)}; expected {want} ({hkv} KV "
+                    f"heads, head_dim {d}). {fix}"
+                )
+            host = t.detach().to(device="cpu", dtype=torch.float32)
+            if not bool(torch.isfinite(host).all()):
+                raise ScaleFormatError(f"{name}: {label} holds a non-finite value. {fix}")
+            if label == "k_rotation":
+                err = float((host @ host.T - torch.eye(d)).abs().max())
+                if err > ORTHONORMAL_TOL:
+                    raise ScaleFormatError(
+                        f"{name}: k_rotation is not orthonormal (max |R R^T - I| = {err:.3g}, "
+                        f"expected <= {ORTHONORMAL_TOL:g}); the query would not be rotated "
+                        "back exactly. Fix: pass kvquant.kernels.hadamard(head_dim), or None."
+                    )
+            copy = host.clone() if self.device.type == "cpu" else host.to(self.device)
+            setattr(self, label, copy.contiguous())
+        self.first_tokens = first_tokens
+
     def _allocate(self, shape: tuple[int, int, int, int], kv_dtype: torch.dtype) -> None:
         """Allocate the pages (and group scales); an allocation that fails raises, holding nothing."""
         n_groups = 0 if self.group_size is None else shape[3] // self.group_size
@@ -637,6 +739,9 @@ class PagedLayerStorage:
 
     def __repr__(self) -> str:
         g = f", G={self.group_size}" if self.group_size is not None else ""
+        if self.granularity == "k-transform":
+            rot = "rotated" if self.k_rotation is not None else "no rotation"
+            g = f", {rot}, first_tokens={self.first_tokens}"
         return (
             f"PagedLayerStorage({self.num_pages}x{self.page_size} slots, Hkv={self.num_kv_heads}, "
             f"D={self.head_dim}, {self.granularity}{g}, {self.kv_dtype}, {self.device})"
@@ -670,7 +775,16 @@ class PagedLayerStorage:
             slot_mapping,
             backend=self.backend,
             **self.scale_kwargs(),
+            **self._transform_kwargs(),
         )
+
+    def _transform_kwargs(self) -> dict[str, torch.Tensor]:
+        if self.k_offset is None:
+            return {}
+        out = {"k_offset": self.k_offset}
+        if self.k_rotation is not None:
+            out["k_rotation"] = self.k_rotation
+        return out
 
     def attend(
         self,
@@ -690,21 +804,135 @@ class PagedLayerStorage:
             sm_scale: softmax scale; default ``head_dim ** -0.5``.
             **options: ``q_lens``, ``kv_start``, ``causal``, ``softcap``,
                 ``window``, ``out`` (see :func:`~kvquant.kernels.paged_attention`).
+                With a K transform the offset and rotation are added, and the
+                side buffer of first tokens once :meth:`keep_first` filled it
+                (its ``first_start`` must be the call's ``kv_start``).
 
         Returns:
             ``[B, Lq, Hq, D]`` in the query dtype.
         """
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
-        kwargs: dict[str, Any] = {"backend": self.backend, **self.scale_kwargs(), **options}
+        kwargs: dict[str, Any] = {
+            "backend": self.backend,
+            **self.scale_kwargs(),
+            **self._transform_kwargs(),
+            **self.first_kwargs(),
+            **options,
+        }
         return paged_attention(
             query, self.k_pages, self.v_pages, block_tables, seq_lens, sm_scale=scale, **kwargs
         )
+
+    # ------------------------------------------------------ first tokens
+    def first_kwargs(self) -> dict[str, torch.Tensor]:
+        """``first_k`` / ``first_v`` / ``first_lens`` for the kernels, once the side buffer exists."""
+        if self.first_k is None or self.first_v is None or self.first_lens is None:
+            return {}
+        return {"first_k": self.first_k, "first_v": self.first_v, "first_lens": self.first_lens}
+
+    def keep_first(
+        self, key: torch.Tensor, value: torch.Tensor, start: int, kv_start: torch.Tensor | None
+    ) -> None:
+        """Copy new tokens that fall in a row's first-token window into the side buffer.
+
+        The window of row ``b`` is positions ``kv_start[b]`` ..
+        ``kv_start[b] + first_tokens - 1`` (its first visible tokens; left
+        padding comes before ``kv_start[b]``). Keys are stored rotated
+        (``key @ k_rotation``, no offset), values as given, in the dtype of the
+        first keys kept. A row whose ``kv_start`` changed after positions of its
+        new window were already passed (a chunk that was all padding for it)
+        keeps no first tokens: its keys are read from the pages, which the
+        kernels handle exactly like any other key. The buffers are updated in
+        place (a CUDA graph captured on them stays valid).
+
+        Args:
+            key: ``[B, L, Hkv, D]`` the keys of positions ``start .. start + L - 1``.
+            value: ``[B, L, Hkv, D]``.
+            start: the position of the first of them (tokens stored before).
+            kv_start: int ``[B]`` first visible position per row, or None (0).
+
+        Raises:
+            CacheUsageError: shapes that do not match the storage.
+        """
+        nf = self.first_tokens
+        if nf == 0 or key.shape[1] == 0:
+            return
+        bsz, n = int(key.shape[0]), int(key.shape[1])
+        want = (bsz, n, self.num_kv_heads, self.head_dim)
+        if tuple(key.shape) != want or tuple(value.shape) != want:
+            raise CacheUsageError(
+                f"{self.name}.keep_first: key {tuple(key.shape)} and value "
+                f"{tuple(value.shape)}; expected {want}."
+            )
+        dev = self.device
+        fk, fv, fl, fs = self.first_k, self.first_v, self.first_lens, self.first_start
+        if fk is None or fv is None or fl is None or fs is None or fk.shape[0] != bsz:
+            shape = (bsz, nf, self.num_kv_heads, self.head_dim)
+            fk = torch.zeros(shape, dtype=key.dtype, device=dev)
+            fv = torch.zeros(shape, dtype=value.dtype, device=dev)
+            fl = torch.zeros(bsz, dtype=torch.int32, device=dev)
+            fs = torch.full((bsz,), -1, dtype=torch.int32, device=dev)
+            self.first_k, self.first_v, self.first_lens, self.first_start = fk, fv, fl, fs
+        ks = (
+            torch.zeros(bsz, dtype=torch.int32, device=dev)
+            if kv_start is None
+            else kv_start.to(device=dev, dtype=torch.int32)
+        )
+        # rows whose window moved: restart it here, or give it up if it began before `start`
+        moved = ks != fs
+        fs.copy_(torch.where(moved, torch.where(ks >= start, ks, torch.full_like(ks, -1)), fs))
+        fl.masked_fill_(moved, 0)
+        enabled = fs >= 0
+        end = int(torch.where(enabled, fs, torch.full_like(fs, -nf)).max()) + nf - start
+        m = min(max(end, 0), n)
+        if m > 0:
+            pos = torch.arange(start, start + m, device=dev, dtype=torch.int32)
+            idx = pos[None, :] - fs[:, None]  # [B, m]
+            valid = (idx >= 0) & (idx < nf) & enabled[:, None]
+            rows, cols = valid.nonzero(as_tuple=True)
+            k = key[:, :m].to(dev)
+            if self.k_rotation is not None:
+                k = k.float() @ self.k_rotation
+            slot = idx[rows, cols].long()
+            fk[rows, slot] = k[rows, cols].to(fk.dtype)
+            fv[rows, slot] = value[:, :m].to(dev)[rows, cols].to(fv.dtype)
+        held = (start + n - fs).clamp(0, nf)
+        fl.copy_(torch.where(enabled, held, torch.zeros_like(held)))
+
+    def first_window_end(self) -> int:
+        """One past the last position any row's first-token window covers (0: none yet).
+
+        Reads ``first_start`` (one sync on a GPU); callers keep the result.
+        """
+        if self.first_start is None:
+            return 0
+        return int(self.first_start.max()) + self.first_tokens
+
+    def reorder_first(self, rows: torch.Tensor) -> None:
+        """Beam search: row ``b`` of the side buffer takes row ``rows[b]`` (in place)."""
+        for t in (self.first_k, self.first_v, self.first_lens, self.first_start):
+            if t is not None:
+                t.copy_(t.index_select(0, rows.to(device=t.device, dtype=torch.long)))
+
+    def truncate_first(self, tokens: int) -> None:
+        """Forget the side-buffer tokens at positions ``>= tokens`` (crop, rollback)."""
+        if self.first_lens is None or self.first_start is None:
+            return
+        keep = (tokens - self.first_start).clamp(min=0)
+        self.first_lens.copy_(torch.minimum(self.first_lens, keep.int()))
+
+    def reset_first(self) -> None:
+        """Drop the side buffer (a new batch fills a new one)."""
+        self.first_k = self.first_v = self.first_lens = self.first_start = None
 
     # ------------------------------------------------------ copies and views
     def dense(
         self, block_tables: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize the first ``seq_len`` tokens of every sequence (only the pages they use).
+
+        With a K transform the keys are in the model's frame (``(code * s + c) @ R^T``),
+        read from the pages (the first tokens' slots are written too).
 
         Args:
             block_tables: int32 ``[B, max_pages]``.
@@ -746,11 +974,13 @@ class PagedLayerStorage:
             self.num_pages, self.device,
         )  # fmt: skip
         out = []
-        for pages, static, groups in (
-            (self.k_pages, self.k_scale, self.k_group_scales),
-            (self.v_pages, self.v_scale, self.v_group_scales),
+        for pages, static, groups, transform in (
+            (self.k_pages, self.k_scale, self.k_group_scales, self._transform_kwargs()),
+            (self.v_pages, self.v_scale, self.v_group_scales, {}),
         ):
-            full = dequantize_pages(pages[ids], static, None if groups is None else groups[ids])
+            full = dequantize_pages(
+                pages[ids], static, None if groups is None else groups[ids], **transform
+            )
             flat = full.reshape(bsz, used * self.page_size, self.num_kv_heads, self.head_dim)
             out.append(flat[:, :seq_len].to(dtype))
         return out[0], out[1]
@@ -834,8 +1064,9 @@ class PagedLayerStorage:
 
         Returns:
             ``pages`` (FP8 K and V pages), ``group_scales`` (fp32, ``fp32-group``
-            only), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``) and
-            ``total`` (their sum).
+            only), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``),
+            ``k_transform`` (``k-transform`` only: offset, rotation and the
+            first-token side buffer) and ``total`` (their sum).
         """
 
         def nbytes(*ts: torch.Tensor | None) -> int:
@@ -844,17 +1075,22 @@ class PagedLayerStorage:
         pages = nbytes(self.k_pages, self.v_pages)
         groups = nbytes(self.k_group_scales, self.v_group_scales)
         static = nbytes(self.k_scale, self.v_scale)
+        transform = nbytes(
+            self.k_offset, self.k_rotation, self.first_k, self.first_v, self.first_lens,
+            self.first_start,
+        )  # fmt: skip
         return {
             "pages": pages,
             "group_scales": groups,
             "static_scales": static,
-            "total": pages + groups + static,
+            "k_transform": transform,
+            "total": pages + groups + static + transform,
         }
 
 
 def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:
     """:meth:`PagedLayerStorage.memory_bytes` summed over ``storages`` (same keys)."""
-    total = dict.fromkeys(("pages", "group_scales", "static_scales", "total"), 0)
+    total = dict.fromkeys(("pages", "group_scales", "static_scales", "k_transform", "total"), 0)
     for storage in storages:
         for key, value in storage.memory_bytes().items():
             total[key] += value

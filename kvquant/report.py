@@ -132,6 +132,8 @@ class CheckpointReport:
             "exit_code": self.exit_code,
             "granularity": self.granularity,
             "group_size": self.scales.group_size if self.ok else None,
+            "k_transform": self.scales.to_dict()["k_transform"] if self.ok else None,
+            "k_offsets": [layer.to_dict()["k_offset"] for layer in self.scales.layers],
             "geometry": {
                 "num_layers": g.num_layers,
                 "num_heads": g.num_heads,
@@ -404,7 +406,7 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
         (True, 'per-tensor', ['use', 'use', 'use', 'use'])
     """
     found = discover_scales(path)
-    scales = analyze_scales(found.scales, found.geometry, **options)
+    scales = analyze_scales(found.scales, found.geometry, k_transform=found.k_transform, **options)
     return CheckpointReport(
         path=str(found.path),
         producer=found.producer,

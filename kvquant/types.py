@@ -7,10 +7,27 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Granularity", "LayerGeometry", "RawScale", "ScaleKind"]
+__all__ = [
+    "MAX_FIRST_TOKENS",
+    "ROTATIONS",
+    "Granularity",
+    "KTransform",
+    "LayerGeometry",
+    "RawKTransform",
+    "RawOffset",
+    "RawScale",
+    "ScaleKind",
+]
 
-Granularity = Literal["per-tensor", "per-head", "fp32-group"]
-"""The canonical granularities the kernels consume."""
+Granularity = Literal["per-tensor", "per-head", "fp32-group", "k-transform"]
+"""The canonical granularities the kernels consume (``k-transform``: per-head static
+scales plus a per-channel K offset, an optional rotation and full-precision first tokens)."""
+
+ROTATIONS: tuple[str | None, ...] = ("hadamard", None)
+"""The K rotations of the ``k-transform`` format: the normalised Hadamard matrix, or none."""
+
+MAX_FIRST_TOKENS = 1024
+"""Most first tokens per sequence a ``k-transform`` keeps at full precision (a few are usual)."""
 
 ScaleKind = Literal["k", "v", "kv"]
 """Which cache a raw scale serves: K, V, or both (a legacy single ``kv_scale``)."""
@@ -58,3 +75,48 @@ class RawScale:
     pre_rope: bool = False
     merged_kv: bool = False
     notes: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class KTransform:
+    """The model-level settings of the ``k-transform`` format.
+
+    Attributes:
+        rotation: ``"hadamard"`` (K and the query are multiplied by the
+            normalised Hadamard matrix of size ``head_dim``) or ``None`` (no rotation).
+        first_tokens: the first visible tokens of each sequence attended from a
+            full-precision side buffer instead of the FP8 pages (0: none).
+    """
+
+    rotation: str | None = "hadamard"
+    first_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class RawOffset:
+    """One per-channel K offset tensor as a checkpoint stores it (``k-transform``).
+
+    Attributes:
+        layer: decoder layer index.
+        name: the tensor's name, e.g. ``model.layers.3.self_attn.k_offset``.
+        tensor: the tensor exactly as stored (expected fp32 ``[Hkv, head_dim]``).
+    """
+
+    layer: int
+    name: str
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RawKTransform:
+    """A checkpoint's K transform before validation: settings and offset tensors as found.
+
+    Attributes:
+        settings: the ``rotation`` and ``first_tokens`` the checkpoint declares.
+        offsets: every ``k_offset`` tensor found (any order).
+        source: where the settings came from (a file path, or ``"mapping"``).
+    """
+
+    settings: KTransform
+    offsets: tuple[RawOffset, ...]
+    source: str = ""

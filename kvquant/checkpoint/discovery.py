@@ -21,6 +21,12 @@ legacy-kv_scale        ``layers.N.self_attn.kv_scale``             names
 tensorrt-llm           ``layers.N.attention.kv_cache_scaling_factor``  names
 kvquant                ``self_attn.k_scale`` / ``v_scale``         ``quant_method: "kvquant"``
 =====================  ==========================================  ==========================
+
+kvquant's ``k-transform`` format adds ``layers.N.self_attn.k_offset`` tensors and
+``kvquant_kv_transform.json`` (:mod:`kvquant.checkpoint.producers`); discovery
+reads both into :attr:`DiscoveredCheckpoint.k_transform` and checks the file
+(entries, types, bounds, the geometry it was calibrated for). Offsets without
+the file, or the file without offsets, are error findings.
 """
 
 from __future__ import annotations
@@ -44,9 +50,25 @@ from kvquant.checkpoint.files import (
     select_shards,
 )
 from kvquant.checkpoint.findings import Finding
-from kvquant.checkpoint.producers import NAMINGS
+from kvquant.checkpoint.producers import (
+    K_OFFSET_SUFFIX,
+    KV_TRANSFORM_FILE,
+    KV_TRANSFORM_FORMAT,
+    KV_TRANSFORM_KEYS,
+    KV_TRANSFORM_VERSION,
+    NAMINGS,
+)
 from kvquant.errors import CheckpointError
-from kvquant.types import LayerGeometry, RawScale, ScaleKind
+from kvquant.types import (
+    MAX_FIRST_TOKENS,
+    ROTATIONS,
+    KTransform,
+    LayerGeometry,
+    RawKTransform,
+    RawOffset,
+    RawScale,
+    ScaleKind,
+)
 
 __all__ = [
     "MAX_HEADS",
@@ -57,7 +79,9 @@ __all__ = [
     "Finding",
     "TensorInfo",
     "discover_scales",
+    "k_transform_from_mapping",
     "match_scale_name",
+    "parse_kv_transform",
     "raw_scales_from_mapping",
     "raw_scales_from_state_dict",
     "read_geometry",
@@ -93,6 +117,7 @@ _NOT_KV = re.compile(
 _ZERO_POINT = re.compile(
     _LAYER + r"self_attn\.(?:(?P<kind>[kv])_zero_point|(?P<kind2>[kv])_proj\.output_zero_point)$"
 )
+_K_OFFSET = re.compile(_LAYER + re.escape(K_OFFSET_SUFFIX) + "$")
 _AFFINE_BIAS = re.compile(_LAYER + r"self_attn\.(?P<kind>[kv])_proj\.(?P=kind)_bias$")
 
 _FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
@@ -120,6 +145,8 @@ class DiscoveredCheckpoint:
         weight_dtypes: header dtype -> count over the non-scale tensors.
         kv_scheme: the KV scheme as declared in the config, normalised to a flat
             dict (keys vary by producer), or ``None``.
+        k_transform: kvquant's ``k-transform`` settings and ``k_offset``
+            tensors (as stored) when the folder has both, else ``None``.
     """
 
     path: Path
@@ -134,6 +161,7 @@ class DiscoveredCheckpoint:
     num_tensors: int
     weight_dtypes: dict[str, int] = field(default_factory=dict)
     kv_scheme: dict[str, Any] | None = None
+    k_transform: RawKTransform | None = None
 
     @property
     def has_errors(self) -> bool:
@@ -452,9 +480,12 @@ def _weight_findings(
 
 def _classify(
     infos: Mapping[str, TensorInfo], geometry: LayerGeometry
-) -> tuple[list[tuple[str, int, ScaleKind, str]], list[Finding], Counter[str]]:
-    """Split header names into KV scales, rejected extras and weights."""
+) -> tuple[
+    list[tuple[str, int, ScaleKind, str]], list[tuple[str, int]], list[Finding], Counter[str]
+]:
+    """Split header names into KV scales, K offsets, rejected extras and weights."""
     matches: list[tuple[str, int, ScaleKind, str]] = []
+    offsets: list[tuple[str, int]] = []
     findings: list[Finding] = []
     weight_dtypes: Counter[str] = Counter()
     zero_points: list[str] = []
@@ -463,6 +494,10 @@ def _classify(
         hit = match_scale_name(name)
         if hit is not None:
             matches.append((name, *hit))
+            continue
+        offset = _K_OFFSET.match(name)
+        if offset is not None:
+            offsets.append((name, int(offset.group("layer"))))
             continue
         if _ZERO_POINT.match(name):
             zero_points.append(name)
@@ -503,17 +538,192 @@ def _classify(
                 "under its own convention. Check the export: one producer should have written them.",
             )
         )
-    out_of_range = sorted({m[1] for m in matches if m[1] >= geometry.num_layers})
+    out_of_range = sorted(
+        {m[1] for m in matches if m[1] >= geometry.num_layers}
+        | {layer for _, layer in offsets if layer >= geometry.num_layers}
+    )
     if out_of_range:
         findings.append(
             Finding(
                 "error",
                 "scale-layer-out-of-range",
-                f"KV scales for layer(s) {out_of_range} but config.json has "
+                f"KV scales or K offsets for layer(s) {out_of_range} but config.json has "
                 f"{geometry.num_layers} layers. Fix: use the config that matches the weights.",
             )
         )
-    return matches, findings, weight_dtypes
+    return matches, offsets, findings, weight_dtypes
+
+
+# ---------------------------------------------------------------------------
+# kvquant's k-transform convention
+
+
+def parse_kv_transform(
+    data: Mapping[str, Any], where: str, geometry: LayerGeometry
+) -> tuple[KTransform | None, list[Finding]]:
+    """Check the contents of ``kvquant_kv_transform.json`` against the model's geometry.
+
+    Args:
+        data: the parsed JSON object.
+        where: how to name the file in findings.
+        geometry: the geometry from ``config.json``.
+
+    Returns:
+        ``(settings, findings)``; settings are ``None`` when an entry is wrong
+        (an error finding says which).
+    """
+    found: list[Finding] = []
+
+    def bad(message: str) -> None:
+        found.append(Finding("error", "kv-transform-invalid", f"{where}: {message}"))
+
+    def show(value: Any) -> str:
+        text = repr(value)
+        return text if len(text) <= 40 else f"{text[:40]}..."
+
+    fix = "Fix: re-run kvquant calibrate, or correct the file."
+    missing = [k for k in KV_TRANSFORM_KEYS if k not in data]
+    unknown = sorted(str(k) for k in data if k not in KV_TRANSFORM_KEYS)
+    if missing:
+        bad(
+            f"missing {', '.join(missing)}; expected the entries {', '.join(KV_TRANSFORM_KEYS)}. {fix}"
+        )
+    if unknown:
+        found.append(
+            Finding(
+                "warning",
+                "kv-transform-unknown-entry",
+                f"{where}: unknown entries {unknown[:5]} ignored (written by a newer kvquant?).",
+            )
+        )
+    if "format" in data and data["format"] != KV_TRANSFORM_FORMAT:
+        bad(f"format is {show(data['format'])}; expected {KV_TRANSFORM_FORMAT!r}. {fix}")
+    version = data.get("version")
+    if "version" in data and (isinstance(version, bool) or version != KV_TRANSFORM_VERSION):
+        bad(
+            f"version is {show(version)}; this kvquant reads version {KV_TRANSFORM_VERSION}. "
+            "Fix: upgrade kvquant, or re-run kvquant calibrate with this version."
+        )
+    rotation = data.get("rotation")
+    if "rotation" in data and rotation not in ROTATIONS:
+        bad(f"rotation is {show(rotation)}; expected 'hadamard' or null. {fix}")
+    first = data.get("first_tokens")
+    if "first_tokens" in data and (
+        isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= MAX_FIRST_TOKENS
+    ):
+        bad(f"first_tokens is {show(first)}; expected an int from 0 to {MAX_FIRST_TOKENS}. {fix}")
+    for key, want in (
+        ("head_dim", geometry.head_dim),
+        ("num_kv_heads", geometry.num_kv_heads),
+        ("num_layers", geometry.num_layers),
+    ):
+        value = data.get(key)
+        if key in data and (isinstance(value, bool) or value != want):
+            bad(
+                f"{key} is {show(value)} but config.json gives {want}: the K transform was "
+                "calibrated for another model. Fix: calibrate it for this model."
+            )
+    if any(f.severity == "error" for f in found) or not isinstance(first, int):
+        return None, found
+    return KTransform(rotation=rotation, first_tokens=first), found
+
+
+def _k_transform(
+    root: Path,
+    offsets: list[tuple[str, int]],
+    tensors: Mapping[str, torch.Tensor],
+    geometry: LayerGeometry,
+) -> tuple[RawKTransform | None, list[Finding]]:
+    """The folder's K transform: the settings file and the offset tensors, or the findings why not."""
+    path = root / KV_TRANSFORM_FILE
+    has_file = os.path.lexists(path)
+    if not has_file and not offsets:
+        return None, []
+    if not has_file:
+        return None, [
+            Finding(
+                "error",
+                "k-offset-without-transform",
+                f"{len(offsets)} K offset tensor(s) (e.g. {sorted(offsets)[0][0]}) but no "
+                f"{KV_TRANSFORM_FILE}: without it the rotation and first tokens the offsets were "
+                "calibrated with are unknown. Fix: copy the file kvquant calibrate wrote beside "
+                "the weights, or re-run kvquant calibrate.",
+            )
+        ]
+    data = read_json(path, KV_TRANSFORM_FILE)
+    settings, found = parse_kv_transform(data, str(path), geometry)
+    if not offsets:
+        found.append(
+            Finding(
+                "error",
+                "kv-transform-without-offsets",
+                f"{path} declares the k-transform format but the checkpoint has no "
+                "model.layers.N.self_attn.k_offset tensors. Fix: save the offsets kvquant "
+                f"calibrate wrote with the weights, or delete {KV_TRANSFORM_FILE}.",
+            )
+        )
+    if settings is None or not offsets:
+        return None, found
+    raws = tuple(
+        RawOffset(layer, name, tensors[name])
+        for name, layer in sorted(offsets, key=lambda o: (o[1], o[0]))
+        if layer < geometry.num_layers and name in tensors
+    )
+    found.append(
+        Finding(
+            "info",
+            "kv-transform",
+            f"k-transform format ({KV_TRANSFORM_FILE}): rotation {settings.rotation or 'none'}, "
+            f"first {settings.first_tokens} token(s) at full precision, {len(raws)} K offset "
+            "tensor(s).",
+        )
+    )
+    return RawKTransform(settings=settings, offsets=raws, source=str(path)), found
+
+
+def k_transform_from_mapping(
+    mapping: Mapping[str, Any], geometry: LayerGeometry, where: str = "scales"
+) -> RawKTransform | None:
+    """The K transform of an explicit ``scales=`` mapping, or None when it has none.
+
+    The mapping holds ``model.layers.N.self_attn.k_offset`` tensors and, under
+    the key ``"kvquant_kv_transform.json"``, the contents of that file as a dict.
+
+    Raises:
+        ScaleFormatError: offsets without the settings, settings without
+            offsets, or settings that are wrong for ``geometry``.
+    """
+    from kvquant.errors import ScaleFormatError
+
+    offsets = []
+    for name in mapping:
+        hit = _K_OFFSET.match(str(name))
+        if hit is not None:
+            offsets.append((str(name), int(hit.group("layer"))))
+    settings_obj = mapping.get(KV_TRANSFORM_FILE)
+    if settings_obj is None and not offsets:
+        return None
+    if not isinstance(settings_obj, Mapping):
+        raise ScaleFormatError(
+            f"{where} holds {len(offsets)} K offset tensor(s) (e.g. {sorted(offsets)[0][0] if offsets else '-'}) "
+            f"but {'no' if settings_obj is None else 'a non-dict'} {KV_TRANSFORM_FILE!r} entry; "
+            "expected the file's contents as a dict (rotation, first_tokens, ...). Fix: pass "
+            "the checkpoint folder instead, or add the settings under that key."
+        )
+    settings, found = parse_kv_transform(settings_obj, f"{where}[{KV_TRANSFORM_FILE!r}]", geometry)
+    errors = [f.message for f in found if f.severity == "error"]
+    if not offsets:
+        errors.append(
+            f"{where} declares the k-transform format but holds no "
+            "model.layers.N.self_attn.k_offset tensor. Fix: add the offsets."
+        )
+    if errors or settings is None:
+        raise ScaleFormatError("; ".join(errors))
+    raws = tuple(
+        RawOffset(layer, name, mapping[name])
+        for name, layer in sorted(offsets, key=lambda o: (o[1], o[0]))
+    )
+    return RawKTransform(settings=settings, offsets=raws, source=f"{where} (mapping)")
 
 
 def _convention_for(family: str, producer_cfg: str | None) -> str:
@@ -690,7 +900,10 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     files = selection.files
     infos = selection.tensors
     producer_cfg = _producer_from_config(qcfg, hf_quant)
-    matches, findings, weight_dtypes = _classify(infos, geometry)
+    from_transform_file = producer_cfg is None and os.path.lexists(root / KV_TRANSFORM_FILE)
+    if from_transform_file:
+        producer_cfg = "kvquant"
+    matches, offsets, findings, weight_dtypes = _classify(infos, geometry)
 
     by_file: dict[str, list[str]] = {}
     oversized = [m for m in matches if math.prod(infos[m[0]].shape) > MAX_SCALE_ELEMENTS]
@@ -706,12 +919,30 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
             )
         )
         matches = [m for m in matches if m not in oversized]
+    big_offsets = [o for o in offsets if math.prod(infos[o[0]].shape) > MAX_SCALE_ELEMENTS]
+    if big_offsets:
+        findings.append(
+            Finding(
+                "error",
+                "scale-too-large",
+                f"{len(big_offsets)} K offset tensor(s) (e.g. {big_offsets[0][0]}, shape "
+                f"{infos[big_offsets[0][0]].shape}) hold more than {MAX_SCALE_ELEMENTS} elements; "
+                "a K offset is [num_kv_heads, head_dim], so they were not loaded. Fix: check "
+                "the export.",
+            )
+        )
+        offsets = [o for o in offsets if o not in big_offsets]
     for name, layer, _kind, _family in matches:
+        if layer < geometry.num_layers:
+            by_file.setdefault(infos[name].file, []).append(name)
+    for name, layer in offsets:
         if layer < geometry.num_layers:
             by_file.setdefault(infos[name].file, []).append(name)
     tensors = _load_tensors(by_file)
     raws, dup_findings = _build_raw_scales(matches, tensors, producer_cfg, qcfg, geometry)
     findings.extend(dup_findings)
+    k_transform, transform_findings = _k_transform(root, offsets, tensors, geometry)
+    findings.extend(transform_findings)
 
     if producer_cfg is not None:
         producer = producer_cfg
@@ -724,7 +955,11 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     all_findings: list[Finding] = []
     method = qcfg.get("quant_method") if qcfg else None
     if producer_cfg is not None:
-        source = f"quant_method {method!r}" if method else "hf_quant_config.json"
+        source = (
+            KV_TRANSFORM_FILE
+            if from_transform_file
+            else (f"quant_method {method!r}" if method else "hf_quant_config.json")
+        )
         all_findings.append(Finding("info", "producer", f"producer {producer} (from {source})."))
     elif raws:
         all_findings.append(
@@ -790,6 +1025,7 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
         num_tensors=len(infos),
         weight_dtypes=dict(weight_dtypes),
         kv_scheme=scheme,
+        k_transform=k_transform,
     )
 
 
@@ -839,12 +1075,14 @@ def raw_scales_from_mapping(
     from kvquant.errors import ScaleFormatError
 
     for name, t in mapping.items():
+        if name == KV_TRANSFORM_FILE:
+            continue  # the k-transform settings (k_transform_from_mapping)
         if not isinstance(t, torch.Tensor):
             raise ScaleFormatError(
                 f"{where}[{name!r}] is a {type(t).__name__}; expected a torch.Tensor. "
                 "Fix: pass {tensor_name: tensor}."
             )
-    raws = raw_scales_from_state_dict(mapping)
+    raws = raw_scales_from_state_dict({k: v for k, v in mapping.items() if k != KV_TRANSFORM_FILE})
     if not raws and not allow_none:
         names = sorted(str(n) for n in mapping)
         shown = f"{len(names)} name(s), e.g. {names[:3]}" if names else "an empty mapping"

@@ -19,6 +19,13 @@ convention                        scale tensors (``{prefix}layers.N.self_attn.``
 ``"legacy-kv_scale"``             ``kv_scale`` (one scale for K and V)                  ``()``
 ================================  ====================================================  ===============
 
+kvquant's own ``k-transform`` convention (written by ``kvquant calibrate``, read
+by discovery; no serving engine reads it): per layer ``self_attn.k_scale`` and
+``self_attn.v_scale`` fp32 ``[Hkv]`` and ``self_attn.k_offset`` fp32
+``[Hkv, head_dim]`` (in the rotated frame), plus :data:`KV_TRANSFORM_FILE` in the
+checkpoint folder (:func:`kv_transform_config`). Offsets without the file, or
+the file without offsets, are refused.
+
 Everything here is data and small pure functions: each config builder returns
 a fresh dict the caller may edit. This module imports torch only.
 
@@ -44,12 +51,19 @@ from kvquant.types import ScaleKind
 
 __all__ = [
     "CONVENTION_SPECS",
+    "KV_TRANSFORM_FILE",
+    "KV_TRANSFORM_FORMAT",
+    "KV_TRANSFORM_KEYS",
+    "KV_TRANSFORM_VERSION",
+    "K_OFFSET_SUFFIX",
     "NAMINGS",
     "PRODUCER_CONVENTIONS",
     "ConventionSpec",
     "Naming",
     "compressed_tensors_config",
     "compressed_tensors_kv_scheme",
+    "k_offset_tensor_name",
+    "kv_transform_config",
     "modelopt_hf_quant_config",
     "modelopt_kv_cache_scheme",
     "modelopt_quantization_config",
@@ -144,6 +158,58 @@ CONVENTION_SPECS: Mapping[str, ConventionSpec] = {
     "legacy-kv_scale": ConventionSpec("legacy-kv_scale", "legacy-kv_scale", torch.float32, ()),
 }
 """One :class:`ConventionSpec` per name in :data:`PRODUCER_CONVENTIONS`."""
+
+
+KV_TRANSFORM_FILE = "kvquant_kv_transform.json"
+"""The file beside the weights that declares kvquant's ``k-transform`` format."""
+
+KV_TRANSFORM_FORMAT = "k-transform"
+"""The ``format`` entry of :data:`KV_TRANSFORM_FILE`."""
+
+KV_TRANSFORM_VERSION = 1
+"""The ``version`` entry of :data:`KV_TRANSFORM_FILE` this kvquant reads and writes."""
+
+KV_TRANSFORM_KEYS = (
+    "format",
+    "version",
+    "rotation",
+    "first_tokens",
+    "head_dim",
+    "num_kv_heads",
+    "num_layers",
+)
+"""Every entry of :data:`KV_TRANSFORM_FILE` (all required)."""
+
+K_OFFSET_SUFFIX = "self_attn.k_offset"
+"""Tensor-name suffix of a per-channel K offset, after ``{prefix}layers.N.``."""
+
+
+def k_offset_tensor_name(layer: int, *, prefix: str = "model.") -> str:
+    """The name of layer ``layer``'s K offset: ``model.layers.N.self_attn.k_offset``."""
+    return f"{prefix}layers.{layer}.{K_OFFSET_SUFFIX}"
+
+
+def kv_transform_config(
+    *, rotation: str | None, first_tokens: int, head_dim: int, num_kv_heads: int, num_layers: int
+) -> dict[str, Any]:
+    """The contents of :data:`KV_TRANSFORM_FILE` (a new dict, JSON-ready).
+
+    Args:
+        rotation: ``"hadamard"`` or ``None``.
+        first_tokens: first visible tokens per sequence kept at full precision.
+        head_dim: the model's head size.
+        num_kv_heads: KV heads per layer.
+        num_layers: decoder layers.
+    """
+    return {
+        "format": KV_TRANSFORM_FORMAT,
+        "version": KV_TRANSFORM_VERSION,
+        "rotation": rotation,
+        "first_tokens": first_tokens,
+        "head_dim": head_dim,
+        "num_kv_heads": num_kv_heads,
+        "num_layers": num_layers,
+    }
 
 
 def _spec(convention: str) -> ConventionSpec:

@@ -3,7 +3,7 @@
 * :class:`RawScale`, :class:`LayerGeometry` (defined in :mod:`kvquant.types`,
   shared with :mod:`kvquant.checkpoint`; ``kvquant.registry.types`` re-exports them).
 * :mod:`~kvquant.registry.formats`: :class:`ScaleFormat` and the built-ins
-  ``per-tensor``, ``per-head``, ``fp32-group``.
+  ``per-tensor``, ``per-head``, ``fp32-group``, ``k-transform``.
 * :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
   :func:`temporary_format`, :func:`get_scale_format`.
 * :mod:`~kvquant.registry.policy`: one pure function per policy step.
@@ -25,6 +25,7 @@ from __future__ import annotations
 from kvquant.registry.conversions import AppliedConversion, Conversion
 from kvquant.registry.formats import (
     Fp32GroupFormat,
+    KTransformFormat,
     PerHeadFormat,
     PerTensorFormat,
     ScaleFormat,
@@ -48,7 +49,7 @@ from kvquant.registry.resolve import (
     analyze_scales,
     resolve_scales,
 )
-from kvquant.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, KTransform, LayerGeometry, RawKTransform, RawOffset, RawScale
 
 __all__ = [
     "BUILTIN_FORMATS",
@@ -59,11 +60,15 @@ __all__ = [
     "Conversion",
     "Fp32GroupFormat",
     "Granularity",
+    "KTransform",
+    "KTransformFormat",
     "LayerGeometry",
     "LayerScales",
     "ModelScales",
     "PerHeadFormat",
     "PerTensorFormat",
+    "RawKTransform",
+    "RawOffset",
     "RawScale",
     "ResolveOptions",
     "ScaleFormat",

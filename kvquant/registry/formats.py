@@ -23,6 +23,17 @@ Built-ins:
 | `per-tensor` | `()`, `(1,)`, `(1, 1)`, `(1, 1, 1)` | fp32 `[]` |
 | `per-head` | `(Hkv,)`, `(Hkv, 1)`, `(Hkv, 1, 1)` | fp32 `[Hkv]` |
 | `fp32-group` | none (dynamic: scales computed when tokens are written) | no tensor |
+| `k-transform` | the per-tensor and per-head shapes (a target: scales are read by those) | fp32 `[Hkv]`, plus a per-channel K offset |
+
+A format has two roles that the registry keeps apart: a *reader* (raw shapes ->
+values: :meth:`ScaleFormat.raw_shapes` and :meth:`ScaleFormat.convert`) and a
+*target granularity* (:attr:`ScaleFormat.granularity`: what the kernels get).
+Naming a built-in (``scale_format="per-head"``) picks a target, and every tensor
+is read by whichever format recognises its shape; a user format is both the
+reader of every tensor and its target. ``k-transform`` is a target only: its K/V
+scales are read as per-tensor or per-head and held per head, and the K offset
+and transform settings come from kvquant's own checkpoint convention
+(:mod:`kvquant.checkpoint.producers`).
 
 Writing your own format (a producer that stores per-channel scales):
 
@@ -72,6 +83,7 @@ from kvquant.types import Granularity, LayerGeometry, RawScale
 
 __all__ = [
     "Fp32GroupFormat",
+    "KTransformFormat",
     "PerHeadFormat",
     "PerTensorFormat",
     "QueryHeadMaxFormat",
@@ -86,8 +98,9 @@ class ScaleFormat(abc.ABC):
 
     * ``name`` (str): the registry key, e.g. ``"per-head"``.
     * ``granularity``: the canonical granularity ``convert`` produces:
-      ``"per-tensor"`` (fp32 ``[]``), ``"per-head"`` (fp32 ``[num_kv_heads]``)
-      or ``"fp32-group"`` (dynamic, no tensor).
+      ``"per-tensor"`` (fp32 ``[]``), ``"per-head"`` (fp32 ``[num_kv_heads]``),
+      ``"fp32-group"`` (dynamic, no tensor) or ``"k-transform"`` (fp32
+      ``[num_kv_heads]``; the K offset is read apart).
     * ``dynamic`` (bool, default False): True for formats whose scales are
       computed while the cache is written; they recognise no raw tensor.
 
@@ -302,3 +315,30 @@ class Fp32GroupFormat(ScaleFormat):
     def check_geometry(self, geometry: LayerGeometry) -> None:
         """Reject a ``group_size`` that does not divide ``head_dim``."""
         resolve_group_size(self.group_size, geometry.head_dim)
+
+
+@dataclass(frozen=True)
+class KTransformFormat(ScaleFormat):
+    """Static per-head scales plus a K transform: per-channel K offset, optional rotation, first tokens.
+
+    A target granularity: K/V scales are read like ``per-tensor`` / ``per-head``
+    ones and held per head (a scalar is broadcast, lossless); each layer also
+    needs a ``k_offset`` fp32 ``[Hkv, head_dim]`` and the model its settings
+    (:class:`~kvquant.types.KTransform`), both from kvquant's own checkpoint
+    convention (``kvquant_kv_transform.json`` beside the tensors). The cache
+    stores ``fp8((k @ R - c) / s_k)`` and attends with the query rotated alike;
+    the first ``first_tokens`` visible tokens of each sequence stay at full
+    precision. No serving engine reads it: ``kvquant export`` refuses it.
+    """
+
+    name: ClassVar[str] = "k-transform"
+    granularity: ClassVar[Granularity] = "k-transform"
+
+    def raw_shapes(self, geometry: LayerGeometry) -> tuple[tuple[int, ...], ...]:
+        """The per-tensor and per-head shapes."""
+        h = geometry.num_kv_heads
+        return ((), (1,), (1, 1), (1, 1, 1), (h,), (h, 1), (h, 1, 1))
+
+    def convert(self, values: torch.Tensor, geometry: LayerGeometry) -> torch.Tensor:
+        """A scalar broadcast to every KV head, a per-head vector flattened: ``[Hkv]``."""
+        return values.reshape(-1).expand(geometry.num_kv_heads).clone()

@@ -45,11 +45,12 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.errors import ScaleFormatError
-from kvquant.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import Granularity, LayerGeometry, RawOffset, RawScale
 
 __all__ = [
     "FP8_E4M3_MAX",
     "GRANULARITIES",
+    "MAX_OFFSET",
     "MAX_SCALE",
     "MIN_SCALE",
     "MISSING_KV_POLICIES",
@@ -61,6 +62,8 @@ __all__ = [
     "canonical_shape",
     "check_dtype",
     "check_geometry",
+    "check_offset",
+    "check_rotation",
     "check_values",
     "format_layers",
     "format_shape",
@@ -81,7 +84,11 @@ MIN_SCALE = 2.0**-117
 MAX_SCALE = 2.0**100
 """Largest accepted scale (see the module docstring)."""
 
-GRANULARITIES: tuple[Granularity, ...] = ("per-tensor", "per-head", "fp32-group")
+GRANULARITIES: tuple[Granularity, ...] = ("per-tensor", "per-head", "fp32-group", "k-transform")
+
+MAX_OFFSET = 2.0**20
+"""Largest accepted ``|k_offset|`` element: K channel means of real models are far below
+(tens); a larger value is garbage or a unit mistake, and ``offset / scale`` must stay finite."""
 MISSING_SCALES_POLICIES = ("dynamic", "error", "unit")
 MISSING_KV_POLICIES = ("error", "reuse")
 ROPE_POLICIES = ("widen", "keep")
@@ -149,16 +156,17 @@ def canonical_shape(granularity: str, geometry: LayerGeometry) -> tuple[int, ...
     """Shape of a canonical scale tensor for a granularity.
 
     Args:
-        granularity: ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
+        granularity: ``"per-tensor"``, ``"per-head"``, ``"fp32-group"`` or ``"k-transform"``.
         geometry: the model's attention geometry.
 
     Returns:
-        ``()`` for per-tensor, ``(num_kv_heads,)`` for per-head, ``None`` for the
-        dynamic fp32-group format (no stored tensor).
+        ``()`` for per-tensor, ``(num_kv_heads,)`` for per-head and k-transform
+        (whose scales are per-head), ``None`` for the dynamic fp32-group format
+        (no stored tensor).
     """
     if granularity == "per-tensor":
         return ()
-    if granularity == "per-head":
+    if granularity in ("per-head", "k-transform"):
         return (geometry.num_kv_heads,)
     return None
 
@@ -279,6 +287,94 @@ def check_values(values: torch.Tensor, name: str, *, stage: str = "", fix: str =
                 'patch(model, scale_format="fp32-group") to ignore them and compute scales '
                 "while writing the cache."
             )
+        )
+
+
+def check_offset(raw: RawOffset, geometry: LayerGeometry) -> torch.Tensor:
+    """Check one ``k_offset`` tensor and return it as a new fp32 CPU ``[Hkv, head_dim]`` tensor.
+
+    Args:
+        raw: the offset as the checkpoint stores it (not modified).
+        geometry: the model's attention geometry.
+
+    Returns:
+        The offset, fp32 ``[num_kv_heads, head_dim]``.
+
+    Raises:
+        ScaleFormatError: not a dense floating-point tensor, a wrong shape, or a
+            non-finite element or one beyond :data:`MAX_OFFSET` in magnitude.
+    """
+    tensor = raw.tensor
+    want = (geometry.num_kv_heads, geometry.head_dim)
+    fix = (
+        "Fix: re-run kvquant calibrate for this model, or patch(model, "
+        'scale_format="fp32-group") to ignore the checkpoint\'s K transform.'
+    )
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or not tensor.dtype.is_floating_point
+        or tensor.layout != torch.strided
+        or tensor.device.type == "meta"
+    ):
+        found = (
+            f"a {tensor.layout} {tensor.dtype} tensor on {tensor.device.type}"
+            if isinstance(tensor, torch.Tensor)
+            else f"a {type(tensor).__name__}"
+        )
+        raise ScaleFormatError(
+            f"{raw.name} is {found}; expected a dense floating-point K offset of shape "
+            f"{format_shape(want)}. {fix}"
+        )
+    if tuple(tensor.shape) != want:
+        raise ScaleFormatError(
+            f"{raw.name} has shape {format_shape(tensor.shape)}; expected {format_shape(want)} "
+            f"(one offset per KV head and channel: {geometry.num_kv_heads} KV heads, head_dim "
+            f"{geometry.head_dim}). {fix}"
+        )
+    try:
+        values = tensor.detach().to(device="cpu", dtype=torch.float64, copy=True)
+    except (RuntimeError, NotImplementedError, TypeError):
+        raise ScaleFormatError(
+            f"{raw.name} has dtype {tensor.dtype}, which cannot be converted to float32; "
+            f"expected float32. {fix}"
+        ) from None
+    bad = ~torch.isfinite(values) | (values.abs() > MAX_OFFSET)
+    count = int(bad.sum())
+    if count:
+        flat = values.reshape(-1)
+        index = int(torch.nonzero(bad.reshape(-1))[0, 0])
+        raise ScaleFormatError(
+            f"{raw.name}: element {_unravel(index, want)} is {_format_value(float(flat[index]))} "
+            f"({count} of {flat.numel()} elements non-finite or beyond +-{MAX_OFFSET:.3g}); "
+            f"expected finite K offsets (per-channel means of K). {fix}"
+        )
+    return values.to(torch.float32)
+
+
+def check_rotation(rotation: object, head_dim: int, where: str) -> None:
+    """Accept a ``k-transform`` rotation for a head size.
+
+    Args:
+        rotation: ``"hadamard"`` or ``None``.
+        head_dim: the model's head size.
+        where: how to name the setting's source in the message.
+
+    Raises:
+        ScaleFormatError: an unknown rotation, or ``"hadamard"`` for a
+            ``head_dim`` that is not a power of two.
+    """
+    if rotation is None:
+        return
+    if rotation != "hadamard":
+        raise ScaleFormatError(
+            f"{where}: rotation is {rotation!r}; expected 'hadamard' or None. Fix: re-run "
+            "kvquant calibrate, or correct the rotation entry."
+        )
+    if head_dim & (head_dim - 1):
+        raise ScaleFormatError(
+            f"{where}: rotation 'hadamard' needs a power-of-two head_dim but the model has "
+            f"head_dim {head_dim}. Fix: calibrate the K transform with rotation=None (offset "
+            "only) for this model."
         )
 
 

@@ -3,7 +3,7 @@
 Example:
     >>> from kvquant.registry import get_scale_format, scale_format_names
     >>> scale_format_names()
-    ('per-tensor', 'per-head', 'fp32-group')
+    ('per-tensor', 'per-head', 'fp32-group', 'k-transform')
     >>> get_scale_format("per-head")
     PerHeadFormat()
 """
@@ -23,6 +23,7 @@ import torch
 from kvquant.errors import FormatRegistrationError, ScaleFormatError, UnknownFormatError
 from kvquant.registry.formats import (
     Fp32GroupFormat,
+    KTransformFormat,
     PerHeadFormat,
     PerTensorFormat,
     ScaleFormat,
@@ -54,7 +55,12 @@ _CONTRACT_GEOMETRIES = (
     LayerGeometry(num_layers=1, num_heads=9, num_kv_heads=3, head_dim=80),
 )
 
-BUILTIN_FORMATS: tuple[ScaleFormat, ...] = (PerTensorFormat(), PerHeadFormat(), Fp32GroupFormat())
+BUILTIN_FORMATS: tuple[ScaleFormat, ...] = (
+    PerTensorFormat(),
+    PerHeadFormat(),
+    Fp32GroupFormat(),
+    KTransformFormat(),
+)
 """The formats every registry starts with, in detection order."""
 
 

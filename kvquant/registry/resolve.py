@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -52,6 +53,8 @@ from kvquant.registry.policy import (
     broadcast_to_per_head,
     check_dtype,
     check_geometry,
+    check_offset,
+    check_rotation,
     check_values,
     format_layers,
     format_shape,
@@ -66,7 +69,14 @@ from kvquant.registry.registry import (
     check_format_contract,
     default_registry,
 )
-from kvquant.types import Granularity, LayerGeometry, RawScale
+from kvquant.types import (
+    MAX_FIRST_TOKENS,
+    Granularity,
+    KTransform,
+    LayerGeometry,
+    RawKTransform,
+    RawScale,
+)
 
 __all__ = [
     "Action",
@@ -174,6 +184,9 @@ class LayerScales:
         v_record: what happened to V.
         notes: what kvquant did here beyond reading the value as stored.
         problems: why this layer is rejected; empty when it is fine.
+        k_offset: fp32 ``[num_kv_heads, head_dim]`` per-channel K offset (in the
+            rotated frame) for ``k-transform``, else ``None``.
+        k_offset_tensor: the checkpoint name of that offset, else ``None``.
     """
 
     layer: int
@@ -186,6 +199,8 @@ class LayerScales:
     v_record: ScaleRecord
     notes: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
+    k_offset: torch.Tensor | None = None
+    k_offset_tensor: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -202,9 +217,23 @@ class LayerScales:
             "ok": self.ok,
             "k": self.k_record.to_dict(),
             "v": self.v_record.to_dict(),
+            "k_offset": _offset_summary(self.k_offset, self.k_offset_tensor),
             "notes": list(self.notes),
             "problems": list(self.problems),
         }
+
+
+def _offset_summary(offset: torch.Tensor | None, name: str | None) -> dict[str, Any] | None:
+    """Name, shape and value range of a K offset, for reports (never the values themselves)."""
+    if offset is None and name is None:
+        return None
+    out: dict[str, Any] = {"tensor": name}
+    if offset is not None:
+        out["shape"] = list(offset.shape)
+        out["min"] = _json_float(float(offset.min()))
+        out["max"] = _json_float(float(offset.max()))
+        out["mean_abs"] = _json_float(float(offset.abs().mean()))
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,6 +251,8 @@ class ModelScales:
         conversions: every conversion applied, typed (:class:`AppliedConversion`:
             what, whether it is lossy, the note, the layers); their notes are in
             :attr:`notes`.
+        k_transform: the rotation and first-token settings when ``granularity``
+            is ``"k-transform"`` (the offsets are per layer), else ``None``.
     """
 
     geometry: LayerGeometry
@@ -232,6 +263,7 @@ class ModelScales:
     problems: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     conversions: tuple[AppliedConversion, ...] = ()
+    k_transform: KTransform | None = None
 
     @property
     def ok(self) -> bool:
@@ -285,6 +317,14 @@ class ModelScales:
             "options": dict(self.options),
             "granularity": self.granularity,
             "group_size": self.group_size,
+            "k_transform": (
+                None
+                if self.k_transform is None
+                else {
+                    "rotation": self.k_transform.rotation,
+                    "first_tokens": self.k_transform.first_tokens,
+                }
+            ),
             "notes": list(self.notes),
             "conversions": [
                 {
@@ -305,6 +345,12 @@ class ModelScales:
         head = (
             f"KV scales: {self.granularity}"
             + (f" (G={self.group_size})" if self.group_size else "")
+            + (
+                f" (rotation {self.k_transform.rotation or 'none'}, first_tokens "
+                f"{self.k_transform.first_tokens})"
+                if self.k_transform is not None
+                else ""
+            )
             + f" for {len(self.layers)} layers ({g.num_heads} heads, {g.num_kv_heads} KV heads, "
             f"head_dim {g.head_dim}): {'ok' if self.ok else 'REJECTED'}"
         )
@@ -503,6 +549,7 @@ def analyze_scales(
     rope_policy: str = "widen",
     registry: ScaleFormatRegistry | None = None,
     options: ResolveOptions | None = None,
+    k_transform: RawKTransform | None = None,
 ) -> ModelScales:
     """Normalise every raw scale and record, per layer, what was done or what is wrong.
 
@@ -541,13 +588,179 @@ def analyze_scales(
         own = getattr(requested, "group_size", None)
         if group_size is None and isinstance(scale_format, ScaleFormat) and isinstance(own, int):
             group_size = own  # an instance such as Fp32GroupFormat(group_size=32)
-        return _dynamic(
+        dynamic = _dynamic(
             raw_scales, geometry, group_size, recorded, requested.name, explicit=True, reason=None
         )
+        if k_transform is None:
+            return dynamic
+        note = (
+            f'scale_format="{requested.name}": the checkpoint\'s K transform '
+            f"({k_transform.source or 'given'}) is ignored; scales are computed while writing"
+        )
+        return dataclasses.replace(
+            dynamic,
+            notes=(*dynamic.notes, note),
+            conversions=(
+                *dynamic.conversions,
+                AppliedConversion(
+                    Conversion.CHECKPOINT_IGNORED, note, tuple(range(geometry.num_layers))
+                ),
+            ),
+        )
     # A built-in name chooses the target granularity and formats are detected
-    # per tensor; a user format reads every tensor itself.
+    # per tensor; a user format reads every tensor itself. A K transform in the
+    # checkpoint makes "auto" resolve to the k-transform target.
     reader = requested if requested is not None and requested.name not in _BUILTIN_NAMES else None
     target: Granularity | None = requested.granularity if requested is not None else None
+    if target is None and k_transform is not None:
+        target = "k-transform"
+    result = _analyze_static(
+        raw_scales, geometry, reader, target, requested, group_size, missing_scales,
+        missing_kv, rope_policy, registry, recorded,
+    )  # fmt: skip
+    if k_transform is not None and not raw_scales:
+        problem = (
+            f"{k_transform.source or 'the checkpoint'} declares a K transform but the checkpoint "
+            "has no K/V scales; the k-transform format needs static K and V scales for every "
+            "layer (model.layers.N.self_attn.k_scale / v_scale). Fix: re-run kvquant calibrate "
+            'for this model, or patch(model, scale_format="fp32-group") to ignore the transform.'
+        )
+        return dataclasses.replace(result, problems=(*result.problems, problem))
+    if result.granularity == "k-transform":
+        return _with_k_transform(result, k_transform, geometry)
+    if k_transform is not None and result.granularity != "fp32-group":
+        name = requested.name if requested is not None else "auto"
+        problem = (
+            f"{k_transform.source or 'the checkpoint'} declares a K transform (per-channel K "
+            f'offsets) but scale_format="{name}" resolves {result.granularity} scales without '
+            "it; its K scales were calibrated for the offset keys and would saturate on raw "
+            'keys. Fix: scale_format="auto" or "k-transform", or "fp32-group" to ignore the '
+            "checkpoint's scales."
+        )
+        return dataclasses.replace(result, problems=(*result.problems, problem))
+    return result
+
+
+def _with_k_transform(
+    scales: ModelScales, k_transform: RawKTransform | None, geometry: LayerGeometry
+) -> ModelScales:
+    """Attach the K offsets and settings to resolved k-transform scales, recording every problem."""
+    if k_transform is None:
+        problem = (
+            'scale_format="k-transform" needs a K transform (per-channel K offsets and '
+            "kvquant_kv_transform.json) but none was found. Fix: point scales= at a checkpoint "
+            "folder written by kvquant calibrate with the k-transform format, or pick another "
+            "scale_format."
+        )
+        return dataclasses.replace(scales, problems=(*scales.problems, problem))
+    if not isinstance(k_transform, RawKTransform):
+        raise ScaleFormatError(
+            f"k_transform is a {type(k_transform).__name__}; expected kvquant.registry."
+            "RawKTransform. Fix: build it with kvquant's discovery (discover_scales)."
+        )
+    where = k_transform.source or "the K transform"
+    settings = k_transform.settings
+    problems = list(scales.problems)
+    model_problems: list[str] = []
+    try:
+        check_rotation(settings.rotation, geometry.head_dim, where)
+    except ScaleFormatError as exc:
+        model_problems.append(str(exc))
+    first = settings.first_tokens
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= MAX_FIRST_TOKENS:
+        model_problems.append(
+            f"{where}: first_tokens is {first!r}; expected an int from 0 to {MAX_FIRST_TOKENS}. "
+            "Fix: correct first_tokens (1 keeps the attention sink at full precision)."
+        )
+    offsets: dict[int, list[Any]] = {}
+    for raw in k_transform.offsets:
+        if isinstance(raw.layer, int) and 0 <= raw.layer < geometry.num_layers:
+            offsets.setdefault(raw.layer, []).append(raw)
+        else:
+            model_problems.append(
+                f"{raw.name} is for layer {raw.layer!r} but the model has {geometry.num_layers} "
+                f"layers (0-{geometry.num_layers - 1}). Fix: check that the K transform belongs "
+                "to this model."
+            )
+    layers = []
+    for layer_scales in scales.layers:
+        found = offsets.get(layer_scales.layer, [])
+        mine: list[str] = []
+        offset = None
+        name = found[0].name if found else None
+        if not found:
+            mine.append(
+                f"layer {layer_scales.layer} has no k_offset (expected "
+                f"model.layers.{layer_scales.layer}.self_attn.k_offset, fp32 "
+                f"[{geometry.num_kv_heads}, {geometry.head_dim}]). Fix: re-run kvquant calibrate "
+                'for this model, or patch(model, scale_format="fp32-group").'
+            )
+        elif len(found) > 1:
+            mine.append(
+                f"layer {layer_scales.layer} has {len(found)} k_offset tensors "
+                f"({', '.join(r.name for r in found[:3])}). Fix: keep one per layer."
+            )
+        else:
+            try:
+                offset = check_offset(found[0], geometry)
+            except ScaleFormatError as exc:
+                mine.append(str(exc))
+        problems.extend(mine)
+        ok = layer_scales.ok and not mine
+        k_record, v_record = layer_scales.k_record, layer_scales.v_record
+        if mine and layer_scales.ok:
+            k_record = dataclasses.replace(
+                k_record, action="reject", reason=" | ".join(mine), scale=None
+            )
+            v_record = dataclasses.replace(
+                v_record,
+                action="reject",
+                reason=(
+                    f"this V scale is fine on its own; layer {layer_scales.layer} is rejected "
+                    "because of its K offset (see the K row)"
+                ),
+                scale=None,
+            )
+        layers.append(
+            dataclasses.replace(
+                layer_scales,
+                k_record=k_record,
+                v_record=v_record,
+                k=layer_scales.k if ok else None,
+                v=layer_scales.v if ok else None,
+                k_offset=offset if ok else None,
+                k_offset_tensor=name,
+                problems=(*layer_scales.problems, *mine),
+            )
+        )
+    note = (
+        f"K transform from {where}: per-channel K offsets, rotation "
+        f"{settings.rotation or 'none'}, first {settings.first_tokens} token(s) of each sequence "
+        "at full precision"
+    )
+    return dataclasses.replace(
+        scales,
+        layers=tuple(layers),
+        problems=(*model_problems, *problems),
+        notes=(*scales.notes, note),
+        k_transform=KTransform(rotation=settings.rotation, first_tokens=settings.first_tokens),
+    )
+
+
+def _analyze_static(
+    raw_scales: Sequence[RawScale],
+    geometry: LayerGeometry,
+    reader: ScaleFormat | None,
+    target: Granularity | None,
+    requested: ScaleFormat | None,
+    group_size: int | None,
+    missing_scales: str,
+    missing_kv: str,
+    rope_policy: str,
+    registry: ScaleFormatRegistry,
+    recorded: dict[str, Any],
+) -> ModelScales:
+    """The static part of :func:`analyze_scales`: read, pair, convert and check every layer."""
 
     problems: list[str] = []
     by_layer: dict[int, list[RawScale]] = {}
@@ -743,7 +956,7 @@ def _finish_layer(
                     ),
                     [],
                 ).append(layer)
-            elif target == "per-head" and tensor.dim() == 0:
+            elif target in ("per-head", "k-transform") and tensor.dim() == 0:
                 tensor = broadcast_to_per_head(tensor, geometry.num_kv_heads)
                 kind_steps.append("per-tensor broadcast to every KV head (lossless)")
                 events.setdefault(
@@ -1107,6 +1320,7 @@ def resolve_scales(
     rope_policy: str = "widen",
     registry: ScaleFormatRegistry | None = None,
     options: ResolveOptions | None = None,
+    k_transform: RawKTransform | None = None,
 ) -> ModelScales:
     """Turn a model's raw checkpoint scales into canonical per-layer scales, or raise.
 
@@ -1132,6 +1346,13 @@ def resolve_scales(
         options: all of the options above as one :class:`ResolveOptions` (what
             :func:`kvquant.patch`, ``KVQuantConfig`` and ``kvquant doctor``
             pass); then the individual options must be left at their defaults.
+        k_transform: the checkpoint's K transform (per-layer ``k_offset``
+            tensors and settings, :attr:`DiscoveredCheckpoint.k_transform
+            <kvquant.checkpoint.discovery.DiscoveredCheckpoint.k_transform>`), or
+            None. With ``"auto"`` it selects the ``k-transform`` target; a
+            static ``per-tensor`` / ``per-head`` format with a K transform is a
+            problem (the scales were calibrated for offset keys);
+            ``"fp32-group"`` ignores it (noted).
 
     Returns:
         The canonical scales and the report (:meth:`ModelScales.to_dict`,
@@ -1153,6 +1374,7 @@ def resolve_scales(
         rope_policy=rope_policy,
         registry=registry,
         options=options,
+        k_transform=k_transform,
     )
     scales.raise_for_problems()
     _log_once(scales)

@@ -13,6 +13,8 @@ convention                        scale tensors (layer ``N``)                   
 ``"quark"``                       ``self_attn.k_proj.output_scale``/``v_proj``    ``()``, bf16
 ``"quark-fp8"``                   ``self_attn.k_scale``/``v_scale`` (Quark config)  ``()``, bf16
 ``"legacy-kv_scale"``             ``self_attn.kv_scale``                          ``()``, fp32
+``"kvquant-k-transform"``         ``self_attn.k_scale``/``v_scale``, ``k_offset``   ``(Hkv,)``, ``(Hkv, D)``, fp32
+                                  and ``kvquant_kv_transform.json``
 ``"none"``                        no KV scales, no quantization_config            —
 ================================  =============================================  ===============
 
@@ -49,7 +51,9 @@ from kvquant.checkpoint import producers as conventions
 __all__ = [
     "CATALOGUE",
     "CONVENTIONS",
+    "K_TRANSFORM",
     "CatalogueEntry",
+    "default_k_offsets",
     "default_scale_values",
     "scale_tensor_name",
     "write_checkpoint",
@@ -57,9 +61,18 @@ __all__ = [
 ]
 
 Convention = Literal[
-    "compressed-tensors", "modelopt", "quark", "quark-fp8", "legacy-kv_scale", "none"
+    "compressed-tensors",
+    "modelopt",
+    "quark",
+    "quark-fp8",
+    "legacy-kv_scale",
+    "kvquant-k-transform",
+    "none",
 ]
-CONVENTIONS: tuple[str, ...] = (*conventions.PRODUCER_CONVENTIONS, "none")
+K_TRANSFORM = "kvquant-k-transform"
+"""kvquant's own k-transform convention (per-head scales, K offsets, the settings file)."""
+
+CONVENTIONS: tuple[str, ...] = (*conventions.PRODUCER_CONVENTIONS, K_TRANSFORM, "none")
 """The producer conventions :func:`write_checkpoint` can write."""
 
 _LINEARS = (
@@ -115,6 +128,49 @@ def default_scale_values(
                 out[(layer, kind)] = value + 0.001 * torch.arange(num_kv_heads, dtype=torch.float32)
             else:
                 out[(layer, kind)] = torch.tensor(value, dtype=torch.float32)
+    return out
+
+
+def default_k_offsets(
+    num_layers: int, num_kv_heads: int, head_dim: int, *, seed: int = 0
+) -> dict[int, torch.Tensor]:
+    """Deterministic fp32 ``[Hkv, head_dim]`` K offsets (``0.5 * N(0, 1)``), one per layer."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return {
+        layer: 0.5 * torch.randn(num_kv_heads, head_dim, generator=gen)
+        for layer in range(num_layers)
+    }
+
+
+def _k_transform_tensors(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scales: Mapping[tuple[int, str], float | torch.Tensor] | None,
+    k_offsets: Mapping[int, torch.Tensor] | None,
+    drop: set[tuple[int, str]],
+    seed: int,
+) -> dict[str, torch.Tensor]:
+    """kvquant's k-transform tensors: fp32 ``[Hkv]`` K/V scales and fp32 ``[Hkv, D]`` K offsets."""
+    values: dict[tuple[int, str], float | torch.Tensor] = dict(
+        default_scale_values(num_layers, num_kv_heads, per_head=True)
+    )
+    values.update(scales or {})
+    offsets: dict[int, torch.Tensor] = default_k_offsets(
+        num_layers, num_kv_heads, head_dim, seed=seed
+    )
+    offsets.update(k_offsets or {})
+    out: dict[str, torch.Tensor] = {}
+    for layer in range(num_layers):
+        for kind in ("k", "v"):
+            if (layer, kind) in drop:
+                continue
+            value = values[(layer, kind)]
+            if not isinstance(value, torch.Tensor):
+                value = torch.full((num_kv_heads,), float(value), dtype=torch.float32)
+            out[f"model.layers.{layer}.self_attn.{kind}_scale"] = value.clone()
+        if (layer, "k_offset") not in drop:
+            out[conventions.k_offset_tensor_name(layer)] = offsets[layer].clone()
     return out
 
 
@@ -298,6 +354,9 @@ def write_checkpoint(
     quant_config_updates: Mapping[str, Any] | None = None,
     multimodal: bool = False,
     seed: int = 0,
+    k_offsets: Mapping[int, torch.Tensor] | None = None,
+    kv_transform: Mapping[str, Any] | None = None,
+    kv_transform_file: bool = True,
 ) -> Path:
     """Write a tiny Llama checkpoint whose KV scales follow one producer's convention.
 
@@ -341,6 +400,14 @@ def write_checkpoint(
             ``{"kv_cache_scheme": {...}}``).
         multimodal: nest the Llama config under ``text_config`` (a Llava-style config).
         seed: seed of the random weights.
+        k_offsets: ``"kvquant-k-transform"`` only: per-layer K offsets stored
+            exactly as given (default :func:`default_k_offsets`); ``drop``
+            takes ``(layer, "k_offset")`` too.
+        kv_transform: ``"kvquant-k-transform"`` only: entries merged into
+            ``kvquant_kv_transform.json`` (default: rotation ``"hadamard"``,
+            first_tokens 1, this geometry).
+        kv_transform_file: ``"kvquant-k-transform"`` only: write the settings
+            file (False: offsets without it).
 
     Returns:
         The checkpoint folder.
@@ -352,7 +419,7 @@ def write_checkpoint(
         raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
     if granularity not in ("per-tensor", "per-head"):
         raise ValueError(f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}")
-    if granularity == "per-head" and convention != "compressed-tensors":
+    if granularity == "per-head" and convention not in ("compressed-tensors", K_TRANSFORM):
         raise ValueError(
             f"granularity='per-head' is a compressed-tensors (attn_head) export; {convention} "
             "writes per-tensor scales (pass explicit tensors in scales= to store other shapes)"
@@ -381,11 +448,19 @@ def write_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     if weights == "tiny-random":
         tensors.update(_random_weights(config, seed, fp8_weights))
-    tensors.update(
-        _kv_scale_tensors(
-            convention, granularity, num_layers, num_kv_heads, dtype, post_rope, scales, set(drop)
+    if convention == K_TRANSFORM:
+        tensors.update(
+            _k_transform_tensors(
+                num_layers, num_kv_heads, head_dim, scales, k_offsets, set(drop), seed
+            )
         )
-    )
+    else:
+        tensors.update(
+            _kv_scale_tensors(
+                convention, granularity, num_layers, num_kv_heads, dtype, post_rope, scales,
+                set(drop),
+            )
+        )  # fmt: skip
     if extra_tensors:
         tensors.update({k: v.detach().clone() for k, v in extra_tensors.items()})
     if not tensors:
@@ -397,7 +472,7 @@ def write_checkpoint(
             num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=True
         )
     qcfg, hf_quant = conventions.producer_configs(
-        convention,
+        "none" if convention == K_TRANSFORM else convention,
         granularity=granularity,
         fp8_weights=fp8_weights,
         post_rope=post_rope,
@@ -420,6 +495,19 @@ def write_checkpoint(
         (root / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
     elif (root / "hf_quant_config.json").exists():
         (root / "hf_quant_config.json").unlink()
+    settings_path = root / conventions.KV_TRANSFORM_FILE
+    if convention == K_TRANSFORM and kv_transform_file:
+        settings = conventions.kv_transform_config(
+            rotation="hadamard",
+            first_tokens=1,
+            head_dim=head_dim,
+            num_kv_heads=num_kv_heads,
+            num_layers=num_layers,
+        )
+        settings.update(kv_transform or {})
+        settings_path.write_text(json.dumps(settings, indent=2) + "\n")
+    elif settings_path.exists():
+        settings_path.unlink()
     return root
 
 
@@ -585,6 +673,59 @@ CATALOGUE: Mapping[str, CatalogueEntry] = {
         "unreadable",
         {"convention": "compressed-tensors", "extra_tensors": _zero_points()},
         _unreadable_hf_quant_config,
+    ),
+    "kvquant-k-transform": CatalogueEntry(
+        "kvquant's k-transform: per-head fp32 scales, K offsets, Hadamard rotation",
+        "load",
+        {"convention": K_TRANSFORM},
+    ),
+    "kvquant-k-transform-offset-only": CatalogueEntry(
+        "k-transform without rotation, two first tokens",
+        "load",
+        {"convention": K_TRANSFORM, "kv_transform": {"rotation": None, "first_tokens": 2}},
+    ),
+    "k-offsets-without-settings": CatalogueEntry(
+        "K offsets but no kvquant_kv_transform.json",
+        "refuse",
+        {"convention": K_TRANSFORM, "kv_transform_file": False},
+    ),
+    "k-transform-settings-without-offsets": CatalogueEntry(
+        "kvquant_kv_transform.json but no K offsets",
+        "refuse",
+        {"convention": K_TRANSFORM, "drop": [(0, "k_offset"), (1, "k_offset")]},
+    ),
+    "k-transform-missing-layer-offset": CatalogueEntry(
+        "layer 1 has no K offset",
+        "refuse",
+        {"convention": K_TRANSFORM, "drop": [(1, "k_offset")]},
+    ),
+    "k-offset-wrong-shape": CatalogueEntry(
+        "a K offset of shape (Hkv, head_dim / 2)",
+        "refuse",
+        {"convention": K_TRANSFORM, "k_offsets": {0: torch.zeros(2, 8)}},
+    ),
+    "k-offset-nan": CatalogueEntry(
+        "a NaN K offset element",
+        "refuse",
+        {
+            "convention": K_TRANSFORM,
+            "k_offsets": {1: torch.zeros(2, 16).index_fill_(1, torch.tensor([3]), float("nan"))},
+        },
+    ),
+    "k-transform-rotation-head-dim-80": CatalogueEntry(
+        "a Hadamard rotation for head_dim 80 (not a power of two)",
+        "refuse",
+        {"convention": K_TRANSFORM, "head_dim": 80},
+    ),
+    "k-transform-bad-settings": CatalogueEntry(
+        "kvquant_kv_transform.json with version 2 and first_tokens -1",
+        "refuse",
+        {"convention": K_TRANSFORM, "kv_transform": {"version": 2, "first_tokens": -1}},
+    ),
+    "k-transform-settings-other-model": CatalogueEntry(
+        "kvquant_kv_transform.json written for another head_dim",
+        "refuse",
+        {"convention": K_TRANSFORM, "kv_transform": {"head_dim": 64}},
     ),
 }
 """Named checkpoints for agreement tests: ``kvquant doctor``, :func:`kvquant.patch`,

@@ -41,6 +41,8 @@ class Outcome:
     group_size: int | None = None
     scales: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...] = ()
     error: str = ""
+    k_transform: Any = None
+    offsets: tuple[torch.Tensor | None, ...] = ()
 
 
 def _from_scales(decision: str, found: Any, model_scales: Any) -> Outcome:
@@ -50,6 +52,8 @@ def _from_scales(decision: str, found: Any, model_scales: Any) -> Outcome:
         model_scales.granularity,
         model_scales.group_size,
         tuple((layer.k, layer.v) for layer in model_scales.layers),
+        k_transform=model_scales.k_transform,
+        offsets=tuple(layer.k_offset for layer in model_scales.layers),
     )
 
 
@@ -85,8 +89,8 @@ def _check_patched(model: Any) -> Outcome:
     ms = state.model_scales
     found = state.raw_context["discovered"]
     for layer, site in zip(ms.layers, state.sites, strict=True):
-        for attr in ("k_scale", "v_scale"):
-            canonical = getattr(layer, attr[0])
+        for attr in ("k_scale", "v_scale", "k_offset"):
+            canonical = getattr(layer, "k_offset" if attr == "k_offset" else attr[0])
             installed = getattr(site.module, attr, None)
             if canonical is None:
                 assert installed is None
@@ -150,6 +154,13 @@ def _same(a: Outcome, b: Outcome, door: str) -> None:
         return
     assert a.findings == b.findings, door
     assert (a.granularity, a.group_size) == (b.granularity, b.group_size), door
+    assert a.k_transform == b.k_transform, door
+    assert len(a.offsets) == len(b.offsets), door
+    for x, y in zip(a.offsets, b.offsets, strict=True):
+        assert (x is None) == (y is None), door
+        if x is not None:
+            assert x.dtype == y.dtype == torch.float32
+            assert torch.equal(x, y), door
     assert len(a.scales) == len(b.scales)
     for (ak, av), (bk, bv) in zip(a.scales, b.scales, strict=True):
         for x, y in ((ak, bk), (av, bv)):
@@ -171,6 +182,13 @@ def test_four_doors_agree(tmp_path: Path, name: str, capsys: pytest.CaptureFixtu
         for k, v in reference.scales:
             for t in (k, v):
                 assert t is not None and bool(torch.isfinite(t).all()) and bool((t > 0).all())
+    is_transform = entry.options.get("convention") == "kvquant-k-transform"
+    if reference.decision == "load" and is_transform:
+        assert reference.granularity == "k-transform"
+        assert reference.k_transform is not None
+        assert all(o is not None and bool(torch.isfinite(o).all()) for o in reference.offsets)
+    elif reference.decision == "load":
+        assert reference.k_transform is None and all(o is None for o in reference.offsets)
 
 
 _MODEL: list[Any] = []

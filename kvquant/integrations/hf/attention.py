@@ -252,6 +252,13 @@ def kvquant_attention(
         # Dense K/V: a prompt with no cached prefix, or a forward without a kvquant cache
         # (use_cache=False, gradients): the model's previous attention implementation, so the
         # call (and its gradients) is exactly the unpatched model's.
+        fresh = _layer_of(module)
+        if fresh is not None and fresh.pending_first is not None:
+            # k-transform: keep the prompt's first visible tokens at full precision
+            window = int(sliding_window or 0)
+            fresh.flush_first_tokens(
+                _kv_start(fresh, attention_mask, query.shape[2], window, module)
+            )
         extra: dict[str, Any] = {"dropout": dropout, "scaling": scaling}
         if sliding_window is not None:
             extra["sliding_window"] = sliding_window
@@ -280,20 +287,9 @@ def kvquant_attention(
             "kvquant.patch(model) again, and pass the cache as a keyword argument."
         )
     cache = layer.cache
-    memo = cache.kv_start_memo
-    kv_start: torch.Tensor | None
-    if cache.static is not None:
-        kv_start = cache.static.kv_start  # a CUDA-graph decode step: checked by its runner
-    elif attention_mask is None:
-        kv_start = cache.kv_start_memo = None  # no mask: no padding
-    elif memo is not None and memo[0] is attention_mask and memo[1] == window:
-        kv_start = memo[2]
-    else:
-        # A refused mask raises after this layer stored the call's tokens: kvquant.patch's
-        # decoder hook then rolls the whole cache back to where the forward began.
-        lq = query.shape[2]
-        kv_start = kv_start_from_mask(attention_mask, layer.seq_len, lq, window, _name(module))
-        cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
+    kv_start = _kv_start(layer, attention_mask, query.shape[2], window, module)
+    if layer.pending_first is not None:
+        layer.flush_first_tokens(kv_start)
     out = storage.attend(
         query.transpose(1, 2),
         cache.block_table(storage.device),
@@ -306,6 +302,30 @@ def kvquant_attention(
         sinks=None if s_aux is None else _sinks(layer, s_aux),
     )
     return out, None
+
+
+def _kv_start(
+    layer: KVQuantLayer,
+    attention_mask: torch.Tensor | None,
+    q_len: int,
+    window: int,
+    module: nn.Module,
+) -> torch.Tensor | None:
+    """The call's per-sequence first visible key (left padding), memoised per mask on the cache."""
+    cache = layer.cache
+    memo = cache.kv_start_memo
+    if cache.static is not None:
+        return cache.static.kv_start  # a CUDA-graph decode step: checked by its runner
+    if attention_mask is None:
+        cache.kv_start_memo = None  # no mask: no padding
+        return None
+    if memo is not None and memo[0] is attention_mask and memo[1] == window:
+        return memo[2]
+    # A refused mask raises after this layer stored the call's tokens: kvquant.patch's
+    # decoder hook then rolls the whole cache back to where the forward began.
+    kv_start = kv_start_from_mask(attention_mask, layer.seq_len, q_len, window, _name(module))
+    cache.kv_start_memo = (attention_mask, window, kv_start) if kv_start is not None else None
+    return kv_start
 
 
 def _sinks(layer: KVQuantLayer, s_aux: torch.Tensor) -> torch.Tensor:

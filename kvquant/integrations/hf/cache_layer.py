@@ -68,6 +68,10 @@ class LayerSpec:
         k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for ``fp32-group``.
         v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for ``fp32-group``.
         group_size: ``G`` of ``fp32-group`` (divides ``head_dim``), else None.
+        k_offset: fp32 ``[Hkv, D]`` per-channel K offset (``k-transform``), else None.
+        rotation: ``"hadamard"`` or None (``k-transform``: the K / query rotation).
+        first_tokens: first visible tokens per sequence kept at full precision
+            (``k-transform``), else 0.
     """
 
     name: str
@@ -77,6 +81,9 @@ class LayerSpec:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     group_size: int | None
+    k_offset: torch.Tensor | None = None
+    rotation: str | None = None
+    first_tokens: int = 0
 
 
 @dataclass
@@ -168,6 +175,10 @@ class KVQuantLayer(CacheLayerMixin):
         self.spec = spec
         self.seq_len = 0
         self.storage: PagedLayerStorage | None = None
+        # k-transform: the K/V of the last update, until kvquant's attention knows each row's
+        # first visible position (kv_start) and keeps the first tokens (flush_first_tokens)
+        self.pending_first: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.first_end: int | None = None  # one past the last first-token position, once known
 
     def __repr__(self) -> str:
         return (
@@ -199,6 +210,9 @@ class KVQuantLayer(CacheLayerMixin):
         )
         spec = self.spec
         group = spec.granularity == "fp32-group"
+        rotation = (
+            kernels.hadamard(spec.head_dim, device=device) if spec.rotation == "hadamard" else None
+        )
         self.storage = PagedLayerStorage(
             num_pages,
             page_size,
@@ -212,6 +226,9 @@ class KVQuantLayer(CacheLayerMixin):
             device=device,
             backend=self.cache.backend,
             name=spec.name,
+            k_offset=spec.k_offset,
+            k_rotation=rotation,
+            first_tokens=spec.first_tokens,
         )
         self.keys = self.values = None
         self.is_initialized = True
@@ -288,7 +305,10 @@ class KVQuantLayer(CacheLayerMixin):
         fresh = self.seq_len == 0
         slots = self.cache.slots_for(self, bsz, new)
         if new > 0:
-            self._storage().write(key_states.transpose(1, 2), value_states.transpose(1, 2), slots)
+            k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
+            self._storage().write(k, v, slots)
+            if self.wants_first_tokens():
+                self.pending_first = (k, v, self.seq_len)
         self.seq_len += new
         if fresh:
             # Nothing stored before: attention over exactly these keys, which the caller
@@ -298,6 +318,26 @@ class KVQuantLayer(CacheLayerMixin):
         if self.cache.attention_is_kvquant():
             return None, None
         return self.dense_kv(key_states.dtype)
+
+    def wants_first_tokens(self) -> bool:
+        """Whether the next tokens may fall in a row's first-token window (``k-transform``)."""
+        return self.spec.first_tokens > 0 and (
+            self.first_end is None or self.seq_len < self.first_end
+        )
+
+    def flush_first_tokens(self, kv_start: torch.Tensor | None) -> None:
+        """Keep the last update's first tokens in the storage's side buffer, now that ``kv_start`` is known.
+
+        Called by kvquant's attention function (on the prompt's dense path too)
+        before it attends. Syncs once per call on a GPU, only while the windows
+        are incomplete (the prompt, and at most ``first_tokens`` decode steps).
+        """
+        pending, self.pending_first = self.pending_first, None
+        if pending is None or self.storage is None:
+            return
+        k, v, start = pending
+        self.storage.keep_first(k, v, start, kv_start)
+        self.first_end = self.storage.first_window_end()
 
     def _storage(self) -> PagedLayerStorage:
         if self.storage is None:
@@ -339,6 +379,10 @@ class KVQuantLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Forget every stored token (the pages stay allocated)."""
         self.seq_len = 0
+        self.pending_first = None
+        self.first_end = None
+        if self.storage is not None:
+            self.storage.reset_first()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: sequence ``b`` takes the stored tokens of sequence ``beam_idx[b]`` [B]."""
@@ -349,6 +393,7 @@ class KVQuantLayer(CacheLayerMixin):
         dst = bt[:, :used].long()
         src = dst.index_select(0, beam_idx.to(dst.device).long())
         self.storage.copy_pages(src.reshape(-1), dst.reshape(-1))
+        self.storage.reorder_first(beam_idx)
 
     def _unsupported(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(
@@ -775,6 +820,9 @@ class KVQuantCache(Cache):
         for layer in self.layers:
             if isinstance(layer, KVQuantLayer):
                 layer.seq_len = min(layer.seq_len, tokens)
+                layer.pending_first = None
+                if layer.storage is not None:
+                    layer.storage.truncate_first(tokens)
         alloc = self.allocator
         if alloc is not None and tokens < self.reserved:
             for sid in self._seq_ids:

@@ -240,6 +240,8 @@ class DecodeGraphRunner:
                 return None
             if seq not in (-1, layer.seq_len):
                 return None
+            if layer.wants_first_tokens():
+                return None  # k-transform: first tokens still arriving (eager steps keep them)
             seq = layer.seq_len
         return cache if seq > 0 else None
 

@@ -317,6 +317,7 @@ def gather_raw_scales(
     """
     from kvquant.checkpoint.discovery import (
         discover_scales,
+        k_transform_from_mapping,
         raw_scales_from_mapping,
         raw_scales_from_state_dict,
     )
@@ -329,7 +330,8 @@ def gather_raw_scales(
         return list(found.scales), {"discovered": found}, f"checkpoint {found.path}"
     if isinstance(scales, Mapping):
         raws = raw_scales_from_mapping(scales, "kvquant.patch: scales", allow_none=dynamic)
-        return raws, {}, "mapping"
+        transform = k_transform_from_mapping(scales, geometry, "kvquant.patch: scales")
+        return raws, {"k_transform": transform} if transform else {}, "mapping"
     if scales is not None:
         raise OptionTypeError(
             f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
@@ -411,6 +413,8 @@ def _layer_specs(
         gran = str(ls.granularity)
         k = None if ls.k is None else _host_scale(ls.k)
         v = None if ls.v is None else _host_scale(ls.v)
+        transform = getattr(model_scales, "k_transform", None)
+        offset = getattr(ls, "k_offset", None)
         specs.append(
             LayerSpec(
                 name=site.name,
@@ -420,6 +424,9 @@ def _layer_specs(
                 k_scale=k,
                 v_scale=v,
                 group_size=int(ls.group_size) if ls.group_size else None,
+                k_offset=None if offset is None else _host_scale(offset),
+                rotation=None if transform is None else transform.rotation,
+                first_tokens=0 if transform is None else int(transform.first_tokens),
             )
         )
     return specs
@@ -435,7 +442,9 @@ def resolve(
     """
     from kvquant.registry import resolve_scales
 
-    return resolve_scales(raw, geometry, options=opts.resolve_options)
+    discovered = ctx.get("discovered")
+    transform = ctx.get("k_transform", getattr(discovered, "k_transform", None))
+    return resolve_scales(raw, geometry, options=opts.resolve_options, k_transform=transform)
 
 
 # ---------------------------------------------------------------------- hooks
@@ -635,7 +644,7 @@ def _canonical_state_dict_hook(spec: LayerSpec) -> Any:
     """
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any) -> None:
-        for attr, value in (("k_scale", spec.k_scale), ("v_scale", spec.v_scale)):
+        for attr, value in _canonical_buffers(spec):
             key = prefix + attr
             if value is not None and key in state_dict:
                 state_dict[key] = value.to(device=state_dict[key].device, dtype=torch.float32)
@@ -643,10 +652,27 @@ def _canonical_state_dict_hook(spec: LayerSpec) -> Any:
     return hook
 
 
+def _canonical_buffers(spec: LayerSpec) -> tuple[tuple[str, torch.Tensor | None], ...]:
+    """The canonical tensors a patched attention module holds as buffers (and saves).
+
+    A ``k-transform`` layer also holds its ``k_offset``: a model saved after the
+    patch then carries the offsets, and discovery refuses the copy (offsets
+    without ``kvquant_kv_transform.json``) instead of loading its K scales
+    without the transform they were calibrated for.
+    """
+    out: tuple[tuple[str, torch.Tensor | None], ...] = (
+        ("k_scale", spec.k_scale),
+        ("v_scale", spec.v_scale),
+    )
+    if spec.k_offset is not None:
+        out += (("k_offset", spec.k_offset),)
+    return out
+
+
 def _install_scales(state: PatchState) -> None:
     for site, spec in zip(state.sites, state.layer_specs, strict=True):
         mod = site.module
-        for attr, value in (("k_scale", spec.k_scale), ("v_scale", spec.v_scale)):
+        for attr, value in _canonical_buffers(spec):
             prev: Any = _MISSING
             kind = "absent"
             if attr in mod._buffers:

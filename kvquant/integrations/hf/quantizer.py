@@ -201,6 +201,7 @@ class KVQuantizer(HfQuantizer):
             )
         cfg: KVQuantConfig = self.quantization_config  # type: ignore[assignment]
         raw: list[Any] = []
+        offsets: tuple[Any, ...] = ()
         ctx: dict[str, Any] = {}
         source = "from_pretrained (no checkpoint files)"
         if files:
@@ -216,11 +217,12 @@ class KVQuantizer(HfQuantizer):
                     "Fix: use a checkpoint with bf16/fp16 weights and FP8 KV scales."
                 )
             raw = list(found.scales)
+            offsets = found.k_transform.offsets if found.k_transform is not None else ()
             ctx["discovered"] = found
             source = f"checkpoint {found.path}"
         opts = cfg.options(source)
         self._resolved = (opts, geometry, resolve(raw, geometry, opts, ctx), raw, ctx)
-        for r in raw:
+        for r in (*raw, *offsets):
             mod_path, _, attr = r.name.rpartition(".")
             mod = _find_module(model, mod_path)
             if mod is None:
