@@ -61,6 +61,7 @@ from kvquant.calibration_report import (
     hadamard_matrix,
     near_constant_share,
 )
+from kvquant.checkpoint import producers
 from kvquant.errors import CalibrationError, UnsupportedModelError
 from kvquant.registry import conventions
 
@@ -106,8 +107,8 @@ LOG2_MAX = 20
 DEFAULT_RATIOS: tuple[float, ...] = tuple(round(0.5 + 0.01 * i, 2) for i in range(51))
 """The clipping ratios searched by default: 0.50, 0.51, ..., 1.00."""
 
-CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "quark")
-"""Producer conventions :func:`write_calibrated_checkpoint` writes."""
+CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "quark", "kvquant")
+"""Conventions :func:`write_calibrated_checkpoint` writes (``kvquant``: the k-transform only)."""
 
 CALIBRATION_ATTENTION = "kvquant_calibrate"
 """Name under which the statistics-collecting attention function is registered."""
@@ -777,8 +778,14 @@ class CalibrationResult:
 
         source = "; ".join(self.texts) if self.texts else "token ids"
         lines = [f"calibrated: {self.num_layers} layers, {self.granularity} scales"]
+        data = f"{source}: {self.num_samples} samples, {self.num_tokens} tokens"
+        if self.report is not None:
+            data += (
+                f" (and {self.report.held_out_windows} samples, {self.report.held_out_tokens} "
+                "tokens held out for the report)"
+            )
         for label, text in (
-            ("data:", f"{source}: {self.num_samples} samples, {self.num_tokens} tokens"),
+            ("data:", data),
             ("method:", self.method),
         ):
             lines.append(
@@ -1385,10 +1392,15 @@ def collect_statistics(
 def _split_held_out(
     windows: list[torch.Tensor], held_out_tokens: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The last windows holding at least ``held_out_tokens`` tokens, at least one kept to calibrate."""
+    """The last windows holding at least ``held_out_tokens`` tokens, at most a quarter of them.
+
+    At least one window is held out when there are two or more (and
+    ``held_out_tokens > 0``); at least one is always kept to calibrate on.
+    """
     held: list[torch.Tensor] = []
     count = 0
-    while held_out_tokens > 0 and count < held_out_tokens and len(windows) > 1:
+    most = max(1, len(windows) // 4) if len(windows) > 1 else 0
+    while held_out_tokens > 0 and count < held_out_tokens and len(held) < most:
         held.insert(0, windows.pop())
         count += int(held[0].numel())
     return windows, held
@@ -1414,8 +1426,8 @@ def calibrate(
 ) -> CalibrationResult:
     """Calibrate static FP8 KV scales by the expected quantization error they cause.
 
-    The last windows (at least ``held_out_tokens`` tokens, at least one window
-    left to calibrate on) are held out; :func:`collect_statistics` runs on the
+    The last windows (at least ``held_out_tokens`` tokens, at most a quarter of
+    the windows, at least one when there are two or more) are held out; :func:`collect_statistics` runs on the
     rest, then :func:`choose_scales` (per-tensor, per-head) or
     :func:`choose_k_transform` (k-transform), and :func:`evaluate_formats`
     measures every candidate format on the held-out windows (the result's
@@ -1762,7 +1774,11 @@ def write_calibrated_checkpoint(
     * ``modelopt``: ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, fp32 ``()``,
       ``hf_quant_config.json`` with ``kv_cache_quant_algo: FP8``;
     * ``quark``: ``self_attn.k_proj.output_scale`` / ``v_proj.output_scale``, fp32
-      ``()``, ``kv_cache_post_rope: true`` (separate post-RoPE K and V).
+      ``()``, ``kv_cache_post_rope: true`` (separate post-RoPE K and V);
+    * ``kvquant`` (k-transform results only): ``self_attn.k_scale`` / ``v_scale``
+      fp32 ``(Hkv,)`` and ``self_attn.k_offset`` fp32 ``(Hkv, head_dim)`` (rotated
+      frame), ``kvquant_kv_transform.json`` (format, version, rotation,
+      first_tokens, geometry) and no ``quantization_config``; only kvquant reads it.
 
     Every file is copied (configs and tokenizer always; weight shards unless
     ``link``); the shard(s) receiving scales are re-saved with every other tensor
@@ -1779,7 +1795,7 @@ def write_calibrated_checkpoint(
         result: scales from :func:`calibrate`.
         out_dir: the output folder; must not exist unless ``force``.
         convention: ``"compressed-tensors"`` (per-tensor or per-head),
-            ``"modelopt"`` or ``"quark"`` (per-tensor only).
+            ``"modelopt"`` or ``"quark"`` (per-tensor only), ``"kvquant"`` (k-transform).
         force: replace ``out_dir`` if it is an existing folder.
         link: hard-link the unchanged weight shards instead of copying them
             (saves disk space; the output then shares those files with the source).
@@ -1802,6 +1818,14 @@ def write_calibrated_checkpoint(
         raise CalibrationError(
             f"write_calibrated_checkpoint: convention {convention!r}; expected one of "
             f"{CONVENTIONS}. Fix: pass one of those names."
+        )
+    if (result.granularity == K_TRANSFORM) != (convention == "kvquant"):
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: a {result.granularity} result in the {convention} "
+            "convention; the k-transform is stored only in kvquant's own convention (k_offset "
+            "tensors and kvquant_kv_transform.json; no serving engine reads it) and kvquant's "
+            "convention holds only the k-transform. Fix: pass convention='kvquant' for a "
+            "k-transform result, a producer convention for per-tensor or per-head scales."
         )
     if result.granularity == "per-head" and convention != "compressed-tensors":
         raise CalibrationError(
@@ -1827,6 +1851,12 @@ def write_calibrated_checkpoint(
             f"convention={found.producer!r} if kvquant writes it, or calibrate the unquantized "
             "checkpoint."
         )
+    if found.k_transform is not None:
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: {src} already carries a k-transform (k_offset "
+            "tensors and kvquant_kv_transform.json); expected a checkpoint without one. Fix: "
+            "calibrate the original checkpoint it was calibrated from."
+        )
     _export._check_paths(src, out, force)
     prefix, homes = _layer_homes(found.files, result.num_layers)
     infos = scale_tensor_infos(found.files)
@@ -1834,18 +1864,26 @@ def write_calibrated_checkpoint(
     for raw in found.scales:
         drop_by_file.setdefault(infos[raw.name].file, set()).add(raw.name)
 
-    shape = conventions.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
+    if convention == "kvquant":
+        shape: tuple[int, ...] = (result.num_kv_heads,)
+    else:
+        shape = conventions.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
     new_tensors: dict[str, torch.Tensor] = {}
     new_file_for: dict[str, str] = {}
     layers: list[Any] = []
     for i in range(result.num_layers):
         k, v = result.layer_scales(i)
-        k_name = conventions.scale_tensor_name(convention, i, "k", prefix=prefix)
-        v_name = conventions.scale_tensor_name(convention, i, "v", prefix=prefix)
+        scale_convention = "compressed-tensors" if convention == "kvquant" else convention
+        k_name = conventions.scale_tensor_name(scale_convention, i, "k", prefix=prefix)
+        v_name = conventions.scale_tensor_name(scale_convention, i, "v", prefix=prefix)
         kt = k.float().reshape(shape).contiguous()
         vt = v.float().reshape(shape).contiguous()
         new_tensors[k_name], new_tensors[v_name] = kt, vt
         new_file_for[k_name] = new_file_for[v_name] = homes[i]
+        if result.k_offset is not None:
+            o_name = producers.k_offset_tensor_name(i, prefix=prefix)
+            new_tensors[o_name] = result.k_offset[i].float().contiguous().clone()
+            new_file_for[o_name] = homes[i]
         layers.append(
             _export.LayerExport(
                 layer=i,
@@ -1857,15 +1895,45 @@ def write_calibrated_checkpoint(
             )
         )
 
-    if convention == "quark":
+    extra_files: dict[str, str] = {}
+    qcfg: dict[str, Any] | None = None
+    hf_quant: dict[str, Any] | None = None
+    if convention == "kvquant":
+        # declared by kvquant_kv_transform.json alone: config.json loses any KV scheme
+        if weights is not None:
+            raise CalibrationError(
+                f"write_calibrated_checkpoint: {src} has quantized weights ({weights}); the "
+                "k-transform is written beside unquantized weights only. Fix: calibrate the "
+                "unquantized checkpoint."
+            )
+        import dataclasses
+
+        config = json.loads(json.dumps(found.config))
+        for holder in (config, config.get("text_config")):
+            if isinstance(holder, dict):
+                holder.pop("quantization_config", None)
+        found = dataclasses.replace(found, config=config)
+        if result.k_offset is None:
+            raise CalibrationError(
+                "write_calibrated_checkpoint: a k-transform result without offsets. "
+                "Fix: calibrate with granularity='k-transform'."
+            )
+        settings = producers.kv_transform_config(
+            rotation=result.rotation,
+            first_tokens=result.first_tokens,
+            head_dim=int(result.k_offset.shape[-1]),
+            num_kv_heads=result.num_kv_heads,
+            num_layers=result.num_layers,
+        )
+        extra_files[producers.KV_TRANSFORM_FILE] = json.dumps(settings, indent=2) + "\n"
+    elif convention == "quark":
         # KV-only, calibrated after RoPE: separate K and V, nothing else quantized.
         quark = conventions.quark_config(post_rope=True)
         if result.observer == "mse":
             for group in ("layer_quant_config", "kv_cache_quant_config"):
                 for entry in quark[group].values():
                     entry["output_tensors"]["observer_cls"] = "PerTensorMSEObserver"
-        qcfg: dict[str, Any] | None = quark
-        hf_quant: dict[str, Any] | None = None
+        qcfg = quark
     else:
         qcfg, hf_quant = _export._new_configs(
             convention, result.granularity, found, weights, observer=result.observer
@@ -1902,6 +1970,7 @@ def write_calibrated_checkpoint(
         new_file_for=new_file_for,
         drop_by_file=drop_by_file,
         report=report,
+        extra_files=extra_files,
     )
     from kvquant import __version__
 

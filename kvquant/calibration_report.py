@@ -35,13 +35,12 @@ frame, first tokens left out), mean ``m`` and standard deviation ``sd`` over the
 calibration tokens; a channel is near-constant when ``sd < |m| / 4``; the share is
 the sum of those channels' ``sum_t k**2`` over the sum of every channel's.
 
-Imports only torch (and :mod:`kvquant.tables` to render).
+Imports torch, :mod:`kvquant.kernels` (the Hadamard matrix) and :mod:`kvquant.tables`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,20 +73,19 @@ GROUP_SIZES = (64, 32)
 
 
 def hadamard_matrix(dim: int, *, device: torch.device | str | None = None) -> torch.Tensor:
-    """The normalised Sylvester Hadamard matrix of size ``dim`` (symmetric, orthonormal).
+    """:func:`kvquant.kernels.hadamard` (fp32 ``[dim, dim]``), refused with calibration's fix.
 
     Raises:
         CalibrationError: ``dim`` is not a power of two.
     """
+    from kvquant.kernels import hadamard
+
     if dim < 1 or dim & (dim - 1):
         raise CalibrationError(
             f"Hadamard rotation: head_dim {dim} is not a power of two; the built-in rotation "
             "needs one. Fix: calibrate with rotation=None (--rotation none: offset only)."
         )
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return (h / math.sqrt(dim)).to(device=device, dtype=torch.float32)
+    return hadamard(dim, device=device)
 
 
 def _per_head(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -456,17 +454,26 @@ class CalibrationReport:
 
     def render(self) -> str:
         """Two tables (per layer: fractions per head; errors per candidate) and the verdict."""
-        from kvquant.tables import render_table
+        import textwrap
+
+        from kvquant.tables import WIDTH, render_table
 
         def heads(t: torch.Tensor, i: int, mult: float = 100.0, digits: int = 2) -> str:
             return "/".join(f"{mult * float(x):.{digits}f}" for x in t[i])
 
+        def fill(text: str) -> str:
+            return textwrap.fill(text, width=WIDTH, break_long_words=False, subsequent_indent="  ")
+
         n_layers = self.error.shape[1]
         lines = [
-            f"calibration report: {self.held_out_tokens} held-out tokens "
-            f"({self.held_out_windows} windows); written format: {self.chosen}",
-            "per layer, per KV head (a/b/...), in %: clipping and subnormal fractions at the "
-            "written scales, K energy in near-constant channels",
+            fill(
+                f"calibration report: {self.held_out_tokens} held-out tokens "
+                f"({self.held_out_windows} windows); written format: {self.chosen}"
+            ),
+            fill(
+                "per layer, per KV head (a/b/...), in %: clipping and subnormal fractions at the "
+                "written scales, K energy in near-constant channels"
+            ),
             "",
         ]
         header = ("layer", "K clip", "K subn.", "V clip", "V subn.", "K near-const.")
@@ -491,7 +498,7 @@ class CalibrationReport:
         errors.append(["mean", *(f"{1000 * s:.2f}" for s in self.scores.values())])
         lines.append(render_table(("layer", *short), errors, right=set(short)))
         lines += [""] + [f"{_short_name(n)} = {n}" for n in self.candidates if _short_name(n) != n]
-        lines += ["", self.recommendation, *self.notes]
+        lines += ["", *(fill(t) for t in (self.recommendation, *self.notes))]
         return "\n".join(lines)
 
     def __str__(self) -> str:

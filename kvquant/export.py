@@ -932,6 +932,7 @@ def _write(
     new_file_for: Mapping[str, str],
     drop_by_file: Mapping[str, set[str]],
     report: ExportReport,
+    extra_files: Mapping[str, str] | None = None,
 ) -> ExportReport:
     src = found.path
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -1015,6 +1016,10 @@ def _write(
                 json.dumps(hf_quant, indent=2) + "\n", encoding="utf-8"
             )
             rewritten.append("hf_quant_config.json")
+        for name, text in (extra_files or {}).items():  # e.g. kvquant_kv_transform.json
+            (tmp / name).unlink(missing_ok=True)  # never write through a hard link
+            (tmp / name).write_text(text, encoding="utf-8")
+            rewritten.append(name)
 
         final = replace(
             report,
@@ -1042,7 +1047,10 @@ def _verify(tmp: Path, report: ExportReport, source: DiscoveredCheckpoint) -> No
         problems.extend(analysis.problems)
     if found.has_errors:
         problems.extend(f.message for f in found.findings if f.severity == "error")
-    expected_gran = "per-head" if report.granularity == "per-head" else "per-tensor"
+    # the k-transform's K/V scales are per-head (its offsets are checked by discovery)
+    expected_gran = (
+        "per-head" if report.granularity in ("per-head", "k-transform") else "per-tensor"
+    )
     if analysis.ok and analysis.granularity != expected_gran:
         problems.append(f"re-read as {analysis.granularity}, expected {expected_gran}")
     written = {r.name: r for r in found.scales}
