@@ -30,12 +30,23 @@ Pipeline:
    with :mod:`kvquant.export`'s machinery (temporary folder, re-discovery check,
    atomic rename).
 
+The **k-transform** (:func:`choose_k_transform`): per-channel K statistics
+(:class:`ChannelStatistics`, bounded too) give a per-channel offset ``c`` of the
+Hadamard-rotated K (the first tokens of every window left out) and the per-head
+K scale of ``k R - c``; written in kvquant's own convention (``k_offset`` tensors
+and ``kvquant_kv_transform.json``).
+
+The **report** (:func:`evaluate_formats`, :mod:`kvquant.calibration_report`):
+:func:`calibrate` holds out its last windows and measures every candidate format
+on them (relative attention-output error per layer and head, clipping and
+subnormal fractions, near-constant K energy, a recommendation).
+
 Calibration data: :func:`load_text_files` and :func:`load_dataset_samples` (the
 ``datasets`` library, optional) give :class:`CalibrationData`: token windows and
 a description of where they came from, for the report and the written metadata.
 
-``benchmarks/calibration_table.py`` (in the source checkout) reproduces the SmolLM2-135M table of
-docs/calibration.md. Transformers is imported lazily.
+``benchmarks/accuracy_table.py`` (in the source checkout) measures the calibrated formats on
+SmolLM2-135M (docs/accuracy.md). Transformers is imported lazily.
 """
 
 from __future__ import annotations
@@ -85,6 +96,7 @@ __all__ = [
     "choose_k_transform",
     "choose_scales",
     "collect_statistics",
+    "evaluate_formats",
     "expected_mse",
     "load_dataset_samples",
     "load_text_files",
