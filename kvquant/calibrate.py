@@ -792,8 +792,9 @@ class CalibrationResult:
         lines = [f"calibrated: {self.num_layers} layers, {self.granularity} scales"]
         data = f"{source}: {self.num_samples} samples, {self.num_tokens} tokens"
         if self.report is not None:
+            n = self.report.held_out_windows
             data += (
-                f" (and {self.report.held_out_windows} samples, {self.report.held_out_tokens} "
+                f" (and {n} sample{'s' if n != 1 else ''}, {self.report.held_out_tokens} "
                 "tokens held out for the report)"
             )
         for label, text in (

@@ -468,7 +468,8 @@ class CalibrationReport:
         lines = [
             fill(
                 f"calibration report: {self.held_out_tokens} held-out tokens "
-                f"({self.held_out_windows} windows); written format: {self.chosen}"
+                f"({self.held_out_windows} window{'s' if self.held_out_windows != 1 else ''}); "
+                f"written format: {self.chosen}"
             ),
             fill(
                 "per layer, per KV head (a/b/...), in %: clipping and subnormal fractions at the "

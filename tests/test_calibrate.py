@@ -448,7 +448,7 @@ def test_cli_calibrate_on_a_dataset_writes_what_it_did(
     flat = " ".join(captured.out.split())  # the report wraps at 100 columns
     # the last sample (a quarter at most) is held out to measure the candidate formats
     assert f"dataset {data}, split train, column text: 4 samples, 400 tokens" in flat
-    assert "(and 1 samples, 100 tokens held out for the report)" in flat
+    assert "(and 1 sample, 100 tokens held out for the report)" in flat
     assert "clipping search" in flat
     assert "calibrating" in captured.err and "writing out" in captured.err  # progress bars
     lines = [line for line in captured.out.splitlines() if str(tmp_path) not in line]
