@@ -15,12 +15,20 @@ first position), teacher-forced on windows of the pinned evaluation texts, and
 compared with the unquantized model's next-token distribution
 (:mod:`benchmarks.harness.metrics`).
 
+The static K transform (``kvquant calibrate --format k-transform``) is
+calibrated by :func:`kvquant.calibrate.choose_k_transform` on the same texts and
+simulated by ``simulate_fp8_kv(mode="k-transform")``: with the Hadamard
+rotation (``kvquant calibrate, k-transform``, with its own jitter family) and
+offset only (``kvquant calibrate, k-transform offset-only``), the first token
+of every window attended exactly in both.
+
 **Scale-jitter control.** Multiplying a set of static scales by 1.01 ... 1.10
 changes neither clipping (the scales only grow) nor the size of FP8's relative
 rounding error; it only moves values on the FP8 grid. The spread of a metric
 over those runs (the unjittered run included) is what the metric moves for no
 reason a format could claim, so a gap between two formats is called resolved
-only when it is larger than the wider of the two static families' ranges.
+only when it is larger than the widest of the jitter families' ranges
+(per-tensor, per-head, and the k-transform's scales with its offsets fixed).
 """
 
 from __future__ import annotations
@@ -48,7 +56,11 @@ JITTER_FACTORS = (1.0, 1.01, 1.02, 1.05, 1.10)
 """Scale multipliers of the jitter control (1.0 is the calibrated run itself)."""
 
 STATIC = ("per-tensor", "per-head")
+KT = "k-transform"
+FAMILIES = (*STATIC, KT)
 CALIBRATED = "per-head kvquant calibrate ({})"
+KT_LABEL = "kvquant calibrate, k-transform"
+KT_OFFSET_LABEL = "kvquant calibrate, k-transform offset-only"
 GROUPS = (64, 32)
 
 
@@ -107,10 +119,18 @@ def _formats(runs: dict[str, Any]) -> list[str]:
     return [k for k, r in runs.items() if r.get("scale_factor", 1.0) == 1.0]
 
 
-def _kvquant_calibrated(model: Any, tokenizer: Any) -> dict[str, A.CalibratedScales]:
-    """Per-head scales from ``kvquant.calibrate`` (both objectives) on the calibration texts."""
+def _kvquant_calibrated(
+    model: Any, tokenizer: Any
+) -> tuple[dict[str, A.CalibratedScales], dict[str, A.KTransformScales]]:
+    """Per-head scales (both objectives) and the k-transform (Hadamard, offset only)
+    from ``kvquant.calibrate`` on the calibration texts."""
     from benchmarks.harness.texts import calibration_texts
-    from kvquant.calibrate import FP8_E4M3_MAX, choose_scales, collect_statistics
+    from kvquant.calibrate import (
+        FP8_E4M3_MAX,
+        choose_k_transform,
+        choose_scales,
+        collect_statistics,
+    )
 
     texts = calibration_texts()
     stats = collect_statistics(
@@ -126,7 +146,14 @@ def _kvquant_calibrated(model: Any, tokenizer: Any) -> dict[str, A.CalibratedSca
             v_amax=res.v_scales * FP8_E4M3_MAX,
             num_tokens=res.num_tokens,
         )
-    return out
+    names = tuple(t.name for t in texts)
+    kt = {
+        label: A.KTransformScales.from_result(
+            choose_k_transform(stats, rotation=rotation, texts=names)
+        )
+        for label, rotation in ((KT_LABEL, "hadamard"), (KT_OFFSET_LABEL, None))
+    }
+    return out, kt
 
 
 def _row(metrics: M.RunMetrics) -> dict[str, Any]:
@@ -172,11 +199,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             label = mode if factor == 1.0 else f"{mode} x{factor:.2f}"
             record(label, hidden, sec, format=mode, scale_factor=factor)
     if args.calibrated:
-        for objective, calibrated in _kvquant_calibrated(model, tokenizer).items():
+        per_head, transforms = _kvquant_calibrated(model, tokenizer)
+        for objective, calibrated in per_head.items():
             hidden, sec = _run(model, ids, "per-head", calibrated)
             record(
                 CALIBRATED.format(objective), hidden, sec, format="per-head", objective=objective
             )
+        for factor in JITTER_FACTORS:
+            hidden, sec = _run(model, ids, KT, transforms[KT_LABEL].scaled(factor))
+            label = KT_LABEL if factor == 1.0 else f"{KT} x{factor:.2f}"
+            record(label, hidden, sec, format=KT, rotation="hadamard", scale_factor=factor)
+        hidden, sec = _run(model, ids, KT, transforms[KT_OFFSET_LABEL])
+        record(KT_OFFSET_LABEL, hidden, sec, format=KT, rotation=None)
     for g in GROUPS:
         hidden, sec = _run(model, ids, "fp32-group", group=g)
         record(f"fp32-group G={g}", hidden, sec, format="fp32-group", group_size=g)
@@ -192,7 +226,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "FP8, each window's first position included); metrics against the unquantized "
             "model's next-token distribution on the same tokens"
         ),
-        "calibration": {"texts": calib_used, "scales": "amax / 448 of post-RoPE K/V"},
+        "calibration": {
+            "texts": calib_used,
+            "scales": "amax / 448 of post-RoPE K/V",
+            "k-transform": "kvquant.calibrate.choose_k_transform on the calibration texts: "
+            "per-channel mean offset of K (Hadamard-rotated, or not: offset-only), first token "
+            "of each window left out and attended exactly, K scale = amax of k R - c / 448 per "
+            "head, V per-head (mse clipping search)",
+        },
         "evaluation": {
             "window_tokens": args.window,
             "windows": list(window_texts),
@@ -206,8 +247,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "scheme": "blocks resampled with replacement within each text; paired across runs",
         },
         "jitter_rule": (
-            "a gap is resolved (exceeds_jitter) when |gap| > the wider range (max - min) of the "
-            "per-tensor and per-head jitter families (scales x 1.00, 1.01, 1.02, 1.05, 1.10)"
+            "a gap is resolved (exceeds_jitter) when |gap| > the widest range (max - min) of the "
+            "jitter families (per-tensor, per-head and, when run, k-transform: scales x 1.00, "
+            "1.01, 1.02, 1.05, 1.10)"
         ),
         "reference_seconds": round(ref_seconds, 1),
         "runs": runs,
@@ -222,6 +264,8 @@ def _short(label: str) -> str:
     """A tick label of a few short lines."""
     return (
         label.replace(" kvquant calibrate (", "\ncalibrated\n")
+        .replace("kvquant calibrate, k-transform", "k-transform\ncalibrated")
+        .replace(" offset-only", "\noffset-only")
         .replace(")", "")
         .replace(" G=", "\nG=")
     )
@@ -238,20 +282,22 @@ def jitter_control(
         boots: label -> :func:`benchmarks.harness.metrics.metric_draws` on shared draws.
 
     Returns:
-        ``(jitter, band, comparisons)``: per static format the factors and
+        ``(jitter, band, comparisons)``: per jitter family the factors and
         :func:`~benchmarks.harness.metrics.spread` of each metric; per metric the
-        wider of the two families' ranges; per pair of formats and metric the
+        widest of the families' ranges; per pair of formats and metric the
         gap ``a - b``, its paired bootstrap SE, the band and whether ``|gap|`` exceeds it.
     """
     names = (*M.METRICS, "kl_p99")
     jitter: dict[str, Any] = {}
-    for mode in STATIC:
+    for mode in FAMILIES:
         family = [r for r in runs.values() if r.get("format") == mode and "scale_factor" in r]
+        if len(family) < 2:
+            continue
         jitter[mode] = {
             "factors": [r["scale_factor"] for r in family],
             **{m: M.spread([r["pooled"][m] for r in family]) for m in names},
         }
-    band = {m: max(jitter[s][m]["range"] for s in STATIC) for m in names}
+    band = {m: max(j[m]["range"] for j in jitter.values()) for m in names}
     comparisons = []
     for a, b in itertools.combinations(_formats(runs), 2):
         row: dict[str, Any] = {"a": a, "b": b}
@@ -279,7 +325,7 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
 
     runs = payload["runs"]
     formats = _formats(runs)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.6))
     panels = (
         ("kl_mean", "mean KL to unquantized (nats)", 1.0),
         ("top1", "top-1 agreement (%)", 100.0),
@@ -297,7 +343,8 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
                 zorder=3,
                 label="run (block-bootstrap SE)" if x == 0 else None,
             )
-            family = runs[name].get("format") if runs[name].get("format") in STATIC else None
+            fmt = runs[name].get("format")
+            family = fmt if fmt in payload["jitter"] else None
             if family is None:
                 continue
             j = payload["jitter"][family][metric]

@@ -30,18 +30,30 @@ Pipeline:
    with :mod:`kvquant.export`'s machinery (temporary folder, re-discovery check,
    atomic rename).
 
+The **k-transform** (:func:`choose_k_transform`): per-channel K statistics
+(:class:`ChannelStatistics`, bounded too) give a per-channel offset ``c`` of the
+Hadamard-rotated K (the first tokens of every window left out) and the per-head
+K scale of ``k R - c``; written in kvquant's own convention (``k_offset`` tensors
+and ``kvquant_kv_transform.json``).
+
+The **report** (:func:`evaluate_formats`, :mod:`kvquant.calibration_report`):
+:func:`calibrate` holds out its last windows and measures every candidate format
+on them (relative attention-output error per layer and head, clipping and
+subnormal fractions, near-constant K energy, a recommendation).
+
 Calibration data: :func:`load_text_files` and :func:`load_dataset_samples` (the
 ``datasets`` library, optional) give :class:`CalibrationData`: token windows and
 a description of where they came from, for the report and the written metadata.
 
-``benchmarks/calibration_table.py`` (in the source checkout) reproduces the SmolLM2-135M table of
-docs/calibration.md. Transformers is imported lazily.
+``benchmarks/accuracy_table.py`` (in the source checkout) measures the calibrated formats on
+SmolLM2-135M (docs/accuracy.md). Transformers is imported lazily.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +63,14 @@ from typing import Any
 
 import torch
 
+from kvquant.calibration_report import (
+    GROUP_SIZES,
+    CalibrationReport,
+    Candidate,
+    FormatEvaluator,
+    hadamard_matrix,
+    near_constant_share,
+)
 from kvquant.checkpoint import producers
 from kvquant.checkpoint.writer import (
     CheckpointEdit,
@@ -62,6 +82,7 @@ from kvquant.errors import CalibrationError, UnsupportedModelError
 
 __all__ = [
     "BINS_PER_OCTAVE",
+    "CENTRES",
     "CONVENTIONS",
     "DEFAULT_RATIOS",
     "FP8_E4M3_MAX",
@@ -70,12 +91,16 @@ __all__ = [
     "OBJECTIVES",
     "CalibrationData",
     "CalibrationResult",
+    "ChannelStatistics",
     "KVStatistics",
     "LayerCalibration",
     "attention_weights",
     "calibrate",
+    "candidate_formats",
+    "choose_k_transform",
     "choose_scales",
     "collect_statistics",
+    "evaluate_formats",
     "expected_mse",
     "load_dataset_samples",
     "load_text_files",
@@ -98,8 +123,8 @@ LOG2_MAX = 20
 DEFAULT_RATIOS: tuple[float, ...] = tuple(round(0.5 + 0.01 * i, 2) for i in range(51))
 """The clipping ratios searched by default: 0.50, 0.51, ..., 1.00."""
 
-CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "quark")
-"""Producer conventions :func:`write_calibrated_checkpoint` writes."""
+CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "quark", "kvquant")
+"""Conventions :func:`write_calibrated_checkpoint` writes (``kvquant``: the k-transform only)."""
 
 CALIBRATION_ATTENTION = "kvquant_calibrate"
 """Name under which the statistics-collecting attention function is registered."""
@@ -111,9 +136,17 @@ _OBJECTIVE_TEXT = {
     "mse": "expected FP8 e4m3 MSE of K and of V (clipping + rounding)",
     "attention": "attention-weighted expected FP8 e4m3 squared error of K and of V",
 }
+CENTRES: tuple[str, ...] = ("mean", "midrange")
+"""Per-channel centres the k-transform's offset can be (see :meth:`ChannelStatistics.k_transform`)."""
+
+ROTATIONS: tuple[str | None, ...] = ("hadamard", None)
+"""K rotations of the k-transform: the normalised Hadamard matrix, or none (offset only)."""
+
+K_TRANSFORM = "k-transform"
 _COLLECT_ATTR = "_kvquant_calibrate"
 _REPORT_FILE = "kvquant-calibration.json"
 _GRANULARITIES = ("per-tensor", "per-head")
+_FORMATS = (*_GRANULARITIES, K_TRANSFORM)
 
 
 # ---------------------------------------------------------------------------
@@ -138,6 +171,146 @@ def bin_centres() -> torch.Tensor:
 
 
 @dataclass
+class ChannelStatistics:
+    """Per-channel post-RoPE K statistics for the K transform, with bounded memory.
+
+    Tokens fall in two parts: the first ``first_tokens`` positions of every
+    window (part 0: attended from full precision by the k-transform) and the
+    rest (part 1). Per part, layer, KV head and channel it keeps the count, sum,
+    sum of squares, min and max of K as the cache sees it (model frame) and, when
+    head_dim is a power of two, the sum, min and max of ``K @ H`` (H the
+    normalised Hadamard matrix: the rotated frame).
+
+    Attributes:
+        num_layers: decoder layers.
+        num_kv_heads: KV heads per layer.
+        head_dim: channels per head.
+        first_tokens: positions of every window counted in part 0.
+        rotation: fp32 [D, D] Hadamard matrix, or None when D is not a power of two.
+        count: int64 [2, L], tokens per part and layer.
+        total: fp64 [2, L, H, D] per-channel sums (model frame); ``total_sq`` of squares.
+        low / high: fp32 [2, L, H, D] per-channel min / max (model frame).
+        rot_total, rot_low, rot_high: the same in the rotated frame (or None).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    first_tokens: int = 1
+    rotation: torch.Tensor | None = field(init=False, default=None)
+    count: torch.Tensor = field(init=False)
+    total: torch.Tensor = field(init=False)
+    total_sq: torch.Tensor = field(init=False)
+    low: torch.Tensor = field(init=False)
+    high: torch.Tensor = field(init=False)
+    rot_total: torch.Tensor = field(init=False)
+    rot_low: torch.Tensor = field(init=False)
+    rot_high: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.first_tokens < 0:
+            raise CalibrationError(
+                f"ChannelStatistics: first_tokens={self.first_tokens}; expected >= 0. "
+                "Fix: pass 0 (no token kept apart) or a small count such as 1."
+            )
+        shape = (2, self.num_layers, self.num_kv_heads, self.head_dim)
+        self.count = torch.zeros((2, self.num_layers), dtype=torch.int64)
+        self.total = torch.zeros(shape, dtype=torch.float64)
+        self.total_sq = torch.zeros(shape, dtype=torch.float64)
+        self.low = torch.full(shape, math.inf)
+        self.high = torch.full(shape, -math.inf)
+        d = self.head_dim
+        if d & (d - 1) == 0:
+            self.rotation = hadamard_matrix(d)
+        # rotated-frame statistics (left untouched when there is no rotation)
+        self.rot_total = torch.zeros_like(self.total)
+        self.rot_low = torch.full(shape, math.inf)
+        self.rot_high = torch.full(shape, -math.inf)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (independent of the text length)."""
+        tensors = [self.count, self.total, self.total_sq, self.low, self.high]
+        tensors += [self.rot_total, self.rot_low, self.rot_high]
+        tensors += [self.rotation] if self.rotation is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def update(self, layer: int, key: torch.Tensor) -> None:
+        """Add one window of one layer's keys: [B, Hkv, T, D], position ``t`` at index ``t``."""
+        k = key.detach().float()
+        n = min(self.first_tokens, k.shape[2])
+        for part, x in ((0, k[:, :, :n]), (1, k[:, :, n:])):
+            if x.shape[2] == 0:
+                continue
+            flat = x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)
+            self.count[part, layer] += flat.shape[1]
+            frames = [(flat, self.total, self.low, self.high)]
+            if self.rotation is not None:
+                rot = flat @ self.rotation.to(flat.device)
+                frames.append((rot, self.rot_total, self.rot_low, self.rot_high))
+            for y, tot, low, high in frames:
+                tot[part, layer] += y.double().sum(dim=1).cpu()
+                low[part, layer] = torch.minimum(low[part, layer], y.amin(dim=1).cpu())
+                high[part, layer] = torch.maximum(high[part, layer], y.amax(dim=1).cpu())
+            self.total_sq[part, layer] += flat.double().square().sum(dim=1).cpu()
+
+    def near_constant_share(self) -> torch.Tensor:
+        """fp64 [L, H]: :func:`kvquant.calibration_report.near_constant_share`, first tokens out."""
+        part = 1 if int(self.count[1].sum()) else 0
+        return near_constant_share(self.count[part], self.total[part], self.total_sq[part])
+
+    def k_transform(
+        self, *, rotate: bool, apart: bool, centre: str = "mean"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel offsets and per-head K scales of the k-transform.
+
+        Args:
+            rotate: work in the rotated frame (Hadamard); else the model frame.
+            apart: leave the first tokens out (they are attended exactly);
+                else every token counts.
+            centre: ``"mean"`` or ``"midrange"`` (``(min + max) / 2``) per channel.
+
+        Returns:
+            ``(k_offset fp32 [L, H, D], k_scale fp32 [L, H])`` with
+            ``k_scale = max_channels max(high - c, c - low) / 448``: the amax of
+            ``k R - c`` over the calibration tokens (nothing clips on them).
+
+        Raises:
+            CalibrationError: rotation without a power-of-two head_dim, an unknown
+                centre, or no token in the parts used.
+        """
+        if centre not in CENTRES:
+            raise CalibrationError(
+                f"k-transform: centre {centre!r}; expected one of {CENTRES}. Fix: pass 'mean'."
+            )
+        if rotate and self.rotation is None:
+            hadamard_matrix(self.head_dim)  # raises the power-of-two error
+        parts = [1] if apart else [0, 1]
+        count = self.count[parts].sum(dim=0)
+        empty = [i for i in range(self.num_layers) if int(count[i]) == 0]
+        if empty:
+            raise CalibrationError(
+                f"k-transform: layers {empty[:8]} saw no token after the first "
+                f"{self.first_tokens} of each window; expected calibration windows longer than "
+                "first_tokens. Fix: pass longer calibration samples or fewer first tokens."
+            )
+        if rotate:
+            tot, low, high = self.rot_total, self.rot_low, self.rot_high
+        else:
+            tot, low, high = self.total, self.low, self.high
+        lo = low[parts].amin(dim=0)
+        hi = high[parts].amax(dim=0)
+        if centre == "mean":
+            c = (tot[parts].sum(dim=0) / count.double().view(-1, 1, 1)).float()
+        else:
+            c = (lo + hi) / 2
+        amax = torch.maximum(hi - c, c - lo).amax(dim=-1)
+        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+        return c.contiguous(), scale.float().contiguous()
+
+
+@dataclass
 class KVStatistics:
     """Running post-RoPE K/V statistics with bounded memory.
 
@@ -152,6 +325,8 @@ class KVStatistics:
         num_layers: decoder layers.
         num_kv_heads: KV heads per layer.
         weighted: whether the attention-weighted histograms are kept.
+        channels: per-channel K statistics for the k-transform and the report
+            (:class:`ChannelStatistics`), or None.
         k_amax: fp32 [num_layers, num_kv_heads], max |K| seen.
         v_amax: fp32 [num_layers, num_kv_heads], max |V| seen.
         k_hist: fp64 [num_layers, num_kv_heads, num_bins], counts of |K| per log bin.
@@ -167,6 +342,7 @@ class KVStatistics:
     num_layers: int
     num_kv_heads: int
     weighted: bool = False
+    channels: ChannelStatistics | None = None
     k_amax: torch.Tensor = field(init=False)
     v_amax: torch.Tensor = field(init=False)
     k_hist: torch.Tensor = field(init=False)
@@ -199,7 +375,8 @@ class KVStatistics:
         """Bytes held by the statistics tensors (independent of the text length)."""
         tensors = [self.k_amax, self.v_amax, self.k_hist, self.v_hist, self.updates]
         tensors += [t for t in (self.k_whist, self.v_whist) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        extra = self.channels.nbytes if self.channels is not None else 0
+        return extra + sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()
     def update(
@@ -266,6 +443,8 @@ class KVStatistics:
                 w = weight.detach().double().transpose(0, 1).reshape(self.num_kv_heads, -1)
                 wsum = torch.bincount(flat, weights=w[keep], minlength=size)
                 whist[layer] += wsum.view(self.num_kv_heads, -1).to("cpu", torch.float64)
+        if self.channels is not None:
+            self.channels.update(layer, key)
         self.updates[layer] += 1
 
 
@@ -469,9 +648,10 @@ class CalibrationResult:
     """Calibrated static scales plus the per-layer report.
 
     Attributes:
-        granularity: ``"per-tensor"`` or ``"per-head"``.
+        granularity: ``"per-tensor"``, ``"per-head"`` or ``"k-transform"``.
         k_scales: fp32 [num_layers] (per-tensor) or [num_layers, num_kv_heads]
-            (per-head) dequantization scales of K (``x ≈ fp8 * s``).
+            (per-head, k-transform) dequantization scales of K (``x ≈ fp8 * s``;
+            for the k-transform, of ``k R - c``).
         v_scales: same for V.
         layers: one :class:`LayerCalibration` per layer.
         num_tokens: calibration tokens run through the model.
@@ -483,6 +663,14 @@ class CalibrationResult:
             config, split and column), when known.
         statistics: the :class:`KVStatistics` the scales were chosen from.
         num_samples: calibration samples (forward passes) run through the model.
+        k_offset: fp32 [num_layers, num_kv_heads, head_dim] per-channel K offsets
+            in the rotated frame (k-transform only).
+        rotation: ``"hadamard"`` or None (k-transform only).
+        first_tokens: first positions of every sequence attended at full
+            precision (k-transform only; 0 otherwise).
+        centre: how the offsets were chosen, ``"mean"`` or ``"midrange"`` (k-transform).
+        report: the :class:`~kvquant.calibration_report.CalibrationReport`
+            measured on held-out windows, or None when none was held out.
     """
 
     granularity: str
@@ -497,6 +685,11 @@ class CalibrationResult:
     texts: tuple[str, ...] = ()
     statistics: KVStatistics | None = None
     num_samples: int = 0
+    k_offset: torch.Tensor | None = None
+    rotation: str | None = None
+    first_tokens: int = 0
+    centre: str | None = None
+    report: CalibrationReport | None = None
 
     @property
     def observer(self) -> str:
@@ -510,6 +703,18 @@ class CalibrationResult:
     @property
     def method(self) -> str:
         """One line: how the scales were chosen."""
+        if self.granularity == K_TRANSFORM:
+            rot = "Hadamard-rotated K" if self.rotation == "hadamard" else "K (no rotation)"
+            return (
+                f"k-transform: {rot} minus a per-channel offset (the {self.centre} over the "
+                f"calibration tokens, the first {self.first_tokens} of each window left out), "
+                "K scale = amax of the result / 448 per head; V: "
+                + (
+                    "scale = amax / 448 per head"
+                    if self.ratios == (1.0,)
+                    else f"per-head clipping search minimising the {_OBJECTIVE_TEXT[self.objective]}"
+                )
+            )
         if self.observer == "minmax":
             return "scale = amax / 448 (no clipping search)"
         return (
@@ -542,6 +747,12 @@ class CalibrationResult:
             )
         return self.k_scales[layer].clone(), self.v_scales[layer].clone()
 
+    def with_report(self, report: CalibrationReport | None) -> CalibrationResult:
+        """A copy carrying ``report``."""
+        from dataclasses import replace
+
+        return replace(self, report=report)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (scales as lists, statistics left out)."""
         return {
@@ -559,6 +770,16 @@ class CalibrationResult:
             "k_scales": self.k_scales.tolist(),
             "v_scales": self.v_scales.tolist(),
             "layers": [asdict(layer) for layer in self.layers],
+            **(
+                {
+                    "rotation": self.rotation,
+                    "first_tokens": self.first_tokens,
+                    "centre": self.centre,
+                }
+                if self.granularity == K_TRANSFORM
+                else {}
+            ),
+            "report": self.report.to_dict() if self.report is not None else None,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -573,8 +794,15 @@ class CalibrationResult:
 
         source = "; ".join(self.texts) if self.texts else "token ids"
         lines = [f"calibrated: {self.num_layers} layers, {self.granularity} scales"]
+        data = f"{source}: {self.num_samples} samples, {self.num_tokens} tokens"
+        if self.report is not None:
+            n = self.report.held_out_windows
+            data += (
+                f" (and {n} sample{'s' if n != 1 else ''}, {self.report.held_out_tokens} "
+                "tokens held out for the report)"
+            )
         for label, text in (
-            ("data:", f"{source}: {self.num_samples} samples, {self.num_tokens} tokens"),
+            ("data:", data),
             ("method:", self.method),
         ):
             lines.append(
@@ -603,6 +831,8 @@ class CalibrationResult:
         ]
         numbers = set(header[1:])
         lines.append(render_table(header, rows, wrap={"K ratio", "V ratio"}, right=numbers))
+        if self.report is not None:
+            lines += ["", self.report.render()]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -731,6 +961,236 @@ def choose_scales(
     )
 
 
+def _k_transform_name(rotation: str | None, first_tokens: int) -> str:
+    rot = "hadamard" if rotation == "hadamard" else "offset only"
+    first = "first tokens" if first_tokens else "no first tokens"
+    return f"k-transform ({rot}, {first})"
+
+
+def choose_k_transform(
+    stats: KVStatistics,
+    *,
+    rotation: str | None = "hadamard",
+    first_tokens: bool = True,
+    centre: str = "mean",
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    tolerance: float = 0.0,
+    objective: str = "mse",
+    texts: Sequence[str] = (),
+) -> CalibrationResult:
+    """The static K transform from collected statistics (no model needed).
+
+    Per layer and KV head: rotate K (``rotation="hadamard"``; None: identity),
+    offset ``c`` = the per-channel ``centre`` of ``k R`` over the calibration
+    tokens (the first ``stats.channels.first_tokens`` of each window left out
+    when ``first_tokens``: the attention reads them exactly), K scale = amax of
+    ``k R - c`` / 448 (:meth:`ChannelStatistics.k_transform`). V: per-head, by
+    the same search as :func:`choose_scales`.
+
+    Args:
+        stats: statistics from :func:`collect_statistics` (with channel statistics).
+        rotation: ``"hadamard"`` or None.
+        first_tokens: keep the first tokens apart (``stats.channels.first_tokens``
+            of them); False: none, every token counts.
+        centre: ``"mean"`` or ``"midrange"``.
+        ratios: ratio grid of the V search.
+        tolerance: relative MSE margin of the V search.
+        objective: objective of the V search.
+        texts: names of the calibration texts, for the report.
+
+    Returns:
+        A :class:`CalibrationResult` with granularity ``"k-transform"``.
+
+    Raises:
+        CalibrationError: no channel statistics, an unknown rotation or centre,
+            rotation with a head_dim that is not a power of two, or bad search options.
+    """
+    ch = stats.channels
+    if ch is None:
+        raise CalibrationError(
+            "choose_k_transform: these statistics have no per-channel K statistics; expected "
+            "them for the k-transform. Fix: collect with collect_statistics (it keeps them)."
+        )
+    if rotation not in ROTATIONS:
+        raise CalibrationError(
+            f"choose_k_transform: rotation {rotation!r}; expected 'hadamard' or None. "
+            "Fix: pass one of those."
+        )
+    apart = first_tokens and ch.first_tokens > 0
+    offset, k_scale = ch.k_transform(rotate=rotation == "hadamard", apart=apart, centre=centre)
+    head = choose_scales(
+        stats, "per-head", ratios=ratios, tolerance=tolerance, objective=objective, texts=texts
+    )
+    layers = tuple(
+        LayerCalibration(
+            layer=lay.layer,
+            k_ratio=(1.0,) * stats.num_kv_heads,
+            v_ratio=lay.v_ratio,
+            k_saturation=0.0,
+            v_saturation=lay.v_saturation,
+            k_mse_vs_amax=1.0,
+            v_mse_vs_amax=lay.v_mse_vs_amax,
+            k_amax=tuple(float(x) * FP8_E4M3_MAX for x in k_scale[lay.layer]),
+            v_amax=lay.v_amax,
+        )
+        for lay in head.layers
+    )
+    from dataclasses import replace
+
+    return replace(
+        head,
+        granularity=K_TRANSFORM,
+        k_scales=k_scale,
+        layers=layers,
+        k_offset=offset,
+        rotation=rotation,
+        first_tokens=ch.first_tokens if apart else 0,
+        centre=centre,
+    )
+
+
+def _candidate_of(result: CalibrationResult, name: str | None = None) -> Candidate:
+    """The report's simulation of a static result."""
+    if result.granularity != K_TRANSFORM:
+        return Candidate(
+            name or result.granularity, True, k_scale=result.k_scales, v_scale=result.v_scales
+        )
+    rot = None
+    if result.rotation == "hadamard" and result.k_offset is not None:
+        rot = hadamard_matrix(int(result.k_offset.shape[-1]))
+    return Candidate(
+        name or _k_transform_name(result.rotation, result.first_tokens),
+        True,
+        k_scale=result.k_scales,
+        v_scale=result.v_scales,
+        k_offset=result.k_offset,
+        rotation=rot,
+        first_tokens=result.first_tokens,
+    )
+
+
+def candidate_formats(
+    stats: KVStatistics,
+    *,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    tolerance: float = 0.0,
+    objective: str = "mse",
+    centre: str = "mean",
+) -> tuple[list[Candidate], list[str]]:
+    """The formats the calibration report measures, with their scales from ``stats``.
+
+    per-tensor and per-head (the search of :func:`choose_scales`), fp32-group
+    G=64 and G=32 (dynamic; where G divides head_dim), and the k-transform with
+    Hadamard rotation and first tokens apart, offset only with first tokens
+    apart, and Hadamard rotation with no first tokens (:func:`choose_k_transform`).
+
+    Returns:
+        ``(candidates, notes)``: notes say which candidates were left out and why.
+
+    Raises:
+        CalibrationError: statistics without channel statistics, or bad options.
+    """
+    ch = stats.channels
+    if ch is None:
+        raise CalibrationError(
+            "candidate_formats: these statistics have no per-channel K statistics. "
+            "Fix: collect with collect_statistics (it keeps them)."
+        )
+    opts: dict[str, Any] = {"ratios": ratios, "tolerance": tolerance, "objective": objective}
+    out = [_candidate_of(choose_scales(stats, g, **opts)) for g in _GRANULARITIES]
+    notes = []
+    for g in GROUP_SIZES:
+        if ch.head_dim % g == 0:
+            out.append(Candidate(f"fp32-group G={g}", False, group_size=g))
+        else:
+            notes.append(f"fp32-group G={g} left out: {g} does not divide head_dim {ch.head_dim}")
+    variants: list[tuple[str | None, bool]] = [
+        ("hadamard", True),
+        (None, True),
+        ("hadamard", False),
+    ]
+    if ch.rotation is None:
+        notes.append(
+            f"k-transform with rotation left out: head_dim {ch.head_dim} is not a power of two"
+        )
+        variants = [(None, True), (None, False)]
+    if ch.first_tokens == 0:
+        variants = [(r, False) for r, apart in variants if apart]
+    for rotation, apart in variants:
+        res = choose_k_transform(
+            stats, rotation=rotation, first_tokens=apart, centre=centre, **opts
+        )
+        out.append(_candidate_of(res))
+    return out, notes
+
+
+@torch.no_grad()
+def evaluate_formats(
+    model: torch.nn.Module,
+    result: CalibrationResult,
+    held_out: Sequence[torch.Tensor],
+    *,
+    progress: bool = False,
+) -> CalibrationReport:
+    """Measure every candidate format (and the written one) on held-out windows.
+
+    Args:
+        model: the unpatched model ``result`` was calibrated on.
+        result: the calibration (its statistics give the candidates' scales).
+        held_out: int64 [1, T] token windows not used for the statistics.
+        progress: show a tqdm bar on stderr.
+
+    Returns:
+        The :class:`~kvquant.calibration_report.CalibrationReport`.
+
+    Raises:
+        CalibrationError: no statistics on ``result``, no held-out window, or a
+            layer the evaluation never reached.
+    """
+    from tqdm import tqdm
+
+    stats = result.statistics
+    if stats is None or stats.channels is None or not held_out:
+        raise CalibrationError(
+            "evaluate_formats: needs the result's statistics (with channel statistics) and at "
+            f"least one held-out window; got statistics={stats is not None}, "
+            f"{len(held_out)} windows. Fix: calibrate with held_out_tokens > 0 and 2+ samples."
+        )
+    candidates, notes = candidate_formats(
+        stats,
+        ratios=result.ratios,
+        tolerance=result.tolerance,
+        objective=result.objective,
+        centre=result.centre or "mean",
+    )
+    chosen = _candidate_of(result)
+    names = [c.name for c in candidates]
+    if chosen.name in names and result.granularity == K_TRANSFORM:
+        candidates[names.index(chosen.name)] = chosen  # the written one, its own centre
+    elif chosen.name not in names:
+        candidates.append(chosen)
+    names = [c.name for c in candidates]
+    evaluator = FormatEvaluator(
+        tuple(candidates), names.index(chosen.name), stats.num_layers, stats.num_kv_heads
+    )
+    device = next(model.parameters()).device
+    decoder: Any = getattr(model, "model", model)
+    total = sum(int(w.numel()) for w in held_out)
+    with (
+        _collecting(model, evaluator),
+        tqdm(
+            total=total, desc="held-out", unit="tok", file=sys.stderr, disable=not progress
+        ) as bar,
+    ):
+        for ids in held_out:
+            decoder(input_ids=ids.to(device), use_cache=False)
+            evaluator.num_tokens += int(ids.numel())
+            bar.update(int(ids.numel()))
+    return evaluator.report(
+        stats.channels.near_constant_share(), chosen.name, notes, held_out_windows=len(held_out)
+    )
+
+
 # ---------------------------------------------------------------------------
 # collection through the model
 
@@ -746,13 +1206,15 @@ def _collecting_attention(
     """Attention function: record K/V statistics, then run transformers' SDPA attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    stats: KVStatistics | None = getattr(module, _COLLECT_ATTR, None)
-    if stats is not None:
-        layer = int(getattr(module, "layer_idx", 0))
+    stats: KVStatistics | FormatEvaluator | None = getattr(module, _COLLECT_ATTR, None)
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = float(getattr(module, "scaling", query.shape[-1] ** -0.5))
+    layer = int(getattr(module, "layer_idx", 0))
+    if isinstance(stats, FormatEvaluator):
+        stats.observe(layer, query, key, value, float(scaling))
+    elif stats is not None:
         if stats.weighted:
-            scaling = kwargs.get("scaling")
-            if scaling is None:
-                scaling = float(getattr(module, "scaling", query.shape[-1] ** -0.5))
             wk, wv = attention_weights(query, key, float(scaling))
             stats.update(layer, key, value, wk, wv)
         else:
@@ -761,7 +1223,7 @@ def _collecting_attention(
 
 
 @contextlib.contextmanager
-def _collecting(model: torch.nn.Module, stats: KVStatistics) -> Iterator[None]:
+def _collecting(model: torch.nn.Module, stats: KVStatistics | FormatEvaluator) -> Iterator[None]:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -859,11 +1321,14 @@ def collect_statistics(
     max_tokens: int | None = None,
     objective: str = "mse",
     progress: bool = True,
+    first_tokens: int = 1,
 ) -> KVStatistics:
     """Run the model over calibration text and gather post-RoPE K/V statistics.
 
     Each window is one forward (``use_cache=False``), so K/V are seen at the
-    positions a prompt of that length would give them.
+    positions a prompt of that length would give them. Besides the histograms,
+    per-channel K statistics (:class:`ChannelStatistics`) are kept for the
+    k-transform and the calibration report.
 
     Args:
         model: an unpatched transformers causal LM of a family kvquant supports.
@@ -874,6 +1339,8 @@ def collect_statistics(
         objective: ``"attention"`` also accumulates attention-weighted histograms
             (:func:`attention_weights`; one extra ``QK^T`` per layer); ``"mse"`` does not.
         progress: show a tqdm progress bar on stderr.
+        first_tokens: positions of every window kept apart in the channel
+            statistics (the k-transform attends them exactly).
 
     Returns:
         The filled :class:`KVStatistics`.
@@ -915,8 +1382,14 @@ def collect_statistics(
             "calibrate: the inputs give no window of at least 2 tokens; expected real text. "
             "Fix: pass a longer calibration text."
         )
+    channels = ChannelStatistics(
+        geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, first_tokens
+    )
     stats = KVStatistics(
-        geometry.num_layers, geometry.num_kv_heads, weighted=objective == "attention"
+        geometry.num_layers,
+        geometry.num_kv_heads,
+        weighted=objective == "attention",
+        channels=channels,
     )
     device = next(model.parameters()).device
     decoder: Any = getattr(model, "model", model)
@@ -941,6 +1414,23 @@ def collect_statistics(
     return stats
 
 
+def _split_held_out(
+    windows: list[torch.Tensor], held_out_tokens: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The last windows holding at least ``held_out_tokens`` tokens, at most a quarter of them.
+
+    At least one window is held out when there are two or more (and
+    ``held_out_tokens > 0``); at least one is always kept to calibrate on.
+    """
+    held: list[torch.Tensor] = []
+    count = 0
+    most = max(1, len(windows) // 4) if len(windows) > 1 else 0
+    while held_out_tokens > 0 and count < held_out_tokens and len(held) < most:
+        held.insert(0, windows.pop())
+        count += int(held[0].numel())
+    return windows, held
+
+
 def calibrate(
     model: torch.nn.Module,
     texts_or_token_ids: str | torch.Tensor | Sequence[str | torch.Tensor],
@@ -954,15 +1444,24 @@ def calibrate(
     objective: str = "mse",
     progress: bool = True,
     text_names: Sequence[str] = (),
+    rotation: str | None = "hadamard",
+    first_tokens: int = 1,
+    centre: str = "mean",
+    held_out_tokens: int = 512,
 ) -> CalibrationResult:
     """Calibrate static FP8 KV scales by the expected quantization error they cause.
 
-    :func:`collect_statistics` followed by :func:`choose_scales`.
+    The last windows (at least ``held_out_tokens`` tokens, at most a quarter of
+    the windows, at least one when there are two or more) are held out; :func:`collect_statistics` runs on the
+    rest, then :func:`choose_scales` (per-tensor, per-head) or
+    :func:`choose_k_transform` (k-transform), and :func:`evaluate_formats`
+    measures every candidate format on the held-out windows (the result's
+    ``report``; None when nothing could be held out).
 
     Args:
         model: an unpatched transformers causal LM of a family kvquant supports.
         texts_or_token_ids: a text, token ids int64 [T] or [B, T], or a list of either.
-        granularity: ``"per-tensor"`` or ``"per-head"``.
+        granularity: ``"per-tensor"``, ``"per-head"`` or ``"k-transform"``.
         tokenizer: required when texts are given.
         window: tokens per forward.
         max_tokens: stop after this many tokens (None: all).
@@ -972,6 +1471,11 @@ def calibrate(
             (errors weighted by their first-order effect on the attention output).
         progress: show a tqdm progress bar.
         text_names: names of the texts, for the report.
+        rotation: k-transform: ``"hadamard"`` (head_dim a power of two) or None.
+        first_tokens: k-transform: first positions of every sequence attended at
+            full precision, left out of the offsets and scales (0: none).
+        centre: k-transform: per-channel offset, ``"mean"`` or ``"midrange"``.
+        held_out_tokens: tokens held out for the report (0: no report).
 
     Returns:
         A :class:`CalibrationResult` (scales per layer, canonical fp32, plus the report).
@@ -991,28 +1495,48 @@ def calibrate(
         >>> res.k_scales.shape, res.k_scales.dtype
         (torch.Size([2]), torch.float32)
     """
-    if granularity not in _GRANULARITIES:
+    if granularity not in _FORMATS:
         raise CalibrationError(
-            f"calibrate: granularity {granularity!r}; expected one of {_GRANULARITIES}. "
+            f"calibrate: granularity {granularity!r}; expected one of {_FORMATS}. "
             "Fix: fp32-group scales are dynamic and need no calibration."
         )
+    if held_out_tokens < 0:
+        raise CalibrationError(
+            f"calibrate: held_out_tokens={held_out_tokens}; expected >= 0. Fix: pass 0 (no "
+            "report) or a token count such as 512."
+        )
+    if granularity == K_TRANSFORM and rotation not in ROTATIONS:
+        raise CalibrationError(
+            f"calibrate: rotation {rotation!r}; expected 'hadamard' or None. Fix: pass one of those."
+        )
+    if not 2 <= window:
+        raise CalibrationError(f"calibrate: window={window}; expected >= 2 tokens.")
+    windows = _windows(model, texts_or_token_ids, tokenizer, window, max_tokens)
+    windows, held_out = _split_held_out(windows, held_out_tokens)
     stats = collect_statistics(
         model,
-        texts_or_token_ids,
+        windows,
         tokenizer=tokenizer,
         window=window,
-        max_tokens=max_tokens,
         objective=objective,
         progress=progress,
+        first_tokens=first_tokens,
     )
-    return choose_scales(
-        stats,
-        granularity,
-        ratios=ratios,
-        tolerance=tolerance,
-        objective=objective,
-        texts=text_names,
-    )
+    opts: dict[str, Any] = {
+        "ratios": ratios,
+        "tolerance": tolerance,
+        "objective": objective,
+        "texts": text_names,
+    }
+    if granularity == K_TRANSFORM:
+        result = choose_k_transform(
+            stats, rotation=rotation, first_tokens=first_tokens > 0, centre=centre, **opts
+        )
+    else:
+        result = choose_scales(stats, granularity, **opts)
+    if not held_out:
+        return result
+    return result.with_report(evaluate_formats(model, result, held_out, progress=progress))
 
 
 # ---------------------------------------------------------------------------
@@ -1275,7 +1799,11 @@ def write_calibrated_checkpoint(
     * ``modelopt``: ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, fp32 ``()``,
       ``hf_quant_config.json`` with ``kv_cache_quant_algo: FP8``;
     * ``quark``: ``self_attn.k_proj.output_scale`` / ``v_proj.output_scale``, fp32
-      ``()``, ``kv_cache_post_rope: true`` (separate post-RoPE K and V).
+      ``()``, ``kv_cache_post_rope: true`` (separate post-RoPE K and V);
+    * ``kvquant`` (k-transform results only): ``self_attn.k_scale`` / ``v_scale``
+      fp32 ``(Hkv,)`` and ``self_attn.k_offset`` fp32 ``(Hkv, head_dim)`` (rotated
+      frame), ``kvquant_kv_transform.json`` (format, version, rotation,
+      first_tokens, geometry) and no ``quantization_config``; only kvquant reads it.
 
     Every file is copied (configs and tokenizer always; weight shards unless
     ``link``); the shard(s) receiving scales are re-saved with every other tensor
@@ -1293,7 +1821,7 @@ def write_calibrated_checkpoint(
         result: scales from :func:`calibrate`.
         out_dir: the output folder; must not exist unless ``force``.
         convention: ``"compressed-tensors"`` (per-tensor or per-head),
-            ``"modelopt"`` or ``"quark"`` (per-tensor only).
+            ``"modelopt"`` or ``"quark"`` (per-tensor only), ``"kvquant"`` (k-transform).
         force: replace ``out_dir`` if it is an existing folder.
         link: hard-link the unchanged weight shards instead of copying them
             (saves disk space; the output then shares those files with the source).
@@ -1323,6 +1851,14 @@ def write_calibrated_checkpoint(
             f"write_calibrated_checkpoint: convention {convention!r}; expected one of "
             f"{CONVENTIONS}. Fix: pass one of those names."
         )
+    if (result.granularity == K_TRANSFORM) != (convention == "kvquant"):
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: a {result.granularity} result in the {convention} "
+            "convention; the k-transform is stored only in kvquant's own convention (k_offset "
+            "tensors and kvquant_kv_transform.json; no serving engine reads it) and kvquant's "
+            "convention holds only the k-transform. Fix: pass convention='kvquant' for a "
+            "k-transform result, a producer convention for per-tensor or per-head scales."
+        )
     if result.granularity == "per-head" and convention != "compressed-tensors":
         raise CalibrationError(
             f"write_calibrated_checkpoint: per-head scales cannot be stored in the {convention} "
@@ -1347,12 +1883,22 @@ def write_calibrated_checkpoint(
             f"convention={found.producer!r} if kvquant writes it, or calibrate the unquantized "
             "checkpoint."
         )
+    if found.k_transform is not None:
+        raise CalibrationError(
+            f"write_calibrated_checkpoint: {src} already carries a k-transform (k_offset "
+            "tensors and kvquant_kv_transform.json); expected a checkpoint without one. Fix: "
+            "calibrate the original checkpoint it was calibrated from."
+        )
     check_output_path(src, out, force)
     prefix, homes = _layer_homes(found.files, result.num_layers)
 
-    shape = producers.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
+    if convention == "kvquant":
+        shape: tuple[int, ...] = (result.num_kv_heads,)
+    else:
+        shape = producers.stored_scale_shape(convention, result.granularity, result.num_kv_heads)
     named = kv_scale_tensors(
-        convention,
+        # kvquant's own convention names its scales as compressed-tensors does
+        "compressed-tensors" if convention == "kvquant" else convention,
         {i: result.layer_scales(i) for i in range(result.num_layers)},
         shape,
         prefix=prefix,
@@ -1363,6 +1909,10 @@ def write_calibrated_checkpoint(
     for i, ((k_name, kt), (v_name, vt)) in named.items():
         new_tensors[k_name], new_tensors[v_name] = kt, vt
         tensor_homes[k_name] = tensor_homes[v_name] = Path(homes[i])
+        if result.k_offset is not None:
+            o_name = producers.k_offset_tensor_name(i, prefix=prefix)
+            new_tensors[o_name] = result.k_offset[i].float().contiguous().clone()
+            tensor_homes[o_name] = Path(homes[i])
         layers.append(
             _export.LayerExport(
                 layer=i,
@@ -1389,15 +1939,45 @@ def write_calibrated_checkpoint(
         new_tensors[name] = tensor
         tensor_homes[name] = Path(homes[index])
 
-    if convention == "quark":
+    transform_files: dict[str, FileContent] = {}
+    qcfg: dict[str, Any] | None = None
+    hf_quant: dict[str, Any] | None = None
+    if convention == "kvquant":
+        # declared by kvquant_kv_transform.json alone: config.json loses any KV scheme
+        if weights is not None:
+            raise CalibrationError(
+                f"write_calibrated_checkpoint: {src} has quantized weights ({weights}); the "
+                "k-transform is written beside unquantized weights only. Fix: calibrate the "
+                "unquantized checkpoint."
+            )
+        import dataclasses
+
+        config = json.loads(json.dumps(found.config))
+        for holder in (config, config.get("text_config")):
+            if isinstance(holder, dict):
+                holder.pop("quantization_config", None)
+        found = dataclasses.replace(found, config=config)
+        if result.k_offset is None:
+            raise CalibrationError(
+                "write_calibrated_checkpoint: a k-transform result without offsets. "
+                "Fix: calibrate with granularity='k-transform'."
+            )
+        settings = producers.kv_transform_config(
+            rotation=result.rotation,
+            first_tokens=result.first_tokens,
+            head_dim=int(result.k_offset.shape[-1]),
+            num_kv_heads=result.num_kv_heads,
+            num_layers=result.num_layers,
+        )
+        transform_files[producers.KV_TRANSFORM_FILE] = json.dumps(settings, indent=2) + "\n"
+    elif convention == "quark":
         # KV-only, calibrated after RoPE: separate K and V, nothing else quantized.
         quark = producers.quark_config(post_rope=True)
         if result.observer == "mse":
             for group in ("layer_quant_config", "kv_cache_quant_config"):
                 for entry in quark[group].values():
                     entry["output_tensors"]["observer_cls"] = "PerTensorMSEObserver"
-        qcfg: dict[str, Any] | None = quark
-        hf_quant: dict[str, Any] | None = None
+        qcfg = quark
     else:
         qcfg, hf_quant = _export._new_configs(
             convention, result.granularity, found, weights, observer=result.observer
@@ -1431,12 +2011,13 @@ def write_calibrated_checkpoint(
         "format": result.granularity,
         **result.to_dict(),
     }
-    files: dict[str, FileContent] = {_REPORT_FILE: metadata}
+    files: dict[str, FileContent] = {_REPORT_FILE: metadata, **transform_files}
     for name, content in (extra_files or {}).items():
         if name in files:
             raise CalibrationError(
-                f"write_calibrated_checkpoint: extra file {name!r} is the calibration report's "
-                "name. Fix: give it another name."
+                f"write_calibrated_checkpoint: extra file {name!r} is the name of a file kvquant "
+                f"writes there (the calibration report or the k-transform settings: "
+                f"{', '.join(sorted(files))}). Fix: give it another name."
             )
         files[name] = content
     edit = CheckpointEdit(

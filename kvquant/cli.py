@@ -20,7 +20,11 @@ Subcommands:
   the model (``--device``, ``--device-map``, ``--dtype``; its own dtype by
   default) over calibration data, choose static FP8 K/V scales by the expected quantization
   error they cause and write a copy of the checkpoint carrying them in a
-  producer convention (see :mod:`kvquant.calibrate`). Exit code 0 when written,
+  producer convention, or the static K transform (``--format k-transform``) in
+  kvquant's own convention (see :mod:`kvquant.calibrate`); print the
+  calibration report (:mod:`kvquant.calibration_report`: clipping and subnormal
+  fractions, K energy in near-constant channels, every candidate format's
+  error on held-out samples, a recommendation). Exit code 0 when written,
   1 when the model or the requested convention cannot be calibrated (nothing
   is written), 2 on a usage error (no data source, not a checkpoint, no
   tokenizer, unreadable text, ``--out`` exists without ``--force``).
@@ -224,6 +228,22 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     path = checkpoint_dir(args.path)
     try:
+        if args.granularity == "k-transform":
+            if args.convention not in (None, "kvquant"):
+                raise CalibrationError(
+                    f"--format k-transform is stored only in kvquant's own convention (k_offset "
+                    f"tensors and kvquant_kv_transform.json), not {args.convention}: no serving "
+                    "engine reads it. Fix: drop --convention, or calibrate --format per-head "
+                    "for a producer convention."
+                )
+            args.convention = "kvquant"
+        elif args.convention == "kvquant":
+            raise CalibrationError(
+                f"--convention kvquant holds only the k-transform, not --format "
+                f"{args.granularity}. Fix: pass --format k-transform, or drop --convention."
+            )
+        elif args.convention is None:
+            args.convention = "compressed-tensors"
         if args.granularity == "per-head" and args.convention != "compressed-tensors":
             raise CalibrationError(
                 f"--format per-head is stored by the compressed-tensors convention only "
@@ -276,6 +296,10 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             objective=args.objective,
             progress=not args.json,
             text_names=(data.source,),
+            rotation=None if args.rotation == "none" else args.rotation,
+            first_tokens=args.first_tokens,
+            centre=args.k_centre,
+            held_out_tokens=args.held_out_tokens,
         )
         written = write_calibrated_checkpoint(
             path,
@@ -620,15 +644,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         dest="granularity",
         default="per-tensor",
-        choices=("per-tensor", "per-head"),
-        help="per-tensor (one K and one V scale per layer) or per-head (one per KV head; "
-        "compressed-tensors attn_head)",
+        choices=("per-tensor", "per-head", "k-transform"),
+        help="per-tensor (one K and one V scale per layer), per-head (one per KV head; "
+        "compressed-tensors attn_head) or k-transform (per-head scales of a rotated, offset "
+        "K plus per-channel K offsets, first tokens at full precision; kvquant's own "
+        "convention, read by kvquant only)",
     )
     cal.add_argument(
         "--convention",
-        default="compressed-tensors",
-        choices=("compressed-tensors", "modelopt", "quark"),
-        help="producer convention of the written scales (default compressed-tensors)",
+        default=None,
+        choices=("compressed-tensors", "modelopt", "quark", "kvquant"),
+        help="convention of the written scales (default compressed-tensors; kvquant for "
+        "--format k-transform)",
+    )
+    kt = cal.add_argument_group("k-transform (--format k-transform)")
+    kt.add_argument(
+        "--rotation",
+        default="hadamard",
+        choices=("hadamard", "none"),
+        help="rotate K (and the query) by the normalised Hadamard matrix before the offset "
+        "(default; head_dim must be a power of two) or not (offset only)",
+    )
+    kt.add_argument(
+        "--first-tokens",
+        dest="first_tokens",
+        type=_at_least(0),
+        default=1,
+        help="first tokens of every sequence attended at full precision and left out of the "
+        "offsets and K scales (default 1: the attention sink; 0: none)",
+    )
+    kt.add_argument(
+        "--k-centre",
+        dest="k_centre",
+        default="mean",
+        choices=("mean", "midrange"),
+        help="per-channel K offset: the mean (default) or (min + max) / 2 over the tokens",
+    )
+    cal.add_argument(
+        "--held-out-tokens",
+        dest="held_out_tokens",
+        type=_at_least(0),
+        default=512,
+        help="calibration tokens (the last samples) held out to measure every candidate format "
+        "for the report (default 512; 0: no measured report); at least one sample is kept to "
+        "calibrate on",
     )
     cal.add_argument(
         "--tolerance",

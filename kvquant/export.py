@@ -882,7 +882,10 @@ def _verify(tmp: Path, report: ExportReport, source: DiscoveredCheckpoint) -> No
         problems.extend(analysis.problems)
     if found.has_errors:
         problems.extend(f.message for f in found.findings if f.severity == "error")
-    expected_gran = "per-head" if report.granularity == "per-head" else "per-tensor"
+    # the k-transform's K/V scales are per-head (its offsets are checked by discovery)
+    expected_gran = (
+        "per-head" if report.granularity in ("per-head", "k-transform") else "per-tensor"
+    )
     if analysis.ok and analysis.granularity != expected_gran:
         problems.append(f"re-read as {analysis.granularity}, expected {expected_gran}")
     written = {r.name: r for r in found.scales}

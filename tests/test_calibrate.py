@@ -446,13 +446,18 @@ def test_cli_calibrate_on_a_dataset_writes_what_it_did(
     assert main([*argv, "--dtype", "bfloat16"]) == 0
     captured = capsys.readouterr()
     flat = " ".join(captured.out.split())  # the report wraps at 100 columns
-    assert f"dataset {data}, split train, column text: 5 samples, 500 tokens" in flat
+    # the last sample (a quarter at most) is held out to measure the candidate formats
+    assert f"dataset {data}, split train, column text: 4 samples, 400 tokens" in flat
+    assert "(and 1 sample, 100 tokens held out for the report)" in flat
     assert "clipping search" in flat
     assert "calibrating" in captured.err and "writing out" in captured.err  # progress bars
     lines = [line for line in captured.out.splitlines() if str(tmp_path) not in line]
     assert max(len(line) for line in lines) <= 100
     meta = json.loads((out / "kvquant-calibration.json").read_text())
-    assert (meta["num_samples"], meta["num_tokens"]) == (5, 500)
+    assert (meta["num_samples"], meta["num_tokens"]) == (4, 400)
+    assert meta["report"]["held_out_tokens"] == 100 and meta["report"]["written_format"] == (
+        "per-tensor"
+    )
     assert meta["observer"] == "mse" and meta["format"] == "per-tensor"
     assert meta["convention"] == "compressed-tensors" and meta["texts"] == [
         f"dataset {data}, split train, column text"
@@ -468,7 +473,7 @@ def test_cli_calibrate_on_a_dataset_writes_what_it_did(
     mapped = [*argv[:-2], "--device-map", "cpu", "--dtype", "auto", "--force", "--json"]
     capsys.readouterr()
     assert main(mapped) == 0
-    assert json.loads(capsys.readouterr().out)["num_samples"] == 5
+    assert json.loads(capsys.readouterr().out)["num_samples"] == 4
 
 
 def test_observer_names_what_was_done(tiny: Any, tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ TIERS: dict[str, int] = {
     "kvquant.integrations": 4,
     "kvquant.report": 5,
     "kvquant.calibrate": 5,
+    "kvquant.calibration_report": 5,
     "kvquant.export": 5,
     "kvquant.demo": 5,
     "kvquant.testing": 5,

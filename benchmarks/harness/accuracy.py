@@ -10,6 +10,9 @@ Two ways to put FP8 into the KV path are measured the same way:
   post-RoPE K/V it receives, then runs SDPA. Static scales (per-tensor,
   per-KV-head) come from :func:`calibrate`; ``fp32-group`` computes
   ``amax / 448`` per token, KV head and group of ``G`` head_dim elements.
+  The ``k-transform`` mode (:class:`KTransformScales`) rounds
+  ``(k R - c) / s_k`` and hands attention the rotated query ``q R`` with the
+  keys ``k_hat * s_k + c`` (``R`` Hadamard or identity), the first tokens exact.
 * **kvquant**: any model whose forward already goes through kvquant's cache
   (patched, or loaded with ``KVQuantConfig``); :func:`teacher_forced` then only
   needs a factory for the cache object to pass to ``forward``.
@@ -45,6 +48,7 @@ __all__ = [
     "SIMULATED_ATTENTION",
     "CalibratedScales",
     "EvalResult",
+    "KTransformScales",
     "TokenStats",
     "calibrate",
     "evaluate",
@@ -66,7 +70,7 @@ SIMULATED_ATTENTION = "kvquant_sim"
 """Name under which the simulation attention function is registered."""
 
 _SIM_ATTR = "_kvquant_sim"
-_MODES = ("none", "capture", "per-tensor", "per-head", "fp32-group")
+_MODES = ("none", "capture", "per-tensor", "per-head", "fp32-group", "k-transform")
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,49 @@ class CalibratedScales:
                 "expected 'per-tensor' or 'per-head'. Fix: fp32-group scales are dynamic."
             )
         return k[index], v[index]
+
+
+@dataclass(frozen=True)
+class KTransformScales:
+    """The static K transform of every layer (``kvquant calibrate --format k-transform``).
+
+    Attributes:
+        k_scale: fp32 [num_layers, num_kv_heads], scales of ``k R - c``.
+        v_scale: fp32 [num_layers, num_kv_heads], per-head V scales.
+        k_offset: fp32 [num_layers, num_kv_heads, head_dim], ``c`` in the rotated frame.
+        rotation: fp32 [head_dim, head_dim] orthonormal ``R``, or None (identity).
+        first_tokens: first positions of every sequence attended exactly.
+    """
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_offset: torch.Tensor
+    rotation: torch.Tensor | None
+    first_tokens: int
+
+    @classmethod
+    def from_result(cls, result: Any) -> KTransformScales:
+        """From a ``kvquant.calibrate.CalibrationResult`` of granularity ``"k-transform"``."""
+        from kvquant.calibration_report import hadamard_matrix
+
+        if result.granularity != "k-transform" or result.k_offset is None:
+            raise CalibrationError(
+                f"KTransformScales.from_result: a {result.granularity} result; expected a "
+                "k-transform one. Fix: calibrate with granularity='k-transform'."
+            )
+        d = int(result.k_offset.shape[-1])
+        rot = hadamard_matrix(d) if result.rotation == "hadamard" else None
+        return cls(result.k_scales, result.v_scales, result.k_offset, rot, result.first_tokens)
+
+    def scaled(self, factor: float) -> KTransformScales:
+        """The same transform with both scales multiplied by ``factor`` (the jitter control)."""
+        return KTransformScales(
+            self.k_scale * factor,
+            self.v_scale * factor,
+            self.k_offset,
+            self.rotation,
+            self.first_tokens,
+        )
 
 
 def _to_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -227,11 +274,14 @@ def _simulated_attention(
         elif spec.mode == "fp32-group":
             key = fake_quantize_kv(key, None, group_size=spec.group_size)
             value = fake_quantize_kv(value, None, group_size=spec.group_size)
+        elif spec.mode == "k-transform":
+            query, key, value = _k_transform(spec, layer, query, key, value)
         else:
-            if spec.scales is None:
+            if not isinstance(spec.scales, CalibratedScales):
                 raise CalibrationError(
-                    f"simulated attention: layer {layer} in mode {spec.mode!r} has no scales; "
-                    "expected CalibratedScales. Fix: pass scales=calibrate(...)."
+                    f"simulated attention: layer {layer} in mode {spec.mode!r} has "
+                    f"{type(spec.scales).__name__} scales; expected CalibratedScales. Fix: pass "
+                    "scales=calibrate(...)."
                 )
             k_s, v_s = spec.scales.layer(layer, spec.mode)
             key = fake_quantize_kv(key, k_s)
@@ -239,10 +289,34 @@ def _simulated_attention(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _k_transform(
+    spec: _SimSpec, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, keys and values of the k-transform, in the rotated frame (see the module doc)."""
+    from kvquant.calibration_report import fake_quantize_static, k_transform_keys
+
+    kt = spec.scales
+    if not isinstance(kt, KTransformScales):
+        raise CalibrationError(
+            f"simulated attention: layer {layer} in mode 'k-transform' needs KTransformScales; "
+            f"got {type(kt).__name__}. Fix: pass scales=KTransformScales.from_result(...)."
+        )
+    q = query.float()
+    if kt.rotation is not None:
+        q = q @ kt.rotation.to(q.device)
+    k = k_transform_keys(key, kt.k_scale[layer], kt.k_offset[layer], kt.rotation, kt.first_tokens)
+    v = fake_quantize_static(value, kt.v_scale[layer])
+    n = min(kt.first_tokens, v.shape[2])
+    if n:
+        v[:, :, :n] = value[:, :, :n].float()
+    v = torch.where(torch.isfinite(value), v, torch.nan)
+    return q.to(query.dtype), k.to(key.dtype), v.to(value.dtype)
+
+
 @dataclass
 class _SimSpec:
     mode: str
-    scales: CalibratedScales | None = None
+    scales: CalibratedScales | KTransformScales | None = None
     group_size: int | None = None
     exact_prompt: bool = False
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -271,7 +345,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def simulate_fp8_kv(
     model: torch.nn.Module,
     mode: str,
-    scales: CalibratedScales | None = None,
+    scales: CalibratedScales | KTransformScales | None = None,
     *,
     group_size: int | None = None,
     exact_prompt: bool = False,
@@ -284,8 +358,22 @@ def simulate_fp8_kv(
     Args:
         model: a transformers causal LM (Llama-style attention modules).
         mode: ``"none"`` (same code path, no rounding), ``"capture"`` (record
-            amax, no rounding), ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
-        scales: calibrated scales, required by ``"per-tensor"`` and ``"per-head"``.
+            amax, no rounding), ``"per-tensor"``, ``"per-head"``, ``"fp32-group"``
+            or ``"k-transform"``.
+        scales: calibrated scales, required by ``"per-tensor"`` and ``"per-head"``
+            (:class:`CalibratedScales`) and ``"k-transform"`` (:class:`KTransformScales`).
+
+    Exactness contract: the static modes and ``fp32-group`` round every value as
+    kvquant's write kernels do (same scales, same fp32 division, same clamp),
+    so the stored codes are equal; attention then runs in SDPA on the
+    dequantized values. ``k-transform`` computes the codes of
+    ``write_kv(k_offset=c, k_rotation=R)`` (``fp8(clamp((k R - c) / s_k))``)
+    and gives SDPA the rotated query ``q R`` and the keys ``k_hat * s_k + c``
+    (the first ``first_tokens`` positions: ``k R`` and ``v`` exactly), so the
+    scores are ``q R . (k_hat s_k + c)``: the kernels' ``q'.(k_hat s_k) + q'.c``
+    in another summation order (equal within fp32 rounding, not bit for bit).
+    The first tokens are the first positions of the key tensor, i.e. of the
+    sequence (every window starts at position 0; a cached prefix starts there too).
         group_size: G of ``"fp32-group"`` (default 64 capped at head_dim).
         exact_prompt: leave a call with no cached prefix unrounded, as kvquant does
             (a prompt attends over its own K/V; later calls read every key from
@@ -304,7 +392,7 @@ def simulate_fp8_kv(
             f"simulate_fp8_kv: mode {mode!r} is unknown; expected one of {_MODES}. "
             "Fix: pass one of those names."
         )
-    if mode in ("per-tensor", "per-head") and scales is None:
+    if mode in ("per-tensor", "per-head", "k-transform") and scales is None:
         raise OptionError(
             f"simulate_fp8_kv: mode {mode!r} needs static scales but scales=None. "
             "Fix: pass scales=calibrate(model, calibration_ids)."

@@ -1,0 +1,456 @@
+"""Calibrating the static K transform, the calibration report, and its CLI (kvquant calibrate)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvquant.calibrate import (
+    ChannelStatistics,
+    KVStatistics,
+    calibrate,
+    choose_k_transform,
+    write_calibrated_checkpoint,
+)
+from kvquant.calibration_report import (
+    Candidate,
+    FormatEvaluator,
+    fake_quantize_static,
+    hadamard_matrix,
+    k_transform_keys,
+    near_constant_share,
+)
+from kvquant.errors import CalibrationError
+from kvquant.kernels.reference import (
+    dequantize_pages,
+    paged_attention_reference,
+    write_kv_reference,
+)
+
+pytest.importorskip("transformers")
+
+E4M3_MAX = 448.0
+
+
+def _planted(b: int, h: int, t: int, d: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys = a planted per-(head, channel) offset + N(0, 1) noise; the first position far off."""
+    g = torch.Generator().manual_seed(seed)
+    offset = 20.0 * torch.randn(h, d, generator=g)
+    key = offset[None, :, None, :] + torch.randn(b, h, t, d, generator=g)
+    key[:, :, 0] = -300.0  # the attention sink: its K lacks the bias
+    return key, offset
+
+
+# ---------------------------------------------------------------------------
+# calibration math
+
+
+def test_offset_recovers_a_planted_offset_and_leaves_the_first_tokens_out() -> None:
+    key, offset = _planted(2, 3, 400, 8)
+    ch = ChannelStatistics(1, 3, 8, first_tokens=1)
+    ch.update(0, key[:, :, :150])
+    ch.update(0, key[:, :, 150:])  # a second window: its first position is left out too
+    rest = torch.cat([key[:, :, 1:150], key[:, :, 151:]], dim=2)
+    assert torch.equal(ch.count[:, 0], torch.tensor([2 * 2, 2 * 399 - 2]))
+    c, s = ch.k_transform(rotate=False, apart=True)
+    # the mean of 796 N(0, 1) draws: within 5 / sqrt(796) of the planted value
+    assert (c[0] - offset).abs().max() < 5 / math.sqrt(796)
+    assert torch.allclose(c[0], rest.double().mean(dim=(0, 2)).float(), atol=1e-4)
+    # the scale is the exact amax of k - c over the tokens it covers (nothing clips)
+    amax = (rest - c[0][None, :, None, :]).abs().amax(dim=(0, 2, 3))
+    assert torch.allclose(s[0] * E4M3_MAX, amax, rtol=1e-6)
+    assert float((rest - c[0][None, :, None, :]).abs().max() / s[0].max()) <= E4M3_MAX * (1 + 1e-6)
+    # counting the first tokens instead drags the offset towards -300 and widens the scale
+    c_all, s_all = ch.k_transform(rotate=False, apart=False)
+    assert float((c_all[0] - offset).mean()) < -0.5
+    assert torch.all(s_all[0] > 10 * s[0])
+    # midrange: (min + max) / 2 of the same tokens
+    mid, _ = ch.k_transform(rotate=False, apart=True, centre="midrange")
+    expect = (rest.amin(dim=(0, 2)) + rest.amax(dim=(0, 2))) / 2
+    assert torch.allclose(mid[0], expect, atol=1e-5)
+
+
+def test_rotation_is_orthonormal_and_offsets_live_in_the_rotated_frame() -> None:
+    for d in (1, 2, 8, 64):
+        r = hadamard_matrix(d)
+        assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-6)
+        assert torch.equal(r, r.T)
+    with pytest.raises(CalibrationError, match=r"power of two.*rotation=None"):
+        hadamard_matrix(24)
+    key, offset = _planted(1, 2, 300, 16, seed=3)
+    ch = ChannelStatistics(1, 2, 16, first_tokens=1)
+    ch.update(0, key)
+    c, s = ch.k_transform(rotate=True, apart=True)
+    r = hadamard_matrix(16)
+    assert (c[0] - offset @ r).abs().max() < 5 / math.sqrt(299)
+    kr = key[:, :, 1:] @ r
+    assert torch.allclose(c[0], kr.double().mean(dim=(0, 2)).float(), atol=1e-4)
+    assert torch.allclose(s[0] * E4M3_MAX, (kr - c[0][None, :, None]).abs().amax(dim=(0, 2, 3)))
+    # head_dim 24: offset only, and a clear error for the rotation
+    odd = ChannelStatistics(1, 1, 24)
+    odd.update(0, torch.randn(1, 1, 10, 24))
+    assert odd.rotation is None
+    odd.k_transform(rotate=False, apart=True)
+    with pytest.raises(CalibrationError, match="power of two"):
+        odd.k_transform(rotate=True, apart=True)
+
+
+def test_k_transform_choice_validates() -> None:
+    stats = KVStatistics(1, 1)
+    stats.update(0, torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+    with pytest.raises(CalibrationError, match="no per-channel K statistics"):
+        choose_k_transform(stats)
+    ch = ChannelStatistics(1, 1, 8, first_tokens=4)
+    stats = KVStatistics(1, 1, channels=ch)
+    stats.update(0, torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+    with pytest.raises(CalibrationError, match="saw no token after the first 4"):
+        choose_k_transform(stats)
+    with pytest.raises(CalibrationError, match="rotation"):
+        choose_k_transform(stats, rotation="givens", first_tokens=False)
+    with pytest.raises(CalibrationError, match="centre"):
+        choose_k_transform(stats, first_tokens=False, centre="median")
+    with pytest.raises(CalibrationError, match="first_tokens=-1"):
+        ChannelStatistics(1, 1, 8, first_tokens=-1)
+
+
+def test_near_constant_share_follows_its_definition() -> None:
+    g = torch.Generator().manual_seed(0)
+    n = 1000
+    k = torch.randn(1, 1, n, 4, generator=g)
+    k[..., 0] += 10.0  # sd 1 < 10 / 4: near-constant
+    k[..., 1] += 2.0  # sd 1 > 2 / 4: not
+    ch = ChannelStatistics(1, 1, 4, first_tokens=0)
+    ch.update(0, k)
+    share = ch.near_constant_share()
+    energy = k.double().square().sum(dim=2)[0, 0]
+    assert float(share[0, 0]) == pytest.approx(float(energy[0] / energy.sum()), rel=1e-9)
+    zero = near_constant_share(torch.zeros(1), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    assert float(zero[0, 0]) == 0.0
+
+
+# ---------------------------------------------------------------------------
+# the simulation against the reference kernels
+
+
+def _paged(key: torch.Tensor, value: torch.Tensor, page: int) -> tuple[Any, ...]:
+    """Page slots for [1, T, H, D] tokens written in order, and a shuffled block table."""
+    t = key.shape[1]
+    pages = -(-t // page)
+    order = torch.randperm(pages + 2)[:pages]
+    slots = (order.repeat_interleave(page) * page + torch.arange(page).repeat(pages))[:t]
+    k_pages = torch.zeros(pages + 2, page, key.shape[2], key.shape[3], dtype=torch.float8_e4m3fn)
+    return k_pages, k_pages.clone(), slots.view(1, -1), order.to(torch.int32).view(1, -1)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("first", [0, 2])
+def test_simulation_equals_the_reference_kernels(rotate: bool, first: int) -> None:
+    """Codes bit for bit, attention within fp32 rounding (another summation order)."""
+    torch.manual_seed(7)
+    t, hkv, hq, d = 37, 2, 4, 16
+    key = torch.randn(1, hkv, t, d) * 3 + torch.randn(1, hkv, 1, d) * 10
+    value = torch.randn(1, hkv, t, d)
+    query = torch.randn(1, hq, t, d)
+    k_scale = torch.rand(hkv) * 0.02 + 0.01
+    v_scale = torch.rand(hkv) * 0.01 + 0.005
+    offset = torch.randn(hkv, d) * 10
+    rot = hadamard_matrix(d) if rotate else None
+    cand = Candidate(
+        "kt", True, k_scale[None], v_scale[None], k_offset=offset[None], rotation=rot,
+        first_tokens=first,
+    )  # fmt: skip
+    q_sim, k_sim, v_sim = cand.simulate(0, query, key, value)
+
+    k_pages, v_pages, slots, table = _paged(key.transpose(1, 2), value.transpose(1, 2), 8)
+    write_kv_reference(
+        key.transpose(1, 2), value.transpose(1, 2), k_pages, v_pages, slots, k_scale, v_scale,
+        k_offset=offset, k_rotation=rot,
+    )  # fmt: skip
+    stored = k_pages.view(-1, hkv, d)[slots[0]].float() * k_scale[None, :, None]
+    expect_k = (stored + offset).transpose(0, 1)[None]
+    if first:
+        kr = key @ rot if rot is not None else key
+        expect_k[:, :, :first] = kr[:, :, :first]
+    assert torch.equal(k_sim, expect_k)  # the same codes: stored K equal bit for bit
+    v_stored = v_pages.view(-1, hkv, d)[slots[0]].float() * v_scale[None, :, None]
+    assert torch.equal(v_sim[:, :, first:], v_stored.transpose(0, 1)[None][:, :, first:])
+    # dense(): the model frame again
+    dense = dequantize_pages(k_pages, k_scale, None, k_offset=offset, k_rotation=rot)
+    model_frame = dense.view(-1, hkv, d)[slots[0]].transpose(0, 1)[None]
+    back = (expect_k @ rot.T) if rot is not None else expect_k
+    assert torch.allclose(model_frame[:, :, first:], back[:, :, first:], atol=1e-5)
+
+    scaling = d**-0.5
+    group = hq // hkv
+    sim = torch.nn.functional.scaled_dot_product_attention(
+        q_sim, k_sim.repeat_interleave(group, 1), v_sim.repeat_interleave(group, 1),
+        is_causal=True, scale=scaling,
+    )  # fmt: skip
+    firsts: dict[str, Any] = {}
+    if first:
+        kr = (key @ rot) if rot is not None else key
+        firsts = {
+            "first_k": kr[:, :, :first].transpose(1, 2).contiguous(),
+            "first_v": value[:, :, :first].transpose(1, 2).contiguous(),
+            "first_lens": torch.tensor([first], dtype=torch.int32),
+        }
+    ref = paged_attention_reference(
+        query.transpose(1, 2), k_pages, v_pages, table, torch.tensor([t], dtype=torch.int32),
+        scaling, k_scale, v_scale, k_offset=offset, k_rotation=rot, **firsts,
+    )  # fmt: skip
+    out = ref.transpose(1, 2)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(sim, out, rtol=1e-5, atol=1e-5)
+    # and it is not the exact attention: rounding is visible
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+        is_causal=True, scale=scaling,
+    )  # fmt: skip
+    assert float((exact - out).abs().max()) > 1e-4
+
+
+def test_k_transform_keys_keep_nan_and_clamp() -> None:
+    key = torch.full((1, 1, 3, 4), 1e6)
+    key[0, 0, 2, 1] = float("nan")
+    out = k_transform_keys(key, torch.tensor([1.0]), torch.zeros(1, 4), None, 0)
+    assert torch.all(out[0, 0, :2] == E4M3_MAX)
+    assert torch.isnan(out[0, 0, 2, 1])
+    v = fake_quantize_static(torch.tensor([[[[float("nan"), 2.0]]]]), torch.tensor(1.0))
+    assert torch.isnan(v[0, 0, 0, 0]) and float(v[0, 0, 0, 1]) == 2.0
+
+
+# ---------------------------------------------------------------------------
+# the report's evaluator
+
+
+def test_evaluator_ranks_the_offset_above_per_head_on_offset_keys() -> None:
+    """Keys riding on a large per-channel constant: the k-transform's error is far lower."""
+    torch.manual_seed(0)
+    t, hkv, hq, d = 64, 2, 4, 16
+    key, _ = _planted(1, hkv, t, d, seed=5)
+    value = torch.randn(1, hkv, t, d)
+    query = torch.randn(1, hq, t, d)
+    ch = ChannelStatistics(1, hkv, d, first_tokens=1)
+    ch.update(0, key)
+    c, k_s = ch.k_transform(rotate=False, apart=True)
+    head_k = key.abs().amax(dim=(0, 2, 3))[None] / E4M3_MAX
+    v_s = value.abs().amax(dim=(0, 2, 3))[None] / E4M3_MAX
+    cands = (
+        Candidate("per-head", True, head_k, v_s),
+        Candidate("fp32-group G=32", False, group_size=16),
+        Candidate("kt", True, k_s, v_s, k_offset=c, first_tokens=1),
+    )
+    ev = FormatEvaluator(cands, 2, 1, hkv)
+    ev.observe(0, query, key, value, d**-0.5)
+    ev.num_tokens = t
+    rep = ev.report(ch.near_constant_share(), "kt", held_out_windows=1)
+    err = rep.scores
+    assert all(math.isfinite(e) and e > 0 for e in err.values())
+    assert err["kt"] < 0.5 * err["per-head"]
+    assert rep.best_static == "kt" and rep.dynamic_g32_beats_best_static is not None
+    # the written format's fractions: nothing clips at amax, the sink is not counted
+    assert float(rep.k_clip.max()) == 0.0 and float(rep.v_clip.max()) == 0.0
+    assert 0.0 <= float(rep.k_subnormal.min()) <= float(rep.k_subnormal.max()) < 0.05
+    assert float(rep.near_constant.min()) > 0.9  # sd 1 against |offset| ~ 20
+    # a layer that never ran is a clear error
+    with pytest.raises(CalibrationError, match="never ran"):
+        FormatEvaluator(cands, 2, 2, hkv).report(torch.zeros(2, hkv), "kt")
+
+
+# ---------------------------------------------------------------------------
+# through a tiny model, the written checkpoint and the CLI
+
+
+def _char_tokenizer(folder: Path) -> None:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(128)}, unk_token="\x00"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00").save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from kvquant.testing.checkpoints import write_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-kt")
+    folder = write_checkpoint(root / "src", convention="none", num_layers=2, head_dim=64)
+    _char_tokenizer(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    return model, folder
+
+
+def test_report_fields_on_a_tiny_model(tiny: Any) -> None:
+    model, _ = tiny
+    ids = torch.randint(0, 128, (1, 4 * 96))
+    res = calibrate(model, ids, window=96, granularity="k-transform", progress=False)
+    assert res.granularity == "k-transform" and res.rotation == "hadamard"
+    assert res.first_tokens == 1 and res.k_offset is not None
+    assert res.k_offset.shape == (2, 2, 64) and res.k_scales.shape == (2, 2)
+    assert res.num_tokens == 3 * 96  # one window of four held out
+    rep = res.report
+    assert rep is not None and rep.held_out_tokens == 96 and rep.held_out_windows == 1
+    assert rep.candidates == (
+        "per-tensor",
+        "per-head",
+        "fp32-group G=64",
+        "fp32-group G=32",
+        "k-transform (hadamard, first tokens)",
+        "k-transform (offset only, first tokens)",
+        "k-transform (hadamard, no first tokens)",
+    )
+    assert rep.static == (True, True, False, False, True, True, True)
+    assert rep.dynamic_g32_beats_best_static is not None and not rep.notes
+    assert rep.chosen == "k-transform (hadamard, first tokens)"
+    assert rep.error.shape == (len(rep.candidates), 2, 2)
+    assert torch.isfinite(rep.error).all() and float(rep.error.min()) > 0
+    for t in (rep.k_clip, rep.k_subnormal, rep.v_clip, rep.v_subnormal, rep.near_constant):
+        assert t.shape == (2, 2) and float(t.min()) >= 0 and float(t.max()) <= 1
+    assert rep.best_static in rep.candidates
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["report"]["best_static"] == rep.best_static
+    assert d["rotation"] == "hadamard" and d["first_tokens"] == 1
+    assert len(d["report"]["layers"]) == 2
+    text = res.render()
+    assert "best static format:" in text and "kt-nofirst" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    # one window: nothing to hold out, no measured report
+    assert calibrate(model, ids[:, :96], window=96, progress=False).report is None
+    with pytest.raises(CalibrationError, match="held_out_tokens=-1"):
+        calibrate(model, ids, window=96, held_out_tokens=-1, progress=False)
+
+
+def test_written_k_transform_checkpoint_loads(tiny: Any, tmp_path: Path) -> None:
+    import kvquant
+    from kvquant.checkpoint.discovery import discover_scales
+
+    model, src = tiny
+    ids = torch.randint(0, 128, (1, 2 * 96))
+    res = calibrate(model, ids, window=96, granularity="k-transform", progress=False)
+    with pytest.raises(CalibrationError, match="kvquant's own convention"):
+        write_calibrated_checkpoint(src, res, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+    out = write_calibrated_checkpoint(src, res, tmp_path / "kt", "kvquant")
+    settings = json.loads((out / "kvquant_kv_transform.json").read_text())
+    assert settings == {
+        "format": "k-transform",
+        "version": 1,
+        "rotation": "hadamard",
+        "first_tokens": 1,
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "num_layers": 2,
+    }
+    found = discover_scales(out)
+    assert found.producer == "kvquant" and found.k_transform is not None
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    for i in range(2):
+        assert torch.equal(tensors[f"model.layers.{i}.self_attn.k_offset"], res.k_offset[i])
+        assert torch.equal(tensors[f"model.layers.{i}.self_attn.k_scale"], res.k_scales[i])
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    meta = json.loads((out / "kvquant-calibration.json").read_text())
+    assert meta["format"] == "k-transform" and meta["convention"] == "kvquant"
+    # the per-head result cannot go into kvquant's convention; a k-transform source is refused
+    head = calibrate(model, ids, window=96, granularity="per-head", progress=False)
+    with pytest.raises(CalibrationError, match="holds only the k-transform"):
+        write_calibrated_checkpoint(src, head, tmp_path / "x", "kvquant")
+    with pytest.raises(CalibrationError, match="already carries a k-transform"):
+        write_calibrated_checkpoint(out, head, tmp_path / "y")
+    handle = kvquant.patch(model, scales=out, backend="torch")
+    try:
+        assert handle.scales.granularity == "k-transform"
+        with torch.no_grad():
+            logits = model(input_ids=ids[:, :40]).logits
+        assert torch.isfinite(logits).all()
+    finally:
+        handle.remove()
+
+
+def test_cli_json_of_the_report(tiny: Any, tmp_path: Path, capsys: Any) -> None:
+    from kvquant.cli import main
+
+    _, src = tiny
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    argv = ["calibrate", str(src), "--text", str(text), "--max-seq-length", "200"]
+    argv += ["--device", "cpu", "--format", "k-transform", "--json"]
+    bad = [*argv, "--out", str(tmp_path / "bad"), "--convention", "compressed-tensors"]
+    assert main(bad) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert "kvquant's own convention" in err["message"] and not (tmp_path / "bad").exists()
+    assert main([*argv, "--out", str(tmp_path / "o"), "--rotation", "none"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["convention"] == "kvquant" and payload["granularity"] == "k-transform"
+    assert payload["rotation"] is None and payload["first_tokens"] == 1
+    report = payload["report"]
+    assert report["written_format"] == "k-transform (offset only, first tokens)"
+    assert set(report["scores"]) >= {"per-tensor", "per-head", "fp32-group G=32"}
+    assert report["recommendation"].startswith("best static format:")
+    first = report["layers"][0]
+    assert len(first["k_clip"]) == 2 and len(first["near_constant_energy"]) == 2
+    assert all(len(v) == 2 for v in first["error"].values())
+    saved = json.loads((tmp_path / "o" / "kvquant-calibration.json").read_text())
+    assert saved["report"]["scores"] == report["scores"]
+    # the table form carries the same report
+    assert main([*argv[:-1], "--out", str(tmp_path / "p"), "--first-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration report:" in out and "k-transform (hadamard, no first tokens)" in out
+    assert (
+        json.loads((tmp_path / "p" / "kvquant_kv_transform.json").read_text())["first_tokens"] == 0
+    )
+
+
+def test_harness_simulation_matches_kvquant_on_the_written_checkpoint(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """simulate_fp8_kv('k-transform') == kvquant.patch on the calibrated checkpoint, fp32 rounding."""
+    from transformers import DynamicCache
+
+    import kvquant
+    from benchmarks.harness import accuracy as A
+
+    model, src = tiny
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (1, 2 * 96))
+    res = calibrate(model, ids, window=96, granularity="k-transform", progress=False)
+    out = write_calibrated_checkpoint(src, res, tmp_path / "kt", "kvquant")
+    kt = A.KTransformScales.from_result(res)
+    evaluation = torch.randint(0, 128, (1, 50))
+    with A.simulate_fp8_kv(model, "k-transform", kt, exact_prompt=True):
+        sim = A.teacher_forced(model, evaluation, cache_factory=DynamicCache)
+    with A.simulate_fp8_kv(model, "none"):
+        exact = A.teacher_forced(model, evaluation)
+    handle = kvquant.patch(model, scales=out, backend="torch")
+    try:
+        real = A.teacher_forced(
+            model, evaluation, cache_factory=lambda: handle.new_cache(max_cache_tokens=128)
+        )
+    finally:
+        handle.remove()
+    assert torch.isfinite(sim.nll).all() and torch.isfinite(real.nll).all()
+    torch.testing.assert_close(sim.nll, real.nll, rtol=1e-4, atol=1e-4)
+    assert float((sim.nll - exact.nll).abs().max()) > 1e-5  # FP8 rounding is visible
+    # the harness and the report simulate the same numbers
+    q, k, v = torch.randn(1, 4, 20, 64), torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64)
+    spec = A._SimSpec(mode="k-transform", scales=kt)
+    from kvquant.calibrate import _candidate_of
+
+    for a, b in zip(
+        A._k_transform(spec, 1, q, k, v), _candidate_of(res).simulate(1, q, k, v), strict=True
+    ):
+        assert torch.equal(a, b)
+    with pytest.raises(CalibrationError, match="k-transform one"):
+        A.KTransformScales.from_result(calibrate(model, ids, window=96, progress=False))
