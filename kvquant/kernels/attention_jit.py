@@ -52,8 +52,10 @@ then contiguous in the shared-memory staging buffer too (no bank conflicts). Any
 strides work.
 
 The static K transform (``k-transform``, static scales only) is folded in the same way:
-with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands,
-``input_precision="ieee"``, over 16-row slices of ``R``) before its fp16 cast; with an offset
+with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands
+over 16-row slices of ``R``, ``input_precision=ROT_PREC``: ``"ieee"`` on CUDA cores, ``"tf32x3"``
+or ``"tf32"`` on tensor cores) before its fp16 cast, unless the launcher rotated the query
+before the launch (then ``HAS_ROT`` is off); with an offset
 ``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) joins the row maximum and the
 exponent's FMA of every paged tile (it is constant along the row; with softcap it is added to
 the scores before the cap); with first tokens the online softmax starts from the side
@@ -542,6 +544,7 @@ def _paged_attn_kernel(
     HAS_ROT: tl.constexpr,
     HAS_OFF: tl.constexpr,
     HAS_FIRST: tl.constexpr,
+    ROT_PREC: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -584,7 +587,9 @@ def _paged_attn_kernel(
     q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
     q_ptrs += offs_d[None, :] * s_qd
     # with a K rotation (static scales: XG = 1, BLOCK_M = RB) the query tile is rotated into
-    # the pages' frame in fp32, then cast like any query tile
+    # the pages' frame in fp32, then cast like any query tile; with an offset c, qc = q'·c
+    # per row (raw units)
+    qc = 0.0
     if HAS_ROT:
         # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers)
         RK: tl.constexpr = 16
@@ -594,10 +599,16 @@ def _paged_attn_kernel(
         for k0 in tl.range(0, HEAD_D, RK, num_stages=1):  # a loop, so R's rows are not hoisted
             q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_qd, mask=ok_x[:, None], other=0.0)
             r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
-            q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision="ieee")
+            q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision=ROT_PREC)
+        if HAS_OFF:
+            # the offset's term from the fp32 rotated query, while it is live (taken from its
+            # fp16 copy, it kept ~80 more registers live with tensor-core rotations)
+            qc = tl.sum(q32 * tl.load(off_ptr + kvh * HEAD_D + offs_d)[None, :], 1)
         q = q32.to(tl.float16)
     else:
         q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
+        if HAS_OFF:
+            qc = tl.sum(q.to(tl.float32) * tl.load(off_ptr + kvh * HEAD_D + offs_d)[None, :], 1)
     n_first = 0
     if HAS_FIRST:
         # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (split 0)
@@ -653,15 +664,16 @@ def _paged_attn_kernel(
         # the query (exact in fp16), so that it commutes with the row maximum; 0 becomes 1e-30
         # (scores ~0, the same uniform weights), NaN stays NaN
         qk_scale = qk_scale * 1.4426950408889634
-        q = tl.where(qk_scale < 0.0, -q, q)
-        qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
     qcs = 0.0
     if HAS_OFF:
-        # (q @ R)·c per row (the query tile the paged scores use), in their raw units
-        c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
-        qcs = tl.sum(q.to(tl.float32) * c[None, :], 1) / k_mult
+        # (q @ R)·c per row in the paged scores' raw units; without softcap in log2 units
+        # (the tiles add it to the row maximum), with the signed scale (the query is unflipped)
+        qcs = qc / k_mult
         if not USE_SOFTCAP:
-            qcs = qcs * qk_scale  # log2 units (the tiles add it to the row maximum)
+            qcs = qcs * qk_scale
+    if not USE_SOFTCAP:
+        q = tl.where(qk_scale < 0.0, -q, q)
+        qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
 
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     k_base = k_ptr + kvh * s_kh
