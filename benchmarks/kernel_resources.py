@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvquant.kernels import attention_jit as at
+from kvquant.kernels.tuning import KT_ROT_PRECISION
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
@@ -53,7 +54,7 @@ DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "6
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
-    rot_precision: str = "ieee",
+    rot_precision: str = KT_ROT_PRECISION,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
@@ -193,9 +194,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--rot-precision",
-        default="ieee",
+        default=KT_ROT_PRECISION,
         choices=("ieee", "tf32x3", "tf32"),
-        help="query rotation's dot precision (k-transform formats with a rotation)",
+        help="query rotation's dot precision (k-transform formats with a rotation; default: "
+        "the launcher's, kvquant.kernels.tuning.KT_ROT_PRECISION)",
     )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":

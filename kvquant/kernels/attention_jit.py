@@ -416,6 +416,7 @@ def _first_tokens(
     fk_row,
     fv_row,
     row_stride,
+    shift,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -426,7 +427,8 @@ def _first_tokens(
     Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
     (sequence, KV head), keys ``row_stride`` apart. Each key's scores are one fp32 dot per
     row with the query tile, in the paged tiles' raw units (``q'·k / k_scale``, no offset
-    term), and its value enters the accumulator's units (``v / v_scale``). No tensor-core
+    term; ``shift`` is subtracted in log2 units, see the caller), and its value enters the
+    accumulator's units (``v / v_scale``). No tensor-core
     tile: the query keeps the layout it was loaded in, and the key loops their registers.
     """
     offs_d = tl.arange(0, HEAD_D)
@@ -452,7 +454,7 @@ def _first_tokens(
             vis = vis & (j > pos - win)
             seen = seen & (j > p_min - win)
         fv = tl.where(seen, fv, 0.0)  # a value no row sees never reaches the output (0 * NaN)
-        s = tl.where(vis, s * s_mult, float("-inf"))
+        s = tl.where(vis, s * s_mult - shift, float("-inf"))
         m_new = tl.maximum(m_i, s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -674,6 +676,15 @@ def _paged_attn_kernel(
     if not USE_SOFTCAP:
         q = tl.where(qk_scale < 0.0, -q, q)
         qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
+    # Without softcap the offset's term is constant along each row, and the online softmax is
+    # shift invariant: it runs in a frame shifted by -qcs (paged scores without the term, the
+    # first tokens' minus it), and the row maximum gets it back at the end (the split's
+    # log-sum-exp, the sink), so the key loops carry no per-row term. With softcap it goes
+    # into every score before the cap.
+    OFF_IN_TILE: tl.constexpr = HAS_OFF and USE_SOFTCAP
+    shift = 0.0
+    if HAS_OFF and not USE_SOFTCAP:
+        shift = qcs
 
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     k_base = k_ptr + kvh * s_kh
@@ -691,7 +702,7 @@ def _paged_attn_kernel(
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, p_min,
             p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
+            fv_ptr + first_off, row_stride, shift, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
         )  # fmt: skip
 
     if USE_WHILE:
@@ -701,7 +712,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -711,7 +722,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -720,7 +731,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -731,7 +742,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(int_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
@@ -740,7 +751,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(mid, s_hi, BLOCK_N, num_stages=1):
@@ -749,7 +760,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
 
@@ -763,13 +774,13 @@ def _paged_attn_kernel(
         # the sink's term of the softmax denominator, in the rows' log2 units (the split
         # reduction adds it once, after merging)
         sink = tl.load(sink_ptr + head, mask=row_in, other=0.0) * 1.4426950408889634
-        l_i += tl.where(has_key, tl.exp2(sink - m_i), 0.0)
+        l_i += tl.where(has_key, tl.exp2(sink - (m_i + shift)), 0.0)
     l_safe = tl.where(has_key, l_i, 1.0)
     keep = has_key & row_valid
     o = tl.where(keep[:, None], acc * (v_mult / l_safe)[:, None], 0.0)
     if SPLIT:
         prow = ((b.to(tl.int64) * Lq + t) * Hq + head) * num_splits + split
-        lse = tl.where(keep, m_i + tl.log2(l_safe), float("-inf"))
+        lse = tl.where(keep, m_i + shift + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + prow, lse, mask=row_in)
         tl.store(part_ptr + prow[:, None] * HEAD_D + offs_d[None, :], o, mask=row_in[:, None])
     else:
