@@ -56,9 +56,10 @@ with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of 
 over 16-row slices of ``R``, ``input_precision=ROT_PREC``: ``"ieee"`` on CUDA cores, ``"tf32x3"``
 or ``"tf32"`` on tensor cores) before its fp16 cast, unless the launcher rotated the query
 before the launch (then ``HAS_ROT`` is off); with an offset
-``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) joins the row maximum and the
-exponent's FMA of every paged tile (it is constant along the row; with softcap it is added to
-the scores before the cap); with first tokens the online softmax starts from the side
+``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) is constant along the row: without
+softcap the online softmax runs shifted by it (the first tokens' scores take the shift, the
+split's log-sum-exp and the sink's term take it back), so the paged tiles never see it; with
+softcap it is added to the scores before the cap; with first tokens the online softmax starts from the side
 buffer's keys (``first_k``, rotated frame, ``first_v``), one fp32 dot per row and key, in
 split 0 only, while the paged range starts after them. All of it sits behind
 ``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile
@@ -345,7 +346,8 @@ def _attn_tile(
     ``qk_scale`` multiplies the raw scores: in natural units with ``USE_SOFTCAP``, else in
     log2 units and positive. With ``HAS_OFF`` each row's ``qcs`` (``q'·c / k_scale``) is
     added to its scores: before the softcap in raw units with ``USE_SOFTCAP``, else in log2
-    units (times ``qk_scale``) to the row maximum and the exponent.
+    units (times ``qk_scale``) to the row maximum and the exponent (the kernel passes it only
+    with softcap; without, it shifts the whole online softmax instead).
     """
     k, v, ks, vs = _load_kv(
         n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
