@@ -14,7 +14,9 @@ Measures, in one run (notes §6 protocol):
 * the ``k-transform`` format (``per-head-kt``: per-head scales, K offset, Hadamard rotation
   and one first token from the side buffer) beside ``per-head`` on the same cache: decode
   B32 x 16k and B16 x 8k at 32/8/128 and 9/3/64 (eager and CUDA-graph replay), and chunk
-  over prefix prefill; ``--only-kt`` runs just that section.
+  over prefix prefill; ``--only-kt`` runs just that section, ``--kt-variants`` adds each
+  query-rotation choice of the launcher (in the kernel in fp32 / 3xTF32 / TF32, or before the
+  launch), each checked and printed with its ratio to per-head.
 
 Every configuration is checked against the fp32 reference (on a few sequences,
 NaN-poisoned output) before it is timed. Results go to ``--out`` as JSON and PNG.
@@ -46,7 +48,7 @@ import triton.testing
 from kvquant.kernels import group_scale_storage, hadamard, page_storage
 from kvquant.kernels.attention_triton import paged_attention_triton
 from kvquant.kernels.reference import paged_attention_reference
-from kvquant.kernels.tuning import choose_config
+from kvquant.kernels.tuning import KT_ROT_PRECISION, KT_ROT_WHERE, choose_config
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -437,13 +439,32 @@ KT_DECODE_SHAPES = [
 KT_PREFILL_SHAPES = [(4, 8192, 2048), (8, 2048, 512)]
 
 
-def run_k_transform(results: dict[str, Any], deadline: float) -> None:
-    """``per-head-kt`` beside ``per-head`` on the same cache: decode (eager, graph), prefill."""
+# --kt-variants: the launcher's choices of the query rotation (config= keys), timed beside the
+# default; the default is kvquant.kernels.tuning.KT_ROT_WHERE / KT_ROT_PRECISION
+KT_VARIANTS: dict[str, dict[str, str]] = {
+    "kernel-ieee": {"ROT_WHERE": "kernel", "ROT_PRECISION": "ieee"},
+    "kernel-tf32x3": {"ROT_WHERE": "kernel", "ROT_PRECISION": "tf32x3"},
+    "kernel-tf32": {"ROT_WHERE": "kernel", "ROT_PRECISION": "tf32"},
+    "host": {"ROT_WHERE": "host"},
+}
+
+
+def run_k_transform(results: dict[str, Any], deadline: float, variants: bool = False) -> None:
+    """``per-head-kt`` beside ``per-head`` on the same cache: decode (eager, graph), prefill.
+
+    With ``variants`` each of :data:`KT_VARIANTS` too (checked against the reference first),
+    recorded as ``per-head-kt[<name>]`` with its ratios to per-head, one line printed each.
+    """
     rows = results["k_transform"]
     shapes = [("decode", hq, hkv, d, bsz, ctx, 1) for hq, hkv, d, bsz, ctx in KT_DECODE_SHAPES]
     shapes += [("prefill", 32, 8, 128, b, pre + ch, ch) for b, pre, ch in KT_PREFILL_SHAPES]
     if SMOKE:
         shapes = [("decode", 32, 8, 128, 2, 256, 1), ("prefill", 32, 8, 128, 1, 192, 128)]
+    runs: list[tuple[str, str, dict[str, str] | None]] = [
+        ("per-head", "per-head", None), ("per-head-kt", "per-head-kt", None)
+    ]  # fmt: skip
+    if variants:
+        runs += [(f"per-head-kt[{v}]", "per-head-kt", cfg) for v, cfg in KT_VARIANTS.items()]
     for kind, hq, hkv, d, bsz, ctx, lq in shapes:
         label = f"{kind} {hq}/{hkv}/{d} B{bsz} ctx{ctx} lq{lq}"
         if time.time() > deadline:
@@ -452,18 +473,30 @@ def run_k_transform(results: dict[str, Any], deadline: float) -> None:
         p = Problem(bsz, ctx, hq, hkv, d, lq=lq)
         row: dict[str, Any] = {"kind": kind, "hq": hq, "hkv": hkv, "d": d, "B": bsz,
                                "ctx": ctx, "lq": lq}  # fmt: skip
-        for name in ("per-head", "per-head-kt"):
-            f = p.fmt(name)
-            err = check(p, f, p.q)
-            t = bench(lambda f=f: run_kvquant(p, f, p.q))
-            row[name] = {"ms": t, "rel_err": err}
+        fmts = {name: p.fmt(name) for name in ("per-head", "per-head-kt")}
+        for key, name, cfg in runs:
+            f = fmts[name]
+            err = check(p, f, p.q, config=cfg)
+            t = bench(lambda f=f, cfg=cfg: run_kvquant(p, f, p.q, config=cfg))
+            row[key] = {"ms": t, "rel_err": err, "config": cfg}
             if kind == "decode" and not SMOKE:
-                row[name]["graph_ms"] = bench_graph(lambda f=f: run_kvquant(p, f, p.q))
-            del f
-        row["kt_over_per_head"] = row["per-head-kt"]["ms"] / row["per-head"]["ms"]
-        if "graph_ms" in row["per-head"]:
-            g = row["per-head-kt"]["graph_ms"] / row["per-head"]["graph_ms"]
-            row["kt_over_per_head_graph"] = g
+                row[key]["graph_ms"] = bench_graph(
+                    lambda f=f, cfg=cfg: run_kvquant(p, f, p.q, config=cfg)
+                )
+            if key != "per-head":
+                row[key]["over_per_head"] = t / row["per-head"]["ms"]
+                if "graph_ms" in row[key]:
+                    g = row[key]["graph_ms"] / row["per-head"]["graph_ms"]
+                    row[key]["over_per_head_graph"] = g
+            if variants and key != "per-head":
+                line = f"kt variant {key:<24} {label}: {row[key]['over_per_head']:.3f}x eager"
+                if "over_per_head_graph" in row[key]:
+                    line += f", {row[key]['over_per_head_graph']:.3f}x graph"
+                print(f"{line}, err {err:.1e}", flush=True)
+        del fmts
+        row["kt_over_per_head"] = row["per-head-kt"]["over_per_head"]
+        if "over_per_head_graph" in row["per-head-kt"]:
+            row["kt_over_per_head_graph"] = row["per-head-kt"]["over_per_head_graph"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del p
@@ -568,6 +601,11 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter script check")
     ap.add_argument("--only-kt", action="store_true", help="only the k-transform section")
+    ap.add_argument(
+        "--kt-variants",
+        action="store_true",
+        help="the k-transform section also times each query-rotation choice (KT_VARIANTS)",
+    )
     args = ap.parse_args()
     global DEV, SMOKE, SWEEP_SHAPES, PREFILL_SHAPES
     if args.smoke:
@@ -598,11 +636,13 @@ def main() -> None:
         "sweeps": [],
         "prefill": [],
         "k_transform": [],
+        # the launcher's default query rotation (row "per-head-kt")
+        "kt_default": {"ROT_WHERE": KT_ROT_WHERE, "ROT_PRECISION": KT_ROT_PRECISION},
         "skipped": [],
     }
     print(json.dumps(results["bandwidth"]), flush=True)
     if args.only_kt:
-        run_k_transform(results, deadline)
+        run_k_transform(results, deadline, variants=args.kt_variants)
         results["elapsed_s"] = time.time() - start
         save(results, args.out)
         summarize_kt(results)
@@ -624,7 +664,7 @@ def main() -> None:
         run_write(results)
     run_prefill(results, deadline + 60, sweep=not args.no_sweep)
     save(results, args.out)
-    run_k_transform(results, deadline + 90)
+    run_k_transform(results, deadline + 90, variants=args.kt_variants)
     save(results, args.out)
     if not args.no_sweep:
         run_sweeps(results, deadline + 120)
@@ -686,6 +726,12 @@ def summarize_kt(results: dict[str, Any]) -> None:
             line += f" (graph {r['kt_over_per_head_graph']:.3f}x)"
         line += f", err {r['per-head']['rel_err']:.1e} / {r['per-head-kt']['rel_err']:.1e}"
         print(line)
+        for key, x in r.items():
+            if key.startswith("per-head-kt["):
+                line = f"  {key:<26} {x['ms']:.4f} ms = {x['over_per_head']:.3f}x"
+                if "over_per_head_graph" in x:
+                    line += f" (graph {x['over_per_head_graph']:.3f}x)"
+                print(f"{line}, err {x['rel_err']:.1e}")
 
 
 if __name__ == "__main__":

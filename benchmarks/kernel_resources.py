@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvquant.kernels import attention_jit as at
+from kvquant.kernels.tuning import KT_ROT_PRECISION
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
@@ -41,6 +42,8 @@ FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)
 # the full format (Hadamard rotation, offset, first tokens)
 TRANSFORM_FORMATS = {
     "per-head-kt": (True, True, True),
+    # the query rotated before the launch (ROT_WHERE "host"): offset and first tokens only
+    "per-head-kt-host": (False, True, True),
     "per-head-kt-rot": (True, False, False),
     "per-head-kt-off": (False, True, False),
     "per-head-kt-first": (False, False, True),
@@ -51,11 +54,13 @@ DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "6
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
+    rot_precision: str = KT_ROT_PRECISION,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
     With ``prefill`` the one-split prefill kernel instead: 128 query rows per program (the
-    launcher's prefill tile), no group-scale folding.
+    launcher's prefill tile), no group-scale folding. ``rot_precision`` is the query
+    rotation's dot precision (``ROT_PREC``) of the k-transform formats with a rotation.
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
@@ -83,7 +88,7 @@ def compile_decode(
         GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
         CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill, USE_WHILE=False,
         LOOP_STAGES=loop_stages, PDL=pdl, HAS_SINKS=False, HAS_ROT=has_rot,
-        HAS_OFF=has_off, HAS_FIRST=has_first,
+        HAS_OFF=has_off, HAS_FIRST=has_first, ROT_PREC=rot_precision,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -187,6 +192,13 @@ def main() -> None:
     ap.add_argument(
         "--prefill", action="store_true", help="the prefill kernel (128-row tiles, one split)"
     )
+    ap.add_argument(
+        "--rot-precision",
+        default=KT_ROT_PRECISION,
+        choices=("ieee", "tf32x3", "tf32"),
+        help="query rotation's dot precision (k-transform formats with a rotation; default: "
+        "the launcher's, kvquant.kernels.tuning.KT_ROT_PRECISION)",
+    )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
@@ -194,8 +206,12 @@ def main() -> None:
         parts = spec.split(",")
         bn, warps, ls = (int(x) for x in parts[:3])
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
-        kernel = compile_decode(bn, warps, ls, fmt, fold=not args.no_fold, prefill=args.prefill)
-        print(json.dumps({"variant": spec, **resources(kernel)}), flush=True)
+        kernel = compile_decode(
+            bn, warps, ls, fmt, fold=not args.no_fold, prefill=args.prefill,
+            rot_precision=args.rot_precision,
+        )  # fmt: skip
+        record = {"variant": spec, "rot_precision": args.rot_precision, **resources(kernel)}
+        print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

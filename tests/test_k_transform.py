@@ -402,3 +402,53 @@ def test_nan_first_value_no_query_sees_never_reaches_the_output() -> None:
     ref = case.reference()
     assert bool(ref.isfinite().all())
     assert_close_rel(_triton(case, num_splits=2), ref, rel_tol=REL_TOL)
+
+
+# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.tuning)
+ROT_VARIANTS = [{"ROT_WHERE": "kernel", "ROT_PRECISION": p} for p in ("ieee", "tf32x3", "tf32")]
+ROT_VARIANTS.append({"ROT_WHERE": "host"})
+ROT_IDS = ["kernel-ieee", "kernel-tf32x3", "kernel-tf32", "host"]
+
+
+@pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
+@pytest.mark.parametrize("lq", [1, 24], ids=["decode", "prefill"])
+def test_triton_rotation_variants_match_reference(rot: dict[str, str], lq: int) -> None:
+    """Each rotation choice, with offset, first tokens and a negative score scale."""
+    case = build_case(
+        [75, 40], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", k_transform="both",
+        first_lens=[1, 2], n_first=2, kv_start=[0, 5], qdtype=torch.bfloat16,
+        first_dtype=torch.bfloat16, seed=lq + len(rot),
+    )  # fmt: skip
+    case.scales["k_scale"][1] *= -1.0
+    if lq == 1:
+        extra: dict[str, Any] = {"num_splits": 2, "config": rot}
+    else:
+        extra = {"config": {**rot, "BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}
+    query = case.query.clone()
+    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL, name=str(rot))
+    assert torch.equal(case.query, query)  # the caller's query is never rotated in place
+
+
+def test_host_rotation_keeps_the_query_dtype() -> None:
+    """Rotated before the launch in fp32, the output is still in the query's dtype."""
+    case = build_case(
+        [33, 60], hq=4, hkv=2, d=64, granularity="per-head", k_transform="rotation",
+        qdtype=torch.bfloat16, seed=21,
+    )  # fmt: skip
+    got = paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), config={"ROT_WHERE": "host"},
+    )  # fmt: skip
+    assert got.dtype == torch.bfloat16
+    assert_close_rel(got, case.reference(), rel_tol=REL_TOL)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [({"ROT_PRECISION": "fp64"}, r"config\['ROT_PRECISION'\] is 'fp64', expected one of"),
+     ({"ROT_WHERE": "write"}, r"config\['ROT_WHERE'\] is 'write', expected one of")],
+)  # fmt: skip
+def test_unknown_rotation_choice_is_refused(config: dict[str, str], match: str) -> None:
+    case = _kt_case()
+    with pytest.raises(KernelInputError, match=match):
+        _triton(case, config=config)

@@ -52,11 +52,14 @@ then contiguous in the shared-memory staging buffer too (no bank conflicts). Any
 strides work.
 
 The static K transform (``k-transform``, static scales only) is folded in the same way:
-with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands,
-``input_precision="ieee"``, over 16-row slices of ``R``) before its fp16 cast; with an offset
-``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) joins the row maximum and the
-exponent's FMA of every paged tile (it is constant along the row; with softcap it is added to
-the scores before the cap); with first tokens the online softmax starts from the side
+with a rotation ``R`` the query tile is rotated once per program (``tl.dot`` of fp32 operands
+over 16-row slices of ``R``, ``input_precision=ROT_PREC``: ``"ieee"`` on CUDA cores, ``"tf32x3"``
+or ``"tf32"`` on tensor cores) before its fp16 cast, unless the launcher rotated the query
+before the launch (then ``HAS_ROT`` is off); with an offset
+``c`` each row's ``(q @ R)·c / k_scale`` (one dot per row) is constant along the row: without
+softcap the online softmax runs shifted by it (the first tokens' scores take the shift, the
+split's log-sum-exp and the sink's term take it back), so the paged tiles never see it; with
+softcap it is added to the scores before the cap; with first tokens the online softmax starts from the side
 buffer's keys (``first_k``, rotated frame, ``first_v``), one fp32 dot per row and key, in
 split 0 only, while the paged range starts after them. All of it sits behind
 ``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile
@@ -343,7 +346,8 @@ def _attn_tile(
     ``qk_scale`` multiplies the raw scores: in natural units with ``USE_SOFTCAP``, else in
     log2 units and positive. With ``HAS_OFF`` each row's ``qcs`` (``q'·c / k_scale``) is
     added to its scores: before the softcap in raw units with ``USE_SOFTCAP``, else in log2
-    units (times ``qk_scale``) to the row maximum and the exponent.
+    units (times ``qk_scale``) to the row maximum and the exponent (the kernel passes it only
+    with softcap; without, it shifts the whole online softmax instead).
     """
     k, v, ks, vs = _load_kv(
         n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base,
@@ -414,6 +418,7 @@ def _first_tokens(
     fk_row,
     fv_row,
     row_stride,
+    shift,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -424,7 +429,8 @@ def _first_tokens(
     Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
     (sequence, KV head), keys ``row_stride`` apart. Each key's scores are one fp32 dot per
     row with the query tile, in the paged tiles' raw units (``q'·k / k_scale``, no offset
-    term), and its value enters the accumulator's units (``v / v_scale``). No tensor-core
+    term; ``shift`` is subtracted in log2 units, see the caller), and its value enters the
+    accumulator's units (``v / v_scale``). No tensor-core
     tile: the query keeps the layout it was loaded in, and the key loops their registers.
     """
     offs_d = tl.arange(0, HEAD_D)
@@ -450,7 +456,7 @@ def _first_tokens(
             vis = vis & (j > pos - win)
             seen = seen & (j > p_min - win)
         fv = tl.where(seen, fv, 0.0)  # a value no row sees never reaches the output (0 * NaN)
-        s = tl.where(vis, s * s_mult, float("-inf"))
+        s = tl.where(vis, s * s_mult - shift, float("-inf"))
         m_new = tl.maximum(m_i, s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -542,6 +548,7 @@ def _paged_attn_kernel(
     HAS_ROT: tl.constexpr,
     HAS_OFF: tl.constexpr,
     HAS_FIRST: tl.constexpr,
+    ROT_PREC: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -584,7 +591,9 @@ def _paged_attn_kernel(
     q_ptrs = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
     q_ptrs += offs_d[None, :] * s_qd
     # with a K rotation (static scales: XG = 1, BLOCK_M = RB) the query tile is rotated into
-    # the pages' frame in fp32, then cast like any query tile
+    # the pages' frame in fp32, then cast like any query tile; with an offset c, qc = q'·c
+    # per row (raw units)
+    qc = 0.0
     if HAS_ROT:
         # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers)
         RK: tl.constexpr = 16
@@ -594,10 +603,16 @@ def _paged_attn_kernel(
         for k0 in tl.range(0, HEAD_D, RK, num_stages=1):  # a loop, so R's rows are not hoisted
             q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_qd, mask=ok_x[:, None], other=0.0)
             r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
-            q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision="ieee")
+            q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision=ROT_PREC)
+        if HAS_OFF:
+            # the offset's term from the fp32 rotated query, while it is live (taken from its
+            # fp16 copy, it kept ~80 more registers live with tensor-core rotations)
+            qc = tl.sum(q32 * tl.load(off_ptr + kvh * HEAD_D + offs_d)[None, :], 1)
         q = q32.to(tl.float16)
     else:
         q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
+        if HAS_OFF:
+            qc = tl.sum(q.to(tl.float32) * tl.load(off_ptr + kvh * HEAD_D + offs_d)[None, :], 1)
     n_first = 0
     if HAS_FIRST:
         # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (split 0)
@@ -653,15 +668,25 @@ def _paged_attn_kernel(
         # the query (exact in fp16), so that it commutes with the row maximum; 0 becomes 1e-30
         # (scores ~0, the same uniform weights), NaN stays NaN
         qk_scale = qk_scale * 1.4426950408889634
-        q = tl.where(qk_scale < 0.0, -q, q)
-        qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
     qcs = 0.0
     if HAS_OFF:
-        # (q @ R)·c per row (the query tile the paged scores use), in their raw units
-        c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
-        qcs = tl.sum(q.to(tl.float32) * c[None, :], 1) / k_mult
+        # (q @ R)·c per row in the paged scores' raw units; without softcap in log2 units
+        # (the tiles add it to the row maximum), with the signed scale (the query is unflipped)
+        qcs = qc / k_mult
         if not USE_SOFTCAP:
-            qcs = qcs * qk_scale  # log2 units (the tiles add it to the row maximum)
+            qcs = qcs * qk_scale
+    if not USE_SOFTCAP:
+        q = tl.where(qk_scale < 0.0, -q, q)
+        qk_scale = tl.where(qk_scale == 0.0, 1e-30, tl.abs(qk_scale))
+    # Without softcap the offset's term is constant along each row, and the online softmax is
+    # shift invariant: it runs in a frame shifted by -qcs (paged scores without the term, the
+    # first tokens' minus it), and the row maximum gets it back at the end (the split's
+    # log-sum-exp, the sink), so the key loops carry no per-row term. With softcap it goes
+    # into every score before the cap.
+    OFF_IN_TILE: tl.constexpr = HAS_OFF and USE_SOFTCAP
+    shift = 0.0
+    if HAS_OFF and not USE_SOFTCAP:
+        shift = qcs
 
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     k_base = k_ptr + kvh * s_kh
@@ -679,7 +704,7 @@ def _paged_attn_kernel(
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, p_min,
             p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
+            fv_ptr + first_off, row_stride, shift, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
         )  # fmt: skip
 
     if USE_WHILE:
@@ -689,7 +714,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -699,7 +724,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -708,7 +733,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
             n0 += BLOCK_N
@@ -719,7 +744,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(int_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
@@ -728,7 +753,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
         for n0 in tl.range(mid, s_hi, BLOCK_N, num_stages=1):
@@ -737,7 +762,7 @@ def _paged_attn_kernel(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base,
                 s_kp, s_kt, s_kd, s_vp, s_vt, s_vd, s_kgp, s_kgt, s_vgp, s_vgt,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, HAS_OFF,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
                 RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
             )  # fmt: skip
 
@@ -751,13 +776,13 @@ def _paged_attn_kernel(
         # the sink's term of the softmax denominator, in the rows' log2 units (the split
         # reduction adds it once, after merging)
         sink = tl.load(sink_ptr + head, mask=row_in, other=0.0) * 1.4426950408889634
-        l_i += tl.where(has_key, tl.exp2(sink - m_i), 0.0)
+        l_i += tl.where(has_key, tl.exp2(sink - (m_i + shift)), 0.0)
     l_safe = tl.where(has_key, l_i, 1.0)
     keep = has_key & row_valid
     o = tl.where(keep[:, None], acc * (v_mult / l_safe)[:, None], 0.0)
     if SPLIT:
         prow = ((b.to(tl.int64) * Lq + t) * Hq + head) * num_splits + split
-        lse = tl.where(keep, m_i + tl.log2(l_safe), float("-inf"))
+        lse = tl.where(keep, m_i + shift + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + prow, lse, mask=row_in)
         tl.store(part_ptr + prow[:, None] * HEAD_D + offs_d[None, :], o, mask=row_in[:, None])
     else:

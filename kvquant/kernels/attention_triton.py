@@ -19,9 +19,13 @@ from typing import Any
 import torch
 import triton
 
+from kvquant.errors import KernelInputError
 from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_kernel
 from kvquant.kernels.tuning import (
     _FOLD_MAX_ROWS,
+    KT_ROT_CHOICES,
+    KT_ROT_PRECISION,
+    KT_ROT_WHERE,
     _is_decode,
     _num_sms,
     choose_config,
@@ -142,7 +146,9 @@ def paged_attention_triton(
         config: tile configuration override (keys of :func:`choose_config`; ``USE_WHILE``
             forces while-loops on or off, default on in the interpreter; ``FOLD`` forces the
             folding of group scales in decode on or off; ``PDL`` 0 turns programmatic
-            dependent launches off).
+            dependent launches off; with ``k_rotation``, ``ROT_WHERE`` ``"kernel"`` |
+            ``"host"`` and ``ROT_PRECISION`` ``"ieee"`` | ``"tf32x3"`` | ``"tf32"`` choose how
+            the query is rotated: :data:`kvquant.kernels.tuning.KT_ROT_WHERE`).
         k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
         k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
         first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
@@ -160,6 +166,22 @@ def paged_attention_triton(
     if bsz == 0 or lq == 0:
         return out
 
+    rot_where, rot_prec = KT_ROT_WHERE, KT_ROT_PRECISION
+    if config:
+        rot_where = config.get("ROT_WHERE", rot_where)
+        rot_prec = config.get("ROT_PRECISION", rot_prec)
+        for key, value in (("ROT_WHERE", rot_where), ("ROT_PRECISION", rot_prec)):
+            if value not in KT_ROT_CHOICES[key]:
+                raise KernelInputError(
+                    f"paged_attention_triton: config[{key!r}] is {value!r}, expected one of "
+                    f"{KT_ROT_CHOICES[key]}; fix: pass one of them or leave the key out"
+                )
+    if k_rotation is not None and rot_where == "host":
+        # one fp32 matmul for every (token, head) instead of one rotation per program (the
+        # split decode kernel has several programs per (sequence, KV head)); the kernel reads
+        # the rotated fp32 query like any query
+        query = torch.matmul(query.to(torch.float32), k_rotation)
+        k_rotation = None
     group_scales = k_group_scales is not None and v_group_scales is not None
     ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
     # Decode folds group scales into the scores and probabilities (no per-element multiply,
@@ -177,7 +199,8 @@ def paged_attention_triton(
         lq, group, d, group_dequant=group_scales and not fold, fold_groups=ng if fold else 0
     )
     if config:
-        cfg.update({k: v for k, v in config.items() if k not in ("FOLD", "PDL")})
+        launch_keys = ("FOLD", "PDL", *KT_ROT_CHOICES)
+        cfg.update({k: v for k, v in config.items() if k not in launch_keys})
     qpb = int(cfg["QPB"])
     n_qblocks = triton.cdiv(lq, qpb)
 
@@ -249,6 +272,7 @@ def paged_attention_triton(
         "HAS_ROT": k_rotation is not None,
         "HAS_OFF": k_offset is not None,
         "HAS_FIRST": first_k is not None and first_v is not None and first_lens is not None,
+        "ROT_PREC": rot_prec if k_rotation is not None else "ieee",
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,

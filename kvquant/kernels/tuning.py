@@ -17,6 +17,18 @@ __all__ = ["choose_config", "choose_num_splits", "programs_per_sm"]
 
 _FOLD_MAX_ROWS = 32
 
+# The k-transform's query rotation ``q @ R``: where it happens, ``"kernel"`` (every attention
+# program rotates its query tile) or ``"host"`` (one fp32 ``torch.matmul`` before the launch,
+# the kernel then sees a query already in the pages' frame), and, in the kernel, the dot's
+# ``input_precision``: ``"ieee"`` (fp32 on CUDA cores), ``"tf32x3"`` (three TF32 tensor-core
+# products, about fp32 accurate) or ``"tf32"`` (one; its 10-bit mantissa is the fp16 query
+# tile's the rotated query is cast to). The launcher's ``config=`` keys ``ROT_WHERE`` and
+# ``ROT_PRECISION`` override them per call; ``benchmarks/bench_attention.py --kt-variants``
+# times each choice beside per-head.
+KT_ROT_WHERE = "kernel"
+KT_ROT_PRECISION = "tf32"
+KT_ROT_CHOICES = {"ROT_WHERE": ("kernel", "host"), "ROT_PRECISION": ("ieee", "tf32x3", "tf32")}
+
 _SM_COUNT: dict[int, int] = {}
 
 

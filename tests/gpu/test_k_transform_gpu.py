@@ -129,3 +129,56 @@ def test_transform_decode_inside_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_close_rel(out, ref, rel_tol=REL_TOL)
+
+
+# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.tuning):
+# the TF32 ones run on tensor cores only here (the interpreter computes every dot in fp32)
+ROT_VARIANTS = [{"ROT_WHERE": "kernel", "ROT_PRECISION": p} for p in ("ieee", "tf32x3", "tf32")]
+ROT_VARIANTS.append({"ROT_WHERE": "host"})
+ROT_IDS = ["kernel-ieee", "kernel-tf32x3", "kernel-tf32", "host"]
+
+
+@pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
+@pytest.mark.parametrize("case_i", [0, 1, 3, 5], ids=lambda i: f"case{i}")
+def test_rotation_variants_match_reference(rot: dict[str, str], case_i: int) -> None:
+    """Each rotation choice over decode (both geometries, speculative) and chunked prefill."""
+    case_kw, extra = KT_GPU[case_i]
+    case = build_case(
+        **case_kw, granularity="per-head", k_transform="both",
+        n_first=max(case_kw["first_lens"]), first_dtype=torch.bfloat16, qdtype=torch.bfloat16,
+        device="cuda", seed=sum(case_kw["lens"]) % 1000 + 1,
+    )  # fmt: skip
+    ref = case.reference()
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
+    paged_attention_triton(
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out, **{**extra, "config": {**extra.get("config", {}), **rot}},
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{rot} {case_kw}")
+
+
+@pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
+def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, str]) -> None:
+    """Split decode with each rotation choice captured and replayed (the host matmul too)."""
+    case = build_case(
+        [5000, 300], hq=32, hkv=8, d=128, granularity="per-head", k_transform="both",
+        first_lens=[1, 1], n_first=1, qdtype=torch.bfloat16, device="cuda", seed=3,
+    )  # fmt: skip
+    ref = case.reference()
+    out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
+
+    def call() -> None:
+        paged_attention_triton(
+            case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+            **case.kwargs(), out=out, num_splits=4, config=rot,
+        )  # fmt: skip
+
+    call()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_rel(out, ref, rel_tol=REL_TOL, name=str(rot))
