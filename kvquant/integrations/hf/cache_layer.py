@@ -453,6 +453,8 @@ class KVQuantCache(Cache):
         self.model_name = state.model_name
         self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
         self.capacity_version = 0
+        # capacity_version of the pools the compiled decode step was captured on (graphs.py)
+        self.compiled_capacity: int | None = None
         self.book = SequenceBook(max(1, len(state.layer_specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
