@@ -16,7 +16,8 @@ Measures, in one run (notes §6 protocol):
   B32 x 16k and B16 x 8k at 32/8/128 and 9/3/64 (eager and CUDA-graph replay), and chunk
   over prefix prefill; ``--only-kt`` runs just that section, ``--kt-variants`` adds each
   query-rotation choice of the launcher (in the kernel in fp32 / 3xTF32 / TF32, or before the
-  launch), each checked and printed with its ratio to per-head.
+  launch), each checked and printed with its ratio to per-head; ``--kt-ablation`` adds the
+  transform with only some of its parts (rotation, offset, first tokens), likewise.
 
 Every configuration is checked against the fp32 reference (on a few sequences,
 NaN-poisoned output) before it is timed. Results go to ``--out`` as JSON and PNG.
@@ -449,11 +450,26 @@ KT_VARIANTS: dict[str, dict[str, str]] = {
 }
 
 
-def run_k_transform(results: dict[str, Any], deadline: float, variants: bool = False) -> None:
+# --kt-ablation: the k-transform with only some of its parts (the pages stay those of the full
+# transform; each run is checked against the reference with the same parts), to show which
+# part costs the time over per-head
+KT_ABLATIONS: dict[str, tuple[str, ...]] = {
+    "rot": ("k_rotation",),
+    "off": ("k_offset",),
+    "first": ("first_k", "first_v", "first_lens"),
+    "rot+off": ("k_rotation", "k_offset"),
+    "off+first": ("k_offset", "first_k", "first_v", "first_lens"),
+}
+
+
+def run_k_transform(
+    results: dict[str, Any], deadline: float, variants: bool = False, ablation: bool = False
+) -> None:
     """``per-head-kt`` beside ``per-head`` on the same cache: decode (eager, graph), prefill.
 
     With ``variants`` each of :data:`KT_VARIANTS` too (checked against the reference first),
-    recorded as ``per-head-kt[<name>]`` with its ratios to per-head, one line printed each.
+    recorded as ``per-head-kt[<name>]`` with its ratios to per-head, one line printed each;
+    with ``ablation`` each of :data:`KT_ABLATIONS` likewise, as ``per-head-kt{<parts>}``.
     """
     rows = results["k_transform"]
     shapes = [("decode", hq, hkv, d, bsz, ctx, 1) for hq, hkv, d, bsz, ctx in KT_DECODE_SHAPES]
@@ -465,6 +481,8 @@ def run_k_transform(results: dict[str, Any], deadline: float, variants: bool = F
     ]  # fmt: skip
     if variants:
         runs += [(f"per-head-kt[{v}]", "per-head-kt", cfg) for v, cfg in KT_VARIANTS.items()]
+    if ablation:
+        runs += [(f"per-head-kt{{{a}}}", f"kt:{a}", None) for a in KT_ABLATIONS]
     for kind, hq, hkv, d, bsz, ctx, lq in shapes:
         label = f"{kind} {hq}/{hkv}/{d} B{bsz} ctx{ctx} lq{lq}"
         if time.time() > deadline:
@@ -474,6 +492,10 @@ def run_k_transform(results: dict[str, Any], deadline: float, variants: bool = F
         row: dict[str, Any] = {"kind": kind, "hq": hq, "hkv": hkv, "d": d, "B": bsz,
                                "ctx": ctx, "lq": lq}  # fmt: skip
         fmts = {name: p.fmt(name) for name in ("per-head", "per-head-kt")}
+        for a, keep in KT_ABLATIONS.items() if ablation else ():
+            fmts[f"kt:{a}"] = {
+                k: v for k, v in fmts["per-head-kt"].items() if k not in KT_KEYS or k in keep
+            }
         for key, name, cfg in runs:
             f = fmts[name]
             err = check(p, f, p.q, config=cfg)
@@ -488,7 +510,7 @@ def run_k_transform(results: dict[str, Any], deadline: float, variants: bool = F
                 if "graph_ms" in row[key]:
                     g = row[key]["graph_ms"] / row["per-head"]["graph_ms"]
                     row[key]["over_per_head_graph"] = g
-            if variants and key != "per-head":
+            if (variants or ablation) and key != "per-head":
                 line = f"kt variant {key:<24} {label}: {row[key]['over_per_head']:.3f}x eager"
                 if "over_per_head_graph" in row[key]:
                     line += f", {row[key]['over_per_head_graph']:.3f}x graph"
@@ -606,6 +628,11 @@ def main() -> None:
         action="store_true",
         help="the k-transform section also times each query-rotation choice (KT_VARIANTS)",
     )
+    ap.add_argument(
+        "--kt-ablation",
+        action="store_true",
+        help="the k-transform section also times it with only some of its parts (KT_ABLATIONS)",
+    )
     args = ap.parse_args()
     global DEV, SMOKE, SWEEP_SHAPES, PREFILL_SHAPES
     if args.smoke:
@@ -642,7 +669,7 @@ def main() -> None:
     }
     print(json.dumps(results["bandwidth"]), flush=True)
     if args.only_kt:
-        run_k_transform(results, deadline, variants=args.kt_variants)
+        run_k_transform(results, deadline, args.kt_variants, args.kt_ablation)
         results["elapsed_s"] = time.time() - start
         save(results, args.out)
         summarize_kt(results)
@@ -664,7 +691,7 @@ def main() -> None:
         run_write(results)
     run_prefill(results, deadline + 60, sweep=not args.no_sweep)
     save(results, args.out)
-    run_k_transform(results, deadline + 90, variants=args.kt_variants)
+    run_k_transform(results, deadline + 90, args.kt_variants, args.kt_ablation)
     save(results, args.out)
     if not args.no_sweep:
         run_sweeps(results, deadline + 120)

@@ -221,6 +221,16 @@ def one_call(
     }
 
 
+def _compile_times() -> dict[str, float]:
+    """torch.compile's timed phases so far in this process, seconds each (summed)."""
+    from torch._dynamo.utils import compile_times
+
+    got = compile_times(repr="csv", aggregate=True)
+    if not isinstance(got, tuple):
+        return {}
+    return {k: round(float(v), 3) for k, v in zip(*got, strict=True)}
+
+
 def measure(
     model: Any,
     ids: torch.Tensor,
@@ -231,6 +241,7 @@ def measure(
 ) -> dict[str, Any]:
     """A warm-up call, then ``repeats`` timed calls; summary over the timed ones."""
     first = one_call(model, ids, mask, new, gen_kwargs)
+    compile_metrics = _compile_times()
     calls = [one_call(model, ids, mask, new, gen_kwargs) for _ in range(repeats)]
     steps = [s for c in calls for s in c["step_ms"]]
     batch = ids.shape[0]
@@ -239,6 +250,11 @@ def measure(
         "status": "ok",
         "first_call_s": first["wall_s"],
         "first_call_peak_bytes": first["peak_bytes"],
+        "first_call_prefill_s": first["prefill_s"],
+        "first_call_slowest_step_ms": max(first["step_ms"], default=float("nan")),
+        # torch.compile's own phases up to the end of the first call, seconds summed over
+        # every compile of the process so far (a fresh process per arm: that arm's)
+        "first_call_compile_times_s": compile_metrics,
         "wall_s": statistics.median(c["wall_s"] for c in calls),
         "wall_s_all": [c["wall_s"] for c in calls],
         "prefill_s": statistics.median(c["prefill_s"] for c in calls),
@@ -382,6 +398,7 @@ def capacity(
     out: dict[str, Any] = {"budget_bytes": budget, "prompt": prompt, "new": new, "runs": {}}
 
     def fits(name: str, batch: int, extra: dict[str, Any]) -> tuple[bool, str]:
+        torch.cuda.reset_peak_memory_stats(device)
         gen = torch.Generator().manual_seed(batch)
         ids = torch.randint(1, vocab, (batch, prompt), generator=gen).to(device)
         mask = torch.ones_like(ids)
@@ -399,20 +416,29 @@ def capacity(
                 )
             return True, "ok"
         except Exception as err:  # out of memory, or kvquant's CacheCapacityError
-            return False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            return False, f"{type(err).__name__}: {str(err).splitlines()[0][:600]}"
         finally:
             del ids, mask
             free_memory(device)
 
-    for chunked in (False, True):
+    for chunked in (False, True) if args.capacity_unchunked else (True,):
         extra = {"prefill_chunk_size": 2048} if chunked else {}
         for name in ("default", "kvquant"):
             tries: list[dict[str, Any]] = []
-            lo, hi, batch = 0, None, 8
+            lo, hi, batch = 0, None, args.capacity_start
             while True:
                 ok, why = fits(name, batch, extra)
                 leak = torch.cuda.memory_allocated(device) - weights
-                tries.append({"batch": batch, "ok": ok, "why": why, "left_allocated_bytes": leak})
+                tries.append(
+                    {
+                        "batch": batch,
+                        "ok": ok,
+                        "why": why,
+                        "left_allocated_bytes": leak,
+                        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+                    }
+                )
                 print(f"  {name} chunked={chunked} batch {batch}: {why}", flush=True)
                 if ok:
                     lo = batch
@@ -493,6 +519,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", action="store_true", help="run the capacity search")
     parser.add_argument("--budget-gb", type=float, default=24.0)
     parser.add_argument("--capacity-prompt", type=int, default=8192)
+    parser.add_argument("--capacity-start", type=int, default=8, help="first batch tried")
+    parser.add_argument(
+        "--capacity-unchunked",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also search without prefill_chunk_size",
+    )
     parser.add_argument("--device", default=None, help="default cuda if available, else cpu")
     parser.add_argument("--backend", default="auto", help="kvquant kernel backend")
     args = parser.parse_args(argv)
