@@ -394,7 +394,6 @@ class DecodeGraphRunner:
         self.stats = GraphStats()
         self._logged_cpu = False
         self._logged_fallback = False
-        self._logged_regrow = False
         self._compile_off = compiled is None
         self._unusable: dict[torch.device, str | None] = {}
         self._warmed: set[tuple[Any, ...]] = set()
@@ -493,19 +492,6 @@ class DecodeGraphRunner:
         compiled = self._compiling(device)
         if device.type == "cuda":
             if rec.graph is None:
-                if compiled and cache.compiled_capacity not in (None, cache.capacity_version):
-                    # The pool grew after this cache's compiled capture. On the H200 the
-                    # compiled step captured again on the grown pool gave wrong logits
-                    # (tests/hf/test_hf_gpu.py::test_cuda_graph_survives_pool_growth), cause not
-                    # found: the grown cache captures the eager step, which that test verifies.
-                    compiled = False
-                    if not self._logged_regrow:
-                        self._logged_regrow = True
-                        _logger.info(
-                            "kvquant: the cache of %s grew after its compiled decode step was "
-                            "captured; it captures the eager step from now on.",
-                            type(self.model).__name__,
-                        )
                 try:
                     self._capture(cache, rec, compiled)
                 except BackendError as err:
@@ -650,7 +636,5 @@ class DecodeGraphRunner:
                 "Fix: kvquant.patch(model, cuda_graphs=False)."
             ) from err
         rec.graph, rec.output = graph, output
-        if compiled:
-            cache.compiled_capacity = cache.capacity_version
         self._warmed.add((rec.key, compiled))
         self.stats.captures += 1
