@@ -258,7 +258,7 @@ def test_triton_kernels_match_the_reference_on_gpu(shared: bool, dtype: torch.dt
     cont = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
     got = {}
     for backend in ("triton", "torch"):
-        # eager steps: this compares kernels (Gemma 4's decode graph capture falls back)
+        # eager steps: this compares kernels (the decode graph: the test below)
         handle = kvhf.patch(model, backend=backend, group_size=16, cuda_graphs=False)
         got[backend], cache = step_logits(model, ids, mask, cont)
         assert cache.layers[0].k_pages.is_cuda
@@ -267,3 +267,31 @@ def test_triton_kernels_match_the_reference_on_gpu(shared: bool, dtype: torch.dt
     # bf16 activations round differently in the two backends' attention (test_hf_gpu.py's floor)
     floor = 0.995 if dtype == torch.bfloat16 else 0.999
     assert min_cosine(got["triton"], got["torch"]) >= floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_step", [False, None])
+def test_decode_graph_captures_on_gpu(compile_step: bool | None) -> None:
+    """Gemma 4's mixed geometry decodes from a captured graph (no fallback), as eager steps do."""
+    model = build("gemma4_text").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=40, pad=(5, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    handle = kvhf.patch(model, group_size=16, compile_step=compile_step)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
+                return_dict_in_generate=True, output_logits=True,
+            )  # fmt: skip
+        stats = handle.state.graph_runner.stats
+    finally:
+        handle.remove()
+    assert stats.captures >= 1 and stats.replays == 23 and stats.fallbacks == 0
+    assert stats.compile_fallbacks == 0
+    handle = kvhf.patch(model, group_size=16, cuda_graphs=False)
+    try:
+        eager, _ = step_logits(model, ids, mask, out.sequences[:, ids.shape[1] : -1])
+    finally:
+        handle.remove()
+    floor = 0.999 if compile_step is False else 0.99  # test_hf_compile_gpu.py's gemma floor
+    assert min_cosine(torch.stack(out.logits, dim=1).float(), eager) >= floor
