@@ -453,6 +453,8 @@ class KVQuantCache(Cache):
         self.model_name = state.model_name
         self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
         self.capacity_version = 0
+        # capacity_version of the pools the compiled decode step was captured on (graphs.py)
+        self.compiled_capacity: int | None = None
         self.book = SequenceBook(max(1, len(state.layer_specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
@@ -606,12 +608,6 @@ class KVQuantCache(Cache):
         (old and new pools of one layer coexist only for its copy); the
         allocator grows only once all of them did, so a failure (out of
         memory) leaves a cache that still holds every token it held.
-
-        On CUDA the old pools' memory then goes back to the device
-        (``torch.cuda.empty_cache``): left in torch's caching allocator, those
-        blocks are split by the next activations and cannot hold the next,
-        larger pools, so a cache grown chunk by chunk (chunked prefill) kept
-        gigabytes reserved but unusable.
         """
         bsz, ps = self.batch_size_, self.page_size
         target = max(
@@ -619,15 +615,11 @@ class KVQuantCache(Cache):
             -(-int(alloc.num_pages * GROWTH_FACTOR) // bsz) * bsz,
             alloc.num_pages + bsz * -(-MIN_GROWTH_TOKENS // ps),
         )
-        cuda = False
         for layer in self.layers:
             storage = getattr(layer, "storage", None)
             if storage is not None and storage.num_pages < target:
                 storage.grow(target)
-                cuda = cuda or storage.device.type == "cuda"
         alloc.grow(target)
-        if cuda and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.empty_cache()
         self.capacity_version += 1
         self.decode_graph = None  # captured on the old pools
 
