@@ -47,6 +47,8 @@ CONFIGS: list[tuple[int, int, int, int, int]] = [
     (64, 64, 4, 2, 3),
     (64, 128, 4, 2, 3),
 ]
+# --quick: the static-scale defaults (128 rows on 4 warps, 256 rows on 8) and their neighbours
+QUICK_CONFIGS = [(128, 64, 4, 2, 3), (256, 64, 8, 2, 3), (256, 64, 8, 3, 3), (256, 128, 8, 2, 3)]
 
 
 def tune_shape(
@@ -105,8 +107,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting shapes after")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, one tiny shape")
+    ap.add_argument("--quick", action="store_true", help="only QUICK_CONFIGS")
     args = ap.parse_args()
-    shapes, configs = SHAPES, CONFIGS
+    shapes, configs = SHAPES, QUICK_CONFIGS if args.quick else CONFIGS
     if args.smoke:
         ba.DEV, ba.SMOKE = "cpu", True
         shapes, configs = [(1, 64, 64, ["per-tensor"])], CONFIGS[:2]

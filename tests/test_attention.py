@@ -18,7 +18,7 @@ from numerics import assert_close_rel, error_report
 from paged_cases import build_case
 
 from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.tuning import choose_num_splits, programs_per_sm
+from kvquant.kernels.tuning import choose_config, choose_num_splits, programs_per_sm
 
 REL_TOL = 5e-3
 NUMPY_2_4 = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4)
@@ -177,6 +177,8 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ),
     # ---- prefill / extend (Lq * group > 64)
     ("prefill-fresh-and-extend", dict(lens=[40, 90], hq=8, hkv=2, d=64, lq=40), {}),
+    # the launcher's 256-row tiles (Lq * group >= 1024: test_prefill_tiles_follow_the_rows)
+    ("prefill-256-row-tiles", dict(lens=[300, 280], hq=4, hkv=1, d=32, lq=260), {}),
     (
         "prefill-small-blocks-qlens-kvstart",
         dict(lens=[45, 80], hq=8, hkv=2, d=64, lq=40, q_lens=[33, 20], kv_start=[3, 0]),
@@ -373,3 +375,11 @@ def test_programmatic_dependent_launch_only_on_nvidia_sm90(monkeypatch: pytest.M
         monkeypatch.setattr(at, "_PDL", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx, cap=cap: cap)
         assert at._supports_pdl(cuda0) is expected
+
+
+def test_prefill_tiles_follow_the_rows() -> None:
+    """Static-scale prefill takes 256-row tiles where there are rows for four, else 128."""
+    assert choose_config(260, 4, 32)["BLOCK_M"] == 256  # the "prefill-256-row-tiles" case
+    assert choose_config(255, 4, 128)["BLOCK_M"] == 128
+    assert choose_config(2048, 4, 128, group_dequant=True)["BLOCK_M"] == 128
+    assert choose_config(2048, 4, 256)["BLOCK_M"] == 64
