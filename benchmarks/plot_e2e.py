@@ -23,6 +23,7 @@ COLORS = {
     "kvquant": "#1f77b4",
     "kvquant-fp32-group": "#17becf",
     "kvquant-eager": "#aec7e8",
+    "kvquant-nocompile": "#9edae5",
 }
 
 
@@ -63,8 +64,11 @@ def plot_memory(data: dict[str, Any], out: Path) -> None:
         ax1.set_ylabel("peak GB, B16 x 8k generate (lower is better)", fontsize=8)
     cap = data.get("capacity", {}).get("capacity")
     if cap:
-        names = list(cap["runs"])
-        vals = [cap["runs"][n]["max_batch"] for n in names]
+        runs = dict(cap["runs"])
+        # a later chunked-only search (h200_e2e_capacity_chunked.json) replaces its rows
+        runs.update(data.get("capacity_chunked", {}).get("capacity", {}).get("runs", {}))
+        names = list(runs)
+        vals = [runs[n]["max_batch"] for n in names]
         colors = [COLORS["kvquant" if n.startswith("kvquant") else "default"] for n in names]
         ax2.bar(range(len(names)), vals, color=colors)
         ax2.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
