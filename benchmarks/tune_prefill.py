@@ -1,6 +1,6 @@
 """Prefill tuning sweep: tile configurations of a chunk over a paged prefix, beside SDPA.
 
-For each chunk-over-prefix shape (32/8/128) and format, every ``(BLOCK_M, BLOCK_N, num_warps,
+For each chunk-over-prefix shape (32 query / 8 KV heads) and format, every ``(BLOCK_M, BLOCK_N, num_warps,
 num_stages, LOOP_STAGES)`` configuration is checked against the fp32 reference first
 (NaN-poisoned output), then timed; SDPA bf16 over the same contiguous K/V with the lower-right
 causal mask (FlashAttention-2 on the H200) is timed in the same process. Prints each shape's
@@ -26,11 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_attention as ba
 
-# (B, prefix, chunk, formats)
-SHAPES: list[tuple[int, int, int, list[str]]] = [
-    (4, 8192, 2048, ["per-tensor", "group64"]),
-    (8, 2048, 512, ["per-tensor"]),
-    (1, 32768, 4096, ["per-tensor"]),
+# (B, prefix, chunk, head_dim, formats)
+SHAPES: list[tuple[int, int, int, int, list[str]]] = [
+    (4, 8192, 2048, 128, ["per-tensor", "group64"]),
+    (8, 2048, 512, 128, ["per-tensor"]),
+    (1, 32768, 4096, 128, ["per-tensor"]),
+]
+# --quick: static scales only, head_dim 128 and 64 (Llama-3.2-1B's), short shapes first
+QUICK_SHAPES: list[tuple[int, int, int, int, list[str]]] = [
+    (8, 2048, 512, 128, ["per-tensor"]),
+    (4, 8192, 2048, 64, ["per-tensor"]),
+    (4, 8192, 2048, 128, ["per-tensor"]),
+    (1, 32768, 4096, 128, ["per-tensor"]),
 ]
 # BLOCK_M, BLOCK_N, num_warps, num_stages, LOOP_STAGES (the first is the launcher's default
 # for static scales)
@@ -52,17 +59,24 @@ QUICK_CONFIGS = [(128, 64, 4, 2, 3), (256, 64, 8, 2, 3), (256, 64, 8, 3, 3), (25
 
 
 def tune_shape(
-    bsz: int, prefix: int, chunk: int, formats: list[str], configs: list[Any], smoke: bool
+    bsz: int,
+    prefix: int,
+    chunk: int,
+    d: int,
+    formats: list[str],
+    configs: list[Any],
+    smoke: bool,
 ) -> dict[str, Any]:
     """Every configuration of one shape and its formats, SDPA beside them; best printed."""
     from torch.nn.attention.bias import causal_lower_right
 
-    hq, hkv, d = 32, 8, 128
+    hq, hkv = 32, 8
     group = hq // hkv
     ctx = prefix + chunk
     p = ba.Problem(bsz, ctx, hq, hkv, d, lq=chunk)
     flops = 4 * hq * d * (chunk * prefix + chunk * (chunk + 1) // 2) * bsz
-    row: dict[str, Any] = {"B": bsz, "prefix": prefix, "chunk": chunk, "TFLOP": flops / 1e12}
+    row: dict[str, Any] = {"B": bsz, "prefix": prefix, "chunk": chunk, "head_dim": d}
+    row["TFLOP"] = flops / 1e12
     if not smoke:
         q = p.q.transpose(1, 2).contiguous()
         k = p.k.transpose(1, 2).repeat_interleave(group, dim=1).contiguous()
@@ -92,7 +106,7 @@ def tune_shape(
         ok = {k: r for k, r in runs.items() if "ms" in r and r["rel_err"] <= ba.REL_TOL}
         if ok:
             best = min(ok, key=lambda k: ok[k]["ms"])
-            line = f"B{bsz} {prefix}+{chunk} {name}: best {best} {ok[best]['ms']:.3f} ms"
+            line = f"B{bsz} {prefix}+{chunk} d{d} {name}: best {best} {ok[best]['ms']:.3f} ms"
             first = next(iter(runs))
             if "ms" in runs[first]:
                 line += f" (default {first} {runs[first]['ms']:.3f} ms)"
@@ -109,18 +123,18 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, one tiny shape")
     ap.add_argument("--quick", action="store_true", help="only QUICK_CONFIGS")
     args = ap.parse_args()
-    shapes, configs = SHAPES, QUICK_CONFIGS if args.quick else CONFIGS
+    shapes, configs = (QUICK_SHAPES, QUICK_CONFIGS) if args.quick else (SHAPES, CONFIGS)
     if args.smoke:
         ba.DEV, ba.SMOKE = "cpu", True
-        shapes, configs = [(1, 64, 64, ["per-tensor"])], CONFIGS[:2]
+        shapes, configs = [(1, 64, 64, 64, ["per-tensor"])], CONFIGS[:2]
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s
     rows: list[dict[str, Any]] = []
-    for bsz, prefix, chunk, formats in shapes:
+    for bsz, prefix, chunk, d, formats in shapes:
         if time.time() > deadline:
-            print(f"skipped B{bsz} {prefix}+{chunk}: time budget", flush=True)
+            print(f"skipped B{bsz} {prefix}+{chunk} d{d}: time budget", flush=True)
             continue
-        rows.append(tune_shape(bsz, prefix, chunk, formats, configs, args.smoke))
+        rows.append(tune_shape(bsz, prefix, chunk, d, formats, configs, args.smoke))
         (args.out / "tune_prefill.json").write_text(json.dumps({"rows": rows}, indent=1))
 
 
