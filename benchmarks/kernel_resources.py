@@ -34,7 +34,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvquant.kernels import attention_jit as at
-from kvquant.kernels.tuning import KT_ROT_PRECISION
+from kvquant.kernels.tuning import (
+    KT_EARLY_LOADS,
+    KT_FIRST_SPLIT,
+    KT_ROT_PRECISION,
+    KT_ROT_SLICE,
+    KT_ROT_STAGES,
+)
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
@@ -54,13 +60,17 @@ DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "6
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
-    rot_precision: str = KT_ROT_PRECISION,
+    rot_precision: str = KT_ROT_PRECISION, rot_slice: int = KT_ROT_SLICE,
+    rot_stages: int = KT_ROT_STAGES, early_loads: bool = KT_EARLY_LOADS,
+    first_split: str = KT_FIRST_SPLIT,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
     With ``prefill`` the one-split prefill kernel instead: 128 query rows per program (the
-    launcher's prefill tile), no group-scale folding. ``rot_precision`` is the query
-    rotation's dot precision (``ROT_PREC``) of the k-transform formats with a rotation.
+    launcher's prefill tile), no group-scale folding. ``rot_precision``, ``rot_slice``,
+    ``rot_stages``, ``early_loads`` and ``first_split`` are the launcher's k-transform
+    choices (``config=`` keys ``ROT_PRECISION``, ``ROT_SLICE``, ``ROT_STAGES``,
+    ``EARLY_LOADS``, ``FIRST_SPLIT``) for the k-transform formats.
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
@@ -89,6 +99,8 @@ def compile_decode(
         CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill, USE_WHILE=False,
         LOOP_STAGES=loop_stages, PDL=pdl, HAS_SINKS=False, HAS_ROT=has_rot,
         HAS_OFF=has_off, HAS_FIRST=has_first, ROT_PREC=rot_precision,
+        ROT_SLICE=min(rot_slice, d) if has_rot else 16, ROT_STAGES=rot_stages if has_rot else 1,
+        EARLY_LOADS=early_loads and kt, FIRST_SPLIT_LAST=first_split == "last" and has_first,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -199,18 +211,49 @@ def main() -> None:
         help="query rotation's dot precision (k-transform formats with a rotation; default: "
         "the launcher's, kvquant.kernels.tuning.KT_ROT_PRECISION)",
     )
+    ap.add_argument(
+        "--rot-slice",
+        type=int,
+        default=KT_ROT_SLICE,
+        choices=(16, 32, 64),
+        help="rows of R per rotation step (k-transform, config ROT_SLICE)",
+    )
+    ap.add_argument(
+        "--rot-stages",
+        type=int,
+        default=KT_ROT_STAGES,
+        choices=(1, 2, 3),
+        help="pipelining depth of the rotation loop (config ROT_STAGES)",
+    )
+    ap.add_argument(
+        "--early-loads",
+        action=argparse.BooleanOptionalAction,
+        default=KT_EARLY_LOADS,
+        help="config EARLY_LOADS (k-transform)",
+    )
+    ap.add_argument(
+        "--first-split",
+        default=KT_FIRST_SPLIT,
+        choices=("first", "last"),
+        help="split attending the first tokens (config FIRST_SPLIT)",
+    )
+    ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
     args = ap.parse_args()
+    hq, hkv, d = (int(x) for x in args.shape.split(","))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
     for spec in args.variant or DEFAULT_VARIANTS:
         parts = spec.split(",")
         bn, warps, ls = (int(x) for x in parts[:3])
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
+        kt = {"rot_precision": args.rot_precision, "rot_slice": args.rot_slice,
+              "rot_stages": args.rot_stages, "early_loads": args.early_loads,
+              "first_split": args.first_split}  # fmt: skip
         kernel = compile_decode(
-            bn, warps, ls, fmt, fold=not args.no_fold, prefill=args.prefill,
-            rot_precision=args.rot_precision,
+            bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold,
+            prefill=args.prefill, **kt,
         )  # fmt: skip
-        record = {"variant": spec, "rot_precision": args.rot_precision, **resources(kernel)}
+        record = {"variant": spec, "shape": args.shape, **kt, **resources(kernel)}
         print(json.dumps(record), flush=True)
 
 

@@ -429,6 +429,63 @@ def test_triton_rotation_variants_match_reference(rot: dict[str, str], lq: int) 
     assert torch.equal(case.query, query)  # the caller's query is never rotated in place
 
 
+# the launcher's latency choices of the transform's per-program work (config= keys; defaults
+# in kvquant.kernels.tuning): rotation slices and pipelining, early loads, first-token split
+LATENCY_VARIANTS: list[dict[str, Any]] = [
+    {"ROT_STAGES": 2},
+    {"ROT_SLICE": 32, "ROT_STAGES": 3},
+    {"ROT_SLICE": 64},
+    {"EARLY_LOADS": True},
+    {"FIRST_SPLIT": "last"},
+    {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "ROT_STAGES": 2},
+]
+LATENCY_IDS = ["stages2", "slice32-stages3", "slice64", "early", "first-last", "early-last-stages2"]
+
+
+@pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)
+@pytest.mark.parametrize(
+    "lq, splits", [(1, 2), (1, 3), (24, 1)], ids=["decode-split2", "decode-split3", "prefill"]
+)
+def test_triton_latency_variants_match_reference(
+    opts: dict[str, Any], lq: int, splits: int
+) -> None:
+    """Each choice with offset, rotation and several first tokens per row (one row none).
+
+    Three splits of two 64-key tiles leave the last split without paged keys: with
+    ``FIRST_SPLIT="last"`` it attends the first tokens alone.
+    """
+    case = build_case(
+        [75, 40, 66], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", k_transform="both",
+        first_lens=[1, 3, 0], n_first=3, kv_start=[0, 5, 2], qdtype=torch.bfloat16,
+        first_dtype=torch.bfloat16, seed=lq + splits + len(opts),
+    )  # fmt: skip
+    case.scales["k_scale"][1] *= -1.0
+    if lq == 1:
+        extra: dict[str, Any] = {"num_splits": splits, "config": opts}
+    else:
+        extra = {"config": {**opts, "BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}
+    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL, name=str(opts))
+
+
+@pytest.mark.parametrize("opts", [LATENCY_VARIANTS[2], LATENCY_VARIANTS[5]], ids=["slice64", "all"])
+def test_triton_latency_variants_small_head_softcap_window(opts: dict[str, Any]) -> None:
+    """``ROT_SLICE`` above ``D`` is capped; softcap and a window keep their masks."""
+    case = build_case(
+        [90, 40], hq=6, hkv=2, d=16, granularity="per-head", k_transform="both",
+        first_lens=[2, 1], n_first=2, softcap=5.0, window=24, seed=31,
+    )  # fmt: skip
+    ref = case.reference()
+    assert_close_rel(_triton(case, num_splits=3, config=opts), ref, rel_tol=REL_TOL)
+
+
+def test_latency_variants_leave_other_formats_alone() -> None:
+    """Without a transform the choices change nothing (the kernel compiles as before)."""
+    case = build_case([50, 33], hq=8, hkv=2, d=64, granularity="per-head", seed=5)
+    ref = case.reference()
+    assert_close_rel(_triton(case, num_splits=2, config=LATENCY_VARIANTS[5]), ref,
+                     rel_tol=REL_TOL)  # fmt: skip
+
+
 def test_host_rotation_keeps_the_query_dtype() -> None:
     """Rotated before the launch in fp32, the output is still in the query's dtype."""
     case = build_case(
@@ -446,7 +503,11 @@ def test_host_rotation_keeps_the_query_dtype() -> None:
 @pytest.mark.parametrize(
     "config, match",
     [({"ROT_PRECISION": "fp64"}, r"config\['ROT_PRECISION'\] is 'fp64', expected one of"),
-     ({"ROT_WHERE": "write"}, r"config\['ROT_WHERE'\] is 'write', expected one of")],
+     ({"ROT_WHERE": "write"}, r"config\['ROT_WHERE'\] is 'write', expected one of"),
+     ({"ROT_SLICE": 8}, r"config\['ROT_SLICE'\] is 8, expected one of \(16, 32, 64\)"),
+     ({"ROT_STAGES": True}, r"config\['ROT_STAGES'\] is True, expected one of \(1, 2, 3\)"),
+     ({"EARLY_LOADS": 1}, r"config\['EARLY_LOADS'\] is 1, expected one of \(False, True\)"),
+     ({"FIRST_SPLIT": 0}, r"config\['FIRST_SPLIT'\] is 0, expected one of")],
 )  # fmt: skip
 def test_unknown_rotation_choice_is_refused(config: dict[str, str], match: str) -> None:
     case = _kt_case()

@@ -23,8 +23,13 @@ from kvquant.errors import KernelInputError
 from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_kernel
 from kvquant.kernels.tuning import (
     _FOLD_MAX_ROWS,
+    KT_EARLY_LOADS,
+    KT_FIRST_SPLIT,
+    KT_LATENCY_CHOICES,
     KT_ROT_CHOICES,
     KT_ROT_PRECISION,
+    KT_ROT_SLICE,
+    KT_ROT_STAGES,
     KT_ROT_WHERE,
     _is_decode,
     _num_sms,
@@ -148,7 +153,10 @@ def paged_attention_triton(
             folding of group scales in decode on or off; ``PDL`` 0 turns programmatic
             dependent launches off; with ``k_rotation``, ``ROT_WHERE`` ``"kernel"`` |
             ``"host"`` and ``ROT_PRECISION`` ``"ieee"`` | ``"tf32x3"`` | ``"tf32"`` choose how
-            the query is rotated: :data:`kvquant.kernels.tuning.KT_ROT_WHERE`).
+            the query is rotated: :data:`kvquant.kernels.tuning.KT_ROT_WHERE`; with a K
+            transform, ``ROT_SLICE`` 16 | 32 | 64 (capped at ``D``), ``ROT_STAGES`` 1 | 2 | 3,
+            ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
+            per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`).
         k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
         k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
         first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
@@ -166,16 +174,24 @@ def paged_attention_triton(
     if bsz == 0 or lq == 0:
         return out
 
-    rot_where, rot_prec = KT_ROT_WHERE, KT_ROT_PRECISION
+    kt: dict[str, Any] = {
+        "ROT_WHERE": KT_ROT_WHERE,
+        "ROT_PRECISION": KT_ROT_PRECISION,
+        "ROT_SLICE": KT_ROT_SLICE,
+        "ROT_STAGES": KT_ROT_STAGES,
+        "EARLY_LOADS": KT_EARLY_LOADS,
+        "FIRST_SPLIT": KT_FIRST_SPLIT,
+    }
     if config:
-        rot_where = config.get("ROT_WHERE", rot_where)
-        rot_prec = config.get("ROT_PRECISION", rot_prec)
-        for key, value in (("ROT_WHERE", rot_where), ("ROT_PRECISION", rot_prec)):
-            if value not in KT_ROT_CHOICES[key]:
+        for key, choices in (*KT_ROT_CHOICES.items(), *KT_LATENCY_CHOICES.items()):
+            value = config.get(key, kt[key])
+            if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
                 raise KernelInputError(
                     f"paged_attention_triton: config[{key!r}] is {value!r}, expected one of "
-                    f"{KT_ROT_CHOICES[key]}; fix: pass one of them or leave the key out"
+                    f"{choices}; fix: pass one of them or leave the key out"
                 )
+            kt[key] = value
+    rot_where, rot_prec = kt["ROT_WHERE"], kt["ROT_PRECISION"]
     if k_rotation is not None and rot_where == "host":
         # one fp32 matmul for every (token, head) instead of one rotation per program (the
         # split decode kernel has several programs per (sequence, KV head)); the kernel reads
@@ -199,7 +215,7 @@ def paged_attention_triton(
         lq, group, d, group_dequant=group_scales and not fold, fold_groups=ng if fold else 0
     )
     if config:
-        launch_keys = ("FOLD", "PDL", *KT_ROT_CHOICES)
+        launch_keys = ("FOLD", "PDL", *KT_ROT_CHOICES, *KT_LATENCY_CHOICES)
         cfg.update({k: v for k, v in config.items() if k not in launch_keys})
     qpb = int(cfg["QPB"])
     n_qblocks = triton.cdiv(lq, qpb)
@@ -241,6 +257,10 @@ def paged_attention_triton(
         first_k.shape[1] if first_k is not None else 0,
     ]  # fmt: skip
     tp = math.gcd(page_size, int(cfg["BLOCK_N"]))
+    has_first = first_k is not None and first_v is not None and first_lens is not None
+    # the K transform's options apply only with one (static scales: the validation refuses
+    # a transform with group scales); the other formats compile to the code they had
+    transform = not group_scales and (k_rotation is not None or k_offset is not None or has_first)
     consts: dict[str, Any] = {
         "HAS_QLEN": q_lens is not None,
         "HAS_START": kv_start is not None,
@@ -271,8 +291,12 @@ def paged_attention_triton(
         "HAS_SINKS": sinks is not None,
         "HAS_ROT": k_rotation is not None,
         "HAS_OFF": k_offset is not None,
-        "HAS_FIRST": first_k is not None and first_v is not None and first_lens is not None,
+        "HAS_FIRST": has_first,
         "ROT_PREC": rot_prec if k_rotation is not None else "ieee",
+        "ROT_SLICE": min(int(kt["ROT_SLICE"]), d) if k_rotation is not None else 16,
+        "ROT_STAGES": int(kt["ROT_STAGES"]) if k_rotation is not None else 1,
+        "EARLY_LOADS": bool(kt["EARLY_LOADS"]) and transform,
+        "FIRST_SPLIT_LAST": kt["FIRST_SPLIT"] == "last" and has_first,
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,

@@ -29,6 +29,25 @@ KT_ROT_WHERE = "kernel"
 KT_ROT_PRECISION = "tf32"
 KT_ROT_CHOICES = {"ROT_WHERE": ("kernel", "host"), "ROT_PRECISION": ("ieee", "tf32x3", "tf32")}
 
+# The k-transform's fixed per-program latency before the key loop (short decode shapes,
+# docs/dev/kernels.md "Query rotation choices"): rows of R per step of the in-kernel
+# rotation (``ROT_SLICE``) and the software-pipelining depth of that loop (``ROT_STAGES``, 1 =
+# each step waits for its own loads); ``EARLY_LOADS`` issues the transform's independent loads
+# (scales, offset, ``first_lens``, the first token's key and value) at the start of the
+# program, before the rotation; ``FIRST_SPLIT`` is the split-KV program that attends the
+# first tokens (``"first"`` or ``"last"``, the last's key range being the shortest when the
+# tiles do not divide evenly). The launcher's ``config=`` keys of the same names override them.
+KT_ROT_SLICE = 16
+KT_ROT_STAGES = 1
+KT_EARLY_LOADS = False
+KT_FIRST_SPLIT = "first"
+KT_LATENCY_CHOICES: dict[str, tuple[object, ...]] = {
+    "ROT_SLICE": (16, 32, 64),
+    "ROT_STAGES": (1, 2, 3),
+    "EARLY_LOADS": (False, True),
+    "FIRST_SPLIT": ("first", "last"),
+}
+
 _SM_COUNT: dict[int, int] = {}
 
 
