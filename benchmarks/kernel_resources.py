@@ -37,6 +37,7 @@ from kvquant.kernels import attention_jit as at
 from kvquant.kernels.tuning import (
     KT_EARLY_LOADS,
     KT_FIRST_SPLIT,
+    KT_ROT_KIND,
     KT_ROT_PRECISION,
     KT_ROT_SLICE,
     KT_ROT_STAGES,
@@ -62,15 +63,15 @@ def compile_decode(
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
     rot_precision: str = KT_ROT_PRECISION, rot_slice: int = KT_ROT_SLICE,
     rot_stages: int = KT_ROT_STAGES, early_loads: bool = KT_EARLY_LOADS,
-    first_split: str = KT_FIRST_SPLIT,
+    first_split: str = KT_FIRST_SPLIT, rot_kind: str = KT_ROT_KIND,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
     With ``prefill`` the one-split prefill kernel instead: 128 query rows per program (the
     launcher's prefill tile), no group-scale folding. ``rot_precision``, ``rot_slice``,
-    ``rot_stages``, ``early_loads`` and ``first_split`` are the launcher's k-transform
-    choices (``config=`` keys ``ROT_PRECISION``, ``ROT_SLICE``, ``ROT_STAGES``,
-    ``EARLY_LOADS``, ``FIRST_SPLIT``) for the k-transform formats.
+    ``rot_stages``, ``early_loads``, ``first_split`` and ``rot_kind`` are the launcher's
+    k-transform choices (``config=`` keys ``ROT_PRECISION``, ``ROT_SLICE``, ``ROT_STAGES``,
+    ``EARLY_LOADS``, ``FIRST_SPLIT``, ``ROT_KIND``) for the k-transform formats.
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
@@ -101,6 +102,7 @@ def compile_decode(
         HAS_OFF=has_off, HAS_FIRST=has_first, ROT_PREC=rot_precision,
         ROT_SLICE=min(rot_slice, d) if has_rot else 16, ROT_STAGES=rot_stages if has_rot else 1,
         EARLY_LOADS=early_loads and kt, FIRST_SPLIT_LAST=first_split == "last" and has_first,
+        ROT_HADAMARD=rot_kind == "hadamard" and has_rot,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -237,6 +239,12 @@ def main() -> None:
         choices=("first", "last"),
         help="split attending the first tokens (config FIRST_SPLIT)",
     )
+    ap.add_argument(
+        "--rot-kind",
+        default=KT_ROT_KIND,
+        choices=("matrix", "hadamard"),
+        help="products with R or the in-register Walsh-Hadamard transform (config ROT_KIND)",
+    )
     ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.shape.split(","))
@@ -248,7 +256,7 @@ def main() -> None:
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
         kt = {"rot_precision": args.rot_precision, "rot_slice": args.rot_slice,
               "rot_stages": args.rot_stages, "early_loads": args.early_loads,
-              "first_split": args.first_split}  # fmt: skip
+              "first_split": args.first_split, "rot_kind": args.rot_kind}  # fmt: skip
         kernel = compile_decode(
             bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold,
             prefill=args.prefill, **kt,

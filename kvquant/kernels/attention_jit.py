@@ -399,6 +399,16 @@ def _attn_tile(
 
 
 @triton.jit
+def _hadamard_signs(x):
+    """``(-1) ** popcount(x)`` as fp32 (``0 <= x < 65536``): the parity of ``x``'s bits, folded."""
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
 def _first_tokens(
     acc,
     m_i,
@@ -566,6 +576,7 @@ def _paged_attn_kernel(
     ROT_STAGES: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
     FIRST_SPLIT_LAST: tl.constexpr,
+    ROT_HADAMARD: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -632,16 +643,26 @@ def _paged_attn_kernel(
     # per row (raw units)
     qc = 0.0
     if HAS_ROT:
-        # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers)
+        # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers);
+        # with ROT_HADAMARD, R is the Sylvester Hadamard matrix (the launcher checked it) and
+        # its rows are computed from their indices instead of loaded
         RK: tl.constexpr = ROT_SLICE
         offs_k = tl.arange(0, RK)
         q_rows = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
         q32 = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        if ROT_HADAMARD:
+            # H[i, j] = (-1) ** popcount(i & j) / sqrt(D): with i = k0 + r (k0 a multiple of
+            # RK, r < RK) the bits of k0 & j and r & j are disjoint, so slice k0 of H is the
+            # loop-invariant H[r, j] times the sign of each column j, popcount(k0 & j)
+            h_lo = _hadamard_signs(offs_k[:, None] & offs_d[None, :]) * (HEAD_D**-0.5)
         # a loop, so that R's rows are not all hoisted into registers; with ROT_STAGES > 1
         # software-pipelined (slices i + 1.. copied to shared memory during slice i's dot)
         for k0 in tl.range(0, HEAD_D, RK, num_stages=ROT_STAGES):
             q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_qd, mask=ok_x[:, None], other=0.0)
-            r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
+            if ROT_HADAMARD:
+                r_k = h_lo * _hadamard_signs(k0 & offs_d)[None, :]
+            else:
+                r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
             q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision=ROT_PREC)
         if HAS_OFF:
             # the offset's term from the fp32 rotated query, while it is live (taken from its

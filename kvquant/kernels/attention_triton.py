@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -21,12 +22,14 @@ import triton
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_kernel
+from kvquant.kernels.reference import hadamard
 from kvquant.kernels.tuning import (
     _FOLD_MAX_ROWS,
     KT_EARLY_LOADS,
     KT_FIRST_SPLIT,
     KT_LATENCY_CHOICES,
     KT_ROT_CHOICES,
+    KT_ROT_KIND,
     KT_ROT_PRECISION,
     KT_ROT_SLICE,
     KT_ROT_STAGES,
@@ -65,6 +68,39 @@ def _supports_pdl(device: torch.device) -> bool:
 
 
 _RESIDENCY: dict[tuple[Any, ...], int] = {}
+
+# rotations found equal to hadamard(D): id -> (weak reference, tensor version when checked)
+_HADAMARD_OK: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+
+def _check_hadamard(rotation: torch.Tensor) -> None:
+    """``ROT_KIND="hadamard"``: refuse a ``k_rotation`` that is not ``hadamard(D)``.
+
+    The kernel then never reads the tensor, so a different rotation would give wrong scores
+    silently. Checked once per tensor and version (an in-place change checks again); the
+    check synchronises, so the first call with a tensor must not be inside a CUDA graph
+    capture.
+    """
+    seen = _HADAMARD_OK.get(id(rotation))
+    if seen is not None and seen[0]() is rotation and seen[1] == rotation._version:
+        return
+    d = rotation.shape[-1]
+    if rotation.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise KernelInputError(
+            "paged_attention_triton: config['ROT_KIND'] is 'hadamard' and this k_rotation "
+            "tensor is first seen inside a CUDA graph capture, where it cannot be checked; "
+            "fix: call once with it before capturing (or leave ROT_KIND out)"
+        )
+    diff = float((rotation - hadamard(d, device=rotation.device)).abs().max())
+    if not diff <= 1e-6:
+        raise KernelInputError(
+            f"paged_attention_triton: config['ROT_KIND'] is 'hadamard' but k_rotation differs "
+            f"from kvquant.kernels.hadamard({d}) by up to {diff:.3g} (expected <= 1e-6); fix: "
+            f"pass k_rotation=hadamard({d}) or leave ROT_KIND out (products with R)"
+        )
+    key = id(rotation)
+    _HADAMARD_OK[key] = (weakref.ref(rotation, lambda _: _HADAMARD_OK.pop(key, None)),
+                         rotation._version)  # fmt: skip
 
 
 def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
@@ -154,7 +190,9 @@ def paged_attention_triton(
             dependent launches off; with ``k_rotation``, ``ROT_WHERE`` ``"kernel"`` |
             ``"host"`` and ``ROT_PRECISION`` ``"ieee"`` | ``"tf32x3"`` | ``"tf32"`` choose how
             the query is rotated: :data:`kvquant.kernels.tuning.KT_ROT_WHERE`; with a K
-            transform, ``ROT_SLICE`` 16 | 32 | 64 (capped at ``D``), ``ROT_STAGES`` 1 | 2 | 3,
+            transform, ``ROT_KIND`` ``"matrix"`` | ``"hadamard"`` (R must then be
+            ``hadamard(D)``, checked once per tensor), ``ROT_SLICE`` 16 | 32 | 64 (capped at
+            ``D``), ``ROT_STAGES`` 1 | 2 | 3,
             ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
             per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`).
         k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
@@ -175,6 +213,7 @@ def paged_attention_triton(
         return out
 
     kt: dict[str, Any] = {
+        "ROT_KIND": KT_ROT_KIND,
         "ROT_WHERE": KT_ROT_WHERE,
         "ROT_PRECISION": KT_ROT_PRECISION,
         "ROT_SLICE": KT_ROT_SLICE,
@@ -198,6 +237,9 @@ def paged_attention_triton(
         # the rotated fp32 query like any query
         query = torch.matmul(query.to(torch.float32), k_rotation)
         k_rotation = None
+    rot_hadamard = k_rotation is not None and kt["ROT_KIND"] == "hadamard"
+    if rot_hadamard:
+        _check_hadamard(k_rotation)
     group_scales = k_group_scales is not None and v_group_scales is not None
     ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
     # Decode folds group scales into the scores and probabilities (no per-element multiply,
@@ -295,6 +337,7 @@ def paged_attention_triton(
         "ROT_PREC": rot_prec if k_rotation is not None else "ieee",
         "ROT_SLICE": min(int(kt["ROT_SLICE"]), d) if k_rotation is not None else 16,
         "ROT_STAGES": int(kt["ROT_STAGES"]) if k_rotation is not None else 1,
+        "ROT_HADAMARD": rot_hadamard,
         "EARLY_LOADS": bool(kt["EARLY_LOADS"]) and transform,
         "FIRST_SPLIT_LAST": kt["FIRST_SPLIT"] == "last" and has_first,
         "num_warps": int(cfg["num_warps"]),
