@@ -238,7 +238,7 @@ def paged_attention_triton(
         query = torch.matmul(query.to(torch.float32), k_rotation)
         k_rotation = None
     rot_hadamard = k_rotation is not None and kt["ROT_KIND"] == "hadamard"
-    if rot_hadamard:
+    if k_rotation is not None and rot_hadamard:
         _check_hadamard(k_rotation)
     group_scales = k_group_scales is not None and v_group_scales is not None
     ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
