@@ -147,8 +147,13 @@ def compile_decode(
 
 def loop_sizes(sass: str) -> list[int]:
     """SASS instructions in each loop (a backward branch to a label), in program order."""
+    return [size for _, size in loops(sass)]
+
+
+def loops(sass: str) -> list[tuple[int, int]]:
+    """(first instruction, instructions) of each loop (a backward branch), in program order."""
     labels: dict[str, int] = {}
-    sizes: list[int] = []
+    found: list[tuple[int, int]] = []
     count = 0
     for line in sass.splitlines():
         label = re.match(r"\s*\.(L\w+):", line)
@@ -161,8 +166,26 @@ def loop_sizes(sass: str) -> list[int]:
         count += 1
         target = re.search(r"\.(L\w+)", instr.group(2)) if instr.group(1) == "BRA" else None
         if target and labels.get(target.group(1), count) < count - 1:
-            sizes.append(count - labels[target.group(1)])
-    return sizes
+            found.append((labels[target.group(1)], count - labels[target.group(1)]))
+    return found
+
+
+def prologue(sass: str) -> dict[str, int]:
+    """SASS before the key loops (the last three loops): instructions and global loads.
+
+    What every program runs before its first key tile (query load and rotation, scales,
+    first tokens, split bounds), counted statically (both sides of every branch); the global
+    loads are ``LDG`` (to registers) and ``LDGSTS`` (asynchronous, to shared memory).
+    """
+    starts = [start for start, _ in loops(sass)]
+    end = starts[-3] if len(starts) >= 3 else 0
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;", sass)
+    head = ops[:end]
+    return {
+        "prologue_instructions": len(head),
+        "prologue_global_loads": sum(op.startswith(("LDG.", "LDGSTS")) or op in ("LDG", "LDGSTS")
+                                     for op in head),  # fmt: skip
+    }
 
 
 def resources(kernel: Any) -> dict[str, Any]:
@@ -191,6 +214,7 @@ def resources(kernel: Any) -> dict[str, Any]:
         "ptx": {op: counts.get(op, 0) for op in PTX_OPS},
         # the key loops: masked first tile, unmasked (software-pipelined) interior, masked rest
         "sass_loop_instructions": loop_sizes(sass),
+        **prologue(sass),
     }
 
 
