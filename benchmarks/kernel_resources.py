@@ -183,8 +183,7 @@ def prologue(sass: str) -> dict[str, int]:
     head = ops[:end]
     return {
         "prologue_instructions": len(head),
-        "prologue_global_loads": sum(op.startswith(("LDG.", "LDGSTS")) or op in ("LDG", "LDGSTS")
-                                     for op in head),  # fmt: skip
+        "prologue_global_loads": sum(op.split(".")[0] in ("LDG", "LDGSTS") for op in head),
     }
 
 

@@ -439,10 +439,10 @@ LATENCY_VARIANTS: list[dict[str, Any]] = [
     {"FIRST_SPLIT": "last"},
     {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "ROT_STAGES": 2},
     {"ROT_KIND": "hadamard"},
-    {"ROT_KIND": "hadamard", "ROT_SLICE": 32, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    {"ROT_KIND": "auto", "ROT_SLICE": 32, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
 ]
 LATENCY_IDS = ["stages2", "slice32-stages3", "slice64", "early", "first-last", "early-last-stages2",
-               "hadamard", "hadamard-slice32-early-last"]  # fmt: skip
+               "hadamard", "auto-slice32-early-last"]  # fmt: skip
 
 
 @pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)
@@ -472,7 +472,7 @@ def test_triton_latency_variants_match_reference(
 
 @pytest.mark.parametrize(
     "opts", [LATENCY_VARIANTS[2], LATENCY_VARIANTS[5], LATENCY_VARIANTS[7]],
-    ids=["slice64", "early-last-stages2", "hadamard-slice32-early-last"],
+    ids=["slice64", "early-last-stages2", "auto-slice32-early-last"],
 )  # fmt: skip
 def test_triton_latency_variants_small_head_softcap_window(opts: dict[str, Any]) -> None:
     """``ROT_SLICE`` above ``D`` is capped; softcap and a window keep their masks."""
@@ -493,21 +493,26 @@ def test_latency_variants_leave_other_formats_alone() -> None:
 
 
 def test_hadamard_kind_refuses_another_rotation() -> None:
-    """``ROT_KIND="hadamard"`` never reads R: any other R is refused, also after an edit."""
+    """``ROT_KIND="hadamard"`` never reads R: any other R is refused, also after an edit;
+    ``"auto"`` computes R only where it is ``hadamard(D)`` and reads any other."""
     case = build_case(
         [40, 20], hq=4, hkv=2, d=16, granularity="per-head", k_transform="rotation", seed=3
     )  # fmt: skip
     rot = case.options["k_rotation"]
-    cfg = {"ROT_KIND": "hadamard"}
-    assert_close_rel(_triton(case, config=cfg), case.reference(), rel_tol=REL_TOL)
+    for kind in ("hadamard", "auto"):
+        got = _triton(case, config={"ROT_KIND": kind})
+        assert_close_rel(got, case.reference(), rel_tol=REL_TOL, name=kind)
     rot[[0, 1]] = rot[[1, 0]]  # still orthonormal, no longer hadamard(16)
     with pytest.raises(KernelInputError, match=r"differs from kvquant.kernels.hadamard\(16\)"):
-        _triton(case, config=cfg)
-    assert_close_rel(_triton(case), case.reference(), rel_tol=REL_TOL)  # products with R
-    case.options["k_rotation"] = torch.linalg.qr(torch.randn(16, 16))[0]
-    with pytest.raises(KernelInputError, match="leave ROT_KIND out") as info:
-        _triton(case, config=cfg)
+        _triton(case, config={"ROT_KIND": "hadamard"})
+    for cfg in ({"ROT_KIND": "auto"}, {}):  # products with R
+        assert_close_rel(_triton(case, config=cfg), case.reference(), rel_tol=REL_TOL)
+    case.options["k_rotation"] = torch.linalg.qr(torch.randn(16, 16))[0].contiguous()
+    with pytest.raises(KernelInputError, match="use ROT_KIND 'auto' or 'matrix'") as info:
+        _triton(case, config={"ROT_KIND": "hadamard"})
     assert isinstance(info.value, ValueError)
+    assert_close_rel(_triton(case, config={"ROT_KIND": "auto"}), case.reference(),
+                     rel_tol=REL_TOL)  # fmt: skip
 
 
 def test_host_rotation_keeps_the_query_dtype() -> None:

@@ -69,38 +69,57 @@ def _supports_pdl(device: torch.device) -> bool:
 
 _RESIDENCY: dict[tuple[Any, ...], int] = {}
 
-# rotations found equal to hadamard(D): id -> (weak reference, tensor version when checked)
-_HADAMARD_OK: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+# k_rotation tensors compared with hadamard(D): id -> (weak reference, tensor version when
+# compared, largest difference)
+_HADAMARD_SEEN: dict[int, tuple[weakref.ref[torch.Tensor], int, float]] = {}
+_HADAMARD_TOL = 1e-6
 
 
-def _check_hadamard(rotation: torch.Tensor) -> None:
-    """``ROT_KIND="hadamard"``: refuse a ``k_rotation`` that is not ``hadamard(D)``.
+def _hadamard_diff(rotation: torch.Tensor) -> float | None:
+    """Largest ``|R - hadamard(D)|``, computed once per tensor and version (memoised).
 
-    The kernel then never reads the tensor, so a different rotation would give wrong scores
-    silently. Checked once per tensor and version (an in-place change checks again); the
-    check synchronises, so the first call with a tensor must not be inside a CUDA graph
-    capture.
+    An in-place change of the tensor bumps its version and compares again. The comparison
+    synchronises, so a tensor first seen inside a CUDA graph capture is not compared: None.
     """
-    seen = _HADAMARD_OK.get(id(rotation))
+    seen = _HADAMARD_SEEN.get(id(rotation))
     if seen is not None and seen[0]() is rotation and seen[1] == rotation._version:
-        return
-    d = rotation.shape[-1]
+        return seen[2]
     if rotation.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    diff = float((rotation - hadamard(rotation.shape[-1], device=rotation.device)).abs().max())
+    key = id(rotation)
+    ref = weakref.ref(rotation, lambda _: _HADAMARD_SEEN.pop(key, None))
+    _HADAMARD_SEEN[key] = (ref, rotation._version, diff)
+    return diff
+
+
+def _rotation_is_hadamard(rotation: torch.Tensor, kind: str) -> bool:
+    """Whether the kernel computes R's slices (``ROT_KIND``) instead of loading them.
+
+    ``"matrix"``: never. ``"auto"``: when R is ``hadamard(D)`` (within 1e-6; the same result
+    either way, so a tensor first seen inside a graph capture takes the products with R).
+    ``"hadamard"``: always; the kernel then never reads R, so any other R is refused.
+    """
+    if kind == "matrix":
+        return False
+    diff = _hadamard_diff(rotation)
+    if kind == "auto":
+        return diff is not None and diff <= _HADAMARD_TOL
+    d = rotation.shape[-1]
+    if diff is None:
         raise KernelInputError(
             "paged_attention_triton: config['ROT_KIND'] is 'hadamard' and this k_rotation "
             "tensor is first seen inside a CUDA graph capture, where it cannot be checked; "
-            "fix: call once with it before capturing (or leave ROT_KIND out)"
+            "fix: call once with it before capturing, or use ROT_KIND 'auto'"
         )
-    diff = float((rotation - hadamard(d, device=rotation.device)).abs().max())
-    if not diff <= 1e-6:
+    if not diff <= _HADAMARD_TOL:
         raise KernelInputError(
             f"paged_attention_triton: config['ROT_KIND'] is 'hadamard' but k_rotation differs "
-            f"from kvquant.kernels.hadamard({d}) by up to {diff:.3g} (expected <= 1e-6); fix: "
-            f"pass k_rotation=hadamard({d}) or leave ROT_KIND out (products with R)"
+            f"from kvquant.kernels.hadamard({d}) by up to {diff:.3g} (expected <= "
+            f"{_HADAMARD_TOL:g}); fix: pass k_rotation=hadamard({d}), or use ROT_KIND 'auto' "
+            "or 'matrix' (products with R)"
         )
-    key = id(rotation)
-    _HADAMARD_OK[key] = (weakref.ref(rotation, lambda _: _HADAMARD_OK.pop(key, None)),
-                         rotation._version)  # fmt: skip
+    return True
 
 
 def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
@@ -190,8 +209,9 @@ def paged_attention_triton(
             dependent launches off; with ``k_rotation``, ``ROT_WHERE`` ``"kernel"`` |
             ``"host"`` and ``ROT_PRECISION`` ``"ieee"`` | ``"tf32x3"`` | ``"tf32"`` choose how
             the query is rotated: :data:`kvquant.kernels.tuning.KT_ROT_WHERE`; with a K
-            transform, ``ROT_KIND`` ``"matrix"`` | ``"hadamard"`` (R must then be
-            ``hadamard(D)``, checked once per tensor), ``ROT_SLICE`` 16 | 32 | 64 (capped at
+            transform, ``ROT_KIND`` ``"matrix"`` | ``"auto"`` | ``"hadamard"`` (R's slices
+            loaded, computed when R is ``hadamard(D)``, or always computed: R must then be
+            ``hadamard(D)``; compared once per tensor), ``ROT_SLICE`` 16 | 32 | 64 (capped at
             ``D``), ``ROT_STAGES`` 1 | 2 | 3,
             ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
             per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`).
@@ -237,9 +257,7 @@ def paged_attention_triton(
         # the rotated fp32 query like any query
         query = torch.matmul(query.to(torch.float32), k_rotation)
         k_rotation = None
-    rot_hadamard = k_rotation is not None and kt["ROT_KIND"] == "hadamard"
-    if k_rotation is not None and rot_hadamard:
-        _check_hadamard(k_rotation)
+    rot_hadamard = k_rotation is not None and _rotation_is_hadamard(k_rotation, kt["ROT_KIND"])
     group_scales = k_group_scales is not None and v_group_scales is not None
     ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
     # Decode folds group scales into the scores and probabilities (no per-element multiply,

@@ -36,17 +36,17 @@ KT_ROT_CHOICES = {"ROT_WHERE": ("kernel", "host"), "ROT_PRECISION": ("ieee", "tf
 # (scales, offset, ``first_lens``, the first token's key and value) at the start of the
 # program, before the rotation; ``FIRST_SPLIT`` is the split-KV program that attends the
 # first tokens (``"first"`` or ``"last"``, the last's key range being the shortest when the
-# tiles do not divide evenly); ``ROT_KIND`` ``"hadamard"`` computes R's slices from their
-# indices (R must be ``kvquant.kernels.hadamard(D)``, which the launcher checks once per
-# tensor) instead of loading them (``"matrix"``). The launcher's ``config=`` keys of the same
-# names override them.
+# tiles do not divide evenly); ``ROT_KIND`` is how the kernel gets R's slices: loaded
+# (``"matrix"``), or computed from their indices when R is ``kvquant.kernels.hadamard(D)``
+# (``"auto"``, compared once per tensor; the same result either way) or always (``"hadamard"``,
+# any other R refused). The launcher's ``config=`` keys of the same names override them.
 KT_ROT_KIND = "matrix"
 KT_ROT_SLICE = 16
 KT_ROT_STAGES = 1
 KT_EARLY_LOADS = False
 KT_FIRST_SPLIT = "first"
 KT_LATENCY_CHOICES: dict[str, tuple[object, ...]] = {
-    "ROT_KIND": ("matrix", "hadamard"),
+    "ROT_KIND": ("matrix", "auto", "hadamard"),
     "ROT_SLICE": (16, 32, 64),
     "ROT_STAGES": (1, 2, 3),
     "EARLY_LOADS": (False, True),
