@@ -53,6 +53,7 @@ from kvquant.kernels.reference import paged_attention_reference
 from kvquant.kernels.tuning import (
     KT_EARLY_LOADS,
     KT_FIRST_SPLIT,
+    KT_REG_TRIM,
     KT_ROT_KIND,
     KT_ROT_PRECISION,
     KT_ROT_SLICE,
@@ -475,6 +476,12 @@ KT_VARIANTS: dict[str, dict[str, Any]] = {
     "hadamard-slice64-early-last": {
         "ROT_KIND": "hadamard", "ROT_SLICE": 64, "EARLY_LOADS": True, "FIRST_SPLIT": "last"
     },
+    # the split decode kernel's registers capped where that fits one more program per SM
+    "trim16": {"REG_TRIM": 16},
+    "early-last-trim16": {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16},
+    "hadamard-early-last-trim16": {
+        "ROT_KIND": "hadamard", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16
+    },
 }  # fmt: skip
 
 
@@ -717,6 +724,7 @@ def main() -> None:
             ROT_STAGES=KT_ROT_STAGES,
             EARLY_LOADS=KT_EARLY_LOADS,
             FIRST_SPLIT=KT_FIRST_SPLIT,
+            REG_TRIM=KT_REG_TRIM,
         ),
         "skipped": [],
     }

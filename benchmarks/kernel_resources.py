@@ -63,7 +63,7 @@ def compile_decode(
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
     rot_precision: str = KT_ROT_PRECISION, rot_slice: int = KT_ROT_SLICE,
     rot_stages: int = KT_ROT_STAGES, early_loads: bool = KT_EARLY_LOADS,
-    first_split: str = KT_FIRST_SPLIT, rot_kind: str = KT_ROT_KIND,
+    first_split: str = KT_FIRST_SPLIT, rot_kind: str = KT_ROT_KIND, maxnreg: int = 0,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
@@ -71,7 +71,8 @@ def compile_decode(
     launcher's prefill tile), no group-scale folding. ``rot_precision``, ``rot_slice``,
     ``rot_stages``, ``early_loads``, ``first_split`` and ``rot_kind`` are the launcher's
     k-transform choices (``config=`` keys ``ROT_PRECISION``, ``ROT_SLICE``, ``ROT_STAGES``,
-    ``EARLY_LOADS``, ``FIRST_SPLIT``, ``ROT_KIND``) for the k-transform formats.
+    ``EARLY_LOADS``, ``FIRST_SPLIT``, ``ROT_KIND``) for the k-transform formats; ``maxnreg``
+    caps the registers per thread (the launcher's ``MAXNREG``; 0 = no cap).
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
@@ -141,7 +142,12 @@ def compile_decode(
     return triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": 2 if prefill else 3, "launch_pdl": pdl},
+        options={
+            "num_warps": warps,
+            "num_stages": 2 if prefill else 3,
+            "launch_pdl": pdl,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+        },
     )
 
 
@@ -268,6 +274,7 @@ def main() -> None:
         choices=("matrix", "hadamard"),
         help="products with R or the in-register Walsh-Hadamard transform (config ROT_KIND)",
     )
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (config MAXNREG)")
     ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.shape.split(","))
@@ -282,7 +289,7 @@ def main() -> None:
               "first_split": args.first_split, "rot_kind": args.rot_kind}  # fmt: skip
         kernel = compile_decode(
             bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold,
-            prefill=args.prefill, **kt,
+            prefill=args.prefill, maxnreg=args.maxnreg, **kt,
         )  # fmt: skip
         record = {"variant": spec, "shape": args.shape, **kt, **resources(kernel)}
         print(json.dumps(record), flush=True)

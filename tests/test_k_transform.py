@@ -437,11 +437,11 @@ LATENCY_VARIANTS: list[dict[str, Any]] = [
     {"ROT_SLICE": 64},
     {"EARLY_LOADS": True},
     {"FIRST_SPLIT": "last"},
-    {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "ROT_STAGES": 2},
+    {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "ROT_STAGES": 2, "REG_TRIM": 16},
     {"ROT_KIND": "hadamard"},
     {"ROT_KIND": "auto", "ROT_SLICE": 32, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
 ]
-LATENCY_IDS = ["stages2", "slice32-stages3", "slice64", "early", "first-last", "early-last-stages2",
+LATENCY_IDS = ["stages2", "slice32-stages3", "slice64", "early", "first-last", "early-last-stages2-trim",
                "hadamard", "auto-slice32-early-last"]  # fmt: skip
 
 
@@ -472,7 +472,7 @@ def test_triton_latency_variants_match_reference(
 
 @pytest.mark.parametrize(
     "opts", [LATENCY_VARIANTS[2], LATENCY_VARIANTS[5], LATENCY_VARIANTS[7]],
-    ids=["slice64", "early-last-stages2", "auto-slice32-early-last"],
+    ids=["slice64", "early-last-stages2-trim", "auto-slice32-early-last"],
 )  # fmt: skip
 def test_triton_latency_variants_small_head_softcap_window(opts: dict[str, Any]) -> None:
     """``ROT_SLICE`` above ``D`` is capped; softcap and a window keep their masks."""
@@ -536,7 +536,9 @@ def test_host_rotation_keeps_the_query_dtype() -> None:
      ({"ROT_SLICE": 8}, r"config\['ROT_SLICE'\] is 8, expected one of \(16, 32, 64\)"),
      ({"ROT_STAGES": True}, r"config\['ROT_STAGES'\] is True, expected one of \(1, 2, 3\)"),
      ({"EARLY_LOADS": 1}, r"config\['EARLY_LOADS'\] is 1, expected one of \(False, True\)"),
-     ({"FIRST_SPLIT": 0}, r"config\['FIRST_SPLIT'\] is 0, expected one of")],
+     ({"FIRST_SPLIT": 0}, r"config\['FIRST_SPLIT'\] is 0, expected one of"),
+     ({"REG_TRIM": 12}, r"config\['REG_TRIM'\] is 12, expected one of \(0, 8, 16, 24, 32\)"),
+     ({"ROT_KIND": "fwht"}, r"config\['ROT_KIND'\] is 'fwht', expected one of")],
 )  # fmt: skip
 def test_unknown_rotation_choice_is_refused(config: dict[str, str], match: str) -> None:
     case = _kt_case()

@@ -28,6 +28,7 @@ from kvquant.kernels.tuning import (
     KT_EARLY_LOADS,
     KT_FIRST_SPLIT,
     KT_LATENCY_CHOICES,
+    KT_REG_TRIM,
     KT_ROT_CHOICES,
     KT_ROT_KIND,
     KT_ROT_PRECISION,
@@ -39,6 +40,7 @@ from kvquant.kernels.tuning import (
     choose_config,
     choose_num_splits,
     programs_per_sm,
+    register_cap,
 )
 
 __all__ = ["is_interpreted", "paged_attention_triton"]
@@ -67,7 +69,7 @@ def _supports_pdl(device: torch.device) -> bool:
     return _PDL[idx]
 
 
-_RESIDENCY: dict[tuple[Any, ...], int] = {}
+_KERNEL_USE: dict[tuple[Any, ...], tuple[int, int, int]] = {}
 
 # k_rotation tensors compared with hadamard(D): id -> (weak reference, tensor version when
 # compared, largest difference)
@@ -122,32 +124,54 @@ def _rotation_is_hadamard(rotation: torch.Tensor, kind: str) -> bool:
     return True
 
 
-def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
-    """Resident programs per SM of the split decode kernel for this launch (memoised).
+def _device_limits(device: torch.device) -> dict[str, int]:
+    """Registers, shared memory and threads per SM (keywords of :func:`programs_per_sm`)."""
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "regs_per_sm": int(getattr(props, "regs_per_multiprocessor", 65536)),
+        "shared_per_sm": int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
+        "threads_per_sm": int(getattr(props, "max_threads_per_multi_processor", 2048)),
+    }
 
-    The first call of a signature compiles the kernel (``warmup``, no launch) to read its
-    register and shared-memory use; the interpreter (CPU) assumes 2.
+
+def _split_kernel_use(
+    args: list[Any], consts: dict[str, Any], device: torch.device
+) -> tuple[int, int, int]:
+    """Registers per thread, warps and shared memory of the split decode kernel (memoised).
+
+    The first call of a signature compiles the kernel (``warmup``, no launch).
     """
-    if _INTERPRETED or device.type != "cuda":
-        return 2
     dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args[:14])
     if consts["HAS_FIRST"]:  # the first-token buffers' dtypes (args[-4:-2]) compile apart too
         dtypes += (args[-4].dtype, args[-3].dtype)
     key: tuple[Any, ...] = (device, dtypes, *sorted(consts.items()))
-    res = _RESIDENCY.get(key)
-    if res is None:
+    use = _KERNEL_USE.get(key)
+    if use is None:
         kernel = _paged_attn_kernel.warmup(*args, grid=(1,), **{**consts, "SPLIT": True})
         _ = kernel.run  # loads the binary, which sets n_regs (Triton loads kernels lazily)
-        props = torch.cuda.get_device_properties(device)
-        res = _RESIDENCY[key] = programs_per_sm(
-            int(kernel.n_regs),
-            int(kernel.metadata.num_warps),
-            int(kernel.metadata.shared),
-            regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
-            shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
-            threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
-        )
-    return res
+        use = _KERNEL_USE[key] = (
+            int(kernel.n_regs), int(kernel.metadata.num_warps), int(kernel.metadata.shared)
+        )  # fmt: skip
+    return use
+
+
+def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
+    """Resident programs per SM of the split decode kernel for this launch.
+
+    From its compiled register and shared-memory use; the interpreter (CPU) assumes 2.
+    """
+    if _INTERPRETED or device.type != "cuda":
+        return 2
+    return programs_per_sm(*_split_kernel_use(args, consts, device), **_device_limits(device))
+
+
+def _register_cap(
+    args: list[Any], consts: dict[str, Any], device: torch.device, trim: int
+) -> int | None:
+    """``REG_TRIM``: :func:`kvquant.kernels.tuning.register_cap` of the split decode kernel."""
+    if trim <= 0 or _INTERPRETED or device.type != "cuda":
+        return None
+    return register_cap(*_split_kernel_use(args, consts, device), trim, **_device_limits(device))
 
 
 def paged_attention_triton(
@@ -214,7 +238,9 @@ def paged_attention_triton(
             ``hadamard(D)``; compared once per tensor), ``ROT_SLICE`` 16 | 32 | 64 (capped at
             ``D``), ``ROT_STAGES`` 1 | 2 | 3,
             ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
-            per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`).
+            per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`; any format:
+            ``REG_TRIM`` 0 | 8 | 16 | 24 | 32 caps the split decode kernel's registers where
+            that fits one more program per SM, :func:`kvquant.kernels.tuning.register_cap`).
         k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
         k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
         first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
@@ -240,6 +266,7 @@ def paged_attention_triton(
         "ROT_STAGES": KT_ROT_STAGES,
         "EARLY_LOADS": KT_EARLY_LOADS,
         "FIRST_SPLIT": KT_FIRST_SPLIT,
+        "REG_TRIM": KT_REG_TRIM,
     }
     if config:
         for key, choices in (*KT_ROT_CHOICES.items(), *KT_LATENCY_CHOICES.items()):
@@ -362,6 +389,10 @@ def paged_attention_triton(
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,
     }
+    if kt["REG_TRIM"] and n_qblocks == 1:
+        cap = _register_cap(args, consts, query.device, int(kt["REG_TRIM"]))
+        if cap is not None:
+            consts["maxnreg"] = cap
     if num_splits is None:
         num_splits = 1
         if n_qblocks == 1:  # decode: split the keys to fill the GPU

@@ -146,9 +146,12 @@ ROT_VARIANTS += [
     {"ROT_KIND": "hadamard"},
     {"ROT_KIND": "hadamard", "ROT_STAGES": 2, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
     {"ROT_KIND": "hadamard", "ROT_SLICE": 64, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    {"REG_TRIM": 16},
+    {"ROT_KIND": "auto", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16},
 ]
 ROT_IDS += ["stages2", "slice32-stages3", "slice64", "early-last", "hadamard",
-            "hadamard-stages2-early-last", "hadamard-slice64-early-last"]  # fmt: skip
+            "hadamard-stages2-early-last", "hadamard-slice64-early-last", "trim16",
+            "auto-early-last-trim16"]  # fmt: skip
 
 
 @pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
