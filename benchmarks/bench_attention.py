@@ -59,6 +59,7 @@ from kvquant.kernels.tuning import (
     KT_ROT_SLICE,
     KT_ROT_STAGES,
     KT_ROT_WHERE,
+    KT_SPLIT_FROM_END,
     choose_config,
 )
 
@@ -482,6 +483,12 @@ KT_VARIANTS: dict[str, dict[str, Any]] = {
     "hadamard-early-last-trim16": {
         "ROT_KIND": "hadamard", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16
     },
+    # split 0 (masked tile after the first tokens, the first tokens) takes the shortest share
+    "from-end": {"SPLIT_FROM_END": True},
+    "from-end-early-trim16": {"SPLIT_FROM_END": True, "EARLY_LOADS": True, "REG_TRIM": 16},
+    "from-end-hadamard-early-trim16": {
+        "SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "REG_TRIM": 16
+    },
 }  # fmt: skip
 
 
@@ -725,6 +732,7 @@ def main() -> None:
             EARLY_LOADS=KT_EARLY_LOADS,
             FIRST_SPLIT=KT_FIRST_SPLIT,
             REG_TRIM=KT_REG_TRIM,
+            SPLIT_FROM_END=KT_SPLIT_FROM_END,
         ),
         "skipped": [],
     }

@@ -41,6 +41,7 @@ from kvquant.kernels.tuning import (
     KT_ROT_PRECISION,
     KT_ROT_SLICE,
     KT_ROT_STAGES,
+    KT_SPLIT_FROM_END,
 )
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
@@ -64,6 +65,7 @@ def compile_decode(
     rot_precision: str = KT_ROT_PRECISION, rot_slice: int = KT_ROT_SLICE,
     rot_stages: int = KT_ROT_STAGES, early_loads: bool = KT_EARLY_LOADS,
     first_split: str = KT_FIRST_SPLIT, rot_kind: str = KT_ROT_KIND, maxnreg: int = 0,
+    split_from_end: bool = KT_SPLIT_FROM_END,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
@@ -72,7 +74,8 @@ def compile_decode(
     ``rot_stages``, ``early_loads``, ``first_split`` and ``rot_kind`` are the launcher's
     k-transform choices (``config=`` keys ``ROT_PRECISION``, ``ROT_SLICE``, ``ROT_STAGES``,
     ``EARLY_LOADS``, ``FIRST_SPLIT``, ``ROT_KIND``) for the k-transform formats; ``maxnreg``
-    caps the registers per thread (the launcher's ``MAXNREG``; 0 = no cap).
+    caps the registers per thread (what the launcher's ``REG_TRIM`` sets; 0 = no cap);
+    ``split_from_end`` is the launcher's ``SPLIT_FROM_END``.
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
@@ -103,7 +106,7 @@ def compile_decode(
         HAS_OFF=has_off, HAS_FIRST=has_first, ROT_PREC=rot_precision,
         ROT_SLICE=min(rot_slice, d) if has_rot else 16, ROT_STAGES=rot_stages if has_rot else 1,
         EARLY_LOADS=early_loads and kt, FIRST_SPLIT_LAST=first_split == "last" and has_first,
-        ROT_HADAMARD=rot_kind == "hadamard" and has_rot,
+        ROT_HADAMARD=rot_kind == "hadamard" and has_rot, SPLIT_FROM_END=split_from_end,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -274,7 +277,13 @@ def main() -> None:
         choices=("matrix", "hadamard"),
         help="products with R or the in-register Walsh-Hadamard transform (config ROT_KIND)",
     )
-    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (config MAXNREG)")
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (what REG_TRIM sets)")
+    ap.add_argument(
+        "--split-from-end",
+        action=argparse.BooleanOptionalAction,
+        default=KT_SPLIT_FROM_END,
+        help="config SPLIT_FROM_END: split 0 gets the remainder of the key tiles",
+    )
     ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.shape.split(","))
@@ -286,7 +295,8 @@ def main() -> None:
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
         kt = {"rot_precision": args.rot_precision, "rot_slice": args.rot_slice,
               "rot_stages": args.rot_stages, "early_loads": args.early_loads,
-              "first_split": args.first_split, "rot_kind": args.rot_kind}  # fmt: skip
+              "first_split": args.first_split, "rot_kind": args.rot_kind,
+              "split_from_end": args.split_from_end}  # fmt: skip
         kernel = compile_decode(
             bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold,
             prefill=args.prefill, maxnreg=args.maxnreg, **kt,

@@ -440,9 +440,12 @@ LATENCY_VARIANTS: list[dict[str, Any]] = [
     {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "ROT_STAGES": 2, "REG_TRIM": 16},
     {"ROT_KIND": "hadamard"},
     {"ROT_KIND": "auto", "ROT_SLICE": 32, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    {"SPLIT_FROM_END": True},
+    {"SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "ROT_STAGES": 2},
 ]
 LATENCY_IDS = ["stages2", "slice32-stages3", "slice64", "early", "first-last", "early-last-stages2-trim",
-               "hadamard", "auto-slice32-early-last"]  # fmt: skip
+               "hadamard", "auto-slice32-early-last", "from-end",
+               "from-end-hadamard-early-stages2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)
@@ -454,8 +457,9 @@ def test_triton_latency_variants_match_reference(
 ) -> None:
     """Each choice with offset, rotation and several first tokens per row (one row none).
 
-    Three splits of two 64-key tiles leave the last split without paged keys: with
-    ``FIRST_SPLIT="last"`` it attends the first tokens alone.
+    Three splits of two 64-key tiles leave one split without paged keys (the last, or split 0
+    with ``SPLIT_FROM_END``): with ``FIRST_SPLIT="last"`` (or from the end) it attends the
+    first tokens alone.
     """
     case = build_case(
         [75, 40, 66], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", k_transform="both",
@@ -484,12 +488,17 @@ def test_triton_latency_variants_small_head_softcap_window(opts: dict[str, Any])
     assert_close_rel(_triton(case, num_splits=3, config=opts), ref, rel_tol=REL_TOL)
 
 
-def test_latency_variants_leave_other_formats_alone() -> None:
-    """Without a transform the choices change nothing (the kernel compiles as before)."""
-    case = build_case([50, 33], hq=8, hkv=2, d=64, granularity="per-head", seed=5)
+@pytest.mark.parametrize("granularity", ["per-head", "fp32-group"])
+def test_latency_variants_leave_other_formats_alone(granularity: str) -> None:
+    """Without a transform the k-transform choices change nothing; the split choices
+    (``SPLIT_FROM_END``, ``REG_TRIM``) keep every format's result, left padding included."""
+    case = build_case(
+        [150, 33], hq=8, hkv=2, d=64, granularity=granularity, kv_start=[7, 0], seed=5
+    )  # fmt: skip
     ref = case.reference()
-    assert_close_rel(_triton(case, num_splits=2, config=LATENCY_VARIANTS[5]), ref,
-                     rel_tol=REL_TOL)  # fmt: skip
+    for opts in (LATENCY_VARIANTS[5], LATENCY_VARIANTS[-1]):
+        assert_close_rel(_triton(case, num_splits=3, config=opts), ref, rel_tol=REL_TOL,
+                         name=str(opts))  # fmt: skip
 
 
 def test_hadamard_kind_refuses_another_rotation() -> None:
@@ -538,7 +547,8 @@ def test_host_rotation_keeps_the_query_dtype() -> None:
      ({"EARLY_LOADS": 1}, r"config\['EARLY_LOADS'\] is 1, expected one of \(False, True\)"),
      ({"FIRST_SPLIT": 0}, r"config\['FIRST_SPLIT'\] is 0, expected one of"),
      ({"REG_TRIM": 12}, r"config\['REG_TRIM'\] is 12, expected one of \(0, 8, 16, 24, 32\)"),
-     ({"ROT_KIND": "fwht"}, r"config\['ROT_KIND'\] is 'fwht', expected one of")],
+     ({"ROT_KIND": "fwht"}, r"config\['ROT_KIND'\] is 'fwht', expected one of"),
+     ({"SPLIT_FROM_END": "yes"}, r"config\['SPLIT_FROM_END'\] is 'yes', expected one of")],
 )  # fmt: skip
 def test_unknown_rotation_choice_is_refused(config: dict[str, str], match: str) -> None:
     case = _kt_case()

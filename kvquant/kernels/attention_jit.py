@@ -577,6 +577,7 @@ def _paged_attn_kernel(
     EARLY_LOADS: tl.constexpr,
     FIRST_SPLIT_LAST: tl.constexpr,
     ROT_HADAMARD: tl.constexpr,
+    SPLIT_FROM_END: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -702,8 +703,15 @@ def _paged_attn_kernel(
     lo_al = lo - lo % BLOCK_N
     n_tiles = (hi - lo_al + BLOCK_N - 1) // BLOCK_N
     per_split = (n_tiles + num_splits - 1) // num_splits
-    s_lo = tl.minimum(lo_al + split * per_split * BLOCK_N, hi)
-    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
+    if SPLIT_FROM_END:
+        # whole shares counted back from the last tile: split 0 takes the remainder (the
+        # shortest share), and with it the masked tile after lo and the first tokens
+        t_hi = n_tiles - (num_splits - 1 - split) * per_split
+        s_lo = tl.minimum(lo_al + tl.maximum(t_hi - per_split, 0) * BLOCK_N, hi)
+        s_hi = tl.maximum(tl.minimum(lo_al + t_hi * BLOCK_N, hi), s_lo)
+    else:
+        s_lo = tl.minimum(lo_al + split * per_split * BLOCK_N, hi)
+        s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
     # [s_lo, int_lo): a masked first tile holding keys before lo (split 0 only, lo unaligned);
     # [int_lo, mid): unmasked interior, keys visible to every row of the block;
     # [mid, s_hi): masked rest (causal diagonal, tail, sliding window)

@@ -35,6 +35,7 @@ from kvquant.kernels.tuning import (
     KT_ROT_SLICE,
     KT_ROT_STAGES,
     KT_ROT_WHERE,
+    KT_SPLIT_FROM_END,
     _is_decode,
     _num_sms,
     choose_config,
@@ -240,7 +241,8 @@ def paged_attention_triton(
             ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
             per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`; any format:
             ``REG_TRIM`` 0 | 8 | 16 | 24 | 32 caps the split decode kernel's registers where
-            that fits one more program per SM, :func:`kvquant.kernels.tuning.register_cap`).
+            that fits one more program per SM, :func:`kvquant.kernels.tuning.register_cap`;
+            ``SPLIT_FROM_END`` gives split 0 the remainder of the key tiles).
         k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
         k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
         first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
@@ -267,6 +269,7 @@ def paged_attention_triton(
         "EARLY_LOADS": KT_EARLY_LOADS,
         "FIRST_SPLIT": KT_FIRST_SPLIT,
         "REG_TRIM": KT_REG_TRIM,
+        "SPLIT_FROM_END": KT_SPLIT_FROM_END,
     }
     if config:
         for key, choices in (*KT_ROT_CHOICES.items(), *KT_LATENCY_CHOICES.items()):
@@ -383,6 +386,7 @@ def paged_attention_triton(
         "ROT_SLICE": min(int(kt["ROT_SLICE"]), d) if k_rotation is not None else 16,
         "ROT_STAGES": int(kt["ROT_STAGES"]) if k_rotation is not None else 1,
         "ROT_HADAMARD": rot_hadamard,
+        "SPLIT_FROM_END": bool(kt["SPLIT_FROM_END"]),
         "EARLY_LOADS": bool(kt["EARLY_LOADS"]) and transform,
         "FIRST_SPLIT_LAST": kt["FIRST_SPLIT"] == "last" and has_first,
         "num_warps": int(cfg["num_warps"]),

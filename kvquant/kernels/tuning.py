@@ -40,14 +40,18 @@ KT_ROT_CHOICES = {"ROT_WHERE": ("kernel", "host"), "ROT_PRECISION": ("ieee", "tf
 # (``"matrix"``), or computed from their indices when R is ``kvquant.kernels.hadamard(D)``
 # (``"auto"``, compared once per tensor; the same result either way) or always (``"hadamard"``,
 # any other R refused); ``REG_TRIM`` N > 0 caps the split decode kernel's registers where
-# shedding at most N per thread fits one more program per SM (any format; 0 = never). The
-# launcher's ``config=`` keys of the same names override them.
+# shedding at most N per thread fits one more program per SM (any format; 0 = never);
+# ``SPLIT_FROM_END`` counts the split-KV shares back from the last tile, so that split 0
+# (which holds the masked tile after the first visible key and attends the first tokens) gets
+# the remainder, the shortest share (any format). The launcher's ``config=`` keys of the same
+# names override them.
 KT_ROT_KIND = "matrix"
 KT_ROT_SLICE = 16
 KT_ROT_STAGES = 1
 KT_EARLY_LOADS = False
 KT_FIRST_SPLIT = "first"
 KT_REG_TRIM = 0
+KT_SPLIT_FROM_END = False
 KT_LATENCY_CHOICES: dict[str, tuple[object, ...]] = {
     "ROT_KIND": ("matrix", "auto", "hadamard"),
     "ROT_SLICE": (16, 32, 64),
@@ -55,6 +59,7 @@ KT_LATENCY_CHOICES: dict[str, tuple[object, ...]] = {
     "EARLY_LOADS": (False, True),
     "FIRST_SPLIT": ("first", "last"),
     "REG_TRIM": (0, 8, 16, 24, 32),
+    "SPLIT_FROM_END": (False, True),
 }
 
 _SM_COUNT: dict[int, int] = {}

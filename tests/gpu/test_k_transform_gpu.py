@@ -148,10 +148,11 @@ ROT_VARIANTS += [
     {"ROT_KIND": "hadamard", "ROT_SLICE": 64, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
     {"REG_TRIM": 16},
     {"ROT_KIND": "auto", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16},
+    {"SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "REG_TRIM": 16},
 ]
 ROT_IDS += ["stages2", "slice32-stages3", "slice64", "early-last", "hadamard",
             "hadamard-stages2-early-last", "hadamard-slice64-early-last", "trim16",
-            "auto-early-last-trim16"]  # fmt: skip
+            "auto-early-last-trim16", "from-end-hadamard-early-trim16"]  # fmt: skip
 
 
 @pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
