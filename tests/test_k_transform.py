@@ -524,6 +524,24 @@ def test_hadamard_kind_refuses_another_rotation() -> None:
                      rel_tol=REL_TOL)  # fmt: skip
 
 
+def test_hadamard_kind_with_an_inference_rotation() -> None:
+    """An inference tensor has no version counter: it is compared at every call."""
+    case = build_case(
+        [40, 20], hq=4, hkv=2, d=16, granularity="per-head", k_transform="rotation", seed=6
+    )  # fmt: skip
+    with torch.inference_mode():
+        rot = case.options["k_rotation"] = case.options["k_rotation"].clone()
+    for kind in ("hadamard", "auto"):
+        got = _triton(case, config={"ROT_KIND": kind})
+        assert_close_rel(got, case.reference(), rel_tol=REL_TOL, name=kind)
+    with torch.inference_mode():
+        rot[[2, 3]] = rot[[3, 2]]
+    with pytest.raises(KernelInputError, match=r"differs from kvquant.kernels.hadamard\(16\)"):
+        _triton(case, config={"ROT_KIND": "hadamard"})
+    assert_close_rel(_triton(case, config={"ROT_KIND": "auto"}), case.reference(),
+                     rel_tol=REL_TOL)  # fmt: skip
+
+
 def test_host_rotation_keeps_the_query_dtype() -> None:
     """Rotated before the launch in fp32, the output is still in the query's dtype."""
     case = build_case(

@@ -81,18 +81,27 @@ _HADAMARD_TOL = 1e-6
 def _hadamard_diff(rotation: torch.Tensor) -> float | None:
     """Largest ``|R - hadamard(D)|``, computed once per tensor and version (memoised).
 
-    An in-place change of the tensor bumps its version and compares again. The comparison
-    synchronises, so a tensor first seen inside a CUDA graph capture is not compared: None.
+    An in-place change of the tensor bumps its version and compares again. An inference
+    tensor (made under ``torch.inference_mode``) has no version counter: it is compared at
+    every call. The comparison synchronises, so a tensor not yet compared inside a CUDA graph
+    capture is not compared: None.
     """
+    inference = rotation.is_inference()
     seen = _HADAMARD_SEEN.get(id(rotation))
-    if seen is not None and seen[0]() is rotation and seen[1] == rotation._version:
+    if (
+        not inference
+        and seen is not None
+        and seen[0]() is rotation
+        and seen[1] == rotation._version
+    ):
         return seen[2]
     if rotation.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     diff = float((rotation - hadamard(rotation.shape[-1], device=rotation.device)).abs().max())
-    key = id(rotation)
-    ref = weakref.ref(rotation, lambda _: _HADAMARD_SEEN.pop(key, None))
-    _HADAMARD_SEEN[key] = (ref, rotation._version, diff)
+    if not inference:
+        key = id(rotation)
+        ref = weakref.ref(rotation, lambda _: _HADAMARD_SEEN.pop(key, None))
+        _HADAMARD_SEEN[key] = (ref, rotation._version, diff)
     return diff
 
 
