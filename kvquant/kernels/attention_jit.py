@@ -63,7 +63,12 @@ softcap it is added to the scores before the cap; with first tokens the online s
 buffer's keys (``first_k``, rotated frame, ``first_v``), one fp32 dot per row and key, in
 split 0 only, while the paged range starts after them. All of it sits behind
 ``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile
-to the code they had.
+to the code they had. Further flags order the transform's work before the key loop (the
+launcher's latency choices, :mod:`kvquant.kernels.tuning`): ``ROT_SLICE`` / ``ROT_STAGES``
+(rows of R per rotation step, software pipelining of that loop), ``ROT_HADAMARD`` (R's
+slices computed from their indices), ``EARLY_LOADS`` (the transform's independent loads
+first), ``FIRST_SPLIT_LAST`` (the last split attends the first tokens) and, for any format,
+``SPLIT_FROM_END`` (split 0 takes the remainder of the key tiles).
 
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row
@@ -611,12 +616,12 @@ def _paged_attn_kernel(
         if HAS_FIRST:
             flen = tl.load(flen_ptr + b)
             # key 0 of the first tokens (only the program that attends them reads it)
-            f0 = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
+            first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
             # (masks as a comparison of the offsets: the interpreter refuses a scalar's)
             f0_on = (split == first_split) & (n_first_max > 0)
             f0_ok = tl.arange(0, HEAD_D) < tl.where(f0_on, HEAD_D, 0)
-            fk0 = tl.load(fk_ptr + f0 + tl.arange(0, HEAD_D), mask=f0_ok, other=0.0)
-            fv0 = tl.load(fv_ptr + f0 + tl.arange(0, HEAD_D), mask=f0_ok, other=0.0)
+            fk0 = tl.load(fk_ptr + first_off + tl.arange(0, HEAD_D), mask=f0_ok, other=0.0)
+            fv0 = tl.load(fv_ptr + first_off + tl.arange(0, HEAD_D), mask=f0_ok, other=0.0)
 
     # RB rows (query token, head); with FOLD the dots see XG = NG copies of them
     XG: tl.constexpr = NG if FOLD else 1
@@ -644,7 +649,7 @@ def _paged_attn_kernel(
     # per row (raw units)
     qc = 0.0
     if HAS_ROT:
-        # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers);
+        # q @ R over RK-column slices of the query (RK rows of R at a time in registers);
         # with ROT_HADAMARD, R is the Sylvester Hadamard matrix (the launcher checked it) and
         # its rows are computed from their indices instead of loaded
         RK: tl.constexpr = ROT_SLICE
@@ -680,7 +685,7 @@ def _paged_attn_kernel(
             qc = tl.sum(q.to(tl.float32) * off_c[None, :], 1)
     n_first = 0
     if HAS_FIRST:
-        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (split 0)
+        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (first_split)
         if not EARLY_LOADS:
             flen = tl.load(flen_ptr + b)
         n_first = tl.minimum(tl.minimum(flen, n_first_max), seq_len - kv0)
@@ -775,8 +780,8 @@ def _paged_attn_kernel(
     if HAS_FIRST:
         # the first tokens' keys start the online softmax (it is order-free), key by key
         row_stride = (Hq // GROUP) * HEAD_D
-        first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
         if not EARLY_LOADS:
+            first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
             fk0 = 0.0  # unused: each step loads its key
             fv0 = 0.0
         acc, m_i, l_i = _first_tokens(
