@@ -16,7 +16,8 @@ Measures, in one run (notes §6 protocol):
   B32 x 16k and B16 x 8k at 32/8/128 and 9/3/64 (eager and CUDA-graph replay), and chunk
   over prefix prefill; ``--only-kt`` runs just that section, ``--kt-variants`` adds each
   query-rotation choice of the launcher (in the kernel in fp32 / 3xTF32 / TF32, or before the
-  launch), each checked and printed with its ratio to per-head; ``--kt-ablation`` adds the
+  launch) and each ordering of its per-program work (``KT_VARIANTS``; ``--kt-only a,b`` picks
+  some), each checked and printed with its ratio to per-head; ``--kt-ablation`` adds the
   transform with only some of its parts (rotation, offset, first tokens), likewise.
 
 Every configuration is checked against the fp32 reference (on a few sequences,
@@ -49,7 +50,18 @@ import triton.testing
 from kvquant.kernels import group_scale_storage, hadamard, page_storage
 from kvquant.kernels.attention_triton import paged_attention_triton
 from kvquant.kernels.reference import paged_attention_reference
-from kvquant.kernels.tuning import KT_ROT_PRECISION, KT_ROT_WHERE, choose_config
+from kvquant.kernels.tuning import (
+    KT_EARLY_LOADS,
+    KT_FIRST_SPLIT,
+    KT_REG_TRIM,
+    KT_ROT_KIND,
+    KT_ROT_PRECISION,
+    KT_ROT_SLICE,
+    KT_ROT_STAGES,
+    KT_ROT_WHERE,
+    KT_SPLIT_FROM_END,
+    choose_config,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -440,14 +452,44 @@ KT_DECODE_SHAPES = [
 KT_PREFILL_SHAPES = [(4, 8192, 2048), (8, 2048, 512)]
 
 
-# --kt-variants: the launcher's choices of the query rotation (config= keys), timed beside the
-# default; the default is kvquant.kernels.tuning.KT_ROT_WHERE / KT_ROT_PRECISION
-KT_VARIANTS: dict[str, dict[str, str]] = {
+# --kt-variants: the launcher's choices of the query rotation and of the order of the
+# transform's per-program work (config= keys), timed beside the default; the defaults are
+# kvquant.kernels.tuning.KT_ROT_* / KT_EARLY_LOADS / KT_FIRST_SPLIT; --kt-only picks some
+KT_VARIANTS: dict[str, dict[str, Any]] = {
     "kernel-ieee": {"ROT_WHERE": "kernel", "ROT_PRECISION": "ieee"},
     "kernel-tf32x3": {"ROT_WHERE": "kernel", "ROT_PRECISION": "tf32x3"},
     "kernel-tf32": {"ROT_WHERE": "kernel", "ROT_PRECISION": "tf32"},
     "host": {"ROT_WHERE": "host"},
-}
+    # latency before the key loop (short decode shapes): rotation loop software-pipelined,
+    # 32-row slices of R, the transform's loads issued first, first tokens in the last split,
+    # R's slices computed from their indices (Hadamard) instead of loaded, and combinations
+    "stages2": {"ROT_STAGES": 2},
+    "slice32-stages2": {"ROT_SLICE": 32, "ROT_STAGES": 2},
+    "early": {"EARLY_LOADS": True},
+    "first-last": {"FIRST_SPLIT": "last"},
+    "early-last": {"EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    "hadamard": {"ROT_KIND": "hadamard"},
+    "hadamard-stages2": {"ROT_KIND": "hadamard", "ROT_STAGES": 2},
+    "hadamard-early-last": {"ROT_KIND": "hadamard", "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    "hadamard-stages2-early-last": {
+        "ROT_KIND": "hadamard", "ROT_STAGES": 2, "EARLY_LOADS": True, "FIRST_SPLIT": "last"
+    },
+    "hadamard-slice64-early-last": {
+        "ROT_KIND": "hadamard", "ROT_SLICE": 64, "EARLY_LOADS": True, "FIRST_SPLIT": "last"
+    },
+    # the split decode kernel's registers capped where that fits one more program per SM
+    "trim16": {"REG_TRIM": 16},
+    "early-last-trim16": {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16},
+    "hadamard-early-last-trim16": {
+        "ROT_KIND": "hadamard", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16
+    },
+    # split 0 (masked tile after the first tokens, the first tokens) takes the shortest share
+    "from-end": {"SPLIT_FROM_END": True},
+    "from-end-early-trim16": {"SPLIT_FROM_END": True, "EARLY_LOADS": True, "REG_TRIM": 16},
+    "from-end-hadamard-early-trim16": {
+        "SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "REG_TRIM": 16
+    },
+}  # fmt: skip
 
 
 # --kt-ablation: the k-transform with only some of its parts (the pages stay those of the full
@@ -463,24 +505,33 @@ KT_ABLATIONS: dict[str, tuple[str, ...]] = {
 
 
 def run_k_transform(
-    results: dict[str, Any], deadline: float, variants: bool = False, ablation: bool = False
+    results: dict[str, Any],
+    deadline: float,
+    variants: bool = False,
+    ablation: bool = False,
+    only: list[str] | None = None,
 ) -> None:
     """``per-head-kt`` beside ``per-head`` on the same cache: decode (eager, graph), prefill.
 
     With ``variants`` each of :data:`KT_VARIANTS` too (checked against the reference first),
-    recorded as ``per-head-kt[<name>]`` with its ratios to per-head, one line printed each;
-    with ``ablation`` each of :data:`KT_ABLATIONS` likewise, as ``per-head-kt{<parts>}``.
+    or those named in ``only``, recorded as ``per-head-kt[<name>]`` with its ratios to
+    per-head, one line printed each; with ``ablation`` each of :data:`KT_ABLATIONS` likewise,
+    as ``per-head-kt{<parts>}``.
     """
     rows = results["k_transform"]
     shapes = [("decode", hq, hkv, d, bsz, ctx, 1) for hq, hkv, d, bsz, ctx in KT_DECODE_SHAPES]
     shapes += [("prefill", 32, 8, 128, b, pre + ch, ch) for b, pre, ch in KT_PREFILL_SHAPES]
     if SMOKE:
         shapes = [("decode", 32, 8, 128, 2, 256, 1), ("prefill", 32, 8, 128, 1, 192, 128)]
-    runs: list[tuple[str, str, dict[str, str] | None]] = [
+    runs: list[tuple[str, str, dict[str, Any] | None]] = [
         ("per-head", "per-head", None), ("per-head-kt", "per-head-kt", None)
     ]  # fmt: skip
     if variants:
-        runs += [(f"per-head-kt[{v}]", "per-head-kt", cfg) for v, cfg in KT_VARIANTS.items()]
+        runs += [
+            (f"per-head-kt[{v}]", "per-head-kt", cfg)
+            for v, cfg in KT_VARIANTS.items()
+            if only is None or v in only
+        ]
     if ablation:
         runs += [(f"per-head-kt{{{a}}}", f"kt:{a}", None) for a in KT_ABLATIONS]
     for kind, hq, hkv, d, bsz, ctx, lq in shapes:
@@ -629,11 +680,19 @@ def main() -> None:
         help="the k-transform section also times each query-rotation choice (KT_VARIANTS)",
     )
     ap.add_argument(
+        "--kt-only",
+        type=lambda text: text.split(","),
+        help="with --kt-variants: only these KT_VARIANTS names (comma-separated)",
+    )
+    ap.add_argument(
         "--kt-ablation",
         action="store_true",
         help="the k-transform section also times it with only some of its parts (KT_ABLATIONS)",
     )
     args = ap.parse_args()
+    unknown = sorted(set(args.kt_only or ()) - set(KT_VARIANTS))
+    if unknown:
+        ap.error(f"--kt-only: unknown variants {unknown}; known: {sorted(KT_VARIANTS)}")
     global DEV, SMOKE, SWEEP_SHAPES, PREFILL_SHAPES
     if args.smoke:
         DEV, SMOKE = "cpu", True
@@ -664,12 +723,22 @@ def main() -> None:
         "prefill": [],
         "k_transform": [],
         # the launcher's default query rotation (row "per-head-kt")
-        "kt_default": {"ROT_WHERE": KT_ROT_WHERE, "ROT_PRECISION": KT_ROT_PRECISION},
+        "kt_default": dict(
+            ROT_WHERE=KT_ROT_WHERE,
+            ROT_PRECISION=KT_ROT_PRECISION,
+            ROT_KIND=KT_ROT_KIND,
+            ROT_SLICE=KT_ROT_SLICE,
+            ROT_STAGES=KT_ROT_STAGES,
+            EARLY_LOADS=KT_EARLY_LOADS,
+            FIRST_SPLIT=KT_FIRST_SPLIT,
+            REG_TRIM=KT_REG_TRIM,
+            SPLIT_FROM_END=KT_SPLIT_FROM_END,
+        ),
         "skipped": [],
     }
     print(json.dumps(results["bandwidth"]), flush=True)
     if args.only_kt:
-        run_k_transform(results, deadline, args.kt_variants, args.kt_ablation)
+        run_k_transform(results, deadline, args.kt_variants, args.kt_ablation, args.kt_only)
         results["elapsed_s"] = time.time() - start
         save(results, args.out)
         summarize_kt(results)
@@ -691,7 +760,7 @@ def main() -> None:
         run_write(results)
     run_prefill(results, deadline + 60, sweep=not args.no_sweep)
     save(results, args.out)
-    run_k_transform(results, deadline + 90, args.kt_variants, args.kt_ablation)
+    run_k_transform(results, deadline + 90, args.kt_variants, args.kt_ablation, args.kt_only)
     save(results, args.out)
     if not args.no_sweep:
         run_sweeps(results, deadline + 120)

@@ -34,7 +34,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvquant.kernels import attention_jit as at
-from kvquant.kernels.tuning import KT_ROT_PRECISION
+from kvquant.kernels.tuning import (
+    KT_EARLY_LOADS,
+    KT_FIRST_SPLIT,
+    KT_ROT_KIND,
+    KT_ROT_PRECISION,
+    KT_ROT_SLICE,
+    KT_ROT_STAGES,
+    KT_SPLIT_FROM_END,
+)
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
@@ -54,13 +62,20 @@ DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "6
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
-    rot_precision: str = KT_ROT_PRECISION,
+    rot_precision: str = KT_ROT_PRECISION, rot_slice: int = KT_ROT_SLICE,
+    rot_stages: int = KT_ROT_STAGES, early_loads: bool = KT_EARLY_LOADS,
+    first_split: str = KT_FIRST_SPLIT, rot_kind: str = KT_ROT_KIND, maxnreg: int = 0,
+    split_from_end: bool = KT_SPLIT_FROM_END,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
     With ``prefill`` the one-split prefill kernel instead: 128 query rows per program (the
-    launcher's prefill tile), no group-scale folding. ``rot_precision`` is the query
-    rotation's dot precision (``ROT_PREC``) of the k-transform formats with a rotation.
+    launcher's prefill tile), no group-scale folding. ``rot_precision``, ``rot_slice``,
+    ``rot_stages``, ``early_loads``, ``first_split`` and ``rot_kind`` are the launcher's
+    k-transform choices (``config=`` keys ``ROT_PRECISION``, ``ROT_SLICE``, ``ROT_STAGES``,
+    ``EARLY_LOADS``, ``FIRST_SPLIT``, ``ROT_KIND``) for the k-transform formats; ``maxnreg``
+    caps the registers per thread (what the launcher's ``REG_TRIM`` sets; 0 = no cap);
+    ``split_from_end`` is the launcher's ``SPLIT_FROM_END``.
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
@@ -89,6 +104,9 @@ def compile_decode(
         CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill, USE_WHILE=False,
         LOOP_STAGES=loop_stages, PDL=pdl, HAS_SINKS=False, HAS_ROT=has_rot,
         HAS_OFF=has_off, HAS_FIRST=has_first, ROT_PREC=rot_precision,
+        ROT_SLICE=min(rot_slice, d) if has_rot else 16, ROT_STAGES=rot_stages if has_rot else 1,
+        EARLY_LOADS=early_loads and kt, FIRST_SPLIT_LAST=first_split == "last" and has_first,
+        ROT_HADAMARD=rot_kind == "hadamard" and has_rot, SPLIT_FROM_END=split_from_end,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -127,14 +145,24 @@ def compile_decode(
     return triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": 2 if prefill else 3, "launch_pdl": pdl},
+        options={
+            "num_warps": warps,
+            "num_stages": 2 if prefill else 3,
+            "launch_pdl": pdl,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+        },
     )
 
 
 def loop_sizes(sass: str) -> list[int]:
     """SASS instructions in each loop (a backward branch to a label), in program order."""
+    return [size for _, size in loops(sass)]
+
+
+def loops(sass: str) -> list[tuple[int, int]]:
+    """(first instruction, instructions) of each loop (a backward branch), in program order."""
     labels: dict[str, int] = {}
-    sizes: list[int] = []
+    found: list[tuple[int, int]] = []
     count = 0
     for line in sass.splitlines():
         label = re.match(r"\s*\.(L\w+):", line)
@@ -147,8 +175,25 @@ def loop_sizes(sass: str) -> list[int]:
         count += 1
         target = re.search(r"\.(L\w+)", instr.group(2)) if instr.group(1) == "BRA" else None
         if target and labels.get(target.group(1), count) < count - 1:
-            sizes.append(count - labels[target.group(1)])
-    return sizes
+            found.append((labels[target.group(1)], count - labels[target.group(1)]))
+    return found
+
+
+def prologue(sass: str) -> dict[str, int]:
+    """SASS before the key loops (the last three loops): instructions and global loads.
+
+    What every program runs before its first key tile (query load and rotation, scales,
+    first tokens, split bounds), counted statically (both sides of every branch); the global
+    loads are ``LDG`` (to registers) and ``LDGSTS`` (asynchronous, to shared memory).
+    """
+    starts = [start for start, _ in loops(sass)]
+    end = starts[-3] if len(starts) >= 3 else 0
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;", sass)
+    head = ops[:end]
+    return {
+        "prologue_instructions": len(head),
+        "prologue_global_loads": sum(op.split(".")[0] in ("LDG", "LDGSTS") for op in head),
+    }
 
 
 def resources(kernel: Any) -> dict[str, Any]:
@@ -177,6 +222,7 @@ def resources(kernel: Any) -> dict[str, Any]:
         "ptx": {op: counts.get(op, 0) for op in PTX_OPS},
         # the key loops: masked first tile, unmasked (software-pipelined) interior, masked rest
         "sass_loop_instructions": loop_sizes(sass),
+        **prologue(sass),
     }
 
 
@@ -199,18 +245,63 @@ def main() -> None:
         help="query rotation's dot precision (k-transform formats with a rotation; default: "
         "the launcher's, kvquant.kernels.tuning.KT_ROT_PRECISION)",
     )
+    ap.add_argument(
+        "--rot-slice",
+        type=int,
+        default=KT_ROT_SLICE,
+        choices=(16, 32, 64),
+        help="rows of R per rotation step (k-transform, config ROT_SLICE)",
+    )
+    ap.add_argument(
+        "--rot-stages",
+        type=int,
+        default=KT_ROT_STAGES,
+        choices=(1, 2, 3),
+        help="pipelining depth of the rotation loop (config ROT_STAGES)",
+    )
+    ap.add_argument(
+        "--early-loads",
+        action=argparse.BooleanOptionalAction,
+        default=KT_EARLY_LOADS,
+        help="config EARLY_LOADS (k-transform)",
+    )
+    ap.add_argument(
+        "--first-split",
+        default=KT_FIRST_SPLIT,
+        choices=("first", "last"),
+        help="split attending the first tokens (config FIRST_SPLIT)",
+    )
+    ap.add_argument(
+        "--rot-kind",
+        default=KT_ROT_KIND,
+        choices=("matrix", "hadamard"),
+        help="products with R or the in-register Walsh-Hadamard transform (config ROT_KIND)",
+    )
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (what REG_TRIM sets)")
+    ap.add_argument(
+        "--split-from-end",
+        action=argparse.BooleanOptionalAction,
+        default=KT_SPLIT_FROM_END,
+        help="config SPLIT_FROM_END: split 0 gets the remainder of the key tiles",
+    )
+    ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
     args = ap.parse_args()
+    hq, hkv, d = (int(x) for x in args.shape.split(","))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
     for spec in args.variant or DEFAULT_VARIANTS:
         parts = spec.split(",")
         bn, warps, ls = (int(x) for x in parts[:3])
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
+        kt = {"rot_precision": args.rot_precision, "rot_slice": args.rot_slice,
+              "rot_stages": args.rot_stages, "early_loads": args.early_loads,
+              "first_split": args.first_split, "rot_kind": args.rot_kind,
+              "split_from_end": args.split_from_end}  # fmt: skip
         kernel = compile_decode(
-            bn, warps, ls, fmt, fold=not args.no_fold, prefill=args.prefill,
-            rot_precision=args.rot_precision,
+            bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold,
+            prefill=args.prefill, maxnreg=args.maxnreg, **kt,
         )  # fmt: skip
-        record = {"variant": spec, "rot_precision": args.rot_precision, **resources(kernel)}
+        record = {"variant": spec, "shape": args.shape, **kt, **resources(kernel)}
         print(json.dumps(record), flush=True)
 
 

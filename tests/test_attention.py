@@ -18,7 +18,12 @@ from numerics import assert_close_rel, error_report
 from paged_cases import build_case
 
 from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.tuning import choose_config, choose_num_splits, programs_per_sm
+from kvquant.kernels.tuning import (
+    choose_config,
+    choose_num_splits,
+    programs_per_sm,
+    register_cap,
+)
 
 REL_TOL = 5e-3
 NUMPY_2_4 = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4)
@@ -345,6 +350,16 @@ def test_programs_per_sm() -> None:
     assert programs_per_sm(64, 4, 120000) == 1  # shared-memory-limited
     assert programs_per_sm(16, 16, 0) == 4  # thread-limited: 4 x 512 threads
     assert programs_per_sm(255, 8, 1024) == 1
+
+
+def test_register_cap_reaches_the_next_residency_or_nothing() -> None:
+    """``REG_TRIM``'s cap: the next residency step within ``trim`` registers, else None."""
+    assert programs_per_sm(142, 2, 20512) == 7
+    assert register_cap(142, 2, 20512, 16) == 128 and programs_per_sm(128, 2, 20512) == 8
+    assert register_cap(142, 2, 20512, 8) is None  # 14 registers to shed
+    assert register_cap(164, 2, 38944, 32) is None  # shared memory binds (5 per SM)
+    assert register_cap(128, 2, 20512, 32) == 112  # 8 -> 9 programs
+    assert register_cap(16, 16, 0, 32) is None  # thread-limited
 
 
 def test_numerics_helper_flags_errors() -> None:

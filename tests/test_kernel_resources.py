@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvquant.kernels.tuning import programs_per_sm
+from kvquant.kernels.tuning import programs_per_sm, register_cap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,3 +63,32 @@ def test_offline_sm90_k_transform_decode_keeps_registers_and_key_loop() -> None:
     loops = kt["sass_loop_instructions"]
     assert len(loops) == 5
     assert loops[3] <= 1.05 * plain["sass_loop_instructions"][1]
+
+
+def test_offline_sm90_k_transform_latency_variants() -> None:
+    """9/3/64 decode: computed Hadamard slices drop R's loads before the key loops, and the
+    register cap ``REG_TRIM`` would pick reaches per-head's residency (8 programs per SM)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+
+    def compile_(*flags: str) -> dict[str, object]:
+        out = subprocess.run(
+            [sys.executable, "benchmarks/kernel_resources.py", "--shape", "9,3,64",
+             "--variant", "64,2,6,per-head-kt", *flags],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
+        ).stdout  # fmt: skip
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
+    default, computed = compile_(), compile_("--rot-kind", "hadamard")
+    assert computed["rot_kind"] == "hadamard" and default["rot_kind"] == "matrix"
+    assert int(computed["prologue_global_loads"]) < int(default["prologue_global_loads"])
+    regs, shared = int(default["registers"]), int(default["shared_bytes"])
+    cap = register_cap(regs, 2, shared, 32)
+    if cap is None:  # already at the next residency step
+        assert programs_per_sm(regs, 2, shared) >= 8
+        return
+    capped = compile_("--maxnreg", str(cap))
+    assert int(capped["registers"]) <= cap
+    assert programs_per_sm(int(capped["registers"]), 2, int(capped["shared_bytes"])) > (
+        programs_per_sm(regs, 2, shared)
+    )

@@ -63,7 +63,12 @@ softcap it is added to the scores before the cap; with first tokens the online s
 buffer's keys (``first_k``, rotated frame, ``first_v``), one fp32 dot per row and key, in
 split 0 only, while the paged range starts after them. All of it sits behind
 ``tl.constexpr`` flags (``HAS_ROT``, ``HAS_OFF``, ``HAS_FIRST``): the other formats compile
-to the code they had.
+to the code they had. Further flags order the transform's work before the key loop (the
+launcher's latency choices, :mod:`kvquant.kernels.tuning`): ``ROT_SLICE`` / ``ROT_STAGES``
+(rows of R per rotation step, software pipelining of that loop), ``ROT_HADAMARD`` (R's
+slices computed from their indices), ``EARLY_LOADS`` (the transform's independent loads
+first), ``FIRST_SPLIT_LAST`` (the last split attends the first tokens) and, for any format,
+``SPLIT_FROM_END`` (split 0 takes the remainder of the key tiles).
 
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row
@@ -399,6 +404,16 @@ def _attn_tile(
 
 
 @triton.jit
+def _hadamard_signs(x):
+    """``(-1) ** popcount(x)`` as fp32 (``0 <= x < 65536``): the parity of ``x``'s bits, folded."""
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
 def _first_tokens(
     acc,
     m_i,
@@ -419,10 +434,13 @@ def _first_tokens(
     fv_row,
     row_stride,
     shift,
+    fk_next,
+    fv_next,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     HEAD_D: tl.constexpr,
+    PRELOADED: tl.constexpr,
 ):
     """Online-softmax steps over the first ``n_first`` keys, from the side buffer, one by one.
 
@@ -432,13 +450,23 @@ def _first_tokens(
     term; ``shift`` is subtracted in log2 units, see the caller), and its value enters the
     accumulator's units (``v / v_scale``). No tensor-core
     tile: the query keeps the layout it was loaded in, and the key loops their registers.
+    With ``PRELOADED`` the caller loaded key 0 (``fk_next``, ``fv_next``) at the start of the
+    program, and each step loads the next key before it uses the current one, so no step
+    waits for its own load; otherwise each step loads its key (the two arguments unused).
     """
     offs_d = tl.arange(0, HEAD_D)
     qf = q.to(tl.float32)
     i = 0
     while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
-        fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
-        fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
+        if PRELOADED:
+            fk = fk_next.to(tl.float32)
+            fv = fv_next.to(tl.float32)
+            more = offs_d < tl.where(i + 1 < n_first, HEAD_D, 0)
+            fk_next = tl.load(fk_row + (i + 1) * row_stride + offs_d, mask=more, other=0.0)
+            fv_next = tl.load(fv_row + (i + 1) * row_stride + offs_d, mask=more, other=0.0)
+        else:
+            fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
+            fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
         s = tl.sum(qf * fk[None, :], 1) / k_div
         s_mult = qk_scale
         if USE_SOFTCAP:
@@ -549,6 +577,12 @@ def _paged_attn_kernel(
     HAS_OFF: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     ROT_PREC: tl.constexpr,
+    ROT_SLICE: tl.constexpr,
+    ROT_STAGES: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
+    FIRST_SPLIT_LAST: tl.constexpr,
+    ROT_HADAMARD: tl.constexpr,
+    SPLIT_FROM_END: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -568,6 +602,26 @@ def _paged_attn_kernel(
         kv0 = tl.load(start_ptr + b)
     else:
         kv0 = 0
+    # the split that attends the first tokens: split 0, or the last (whose key range is the
+    # shortest when the tiles do not divide evenly)
+    first_split = num_splits - 1 if FIRST_SPLIT_LAST else 0
+    if EARLY_LOADS:
+        # the transform's loads that depend on nothing computed (static scales only): issued
+        # here, before the query rotation, so that their latencies overlap its loads instead
+        # of following them
+        k_mult = tl.load(ks_ptr + kvh * s_ks)
+        v_mult = tl.load(vs_ptr + kvh * s_vs)
+        if HAS_OFF:
+            off_c = tl.load(off_ptr + kvh * HEAD_D + tl.arange(0, HEAD_D))
+        if HAS_FIRST:
+            flen = tl.load(flen_ptr + b)
+            # key 0 of the first tokens (only the program that attends them reads it)
+            first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
+            # (masks as a comparison of the offsets: the interpreter refuses a scalar's)
+            f0_on = (split == first_split) & (n_first_max > 0)
+            f0_ok = tl.arange(0, HEAD_D) < tl.where(f0_on, HEAD_D, 0)
+            fk0 = tl.load(fk_ptr + first_off + tl.arange(0, HEAD_D), mask=f0_ok, other=0.0)
+            fv0 = tl.load(fv_ptr + first_off + tl.arange(0, HEAD_D), mask=f0_ok, other=0.0)
 
     # RB rows (query token, head); with FOLD the dots see XG = NG copies of them
     XG: tl.constexpr = NG if FOLD else 1
@@ -595,28 +649,46 @@ def _paged_attn_kernel(
     # per row (raw units)
     qc = 0.0
     if HAS_ROT:
-        # q @ R over 16-column slices of the query (16 rows of R at a time stay in registers)
-        RK: tl.constexpr = 16
+        # q @ R over RK-column slices of the query (RK rows of R at a time in registers);
+        # with ROT_HADAMARD, R is the Sylvester Hadamard matrix (the launcher checked it) and
+        # its rows are computed from their indices instead of loaded
+        RK: tl.constexpr = ROT_SLICE
         offs_k = tl.arange(0, RK)
         q_rows = q_ptr + b.to(tl.int64) * s_qb + t_x[:, None] * s_qt + head_x[:, None] * s_qh
         q32 = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-        for k0 in tl.range(0, HEAD_D, RK, num_stages=1):  # a loop, so R's rows are not hoisted
+        if ROT_HADAMARD:
+            # H[i, j] = (-1) ** popcount(i & j) / sqrt(D): with i = k0 + r (k0 a multiple of
+            # RK, r < RK) the bits of k0 & j and r & j are disjoint, so slice k0 of H is the
+            # loop-invariant H[r, j] times the sign of each column j, popcount(k0 & j)
+            h_lo = _hadamard_signs(offs_k[:, None] & offs_d[None, :]) * (HEAD_D**-0.5)
+        # a loop, so that R's rows are not all hoisted into registers; with ROT_STAGES > 1
+        # software-pipelined (slices i + 1.. copied to shared memory during slice i's dot)
+        for k0 in tl.range(0, HEAD_D, RK, num_stages=ROT_STAGES):
             q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_qd, mask=ok_x[:, None], other=0.0)
-            r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
+            if ROT_HADAMARD:
+                r_k = h_lo * _hadamard_signs(k0 & offs_d)[None, :]
+            else:
+                r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
             q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision=ROT_PREC)
         if HAS_OFF:
             # the offset's term from the fp32 rotated query, while it is live (taken from its
             # fp16 copy, it kept ~80 more registers live with tensor-core rotations)
-            qc = tl.sum(q32 * tl.load(off_ptr + kvh * HEAD_D + offs_d)[None, :], 1)
+            if not EARLY_LOADS:
+                off_c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
+            qc = tl.sum(q32 * off_c[None, :], 1)
         q = q32.to(tl.float16)
     else:
         q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
         if HAS_OFF:
-            qc = tl.sum(q.to(tl.float32) * tl.load(off_ptr + kvh * HEAD_D + offs_d)[None, :], 1)
+            if not EARLY_LOADS:
+                off_c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
+            qc = tl.sum(q.to(tl.float32) * off_c[None, :], 1)
     n_first = 0
     if HAS_FIRST:
-        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (split 0)
-        n_first = tl.minimum(tl.minimum(tl.load(flen_ptr + b), n_first_max), seq_len - kv0)
+        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (first_split)
+        if not EARLY_LOADS:
+            flen = tl.load(flen_ptr + b)
+        n_first = tl.minimum(tl.minimum(flen, n_first_max), seq_len - kv0)
         n_first = tl.maximum(n_first, 0)
 
     # key range of this query block: [lo, hi)
@@ -636,8 +708,15 @@ def _paged_attn_kernel(
     lo_al = lo - lo % BLOCK_N
     n_tiles = (hi - lo_al + BLOCK_N - 1) // BLOCK_N
     per_split = (n_tiles + num_splits - 1) // num_splits
-    s_lo = tl.minimum(lo_al + split * per_split * BLOCK_N, hi)
-    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
+    if SPLIT_FROM_END:
+        # whole shares counted back from the last tile: split 0 takes the remainder (the
+        # shortest share), and with it the masked tile after lo and the first tokens
+        t_hi = n_tiles - (num_splits - 1 - split) * per_split
+        s_lo = tl.minimum(lo_al + tl.maximum(t_hi - per_split, 0) * BLOCK_N, hi)
+        s_hi = tl.maximum(tl.minimum(lo_al + t_hi * BLOCK_N, hi), s_lo)
+    else:
+        s_lo = tl.minimum(lo_al + split * per_split * BLOCK_N, hi)
+        s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
     # [s_lo, int_lo): a masked first tile holding keys before lo (split 0 only, lo unaligned);
     # [int_lo, mid): unmasked interior, keys visible to every row of the block;
     # [mid, s_hi): masked rest (causal diagonal, tail, sliding window)
@@ -660,9 +739,10 @@ def _paged_attn_kernel(
         qk_scale = sm_scale * 0.0625
         v_mult = 0.0625
     else:
-        k_mult = tl.load(ks_ptr + kvh * s_ks)
+        if not EARLY_LOADS:
+            k_mult = tl.load(ks_ptr + kvh * s_ks)
+            v_mult = tl.load(vs_ptr + kvh * s_vs)
         qk_scale = sm_scale * k_mult
-        v_mult = tl.load(vs_ptr + kvh * s_vs)
     if not USE_SOFTCAP:
         # the tiles take the exponent's scale in log2 units, made positive: its sign goes into
         # the query (exact in fp16), so that it commutes with the row maximum; 0 becomes 1e-30
@@ -700,11 +780,15 @@ def _paged_attn_kernel(
     if HAS_FIRST:
         # the first tokens' keys start the online softmax (it is order-free), key by key
         row_stride = (Hq // GROUP) * HEAD_D
-        first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
+        if not EARLY_LOADS:
+            first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
+            fk0 = 0.0  # unused: each step loads its key
+            fv0 = 0.0
         acc, m_i, l_i = _first_tokens(
-            acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos, p_min,
-            p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, shift, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
+            acc, m_i, l_i, q, tl.where(split == first_split, n_first, 0), kv0, seq_len, pos,
+            p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
+            fv_ptr + first_off, row_stride, shift, fk0, fv0, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+            HEAD_D, EARLY_LOADS,
         )  # fmt: skip
 
     if USE_WHILE:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -21,16 +22,26 @@ import triton
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_kernel
+from kvquant.kernels.reference import hadamard
 from kvquant.kernels.tuning import (
     _FOLD_MAX_ROWS,
+    KT_EARLY_LOADS,
+    KT_FIRST_SPLIT,
+    KT_LATENCY_CHOICES,
+    KT_REG_TRIM,
     KT_ROT_CHOICES,
+    KT_ROT_KIND,
     KT_ROT_PRECISION,
+    KT_ROT_SLICE,
+    KT_ROT_STAGES,
     KT_ROT_WHERE,
+    KT_SPLIT_FROM_END,
     _is_decode,
     _num_sms,
     choose_config,
     choose_num_splits,
     programs_per_sm,
+    register_cap,
 )
 
 __all__ = ["is_interpreted", "paged_attention_triton"]
@@ -59,35 +70,118 @@ def _supports_pdl(device: torch.device) -> bool:
     return _PDL[idx]
 
 
-_RESIDENCY: dict[tuple[Any, ...], int] = {}
+_KERNEL_USE: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+
+# k_rotation tensors compared with hadamard(D): id -> (weak reference, tensor version when
+# compared, largest difference)
+_HADAMARD_SEEN: dict[int, tuple[weakref.ref[torch.Tensor], int, float]] = {}
+_HADAMARD_TOL = 1e-6
 
 
-def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
-    """Resident programs per SM of the split decode kernel for this launch (memoised).
+def _hadamard_diff(rotation: torch.Tensor) -> float | None:
+    """Largest ``|R - hadamard(D)|``, computed once per tensor and version (memoised).
 
-    The first call of a signature compiles the kernel (``warmup``, no launch) to read its
-    register and shared-memory use; the interpreter (CPU) assumes 2.
+    An in-place change of the tensor bumps its version and compares again. An inference
+    tensor (made under ``torch.inference_mode``) has no version counter: it is compared at
+    every call. The comparison synchronises, so a tensor not yet compared inside a CUDA graph
+    capture is not compared: None.
     """
-    if _INTERPRETED or device.type != "cuda":
-        return 2
+    inference = rotation.is_inference()
+    seen = _HADAMARD_SEEN.get(id(rotation))
+    if (
+        not inference
+        and seen is not None
+        and seen[0]() is rotation
+        and seen[1] == rotation._version
+    ):
+        return seen[2]
+    if rotation.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    diff = float((rotation - hadamard(rotation.shape[-1], device=rotation.device)).abs().max())
+    if not inference:
+        key = id(rotation)
+        ref = weakref.ref(rotation, lambda _: _HADAMARD_SEEN.pop(key, None))
+        _HADAMARD_SEEN[key] = (ref, rotation._version, diff)
+    return diff
+
+
+def _rotation_is_hadamard(rotation: torch.Tensor, kind: str) -> bool:
+    """Whether the kernel computes R's slices (``ROT_KIND``) instead of loading them.
+
+    ``"matrix"``: never. ``"auto"``: when R is ``hadamard(D)`` (within 1e-6; the same result
+    either way, so a tensor first seen inside a graph capture takes the products with R).
+    ``"hadamard"``: always; the kernel then never reads R, so any other R is refused.
+    """
+    if kind == "matrix":
+        return False
+    diff = _hadamard_diff(rotation)
+    if kind == "auto":
+        return diff is not None and diff <= _HADAMARD_TOL
+    d = rotation.shape[-1]
+    if diff is None:
+        raise KernelInputError(
+            "paged_attention_triton: config['ROT_KIND'] is 'hadamard' and this k_rotation "
+            "tensor is first seen inside a CUDA graph capture, where it cannot be checked; "
+            "fix: call once with it before capturing, or use ROT_KIND 'auto'"
+        )
+    if not diff <= _HADAMARD_TOL:
+        raise KernelInputError(
+            f"paged_attention_triton: config['ROT_KIND'] is 'hadamard' but k_rotation differs "
+            f"from kvquant.kernels.hadamard({d}) by up to {diff:.3g} (expected <= "
+            f"{_HADAMARD_TOL:g}); fix: pass k_rotation=hadamard({d}), or use ROT_KIND 'auto' "
+            "or 'matrix' (products with R)"
+        )
+    return True
+
+
+def _device_limits(device: torch.device) -> dict[str, int]:
+    """Registers, shared memory and threads per SM (keywords of :func:`programs_per_sm`)."""
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "regs_per_sm": int(getattr(props, "regs_per_multiprocessor", 65536)),
+        "shared_per_sm": int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
+        "threads_per_sm": int(getattr(props, "max_threads_per_multi_processor", 2048)),
+    }
+
+
+def _split_kernel_use(
+    args: list[Any], consts: dict[str, Any], device: torch.device
+) -> tuple[int, int, int]:
+    """Registers per thread, warps and shared memory of the split decode kernel (memoised).
+
+    The first call of a signature compiles the kernel (``warmup``, no launch).
+    """
     dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args[:14])
     if consts["HAS_FIRST"]:  # the first-token buffers' dtypes (args[-4:-2]) compile apart too
         dtypes += (args[-4].dtype, args[-3].dtype)
     key: tuple[Any, ...] = (device, dtypes, *sorted(consts.items()))
-    res = _RESIDENCY.get(key)
-    if res is None:
+    use = _KERNEL_USE.get(key)
+    if use is None:
         kernel = _paged_attn_kernel.warmup(*args, grid=(1,), **{**consts, "SPLIT": True})
         _ = kernel.run  # loads the binary, which sets n_regs (Triton loads kernels lazily)
-        props = torch.cuda.get_device_properties(device)
-        res = _RESIDENCY[key] = programs_per_sm(
-            int(kernel.n_regs),
-            int(kernel.metadata.num_warps),
-            int(kernel.metadata.shared),
-            regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
-            shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
-            threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
-        )
-    return res
+        use = _KERNEL_USE[key] = (
+            int(kernel.n_regs), int(kernel.metadata.num_warps), int(kernel.metadata.shared)
+        )  # fmt: skip
+    return use
+
+
+def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
+    """Resident programs per SM of the split decode kernel for this launch.
+
+    From its compiled register and shared-memory use; the interpreter (CPU) assumes 2.
+    """
+    if _INTERPRETED or device.type != "cuda":
+        return 2
+    return programs_per_sm(*_split_kernel_use(args, consts, device), **_device_limits(device))
+
+
+def _register_cap(
+    args: list[Any], consts: dict[str, Any], device: torch.device, trim: int
+) -> int | None:
+    """``REG_TRIM``: :func:`kvquant.kernels.tuning.register_cap` of the split decode kernel."""
+    if trim <= 0 or _INTERPRETED or device.type != "cuda":
+        return None
+    return register_cap(*_split_kernel_use(args, consts, device), trim, **_device_limits(device))
 
 
 def paged_attention_triton(
@@ -148,7 +242,16 @@ def paged_attention_triton(
             folding of group scales in decode on or off; ``PDL`` 0 turns programmatic
             dependent launches off; with ``k_rotation``, ``ROT_WHERE`` ``"kernel"`` |
             ``"host"`` and ``ROT_PRECISION`` ``"ieee"`` | ``"tf32x3"`` | ``"tf32"`` choose how
-            the query is rotated: :data:`kvquant.kernels.tuning.KT_ROT_WHERE`).
+            the query is rotated: :data:`kvquant.kernels.tuning.KT_ROT_WHERE`; with a K
+            transform, ``ROT_KIND`` ``"matrix"`` | ``"auto"`` | ``"hadamard"`` (R's slices
+            loaded, computed when R is ``hadamard(D)``, or always computed: R must then be
+            ``hadamard(D)``; compared once per tensor), ``ROT_SLICE`` 16 | 32 | 64 (capped at
+            ``D``), ``ROT_STAGES`` 1 | 2 | 3,
+            ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
+            per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`; any format:
+            ``REG_TRIM`` 0 | 8 | 16 | 24 | 32 caps the split decode kernel's registers where
+            that fits one more program per SM, :func:`kvquant.kernels.tuning.register_cap`;
+            ``SPLIT_FROM_END`` gives split 0 the remainder of the key tiles).
         k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
         k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
         first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
@@ -166,22 +269,34 @@ def paged_attention_triton(
     if bsz == 0 or lq == 0:
         return out
 
-    rot_where, rot_prec = KT_ROT_WHERE, KT_ROT_PRECISION
+    kt: dict[str, Any] = {
+        "ROT_KIND": KT_ROT_KIND,
+        "ROT_WHERE": KT_ROT_WHERE,
+        "ROT_PRECISION": KT_ROT_PRECISION,
+        "ROT_SLICE": KT_ROT_SLICE,
+        "ROT_STAGES": KT_ROT_STAGES,
+        "EARLY_LOADS": KT_EARLY_LOADS,
+        "FIRST_SPLIT": KT_FIRST_SPLIT,
+        "REG_TRIM": KT_REG_TRIM,
+        "SPLIT_FROM_END": KT_SPLIT_FROM_END,
+    }
     if config:
-        rot_where = config.get("ROT_WHERE", rot_where)
-        rot_prec = config.get("ROT_PRECISION", rot_prec)
-        for key, value in (("ROT_WHERE", rot_where), ("ROT_PRECISION", rot_prec)):
-            if value not in KT_ROT_CHOICES[key]:
+        for key, choices in (*KT_ROT_CHOICES.items(), *KT_LATENCY_CHOICES.items()):
+            value = config.get(key, kt[key])
+            if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
                 raise KernelInputError(
                     f"paged_attention_triton: config[{key!r}] is {value!r}, expected one of "
-                    f"{KT_ROT_CHOICES[key]}; fix: pass one of them or leave the key out"
+                    f"{choices}; fix: pass one of them or leave the key out"
                 )
+            kt[key] = value
+    rot_where, rot_prec = kt["ROT_WHERE"], kt["ROT_PRECISION"]
     if k_rotation is not None and rot_where == "host":
         # one fp32 matmul for every (token, head) instead of one rotation per program (the
         # split decode kernel has several programs per (sequence, KV head)); the kernel reads
         # the rotated fp32 query like any query
         query = torch.matmul(query.to(torch.float32), k_rotation)
         k_rotation = None
+    rot_hadamard = k_rotation is not None and _rotation_is_hadamard(k_rotation, kt["ROT_KIND"])
     group_scales = k_group_scales is not None and v_group_scales is not None
     ng = k_group_scales.shape[-1] if k_group_scales is not None else 1
     # Decode folds group scales into the scores and probabilities (no per-element multiply,
@@ -199,7 +314,7 @@ def paged_attention_triton(
         lq, group, d, group_dequant=group_scales and not fold, fold_groups=ng if fold else 0
     )
     if config:
-        launch_keys = ("FOLD", "PDL", *KT_ROT_CHOICES)
+        launch_keys = ("FOLD", "PDL", *KT_ROT_CHOICES, *KT_LATENCY_CHOICES)
         cfg.update({k: v for k, v in config.items() if k not in launch_keys})
     qpb = int(cfg["QPB"])
     n_qblocks = triton.cdiv(lq, qpb)
@@ -241,6 +356,10 @@ def paged_attention_triton(
         first_k.shape[1] if first_k is not None else 0,
     ]  # fmt: skip
     tp = math.gcd(page_size, int(cfg["BLOCK_N"]))
+    has_first = first_k is not None and first_v is not None and first_lens is not None
+    # the K transform's options apply only with one (static scales: the validation refuses
+    # a transform with group scales); the other formats compile to the code they had
+    transform = not group_scales and (k_rotation is not None or k_offset is not None or has_first)
     consts: dict[str, Any] = {
         "HAS_QLEN": q_lens is not None,
         "HAS_START": kv_start is not None,
@@ -271,12 +390,22 @@ def paged_attention_triton(
         "HAS_SINKS": sinks is not None,
         "HAS_ROT": k_rotation is not None,
         "HAS_OFF": k_offset is not None,
-        "HAS_FIRST": first_k is not None and first_v is not None and first_lens is not None,
+        "HAS_FIRST": has_first,
         "ROT_PREC": rot_prec if k_rotation is not None else "ieee",
+        "ROT_SLICE": min(int(kt["ROT_SLICE"]), d) if k_rotation is not None else 16,
+        "ROT_STAGES": int(kt["ROT_STAGES"]) if k_rotation is not None else 1,
+        "ROT_HADAMARD": rot_hadamard,
+        "SPLIT_FROM_END": bool(kt["SPLIT_FROM_END"]),
+        "EARLY_LOADS": bool(kt["EARLY_LOADS"]) and transform,
+        "FIRST_SPLIT_LAST": kt["FIRST_SPLIT"] == "last" and has_first,
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,
     }
+    if kt["REG_TRIM"] and n_qblocks == 1:
+        cap = _register_cap(args, consts, query.device, int(kt["REG_TRIM"]))
+        if cap is not None:
+            consts["maxnreg"] = cap
     if num_splits is None:
         num_splits = 1
         if n_qblocks == 1:  # decode: split the keys to fill the GPU

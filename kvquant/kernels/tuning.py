@@ -13,7 +13,7 @@ import functools
 import torch
 import triton
 
-__all__ = ["choose_config", "choose_num_splits", "programs_per_sm"]
+__all__ = ["choose_config", "choose_num_splits", "programs_per_sm", "register_cap"]
 
 _FOLD_MAX_ROWS = 32
 
@@ -28,6 +28,39 @@ _FOLD_MAX_ROWS = 32
 KT_ROT_WHERE = "kernel"
 KT_ROT_PRECISION = "tf32"
 KT_ROT_CHOICES = {"ROT_WHERE": ("kernel", "host"), "ROT_PRECISION": ("ieee", "tf32x3", "tf32")}
+
+# The k-transform's fixed per-program latency before the key loop (short decode shapes,
+# docs/dev/kernels.md "Query rotation choices"): rows of R per step of the in-kernel
+# rotation (``ROT_SLICE``) and the software-pipelining depth of that loop (``ROT_STAGES``, 1 =
+# each step waits for its own loads); ``EARLY_LOADS`` issues the transform's independent loads
+# (scales, offset, ``first_lens``, the first token's key and value) at the start of the
+# program, before the rotation; ``FIRST_SPLIT`` is the split-KV program that attends the
+# first tokens (``"first"`` or ``"last"``, the last's key range being the shortest when the
+# tiles do not divide evenly); ``ROT_KIND`` is how the kernel gets R's slices: loaded
+# (``"matrix"``), or computed from their indices when R is ``kvquant.kernels.hadamard(D)``
+# (``"auto"``, compared once per tensor; the same result either way) or always (``"hadamard"``,
+# any other R refused); ``REG_TRIM`` N > 0 caps the split decode kernel's registers where
+# shedding at most N per thread fits one more program per SM (any format; 0 = never);
+# ``SPLIT_FROM_END`` counts the split-KV shares back from the last tile, so that split 0
+# (which holds the masked tile after the first visible key and attends the first tokens) gets
+# the remainder, the shortest share (any format). The launcher's ``config=`` keys of the same
+# names override them.
+KT_ROT_KIND = "matrix"
+KT_ROT_SLICE = 16
+KT_ROT_STAGES = 1
+KT_EARLY_LOADS = False
+KT_FIRST_SPLIT = "first"
+KT_REG_TRIM = 0
+KT_SPLIT_FROM_END = False
+KT_LATENCY_CHOICES: dict[str, tuple[object, ...]] = {
+    "ROT_KIND": ("matrix", "auto", "hadamard"),
+    "ROT_SLICE": (16, 32, 64),
+    "ROT_STAGES": (1, 2, 3),
+    "EARLY_LOADS": (False, True),
+    "FIRST_SPLIT": ("first", "last"),
+    "REG_TRIM": (0, 8, 16, 24, 32),
+    "SPLIT_FROM_END": (False, True),
+}
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -174,3 +207,49 @@ def programs_per_sm(
     by_smem = shared_per_sm // shared_bytes if shared_bytes else by_regs
     by_threads = threads_per_sm // (32 * num_warps)
     return max(1, min(by_regs, by_smem, by_threads))
+
+
+def register_cap(
+    n_regs: int,
+    num_warps: int,
+    shared_bytes: int,
+    trim: int,
+    *,
+    regs_per_sm: int = 65536,
+    shared_per_sm: int = 233472,
+    threads_per_sm: int = 2048,
+) -> int | None:
+    """A register cap (``maxnreg``) that fits one more program per SM, or None.
+
+    The split decode kernel's residency is often set by its registers (9/3/64 k-transform:
+    142 registers, 7 programs per SM, where per-head's 128 allow 8). When shedding at most
+    ``trim`` registers per thread reaches the next residency, the launcher (config key
+    ``REG_TRIM``) compiles the kernel with this cap (ptxas spills what does not fit) and the
+    split count follows. Caps are multiples of 8 (registers are allocated per warp in units
+    of 256).
+
+    Args:
+        n_regs: registers per thread of the uncapped kernel.
+        num_warps: warps per program.
+        shared_bytes: shared memory per program.
+        trim: most registers per thread to shed.
+        regs_per_sm: 32-bit registers per SM.
+        shared_per_sm: shared memory per SM in bytes.
+        threads_per_sm: resident threads per SM.
+
+    Returns:
+        The cap, or None where no cap within ``trim`` adds a program (shared memory or
+        threads bind, or more registers would have to go).
+    """
+    limits = {
+        "regs_per_sm": regs_per_sm,
+        "shared_per_sm": shared_per_sm,
+        "threads_per_sm": threads_per_sm,
+    }
+    res = programs_per_sm(n_regs, num_warps, shared_bytes, **limits)
+    cap = regs_per_sm // ((res + 1) * num_warps) // 256 * 256 // 32
+    if cap >= n_regs or n_regs - cap > trim:
+        return None
+    if programs_per_sm(cap, num_warps, shared_bytes, **limits) <= res:
+        return None
+    return cap

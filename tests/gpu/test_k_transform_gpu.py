@@ -136,11 +136,28 @@ def test_transform_decode_inside_a_cuda_graph() -> None:
 ROT_VARIANTS = [{"ROT_WHERE": "kernel", "ROT_PRECISION": p} for p in ("ieee", "tf32x3", "tf32")]
 ROT_VARIANTS.append({"ROT_WHERE": "host"})
 ROT_IDS = ["kernel-ieee", "kernel-tf32x3", "kernel-tf32", "host"]
+# and the latency choices of the transform's per-program work (the pipelined rotation loop
+# compiles apart from the interpreter's): compiled, inside a graph, against the reference
+ROT_VARIANTS += [
+    {"ROT_STAGES": 2},
+    {"ROT_SLICE": 32, "ROT_STAGES": 3},
+    {"ROT_SLICE": 64},
+    {"EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    {"ROT_KIND": "hadamard"},
+    {"ROT_KIND": "hadamard", "ROT_STAGES": 2, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    {"ROT_KIND": "hadamard", "ROT_SLICE": 64, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
+    {"REG_TRIM": 16},
+    {"ROT_KIND": "auto", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16},
+    {"SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "REG_TRIM": 16},
+]
+ROT_IDS += ["stages2", "slice32-stages3", "slice64", "early-last", "hadamard",
+            "hadamard-stages2-early-last", "hadamard-slice64-early-last", "trim16",
+            "auto-early-last-trim16", "from-end-hadamard-early-trim16"]  # fmt: skip
 
 
 @pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
 @pytest.mark.parametrize("case_i", [0, 1, 3, 5], ids=lambda i: f"case{i}")
-def test_rotation_variants_match_reference(rot: dict[str, str], case_i: int) -> None:
+def test_rotation_variants_match_reference(rot: dict[str, Any], case_i: int) -> None:
     """Each rotation choice over decode (both geometries, speculative) and chunked prefill."""
     case_kw, extra = KT_GPU[case_i]
     case = build_case(
@@ -159,7 +176,7 @@ def test_rotation_variants_match_reference(rot: dict[str, str], case_i: int) -> 
 
 
 @pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
-def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, str]) -> None:
+def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, Any]) -> None:
     """Split decode with each rotation choice captured and replayed (the host matmul too)."""
     case = build_case(
         [5000, 300], hq=32, hkv=8, d=128, granularity="per-head", k_transform="both",
