@@ -183,7 +183,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # ---- prefill / extend (Lq * group > 64)
     ("prefill-fresh-and-extend", dict(lens=[40, 90], hq=8, hkv=2, d=64, lq=40), {}),
     # the launcher's 256-row tiles (Lq * group >= 1024: test_prefill_tiles_follow_the_rows)
-    ("prefill-256-row-tiles", dict(lens=[300, 280], hq=4, hkv=1, d=32, lq=260), {}),
+    ("prefill-256-row-tiles", dict(lens=[300, 280], hq=4, hkv=1, d=128, lq=260), {}),
     (
         "prefill-small-blocks-qlens-kvstart",
         dict(lens=[45, 80], hq=8, hkv=2, d=64, lq=40, q_lens=[33, 20], kv_start=[3, 0]),
@@ -393,8 +393,9 @@ def test_programmatic_dependent_launch_only_on_nvidia_sm90(monkeypatch: pytest.M
 
 
 def test_prefill_tiles_follow_the_rows() -> None:
-    """Static-scale prefill takes 256-row tiles where there are rows for four, else 128."""
-    assert choose_config(260, 4, 32)["BLOCK_M"] == 256  # the "prefill-256-row-tiles" case
+    """Static-scale prefill at head_dim 128 takes 256-row tiles where there are rows for four."""
+    assert choose_config(260, 4, 128)["BLOCK_M"] == 256  # the "prefill-256-row-tiles" case
     assert choose_config(255, 4, 128)["BLOCK_M"] == 128
+    assert choose_config(2048, 4, 64)["BLOCK_M"] == 128
     assert choose_config(2048, 4, 128, group_dequant=True)["BLOCK_M"] == 128
     assert choose_config(2048, 4, 256)["BLOCK_M"] == 64

@@ -115,14 +115,15 @@ def choose_config(
             "num_stages": 3,
             "LOOP_STAGES": loop_stages,
         }
-    # static scales: 64-key tiles, 256-row tiles on 8 warps where there are rows for several
-    # of them (128 rows on 4 warps below); dequantized group scales: 128-key tiles and 8 warps
-    # (sweeps with V pages keys-fastest: docs/dev/kernels.md, tuning)
+    # static scales: 64-key tiles; at head_dim 128, 256-row tiles on 8 warps where there are
+    # rows for several of them (128 rows on 4 warps otherwise, and at head_dim 64, where the
+    # 256-row tiles were slower); dequantized group scales: 128-key tiles and 8 warps (sweeps
+    # with V pages keys-fastest: docs/dev/kernels.md, tuning)
     if head_dim > 128:
         block_m, block_n, warps, loop_stages = 64, 64, 4, 2
     elif group_dequant:
         block_m, block_n, warps, loop_stages = 128, 128, 8, 3
-    elif lq * group >= 4 * 256:
+    elif head_dim > 64 and lq * group >= 4 * 256:
         block_m, block_n, warps, loop_stages = 256, 64, 8, 3
     else:
         block_m, block_n, warps, loop_stages = 128, 64, 4, 3
