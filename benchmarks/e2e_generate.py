@@ -60,6 +60,7 @@ import argparse
 import gc
 import inspect
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -270,16 +271,30 @@ def measure(
 # ---------------------------------------------------------------------- arms
 
 
+class _Record(logging.Handler):
+    """Keeps the text of every warning kvquant logs while an arm runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 class Arm:
-    """Sets a model up for one arm and undoes it."""
+    """Sets a model up for one arm and undoes it; ``warnings`` holds what kvquant warned."""
 
     def __init__(self, name: str, model: Any, scales: dict[str, torch.Tensor], backend: str):
         self.name, self.model, self.scales, self.backend = name, model, scales, backend
         self.handle: Any = None
+        self._record = _Record()
+        self.warnings = self._record.messages
 
     def __enter__(self) -> dict[str, Any]:
         import kvquant
 
+        logging.getLogger("kvquant").addHandler(self._record)
         if self.name == "default":
             return {}
         if self.name == "static":
@@ -302,6 +317,7 @@ class Arm:
         return None if runner is None else dict(vars(runner.stats))
 
     def __exit__(self, *exc: object) -> None:
+        logging.getLogger("kvquant").removeHandler(self._record)
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -327,6 +343,8 @@ def run_arm(
             stats = arm.stats()
             if stats is not None:
                 row["graph_stats"] = stats
+            if arm.warnings:  # e.g. a decode-graph capture that failed and fell back
+                row["kvquant_warnings"] = list(arm.warnings)
     except Exception as err:  # a benchmark records a failed arm and goes on
         row = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
         traceback.print_exc()
