@@ -384,8 +384,11 @@ def run_sweeps(results: dict[str, Any], deadline: float) -> None:
         del p, f
 
 
-def run_prefill(results: dict[str, Any], deadline: float, sweep: bool) -> None:
-    """Chunk C causal over a paged prefix P (32/8/128) vs SDPA bf16 (K/V expanded)."""
+def run_prefill(results: dict[str, Any], deadline: float) -> None:
+    """Chunk C causal over a paged prefix P (32/8/128) vs SDPA bf16 (K/V expanded).
+
+    Tile configurations: ``benchmarks/tune_prefill.py``.
+    """
     from torch.nn.attention.bias import causal_lower_right
 
     for bsz, prefix, chunk in PREFILL_SHAPES:
@@ -416,27 +419,6 @@ def run_prefill(results: dict[str, Any], deadline: float, sweep: bool) -> None:
                 "ratio_vs_sdpa": row["sdpa_bf16_ms"] / t,
                 "config": choose_config(chunk, hq // hkv, d, group_dequant=name != "per-tensor"),
             }
-            if sweep and name == "per-tensor" and (bsz, prefix, chunk) == PREFILL_SHAPES[0]:
-                row["tiles"] = {}
-                for bm, bn, nw, ns in (
-                    (128, 64, 8, 2),
-                    (128, 128, 8, 2),
-                    (128, 64, 8, 3),
-                    (128, 32, 4, 3),
-                    (64, 64, 4, 2),
-                    (64, 128, 4, 2),
-                    (128, 64, 4, 2),
-                    (128, 128, 8, 3),
-                ):
-                    cfg = {"BLOCK_M": bm, "QPB": bm // (hq // hkv), "BLOCK_N": bn}
-                    cfg.update({"num_warps": nw, "num_stages": ns})
-                    key = f"{bm}/{bn}/{nw}/{ns}"
-                    try:
-                        t = bench(lambda cfg=cfg, f=f: run_kvquant(p, f, p.q, config=cfg))
-                    except Exception as exc:
-                        row["tiles"][key] = {"error": type(exc).__name__}
-                        continue
-                    row["tiles"][key] = {"ms": t, "TFLOPs": flops / t / 1e9}
             del f
         results["prefill"].append(row)
         print(json.dumps(row), flush=True)
@@ -758,7 +740,7 @@ def main() -> None:
     save(results, args.out)
     if not SMOKE:
         run_write(results)
-    run_prefill(results, deadline + 60, sweep=not args.no_sweep)
+    run_prefill(results, deadline + 60)
     save(results, args.out)
     run_k_transform(results, deadline + 90, args.kt_variants, args.kt_ablation, args.kt_only)
     save(results, args.out)
