@@ -84,9 +84,10 @@ import torch
 from torch import nn
 
 from kvquant.cache import StaticStep
-from kvquant.errors import BackendError, KVQuantError
+from kvquant.errors import BackendError, CacheUsageError, KVQuantError
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.step_ops import STEP_KWARG, layer_step
 
 __all__ = [
     "CompiledLayers",
@@ -228,18 +229,25 @@ class _CompileFailure(Exception):
 
 
 def _compiled_layer_call(
-    compiled: Callable[..., Any], layer: nn.Module, *args: Any, **kwargs: Any
+    compiled: Callable[..., Any],
+    layer: nn.Module,
+    step: dict[str, Any],
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """One decoder layer of a compiled decode step: no cache, no mask enter the compiled code.
 
-    The attention module reads its cache layer from ``STEP_LAYER_ATTR`` (set by
-    :meth:`CompiledLayers.installed`); the static step masks the padding with
-    its own ``kv_start``, so the mask (whose length grows every step, which
-    would recompile a static-shape graph) is not needed.
+    The layer gets its cache layer's tensors (``step``, from
+    :func:`~kvquant.integrations.hf.step_ops.layer_step`) as the keyword
+    ``STEP_KWARG``, which it hands on to kvquant's attention: the write and the
+    attention are custom ops inside the layer's graph. The static step masks
+    the padding with its own ``kv_start``, so the mask (whose length grows
+    every step, which would recompile a static-shape graph) is not needed.
     """
     for name in ("cache", "past_key_values", "attention_mask"):
         if name in kwargs:
             kwargs[name] = None
+    kwargs[STEP_KWARG] = step
     return compiled(layer, *args, **kwargs)
 
 
@@ -319,9 +327,19 @@ class CompiledLayers:
                         "accelerate's device hooks) that a compiled layer would bypass"
                     )
                 )
+        static = cache_layers[0].cache.book.static if cache_layers else None
+        if static is None:
+            raise _CompileFailure(
+                CacheUsageError(
+                    "kvquant: the compiled decoder layers were installed outside a static decode "
+                    "step (the cache's book has no static step buffers)"
+                )
+            )
         calls = [
-            functools.partial(_compiled_layer_call, self._forward_of(type(m)), m)
-            for m in self.layers
+            functools.partial(
+                _compiled_layer_call, self._forward_of(type(m)), m, layer_step(cl, static)
+            )
+            for m, cl in zip(self.layers, cache_layers, strict=True)
         ]
         limit = max(int(torch._dynamo.config.recompile_limit), RECOMPILE_LIMIT)
         try:
