@@ -45,8 +45,8 @@ from torch import nn
 
 from kvquant.cache import StaticStep
 from kvquant.errors import CacheUsageError
-from kvquant.kernels import paged_attention, write_kv
 from kvquant.integrations.hf.cache_layer import KVQuantLayer
+from kvquant.kernels import paged_attention, write_kv
 
 __all__ = ["STEP_KWARG", "layer_step", "step_attention", "step_attention_call", "step_write"]
 
