@@ -48,17 +48,20 @@ shapes, one compiled graph shared by every layer of a class, torch's "regional
 compilation"), so the graph replays inductor's fused kernels. Only the warm-up
 and capture of a decode graph (and, on CPU, the static step itself) run the
 compiled layers; prefill, chunks and eager steps run the original forwards.
-kvquant's own work stays outside the compiled code: the layers get no cache
-(so no per-layer index is traced into the shared graph), and kvquant's
-attention function, marked ``torch.compiler.disable`` (a clean graph break
-at a point where nothing could be fused anyway: matrix multiplications on
-either side), stores the new token's K/V and attends over the pages. Graph
-breaks cost host time only where Python runs, and a replayed graph runs none.
-A custom op (``torch.library.custom_op``) would keep one graph per layer but
-needs the cache's Python state (block table, storage, lengths) passed as
-tensors and the layer's identity as an argument that the shared graph must
-not specialise on; the graph break needs neither and behaves the same on
-torch 2.11 and 2.13. The first compiled warm-up pays the compile (once per
+No Python object of the cache enters the compiled code: the layers get no
+cache (so no per-layer index is traced into the shared graph) but their cache
+layer's page tensors, scales and the static step's tensors as one keyword
+argument (:func:`~kvquant.integrations.hf.step_ops.layer_step`), which
+transformers' decoder layers hand on to the attention function; there
+kvquant's write and attention are PyTorch custom ops
+(:mod:`~kvquant.integrations.hf.step_ops`), so dynamo traces each decoder
+layer as one graph (no graph break, no restarted frame) and inductor calls the
+ops as extern kernels. The pools' page count and the block table's width are
+dynamic dimensions of that graph, so a grown pool or a new cache compiles
+nothing new. A decoder layer that does not hand the keyword on (none of the
+tested families) gets the cache layer through ``STEP_LAYER_ATTR`` instead,
+and kvquant's attention breaks the graph there (logged once per attention
+class). The first compiled warm-up pays the compile (once per
 process, layer class and batch size); with the default ``compile_step=None``
 a compile that fails is logged once and the eager step is captured instead;
 with ``compile_step=True`` it raises.
@@ -269,8 +272,11 @@ class CompiledLayers:
     class's ``forward``, the layer passed as its first argument): dynamo
     treats the layer's parameters as inputs (``inline_inbuilt_nn_modules``),
     so every layer of the class runs the same compiled graph. Compiled with
-    ``dynamic=False`` (a decode step has one shape per batch size) and
-    ``fullgraph=False`` (kvquant's attention is a graph break).
+    ``dynamic=False`` (a decode step has one shape per batch size; only the
+    pools' page count and the block table's width are marked dynamic, see
+    :func:`~kvquant.integrations.hf.step_ops.layer_step`) and
+    ``fullgraph=False`` (a layer that does not hand kvquant's step keyword on
+    to its attention still compiles, with a graph break there).
 
     Nothing is installed outside :meth:`installed`: the layers keep their
     original ``forward`` for every other call, and nothing is left on any
