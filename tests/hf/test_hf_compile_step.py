@@ -521,3 +521,21 @@ def test_static_scale_formats_compile_to_the_eager_step(fmt: str) -> None:
     logits = torch.stack(runs[True].logits)
     assert torch.isfinite(logits).all()
     torch.testing.assert_close(logits, torch.stack(runs[False].logits), rtol=1e-5, atol=1e-5)
+
+
+def test_sink_logits_are_converted_once_per_layer() -> None:
+    """gpt-oss: the op converts each layer's sinks to fp32 once (the same parameter every call),
+    so the kernels' value check never reads a new tensor inside a CUDA graph capture."""
+    from kvquant.integrations.hf import step_ops
+
+    step_ops._sinks_fp32.clear()
+    model = build("gpt_oss")
+    handle = _patch(model)
+    ids, mask = prompt(batch=2, length=9, pad=(3, 0))
+    _generate(model, ids, mask, 5)
+    assert handle.state.graph_runner.stats.compiled_runs == 4
+    converted = [v[1] for v in step_ops._sinks_fp32.values()]
+    assert len(converted) == len(model.model.layers)
+    for layer in model.model.layers:
+        assert any(torch.equal(c, layer.self_attn.sinks.float()) for c in converted)
+    handle.remove()
