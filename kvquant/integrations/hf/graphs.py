@@ -87,7 +87,7 @@ import torch
 from torch import nn
 
 from kvquant.cache import StaticStep
-from kvquant.errors import BackendError, CacheUsageError, KVQuantError
+from kvquant.errors import BackendError, KVQuantError
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
 from kvquant.integrations.hf.step_ops import STEP_KWARG, layer_step
@@ -316,8 +316,11 @@ class CompiledLayers:
         return fn
 
     @contextlib.contextmanager
-    def installed(self, cache_layers: Sequence[KVQuantLayer]) -> Iterator[None]:
+    def installed(self, cache_layers: Sequence[KVQuantLayer], static: StaticStep) -> Iterator[None]:
         """While the block runs, the layers call their compiled forwards over ``cache_layers``.
+
+        Each layer gets its cache layer's tensors and ``static``'s (the running
+        static step) as kvquant's step keyword.
 
         Raises:
             _CompileFailure: a decoder layer already has an instance-level
@@ -333,14 +336,6 @@ class CompiledLayers:
                         "accelerate's device hooks) that a compiled layer would bypass"
                     )
                 )
-        static = cache_layers[0].cache.book.static if cache_layers else None
-        if static is None:
-            raise _CompileFailure(
-                CacheUsageError(
-                    "kvquant: the compiled decoder layers were installed outside a static decode "
-                    "step (the cache's book has no static step buffers)"
-                )
-            )
         calls = [
             functools.partial(
                 _compiled_layer_call, self._forward_of(type(m)), m, layer_step(cl, static)
@@ -608,7 +603,7 @@ class DecodeGraphRunner:
                 return self.original(**rec.call_kwargs)
             self.stats.compiled_runs += 1
             try:
-                with self.compiled.installed(cast(list[KVQuantLayer], cache.layers)):
+                with self.compiled.installed(cast(list[KVQuantLayer], cache.layers), rec.static):
                     return self.original(**rec.call_kwargs)
             except (_CompileFailure, KVQuantError, torch.OutOfMemoryError):
                 raise
