@@ -232,6 +232,16 @@ def _compile_times() -> dict[str, float]:
     return {k: round(float(v), 3) for k, v in zip(*got, strict=True)}
 
 
+def _dynamo_counts() -> dict[str, int]:
+    """dynamo's graphs compiled and graph breaks met so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": sum(int(n) for n in counters["graph_break"].values()),
+    }
+
+
 def measure(
     model: Any,
     ids: torch.Tensor,
@@ -243,6 +253,7 @@ def measure(
     """A warm-up call, then ``repeats`` timed calls; summary over the timed ones."""
     first = one_call(model, ids, mask, new, gen_kwargs)
     compile_metrics = _compile_times()
+    dynamo_counts = _dynamo_counts()
     calls = [one_call(model, ids, mask, new, gen_kwargs) for _ in range(repeats)]
     steps = [s for c in calls for s in c["step_ms"]]
     batch = ids.shape[0]
@@ -256,6 +267,8 @@ def measure(
         # torch.compile's own phases up to the end of the first call, seconds summed over
         # every compile of the process so far (a fresh process per arm: that arm's)
         "first_call_compile_times_s": compile_metrics,
+        # dynamo's graphs and graph breaks up to the end of the first call (same scope)
+        "first_call_dynamo": dynamo_counts,
         "wall_s": statistics.median(c["wall_s"] for c in calls),
         "wall_s_all": [c["wall_s"] for c in calls],
         "prefill_s": statistics.median(c["prefill_s"] for c in calls),

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_steps import generate_exactly, min_cosine, step_logits
+from hf_steps import cache_kwarg, generate_exactly, min_cosine, step_logits
 from hf_tiny import build, prompt
 
 import kvquant.integrations.hf as kvhf
@@ -86,4 +86,59 @@ def test_compile_failure_in_auto_mode_captures_the_eager_step(monkeypatch: Any) 
     stats = handle.state.graph_runner.stats
     assert stats.compile_fallbacks == 1 and stats.captures == 1 and stats.replays == 7
     assert min_cosine(got, want) >= 0.9999  # the eager step's graph: the same kernels
+    handle.remove()
+
+
+@pytest.mark.parametrize(("family", "graphs"), [("llama", 1), ("gemma2", 2)])
+def test_each_layer_type_is_one_graph_without_a_break(family: str, graphs: int) -> None:
+    """kvquant's write and attention are custom ops inside the layer's graph (gemma2: sliding
+    and full layers, one graph each), captured in the decode graph and replayed."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # count only this test's compiles
+    counters.clear()
+    model = build(family).to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=24, pad=(3, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    handle = kvhf.patch(model, page_size=16, compile_step=False)
+    want = torch.stack(generate_exactly(model, ids, mask, 8).logits)
+    handle.remove()
+    handle = kvhf.patch(model, page_size=16)
+    got = torch.stack(generate_exactly(model, ids, mask, 8).logits)
+    stats = handle.state.graph_runner.stats
+    assert (stats.captures, stats.replays, stats.compiled_runs) == (1, 7, 2)
+    assert stats.compile_fallbacks == 0 and stats.fallbacks == 0
+    assert dict(counters["graph_break"]) == {}
+    assert _graphs_compiled() == graphs
+    assert torch.isfinite(got).all()
+    assert min_cosine(got, want) >= (0.99 if family.startswith("gemma") else 0.999)
+    handle.remove()
+
+
+def test_a_pool_that_grows_mid_decode_captures_again_without_a_recompile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The page count and block-table width are dynamic in the compiled graph: each growth
+    captures the compiled step again (no warm-up, recompiles refused) and nothing compiles."""
+    from kvquant.integrations.hf import cache_layer
+
+    monkeypatch.setattr(cache_layer, "MIN_GROWTH_TOKENS", 16)  # grow every few pages
+    torch._dynamo.reset()
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=24, pad=(3, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    handle = kvhf.patch(model, page_size=16, compile_step=False)
+    want = torch.stack(generate_exactly(model, ids, mask, 100).logits)
+    handle.remove()
+    handle = kvhf.patch(model, page_size=16)
+    cache = handle.new_cache()
+    got = generate_exactly(model, ids, mask, 100, **{cache_kwarg(model): cache})
+    got = torch.stack(got.logits)
+    stats = handle.state.graph_runner.stats
+    assert cache.capacity_version >= 2
+    assert stats.captures >= 2 and stats.replays == 99  # captured again after a growth
+    assert stats.compile_fallbacks == 0 and stats.fallbacks == 0
+    assert stats.compiled_runs == 1 + stats.captures  # one warm-up, then captures only
+    assert _graphs_compiled() == 1
+    assert min_cosine(got, want) >= 0.999
     handle.remove()

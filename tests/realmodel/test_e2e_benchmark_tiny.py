@@ -34,6 +34,7 @@ def test_e2e_generate_tiny_cpu(tmp_path: Path) -> None:
         assert row["prefill_s"] > 0 and row["wall_s"] >= row["prefill_s"]
         assert row["step_ms_median"] > 0 and row["first_call_s"] > 0
         assert 0.0 <= row["greedy_prefix_agreement_vs_default"] <= 1.0
+        assert set(row["first_call_dynamo"]) == {"graphs", "graph_breaks"}
     assert arms["default"]["greedy_prefix_agreement_vs_default"] == 1.0
     # On CPU the default cuda_graphs=None leaves every step to the ordinary forward.
     stats = arms["kvquant"]["graph_stats"]

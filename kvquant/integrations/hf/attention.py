@@ -22,6 +22,7 @@ whose gradients are then exact too.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import weakref
@@ -35,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.step_ops import STEP_KWARG, step_attention_call
 
 __all__ = ["ATTN_NAME", "fallback_attention", "kvquant_attention", "kvquant_mask", "register"]
 
@@ -52,9 +54,30 @@ STEP_LAYER_ATTR = "_kvq_step_layer"
 
 Set by the graph runner (:mod:`kvquant.integrations.hf.graphs`) while the
 decoder layers run their ``torch.compile``'d forwards, which get no cache
-(so that no per-layer index enters the compiled code): the attention function
-then stores the new token's K/V itself, in the layer named here.
+(so that no per-layer index enters the compiled code). The attention function
+normally gets the layer's tensors as the keyword ``STEP_KWARG`` and stores the
+new token's K/V through kvquant's custom ops; where a decoder layer does not
+hand that keyword on, it stores them in the layer named here instead.
 """
+
+_logger = logging.getLogger("kvquant")
+_logged_breaks: set[type[nn.Module]] = set()
+
+
+def _log_step_break(module: nn.Module) -> None:
+    """Log once per attention class that its compiled decode step breaks the graph here."""
+    cls = type(module)
+    if cls in _logged_breaks:
+        return
+    _logged_breaks.add(cls)
+    _logger.info(
+        "kvquant: the compiled decode step of %s breaks its graph at kvquant's attention: its "
+        "decoder layer does not pass the keyword %r on to the attention function, so the cache "
+        "layer stores the new K/V outside the compiled graph (same results; the first compiled "
+        "step compiles two graphs per layer instead of one).",
+        cls.__name__,
+        STEP_KWARG,
+    )
 
 
 def kvquant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -233,7 +256,6 @@ def fallback_attention(
     return result
 
 
-@torch.compiler.disable
 def kvquant_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -249,16 +271,22 @@ def kvquant_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over kvquant's FP8 paged cache (transformers ``AttentionInterface`` signature).
 
-    Marked ``torch.compiler.disable``: ``torch.compile`` of a model (or of its
-    decoder layers, see ``kvquant.patch(compile_step=...)``) breaks its graph
-    here cleanly instead of tracing the cache's Python bookkeeping and the
-    kernel launches; outside ``torch.compile`` it is a plain call.
+    In a compiled decode step (the decoder layer got kvquant's step tensors as
+    the keyword :data:`~kvquant.integrations.hf.step_ops.STEP_KWARG`) it stores
+    the new token's K/V and attends through kvquant's custom ops
+    (:func:`~kvquant.integrations.hf.step_ops.step_attention_call`), which
+    ``torch.compile`` traces into the layer's graph. Every other call runs
+    :func:`_paged_attention`, marked ``torch.compiler.disable``: a
+    ``torch.compile`` of a patched model breaks its graph there cleanly instead
+    of tracing the cache's Python bookkeeping and the kernel launches; outside
+    ``torch.compile`` it is a plain call.
 
     Args:
         module: the attention module (``layer_idx``, ``scaling``).
         query: ``[B, Hq, Lq, D]`` after RoPE.
         key: None when the layer's K/V are in kvquant's pages; else dense ``[B, Hkv, T, D]``
-            (then :func:`fallback_attention` computes the call).
+            (then :func:`fallback_attention` computes the call), or the new token's keys
+            in a compiled decode step.
         value: like ``key``.
         attention_mask: boolean ``[B, 1, Lq, T]`` (True = attend) or None (plain causal).
         scaling: softmax scale; default ``module.scaling``.
@@ -276,9 +304,51 @@ def kvquant_attention(
         UnsupportedModelError: dropout during training, or an unsupported mask pattern.
         KVQuantError: K/V are missing and the layer's kvquant cache cannot be found.
     """
+    step = kwargs.pop(STEP_KWARG, None)
+    if step is not None and key is not None and value is not None:
+        return step_attention_call(
+            module, step, query, key, value, scaling, sliding_window, softcap, s_aux
+        )
+    return _paged_attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=scaling,
+        dropout=dropout,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        s_aux=s_aux,
+        **kwargs,
+    )
+
+
+@torch.compiler.disable
+def _paged_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`kvquant_attention` outside a compiled decode step's custom ops (see there).
+
+    A compiled decode step whose decoder layer did not hand kvquant's step
+    tensors on to the attention function lands here too: the module's
+    ``STEP_LAYER_ATTR`` names its cache layer, which stores the new token's K/V
+    (a graph break, logged once per attention class).
+    """
     step_layer: KVQuantLayer | None = module.__dict__.get(STEP_LAYER_ATTR)
     if step_layer is not None and key is not None and value is not None:
         # A compiled decode step: the layer got no cache, so these are the new token's K/V.
+        _log_step_break(module)
         step_layer.update(key, value)
         key = value = None
     if key is not None and value is not None:

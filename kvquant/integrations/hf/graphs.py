@@ -48,17 +48,20 @@ shapes, one compiled graph shared by every layer of a class, torch's "regional
 compilation"), so the graph replays inductor's fused kernels. Only the warm-up
 and capture of a decode graph (and, on CPU, the static step itself) run the
 compiled layers; prefill, chunks and eager steps run the original forwards.
-kvquant's own work stays outside the compiled code: the layers get no cache
-(so no per-layer index is traced into the shared graph), and kvquant's
-attention function, marked ``torch.compiler.disable`` (a clean graph break
-at a point where nothing could be fused anyway: matrix multiplications on
-either side), stores the new token's K/V and attends over the pages. Graph
-breaks cost host time only where Python runs, and a replayed graph runs none.
-A custom op (``torch.library.custom_op``) would keep one graph per layer but
-needs the cache's Python state (block table, storage, lengths) passed as
-tensors and the layer's identity as an argument that the shared graph must
-not specialise on; the graph break needs neither and behaves the same on
-torch 2.11 and 2.13. The first compiled warm-up pays the compile (once per
+No Python object of the cache enters the compiled code: the layers get no
+cache (so no per-layer index is traced into the shared graph) but their cache
+layer's page tensors, scales and the static step's tensors as one keyword
+argument (:func:`~kvquant.integrations.hf.step_ops.layer_step`), which
+transformers' decoder layers hand on to the attention function; there
+kvquant's write and attention are PyTorch custom ops
+(:mod:`~kvquant.integrations.hf.step_ops`), so dynamo traces each decoder
+layer as one graph (no graph break, no restarted frame) and inductor calls the
+ops as extern kernels. The pools' page count and the block table's width are
+dynamic dimensions of that graph, so a grown pool or a new cache compiles
+nothing new. A decoder layer that does not hand the keyword on (none of the
+tested families) gets the cache layer through ``STEP_LAYER_ATTR`` instead,
+and kvquant's attention breaks the graph there (logged once per attention
+class). The first compiled warm-up pays the compile (once per
 process, layer class and batch size); with the default ``compile_step=None``
 a compile that fails is logged once and the eager step is captured instead;
 with ``compile_step=True`` it raises.
@@ -87,6 +90,7 @@ from kvquant.cache import StaticStep
 from kvquant.errors import BackendError, KVQuantError
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.step_ops import STEP_KWARG, layer_step
 
 __all__ = [
     "CompiledLayers",
@@ -228,18 +232,25 @@ class _CompileFailure(Exception):
 
 
 def _compiled_layer_call(
-    compiled: Callable[..., Any], layer: nn.Module, *args: Any, **kwargs: Any
+    compiled: Callable[..., Any],
+    layer: nn.Module,
+    step: dict[str, Any],
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """One decoder layer of a compiled decode step: no cache, no mask enter the compiled code.
 
-    The attention module reads its cache layer from ``STEP_LAYER_ATTR`` (set by
-    :meth:`CompiledLayers.installed`); the static step masks the padding with
-    its own ``kv_start``, so the mask (whose length grows every step, which
-    would recompile a static-shape graph) is not needed.
+    The layer gets its cache layer's tensors (``step``, from
+    :func:`~kvquant.integrations.hf.step_ops.layer_step`) as the keyword
+    ``STEP_KWARG``, which it hands on to kvquant's attention: the write and the
+    attention are custom ops inside the layer's graph. The static step masks
+    the padding with its own ``kv_start``, so the mask (whose length grows
+    every step, which would recompile a static-shape graph) is not needed.
     """
     for name in ("cache", "past_key_values", "attention_mask"):
         if name in kwargs:
             kwargs[name] = None
+    kwargs[STEP_KWARG] = step
     return compiled(layer, *args, **kwargs)
 
 
@@ -261,8 +272,11 @@ class CompiledLayers:
     class's ``forward``, the layer passed as its first argument): dynamo
     treats the layer's parameters as inputs (``inline_inbuilt_nn_modules``),
     so every layer of the class runs the same compiled graph. Compiled with
-    ``dynamic=False`` (a decode step has one shape per batch size) and
-    ``fullgraph=False`` (kvquant's attention is a graph break).
+    ``dynamic=False`` (a decode step has one shape per batch size; only the
+    pools' page count and the block table's width are marked dynamic, see
+    :func:`~kvquant.integrations.hf.step_ops.layer_step`) and
+    ``fullgraph=False`` (a layer that does not hand kvquant's step keyword on
+    to its attention still compiles, with a graph break there).
 
     Nothing is installed outside :meth:`installed`: the layers keep their
     original ``forward`` for every other call, and nothing is left on any
@@ -302,8 +316,11 @@ class CompiledLayers:
         return fn
 
     @contextlib.contextmanager
-    def installed(self, cache_layers: Sequence[KVQuantLayer]) -> Iterator[None]:
+    def installed(self, cache_layers: Sequence[KVQuantLayer], static: StaticStep) -> Iterator[None]:
         """While the block runs, the layers call their compiled forwards over ``cache_layers``.
+
+        Each layer gets its cache layer's tensors and ``static``'s (the running
+        static step) as kvquant's step keyword.
 
         Raises:
             _CompileFailure: a decoder layer already has an instance-level
@@ -320,8 +337,10 @@ class CompiledLayers:
                     )
                 )
         calls = [
-            functools.partial(_compiled_layer_call, self._forward_of(type(m)), m)
-            for m in self.layers
+            functools.partial(
+                _compiled_layer_call, self._forward_of(type(m)), m, layer_step(cl, static)
+            )
+            for m, cl in zip(self.layers, cache_layers, strict=True)
         ]
         limit = max(int(torch._dynamo.config.recompile_limit), RECOMPILE_LIMIT)
         try:
@@ -584,7 +603,7 @@ class DecodeGraphRunner:
                 return self.original(**rec.call_kwargs)
             self.stats.compiled_runs += 1
             try:
-                with self.compiled.installed(cast(list[KVQuantLayer], cache.layers)):
+                with self.compiled.installed(cast(list[KVQuantLayer], cache.layers), rec.static):
                     return self.original(**rec.call_kwargs)
             except (_CompileFailure, KVQuantError, torch.OutOfMemoryError):
                 raise

@@ -1,0 +1,313 @@
+"""kvquant's decode-step write and attention as PyTorch custom ops, for compiled decode steps.
+
+A compiled decode step (``kvquant.patch(compile_step=...)``, see
+:mod:`kvquant.integrations.hf.graphs`) runs each decoder layer's
+``torch.compile``'d forward without a cache. The layer's new K/V still have to
+be stored in the FP8 pages and attended over. Doing that in Python (the cache
+layer's ``update`` and :func:`~kvquant.kernels.paged_attention` with their
+bookkeeping) is a graph break: dynamo stops the layer's graph at the
+attention, compiles the two halves separately and restarts the frame. Here the
+two calls are custom ops (``torch.library.custom_op``) that take only tensors
+and plain scalars, so dynamo traces each layer as one graph and inductor calls
+them as extern kernels:
+
+- ``kvquant::step_write`` stores the new token's K/V at the static step's
+  slots (mutates the layer's K/V pages and, for ``fp32-group``, its group
+  scales);
+- ``kvquant::step_attention`` attends the query over the pages with the static
+  step's block table, lengths and left-padding starts, and returns the output.
+
+Their real implementations call :func:`kvquant.kernels.write_kv` and
+:func:`kvquant.kernels.paged_attention` (every argument validated, on the
+cache's backend); their fake implementations only give the output's shape, so
+tracing never runs a kernel.
+
+What enters the compiled graph is one :func:`layer_step` dictionary per layer
+(passed to the decoder layer as the keyword :data:`STEP_KWARG`, which
+transformers' layers hand on to the attention function): the layer's page
+tensors and scales and the static step's tensors, no Python object of the
+cache. Every layer of a class has tensors of the same shapes, so the layers
+share one compiled graph; the page count and the block table's width (which
+change when a pool grows, and from one cache to the next) are marked dynamic
+(:func:`torch._dynamo.maybe_mark_dynamic`), so that a grown pool or a new
+cache is no recompile. Nothing in the traced path reads a per-step Python
+value: the position, lengths and slots are device tensors refreshed before the
+step (:class:`~kvquant.cache.StaticStep`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvquant.cache import StaticStep
+from kvquant.errors import CacheUsageError
+from kvquant.integrations.hf.cache_layer import KVQuantLayer
+from kvquant.kernels import paged_attention, write_kv
+
+__all__ = ["STEP_KWARG", "layer_step", "step_attention", "step_attention_call", "step_write"]
+
+STEP_KWARG = "kvquant_step"
+"""Keyword argument of a decoder layer in a compiled decode step: its :func:`layer_step`."""
+
+_MUTATED = ("k_pages", "v_pages", "k_group_scales", "v_group_scales")
+
+
+@torch.library.custom_op("kvquant::step_write", mutates_args=_MUTATED)
+def step_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+    k_offset: torch.Tensor | None,
+    k_rotation: torch.Tensor | None,
+    backend: str,
+) -> None:
+    """Store the step's new K/V ``[B, Hkv, 1, D]`` (the attention module's layout) at ``slots``.
+
+    :func:`kvquant.kernels.write_kv` on ``key.transpose(1, 2)`` and
+    ``value.transpose(1, 2)``; the other arguments are write_kv's.
+    """
+    write_kv(
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        k_pages,
+        v_pages,
+        slots,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_group_scales=k_group_scales,
+        v_group_scales=v_group_scales,
+        k_offset=k_offset,
+        k_rotation=k_rotation,
+        backend=backend,
+    )
+
+
+@step_write.register_fake
+def _step_write_fake(*args: Any) -> None:
+    return None
+
+
+_sinks_fp32: dict[tuple[object, ...], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+_SINKS_MAX = 256
+
+
+def _sinks(s_aux: torch.Tensor) -> torch.Tensor:
+    """The model's sink logits as the kernels take them (fp32, contiguous), one copy per tensor version.
+
+    The same converted tensor serves every step while the parameter is
+    unchanged, so the kernels' value check reads it once (never inside a CUDA
+    graph capture, where a read would fail).
+    """
+    try:
+        version = int(s_aux._version)
+    except RuntimeError:  # an inference tensor
+        version = -1
+    key = (id(s_aux), s_aux.data_ptr(), version, s_aux.device, s_aux.dtype)
+    hit = _sinks_fp32.get(key)
+    if hit is not None and hit[0]() is s_aux:
+        return hit[1]
+    sinks = s_aux.detach().to(torch.float32).contiguous()
+    if len(_sinks_fp32) >= _SINKS_MAX:
+        _sinks_fp32.clear()
+    _sinks_fp32[key] = (weakref.ref(s_aux), sinks)
+    return sinks
+
+
+@torch.library.custom_op("kvquant::step_attention", mutates_args=())
+def step_attention(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+    kv_start: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+    k_offset: torch.Tensor | None,
+    k_rotation: torch.Tensor | None,
+    first_k: torch.Tensor | None,
+    first_v: torch.Tensor | None,
+    first_lens: torch.Tensor | None,
+    first_start: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    sm_scale: float,
+    softcap: float,
+    window: int,
+    backend: str,
+) -> torch.Tensor:
+    """Causal attention of ``query [B, Hq, Lq, D]`` over the pages: a new ``[B, Lq, Hq, D]`` tensor.
+
+    :func:`kvquant.kernels.paged_attention` with ``block_table`` / ``lens`` /
+    ``kv_start``. ``first_k`` / ``first_v`` / ``first_lens`` / ``first_start``
+    are the storage's first-token side buffer (``k-transform``): a row whose
+    buffer was filled for another start than ``kv_start`` reads its keys from
+    the pages (as :meth:`~kvquant.cache.PagedLayerStorage.first_kwargs`).
+    ``sinks`` are the model's sink logits in any float dtype.
+    """
+    b, hq, lq, d = query.shape
+    out = torch.empty((b, lq, hq, d), dtype=query.dtype, device=query.device)
+    first: dict[str, torch.Tensor] = {}
+    if first_k is not None and first_v is not None and first_lens is not None:
+        if first_start is None:
+            raise CacheUsageError(
+                "kvquant::step_attention: first_k was given without first_start; expected all "
+                "five first-token tensors of the layer's storage (layer_step passes them)."
+            )
+        lens_now = torch.where(
+            kv_start.to(first_start.device, first_start.dtype) == first_start,
+            first_lens,
+            torch.zeros_like(first_lens),
+        )
+        first = {"first_k": first_k, "first_v": first_v, "first_lens": lens_now}
+    paged_attention(
+        query.transpose(1, 2),
+        k_pages,
+        v_pages,
+        block_table,
+        lens,
+        sm_scale=sm_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_group_scales=k_group_scales,
+        v_group_scales=v_group_scales,
+        kv_start=kv_start,
+        causal=True,
+        softcap=softcap,
+        window=window,
+        out=out,
+        sinks=None if sinks is None else _sinks(sinks),
+        k_offset=k_offset,
+        k_rotation=k_rotation,
+        backend=backend,
+        **first,
+    )
+    return out
+
+
+@step_attention.register_fake
+def _step_attention_fake(query: torch.Tensor, *args: Any) -> torch.Tensor:
+    b, hq, lq, d = query.shape
+    return query.new_empty((b, lq, hq, d))
+
+
+def layer_step(layer: KVQuantLayer, static: StaticStep) -> dict[str, Any]:
+    """The tensors (and the backend name) a compiled decode step of ``layer`` passes to the ops.
+
+    Marks the page count of the pools and the block table's width dynamic
+    for dynamo (see the module docstring).
+
+    Raises:
+        CacheUsageError: the layer holds no pages yet.
+    """
+    storage = layer.storage
+    if storage is None:
+        raise CacheUsageError(
+            f"{layer.spec.name}: a compiled decode step reached a kvquant cache layer that holds "
+            "nothing yet. Fix: run the prompt through the cache first (generate does)."
+        )
+    pools = (storage.k_pages, storage.v_pages, storage.k_group_scales, storage.v_group_scales)
+    for pool in pools:
+        if pool is not None:
+            torch._dynamo.maybe_mark_dynamic(pool, 0)
+    torch._dynamo.maybe_mark_dynamic(static.block_table, 1)
+    return {
+        "k_pages": storage.k_pages,
+        "v_pages": storage.v_pages,
+        "k_scale": storage.k_scale,
+        "v_scale": storage.v_scale,
+        "k_group_scales": storage.k_group_scales,
+        "v_group_scales": storage.v_group_scales,
+        "k_offset": storage.k_offset,
+        "k_rotation": storage.k_rotation,
+        "first_k": storage.first_k,
+        "first_v": storage.first_v,
+        "first_lens": storage.first_lens,
+        "first_start": storage.first_start,
+        "slots": static.slots,
+        "block_table": static.block_table,
+        "lens": static.lens,
+        "kv_start": static.kv_start,
+        "backend": storage.backend,
+    }
+
+
+def step_attention_call(
+    module: nn.Module,
+    step: dict[str, Any],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> tuple[torch.Tensor, None]:
+    """kvquant's attention in a compiled decode step: write the new K/V, attend (traced by dynamo).
+
+    Args:
+        module: the attention module (its ``scaling`` when ``scaling`` is None).
+        step: the layer's :func:`layer_step`.
+        query: ``[B, Hq, 1, D]`` after RoPE.
+        key: ``[B, Hkv, 1, D]`` the new token's keys (the layer got no cache).
+        value: ``[B, Hkv, 1, D]``.
+        scaling: softmax scale, or None.
+        sliding_window: the layer's window, or None.
+        softcap: logit softcap, or None.
+        s_aux: ``[Hq]`` learned sink logits, or None.
+
+    Returns:
+        ``(attn_output [B, 1, Hq, D] in the query dtype, None)``.
+    """
+    sm_scale = float(scaling if scaling is not None else getattr(module, "scaling", 0.0))
+    if sm_scale <= 0:
+        sm_scale = query.shape[-1] ** -0.5
+    torch.ops.kvquant.step_write(
+        key,
+        value,
+        step["k_pages"],
+        step["v_pages"],
+        step["slots"],
+        step["k_scale"],
+        step["v_scale"],
+        step["k_group_scales"],
+        step["v_group_scales"],
+        step["k_offset"],
+        step["k_rotation"],
+        step["backend"],
+    )
+    out = torch.ops.kvquant.step_attention(
+        query,
+        step["k_pages"],
+        step["v_pages"],
+        step["block_table"],
+        step["lens"],
+        step["kv_start"],
+        step["k_scale"],
+        step["v_scale"],
+        step["k_group_scales"],
+        step["v_group_scales"],
+        step["k_offset"],
+        step["k_rotation"],
+        step["first_k"],
+        step["first_v"],
+        step["first_lens"],
+        step["first_start"],
+        s_aux,
+        sm_scale,
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        step["backend"],
+    )
+    return out, None
