@@ -90,7 +90,7 @@ def compile_decode(
     }  # fmt: skip
     if kt:
         pointers.update(rot_ptr="*fp32", off_ptr="*fp32", fk_ptr="*bf16", fv_ptr="*bf16",
-                        flen_ptr="*i32")  # fmt: skip
+                        flen_ptr="*i32", qr_ptr="*fp32")  # fmt: skip
     fold = fold and group_scales and not prefill
     block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
     if prefill:
@@ -107,6 +107,7 @@ def compile_decode(
         ROT_SLICE=min(rot_slice, d) if has_rot else 16, ROT_STAGES=rot_stages if has_rot else 1,
         EARLY_LOADS=early_loads and kt, FIRST_SPLIT_LAST=first_split == "last" and has_first,
         ROT_HADAMARD=rot_kind == "hadamard" and has_rot, SPLIT_FROM_END=split_from_end,
+        FIRST_IN_MERGE=first_split == "merge" and has_first and not prefill,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -268,8 +269,8 @@ def main() -> None:
     ap.add_argument(
         "--first-split",
         default=KT_FIRST_SPLIT,
-        choices=("first", "last"),
-        help="split attending the first tokens (config FIRST_SPLIT)",
+        choices=("first", "last", "merge"),
+        help="split attending the first tokens, or the split merge (config FIRST_SPLIT)",
     )
     ap.add_argument(
         "--rot-kind",

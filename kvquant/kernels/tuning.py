@@ -57,7 +57,7 @@ KT_LATENCY_CHOICES: dict[str, tuple[object, ...]] = {
     "ROT_SLICE": (16, 32, 64),
     "ROT_STAGES": (1, 2, 3),
     "EARLY_LOADS": (False, True),
-    "FIRST_SPLIT": ("first", "last"),
+    "FIRST_SPLIT": ("first", "last", "merge"),
     "REG_TRIM": (0, 8, 16, 24, 32),
     "SPLIT_FROM_END": (False, True),
 }
