@@ -67,8 +67,11 @@ to the code they had. Further flags order the transform's work before the key lo
 launcher's latency choices, :mod:`kvquant.kernels.tuning`): ``ROT_SLICE`` / ``ROT_STAGES``
 (rows of R per rotation step, software pipelining of that loop), ``ROT_HADAMARD`` (R's
 slices computed from their indices), ``EARLY_LOADS`` (the transform's independent loads
-first), ``FIRST_SPLIT_LAST`` (the last split attends the first tokens) and, for any format,
-``SPLIT_FROM_END`` (split 0 takes the remainder of the key tiles).
+first), ``FIRST_SPLIT_LAST`` (the last split attends the first tokens), ``FIRST_IN_MERGE``
+(decode: :func:`_reduce_kernel` attends the first tokens; the attention programs only start
+their key range after them, and with a rotation split 0 stores its rotated query rows for
+the merge) and, for any format, ``SPLIT_FROM_END`` (split 0 takes the remainder of the key
+tiles).
 
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row

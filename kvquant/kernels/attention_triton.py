@@ -247,7 +247,8 @@ def paged_attention_triton(
             loaded, computed when R is ``hadamard(D)``, or always computed: R must then be
             ``hadamard(D)``; compared once per tensor), ``ROT_SLICE`` 16 | 32 | 64 (capped at
             ``D``), ``ROT_STAGES`` 1 | 2 | 3,
-            ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
+            ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` | ``"merge"`` (the
+            split merge attends the first tokens, in decode, also unsplit) order its
             per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`; any format:
             ``REG_TRIM`` 0 | 8 | 16 | 24 | 32 caps the split decode kernel's registers where
             that fits one more program per SM, :func:`kvquant.kernels.tuning.register_cap`;
