@@ -39,9 +39,9 @@ KT_ROT_CHOICES = {"ROT_WHERE": ("kernel", "host"), "ROT_PRECISION": ("ieee", "tf
 # tiles do not divide evenly), or ``"merge"``: in decode the split merge attends them (their
 # scores from the query rows split 0 stores in the pages' frame), so that no key-loop program
 # carries them; prefill keeps them in split 0; ``ROT_KIND`` is how the kernel gets R's
-# slices: loaded (``"matrix"``), or computed from their indices when R is ``kvquant.kernels.hadamard(D)``
-# (``"auto"``, compared once per tensor; the same result either way) or always (``"hadamard"``,
-# any other R refused); ``REG_TRIM`` N > 0 caps the split decode kernel's registers where
+# slices: loaded (``"matrix"``), or computed from their indices when R is
+# ``kvquant.kernels.hadamard(D)`` (``"auto"``, compared once per tensor; the same result either
+# way) or always (``"hadamard"``, any other R refused); ``REG_TRIM`` N > 0 caps the split decode kernel's registers where
 # shedding at most N per thread fits one more program per SM (any format; 0 = never);
 # ``SPLIT_FROM_END`` counts the split-KV shares back from the last tile, so that split 0
 # (which holds the masked tile after the first visible key and attends the first tokens) gets
