@@ -159,20 +159,24 @@ def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
                    first: bool = False, n_first: int = 1, pdl: bool = True) -> Any:  # fmt: skip
     """Compile the split merge (one warp, 32 columns per program, bf16 output) for sm_90.
 
-    With ``first`` the merge that also attends the first tokens (the launcher's
-    ``FIRST_SPLIT="merge"``: query rows fp32, bf16 side buffers of ``n_first`` tokens).
+    With ``first`` the merge that also attends the first tokens (``_reduce_first_kernel``, the
+    launcher's ``FIRST_SPLIT="merge"``: query rows fp32, bf16 side buffers of ``n_first``
+    tokens).
     """
-    fn = at._reduce_kernel
+    fn = at._reduce_first_kernel if first else at._reduce_kernel
     names = list(fn.arg_names)
     pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "sink_ptr": "*fp32",
                 "qr_ptr": "*fp32", "fk_ptr": "*bf16", "fv_ptr": "*bf16", "flen_ptr": "*i32",
                 "seq_ptr": "*i32", "qlen_ptr": "*i32", "start_ptr": "*i32"}  # fmt: skip
     consts: dict[str, Any] = dict(
         SPLITS_P2=max(2, triton.next_power_of_2(splits)), HEAD_D=d, BLOCK_D=min(32, d), PDL=pdl,
-        HAS_SINKS=False, HAS_FIRST=first, FIRST_P2=max(2, triton.next_power_of_2(n_first)),
-        GROUP=hq // hkv, HAS_QLEN=False, HAS_START=False, CAUSAL=True, USE_SOFTCAP=False,
-        USE_WINDOW=False,
+        HAS_SINKS=False,
     )  # fmt: skip
+    if first:
+        consts.update(
+            FIRST_P2=max(2, triton.next_power_of_2(n_first)), GROUP=hq // hkv, HAS_QLEN=False,
+            HAS_START=False, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False,
+        )  # fmt: skip
     # the rotated query rows are contiguous [B, Lq, Hq, D] (Lq = 1); output [B, 1, Hq, D]
     values = dict(Lq=1, Hq=hq, num_splits=splits, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1,
                   s_qrb=hq * d, s_qrt=hq * d, s_qrh=d, s_qrd=1, n_first_max=n_first)  # fmt: skip

@@ -68,7 +68,7 @@ launcher's latency choices, :mod:`kvquant.kernels.tuning`): ``ROT_SLICE`` / ``RO
 (rows of R per rotation step, software pipelining of that loop), ``ROT_HADAMARD`` (R's
 slices computed from their indices), ``EARLY_LOADS`` (the transform's independent loads
 first), ``FIRST_SPLIT_LAST`` (the last split attends the first tokens), ``FIRST_IN_MERGE``
-(decode: :func:`_reduce_kernel` attends the first tokens; the attention programs only start
+(decode: :func:`_reduce_first_kernel`, the split merge, attends the first tokens; the attention programs only start
 their key range after them, and with a rotation split 0 stores its rotated query rows for
 the merge) and, for any format, ``SPLIT_FROM_END`` (split 0 takes the remainder of the key
 tiles).
@@ -91,7 +91,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["_paged_attn_kernel", "_reduce_kernel"]
+__all__ = ["_paged_attn_kernel", "_reduce_first_kernel", "_reduce_kernel"]
 
 
 @triton.jit
@@ -889,7 +889,7 @@ def _paged_attn_kernel(
 
 
 @triton.jit
-def _reduce_kernel(
+def _merge_row(
     part_ptr,
     lse_ptr,
     out_ptr,
@@ -932,11 +932,11 @@ def _reduce_kernel(
 ):
     """Merge the split partials of ``BLOCK_D`` columns of one output row (sequence, token, head).
 
-    With ``HAS_FIRST`` (the launcher's ``FIRST_SPLIT="merge"``) the merge also attends the
-    first tokens: their scores are the dots of the row's query in the pages' frame (``qr_ptr``:
-    the rotated rows split 0 stored, or the query itself without a rotation) with ``first_k``,
-    under the attention kernel's masks, and they join the partials' log-sum-exps as
-    ``FIRST_P2`` more terms, their values ``first_v`` as they are.
+    With ``HAS_FIRST`` the merge also attends the first tokens: their scores are the dots of
+    the row's query in the pages' frame (``qr_ptr``: the rotated rows split 0 stored, or the
+    query itself without a rotation) with ``first_k``, under the attention kernel's masks, and
+    they join the partials' log-sum-exps as ``FIRST_P2`` more terms, their values ``first_v``
+    as they are. Without it the first-token arguments are never read.
     """
     if PDL:
         gdc_wait()  # launched early: the partials are complete only after this
@@ -1005,3 +1005,84 @@ def _reduce_kernel(
     o = acc / tl.where(denom > 0.0, denom, 1.0)
     o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t * s_ot + h * s_oh + offs_d * s_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    Lq,
+    Hq,
+    num_splits,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_od,
+    sink_ptr,
+    SPLITS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Merge the split partials of ``BLOCK_D`` columns of one output row (sequence, token, head)."""
+    _merge_row(
+        part_ptr, lse_ptr, out_ptr, Lq, Hq, num_splits, s_ob, s_ot, s_oh, s_od, sink_ptr,
+        lse_ptr, 0, 0, 0, 0, lse_ptr, lse_ptr, lse_ptr, 0, lse_ptr, lse_ptr, lse_ptr, 1.0, 1.0, 0,
+        SPLITS_P2, HEAD_D, BLOCK_D, PDL, HAS_SINKS, False, 2, 1, False, False, False, False, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _reduce_first_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    Lq,
+    Hq,
+    num_splits,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_od,
+    sink_ptr,
+    qr_ptr,
+    s_qrb,
+    s_qrt,
+    s_qrh,
+    s_qrd,
+    fk_ptr,
+    fv_ptr,
+    flen_ptr,
+    n_first_max,
+    seq_ptr,
+    qlen_ptr,
+    start_ptr,
+    sm_scale,
+    softcap,
+    window,
+    SPLITS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    FIRST_P2: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_QLEN: tl.constexpr,
+    HAS_START: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """:func:`_reduce_kernel` that also attends the first tokens (``FIRST_SPLIT="merge"``).
+
+    A kernel apart, so that the other formats' merge keeps its arguments (its launch cost).
+    """
+    _merge_row(
+        part_ptr, lse_ptr, out_ptr, Lq, Hq, num_splits, s_ob, s_ot, s_oh, s_od, sink_ptr,
+        qr_ptr, s_qrb, s_qrt, s_qrh, s_qrd, fk_ptr, fv_ptr, flen_ptr, n_first_max,
+        seq_ptr, qlen_ptr, start_ptr, sm_scale, softcap, window,
+        SPLITS_P2, HEAD_D, BLOCK_D, PDL, HAS_SINKS, True, FIRST_P2, GROUP, HAS_QLEN, HAS_START,
+        CAUSAL, USE_SOFTCAP, USE_WINDOW,
+    )  # fmt: skip

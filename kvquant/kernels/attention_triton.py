@@ -21,7 +21,7 @@ import torch
 import triton
 
 from kvquant.errors import KernelInputError
-from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_kernel
+from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_first_kernel, _reduce_kernel
 from kvquant.kernels.reference import hadamard
 from kvquant.kernels.tuning import (
     _FOLD_MAX_ROWS,
@@ -437,27 +437,24 @@ def paged_attention_triton(
         # one-warp programs of 32 columns: the merge is latency-bound, and at B1 x 32k it had
         # only 32 programs (one per row); the graph table of bench_attention.py times it
         block_d = min(32, d)
-        # the merge's first tokens: the query rows in the pages' frame and their strides,
-        # first_k, first_v, first_lens, n_first_max, seq_lens, q_lens, kv_start, sm_scale,
-        # softcap, window (placeholders and fixed constants otherwise, so that the other
-        # formats compile the merge once)
-        first_args: list[Any] = [dummy, 0, 0, 0, 0, *[dummy] * 3, 0, *[dummy] * 3, 1.0, 1.0, 0]
-        first_consts: dict[str, Any] = {
-            "HAS_FIRST": False, "FIRST_P2": 2, "GROUP": 1, "HAS_QLEN": False,
-            "HAS_START": False, "CAUSAL": False, "USE_SOFTCAP": False, "USE_WINDOW": False,
-        }  # fmt: skip
+        # the merge that attends the first tokens takes the query rows in the pages' frame
+        # (the rotated rows split 0 stores, or the query: rotated on the host, or no rotation)
+        # and their strides, first_k, first_v, first_lens, n_first_max, seq_lens, q_lens,
+        # kv_start, sm_scale, softcap, window
+        merge: Any = _reduce_kernel
+        first_args: list[Any] = []
+        first_consts: dict[str, Any] = {}
         if first_merge:
-            # the rotated rows split 0 stores, or the query (rotated on the host, or no rotation)
+            merge = _reduce_first_kernel
             q_src = args[-1] if k_rotation is not None else query
             q_strides = (lq * hq * d, hq * d, d, 1) if k_rotation is not None else query.stride()
             first_args = [q_src, *q_strides, *args[-5:-1], *args[4:7], *args[14:17]]
             first_consts = {
-                "HAS_FIRST": True, "FIRST_P2": max(2, triton.next_power_of_2(int(args[-2]))),
-                "GROUP": group, "HAS_QLEN": q_lens is not None,
-                "HAS_START": kv_start is not None, "CAUSAL": bool(causal),
-                "USE_SOFTCAP": softcap > 0, "USE_WINDOW": window > 0,
+                "FIRST_P2": max(2, triton.next_power_of_2(int(args[-2]))), "GROUP": group,
+                "HAS_QLEN": q_lens is not None, "HAS_START": kv_start is not None,
+                "CAUSAL": bool(causal), "USE_SOFTCAP": softcap > 0, "USE_WINDOW": window > 0,
             }  # fmt: skip
-        _reduce_kernel[(bsz * lq * hq, d // block_d)](
+        merge[(bsz * lq * hq, d // block_d)](
             args[12],
             args[13],
             out,
