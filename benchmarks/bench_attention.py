@@ -471,6 +471,15 @@ KT_VARIANTS: dict[str, dict[str, Any]] = {
     "from-end-hadamard-early-trim16": {
         "SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "REG_TRIM": 16
     },
+    # the split merge attends the first tokens (decode): no key-loop program carries them;
+    # from the end, split 0's masked tile after them sits in the shortest share
+    "merge": {"FIRST_SPLIT": "merge"},
+    "merge-from-end": {"FIRST_SPLIT": "merge", "SPLIT_FROM_END": True},
+    "merge-early": {"FIRST_SPLIT": "merge", "EARLY_LOADS": True},
+    "merge-stages2-from-end": {"FIRST_SPLIT": "merge", "ROT_STAGES": 2, "SPLIT_FROM_END": True},
+    "hadamard-merge-from-end": {
+        "ROT_KIND": "hadamard", "FIRST_SPLIT": "merge", "SPLIT_FROM_END": True
+    },
 }  # fmt: skip
 
 
@@ -516,6 +525,12 @@ def run_k_transform(
         ]
     if ablation:
         runs += [(f"per-head-kt{{{a}}}", f"kt:{a}", None) for a in KT_ABLATIONS]
+        # the parts with first tokens once more with the split merge attending them
+        runs += [
+            (f"per-head-kt{{{a}}}[merge]", f"kt:{a}", {"FIRST_SPLIT": "merge"})
+            for a, parts in KT_ABLATIONS.items()
+            if "first_k" in parts
+        ]
     for kind, hq, hkv, d, bsz, ctx, lq in shapes:
         label = f"{kind} {hq}/{hkv}/{d} B{bsz} ctx{ctx} lq{lq}"
         if time.time() > deadline:

@@ -90,7 +90,7 @@ def compile_decode(
     }  # fmt: skip
     if kt:
         pointers.update(rot_ptr="*fp32", off_ptr="*fp32", fk_ptr="*bf16", fv_ptr="*bf16",
-                        flen_ptr="*i32")  # fmt: skip
+                        flen_ptr="*i32", qr_ptr="*fp32")  # fmt: skip
     fold = fold and group_scales and not prefill
     block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
     if prefill:
@@ -107,6 +107,7 @@ def compile_decode(
         ROT_SLICE=min(rot_slice, d) if has_rot else 16, ROT_STAGES=rot_stages if has_rot else 1,
         EARLY_LOADS=early_loads and kt, FIRST_SPLIT_LAST=first_split == "last" and has_first,
         ROT_HADAMARD=rot_kind == "hadamard" and has_rot, SPLIT_FROM_END=split_from_end,
+        FIRST_IN_MERGE=first_split == "merge" and has_first and not prefill,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     values = dict(
@@ -152,6 +153,88 @@ def compile_decode(
             **({"maxnreg": maxnreg} if maxnreg else {}),
         },
     )
+
+
+def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
+                   first: bool = False, n_first: int = 1, pdl: bool = True) -> Any:  # fmt: skip
+    """Compile the split merge (one warp, 32 columns per program, bf16 output) for sm_90.
+
+    With ``first`` the merge that also attends the first tokens (``_reduce_first_kernel``, the
+    launcher's ``FIRST_SPLIT="merge"``: query rows fp32, bf16 side buffers of ``n_first``
+    tokens).
+    """
+    fn = at._reduce_first_kernel if first else at._reduce_kernel
+    names = list(fn.arg_names)
+    pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "sink_ptr": "*fp32",
+                "qr_ptr": "*fp32", "fk_ptr": "*bf16", "fv_ptr": "*bf16", "flen_ptr": "*i32",
+                "seq_ptr": "*i32", "qlen_ptr": "*i32", "start_ptr": "*i32"}  # fmt: skip
+    consts: dict[str, Any] = dict(
+        SPLITS_P2=max(2, triton.next_power_of_2(splits)), HEAD_D=d, BLOCK_D=min(32, d), PDL=pdl,
+        HAS_SINKS=False,
+    )  # fmt: skip
+    if first:
+        consts.update(
+            FIRST_P2=max(2, triton.next_power_of_2(n_first)), GROUP=hq // hkv, HAS_QLEN=False,
+            HAS_START=False, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False,
+        )  # fmt: skip
+    # the rotated query rows are contiguous [B, Lq, Hq, D] (Lq = 1); output [B, 1, Hq, D]
+    values = dict(Lq=1, Hq=hq, num_splits=splits, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1,
+                  s_qrb=hq * d, s_qrt=hq * d, s_qrh=d, s_qrd=1, n_first_max=n_first)  # fmt: skip
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for name in names:
+        if name in pointers:
+            signature[name] = pointers[name]
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+        elif name in consts:
+            signature[name] = "constexpr"
+        elif name in ("sm_scale", "softcap"):
+            signature[name] = "fp32"
+        elif values.get(name) == 1:
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i32"
+            if values.get(name, 1) % 16 == 0 and values.get(name):
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs=attrs,
+    )
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 1, "num_stages": 3, "launch_pdl": pdl},
+    )
+
+
+def reduce_resources(kernel: Any) -> dict[str, Any]:
+    """Registers, stack and SASS of the split merge: instructions, global loads, and those
+    after the ``griddepcontrol.wait`` (the part that waits for the attention kernel)."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        dump, sass = (
+            subprocess.run(
+                [str(bin_dir / tool), flag, str(cubin)], capture_output=True, text=True, check=True
+            ).stdout
+            for tool, flag in (("cuobjdump", "--dump-resource-usage"), ("nvdisasm", "-c"))
+        )
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;", sass)
+    loads = [op.split(".")[0] in ("LDG", "LDGSTS") for op in ops]
+    # griddepcontrol.wait is ACQBULK in sm_90 SASS; without PDL the whole kernel counts
+    wait = next((i for i, op in enumerate(ops) if op.startswith("ACQBULK")), -1)
+    return {
+        "registers": int(usage.group(1)) if usage else None,
+        "stack_bytes": int(usage.group(2)) if usage else None,
+        "sass_instructions": len(ops),
+        "global_loads": sum(loads),
+        "sass_after_wait": len(ops) - wait - 1,
+    }
 
 
 def loop_sizes(sass: str) -> list[int]:
@@ -268,8 +351,8 @@ def main() -> None:
     ap.add_argument(
         "--first-split",
         default=KT_FIRST_SPLIT,
-        choices=("first", "last"),
-        help="split attending the first tokens (config FIRST_SPLIT)",
+        choices=("first", "last", "merge"),
+        help="split attending the first tokens, or the split merge (config FIRST_SPLIT)",
     )
     ap.add_argument(
         "--rot-kind",
@@ -285,10 +368,28 @@ def main() -> None:
         help="config SPLIT_FROM_END: split 0 gets the remainder of the key tiles",
     )
     ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
+    ap.add_argument(
+        "--reduce",
+        metavar="SPLITS",
+        type=int,
+        default=0,
+        help="the split merge of SPLITS partials instead, without and with the first tokens "
+        "(FIRST_SPLIT 'merge'; --first-tokens of them)",
+    )
+    ap.add_argument("--first-tokens", type=int, default=1, help="with --reduce: side buffer size")
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.shape.split(","))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
+    if args.reduce:
+        for first in (False, True):
+            kernel = compile_reduce(
+                hq=hq, hkv=hkv, d=d, splits=args.reduce, first=first, n_first=args.first_tokens
+            )  # fmt: skip
+            record = {"reduce": args.reduce, "shape": args.shape, "first_tokens": first,
+                      "n_first": args.first_tokens, **reduce_resources(kernel)}  # fmt: skip
+            print(json.dumps(record), flush=True)
+        return
     for spec in args.variant or DEFAULT_VARIANTS:
         parts = spec.split(",")
         bn, warps, ls = (int(x) for x in parts[:3])

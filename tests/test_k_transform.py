@@ -336,9 +336,17 @@ def test_triton_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]
     assert_close_rel(_triton(case, **extra), ref, rel_tol=REL_TOL, name=str(case_kw))
 
 
+# FIRST_SPLIT "merge": the split merge attends the first tokens (decode; prefill keeps split 0)
+FIRST_WHERE = [{}, {"FIRST_SPLIT": "merge"}]
+FIRST_IDS = ["in-split", "in-merge"]
+
+
+@pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
 @pytest.mark.parametrize("lq", [1, 40], ids=["decode", "prefill"])
 @pytest.mark.parametrize("sm_scale", [-0.2, 0.0])
-def test_triton_transform_score_scale_of_any_sign(lq: int, sm_scale: float) -> None:
+def test_triton_transform_score_scale_of_any_sign(
+    lq: int, sm_scale: float, first: dict[str, str]
+) -> None:
     """The offset term and the first tokens follow the sign trick of the score scale."""
     case = build_case(
         [50, 70], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", k_transform="both",
@@ -346,11 +354,12 @@ def test_triton_transform_score_scale_of_any_sign(lq: int, sm_scale: float) -> N
     )  # fmt: skip
     case.sm_scale = sm_scale
     case.scales["k_scale"][1] *= -1.0
-    extra = {"num_splits": 2} if lq == 1 else {}
-    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL)
+    extra: dict[str, Any] = {"num_splits": 2} if lq == 1 else {}
+    assert_close_rel(_triton(case, **extra, config=first), case.reference(), rel_tol=REL_TOL)
 
 
-def test_triton_learned_sinks_with_transform() -> None:
+@pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
+def test_triton_learned_sinks_with_transform(first: dict[str, str]) -> None:
     """Sinks add to the denominator after the offset term (split decode and one split)."""
     case = build_case(
         [64, 100], hq=8, hkv=2, d=64, granularity="per-head", k_transform="both",
@@ -359,10 +368,11 @@ def test_triton_learned_sinks_with_transform() -> None:
     case.options["sinks"] = torch.linspace(-2.0, 6.0, 8)
     ref = case.reference()
     for splits in (1, 3):
-        assert_close_rel(_triton(case, num_splits=splits), ref, rel_tol=REL_TOL)
+        assert_close_rel(_triton(case, num_splits=splits, config=first), ref, rel_tol=REL_TOL)
 
 
-def test_nan_first_key_reaches_only_rows_that_see_it() -> None:
+@pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
+def test_nan_first_key_reaches_only_rows_that_see_it(first: dict[str, str]) -> None:
     """A NaN in a visible first token's K makes its rows NaN; unused buffer rows never matter."""
     case = build_case(
         [30, 30], hq=4, hkv=2, d=64, granularity="per-head", k_transform="both",
@@ -371,7 +381,7 @@ def test_nan_first_key_reaches_only_rows_that_see_it() -> None:
     case.options["first_k"][0, 0, 1, 5] = float("nan")  # row 0, KV head 1
     ref = case.reference()
     assert bool(ref[0, :, 2:].isnan().all()) and bool(ref[0, :, :2].isfinite().all())
-    got = _triton(case, num_splits=2)
+    got = _triton(case, num_splits=2, config=first)
     assert torch.equal(got.isnan(), ref.isnan())
     assert_close_rel(got[1], ref[1], rel_tol=REL_TOL)
 
@@ -392,7 +402,8 @@ def test_public_api_dispatches_transform_to_triton() -> None:
         )  # fmt: skip
 
 
-def test_nan_first_value_no_query_sees_never_reaches_the_output() -> None:
+@pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
+def test_nan_first_value_no_query_sees_never_reaches_the_output(first: dict[str, str]) -> None:
     """A sliding window hides the first token from every query: its NaN value stays out."""
     case = build_case(
         [90, 90], hq=4, hkv=2, d=64, granularity="per-head", k_transform="offset",
@@ -401,7 +412,36 @@ def test_nan_first_value_no_query_sees_never_reaches_the_output() -> None:
     case.options["first_v"][0, 0] = float("nan")
     ref = case.reference()
     assert bool(ref.isfinite().all())
-    assert_close_rel(_triton(case, num_splits=2), ref, rel_tol=REL_TOL)
+    assert_close_rel(_triton(case, num_splits=2, config=first), ref, rel_tol=REL_TOL)
+
+
+DECODE_KT_CASES = [c for c in KT_CASES if c[0].startswith("decode")]
+
+
+@pytest.mark.parametrize(
+    "case_kw, extra", [c[1:] for c in DECODE_KT_CASES], ids=[c[0] for c in DECODE_KT_CASES]
+)
+def test_triton_first_tokens_in_split_merge_match_reference(
+    case_kw: dict[str, Any], extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``FIRST_SPLIT="merge"``: the split merge attends the first tokens, also where the
+    decode is not split (one split then writes a partial for the merge); NaN-poisoned
+    output, pages, first-token slots and split workspace (partials, log-sum-exps, rotated
+    query rows), fresh data per case."""
+    kw = {"granularity": "per-head", **case_kw}
+    case = build_case(**kw, seed=len(kw["lens"]) * 7 + kw["hq"] + 1)
+    ref = case.reference()
+    assert bool(torch.isfinite(ref).all())
+    empty = torch.empty
+
+    def nan_empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+        t = empty(*size, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    for splits in {extra.get("num_splits", 2), 1}:
+        got = _triton(case, num_splits=splits, config={"FIRST_SPLIT": "merge"})
+        assert_close_rel(got, ref, rel_tol=REL_TOL, name=f"{case_kw} splits={splits}")
 
 
 # the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.tuning)
@@ -442,10 +482,14 @@ LATENCY_VARIANTS: list[dict[str, Any]] = [
     {"ROT_KIND": "auto", "ROT_SLICE": 32, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
     {"SPLIT_FROM_END": True},
     {"SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "ROT_STAGES": 2},
+    {"FIRST_SPLIT": "merge"},
+    {"FIRST_SPLIT": "merge", "EARLY_LOADS": True, "SPLIT_FROM_END": True},
+    {"FIRST_SPLIT": "merge", "ROT_WHERE": "host"},
 ]
 LATENCY_IDS = ["stages2", "slice32-stages3", "slice64", "early", "first-last", "early-last-stages2-trim",
                "hadamard", "auto-slice32-early-last", "from-end",
-               "from-end-hadamard-early-stages2"]  # fmt: skip
+               "from-end-hadamard-early-stages2", "merge", "merge-early-from-end",
+               "merge-host"]  # fmt: skip
 
 
 @pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)
@@ -496,7 +540,7 @@ def test_latency_variants_leave_other_formats_alone(granularity: str) -> None:
         [150, 33], hq=8, hkv=2, d=64, granularity=granularity, kv_start=[7, 0], seed=5
     )  # fmt: skip
     ref = case.reference()
-    for opts in (LATENCY_VARIANTS[5], LATENCY_VARIANTS[-1]):
+    for opts in (LATENCY_VARIANTS[5], LATENCY_VARIANTS[9], LATENCY_VARIANTS[-2]):
         assert_close_rel(_triton(case, num_splits=3, config=opts), ref, rel_tol=REL_TOL,
                          name=str(opts))  # fmt: skip
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvquant.kernels.tuning import programs_per_sm, register_cap
 
@@ -92,3 +93,34 @@ def test_offline_sm90_k_transform_latency_variants() -> None:
     assert programs_per_sm(int(capped["registers"]), 2, int(capped["shared_bytes"])) > (
         programs_per_sm(regs, 2, shared)
     )
+
+
+def test_offline_sm90_first_tokens_in_the_split_merge() -> None:
+    """``FIRST_SPLIT="merge"`` (9/3/64 decode): no first-token loop before the key loops, and
+    the kernel keeps per-head's residency, which the first tokens in split 0 cost; the
+    merge that takes them over stays a one-warp kernel without spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+
+    def compile_(*flags: str) -> list[dict[str, Any]]:
+        out = subprocess.run(
+            [sys.executable, "benchmarks/kernel_resources.py", "--shape", "9,3,64", *flags],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
+        ).stdout  # fmt: skip
+        return [json.loads(line) for line in out.strip().splitlines()]
+
+    plain, in_split = compile_("--variant", "64,2,6", "--variant", "64,2,6,per-head-kt-first")
+    (merged,) = compile_("--variant", "64,2,6,per-head-kt-first", "--first-split", "merge")
+
+    def residency(r: dict[str, Any]) -> int:
+        return programs_per_sm(r["registers"], 2, r["shared_bytes"])
+
+    assert merged["first_split"] == "merge"
+    # the first-token loop, then the three key loops; with the merge only the key loops
+    assert len(in_split["sass_loop_instructions"]) == 4
+    assert len(merged["sass_loop_instructions"]) == 3
+    assert residency(merged) == residency(plain) > residency(in_split)
+    without, with_first = compile_("--reduce", "22")
+    assert without["first_tokens"] is False and with_first["first_tokens"] is True
+    assert with_first["stack_bytes"] == 0
+    assert with_first["sass_instructions"] > without["sass_instructions"]

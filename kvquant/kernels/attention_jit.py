@@ -67,8 +67,11 @@ to the code they had. Further flags order the transform's work before the key lo
 launcher's latency choices, :mod:`kvquant.kernels.tuning`): ``ROT_SLICE`` / ``ROT_STAGES``
 (rows of R per rotation step, software pipelining of that loop), ``ROT_HADAMARD`` (R's
 slices computed from their indices), ``EARLY_LOADS`` (the transform's independent loads
-first), ``FIRST_SPLIT_LAST`` (the last split attends the first tokens) and, for any format,
-``SPLIT_FROM_END`` (split 0 takes the remainder of the key tiles).
+first), ``FIRST_SPLIT_LAST`` (the last split attends the first tokens), ``FIRST_IN_MERGE``
+(decode: :func:`_reduce_first_kernel`, the split merge, attends the first tokens; the attention programs only start
+their key range after them, and with a rotation split 0 stores its rotated query rows for
+the merge) and, for any format, ``SPLIT_FROM_END`` (split 0 takes the remainder of the key
+tiles).
 
 The key loop is split into a masked first tile (keys before the first visible
 one, e.g. left padding), an unmasked interior (every key visible to every row
@@ -88,7 +91,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["_paged_attn_kernel", "_reduce_kernel"]
+__all__ = ["_paged_attn_kernel", "_reduce_first_kernel", "_reduce_kernel"]
 
 
 @triton.jit
@@ -551,6 +554,7 @@ def _paged_attn_kernel(
     fv_ptr,
     flen_ptr,
     n_first_max,
+    qr_ptr,
     HAS_QLEN: tl.constexpr,
     HAS_START: tl.constexpr,
     GROUP: tl.constexpr,
@@ -583,6 +587,7 @@ def _paged_attn_kernel(
     FIRST_SPLIT_LAST: tl.constexpr,
     ROT_HADAMARD: tl.constexpr,
     SPLIT_FROM_END: tl.constexpr,
+    FIRST_IN_MERGE: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys."""
     if PDL:
@@ -615,6 +620,7 @@ def _paged_attn_kernel(
             off_c = tl.load(off_ptr + kvh * HEAD_D + tl.arange(0, HEAD_D))
         if HAS_FIRST:
             flen = tl.load(flen_ptr + b)
+        if HAS_FIRST and not FIRST_IN_MERGE:
             # key 0 of the first tokens (only the program that attends them reads it)
             first_off = (b.to(tl.int64) * n_first_max * (Hq // GROUP) + kvh) * HEAD_D
             # (masks as a comparison of the offsets: the interpreter refuses a scalar's)
@@ -683,9 +689,16 @@ def _paged_attn_kernel(
             if not EARLY_LOADS:
                 off_c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
             qc = tl.sum(q.to(tl.float32) * off_c[None, :], 1)
+    if FIRST_IN_MERGE and HAS_ROT:
+        # the split merge attends the first tokens: split 0 stores its rotated query rows (fp32,
+        # the score scale's sign not folded in) for it; without a rotation it reads the query
+        qr_rows = (b.to(tl.int64) * Lq + t_x) * Hq + head_x
+        tl.store(qr_ptr + qr_rows[:, None] * HEAD_D + offs_d[None, :], q32,
+                 mask=ok_x[:, None] & (offs_d[None, :] < tl.where(split == 0, HEAD_D, 0)))  # fmt: skip
     n_first = 0
     if HAS_FIRST:
-        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (first_split)
+        # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (first_split,
+        # or the split merge)
         if not EARLY_LOADS:
             flen = tl.load(flen_ptr + b)
         n_first = tl.minimum(tl.minimum(flen, n_first_max), seq_len - kv0)
@@ -777,7 +790,7 @@ def _paged_attn_kernel(
     m_i = tl.full([RB], float("-inf"), tl.float32)
     l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if HAS_FIRST:
+    if HAS_FIRST and not FIRST_IN_MERGE:
         # the first tokens' keys start the online softmax (it is order-free), key by key
         row_stride = (Hq // GROUP) * HEAD_D
         if not EARLY_LOADS:
@@ -876,6 +889,125 @@ def _paged_attn_kernel(
 
 
 @triton.jit
+def _merge_row(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    Lq,
+    Hq,
+    num_splits,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_od,
+    sink_ptr,
+    qr_ptr,
+    s_qrb,
+    s_qrt,
+    s_qrh,
+    s_qrd,
+    fk_ptr,
+    fv_ptr,
+    flen_ptr,
+    n_first_max,
+    seq_ptr,
+    qlen_ptr,
+    start_ptr,
+    sm_scale,
+    softcap,
+    window,
+    SPLITS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
+    FIRST_P2: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_QLEN: tl.constexpr,
+    HAS_START: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """Merge the split partials of ``BLOCK_D`` columns of one output row (sequence, token, head).
+
+    With ``HAS_FIRST`` the merge also attends the first tokens: their scores are the dots of
+    the row's query in the pages' frame (``qr_ptr``: the rotated rows split 0 stored, or the
+    query itself without a rotation) with ``first_k``, under the attention kernel's masks, and
+    they join the partials' log-sum-exps as ``FIRST_P2`` more terms, their values ``first_v``
+    as they are. Without it the first-token arguments are never read.
+    """
+    if PDL:
+        gdc_wait()  # launched early: the partials are complete only after this
+    row = tl.program_id(0)
+    h = row % Hq
+    t = (row // Hq) % Lq
+    b = row // (Hq * Lq)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    base = row.to(tl.int64) * num_splits
+    lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    part = tl.load(
+        part_ptr + (base + offs_s)[:, None] * HEAD_D + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    m = tl.max(lse, 0)
+    if HAS_FIRST:
+        seq_len = tl.load(seq_ptr + b)
+        if HAS_QLEN:
+            q_len = tl.minimum(tl.load(qlen_ptr + b), Lq)
+        else:
+            q_len = Lq
+        if HAS_START:
+            kv0 = tl.load(start_ptr + b)
+        else:
+            kv0 = 0
+        flen = tl.load(flen_ptr + b)
+        # the side buffer's rows of this (sequence, KV head), loaded up to its size (not up to
+        # first_lens: every load of the merge is issued at once, none waits for another)
+        offs_f = tl.arange(0, FIRST_P2)
+        f_in = offs_f < n_first_max
+        f_base = ((b.to(tl.int64) * n_first_max + offs_f) * (Hq // GROUP) + h // GROUP) * HEAD_D
+        offs_k = tl.arange(0, HEAD_D)
+        q_row = tl.load(qr_ptr + b.to(tl.int64) * s_qrb + t * s_qrt + h * s_qrh + offs_k * s_qrd)
+        fk = tl.load(fk_ptr + f_base[:, None] + offs_k[None, :], mask=f_in[:, None], other=0.0)
+        fv = tl.load(fv_ptr + f_base[:, None] + offs_d[None, :], mask=f_in[:, None], other=0.0)
+        # key f at position kv0 + f, seen by the row's token at pos under the kernel's masks
+        n_first = tl.minimum(tl.minimum(flen, n_first_max), seq_len - kv0)
+        pos = seq_len - q_len + t
+        key = kv0 + offs_f
+        vis = (offs_f < n_first) & (t < q_len)
+        if CAUSAL:
+            vis = vis & (key <= pos)
+        if USE_WINDOW:
+            vis = vis & (key > pos - window)
+        fs = tl.sum(fk.to(tl.float32) * q_row.to(tl.float32)[None, :], 1) * sm_scale
+        if USE_SOFTCAP:
+            e = tl.exp(2.0 * (fs / softcap))
+            fs = softcap * (1.0 - 2.0 / (e + 1.0))
+        fs = tl.where(vis, fs * 1.4426950408889634, float("-inf"))
+        fv = tl.where(vis[:, None], fv.to(tl.float32), 0.0)  # unseen: out of the sum (0 * NaN)
+        m = tl.maximum(m, tl.max(fs, 0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_use)
+    denom = tl.sum(w, 0)
+    acc = tl.sum(w[:, None] * part, 0)
+    if HAS_FIRST:
+        wf = tl.exp2(fs - m_use)
+        denom += tl.sum(wf, 0)
+        acc += tl.sum(wf[:, None] * fv, 0)
+    if HAS_SINKS:  # the sink's term of the denominator, once (no key at all: the output stays 0)
+        sink = tl.load(sink_ptr + h) * 1.4426950408889634
+        denom += tl.where(m == float("-inf"), 0.0, tl.exp2(sink - m_use))
+    o = acc / tl.where(denom > 0.0, denom, 1.0)
+    o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t * s_ot + h * s_oh + offs_d * s_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _reduce_kernel(
     part_ptr,
     lse_ptr,
@@ -895,29 +1027,62 @@ def _reduce_kernel(
     HAS_SINKS: tl.constexpr,
 ):
     """Merge the split partials of ``BLOCK_D`` columns of one output row (sequence, token, head)."""
-    if PDL:
-        gdc_wait()  # launched early: the partials are complete only after this
-    row = tl.program_id(0)
-    h = row % Hq
-    t = (row // Hq) % Lq
-    b = row // (Hq * Lq)
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    base = row.to(tl.int64) * num_splits
-    lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-    part = tl.load(
-        part_ptr + (base + offs_s)[:, None] * HEAD_D + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
-    m = tl.max(lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_use)
-    denom = tl.sum(w, 0)
-    if HAS_SINKS:  # the sink's term of the denominator, once (no key at all: the output stays 0)
-        sink = tl.load(sink_ptr + h) * 1.4426950408889634
-        denom += tl.where(m == float("-inf"), 0.0, tl.exp2(sink - m_use))
-    o = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
-    o_ptrs = out_ptr + b.to(tl.int64) * s_ob + t * s_ot + h * s_oh + offs_d * s_od
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+    _merge_row(
+        part_ptr, lse_ptr, out_ptr, Lq, Hq, num_splits, s_ob, s_ot, s_oh, s_od, sink_ptr,
+        lse_ptr, 0, 0, 0, 0, lse_ptr, lse_ptr, lse_ptr, 0, lse_ptr, lse_ptr, lse_ptr, 1.0, 1.0, 0,
+        SPLITS_P2, HEAD_D, BLOCK_D, PDL, HAS_SINKS, False, 2, 1, False, False, False, False, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _reduce_first_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    Lq,
+    Hq,
+    num_splits,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_od,
+    sink_ptr,
+    qr_ptr,
+    s_qrb,
+    s_qrt,
+    s_qrh,
+    s_qrd,
+    fk_ptr,
+    fv_ptr,
+    flen_ptr,
+    n_first_max,
+    seq_ptr,
+    qlen_ptr,
+    start_ptr,
+    sm_scale,
+    softcap,
+    window,
+    SPLITS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    FIRST_P2: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_QLEN: tl.constexpr,
+    HAS_START: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """:func:`_reduce_kernel` that also attends the first tokens (``FIRST_SPLIT="merge"``).
+
+    A kernel apart, so that the other formats' merge keeps its arguments (its launch cost).
+    """
+    _merge_row(
+        part_ptr, lse_ptr, out_ptr, Lq, Hq, num_splits, s_ob, s_ot, s_oh, s_od, sink_ptr,
+        qr_ptr, s_qrb, s_qrt, s_qrh, s_qrd, fk_ptr, fv_ptr, flen_ptr, n_first_max,
+        seq_ptr, qlen_ptr, start_ptr, sm_scale, softcap, window,
+        SPLITS_P2, HEAD_D, BLOCK_D, PDL, HAS_SINKS, True, FIRST_P2, GROUP, HAS_QLEN, HAS_START,
+        CAUSAL, USE_SOFTCAP, USE_WINDOW,
+    )  # fmt: skip

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from kvquant.errors import KernelInputError
-from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_kernel
+from kvquant.kernels.attention_jit import _paged_attn_kernel, _reduce_first_kernel, _reduce_kernel
 from kvquant.kernels.reference import hadamard
 from kvquant.kernels.tuning import (
     _FOLD_MAX_ROWS,
@@ -152,8 +152,8 @@ def _split_kernel_use(
     The first call of a signature compiles the kernel (``warmup``, no launch).
     """
     dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args[:14])
-    if consts["HAS_FIRST"]:  # the first-token buffers' dtypes (args[-4:-2]) compile apart too
-        dtypes += (args[-4].dtype, args[-3].dtype)
+    if consts["HAS_FIRST"]:  # the first-token buffers' dtypes (args[-5:-3]) compile apart too
+        dtypes += (args[-5].dtype, args[-4].dtype)
     key: tuple[Any, ...] = (device, dtypes, *sorted(consts.items()))
     use = _KERNEL_USE.get(key)
     if use is None:
@@ -247,7 +247,8 @@ def paged_attention_triton(
             loaded, computed when R is ``hadamard(D)``, or always computed: R must then be
             ``hadamard(D)``; compared once per tensor), ``ROT_SLICE`` 16 | 32 | 64 (capped at
             ``D``), ``ROT_STAGES`` 1 | 2 | 3,
-            ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` order its
+            ``EARLY_LOADS`` and ``FIRST_SPLIT`` ``"first"`` | ``"last"`` | ``"merge"`` (the
+            split merge attends the first tokens, in decode, also unsplit) order its
             per-program work: :data:`kvquant.kernels.tuning.KT_ROT_SLICE`; any format:
             ``REG_TRIM`` 0 | 8 | 16 | 24 | 32 caps the split decode kernel's registers where
             that fits one more program per SM, :func:`kvquant.kernels.tuning.register_cap`;
@@ -354,6 +355,7 @@ def paged_attention_triton(
         first_v if first_v is not None else dummy,
         first_lens if first_lens is not None else dummy,
         first_k.shape[1] if first_k is not None else 0,
+        dummy,  # the rotated query rows for the split merge (FIRST_SPLIT "merge")
     ]  # fmt: skip
     tp = math.gcd(page_size, int(cfg["BLOCK_N"]))
     has_first = first_k is not None and first_v is not None and first_lens is not None
@@ -398,6 +400,8 @@ def paged_attention_triton(
         "SPLIT_FROM_END": bool(kt["SPLIT_FROM_END"]),
         "EARLY_LOADS": bool(kt["EARLY_LOADS"]) and transform,
         "FIRST_SPLIT_LAST": kt["FIRST_SPLIT"] == "last" and has_first,
+        # decode only: the split merge attends the first tokens (prefill keeps them in split 0)
+        "FIRST_IN_MERGE": kt["FIRST_SPLIT"] == "merge" and has_first and n_qblocks == 1,
         "num_warps": int(cfg["num_warps"]),
         "num_stages": int(cfg["num_stages"]),
         "launch_pdl": pdl,
@@ -416,19 +420,41 @@ def paged_attention_triton(
                 programs_per_sm=_decode_residency(args, consts, query.device),
                 block_n=int(cfg["BLOCK_N"]),
             )
-    split = num_splits > 1
+    first_merge = bool(consts["FIRST_IN_MERGE"])
+    split = num_splits > 1 or first_merge  # the merge attends the first tokens even unsplit
     if split:
-        # one workspace: partial outputs [B, Lq, Hq, S, D] then their log2-sum-exp [B, Lq, Hq, S]
+        # one workspace: partial outputs [B, Lq, Hq, S, D], their log2-sum-exp [B, Lq, Hq, S],
+        # then for the merge's first tokens the rotated query rows [B, Lq, Hq, D]
         rows = bsz * lq * hq * num_splits
-        work = torch.empty(rows * (d + 1), dtype=torch.float32, device=query.device)
-        args[12], args[13] = work[: rows * d], work[rows * d :]
+        q_rows = bsz * lq * hq * d if first_merge and k_rotation is not None else 0
+        work = torch.empty(rows * (d + 1) + q_rows, dtype=torch.float32, device=query.device)
+        args[12], args[13] = work[: rows * d], work[rows * d : rows * (d + 1)]
+        if q_rows:
+            args[-1] = work[rows * (d + 1) :]
     args[20] = num_splits
     _paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
     if split:
         # one-warp programs of 32 columns: the merge is latency-bound, and at B1 x 32k it had
         # only 32 programs (one per row); the graph table of bench_attention.py times it
         block_d = min(32, d)
-        _reduce_kernel[(bsz * lq * hq, d // block_d)](
+        # the merge that attends the first tokens takes the query rows in the pages' frame
+        # (the rotated rows split 0 stores, or the query: rotated on the host, or no rotation)
+        # and their strides, first_k, first_v, first_lens, n_first_max, seq_lens, q_lens,
+        # kv_start, sm_scale, softcap, window
+        merge: Any = _reduce_kernel
+        first_args: list[Any] = []
+        first_consts: dict[str, Any] = {}
+        if first_merge:
+            merge = _reduce_first_kernel
+            q_src = args[-1] if k_rotation is not None else query
+            q_strides = (lq * hq * d, hq * d, d, 1) if k_rotation is not None else query.stride()
+            first_args = [q_src, *q_strides, *args[-5:-1], *args[4:7], *args[14:17]]
+            first_consts = {
+                "FIRST_P2": max(2, triton.next_power_of_2(int(args[-2]))), "GROUP": group,
+                "HAS_QLEN": q_lens is not None, "HAS_START": kv_start is not None,
+                "CAUSAL": bool(causal), "USE_SOFTCAP": softcap > 0, "USE_WINDOW": window > 0,
+            }  # fmt: skip
+        merge[(bsz * lq * hq, d // block_d)](
             args[12],
             args[13],
             out,
@@ -437,11 +463,13 @@ def paged_attention_triton(
             num_splits,
             *out.stride(),
             sinks if sinks is not None else dummy,
+            *first_args,
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
             HEAD_D=d,
             BLOCK_D=block_d,
             PDL=pdl,
             HAS_SINKS=sinks is not None,
+            **first_consts,
             num_warps=1,
             launch_pdl=pdl,
         )

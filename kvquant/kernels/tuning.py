@@ -36,10 +36,12 @@ KT_ROT_CHOICES = {"ROT_WHERE": ("kernel", "host"), "ROT_PRECISION": ("ieee", "tf
 # (scales, offset, ``first_lens``, the first token's key and value) at the start of the
 # program, before the rotation; ``FIRST_SPLIT`` is the split-KV program that attends the
 # first tokens (``"first"`` or ``"last"``, the last's key range being the shortest when the
-# tiles do not divide evenly); ``ROT_KIND`` is how the kernel gets R's slices: loaded
-# (``"matrix"``), or computed from their indices when R is ``kvquant.kernels.hadamard(D)``
-# (``"auto"``, compared once per tensor; the same result either way) or always (``"hadamard"``,
-# any other R refused); ``REG_TRIM`` N > 0 caps the split decode kernel's registers where
+# tiles do not divide evenly), or ``"merge"``: in decode the split merge attends them (their
+# scores from the query rows split 0 stores in the pages' frame), so that no key-loop program
+# carries them; prefill keeps them in split 0; ``ROT_KIND`` is how the kernel gets R's
+# slices: loaded (``"matrix"``), or computed from their indices when R is
+# ``kvquant.kernels.hadamard(D)`` (``"auto"``, compared once per tensor; the same result either
+# way) or always (``"hadamard"``, any other R refused); ``REG_TRIM`` N > 0 caps the split decode kernel's registers where
 # shedding at most N per thread fits one more program per SM (any format; 0 = never);
 # ``SPLIT_FROM_END`` counts the split-KV shares back from the last tile, so that split 0
 # (which holds the masked tile after the first visible key and attends the first tokens) gets
@@ -57,7 +59,7 @@ KT_LATENCY_CHOICES: dict[str, tuple[object, ...]] = {
     "ROT_SLICE": (16, 32, 64),
     "ROT_STAGES": (1, 2, 3),
     "EARLY_LOADS": (False, True),
-    "FIRST_SPLIT": ("first", "last"),
+    "FIRST_SPLIT": ("first", "last", "merge"),
     "REG_TRIM": (0, 8, 16, 24, 32),
     "SPLIT_FROM_END": (False, True),
 }
