@@ -119,26 +119,33 @@ def test_a_pool_that_grows_mid_decode_captures_again_without_a_recompile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The page count and block-table width are dynamic in the compiled graph: each growth
-    captures the compiled step again (no warm-up, recompiles refused) and nothing compiles."""
+    captures the compiled step again (no warm-up, recompiles refused) and nothing compiles.
+
+    The reference is teacher-forced on the compiled run's own tokens (eager steps): a free
+    running comparison would follow another token path after the first near-tie that the
+    fused kernels' bf16 rounding flips, and compare unrelated logits.
+    """
+    from torch._dynamo.utils import counters
+
     from kvquant.integrations.hf import cache_layer
 
     monkeypatch.setattr(cache_layer, "MIN_GROWTH_TOKENS", 16)  # grow every few pages
     torch._dynamo.reset()
+    counters.clear()  # count only this test's compiles
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)
     ids, mask = prompt(batch=2, length=24, pad=(3, 0))
     ids, mask = ids.cuda(), mask.cuda()
-    handle = kvhf.patch(model, page_size=16, compile_step=False)
-    want = torch.stack(generate_exactly(model, ids, mask, 100).logits)
-    handle.remove()
     handle = kvhf.patch(model, page_size=16)
     cache = handle.new_cache()
     got = generate_exactly(model, ids, mask, 100, **{cache_kwarg(model): cache})
-    got = torch.stack(got.logits)
     stats = handle.state.graph_runner.stats
     assert cache.capacity_version >= 2
     assert stats.captures >= 2 and stats.replays == 99  # captured again after a growth
     assert stats.compile_fallbacks == 0 and stats.fallbacks == 0
     assert stats.compiled_runs == 1 + stats.captures  # one warm-up, then captures only
     assert _graphs_compiled() == 1
-    assert min_cosine(got, want) >= 0.999
     handle.remove()
+    handle = kvhf.patch(model, cuda_graphs=False, page_size=16)
+    want, _ = step_logits(model, ids, mask, got.sequences[:, ids.shape[1] : -1])
+    handle.remove()
+    assert min_cosine(torch.stack(got.logits, dim=1).float(), want) >= 0.999
