@@ -539,3 +539,14 @@ def test_sink_logits_are_converted_once_per_layer() -> None:
     for layer in model.model.layers:
         assert any(torch.equal(c, layer.self_attn.sinks.float()) for c in converted)
     handle.remove()
+
+
+def test_inductor_options_leave_an_explicit_thread_count_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvquant.integrations.hf.graphs import inductor_options
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    assert inductor_options() == {"triton.autotune_pointwise": False, "compile_threads": 1}
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    assert inductor_options() == {"triton.autotune_pointwise": False}

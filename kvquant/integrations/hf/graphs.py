@@ -79,6 +79,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -254,6 +255,25 @@ def _compiled_layer_call(
     return compiled(layer, *args, **kwargs)
 
 
+def inductor_options() -> dict[str, Any]:
+    """The inductor settings of a compiled decode step (``torch.compile(options=...)``).
+
+    A decode step's kernels are small (one token per sequence), so what a first
+    ``generate`` pays is compile time, not kernel time:
+
+    - ``compile_threads=1``: inductor compiles the layer's few Triton kernels in
+      this process instead of first starting a pool of worker processes, each of
+      which imports torch (docs/performance.md, "The first call"). A
+      ``TORCHINDUCTOR_COMPILE_THREADS`` in the environment is left to rule.
+    - ``triton.autotune_pointwise=False``: each elementwise kernel is compiled
+      for one launch configuration instead of several timed at the first run.
+    """
+    options: dict[str, Any] = {"triton.autotune_pointwise": False}
+    if not os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"):
+        options["compile_threads"] = 1
+    return options
+
+
 RECOMPILE_LIMIT = 64
 """dynamo's per-code-object recompile limit while the compiled layers run (default 8).
 
@@ -308,7 +328,7 @@ class CompiledLayers:
             fn = torch.compile(
                 cls.forward,
                 backend=self.backend,
-                mode="default" if self.backend == "inductor" else None,
+                options=inductor_options() if self.backend == "inductor" else None,
                 dynamic=False,
                 fullgraph=False,
             )
