@@ -263,7 +263,7 @@ def inductor_options() -> dict[str, Any]:
 
     - ``compile_threads=1``: inductor compiles the layer's few Triton kernels in
       this process instead of first starting a pool of worker processes, each of
-      which imports torch (docs/performance.md, "The first call"). A
+      which imports torch (docs/performance.md, "Compiled decode steps"). A
       ``TORCHINDUCTOR_COMPILE_THREADS`` in the environment is left to rule.
     - ``triton.autotune_pointwise=False``: each elementwise kernel is compiled
       for one launch configuration instead of several timed at the first run.
