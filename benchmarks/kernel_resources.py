@@ -59,6 +59,41 @@ TRANSFORM_FORMATS = {
 DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "64,2,9"]
 
 
+def _compile_sm90(
+    fn: Any, pointers: dict[str, str], consts: dict[str, Any], values: dict[str, int],
+    options: dict[str, Any],
+) -> Any:  # fmt: skip
+    """``triton.compile`` of ``fn`` for sm_90 without a GPU: the signature as the launcher's
+    call would specialise it (pointers 16-byte aligned, ints equal to 1 constant, multiples of
+    16 marked divisible)."""
+    names = list(fn.arg_names)
+    consts = dict(consts)
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for name in names:
+        if name in pointers:
+            signature[name] = pointers[name]
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+        elif name in consts:
+            signature[name] = "constexpr"
+        elif name in ("sm_scale", "softcap"):
+            signature[name] = "fp32"
+        elif values.get(name) == 1:
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i32"
+            if values.get(name, 1) % 16 == 0 and values.get(name):
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs=attrs,
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
@@ -81,7 +116,6 @@ def compile_decode(
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
     group_scales, ng = FORMATS["per-tensor" if kt else fmt]
     fn = at._paged_attn_kernel
-    names = list(fn.arg_names)
     pointers = {
         "q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32",
         "seq_ptr": "*i32", "qlen_ptr": "*i32", "start_ptr": "*i32", "ks_ptr": "*fp32",
@@ -120,39 +154,10 @@ def compile_decode(
         s_vgt=ng, s_vgh=page * ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1,
         Lq=2048 if prefill else 1, Hq=hq,
     )  # fmt: skip
-    signature: dict[str, str] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for name in names:
-        if name in pointers:
-            signature[name] = pointers[name]
-            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-        elif name in consts:
-            signature[name] = "constexpr"
-        elif name in ("sm_scale", "softcap"):
-            signature[name] = "fp32"
-        elif values.get(name) == 1:
-            signature[name] = "constexpr"
-            consts[name] = 1
-        else:
-            signature[name] = "i32"
-            if values.get(name, 1) % 16 == 0 and values.get(name):
-                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-    src = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(names.index(k),): v for k, v in consts.items()},
-        attrs=attrs,
-    )
-    return triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options={
-            "num_warps": warps,
-            "num_stages": 2 if prefill else 3,
-            "launch_pdl": pdl,
-            **({"maxnreg": maxnreg} if maxnreg else {}),
-        },
-    )
+    options = {"num_warps": warps, "num_stages": 2 if prefill else 3, "launch_pdl": pdl}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return _compile_sm90(fn, pointers, consts, values, options)
 
 
 def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
@@ -164,7 +169,6 @@ def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
     tokens).
     """
     fn = at._reduce_first_kernel if first else at._reduce_kernel
-    names = list(fn.arg_names)
     pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "sink_ptr": "*fp32",
                 "qr_ptr": "*fp32", "fk_ptr": "*bf16", "fv_ptr": "*bf16", "flen_ptr": "*i32",
                 "seq_ptr": "*i32", "qlen_ptr": "*i32", "start_ptr": "*i32"}  # fmt: skip
@@ -180,34 +184,8 @@ def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
     # the rotated query rows are contiguous [B, Lq, Hq, D] (Lq = 1); output [B, 1, Hq, D]
     values = dict(Lq=1, Hq=hq, num_splits=splits, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1,
                   s_qrb=hq * d, s_qrt=hq * d, s_qrh=d, s_qrd=1, n_first_max=n_first)  # fmt: skip
-    signature: dict[str, str] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for name in names:
-        if name in pointers:
-            signature[name] = pointers[name]
-            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-        elif name in consts:
-            signature[name] = "constexpr"
-        elif name in ("sm_scale", "softcap"):
-            signature[name] = "fp32"
-        elif values.get(name) == 1:
-            signature[name] = "constexpr"
-            consts[name] = 1
-        else:
-            signature[name] = "i32"
-            if values.get(name, 1) % 16 == 0 and values.get(name):
-                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-    src = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(names.index(k),): v for k, v in consts.items()},
-        attrs=attrs,
-    )
-    return triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 1, "num_stages": 3, "launch_pdl": pdl},
-    )
+    options = {"num_warps": 1, "num_stages": 3, "launch_pdl": pdl}
+    return _compile_sm90(fn, pointers, consts, values, options)
 
 
 def reduce_resources(kernel: Any) -> dict[str, Any]:
