@@ -21,7 +21,7 @@ from hf_tiny import build, prompt
 from test_hf_k_transform import biased_llama, k_transform_scales
 
 import kvquant.integrations.hf as kvhf
-from kvquant.errors import CacheCapacityError, OptionError
+from kvquant.errors import CacheCapacityError, OptionError, UnsupportedModelError
 from kvquant.integrations.hf.rowgroups import RowGroupForward
 
 PAD = (3, 0, 5, 1, 0)
@@ -79,7 +79,8 @@ def test_generate_in_row_groups_equals_the_unsplit_call(case: str, chunk: int | 
         else:
             assert rows == [2, 2, 1] * prefills + [5] * 5  # the decode steps run whole
             stats = handle.state.row_groups.stats
-            assert stats.split_calls == prefills and stats.group_rows == [2, 2, 1] * prefills
+            assert (stats.split_calls, stats.groups) == (prefills, 3 * prefills)
+            assert stats.last_rows == [2, 2, 1]
         handle.remove()
     (seq, logits), (seq_split, logits_split) = results[None], results[tokens]
     assert torch.isfinite(logits_split).all()
@@ -132,7 +133,7 @@ def test_decode_graph_steps_after_a_split_prefill() -> None:
         handle.remove()
     assert torch.equal(results[24][0], results[None][0])
     torch.testing.assert_close(results[24][1], results[None][1], rtol=1e-4, atol=1e-4)
-    assert handle.state.row_groups.stats.group_rows == [2, 2, 1]
+    assert handle.state.row_groups.stats.last_rows == [2, 2, 1]
 
 
 def test_inputs_embeds_split_like_ids() -> None:
@@ -302,3 +303,29 @@ def test_a_full_cache_raises_before_the_first_group(tiny_llama: Any) -> None:
     assert rows == []
     after = _cache_state(cache)
     assert after[:3] == before[:3]
+
+
+def test_an_output_field_that_cannot_be_joined_is_refused(tiny_llama: Any) -> None:
+    ids, mask = prompt(batch=4, length=6, pad=(2, 0, 0, 1), seed=2)
+    handle = kvhf.patch(tiny_llama, backend="torch", prefill_tokens=12)
+    key = cache_kwarg(tiny_llama)
+    groups = handle.state.row_groups
+    inner = groups.inner
+
+    def with_extra_field(**kwargs: Any) -> Any:
+        out = inner(**kwargs)
+        out["hidden_states"] = (out.logits,)  # as a model that always returned them would
+        return out
+
+    groups.inner = with_extra_field
+    cache = handle.new_cache()
+    with (
+        torch.no_grad(),
+        pytest.raises(UnsupportedModelError, match=r"'hidden_states'.*prefill_tokens=None"),
+    ):
+        tiny_llama(input_ids=ids, attention_mask=mask, **{key: cache})
+    assert cache.get_seq_length() == 0 and cache.allocator.num_used_pages == 0
+    groups.inner = inner
+    with torch.no_grad():
+        out = tiny_llama(input_ids=ids, attention_mask=mask, **{key: cache})
+    assert out.logits.shape[0] == 4 and groups.stats.last_rows == [2, 2]

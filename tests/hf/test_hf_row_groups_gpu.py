@@ -32,7 +32,7 @@ def test_row_groups_match_the_unsplit_prefill_with_decode_graphs(family: str) ->
         assert handle.state.graph_runner is not None
         assert handle.state.graph_runner.stats.replays == 12
         if tokens is not None:
-            assert handle.state.row_groups.stats.group_rows == [2, 2, 1]
+            assert handle.state.row_groups.stats.last_rows == [2, 2, 1]
         handle.remove()
     assert torch.isfinite(got[80]).all()
     assert min_cosine(got[80], got[None]) >= 0.999  # bf16 GEMMs of 2 rows against 5

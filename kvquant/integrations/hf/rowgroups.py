@@ -47,6 +47,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
@@ -69,12 +70,14 @@ class RowGroupStats:
     Attributes:
         split_calls: forward calls run in row groups.
         whole_calls: forward calls passed on whole.
-        group_rows: the rows of every group run, in order.
+        groups: row groups run, over all split calls.
+        last_rows: the rows of each group of the last split call, in order.
     """
 
     split_calls: int = 0
     whole_calls: int = 0
-    group_rows: list[int] = field(default_factory=list)
+    groups: int = 0
+    last_rows: list[int] = field(default_factory=list)
 
 
 CachePreparer = Callable[[dict[str, Any]], tuple[str, KVQuantCache] | None]
@@ -149,7 +152,7 @@ class RowGroupForward:
         for name, value in kwargs.items():
             if not isinstance(value, torch.Tensor) or name in _SHARED_ARGS:
                 continue
-            if name not in _BATCH_ARGS:
+            if name not in _BATCH_ARGS or value.dim() < 2:
                 return None  # an argument whose batch layout is unknown
             if name == "attention_mask" and value.dim() != 2:
                 return None  # a custom 4D mask: the ordinary forward applies or refuses it
@@ -172,15 +175,17 @@ class RowGroupForward:
             # positions reserved, and a full cache raises before anything is written.
             cache.pool_shape(bsz, lead.device, first_tokens=length)
             cache.reserve_through(start + length, cast(KVQuantLayer, cache.layers[0]))
-            outputs = []
+            joined = _Joined(cache, bsz, type(self.model).__name__)
+            self.stats.last_rows = []
             for r0 in range(0, bsz, rows):
                 r1 = min(bsz, r0 + rows)
                 part = _rows_of(kwargs, r0, r1, bsz)
                 part[key] = cache
                 with book.row_window(r0, r1, start_lens):
-                    outputs.append(self.inner(**part))
-                self.stats.group_rows.append(r1 - r0)
-            return _join(outputs, cache, type(self.model).__name__)
+                    joined.add(self.inner(**part), r0, r1)
+                self.stats.groups += 1
+                self.stats.last_rows.append(r1 - r0)
+            return joined.output()
         except BaseException:
             # kvquant's rollback hook cropped a group that raised inside the model; the
             # groups before it stored their rows' positions: crop them too.
@@ -223,33 +228,55 @@ def _rows_of(kwargs: dict[str, Any], r0: int, r1: int, bsz: int) -> dict[str, An
     return part
 
 
-def _join(outputs: list[Any], cache: KVQuantCache, model_name: str) -> Any:
-    """One output of the groups' outputs: logits concatenated on the batch, the one cache.
+class _Joined:
+    """The call's output, built group by group: logits ``[B, ...]`` filled in place, the cache.
 
-    Raises:
-        UnsupportedModelError: an output carries a field that cannot be joined
-            (anything but logits and the cache).
+    The groups' logits are copied into one tensor of the whole batch as they come (no
+    second copy of every row's logits, as a concatenation at the end would hold), and
+    every group's output is checked to carry nothing else.
     """
-    first = outputs[0]
-    names = list(first.keys())
-    joined: dict[str, Any] = {}
-    for name in names:
-        values = [out.get(name) for out in outputs]
-        if name == "logits":
-            joined[name] = torch.cat(values, dim=0)
-        elif name in _CACHE_FIELDS and all(v is cache for v in values):
-            joined[name] = cache
-        else:
-            raise UnsupportedModelError(
-                f"{model_name}: a prefill run in row groups (kvquant.patch(prefill_tokens=...)) "
-                f"returned the field {name!r}, which kvquant cannot join across groups (it joins "
-                "logits and the cache). Fix: kvquant.patch(model, prefill_tokens=None) for this "
-                "model."
-            )
-    if any(list(out.keys()) != names for out in outputs[1:]):
-        raise UnsupportedModelError(
-            f"{model_name}: the row groups of a prefill (kvquant.patch(prefill_tokens=...)) "
-            "returned different output fields. Fix: kvquant.patch(model, prefill_tokens=None) "
-            "for this model."
+
+    def __init__(self, cache: KVQuantCache, batch: int, model_name: str) -> None:
+        self.cache, self.batch, self.model_name = cache, batch, model_name
+        self.kind: type | None = None
+        self.names: list[str] = []
+        self.logits: torch.Tensor | None = None
+
+    def _refuse(self, what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"{self.model_name}: a prefill run in row groups (kvquant.patch(prefill_tokens=...)) "
+            f"{what}; kvquant joins the groups' logits and their one cache only. Nothing was "
+            "kept in the cache. Fix: kvquant.patch(model, prefill_tokens=None) for this model."
         )
-    return type(first)(**joined)
+
+    def add(self, out: Any, r0: int, r1: int) -> None:
+        """Take the output of rows ``r0 .. r1 - 1``.
+
+        Raises:
+            UnsupportedModelError: the output is not a transformers ``ModelOutput``, or
+                carries a field other than logits and the cache, or other fields than
+                the first group's.
+        """
+        if not isinstance(out, ModelOutput):
+            raise self._refuse(f"returned a {type(out).__name__}, not a ModelOutput")
+        names = list(out.keys())
+        if self.kind is None:
+            self.kind, self.names = type(out), names
+        elif type(out) is not self.kind or names != self.names:
+            raise self._refuse("returned different output fields in different groups")
+        for name in names:
+            value = out[name]
+            if name == "logits" and isinstance(value, torch.Tensor):
+                if self.logits is None:
+                    shape = (self.batch, *value.shape[1:])
+                    self.logits = value.new_empty(shape)
+                self.logits[r0:r1].copy_(value)
+            elif name not in _CACHE_FIELDS or value is not self.cache:
+                raise self._refuse(f"returned the field {name!r}")
+
+    def output(self) -> Any:
+        """The joined output, of the groups' output class."""
+        if self.kind is None:  # pragma: no cover - a split call runs at least two groups
+            raise self._refuse("ran no group")
+        fields = {n: self.logits if n == "logits" else self.cache for n in self.names}
+        return self.kind(**fields)
