@@ -17,7 +17,7 @@ import pytest
 import torch
 from hf_steps import cache_kwarg, calibrate, min_cosine, returned_cache
 from hf_steps import generate_exactly as _generate
-from hf_tiny import build, prompt
+from hf_tiny import ALL_BUILDERS, build, prompt
 from test_hf_k_transform import biased_llama, k_transform_scales
 
 import kvquant.integrations.hf as kvhf
@@ -88,6 +88,23 @@ def test_generate_in_row_groups_equals_the_unsplit_call(case: str, chunk: int | 
     torch.testing.assert_close(logits_split, logits, rtol=1e-4, atol=1e-4)
     floor = 0.99 if case.startswith("gemma") else 0.999
     assert min_cosine(logits_split[0], want_first) >= floor
+
+
+@pytest.mark.parametrize("family", sorted(ALL_BUILDERS))
+def test_every_family_splits_like_one_call(family: str) -> None:
+    """Sliding windows, softcaps, sinks, MoE outputs, KV sharing (Gemma 4: no graph runner)."""
+    ids, mask = prompt(batch=5, length=12, pad=PAD, seed=4)
+    model = build(family)
+    results = {}
+    for prefill_tokens in (None, 20):  # chunks of 6 tokens in groups of 3, 2 rows
+        handle = kvhf.patch(model, backend="torch", prefill_tokens=prefill_tokens)
+        out = _generate(model, ids, mask, 3, prefill_chunk_size=6)
+        results[prefill_tokens] = (out.sequences, torch.stack(out.logits))
+        if prefill_tokens is not None:
+            assert handle.state.row_groups.stats.groups == 4
+        handle.remove()
+    assert torch.equal(results[20][0], results[None][0])
+    torch.testing.assert_close(results[20][1], results[None][1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", ["llama:per-tensor", "k-transform"])
