@@ -30,7 +30,10 @@ Arms:
   kernels gain and what their compile costs;
 * ``kvquant-fp32-group``: ``kvquant.patch(model)``, nothing else: without
   scales the default is the dynamic ``fp32-group`` format;
-* ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``.
+* ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``;
+* ``kvquant-rowgroups`` (capacity search only): the ``kvquant`` arm with
+  ``prefill_tokens=16384``: a batched prefill forward (each chunk of a chunked
+  prefill) runs the model on at most 16384 tokens' rows at a time.
 
 Shapes (``--shapes``): ``b16x8k`` (16 x 8192 prompt + 64 new), ``chat``
 (1 x 512 + 256), ``b64x2k`` (64 x 2048 + 64), and two sweeps for the plots:
@@ -39,8 +42,8 @@ Shapes (``--shapes``): ``b16x8k`` (16 x 8192 prompt + 64 new), ``chat``
 
 ``--capacity``: the largest batch of 8192-token prompts (8 new tokens) that
 ``generate`` serves in a memory budget (``torch.cuda.set_per_process_memory_fraction``),
-with and without ``prefill_chunk_size=2048``, for the default and kvquant arms: a
-real run per tried batch (doubling, then bisection), never an estimate; after
+with and without ``prefill_chunk_size=2048``, for the default, kvquant and
+kvquant-rowgroups arms (``--capacity-arms``): a real run per tried batch (doubling, then bisection), never an estimate; after
 every failed try the memory still allocated is recorded (it must return to the
 weights alone).
 
@@ -87,6 +90,9 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
 SWEEP_BATCHES = (1, 4, 16, 32, 64)
 SWEEP_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 SWEEP_ARMS = ("default", "kvquant")
+CAPACITY_ARMS = ("default", "kvquant", "kvquant-rowgroups")
+ROWGROUP_TOKENS = 16384
+"""``prefill_tokens`` of the ``kvquant-rowgroups`` arm."""
 
 
 # ---------------------------------------------------------------------- model
@@ -321,6 +327,10 @@ class Arm:
             self.handle = kvquant.patch(self.model, **kw)
         elif self.name == "kvquant-eager":
             self.handle = kvquant.patch(self.model, scales=self.scales, cuda_graphs=False, **kw)
+        elif self.name == "kvquant-rowgroups":
+            self.handle = kvquant.patch(
+                self.model, scales=self.scales, prefill_tokens=ROWGROUP_TOKENS, **kw
+            )
         else:
             raise ValueError(f"unknown arm {self.name!r}")
         return {}
@@ -454,7 +464,7 @@ def capacity(
 
     for chunked in (False, True) if args.capacity_unchunked else (True,):
         extra = {"prefill_chunk_size": 2048} if chunked else {}
-        for name in ("default", "kvquant"):
+        for name in args.capacity_arms:
             tries: list[dict[str, Any]] = []
             lo, hi, batch = 0, None, args.capacity_start
             while True:
@@ -557,6 +567,11 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also search without prefill_chunk_size",
     )
+    parser.add_argument(
+        "--capacity-arms",
+        default=",".join(CAPACITY_ARMS),
+        help=f"comma list of the capacity search's arms, a subset of {CAPACITY_ARMS}",
+    )
     parser.add_argument("--device", default=None, help="default cuda if available, else cpu")
     parser.add_argument("--backend", default="auto", help="kvquant kernel backend")
     args = parser.parse_args(argv)
@@ -564,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.arms) - set(ARMS))
     if unknown:
         parser.error(f"unknown arms {unknown}; expected a subset of {ARMS}")
+    args.capacity_arms = [a for a in args.capacity_arms.split(",") if a]
+    unknown = sorted(set(args.capacity_arms) - set(CAPACITY_ARMS))
+    if unknown:
+        parser.error(f"unknown capacity arms {unknown}; expected a subset of {CAPACITY_ARMS}")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float32 if (args.tiny and device.type == "cpu") else torch.bfloat16

@@ -23,7 +23,8 @@ This module imports torch and :mod:`kvquant.kernels` only (no transformers).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+import contextlib
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -520,7 +521,10 @@ class SequenceBook:
       before a step, and while :attr:`static` is set, :meth:`block_table`,
       :meth:`lens` and :meth:`slots` hand out its tensors;
     - rollback and crop (:meth:`truncate`), beam reordering (:meth:`beam_moves`)
-      and :meth:`reset`.
+      and :meth:`reset`;
+    - a row window (:meth:`row_window`): a forward that runs the batch's rows a
+      group at a time sees only the window's rows in the block table, slots
+      and lengths, and every group starts from the same layer lengths.
 
     Who asks it, in the transformers integration: ``KVQuantCache.slots_for``
     (each layer's ``update``: reserve, then the step's slots), kvquant's
@@ -561,6 +565,7 @@ class SequenceBook:
         self._bases: dict[torch.device, torch.Tensor] = {}
         self._slot_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        self.window: tuple[int, int] | None = None
 
     def open(self, num_pages: int, batch_size: int, device: torch.device | str) -> PageAllocator:
         """The allocator of ``batch_size`` rows; created with ``num_pages`` on first use."""
@@ -617,6 +622,66 @@ class SequenceBook:
         for dev, bt in list(self._tables.items()):
             self._tables[dev] = torch.cat([bt, cols.to(dev)], dim=1)
 
+    # ------------------------------------------------------------- row window
+    @property
+    def rows_in_view(self) -> int:
+        """Rows the tables, slots and lengths have: the open :meth:`row_window`'s, else the batch's."""
+        if self.window is None:
+            return self.batch_size
+        return self.window[1] - self.window[0]
+
+    @contextlib.contextmanager
+    def row_window(self, r0: int, r1: int, layer_lens: Sequence[int]) -> Iterator[None]:
+        """While the block runs, the book serves rows ``r0 .. r1 - 1`` of the batch only.
+
+        For a forward that runs a batch's rows a group at a time (kvquant's row
+        groups): :meth:`block_table`, :meth:`slots` and :meth:`lens` hand out
+        the window's rows (views of the batch's tables), so the layers write to
+        those rows' pages and attend over them. Every group stores the same
+        positions, so the window starts from ``layer_lens`` (the lengths before
+        the first group): after the last group the lengths are the advanced
+        ones, as if the whole batch had run at once. Reservation, growth,
+        :meth:`truncate` and :meth:`reset` still act on every row: reserve the
+        whole batch's positions before the first group.
+
+        Raises:
+            CacheUsageError: the book is not open, a window or a static step is
+                already open, the rows are not a range inside the batch, or
+                ``layer_lens`` does not give one length per layer.
+        """
+        bsz = self.batch_size
+        if self.allocator is None or bsz < 1:
+            raise CacheUsageError(_EMPTY_BOOK)
+        if self.window is not None or self.static is not None:
+            raise CacheUsageError(
+                f"SequenceBook.row_window({r0}, {r1}): a row window or a static step is already "
+                "open. Fix: run one row group at a time, outside decode steps."
+            )
+        if not 0 <= r0 < r1 <= bsz:
+            raise CacheUsageError(
+                f"SequenceBook.row_window({r0}, {r1}): expected 0 <= r0 < r1 <= {bsz} (the batch "
+                f"holds {bsz} rows)."
+            )
+        if len(layer_lens) != len(self.layer_lens):
+            raise CacheUsageError(
+                f"SequenceBook.row_window: {len(layer_lens)} layer lengths for "
+                f"{len(self.layer_lens)} layers."
+            )
+        self.layer_lens = [int(n) for n in layer_lens]
+        self.window = (r0, r1)
+        self._slot_memo = self._lens_memo = None
+        try:
+            yield
+        finally:
+            self.window = None
+            self._slot_memo = self._lens_memo = None
+
+    def _view(self, table: torch.Tensor) -> torch.Tensor:
+        """The window's rows of a ``[B, ...]`` tensor (all of them outside a window)."""
+        if self.window is None:
+            return table
+        return table[self.window[0] : self.window[1]]
+
     def advance(self, layer_idx: int, tokens: int) -> None:
         """Layer ``layer_idx`` stored ``tokens`` more positions (reserved before)."""
         self.layer_lens[layer_idx] += tokens
@@ -634,43 +699,56 @@ class SequenceBook:
         return bt
 
     def block_table(self, device: torch.device) -> torch.Tensor:
-        """The int32 ``[B, max_pages]`` block table on ``device`` (read-only; a static step's own)."""
+        """The int32 ``[B, max_pages]`` block table on ``device`` (read-only; a static step's own).
+
+        Inside a :meth:`row_window`: the window's rows.
+        """
         if self.static is not None:
             return self.static.block_table
-        return self._table(device)
+        return self._view(self._table(device))
 
     def slots(self, start: int, new_tokens: int, device: torch.device) -> torch.Tensor:
         """int64 ``[B, new_tokens]`` slots of positions ``start ..`` (reserved before), memoised.
 
         The layers of a step share one tensor; a one-token step costs one
-        slice and one add on the device. During a static step: its ``slots``.
+        slice and one add on the device. During a static step: its ``slots``;
+        inside a :meth:`row_window`: the window's rows.
         """
         if self.static is not None:
             return self.static.slots
-        key = (start, new_tokens, device)
+        key = self.slot_key(start, new_tokens, device)
         memo = self._slot_memo
         if memo is not None and memo[0] == key:
             return memo[1]
         base = self._bases.get(device)
         if base is None:
             base = self._bases[device] = self._table(device).to(torch.int64) * self.page_size
+        base = self._view(base)
         if new_tokens == 1:
             slots = slot_mapping(base, start, self.page_size)
         else:
             pos = torch.arange(start, start + new_tokens, device=device, dtype=torch.int64)
-            slots = slot_mapping(base, pos.expand(self.batch_size, -1), self.page_size)
+            slots = slot_mapping(base, pos.expand(base.shape[0], -1), self.page_size)
         self._slot_memo = (key, slots)
         return slots
 
+    def slot_key(self, start: int, new_tokens: int, device: torch.device) -> tuple[Any, ...]:
+        """The memo key of :meth:`slots` (the row window included)."""
+        return (start, new_tokens, device, self.window)
+
     def lens(self, length: int, device: torch.device) -> torch.Tensor:
-        """int32 ``[B]`` filled with ``length`` on ``device`` (memoised; a static step's ``lens``)."""
+        """int32 ``[B]`` filled with ``length`` on ``device`` (memoised; a static step's ``lens``).
+
+        Inside a :meth:`row_window`: one length per row of the window.
+        """
         if self.static is not None:
             return self.static.lens
+        key = (length, device, self.rows_in_view)
         memo = self._lens_memo
-        if memo is not None and memo[0] == (length, device):
+        if memo is not None and memo[0] == key:
             return memo[1]
-        lens = torch.full((self.batch_size,), length, dtype=torch.int32, device=device)
-        self._lens_memo = ((length, device), lens)
+        lens = torch.full((self.rows_in_view,), length, dtype=torch.int32, device=device)
+        self._lens_memo = (key, lens)
         return lens
 
     def static_step(self, device: torch.device) -> StaticStep:
@@ -1068,6 +1146,7 @@ class PagedLayerStorage:
         seq_lens: torch.Tensor,
         *,
         sm_scale: float | None = None,
+        rows: tuple[int, int] | None = None,
         **options: Any,
     ) -> torch.Tensor:
         """Attention of ``query`` over the pages (:func:`kvquant.kernels.paged_attention`).
@@ -1077,6 +1156,8 @@ class PagedLayerStorage:
             block_tables: int32 ``[B, max_pages]``.
             seq_lens: int32 ``[B]`` tokens stored per sequence, the ``Lq`` new ones included.
             sm_scale: softmax scale; default ``head_dim ** -0.5``.
+            rows: ``(r0, r1)``: the call's ``B`` rows are rows ``r0 .. r1 - 1`` of the
+                side buffer of first tokens (a row group of a larger batch); None: all.
             **options: ``q_lens``, ``kv_start``, ``causal``, ``softcap``,
                 ``window``, ``out`` (see :func:`~kvquant.kernels.paged_attention`).
                 With a K transform the offset and rotation are added, and the
@@ -1091,7 +1172,7 @@ class PagedLayerStorage:
             "backend": self.backend,
             **self.scale_kwargs(),
             **self._transform_kwargs(),
-            **self.first_kwargs(options.get("kv_start")),
+            **self.first_kwargs(options.get("kv_start"), rows),
             **options,
         }
         return paged_attention(
@@ -1099,7 +1180,9 @@ class PagedLayerStorage:
         )
 
     # ------------------------------------------------------ first tokens
-    def first_kwargs(self, kv_start: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def first_kwargs(
+        self, kv_start: torch.Tensor | None = None, rows: tuple[int, int] | None = None
+    ) -> dict[str, torch.Tensor]:
         """``first_k`` / ``first_v`` / ``first_lens`` for the kernels, once the side buffer exists.
 
         Args:
@@ -1108,16 +1191,27 @@ class PagedLayerStorage:
                 ``first_lens`` 0 (its keys are read from the pages), on the
                 device, without a sync: the side buffer is never read for
                 positions it does not hold.
+            rows: ``(r0, r1)``: the call's rows are rows ``r0 .. r1 - 1`` of the side
+                buffer (a row group); None: all rows.
         """
         fk, fv, fl, fs = self.first_k, self.first_v, self.first_lens, self.first_start
         if fk is None or fv is None or fl is None or fs is None:
             return {}
+        if rows is not None:
+            r0, r1 = rows
+            fk, fv, fl, fs = fk[r0:r1], fv[r0:r1], fl[r0:r1], fs[r0:r1]
         starts = torch.zeros_like(fs) if kv_start is None else kv_start.to(fs.device, fs.dtype)
         lens = torch.where(starts == fs, fl, torch.zeros_like(fl))
         return {"first_k": fk, "first_v": fv, "first_lens": lens}
 
     def keep_first(
-        self, key: torch.Tensor, value: torch.Tensor, start: int, kv_start: torch.Tensor | None
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        start: int,
+        kv_start: torch.Tensor | None,
+        rows: tuple[int, int] | None = None,
+        batch: int | None = None,
     ) -> None:
         """Copy new tokens that fall in a row's first-token window into the side buffer.
 
@@ -1136,9 +1230,14 @@ class PagedLayerStorage:
             value: ``[B, L, Hkv, D]``.
             start: the position of the first of them (tokens stored before).
             kv_start: int ``[B]`` first visible position per row, or None (0).
+            rows: ``(r0, r1)``: the ``B`` rows given are rows ``r0 .. r1 - 1`` of a
+                batch of ``batch`` rows (a row group); the buffers are the batch's,
+                and only these rows change. None: the call's rows are the batch.
+            batch: the batch's rows when ``rows`` is given.
 
         Raises:
-            CacheUsageError: shapes that do not match the storage.
+            CacheUsageError: shapes that do not match the storage, or ``rows`` that
+                do not match the call's rows and ``batch``.
         """
         nf = self.first_tokens
         if nf == 0 or key.shape[1] == 0:
@@ -1150,15 +1249,24 @@ class PagedLayerStorage:
                 f"{self.name}.keep_first: key {tuple(key.shape)} and value "
                 f"{tuple(value.shape)}; expected {want}."
             )
+        total = bsz if rows is None or batch is None else int(batch)
+        r0, r1 = (0, bsz) if rows is None else rows
+        if r1 - r0 != bsz or not 0 <= r0 < r1 <= total:
+            raise CacheUsageError(
+                f"{self.name}.keep_first: rows {rows} of a batch of {total} for keys of "
+                f"{bsz} rows; expected a range of {bsz} rows inside the batch."
+            )
         dev = self.device
         fk, fv, fl, fs = self.first_k, self.first_v, self.first_lens, self.first_start
-        if fk is None or fv is None or fl is None or fs is None or fk.shape[0] != bsz:
-            shape = (bsz, nf, self.num_kv_heads, self.head_dim)
+        if fk is None or fv is None or fl is None or fs is None or fk.shape[0] != total:
+            shape = (total, nf, self.num_kv_heads, self.head_dim)
             fk = torch.zeros(shape, dtype=key.dtype, device=dev)
             fv = torch.zeros(shape, dtype=value.dtype, device=dev)
-            fl = torch.zeros(bsz, dtype=torch.int32, device=dev)
-            fs = torch.full((bsz,), -1, dtype=torch.int32, device=dev)
+            fl = torch.zeros(total, dtype=torch.int32, device=dev)
+            fs = torch.full((total,), -1, dtype=torch.int32, device=dev)
             self.first_k, self.first_v, self.first_lens, self.first_start = fk, fv, fl, fs
+        if (r0, r1) != (0, total):  # views: the writes below land in the batch's buffers
+            fk, fv, fl, fs = fk[r0:r1], fv[r0:r1], fl[r0:r1], fs[r0:r1]
         ks = (
             torch.zeros(bsz, dtype=torch.int32, device=dev)
             if kv_start is None
@@ -1175,13 +1283,13 @@ class PagedLayerStorage:
             pos = torch.arange(start, start + m, device=dev, dtype=torch.int32)
             idx = pos[None, :] - fs[:, None]  # [B, m]
             valid = (idx >= 0) & (idx < nf) & enabled[:, None]
-            rows, cols = valid.nonzero(as_tuple=True)
+            hit, cols = valid.nonzero(as_tuple=True)
             k = key[:, :m].to(dev)
             if self.k_rotation is not None:
                 k = k.float() @ self.k_rotation
-            slot = idx[rows, cols].long()
-            fk[rows, slot] = k[rows, cols].to(fk.dtype)
-            fv[rows, slot] = value[:, :m].to(dev)[rows, cols].to(fv.dtype)
+            slot = idx[hit, cols].long()
+            fk[hit, slot] = k[hit, cols].to(fk.dtype)
+            fv[hit, slot] = value[:, :m].to(dev)[hit, cols].to(fv.dtype)
         held = (start + n - fs).clamp(0, nf)
         fl.copy_(torch.where(enabled, held, torch.zeros_like(held)))
 

@@ -168,6 +168,28 @@ def test_a_window_that_moves_restarts_or_is_given_up() -> None:
     assert store.first_kwargs() == {} and store.first_window_end() == 0
 
 
+def test_row_groups_fill_the_batchs_side_buffer_like_one_call() -> None:
+    """keep_first / first_kwargs with ``rows``: each group's rows of the batch's buffers."""
+    gen = torch.Generator().manual_seed(8)
+    keys = _biased_keys(gen, 5, 6)
+    values = torch.randn(5, 6, HKV, D, generator=gen)
+    offset, k_scale = _transform(keys, hadamard(D))
+    starts = torch.tensor([0, 3, 1, 7, 2], dtype=torch.int32)  # row 3: no real token yet
+    whole = _storage(offset, k_scale, hadamard(D), first_tokens=2)
+    whole.keep_first(keys, values, 0, starts)
+    split = _storage(offset, k_scale, hadamard(D), first_tokens=2)
+    for r0, r1 in ((0, 2), (2, 4), (4, 5)):
+        split.keep_first(keys[r0:r1], values[r0:r1], 0, starts[r0:r1], rows=(r0, r1), batch=5)
+        got = split.first_kwargs(starts[r0:r1], rows=(r0, r1))
+        assert got["first_k"].shape[0] == r1 - r0
+        assert got["first_lens"].tolist() == split.first_lens[r0:r1].tolist()
+    for name in ("first_k", "first_v", "first_lens", "first_start"):
+        assert torch.equal(getattr(split, name), getattr(whole, name)), name
+    assert whole.first_start is not None and whole.first_start.tolist() == [0, 3, 1, 7, 2]
+    with pytest.raises(CacheUsageError, match=r"rows \(3, 5\) of a batch of 4"):
+        split.keep_first(keys[:2], values[:2], 6, starts[:2], rows=(3, 5), batch=4)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

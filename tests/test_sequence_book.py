@@ -133,3 +133,48 @@ def test_static_step_is_the_book_on_the_device() -> None:
     book.load_static(st, 5, starts)
     assert st.version != version
     assert torch.equal(st.block_table[:, :2], book.block_table(CPU))
+
+
+def test_row_window_serves_the_windows_rows_from_the_same_lengths() -> None:
+    book = _book(num_pages=40, batch=5, page=4)
+    alloc = book.allocator
+    assert alloc is not None
+    book.reserve_through(3)
+    for layer in range(2):
+        book.advance(layer, 3)
+    book.reserve_through(9)  # the whole batch's positions, before the first group
+    full_bt = book.block_table(CPU).clone()
+    for r0, r1 in ((0, 2), (2, 4), (4, 5)):
+        with book.row_window(r0, r1, [3, 3]):
+            assert book.layer_lens == [3, 3] and book.rows_in_view == r1 - r0
+            assert torch.equal(book.block_table(CPU), full_bt[r0:r1])
+            n = 6
+            want = [row for r, row in enumerate(_want_slots(alloc, 5, 3, n)) if r0 <= r < r1]
+            slots = book.slots(3, n, CPU)
+            assert slots.tolist() == want and book.slots(3, n, CPU) is slots
+            assert book.slots(3, 1, CPU).tolist() == [row[:1] for row in want]
+            assert book.lens(9, CPU).tolist() == [9] * (r1 - r0)
+            for layer in range(2):
+                book.advance(layer, n)
+    assert book.window is None and book.rows_in_view == 5 and book.layer_lens == [9, 9]
+    assert book.slots(3, 6, CPU).tolist() == _want_slots(alloc, 5, 3, 6)
+    assert book.lens(9, CPU).shape == (5,)
+
+
+def test_row_window_refuses_bad_rows_and_nesting() -> None:
+    book = _book(num_pages=40, batch=3, page=4)
+    for r0, r1 in ((1, 1), (-1, 2), (2, 4)):
+        with pytest.raises(CacheUsageError, match=r"expected 0 <= r0 < r1 <= 3"):
+            with book.row_window(r0, r1, [0, 0]):
+                pass
+    with pytest.raises(CacheUsageError, match="2 layers"):
+        with book.row_window(0, 1, [0]):
+            pass
+    with book.row_window(0, 1, [0, 0]):
+        with pytest.raises(CacheUsageError, match="already open"):
+            with book.row_window(1, 2, [0, 0]):
+                pass
+    with pytest.raises(CacheUsageError, match="holds nothing"):
+        with SequenceBook(1, 4).row_window(0, 1, [0]):
+            pass
+    assert book.window is None

@@ -395,6 +395,7 @@ def _paged_attention(
         cache.book.block_table(storage.device),
         cache.book.lens(layer.seq_len, query.device),
         sm_scale=sm_scale,
+        rows=cache.book.window,
         kv_start=kv_start,
         causal=True,
         softcap=cap,

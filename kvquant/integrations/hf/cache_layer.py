@@ -309,7 +309,8 @@ class KVQuantLayer(CacheLayerMixin):
         if pending is None or self.storage is None:
             return
         k, v, start = pending
-        self.storage.keep_first(k, v, start, kv_start)
+        book = self.cache.book
+        self.storage.keep_first(k, v, start, kv_start, rows=book.window, batch=book.batch_size)
         self.first_end = self.storage.first_window_end()
 
     def _storage(self) -> PagedLayerStorage:
@@ -539,14 +540,15 @@ class KVQuantCache(Cache):
         book = self.book
         start = book.layer_lens[layer.layer_idx]
         memo = book._slot_memo
-        if memo is not None and memo[0] == (start, new_tokens, device):
+        if memo is not None and memo[0] == book.slot_key(start, new_tokens, device):
             return memo[1]
         self.pool_shape(batch_size, device)
-        if batch_size != book.batch_size:
+        if batch_size != book.rows_in_view:
+            where = "" if book.window is None else f" (rows {book.window[0]}..{book.window[1] - 1})"
             raise CacheUsageError(
-                f"{layer.spec.name}: the kvquant cache holds {book.batch_size} sequences but the "
-                f"update has batch size {batch_size}. Fix: use a fresh cache (or let generate "
-                "create one) for a different batch size."
+                f"{layer.spec.name}: the kvquant cache holds {book.rows_in_view} sequences"
+                f"{where} but the update has batch size {batch_size}. Fix: use a fresh cache (or "
+                "let generate create one) for a different batch size."
             )
         self.reserve_through(start + new_tokens, layer)
         return book.slots(start, new_tokens, device)

@@ -83,6 +83,7 @@ from kvquant.integrations.hf.models import (
     model_geometry,
     text_config,
 )
+from kvquant.integrations.hf.rowgroups import RowGroupForward
 from kvquant.kernels.backend import BACKENDS, resolve_backend
 from kvquant.registry.options import ResolveOptions
 from kvquant.types import LayerGeometry, RawScale
@@ -119,6 +120,9 @@ class PatchOptions:
             graphs are captured on CUDA and inductor is usable; a failed compile
             is logged once and the eager step is captured), True (every static
             step, also on CPU; a failed compile raises) or False.
+        prefill_tokens: the most tokens (rows x query length) one prefill
+            forward processes: a larger batched prefill runs in row groups
+            (:mod:`kvquant.integrations.hf.rowgroups`); None: no limit.
         source: a description of where the scales came from.
     """
 
@@ -133,6 +137,7 @@ class PatchOptions:
     num_pages: int | None = None
     cuda_graphs: bool | None = None
     compile_step: bool | None = None
+    prefill_tokens: int | None = None
     source: str = ""
 
     @property
@@ -164,6 +169,9 @@ class PatchState:
         saved_attrs: ``(module, name, previous value or _MISSING, kind)`` to restore.
         graph_runner: the CUDA-graph decode runner installed as the model's
             ``forward`` (unless ``cuda_graphs=False``), else None.
+        row_groups: the row-group prefill wrapper installed as the model's
+            ``forward`` (around the graph runner, if any) when ``prefill_tokens``
+            is set, else None.
     """
 
     options: PatchOptions
@@ -178,6 +186,7 @@ class PatchState:
     handles: list[RemovableHandle] = field(default_factory=list)
     saved_attrs: list[tuple[nn.Module, str, Any, str]] = field(default_factory=list)
     graph_runner: DecodeGraphRunner | None = None
+    row_groups: RowGroupForward | None = None
     handle: KVQuantHandle | None = None
 
 
@@ -267,6 +276,7 @@ def _check_options(opts: PatchOptions) -> None:
     positive("group_size", opts.group_size, optional=True)
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
+    positive("prefill_tokens", opts.prefill_tokens, optional=True)
     for name in ("cuda_graphs", "compile_step"):
         value = getattr(opts, name)
         if value is not None and not isinstance(value, bool):
@@ -765,20 +775,68 @@ def _compiled_layers(model: nn.Module, state: PatchState) -> CompiledLayers | No
     return CompiledLayers(layers, [site.module for site in state.sites])
 
 
-def _install_graph_runner(model: nn.Module, state: PatchState) -> None:
-    """Wrap the instance's ``forward`` in a :class:`DecodeGraphRunner` (restored by ``remove()``)."""
-    compiled = _compiled_layers(model, state)
+def _install_forward_wrappers(model: nn.Module, state: PatchState, graphs: bool) -> None:
+    """Wrap the instance's ``forward`` (restored by ``remove()``), if any wrapper is on.
+
+    The :class:`DecodeGraphRunner` (``graphs``) around the previous forward, and the
+    :class:`~kvquant.integrations.hf.rowgroups.RowGroupForward` (``prefill_tokens``)
+    around that: decode steps pass the row-group check at once, prefills the runner's.
+    """
+    tokens = state.options.prefill_tokens
+    if not graphs and tokens is None:
+        return
+    compiled = _compiled_layers(model, state) if graphs else None
     prev = model.__dict__.get("forward", _MISSING)
     state.saved_attrs.append((model, "forward", prev, "attr"))
-    runner = DecodeGraphRunner(
-        model,
-        model.forward,
-        lambda: getattr(model, STATE_ATTR, None) is state,
-        compiled=compiled,
-        compile_step=state.options.compile_step,
-    )
-    model.__dict__["forward"] = runner
-    state.graph_runner = runner
+
+    def active() -> bool:
+        return getattr(model, STATE_ATTR, None) is state
+
+    forward = model.forward
+    if graphs:
+        runner = DecodeGraphRunner(
+            model, forward, active, compiled=compiled, compile_step=state.options.compile_step
+        )
+        state.graph_runner = runner
+        forward = runner
+    if tokens is not None:
+        groups = RowGroupForward(model, forward, active, tokens, _row_group_cache(model, state))
+        state.row_groups = groups
+        forward = groups
+    model.__dict__["forward"] = forward
+
+
+def _row_group_cache(model: nn.Module, state: PatchState) -> Any:
+    """The :data:`~kvquant.integrations.hf.rowgroups.CachePreparer` of ``model``.
+
+    The kvquant cache a call will use, made before the first row group so that
+    every group shares it: the call's ``KVQuantCache``; a new one for no cache
+    (when the call uses a cache); the user's empty ``DynamicCache``, converted in
+    place (as the decoder hook would). None for anything else (the call then
+    runs whole, and the decoder hook refuses or passes it).
+    """
+    from transformers.cache_utils import DynamicCache
+
+    def prepare(kwargs: dict[str, Any]) -> tuple[str, KVQuantCache] | None:
+        key = next((n for n in ("cache", "past_key_values") if n in kwargs), None)
+        current = kwargs.get(key) if key else None
+        if isinstance(current, KVQuantCache):
+            cache = current
+        elif current is None:
+            if not _wants_cache(kwargs, state.text_config):
+                return None
+            cache = KVQuantCache(model)
+        elif (
+            type(current) is DynamicCache
+            and not getattr(current, "offloading", False)
+            and current.get_seq_length() == 0
+        ):
+            cache = _adopt_dynamic_cache(current, model)
+        else:
+            return None
+        return key or state.raw_context.get("cache_kwarg", "cache"), cache
+
+    return prepare
 
 
 def _module_device(mod: nn.Module) -> torch.device:
@@ -889,8 +947,9 @@ def apply_patch(
                 _make_rollback(model, state), with_kwargs=True, always_call=True
             )
         )
-        if opts.cuda_graphs is not False and not _shares_kv(sites):
-            _install_graph_runner(model, state)
+        _install_forward_wrappers(
+            model, state, graphs=opts.cuda_graphs is not False and not _shares_kv(sites)
+        )
         _set_attn(model, ATTN_NAME)
         if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
             raise UnsupportedModelError(
@@ -960,10 +1019,12 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
         compiled = "off" if opts.compile_step is False or runner is None else "off (wrapped layers)"
     else:
         compiled = {None: "auto (on CUDA)", True: "on", False: "off"}[opts.compile_step]
+    tokens = opts.prefill_tokens
+    groups = "off" if tokens is None else f"at most {tokens} tokens per forward"
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
         f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
-        f"decode graphs: {graphs}; compiled step: {compiled}"
+        f"decode graphs: {graphs}; compiled step: {compiled}; prefill row groups: {groups}"
     )
 
 
@@ -982,6 +1043,7 @@ def patch(
     num_pages: int | None = None,
     cuda_graphs: bool | None = None,
     compile_step: bool | None = None,
+    prefill_tokens: int | None = None,
 ) -> KVQuantHandle:
     """Give ``model`` kvquant's FP8 paged KV cache; ``generate`` then uses it with no extra argument.
 
@@ -1031,6 +1093,15 @@ def patch(
             the CPU one (for tests), and a failed compile raises. False: the
             graph captures the eager layers. Prefill and eager steps always
             run the original forwards.
+        prefill_tokens: the most tokens (rows x query length) one prefill
+            forward processes. A forward whose ``input_ids`` is ``[B, L]``
+            (``L > 1``) with ``B * L`` above it runs the model's forward on
+            ``max(1, prefill_tokens // L)`` rows at a time, into the same cache,
+            and returns the concatenated logits (the unsplit call's within
+            rounding): a batched prefill's activations then scale with this
+            bound, not with the batch (:mod:`kvquant.integrations.hf.rowgroups`;
+            it wraps the model instance's ``forward``). Also under chunked
+            prefill (``prefill_chunk_size``), per chunk. Default None: no limit.
 
     Returns:
         The patch's handle (also a context manager); ``handle.remove()`` restores
@@ -1071,6 +1142,7 @@ def patch(
         num_pages=num_pages,
         cuda_graphs=cuda_graphs,
         compile_step=compile_step,
+        prefill_tokens=prefill_tokens,
     )
     _check_options(opts)
     if backend == "triton":  # fail here, not at the first generate

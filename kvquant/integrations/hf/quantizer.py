@@ -86,6 +86,8 @@ class KVQuantConfig(QuantizationConfigMixin):
             (auto, on CUDA devices), True or False (see :func:`kvquant.patch`).
         compile_step: capture decode graphs from ``torch.compile``'d decoder
             layers: None (auto), True or False (see :func:`kvquant.patch`).
+        prefill_tokens: the most tokens one prefill forward processes (larger
+            batched prefills run in row groups), or None (see :func:`kvquant.patch`).
         **kwargs: ignored keys of a saved config (``quant_method``, ...).
 
     Example:
@@ -107,6 +109,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         num_pages: int | None = None,
         cuda_graphs: bool | None = None,
         compile_step: bool | None = None,
+        prefill_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.quant_method = "kvquant"  # type: ignore[assignment]
@@ -121,6 +124,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.num_pages = num_pages
         self.cuda_graphs = cuda_graphs
         self.compile_step = compile_step
+        self.prefill_tokens = prefill_tokens
         _check_options(self.options())
 
     def options(self, source: str = "") -> PatchOptions:
@@ -137,6 +141,7 @@ class KVQuantConfig(QuantizationConfigMixin):
             num_pages=self.num_pages,
             cuda_graphs=self.cuda_graphs,
             compile_step=self.compile_step,
+            prefill_tokens=self.prefill_tokens,
             source=source,
         )
 
@@ -155,6 +160,7 @@ class KVQuantConfig(QuantizationConfigMixin):
             "num_pages": self.num_pages,
             "cuda_graphs": self.cuda_graphs,
             "compile_step": self.compile_step,
+            "prefill_tokens": self.prefill_tokens,
         }
 
 

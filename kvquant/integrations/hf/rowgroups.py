@@ -1,0 +1,282 @@
+"""Batched prefill in row groups (``kvquant.patch``'s ``prefill_tokens``).
+
+A prefill forward of ``B`` prompts of ``L`` tokens holds activations for all
+``B * L`` tokens at once: at long prompts the MLP's ``[B * L, intermediate]``
+tensors cost about as much as the FP8 K/V the cache stores, and transformers'
+chunked prefill (``prefill_chunk_size``) bounds ``L`` but still runs the whole
+batch through every chunk. With ``prefill_tokens=N`` a forward whose
+``input_ids`` is ``[B, L]`` with ``L > 1`` and ``B * L > N`` runs the model's
+forward on ``max(1, N // L)`` rows at a time instead, each group writing its
+rows' K/V into the same kvquant cache, and returns the concatenated logits:
+activations then scale with ``N``, not with the batch.
+
+Rows of a decoder-only model never interact, so the result is the unsplit
+call's, within the rounding of matrix products whose row count differs. The
+cache's :class:`~kvquant.cache.SequenceBook` serves each group through its
+:meth:`~kvquant.cache.SequenceBook.row_window`: the block table, slots and
+lengths are the group's rows, every group starts from the lengths the call
+began with, and the pages of the whole batch are reserved before the first
+group (a full cache raises :class:`~kvquant.errors.CacheCapacityError` before
+anything is written). The k-transform's first-token side buffers follow the
+window (:meth:`~kvquant.cache.PagedLayerStorage.keep_first`'s ``rows``). A
+group that raises leaves the cache as the call found it (kvquant's rollback
+hook crops the failing group's partial write; this wrapper crops the earlier
+groups'), and the error propagates.
+
+Calls that run whole (the unsplit forward, exactly as without the option):
+one row, one token per row (decode steps), ``B * L <= prefill_tokens``, no
+kvquant cache (``use_cache=False``, or a cache kvquant refuses, which the
+ordinary forward reports), positional arguments, gradients on or training
+mode, ``output_attentions`` / ``output_hidden_states``, ``labels``,
+``return_dict=False``, a mask that is not a 2D padding mask, or a tensor
+argument the wrapper does not know how to split.
+
+The seam: transformers has no extension point that splits one forward call
+into several (``generate``'s chunked prefill splits the sequence, never the
+batch), so kvquant wraps the model instance's ``forward`` (the attribute, as
+accelerate's hooks and kvquant's decode-graph runner do); the patch handle's
+``remove()`` deletes it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from kvquant.errors import UnsupportedModelError
+from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
+
+__all__ = ["RowGroupForward", "RowGroupStats"]
+
+_BATCH_ARGS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "token_type_ids")
+"""Tensor arguments whose first dimension is the batch: sliced per group."""
+
+_SHARED_ARGS = ("cache_position", "logits_to_keep")
+"""Tensor arguments every group takes as they are."""
+
+_CACHE_FIELDS = ("cache", "past_key_values")
+
+
+@dataclass
+class RowGroupStats:
+    """What the wrapper did (for tests and benchmarks).
+
+    Attributes:
+        split_calls: forward calls run in row groups.
+        whole_calls: forward calls passed on whole.
+        groups: row groups run, over all split calls.
+        last_rows: the rows of each group of the last split call, in order.
+    """
+
+    split_calls: int = 0
+    whole_calls: int = 0
+    groups: int = 0
+    last_rows: list[int] = field(default_factory=list)
+
+
+CachePreparer = Callable[[dict[str, Any]], tuple[str, KVQuantCache] | None]
+"""Given a call's keyword arguments: ``(cache keyword, the kvquant cache the call will
+use)``, creating or converting it as kvquant's decoder hook would, or None when the call
+has no kvquant cache."""
+
+
+class RowGroupForward:
+    """The forward of a patched model that runs large batched prefills in row groups.
+
+    See the module docstring.
+
+    Args:
+        model: the patched model.
+        inner: the forward it wraps (the original bound forward, or the
+            decode-graph runner).
+        is_active: whether the patch that installed the wrapper is still applied.
+        prefill_tokens: the most tokens (rows x query length) one forward processes.
+        prepare_cache: finds the call's kvquant cache (:data:`CachePreparer`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner: Callable[..., Any],
+        is_active: Callable[[], bool],
+        prefill_tokens: int,
+        prepare_cache: CachePreparer,
+    ) -> None:
+        self.model = model
+        self.inner = inner
+        self.is_active = is_active
+        self.prefill_tokens = int(prefill_tokens)
+        self.prepare_cache = prepare_cache
+        self.stats = RowGroupStats()
+        # the wrapped forward's name, docstring and signature (generate inspects it); not
+        # its __dict__, which would overwrite this wrapper's own attributes
+        functools.update_wrapper(self, inner, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        lead = None if args else _lead(kwargs)
+        rows = None if lead is None else self._rows_per_group(lead, kwargs)
+        found = None if rows is None else self.prepare_cache(kwargs)
+        if lead is None or rows is None or found is None or not _cache_fits(found[1], lead):
+            self.stats.whole_calls += 1
+            return self.inner(*args, **kwargs)
+        return self._run(kwargs, lead, found[0], found[1], rows)
+
+    # ------------------------------------------------------------------ deciding
+
+    def _flag(self, kwargs: dict[str, Any], name: str) -> bool:
+        value = kwargs.get(name)
+        if value is None:
+            value = getattr(self.model.config, name, False)
+        return bool(value)
+
+    def _rows_per_group(self, lead: torch.Tensor, kwargs: dict[str, Any]) -> int | None:
+        """Rows per group when this call is split, else None (it runs whole)."""
+        if not self.is_active() or torch.is_grad_enabled() or self.model.training:
+            return None
+        bsz, length = int(lead.shape[0]), int(lead.shape[1])
+        if bsz < 2 or length < 2 or bsz * length <= self.prefill_tokens:
+            return None
+        if self._flag(kwargs, "output_attentions") or self._flag(kwargs, "output_hidden_states"):
+            return None
+        if kwargs.get("labels") is not None or kwargs.get("return_dict") is False:
+            return None
+        config_dict = getattr(self.model.config, "return_dict", True)
+        if kwargs.get("return_dict") is None and not config_dict:
+            return None
+        for name, value in kwargs.items():
+            if not isinstance(value, torch.Tensor) or name in _SHARED_ARGS:
+                continue
+            if name not in _BATCH_ARGS or value.dim() < 2:
+                return None  # an argument whose batch layout is unknown
+            if name == "attention_mask" and value.dim() != 2:
+                return None  # a custom 4D mask: the ordinary forward applies or refuses it
+            if value.shape[0] != bsz and not (name == "position_ids" and value.shape[0] == 1):
+                return None
+        return max(1, self.prefill_tokens // length)
+
+    # ------------------------------------------------------------------ running
+
+    def _run(
+        self, kwargs: dict[str, Any], lead: torch.Tensor, key: str, cache: KVQuantCache, rows: int
+    ) -> Any:
+        bsz, length = int(lead.shape[0]), int(lead.shape[1])
+        book = cache.book
+        start = cache.get_seq_length()
+        start_lens = list(book.layer_lens)
+        self.stats.split_calls += 1
+        try:
+            # The whole batch's pages, before the first group: every group then finds its
+            # positions reserved, and a full cache raises before anything is written.
+            cache.pool_shape(bsz, lead.device, first_tokens=length)
+            cache.reserve_through(start + length, cast(KVQuantLayer, cache.layers[0]))
+            joined = _Joined(cache, bsz, type(self.model).__name__)
+            self.stats.last_rows = []
+            for r0 in range(0, bsz, rows):
+                r1 = min(bsz, r0 + rows)
+                part = _rows_of(kwargs, r0, r1, bsz)
+                part[key] = cache
+                with book.row_window(r0, r1, start_lens):
+                    joined.add(self.inner(**part), r0, r1)
+                self.stats.groups += 1
+                self.stats.last_rows.append(r1 - r0)
+            return joined.output()
+        except BaseException:
+            # kvquant's rollback hook cropped a group that raised inside the model; the
+            # groups before it stored their rows' positions: crop them too.
+            cache.truncate(start)
+            raise
+
+
+def _cache_fits(cache: KVQuantCache, lead: torch.Tensor) -> bool:
+    """Whether the cache can take the call's rows group by group.
+
+    A cache that holds another batch size, or is inside a window or a static
+    step, gets the whole call (whose ordinary path reports what is wrong).
+    """
+    book = cache.book
+    return (
+        book.batch_size in (0, int(lead.shape[0]))
+        and book.window is None
+        and book.static is None
+        and len(cache.layers) > 0
+    )
+
+
+def _lead(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``input_ids`` ``[B, L]`` (or ``inputs_embeds`` ``[B, L, H]`` without ids), else None."""
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor) and embeds is None:
+        return ids if ids.dim() == 2 else None
+    if ids is None and isinstance(embeds, torch.Tensor):
+        return embeds if embeds.dim() == 3 else None
+    return None
+
+
+def _rows_of(kwargs: dict[str, Any], r0: int, r1: int, bsz: int) -> dict[str, Any]:
+    """The call's keyword arguments for rows ``r0 .. r1 - 1``."""
+    part = dict(kwargs)
+    for name in _BATCH_ARGS:
+        value = part.get(name)
+        if isinstance(value, torch.Tensor) and value.shape[0] == bsz:
+            part[name] = value[r0:r1]
+    return part
+
+
+class _Joined:
+    """The call's output, built group by group: logits ``[B, ...]`` filled in place, the cache.
+
+    The groups' logits are copied into one tensor of the whole batch as they come (no
+    second copy of every row's logits, as a concatenation at the end would hold), and
+    every group's output is checked to carry nothing else.
+    """
+
+    def __init__(self, cache: KVQuantCache, batch: int, model_name: str) -> None:
+        self.cache, self.batch, self.model_name = cache, batch, model_name
+        self.kind: type | None = None
+        self.names: list[str] = []
+        self.logits: torch.Tensor | None = None
+
+    def _refuse(self, what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"{self.model_name}: a prefill run in row groups (kvquant.patch(prefill_tokens=...)) "
+            f"{what}; kvquant joins the groups' logits and their one cache only. Nothing was "
+            "kept in the cache. Fix: kvquant.patch(model, prefill_tokens=None) for this model."
+        )
+
+    def add(self, out: Any, r0: int, r1: int) -> None:
+        """Take the output of rows ``r0 .. r1 - 1``.
+
+        Raises:
+            UnsupportedModelError: the output is not a transformers ``ModelOutput``, or
+                carries a field other than logits and the cache, or other fields than
+                the first group's.
+        """
+        if not isinstance(out, ModelOutput):
+            raise self._refuse(f"returned a {type(out).__name__}, not a ModelOutput")
+        names = list(out.keys())
+        if self.kind is None:
+            self.kind, self.names = type(out), names
+        elif type(out) is not self.kind or names != self.names:
+            raise self._refuse("returned different output fields in different groups")
+        for name in names:
+            value = out[name]
+            if name == "logits" and isinstance(value, torch.Tensor):
+                if self.logits is None:
+                    shape = (self.batch, *value.shape[1:])
+                    self.logits = value.new_empty(shape)
+                self.logits[r0:r1].copy_(value)
+            elif name not in _CACHE_FIELDS or value is not self.cache:
+                raise self._refuse(f"returned the field {name!r}")
+
+    def output(self) -> Any:
+        """The joined output, of the groups' output class."""
+        if self.kind is None:  # pragma: no cover - a split call runs at least two groups
+            raise self._refuse("ran no group")
+        fields = {n: self.logits if n == "logits" else self.cache for n in self.names}
+        return self.kind(**fields)
