@@ -499,8 +499,8 @@ def test_a_layer_that_drops_the_step_keyword_breaks_the_graph_and_logs_once(
 @pytest.mark.parametrize("fmt", ["per-tensor", "k-transform"])
 def test_static_scale_formats_compile_to_the_eager_step(fmt: str) -> None:
     """Static scales, and the K transform's offset, rotation and first tokens, through the ops."""
+    from hf_kt import biased_llama, k_transform_scales
     from hf_steps import calibrate
-    from test_hf_k_transform import biased_llama, k_transform_scales
 
     ids, mask = prompt(batch=2, length=10, pad=(0, 3), seed=1)
     runs = {}

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from hf_kt import biased_llama, k_transform_scales
 from hf_steps import cache_kwarg, calibrate, min_cosine, returned_cache
 from hf_steps import generate_exactly as _generate
 from hf_tiny import ALL_BUILDERS, build, prompt
-from test_hf_k_transform import biased_llama, k_transform_scales
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import CacheCapacityError, OptionError, UnsupportedModelError
