@@ -31,9 +31,10 @@ Arms:
 * ``kvquant-fp32-group``: ``kvquant.patch(model)``, nothing else: without
   scales the default is the dynamic ``fp32-group`` format;
 * ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``;
-* ``kvquant-rowgroups`` (capacity search only): the ``kvquant`` arm with
-  ``prefill_tokens=16384``: a batched prefill forward (each chunk of a chunked
-  prefill) runs the model on at most 16384 tokens' rows at a time.
+* ``kvquant-rowgroups`` (the capacity search's, and a shape's when ``--arms``
+  names it): the ``kvquant`` arm with ``prefill_tokens=16384``: a batched
+  prefill forward (each chunk of a chunked prefill) runs the model on at most
+  16384 tokens' rows at a time.
 
 Shapes (``--shapes``): ``b16x8k`` (16 x 8192 prompt + 64 new), ``chat``
 (1 x 512 + 256), ``b64x2k`` (64 x 2048 + 64), and two sweeps for the plots:
@@ -91,6 +92,8 @@ SWEEP_BATCHES = (1, 4, 16, 32, 64)
 SWEEP_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 SWEEP_ARMS = ("default", "kvquant")
 CAPACITY_ARMS = ("default", "kvquant", "kvquant-rowgroups")
+OPT_IN_ARMS = ("kvquant-rowgroups",)
+"""Arms a shape runs only when ``--arms`` names them."""
 ROWGROUP_TOKENS = 16384
 """``prefill_tokens`` of the ``kvquant-rowgroups`` arm."""
 
@@ -397,8 +400,8 @@ def run_shape(
     ids = torch.randint(1, vocab, (shape["batch"], shape["prompt"]), generator=gen).to(device)
     mask = torch.ones_like(ids)
     rows = {}
-    for name in shape["arms"]:
-        if args.arms and name not in args.arms:
+    for name in (*shape["arms"], *OPT_IN_ARMS):
+        if (args.arms and name not in args.arms) or (not args.arms and name in OPT_IN_ARMS):
             continue
         print(f"  arm {name}", flush=True)
         rows[name] = run_arm(name, model, ids, mask, shape["new"], scales, args)
@@ -576,9 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="kvquant kernel backend")
     args = parser.parse_args(argv)
     args.arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(args.arms) - set(ARMS))
+    unknown = sorted(set(args.arms) - set(ARMS) - set(OPT_IN_ARMS))
     if unknown:
-        parser.error(f"unknown arms {unknown}; expected a subset of {ARMS}")
+        parser.error(f"unknown arms {unknown}; expected a subset of {ARMS + OPT_IN_ARMS}")
     args.capacity_arms = [a for a in args.capacity_arms.split(",") if a]
     unknown = sorted(set(args.capacity_arms) - set(CAPACITY_ARMS))
     if unknown:

@@ -3,6 +3,8 @@
 # one process per shape (allocators apart). Usage (device tool, repo root):
 #   bash benchmarks/e2e_round.sh [shapes...]      (default: b16x8k chat b64x2k)
 #   "first": the chat shape's first call, one process and fresh compile caches per arm
+#   "rowgroups": prefill_tokens' GPU tests, B16 x 8k with kvquant-rowgroups beside the default
+#   and kvquant (its prefill time), and the chunked capacity search of the three arms
 # Writes under $OUT: env.log, gpu_tests_hf.log, e2e_<shape>.json, e2e.log
 set -u
 OUT=${OUT:-./e2e_round_out}
@@ -31,6 +33,16 @@ for s in "${shapes[@]}"; do
   elif [ "$s" = probe ]; then
     timeout 120 python3 benchmarks/memory_probe.py --batch 40 --out "$OUT/memory_probe.json" \
       2>&1 | tee -a "$OUT/e2e.log" | tail -n 40
+  elif [ "$s" = rowgroups ]; then
+    timeout 120 python3 -m pytest -q -m gpu tests/hf/test_hf_row_groups_gpu.py -p no:cacheprovider \
+      2>&1 | tail -n 40 > "$OUT/gpu_tests_rowgroups.log"
+    tail -n 3 "$OUT/gpu_tests_rowgroups.log"
+    timeout "${SHAPE_TIMEOUT:-240}" python3 benchmarks/e2e_generate.py --shapes b16x8k \
+      --arms default,kvquant,kvquant-rowgroups --out "$OUT/e2e_b16x8k_rowgroups.json" 2>&1 \
+      | tee -a "$OUT/e2e.log" | grep -vE '^ *(arm|shape) '
+    timeout "${CAP_TIMEOUT:-300}" python3 benchmarks/e2e_generate.py --capacity --budget-gb 24 \
+      --no-capacity-unchunked --capacity-start 32 --capacity-arms default,kvquant,kvquant-rowgroups \
+      --out "$OUT/e2e_capacity_rowgroups.json" 2>&1 | tee -a "$OUT/e2e.log" | grep -E '^(capacity|  )'
   elif [ "$s" = capacity ]; then
     timeout "${CAP_TIMEOUT:-300}" python3 benchmarks/e2e_generate.py --capacity --budget-gb 24 \
       --out "$OUT/e2e_capacity.json" 2>&1 | tee -a "$OUT/e2e.log" | grep -E '^(capacity|  )'

@@ -45,3 +45,15 @@ def test_e2e_generate_tiny_cpu(tmp_path: Path) -> None:
         arms["kvquant"]["greedy_prefix_agreement_vs_default"]
         == arms["kvquant-eager"]["greedy_prefix_agreement_vs_default"]
     )
+
+
+def test_e2e_generate_runs_an_opt_in_arm_only_when_named(tmp_path: Path) -> None:
+    bench = _load_script()
+    out = tmp_path / "e2e.json"
+    argv = ["--tiny", "--device", "cpu", "--backend", "torch", "--repeats", "1", "--out", str(out)]
+    assert bench.main([*argv, "--arms", "default,kvquant-rowgroups"]) == 0
+    arms = json.loads(out.read_text())["shapes"]["tiny"]["arms"]
+    assert set(arms) == {"default", "kvquant-rowgroups"}
+    assert arms["kvquant-rowgroups"]["status"] == "ok"
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--arms", "kvquant-nonesuch"])
