@@ -188,9 +188,8 @@ def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
     return _compile_sm90(fn, pointers, consts, values, options)
 
 
-def reduce_resources(kernel: Any) -> dict[str, Any]:
-    """Registers, stack and SASS of the split merge: instructions, global loads, and those
-    after the ``griddepcontrol.wait`` (the part that waits for the attention kernel)."""
+def _dump(kernel: Any) -> tuple[str, str]:
+    """The compiled kernel's resource usage (``cuobjdump``) and SASS (``nvdisasm``)."""
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -201,6 +200,13 @@ def reduce_resources(kernel: Any) -> dict[str, Any]:
             ).stdout
             for tool, flag in (("cuobjdump", "--dump-resource-usage"), ("nvdisasm", "-c"))
         )
+    return dump, sass
+
+
+def reduce_resources(kernel: Any) -> dict[str, Any]:
+    """Registers, stack and SASS of the split merge: instructions, global loads, and those
+    after the ``griddepcontrol.wait`` (the part that waits for the attention kernel)."""
+    dump, sass = _dump(kernel)
     usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;", sass)
     loads = [op.split(".")[0] in ("LDG", "LDGSTS") for op in ops]
@@ -259,16 +265,7 @@ def prologue(sass: str) -> dict[str, int]:
 
 def resources(kernel: Any) -> dict[str, Any]:
     """Registers, stack, shared memory, async copies, PTX counts and key-loop SASS sizes."""
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        dump, sass = (
-            subprocess.run(
-                [str(bin_dir / tool), flag, str(cubin)], capture_output=True, text=True, check=True
-            ).stdout
-            for tool, flag in (("cuobjdump", "--dump-resource-usage"), ("nvdisasm", "-c"))
-        )
+    dump, sass = _dump(kernel)
     usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
     ptx = kernel.asm["ptx"]
     counts = collections.Counter(
