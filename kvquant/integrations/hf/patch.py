@@ -531,6 +531,30 @@ def _wants_cache(kwargs: dict[str, Any], config: Any) -> bool:
     return bool(use_cache)
 
 
+def _cache_argument(kwargs: dict[str, Any]) -> tuple[str | None, Any]:
+    """The call's cache keyword (``cache`` on transformers 5.24, ``past_key_values`` on 5.17;
+    None when the call names neither) and the object it passes there."""
+    key = next((n for n in ("cache", "past_key_values") if n in kwargs), None)
+    return key, (kwargs.get(key) if key else None)
+
+
+def _plain_dynamic(cache: Any) -> bool:
+    """Whether ``cache`` is a transformers ``DynamicCache`` that kvquant may convert (when empty)."""
+    from transformers.cache_utils import DynamicCache
+
+    return type(cache) is DynamicCache and not getattr(cache, "offloading", False)
+
+
+def _kvquant_cache(current: Any, model: nn.Module) -> KVQuantCache:
+    """The kvquant cache of a call that passed ``current`` (checked by the caller): the cache
+    itself, a new one for None, or the empty plain ``DynamicCache`` converted in place."""
+    if isinstance(current, KVQuantCache):
+        return current
+    if current is None:
+        return KVQuantCache(model)
+    return _adopt_dynamic_cache(current, model)
+
+
 def _adopt_dynamic_cache(cache: Any, model: nn.Module) -> KVQuantCache:
     """Turn the user's empty ``DynamicCache`` object itself into a :class:`KVQuantCache`.
 
@@ -595,22 +619,15 @@ def _refuse_cache(cache: Any, name: str) -> NoReturn:
 
 
 def _make_injector(model: nn.Module, state: PatchState) -> Any:
-    from transformers.cache_utils import DynamicCache
-
     def inject(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if getattr(model, STATE_ATTR, None) is not state:
             return None
-        key = (
-            "cache"
-            if "cache" in kwargs
-            else ("past_key_values" if "past_key_values" in kwargs else None)
-        )
-        current = kwargs.get(key) if key else None
+        key, current = _cache_argument(kwargs)
         grad = _grad_flows(module, kwargs)
         name = state.model_name
-        plain = type(current) is DynamicCache and not getattr(current, "offloading", False)
+        plain = _plain_dynamic(current)
         if isinstance(current, KVQuantCache):
             if grad:
                 raise UnsupportedModelError(
@@ -638,12 +655,7 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
                 "output_attentions=False, or use_cache=False for that forward (kvquant then runs "
                 "the model's own attention, which returns the weights)."
             )
-        if isinstance(current, KVQuantCache):
-            cache = current
-        elif current is None:
-            cache = KVQuantCache(model)
-        else:
-            cache = _adopt_dynamic_cache(current, model)
+        cache = _kvquant_cache(current, model)
         cache.rollback_point = cache.get_seq_length()
         if cache is current:
             return None
@@ -815,26 +827,18 @@ def _row_group_cache(model: nn.Module, state: PatchState) -> Any:
     place (as the decoder hook would). None for anything else (the call then
     runs whole, and the decoder hook refuses or passes it).
     """
-    from transformers.cache_utils import DynamicCache
 
     def prepare(kwargs: dict[str, Any]) -> tuple[str, KVQuantCache] | None:
-        key = next((n for n in ("cache", "past_key_values") if n in kwargs), None)
-        current = kwargs.get(key) if key else None
-        if isinstance(current, KVQuantCache):
-            cache = current
-        elif current is None:
-            if not _wants_cache(kwargs, state.text_config):
-                return None
-            cache = KVQuantCache(model)
-        elif (
-            type(current) is DynamicCache
-            and not getattr(current, "offloading", False)
-            and current.get_seq_length() == 0
-        ):
-            cache = _adopt_dynamic_cache(current, model)
-        else:
+        key, current = _cache_argument(kwargs)
+        if current is None and not _wants_cache(kwargs, state.text_config):
             return None
-        return key or state.raw_context.get("cache_kwarg", "cache"), cache
+        if not (
+            current is None
+            or isinstance(current, KVQuantCache)
+            or (_plain_dynamic(current) and current.get_seq_length() == 0)
+        ):
+            return None
+        return key or state.raw_context.get("cache_kwarg", "cache"), _kvquant_cache(current, model)
 
     return prepare
 
