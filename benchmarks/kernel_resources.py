@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvquant.kernels import attention_jit as at
+from kvquant.kernels import specialize
 from kvquant.kernels.tuning import (
     KT_EARLY_LOADS,
     KT_FIRST_SPLIT,
@@ -65,9 +66,13 @@ def _compile_sm90(
 ) -> Any:  # fmt: skip
     """``triton.compile`` of ``fn`` for sm_90 without a GPU: the signature as the launcher's
     call would specialise it (pointers 16-byte aligned, ints equal to 1 constant, multiples of
-    16 marked divisible)."""
+    16 marked divisible, except where the kernel declares otherwise:
+    :data:`kvquant.kernels.specialize.OPTIONS`)."""
     names = list(fn.arg_names)
     consts = dict(consts)
+    declared = specialize.OPTIONS.get(fn.__name__, {})
+    plain = set(declared.get("do_not_specialize", ()))
+    unaligned = set(declared.get("do_not_specialize_on_alignment", ()))
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for name in names:
@@ -78,12 +83,12 @@ def _compile_sm90(
             signature[name] = "constexpr"
         elif name in ("sm_scale", "softcap"):
             signature[name] = "fp32"
-        elif values.get(name) == 1:
+        elif values.get(name) == 1 and name not in plain:
             signature[name] = "constexpr"
             consts[name] = 1
         else:
             signature[name] = "i32"
-            if values.get(name, 1) % 16 == 0 and values.get(name):
+            if values.get(name, 1) % 16 == 0 and values.get(name) and name not in unaligned:
                 attrs[(names.index(name),)] = [["tt.divisibility", 16]]
     src = ASTSource(
         fn=fn,

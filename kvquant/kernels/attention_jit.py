@@ -91,6 +91,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvquant.kernels import specialize
+
 __all__ = ["_paged_attn_kernel", "_reduce_first_kernel", "_reduce_kernel"]
 
 
@@ -499,7 +501,7 @@ def _first_tokens(
     return acc, m_i, l_i
 
 
-@triton.jit
+@specialize.jit(varying=("num_splits",), unaligned=("Lq", "n_qblocks", "s_bt"))
 def _paged_attn_kernel(
     q_ptr,
     k_ptr,
@@ -1007,7 +1009,7 @@ def _merge_row(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@specialize.jit(varying=("num_splits",), unaligned=("Lq",))
 def _reduce_kernel(
     part_ptr,
     lse_ptr,
@@ -1034,7 +1036,7 @@ def _reduce_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@specialize.jit(varying=("num_splits",), unaligned=("Lq",))
 def _reduce_first_kernel(
     part_ptr,
     lse_ptr,

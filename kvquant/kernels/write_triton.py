@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvquant.kernels import specialize
+
 __all__ = ["is_interpreted", "write_kv_triton"]
 
 
@@ -109,7 +111,7 @@ def _quantize_tile(
     tl.store(pages_ptr.to(tl.pointer_type(tl.uint8)) + page_off, code, mask=mask)
 
 
-@triton.jit
+@specialize.jit(unaligned=("n_tokens", "seq_len", "num_slots", "ss_b"))
 def _write_kv_kernel(
     k_ptr,
     v_ptr,
