@@ -452,6 +452,9 @@ class KVQuantCache(Cache):
         self.fp8_dtype = torch.float8_e4m3fn
         self.config = state.text_config
         self.model_name = state.model_name
+        # the patch that built the cache: its layers carry that patch's scales (patch.py refuses
+        # the cache in a forward of another patch)
+        self.patch_id: str = state.patch_id
         self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
         self.capacity_version = 0
         # capacity_version of the pools the compiled decode step was captured on (graphs.py)

@@ -453,6 +453,8 @@ class DecodeGraphRunner:
         cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
         if not isinstance(cache, KVQuantCache) or cache.cuda_graphs is False:
             return None
+        if cache.patch_id != getattr(getattr(self.model, "_kvquant_state", None), "patch_id", None):
+            return None  # another patch's cache: the ordinary forward refuses it
         if (
             cache.book.static is not None
             or cache.allocator is None

@@ -53,10 +53,13 @@ process-global effect is the registration of the ``"kvquant"`` names.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
+import threading
+import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -93,7 +96,23 @@ __all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
 _logger = logging.getLogger("kvquant")
 
 STATE_ATTR = "_kvquant_state"
-_MISSING = object()
+
+
+class _Missing:
+    """The mark of an attribute that was absent before the patch (``saved_attrs``).
+
+    One object, also through ``copy.deepcopy`` and pickling (a copied patched
+    model must recognise it when its handle restores the attributes).
+    """
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 _SCALE_ATTRS = ("k_scale", "v_scale")
 
 
@@ -172,6 +191,12 @@ class PatchState:
         row_groups: the row-group prefill wrapper installed as the model's
             ``forward`` (around the graph runner, if any) when ``prefill_tokens``
             is set, else None.
+        handle: the handle :func:`patch` returned.
+        patch_id: identifies the patch; every :class:`KVQuantCache` it builds
+            carries it, and a forward refuses a cache of another patch (another
+            model, or this model before it was patched again with other options).
+        running: ``{"thread": ident, "depth": n}`` while a thread runs a decoder
+            forward of the model (a forward from another thread is refused).
     """
 
     options: PatchOptions
@@ -188,6 +213,18 @@ class PatchState:
     graph_runner: DecodeGraphRunner | None = None
     row_groups: RowGroupForward | None = None
     handle: KVQuantHandle | None = None
+    patch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    running: dict[str, int] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PatchState:
+        """The state of ``copy.deepcopy(model)``: a patch of its own (new ``patch_id``, idle)."""
+        copied = PatchState.__new__(PatchState)
+        memo[id(self)] = copied
+        for f in fields(self):
+            setattr(copied, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        copied.patch_id = uuid.uuid4().hex
+        copied.running = {}
+        return copied
 
 
 class KVQuantHandle:
@@ -618,17 +655,48 @@ def _refuse_cache(cache: Any, name: str) -> NoReturn:
     )
 
 
-def _make_injector(model: nn.Module, state: PatchState) -> Any:
-    def inject(
-        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+class _PatchBound:
+    """A callable of the patch (hook, wrapper predicate) that holds its model and state.
+
+    They are attributes, not a closure's cells: ``copy.deepcopy(model)`` copies
+    the hooks and wrappers on the model with it, and a copied object refers to
+    the copy's model and state where a copied function would keep the original's.
+    """
+
+    def __init__(self, model: nn.Module, state: PatchState) -> None:
+        self.model = model
+        self.state = state
+
+    def active(self) -> bool:
+        """Whether this patch is still the one applied to the model."""
+        return getattr(self.model, STATE_ATTR, None) is self.state
+
+
+class _IsActive(_PatchBound):
+    """The wrappers' ``is_active`` predicate."""
+
+    def __call__(self) -> bool:
+        return self.active()
+
+
+class _Injector(_PatchBound):
+    """Decoder forward pre-hook: decides the call's cache (module docstring) and claims the
+    model for the calling thread (released by :class:`_Rollback`)."""
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if getattr(model, STATE_ATTR, None) is not state:
+        state, model = self.state, self.model
+        if not self.active():
             return None
+        _claim(state)
         key, current = _cache_argument(kwargs)
         grad = _grad_flows(module, kwargs)
         name = state.model_name
         plain = _plain_dynamic(current)
         if isinstance(current, KVQuantCache):
+            if current.patch_id != state.patch_id:
+                _refuse_foreign(current, state)
             if grad:
                 raise UnsupportedModelError(
                     f"{name}: a forward with gradients (torch.is_grad_enabled() and trainable "
@@ -663,10 +731,60 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
         kwargs[key or state.raw_context.get("cache_kwarg", "cache")] = cache
         return args, kwargs
 
-    return inject
+
+def _claim(state: PatchState) -> None:
+    """Mark the model's decoder as running in this thread, or refuse another thread's forward.
+
+    The attention modules hold the cache of the current forward (the attention
+    function never receives it), so two threads' forwards at once would read
+    each other's caches. ``dict.setdefault`` claims atomically; a claim of a
+    thread that ended (a forward interrupted by ``KeyboardInterrupt`` runs no
+    forward hook) is taken over.
+
+    Raises:
+        UnsupportedModelError: another live thread is in a forward of this model.
+    """
+    me = threading.get_ident()
+    running = state.running
+    owner = running.setdefault("thread", me)
+    if owner != me:
+        if any(t.ident == owner for t in threading.enumerate()):
+            raise UnsupportedModelError(
+                f"{state.model_name}: a forward in thread {me} while thread {owner} runs one on "
+                "the same kvquant-patched model; the patch keeps the cache of the running forward "
+                "on the attention modules, so concurrent forwards would read each other's caches. "
+                "Nothing was written. Fix: call generate / forward on this model from one thread "
+                "at a time (a threading.Lock around the calls), or give each thread its own model "
+                "(copy.deepcopy(model) of the patched model is patched too)."
+            )
+        running.clear()
+        running["thread"] = me
+    running["depth"] = running.get("depth", 0) + 1
 
 
-def _make_rollback(model: nn.Module, state: PatchState) -> Any:
+def _release(state: PatchState) -> None:
+    """Undo one :func:`_claim` of this thread (a forward that another thread's claim refused
+    did not claim, so it releases nothing)."""
+    running = state.running
+    if running.get("thread") != threading.get_ident():
+        return
+    running["depth"] = running.get("depth", 1) - 1
+    if running["depth"] <= 0:
+        running.clear()
+
+
+def _refuse_foreign(cache: KVQuantCache, state: PatchState) -> NoReturn:
+    """Raise :class:`CacheUsageError` for a ``KVQuantCache`` that another patch built."""
+    raise CacheUsageError(
+        f"{state.model_name}: got a KVQuantCache built by another kvquant.patch (of "
+        f"{cache.model_name}, or of this model before it was patched again); its layers carry "
+        "that patch's scales, page size and layer layout, which would quantize this model's "
+        "K/V with the wrong scales. Nothing was written. Fix: pass a cache of this model's "
+        "current patch (handle.new_cache(), or the cache one of its calls returned), or no cache."
+    )
+
+
+class _Rollback(_PatchBound):
     """Decoder forward hook (``always_call``): a failed forward leaves the cache as it found it.
 
     The cache's layers store a call's tokens one layer after the other; a
@@ -674,20 +792,20 @@ def _make_rollback(model: nn.Module, state: PatchState) -> Any:
     layer, a bad input, an out-of-memory error) would leave the earlier layers
     longer than the rest. The injector records the cache's length before the
     forward; this hook crops every layer back to it when the forward raised
-    (torch then calls it with ``output=None``).
+    (torch then calls it with ``output=None``). It also ends the thread's claim
+    of the model (:func:`_claim`).
     """
 
-    def rollback(
-        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
+        _release(self.state)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not isinstance(cache, KVQuantCache):
             return
         point, cache.rollback_point = cache.rollback_point, None
         if output is None and point is not None:
             cache.truncate(point)
-
-    return rollback
 
 
 # ---------------------------------------------------------------------- apply / undo
@@ -800,10 +918,7 @@ def _install_forward_wrappers(model: nn.Module, state: PatchState, graphs: bool)
     compiled = _compiled_layers(model, state) if graphs else None
     prev = model.__dict__.get("forward", _MISSING)
     state.saved_attrs.append((model, "forward", prev, "attr"))
-
-    def active() -> bool:
-        return getattr(model, STATE_ATTR, None) is state
-
+    active = _IsActive(model, state)
     forward = model.forward
     if graphs:
         runner = DecodeGraphRunner(
@@ -812,35 +927,35 @@ def _install_forward_wrappers(model: nn.Module, state: PatchState, graphs: bool)
         state.graph_runner = runner
         forward = runner
     if tokens is not None:
-        groups = RowGroupForward(model, forward, active, tokens, _row_group_cache(model, state))
+        groups = RowGroupForward(model, forward, active, tokens, _RowGroupCache(model, state))
         state.row_groups = groups
         forward = groups
     model.__dict__["forward"] = forward
 
 
-def _row_group_cache(model: nn.Module, state: PatchState) -> Any:
-    """The :data:`~kvquant.integrations.hf.rowgroups.CachePreparer` of ``model``.
+class _RowGroupCache(_PatchBound):
+    """The :data:`~kvquant.integrations.hf.rowgroups.CachePreparer` of the model.
 
     The kvquant cache a call will use, made before the first row group so that
-    every group shares it: the call's ``KVQuantCache``; a new one for no cache
-    (when the call uses a cache); the user's empty ``DynamicCache``, converted in
-    place (as the decoder hook would). None for anything else (the call then
-    runs whole, and the decoder hook refuses or passes it).
+    every group shares it: the call's ``KVQuantCache`` (of this patch); a new one
+    for no cache (when the call uses a cache); the user's empty ``DynamicCache``,
+    converted in place (as the decoder hook would). None for anything else (the
+    call then runs whole, and the decoder hook refuses or passes it).
     """
 
-    def prepare(kwargs: dict[str, Any]) -> tuple[str, KVQuantCache] | None:
+    def __call__(self, kwargs: dict[str, Any]) -> tuple[str, KVQuantCache] | None:
+        state = self.state
         key, current = _cache_argument(kwargs)
         if current is None and not _wants_cache(kwargs, state.text_config):
             return None
         if not (
             current is None
-            or isinstance(current, KVQuantCache)
+            or (isinstance(current, KVQuantCache) and current.patch_id == state.patch_id)
             or (_plain_dynamic(current) and current.get_seq_length() == 0)
         ):
             return None
-        return key or state.raw_context.get("cache_kwarg", "cache"), _kvquant_cache(current, model)
-
-    return prepare
+        cache = _kvquant_cache(current, self.model)
+        return key or state.raw_context.get("cache_kwarg", "cache"), cache
 
 
 def _module_device(mod: nn.Module) -> torch.device:
@@ -944,11 +1059,11 @@ def apply_patch(
             state.handles.append(site.module.register_forward_hook(_drop_cache, with_kwargs=True))
         decoder = getattr(model, "base_model", model)
         state.handles.append(
-            decoder.register_forward_pre_hook(_make_injector(model, state), with_kwargs=True)
+            decoder.register_forward_pre_hook(_Injector(model, state), with_kwargs=True)
         )
         state.handles.append(
             decoder.register_forward_hook(
-                _make_rollback(model, state), with_kwargs=True, always_call=True
+                _Rollback(model, state), with_kwargs=True, always_call=True
             )
         )
         _install_forward_wrappers(
