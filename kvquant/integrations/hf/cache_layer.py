@@ -63,6 +63,9 @@ ATTN_NAME = "kvquant"
 
 _CPU = torch.device("cpu")
 
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The K/V dtypes a cache layer accepts (those the write kernels read)."""
+
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -213,8 +216,18 @@ class KVQuantLayer(CacheLayerMixin):
             and vs[1] == hkv
             and vs[3] == d
             and ks[:3] == vs[:3]
+            and key_states.dtype in KV_DTYPES
+            and value_states.dtype in KV_DTYPES
         ):
             return  # the common case; the checks below name what is wrong
+        for what, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dtype not in KV_DTYPES:
+                raise CacheUsageError(
+                    f"{self.spec.name}: cache update got {what} in {t.dtype}; kvquant's FP8 "
+                    "cache stores K/V computed in float32, float16 or bfloat16. Nothing was "
+                    "written. Fix: run the model in one of them (model.to(torch.float32), "
+                    "or torch_dtype=torch.bfloat16 when loading)."
+                )
         for what, t in (("key_states", key_states), ("value_states", value_states)):
             if t.dim() != 4 or t.shape[1] != hkv or t.shape[3] != d:
                 raise CacheUsageError(

@@ -195,8 +195,8 @@ class PatchState:
         patch_id: identifies the patch; every :class:`KVQuantCache` it builds
             carries it, and a forward refuses a cache of another patch (another
             model, or this model before it was patched again with other options).
-        running: ``{"thread": ident, "depth": n}`` while a thread runs a decoder
-            forward of the model (a forward from another thread is refused).
+        running: ``{"thread": ident}`` while a thread runs a decoder forward of
+            the model (a forward from another thread is refused).
     """
 
     options: PatchOptions
@@ -505,6 +505,21 @@ def _layer_specs(
     return specs
 
 
+def _same_specs(a: list[LayerSpec], b: list[LayerSpec]) -> bool:
+    """Whether two patches' layer specs are equal (scale tensors compared by value)."""
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return False
+        return bool(x == y)
+
+    return len(a) == len(b) and all(
+        same(getattr(s, f.name), getattr(t, f.name)) for s, t in zip(a, b) for f in fields(s)
+    )
+
+
 def resolve(
     raw: list[RawScale], geometry: LayerGeometry, opts: PatchOptions, ctx: dict[str, Any]
 ) -> Any:
@@ -737,40 +752,36 @@ def _claim(state: PatchState) -> None:
 
     The attention modules hold the cache of the current forward (the attention
     function never receives it), so two threads' forwards at once would read
-    each other's caches. ``dict.setdefault`` claims atomically; a claim of a
-    thread that ended (a forward interrupted by ``KeyboardInterrupt`` runs no
-    forward hook) is taken over.
+    each other's caches. ``dict.setdefault`` claims atomically. A decoder
+    forward never runs inside another of the same model, so a claim this thread
+    already holds (left by a forward that ``KeyboardInterrupt`` stopped: torch
+    runs no forward hook then) is simply kept, and a claim of a thread that has
+    ended is taken over.
 
     Raises:
         UnsupportedModelError: another live thread is in a forward of this model.
     """
     me = threading.get_ident()
-    running = state.running
-    owner = running.setdefault("thread", me)
-    if owner != me:
-        if any(t.ident == owner for t in threading.enumerate()):
-            raise UnsupportedModelError(
-                f"{state.model_name}: a forward in thread {me} while thread {owner} runs one on "
-                "the same kvquant-patched model; the patch keeps the cache of the running forward "
-                "on the attention modules, so concurrent forwards would read each other's caches. "
-                "Nothing was written. Fix: call generate / forward on this model from one thread "
-                "at a time (a threading.Lock around the calls), or give each thread its own model "
-                "(copy.deepcopy(model) of the patched model is patched too)."
-            )
-        running.clear()
-        running["thread"] = me
-    running["depth"] = running.get("depth", 0) + 1
+    owner = state.running.setdefault("thread", me)
+    if owner == me:
+        return
+    if any(t.ident == owner for t in threading.enumerate()):
+        raise UnsupportedModelError(
+            f"{state.model_name}: a forward in thread {me} while thread {owner} runs one on "
+            "the same kvquant-patched model; the patch keeps the cache of the running forward "
+            "on the attention modules, so concurrent forwards would read each other's caches. "
+            "Nothing was written. Fix: call generate / forward on this model from one thread "
+            "at a time (a threading.Lock around the calls), or give each thread its own model "
+            "(copy.deepcopy(model) of the patched model is patched too)."
+        )
+    state.running["thread"] = me
 
 
 def _release(state: PatchState) -> None:
-    """Undo one :func:`_claim` of this thread (a forward that another thread's claim refused
-    did not claim, so it releases nothing)."""
-    running = state.running
-    if running.get("thread") != threading.get_ident():
-        return
-    running["depth"] = running.get("depth", 1) - 1
-    if running["depth"] <= 0:
-        running.clear()
+    """End this thread's :func:`_claim` (a forward that another thread's claim refused holds
+    none, so it releases nothing)."""
+    if state.running.get("thread") == threading.get_ident():
+        state.running.clear()
 
 
 def _refuse_foreign(cache: KVQuantCache, state: PatchState) -> NoReturn:
@@ -1281,5 +1292,8 @@ def patch(
     opts = PatchOptions(**{**opts.__dict__, "source": source})
     model_scales = resolve(raw, geometry, opts, ctx)
     if existing is not None:
+        same = opts == existing.options and existing.handle is not None
+        if same and _same_specs(existing.layer_specs, _layer_specs(sites, geometry, model_scales)):
+            return existing.handle  # the same scales passed again (a mapping or a folder)
         _unpatch(model, existing)
     return apply_patch(model, opts, sites, geometry, model_scales, raw, ctx)

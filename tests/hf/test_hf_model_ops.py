@@ -1,0 +1,204 @@
+"""What users do to a model around ``kvquant.patch``: copies, casts, re-patching, other
+models' caches, threads. Each gives the unpatched model's result within FP8 rounding or a
+clear error that leaves the cache as it was."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import pytest
+import torch
+from hf_steps import cache_kwarg, calibrate, min_cosine, returned_cache, step_logits
+from hf_tiny import build, prompt
+
+import kvquant.integrations.hf as kvhf
+from kvquant.errors import CacheUsageError, KVQuantError, UnsupportedModelError
+from kvquant.integrations.hf.cache_layer import KVQuantCache
+
+
+def _cont(seed: int = 7, steps: int = 4) -> torch.Tensor:
+    return torch.randint(3, 100, (2, steps), generator=torch.Generator().manual_seed(seed))
+
+
+def _snapshot(model: Any) -> tuple[Any, ...]:
+    """What patch changes: attention implementation, hooks, buffers, attributes, forward."""
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    buffers = sorted(name for name, _ in model.named_buffers())
+    attrs = sorted(k for m in model.modules() for k in m.__dict__ if k.startswith("_kv"))
+    forward = "forward" in model.__dict__
+    return model.config._attn_implementation, hooks, tuple(buffers), tuple(attrs), forward
+
+
+@torch.no_grad()
+def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any) -> Any:
+    """One forward of ``ids`` (the newest tokens of ``mask``) over ``cache``."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+    kw = {cache_kwarg(model): cache}
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+
+
+def _decode_step(model: Any, mask: torch.Tensor, cache: Any) -> Any:
+    """One decode step (token 5 for every row) after the positions of ``mask``."""
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return _forward(model, torch.full((mask.shape[0], 1), 5), mask, cache)
+
+
+def test_deepcopy_of_a_patched_model_is_patched_on_its_own() -> None:
+    ids, mask = prompt(pad=(4,))
+    cont = _cont()
+    plain = build("llama")
+    before = _snapshot(plain)
+    ref, _ = step_logits(plain, ids, mask, cont)
+    model = build("llama")
+    handle = kvhf.patch(model, backend="torch")
+    fp8, _ = step_logits(model, ids, mask, cont)
+    twin = copy.deepcopy(model)
+    twin_handle = twin._kvquant_state.handle
+    assert twin_handle is not handle and twin_handle.active and handle.active
+    twin_fp8, twin_cache = step_logits(twin, ids, mask, cont)
+    assert isinstance(twin_cache, KVQuantCache)
+    assert torch.equal(twin_fp8, fp8)
+    # the original's cache belongs to the original's patch
+    with pytest.raises(CacheUsageError, match="another kvquant.patch"):
+        step_logits(twin, ids, mask, cont, cache=handle.new_cache())
+    twin_handle.remove()
+    assert _snapshot(twin) == before
+    assert torch.equal(step_logits(twin, ids, mask, cont)[0], ref)
+    assert handle.active and model.config._attn_implementation == "kvquant"
+    assert torch.equal(step_logits(model, ids, mask, cont)[0], fp8)
+    # patching a copy (again, with other options) and removing it restores the copy alone
+    other = copy.deepcopy(model)
+    kvhf.patch(other, backend="torch", page_size=8).remove()
+    assert _snapshot(other) == before
+    assert torch.equal(step_logits(other, ids, mask, cont)[0], ref)
+    assert handle.active
+
+
+@pytest.mark.parametrize("wrapper", [{}, {"cuda_graphs": True}, {"prefill_tokens": 8}])
+def test_a_cache_of_another_patch_is_refused(wrapper: dict[str, Any]) -> None:
+    ids, mask = prompt(pad=(4,))
+    cont = _cont(steps=1)
+    a, b = build("llama", seed=0), build("llama", seed=1)
+    kvhf.patch(a, backend="torch", scales=calibrate(a, ids, mask, "per-tensor"), **wrapper)
+    hb = kvhf.patch(b, backend="torch", scales=calibrate(b, ids, mask, "per-tensor"), **wrapper)
+    foreign = hb.new_cache()
+    with pytest.raises(CacheUsageError, match="another kvquant.patch") as err:
+        step_logits(a, ids, mask, cont, cache=foreign)
+    assert isinstance(err.value, ValueError) and "handle.new_cache()" in str(err.value)
+    assert foreign.get_seq_length() == 0 and foreign.allocator is None
+    # b's own cache, returned by a prefill, then b patched again with other options
+    cache = returned_cache(_forward(b, ids, mask, None))
+    held = cache.get_seq_length()
+    kvhf.patch(b, backend="torch", page_size=8, **wrapper)
+    with pytest.raises(CacheUsageError, match="another kvquant.patch"):
+        _decode_step(b, mask, cache)
+    assert cache.get_seq_length() == held
+
+
+def test_patch_with_the_same_scales_returns_the_same_handle() -> None:
+    ids, mask = prompt()
+    model = build("llama")
+    scales = calibrate(model, ids, mask, "per-tensor")
+    handle = kvhf.patch(model, backend="torch", scales=scales)
+    cache = returned_cache(_forward(model, ids, mask, None))
+    again = kvhf.patch(model, backend="torch", scales={k: v.clone() for k, v in scales.items()})
+    assert again is handle and handle.active
+    _decode_step(model, mask, cache)  # the cache of the patch still serves
+    assert cache.get_seq_length() == ids.shape[1] + 1
+    other = kvhf.patch(model, backend="torch", scales={k: 2 * v for k, v in scales.items()})
+    assert other is not handle and other.active and not handle.active
+
+
+def test_a_concurrent_forward_from_another_thread_is_refused() -> None:
+    ids, mask = prompt(pad=(4,))
+    cont = _cont()
+    model = build("llama")
+    handle = kvhf.patch(model, backend="torch")
+    alone, _ = step_logits(model, ids, mask, cont)
+    inside, go_on = threading.Event(), threading.Event()
+
+    def pause(module: Any, args: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()
+            go_on.wait(30)
+
+    pause_hook = model.model.layers[1].mlp.register_forward_pre_hook(pause)
+    result: dict[str, Any] = {}
+
+    def worker() -> None:
+        try:
+            result["logits"] = step_logits(model, ids, mask, cont)[0]
+        except BaseException as exc:  # reported by the assertion below
+            result["error"] = exc
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        cache = handle.new_cache()
+        with pytest.raises(UnsupportedModelError, match="one thread at a time") as err:
+            step_logits(model, ids, mask, cont, cache=cache)
+        assert isinstance(err.value, RuntimeError)
+        assert cache.get_seq_length() == 0
+    finally:
+        go_on.set()
+        thread.join(60)
+        pause_hook.remove()
+    assert "error" not in result, result.get("error")
+    assert torch.equal(result["logits"], alone)
+    assert torch.equal(step_logits(model, ids, mask, cont)[0], alone)
+
+
+def test_an_interrupted_forward_in_an_ended_thread_does_not_block_the_model() -> None:
+    ids, mask = prompt()
+    model = build("llama")
+    kvhf.patch(model, backend="torch")
+
+    def interrupt(module: Any, args: Any) -> None:
+        raise KeyboardInterrupt  # torch runs no forward hook for it
+
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(interrupt)
+
+    def worker() -> None:
+        try:
+            step_logits(model, ids, mask, _cont(steps=1))
+        except KeyboardInterrupt:
+            pass
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(60)
+    hook.remove()
+    logits, cache = step_logits(model, ids, mask, _cont(steps=1))
+    assert isinstance(cache, KVQuantCache) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_after_patch_matches_the_unpatched_model_cast_alike(dtype: torch.dtype) -> None:
+    ids, mask = prompt(pad=(4,))
+    cont = _cont()
+    plain, model = build("llama"), build("llama")
+    kvhf.patch(model, backend="torch", scales=calibrate(plain, ids, mask, "per-tensor"))
+    plain.to(dtype)
+    model.to(dtype)
+    ref, _ = step_logits(plain, ids, mask, cont)
+    fp8, cache = step_logits(model, ids, mask, cont)
+    assert isinstance(cache, KVQuantCache) and cache.layers[0].k_pages is not None
+    assert min_cosine(ref, fp8) > 0.999 and not torch.equal(ref, fp8)
+
+
+def test_a_float64_model_is_refused_with_the_fix() -> None:
+    ids, mask = prompt()
+    model = build("llama")
+    handle = kvhf.patch(model, backend="torch")
+    model.double()
+    cache = handle.new_cache()
+    with pytest.raises(CacheUsageError, match="float64") as err:
+        _forward(model, ids, mask, cache)
+    assert isinstance(err.value, KVQuantError) and "model.to(torch.float32)" in str(err.value)
+    assert cache.get_seq_length() == 0
+    model.float()
+    assert returned_cache(_forward(model, ids, mask, cache)) is cache
+    assert cache.get_seq_length() == ids.shape[1]
