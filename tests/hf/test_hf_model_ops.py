@@ -61,7 +61,7 @@ def test_deepcopy_of_a_patched_model_is_patched_on_its_own() -> None:
     assert isinstance(twin_cache, KVQuantCache)
     assert torch.equal(twin_fp8, fp8)
     # the original's cache belongs to the original's patch
-    with pytest.raises(CacheUsageError, match="another kvquant.patch"):
+    with pytest.raises(CacheUsageError, match=r"another kvquant\.patch"):
         step_logits(twin, ids, mask, cont, cache=handle.new_cache())
     twin_handle.remove()
     assert _snapshot(twin) == before
@@ -84,7 +84,7 @@ def test_a_cache_of_another_patch_is_refused(wrapper: dict[str, Any]) -> None:
     kvhf.patch(a, backend="torch", scales=calibrate(a, ids, mask, "per-tensor"), **wrapper)
     hb = kvhf.patch(b, backend="torch", scales=calibrate(b, ids, mask, "per-tensor"), **wrapper)
     foreign = hb.new_cache()
-    with pytest.raises(CacheUsageError, match="another kvquant.patch") as err:
+    with pytest.raises(CacheUsageError, match=r"another kvquant\.patch") as err:
         step_logits(a, ids, mask, cont, cache=foreign)
     assert isinstance(err.value, ValueError) and "handle.new_cache()" in str(err.value)
     assert foreign.get_seq_length() == 0 and foreign.allocator is None
@@ -92,7 +92,7 @@ def test_a_cache_of_another_patch_is_refused(wrapper: dict[str, Any]) -> None:
     cache = returned_cache(_forward(b, ids, mask, None))
     held = cache.get_seq_length()
     kvhf.patch(b, backend="torch", page_size=8, **wrapper)
-    with pytest.raises(CacheUsageError, match="another kvquant.patch"):
+    with pytest.raises(CacheUsageError, match=r"another kvquant\.patch"):
         _decode_step(b, mask, cache)
     assert cache.get_seq_length() == held
 
@@ -202,3 +202,29 @@ def test_a_float64_model_is_refused_with_the_fix() -> None:
     model.float()
     assert returned_cache(_forward(model, ids, mask, cache)) is cache
     assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_patch_again_switches_kvquant_attention_back_on() -> None:
+    model = build("llama")
+    handle = kvhf.patch(model, backend="torch")
+    model.set_attn_implementation("sdpa")  # the FP8 cache stays, read densely
+    assert kvhf.patch(model, backend="torch") is handle
+    assert model.config._attn_implementation == "kvquant"
+    handle.remove()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_right_padding_is_refused_with_the_fix() -> None:
+    ids, mask = prompt(pad=(4,))
+    ids, mask = ids.flip(1), mask.flip(1)
+    plain, model = build("llama"), build("llama")
+    kvhf.patch(model, backend="torch")
+    ref = _forward(plain, ids, mask, None)
+    out = _forward(model, ids, mask, None)  # a prompt alone is the unpatched model's
+    assert torch.equal(out.logits, ref.logits)
+    cache = returned_cache(out)
+    held = cache.get_seq_length()
+    with pytest.raises(UnsupportedModelError, match="right padding") as err:
+        _decode_step(model, mask, cache)
+    assert "padding_side = 'left'" in str(err.value)
+    assert cache.get_seq_length() == held

@@ -21,7 +21,8 @@ the model is touched):
 
 The cache of a decoder forward (``cache=`` on 5.24, ``past_key_values=`` on 5.17):
 
-- a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache`: used as it is;
+- a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache` this patch built: used as
+  it is (one of another patch: :class:`~kvquant.errors.CacheUsageError`);
 - none: a new ``KVQuantCache`` when the forward uses a cache, else none
   (``use_cache=False``);
 - an empty plain ``DynamicCache`` (what ``generate`` creates, or the user's
@@ -516,7 +517,9 @@ def _same_specs(a: list[LayerSpec], b: list[LayerSpec]) -> bool:
         return bool(x == y)
 
     return len(a) == len(b) and all(
-        same(getattr(s, f.name), getattr(t, f.name)) for s, t in zip(a, b) for f in fields(s)
+        same(getattr(s, f.name), getattr(t, f.name))
+        for s, t in zip(a, b, strict=True)
+        for f in fields(s)
     )
 
 
@@ -1158,6 +1161,18 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     )
 
 
+def _reuse(model: nn.Module, handle: KVQuantHandle) -> KVQuantHandle:
+    """The handle of an equal patch, with kvquant's attention switched on again.
+
+    ``model.set_attn_implementation(...)`` after the patch keeps the FP8 cache
+    but attends over its dequantized K/V with the chosen implementation;
+    patching again with the same arguments returns to the paged kernels.
+    """
+    if getattr(handle.state.text_config, "_attn_implementation", None) != ATTN_NAME:
+        _set_attn(model, ATTN_NAME)
+    return handle
+
+
 def patch(
     model: nn.Module,
     *,
@@ -1235,9 +1250,11 @@ def patch(
 
     Returns:
         The patch's handle (also a context manager); ``handle.remove()`` restores
-        the model. Patching again with the same arguments returns the same
-        handle; with other arguments the old patch is removed first (after the
-        new scales resolve).
+        the model. Patching again with the same arguments (the same scales,
+        when ``scales`` is given) returns the same handle; with other arguments
+        the old patch is removed first (after the new scales resolve), and the
+        caches it built are refused from then on (``CacheUsageError``).
+        ``copy.deepcopy(model)`` gives a copy patched on its own.
 
     Raises:
         UnsupportedModelError: the family or a feature it uses is not supported.
@@ -1284,7 +1301,7 @@ def patch(
     if existing is not None and scales is None:
         same = PatchOptions(**{**opts.__dict__, "source": existing.options.source})
         if same == existing.options and existing.handle is not None:
-            return existing.handle
+            return _reuse(model, existing.handle)
         raw, ctx, source = existing.raw_scales, existing.raw_context, existing.options.source
     else:
         dynamic = _is_dynamic(opts.scale_format)
@@ -1292,8 +1309,11 @@ def patch(
     opts = PatchOptions(**{**opts.__dict__, "source": source})
     model_scales = resolve(raw, geometry, opts, ctx)
     if existing is not None:
-        same = opts == existing.options and existing.handle is not None
-        if same and _same_specs(existing.layer_specs, _layer_specs(sites, geometry, model_scales)):
-            return existing.handle  # the same scales passed again (a mapping or a folder)
+        if (
+            existing.handle is not None
+            and opts == existing.options
+            and _same_specs(existing.layer_specs, _layer_specs(sites, geometry, model_scales))
+        ):
+            return _reuse(model, existing.handle)  # the same scales again (mapping or folder)
         _unpatch(model, existing)
     return apply_patch(model, opts, sites, geometry, model_scales, raw, ctx)
