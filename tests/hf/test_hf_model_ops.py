@@ -14,7 +14,7 @@ from hf_steps import cache_kwarg, calibrate, min_cosine, returned_cache, step_lo
 from hf_tiny import build, prompt
 
 import kvquant.integrations.hf as kvhf
-from kvquant.errors import CacheUsageError, KVQuantError, UnsupportedModelError
+from kvquant.errors import CacheUsageError, KVQuantError, ScaleFormatError, UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import KVQuantCache
 
 
@@ -228,3 +228,27 @@ def test_right_padding_is_refused_with_the_fix() -> None:
         _decode_step(model, mask, cache)
     assert "padding_side = 'left'" in str(err.value)
     assert cache.get_seq_length() == held
+
+
+def test_load_state_dict_keeps_the_patch_scales_or_refuses_others() -> None:
+    ids, mask = prompt(pad=(4,))
+    cont = _cont()
+    plain, model = build("llama"), build("llama")
+    scales = calibrate(plain, ids, mask, "per-tensor")
+    handle = kvhf.patch(model, backend="torch", scales=scales)
+    fp8, _ = step_logits(model, ids, mask, cont)
+    own = model.state_dict()
+    model.load_state_dict(own)  # the patched model's own state dict
+    model.load_state_dict(plain.state_dict())  # the unpatched model's: no missing keys
+    model.load_state_dict({**plain.state_dict(), **scales})  # the producer's tensors, same values
+    assert torch.equal(step_logits(model, ids, mask, cont)[0], fp8)
+    other = {k: 10 * v if k.endswith("k_scale") else v + 1 for k, v in own.items()}
+    weight = model.lm_head.weight.clone()
+    with pytest.raises(ScaleFormatError, match=r"kvquant\.patch\(model, scales=state_dict\)"):
+        model.load_state_dict(other)
+    assert torch.equal(model.lm_head.weight, weight)  # nothing was loaded
+    # the fix the message gives: patch with the new scales, then load
+    again = kvhf.patch(model, backend="torch", scales=other)
+    model.load_state_dict(other)
+    assert again is not handle
+    assert torch.equal(again.state.layer_specs[0].k_scale, 10 * handle.state.layer_specs[0].k_scale)

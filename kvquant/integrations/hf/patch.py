@@ -859,6 +859,62 @@ def _canonical_buffers(spec: LayerSpec) -> tuple[tuple[str, torch.Tensor | None]
     return out
 
 
+class _ScaleLoad(_PatchBound):
+    """``load_state_dict`` pre-hook of the model: its kvquant scale buffers keep the patch's values.
+
+    Every cache copies the scales the patch resolved (``LayerSpec``), not the
+    buffers, so a state dict with other scale values would change the buffers
+    (and ``model.k_scale``) but not the quantization. A state dict without the
+    scale keys (the unpatched model's) gets the patch's own, so it loads
+    without missing keys; one with the same values (any shape holding them, as
+    ``state_dict()`` of the patched model) loads; other values are refused
+    before anything is loaded (the hook runs before the first module loads).
+    """
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        *rest: Any,
+    ) -> None:
+        if not self.active():
+            return
+        names = {id(m): n for n, m in module.named_modules()}
+        for site, spec in zip(self.state.sites, self.state.layer_specs, strict=True):
+            if id(site.module) not in names:
+                continue
+            for attr, value in _canonical_buffers(spec):
+                buffer = site.module._buffers.get(attr)
+                if value is None or buffer is None:
+                    continue
+                key = f"{prefix}{names[id(site.module)]}.{attr}"
+                given = state_dict.get(key, value)
+                if not (
+                    isinstance(given, torch.Tensor)
+                    and given.numel() == value.numel()
+                    and torch.equal(
+                        given.detach().to("cpu", torch.float32).reshape(value.shape), value
+                    )
+                ):
+                    found = (
+                        given.detach().flatten()[:4].tolist()
+                        if isinstance(given, torch.Tensor)
+                        else type(given).__name__
+                    )
+                    raise ScaleFormatError(
+                        f"{self.state.model_name}.load_state_dict: {key} holds {found}, not the "
+                        f"scale the kvquant patch resolved ({value.flatten()[:4].tolist()}); "
+                        "kvquant's "
+                        "caches use the resolved scales, so loading others into the buffers would "
+                        "not change the quantization. Nothing was loaded. Fix: "
+                        "kvquant.patch(model, scales=state_dict) first (it resolves the new "
+                        "scales), then load_state_dict; or load the checkpoint with "
+                        "kvquant.from_pretrained."
+                    )
+                state_dict[key] = value.to(device=buffer.device, dtype=buffer.dtype)
+
+
 def _install_scales(state: PatchState) -> None:
     for site, spec in zip(state.sites, state.layer_specs, strict=True):
         mod = site.module
@@ -1062,6 +1118,8 @@ def apply_patch(
     setattr(model, STATE_ATTR, state)
     try:
         _install_scales(state)
+        if any(s.k_scale is not None or s.v_scale is not None for s in specs):
+            state.handles.append(model.register_load_state_dict_pre_hook(_ScaleLoad(model, state)))
         for site in sites:
             prev_fb = site.module.__dict__.get(_attention.FALLBACK_ATTR, _MISSING)
             state.saved_attrs.append((site.module, _attention.FALLBACK_ATTR, prev_fb, "attr"))
