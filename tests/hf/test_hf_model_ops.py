@@ -252,3 +252,24 @@ def test_load_state_dict_keeps_the_patch_scales_or_refuses_others() -> None:
     model.load_state_dict(other)
     assert again is not handle
     assert torch.equal(again.state.layer_specs[0].k_scale, 10 * handle.state.layer_specs[0].k_scale)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_deepcopy_of_a_cache_continues_like_the_cache(graphs: bool) -> None:
+    ids, mask = prompt(pad=(4,))
+    cont = _cont(steps=6)
+    model = build("llama")
+    kvhf.patch(model, backend="torch", cuda_graphs=graphs)
+    full, _ = step_logits(model, ids, mask, cont)
+    cache = returned_cache(_forward(model, ids, mask, None))
+    for s in range(3):  # decode steps (through the static step buffers with graphs)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        _forward(model, cont[:, s : s + 1], mask, cache)
+    twin = copy.deepcopy(cache)
+    assert twin.config is cache.config and twin.decode_graph is None
+    for c in (cache, twin):
+        m, got = mask, []
+        for s in range(3, 6):
+            m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+            got.append(_forward(model, cont[:, s : s + 1], m, c).logits[:, -1].float())
+        assert torch.equal(torch.stack(got, dim=1), full[:, 4:])

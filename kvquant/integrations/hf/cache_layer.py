@@ -29,6 +29,7 @@ the padding with a per-sequence ``kv_start`` taken from the attention mask.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -480,6 +481,23 @@ class KVQuantCache(Cache):
             KVQuantLayer(self, i, spec) for i, spec in enumerate(state.layer_specs)
         ]
         super().__init__(layers=layers)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVQuantCache:
+        """A cache holding the same tokens in pages of its own (``copy.deepcopy``, e.g. to reuse a
+        prompt's cache for several continuations).
+
+        The model's config is shared, not copied (the copy follows the model's
+        attention implementation, as the original does), and the decode graph is
+        left out: it was captured on the original's pages (a CUDA graph cannot be
+        copied), so the copy captures its own at its first decode step.
+        """
+        memo[id(self.config)] = self.config
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            keep = None if name == "decode_graph" else value
+            copied.__dict__[name] = copy.deepcopy(keep, memo)
+        return copied
 
     def __repr__(self) -> str:
         return (
