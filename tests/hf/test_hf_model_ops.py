@@ -35,7 +35,7 @@ def _snapshot(model: Any) -> tuple[Any, ...]:
 def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any) -> Any:
     """One forward of ``ids`` (the newest tokens of ``mask``) over ``cache``."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
-    kw = {cache_kwarg(model): cache}
+    kw = {cache_kwarg(getattr(model, "_orig_mod", model)): cache}
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
 
 
@@ -273,3 +273,25 @@ def test_a_deepcopy_of_a_cache_continues_like_the_cache(graphs: bool) -> None:
             m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
             got.append(_forward(model, cont[:, s : s + 1], m, c).logits[:, -1].float())
         assert torch.equal(torch.stack(got, dim=1), full[:, 4:])
+
+
+def test_patch_of_a_compiled_model_patches_the_module_it_compiles() -> None:
+    ids, mask = prompt(pad=(4,))
+    plain, model = build("llama"), build("llama")
+    want = plain.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0
+    )
+    before = _snapshot(model)
+    compiled = torch.compile(model, backend="eager")
+    handle = kvhf.patch(compiled, backend="torch", cuda_graphs=False)
+    assert handle.active and model.config._attn_implementation == "kvquant"
+    out = _forward(compiled, ids, mask, None)  # dynamo traced the wrapper's own hooks before
+    assert isinstance(returned_cache(out), KVQuantCache)
+    assert torch.equal(out.logits, _forward(plain, ids, mask, None).logits)  # the prompt: exact
+    with torch.no_grad():
+        got = compiled.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(got, want)
+    handle.remove()
+    assert _snapshot(model) == before

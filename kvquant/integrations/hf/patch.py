@@ -1219,6 +1219,19 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     )
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(model)`` wrapper compiles, else ``model``.
+
+    Patching the module itself is what patching before compiling does: the
+    wrapper's next call compiles the patched forward. Hooks bound to the wrapper
+    would be traced inside its own compiled forward, which dynamo refuses.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    inner = model._orig_mod if isinstance(model, OptimizedModule) else model
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def _reuse(model: nn.Module, handle: KVQuantHandle) -> KVQuantHandle:
     """The handle of an equal patch, with kvquant's attention switched on again.
 
@@ -1252,7 +1265,8 @@ def patch(
 
     Args:
         model: a transformers causal LM of a supported family
-            (:data:`~kvquant.integrations.hf.models.SUPPORTED_FAMILIES`).
+            (:data:`~kvquant.integrations.hf.models.SUPPORTED_FAMILIES`), or
+            ``torch.compile(model)`` of one (the compiled module is patched).
         scales: where the KV scales come from: a checkpoint folder, a
             ``{tensor_name: tensor}`` mapping (producer names, any shape the
             registry accepts), or None: the folder ``model.name_or_path`` when
@@ -1323,6 +1337,7 @@ def patch(
         OptionError: a bad option value (a ``KVQuantError`` and ``ValueError``;
             :class:`~kvquant.errors.OptionTypeError` for a wrong type).
     """
+    model = _uncompiled(model)
     check_supported(model)
     sites = find_attention_sites(model)
     geometry = model_geometry(model, sites)
