@@ -295,3 +295,26 @@ def test_patch_of_a_compiled_model_patches_the_module_it_compiles() -> None:
     assert torch.equal(got, want)
     handle.remove()
     assert _snapshot(model) == before
+
+
+def test_a_patched_model_survives_torch_save_and_load() -> None:
+    import io
+
+    ids, mask = prompt(pad=(4,))
+    cont = _cont()
+    plain, model = build("llama"), build("llama")
+    before = _snapshot(plain)
+    ref, _ = step_logits(plain, ids, mask, cont)
+    kvhf.patch(model, backend="torch", scales=calibrate(plain, ids, mask, "per-head"))
+    fp8, _ = step_logits(model, ids, mask, cont)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    handle = loaded._kvquant_state.handle
+    assert handle.active
+    got, cache = step_logits(loaded, ids, mask, cont)
+    assert isinstance(cache, KVQuantCache) and torch.equal(got, fp8)
+    handle.remove()
+    assert _snapshot(loaded) == before
+    assert torch.equal(step_logits(loaded, ids, mask, cont)[0], ref)

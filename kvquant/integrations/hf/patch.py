@@ -825,21 +825,25 @@ class _Rollback(_PatchBound):
 # ---------------------------------------------------------------------- apply / undo
 
 
-def _canonical_state_dict_hook(spec: LayerSpec) -> Any:
+class _CanonicalStateDict:
     """A ``state_dict`` post-hook writing the canonical fp32 scales, whatever the buffers became.
 
     ``model.to(torch.float16)`` casts every floating buffer, so a 1e-10 scale
     would be saved as 0.0 and 0.0123 as its bf16 rounding; the saved scales are
-    the exact canonical fp32 ones instead (on the buffer's device).
+    the exact canonical fp32 ones instead (on the buffer's device). An object,
+    not a closure, so that a patched model pickles (``torch.save(model)``).
     """
 
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any) -> None:
-        for attr, value in _canonical_buffers(spec):
+    def __init__(self, spec: LayerSpec) -> None:
+        self.spec = spec
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any
+    ) -> None:
+        for attr, value in _canonical_buffers(self.spec):
             key = prefix + attr
             if value is not None and key in state_dict:
                 state_dict[key] = value.to(device=state_dict[key].device, dtype=torch.float32)
-
-    return hook
 
 
 def _canonical_buffers(spec: LayerSpec) -> tuple[tuple[str, torch.Tensor | None], ...]:
@@ -939,9 +943,7 @@ def _install_scales(state: PatchState) -> None:
                 buf._kvq_canonical = True  # type: ignore[attr-defined]
                 mod.register_buffer(attr, buf, persistent=True)
         if spec.k_scale is not None or spec.v_scale is not None:
-            state.handles.append(
-                mod.register_state_dict_post_hook(_canonical_state_dict_hook(spec))
-            )
+            state.handles.append(mod.register_state_dict_post_hook(_CanonicalStateDict(spec)))
         if hasattr(mod, "kv_cache"):
             # compressed-tensors' own KV fake-quant hook (transformers 5.17): K/V would be
             # rounded twice. Keep its hook (it forwards to our cache), switch its quantization off.
