@@ -916,7 +916,9 @@ class _ScaleLoad(_PatchBound):
                         "scales), then load_state_dict; or load the checkpoint with "
                         "kvquant.from_pretrained."
                     )
-                state_dict[key] = value.to(device=buffer.device, dtype=buffer.dtype)
+                loaded = value.to(device=buffer.device, dtype=buffer.dtype).clone()
+                loaded._kvq_canonical = True  # type: ignore[attr-defined]  # kept by assign=True
+                state_dict[key] = loaded
 
 
 def _install_scales(state: PatchState) -> None:
