@@ -151,25 +151,37 @@ def test_a_concurrent_forward_from_another_thread_is_refused() -> None:
     assert torch.equal(step_logits(model, ids, mask, cont)[0], alone)
 
 
-def test_an_interrupted_forward_in_an_ended_thread_does_not_block_the_model() -> None:
+def test_an_interrupted_forward_does_not_block_other_threads() -> None:
+    """``KeyboardInterrupt`` stops a forward without torch's forward hooks (no release)."""
     ids, mask = prompt()
     model = build("llama")
     kvhf.patch(model, backend="torch")
 
     def interrupt(module: Any, args: Any) -> None:
-        raise KeyboardInterrupt  # torch runs no forward hook for it
+        raise KeyboardInterrupt
+
+    def forward_in_thread(interrupted: bool) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+
+        def worker() -> None:
+            try:
+                result["logits"] = step_logits(model, ids, mask, _cont(steps=1))[0]
+            except BaseException as exc:  # reported by the caller
+                result["error"] = exc
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join(60)
+        assert ("error" in result) == interrupted, result.get("error")
+        return result
 
     hook = model.model.layers[0].mlp.register_forward_pre_hook(interrupt)
-
-    def worker() -> None:
-        try:
-            step_logits(model, ids, mask, _cont(steps=1))
-        except KeyboardInterrupt:
-            pass
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    thread.join(60)
+    with pytest.raises(KeyboardInterrupt):  # in this (live) thread
+        step_logits(model, ids, mask, _cont(steps=1))
+    hook.remove()
+    assert torch.isfinite(forward_in_thread(False)["logits"]).all()
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(interrupt)
+    assert isinstance(forward_in_thread(True)["error"], KeyboardInterrupt)  # a thread that ended
     hook.remove()
     logits, cache = step_logits(model, ids, mask, _cont(steps=1))
     assert isinstance(cache, KVQuantCache) and torch.isfinite(logits).all()

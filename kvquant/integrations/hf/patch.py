@@ -57,6 +57,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Mapping
@@ -707,7 +708,7 @@ class _Injector(_PatchBound):
         state, model = self.state, self.model
         if not self.active():
             return None
-        _claim(state)
+        _claim(state, module)
         key, current = _cache_argument(kwargs)
         grad = _grad_flows(module, kwargs)
         name = state.model_name
@@ -750,25 +751,25 @@ class _Injector(_PatchBound):
         return args, kwargs
 
 
-def _claim(state: PatchState) -> None:
+def _claim(state: PatchState, decoder: nn.Module) -> None:
     """Mark the model's decoder as running in this thread, or refuse another thread's forward.
 
     The attention modules hold the cache of the current forward (the attention
     function never receives it), so two threads' forwards at once would read
-    each other's caches. ``dict.setdefault`` claims atomically. A decoder
-    forward never runs inside another of the same model, so a claim this thread
-    already holds (left by a forward that ``KeyboardInterrupt`` stopped: torch
-    runs no forward hook then) is simply kept, and a claim of a thread that has
-    ended is taken over.
+    each other's caches. ``dict.setdefault`` claims atomically. A claim whose
+    thread is no longer inside a call of ``decoder`` (it ended, or a
+    ``KeyboardInterrupt`` stopped its forward, after which torch runs no forward
+    hook) is taken over; a decoder forward never runs inside another of the
+    same model, so this thread's own leftover claim is simply kept.
 
     Raises:
-        UnsupportedModelError: another live thread is in a forward of this model.
+        UnsupportedModelError: another thread is in a forward of this model.
     """
     me = threading.get_ident()
     owner = state.running.setdefault("thread", me)
     if owner == me:
         return
-    if any(t.ident == owner for t in threading.enumerate()):
+    if _calling(owner, decoder):
         raise UnsupportedModelError(
             f"{state.model_name}: a forward in thread {me} while thread {owner} runs one on "
             "the same kvquant-patched model; the patch keeps the cache of the running forward "
@@ -778,6 +779,19 @@ def _claim(state: PatchState) -> None:
             "(copy.deepcopy(model) of the patched model is patched too)."
         )
     state.running["thread"] = me
+
+
+def _calling(thread: int, module: nn.Module) -> bool:
+    """Whether ``thread`` is inside a call of ``module`` (torch's ``Module._call_impl`` frame)."""
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def _release(state: PatchState) -> None:
