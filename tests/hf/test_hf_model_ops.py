@@ -330,3 +330,28 @@ def test_a_patched_model_survives_torch_save_and_load() -> None:
     handle.remove()
     assert _snapshot(loaded) == before
     assert torch.equal(step_logits(loaded, ids, mask, cont)[0], ref)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_forward_stopped_by_keyboard_interrupt_is_cropped_at_the_next(graphs: bool) -> None:
+    """torch runs no forward hook for ``KeyboardInterrupt``: the next forward crops the cache."""
+    ids, mask = prompt(pad=(4,))
+    cont = _cont(steps=3)
+    model = build("llama")
+    kvhf.patch(model, backend="torch", cuda_graphs=graphs)
+    full, _ = step_logits(model, ids, mask, cont)
+    cache = returned_cache(_forward(model, ids, mask, None))
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    _forward(model, cont[:, :1], step_mask, cache)  # a first decode step (captures with graphs)
+
+    def interrupt(module: Any, args: Any) -> None:
+        raise KeyboardInterrupt
+
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(interrupt)
+    step_mask = torch.cat([step_mask, torch.ones_like(mask[:, :1])], dim=1)
+    with pytest.raises(KeyboardInterrupt):
+        _forward(model, cont[:, 1:2], step_mask, cache)
+    hook.remove()
+    got = _forward(model, cont[:, 1:2], step_mask, cache).logits[:, -1].float()
+    assert torch.equal(got, full[:, 2])
+    assert cache.book.layer_lens == [ids.shape[1] + 2] * 2

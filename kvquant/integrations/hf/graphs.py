@@ -457,6 +457,7 @@ class DecodeGraphRunner:
             return None  # another patch's cache: the ordinary forward refuses it
         if (
             cache.book.static is not None
+            or cache.rollback_point is not None  # a stopped forward: the ordinary path crops it
             or cache.allocator is None
             or not cache.attention_is_kvquant()
         ):

@@ -743,6 +743,7 @@ class _Injector(_PatchBound):
                 "the model's own attention, which returns the weights)."
             )
         cache = _kvquant_cache(current, model)
+        _settle(cache)
         cache.rollback_point = cache.get_seq_length()
         if cache is current:
             return None
@@ -799,6 +800,21 @@ def _release(state: PatchState) -> None:
     none, so it releases nothing)."""
     if state.running.get("thread") == threading.get_ident():
         state.running.clear()
+
+
+def _settle(cache: KVQuantCache) -> None:
+    """Crop a cache that a stopped forward left part-written back to where that forward began.
+
+    The rollback hook records where a forward began (``rollback_point``) and
+    clears it when the forward ends; a ``KeyboardInterrupt`` skips torch's
+    forward hooks, leaving the earlier layers longer than the rest. The next
+    forward over the cache finds the mark and crops first (outside a row group
+    or a static decode step, which set their own bookkeeping).
+    """
+    point = cache.rollback_point
+    if point is not None and cache.book.window is None and cache.book.static is None:
+        cache.truncate(point)
+        cache.rollback_point = None
 
 
 def _refuse_foreign(cache: KVQuantCache, state: PatchState) -> NoReturn:
@@ -1043,6 +1059,7 @@ class _RowGroupCache(_PatchBound):
         ):
             return None
         cache = _kvquant_cache(current, self.model)
+        _settle(cache)
         return key or state.raw_context.get("cache_kwarg", "cache"), cache
 
 
