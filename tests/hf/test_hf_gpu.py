@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hf_steps import calibrate, min_cosine, step_logits
@@ -227,3 +229,41 @@ def test_patch_generate_remove_cycles_leave_no_memory() -> None:
     del failed  # its traceback holds generate's frames (and their tensors), not kvquant
     gc.collect()
     assert torch.cuda.memory_allocated() == base
+
+
+def test_deepcopy_of_a_cache_after_graph_decode_steps() -> None:
+    """A cache that holds a captured CUDA graph copies (without it) and continues alike."""
+    import copy
+
+    from hf_steps import cache_kwarg, returned_cache
+
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=2, length=20, pad=(5, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    cont = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(5)).cuda()
+    handle = kvhf.patch(model, cuda_graphs=True, compile_step=False)
+    full, _ = step_logits(model, ids, mask, cont)
+    key = cache_kwarg(model)
+
+    def fwd(tok: torch.Tensor, m: torch.Tensor, cache: object) -> Any:
+        pos = (m.cumsum(-1) - 1).clamp(min=0)[:, -tok.shape[1] :]
+        with torch.no_grad():
+            out = model(
+                input_ids=tok, attention_mask=m, position_ids=pos, use_cache=True, **{key: cache}
+            )
+        return out
+
+    cache = returned_cache(fwd(ids, mask, None))
+    for s in range(4):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        fwd(cont[:, s : s + 1], mask, cache)
+    assert cache.decode_graph is not None and cache.decode_graph.graph is not None
+    twin = copy.deepcopy(cache)
+    assert twin.decode_graph is None
+    for c in (cache, twin):
+        m, got = mask, []
+        for s in range(4, 8):
+            m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+            got.append(fwd(cont[:, s : s + 1], m, c).logits[:, -1].float())
+        assert torch.equal(torch.stack(got, dim=1), full[:, 5:])
+    handle.remove()

@@ -178,9 +178,9 @@ def kv_start_from_mask(
         raise UnsupportedModelError(
             f"{name}: the attention mask is not 'left padding + causal"
             + (f" + sliding window {window}" if window else "")
-            + "', the only patterns kvquant's paged kernels apply (packed sequences, "
-            "document masks or custom 4D masks are not supported). Fix: pass a 2D padding mask "
-            "with left padding."
+            + "', the only patterns kvquant's paged kernels apply (right padding, packed "
+            "sequences, document masks or custom 4D masks are not supported). Fix: pad on the "
+            "left (tokenizer.padding_side = 'left') and pass the 2D padding mask."
         )
     return start.to(torch.int32)
 

@@ -29,6 +29,7 @@ the padding with a per-sequence ``kv_start`` taken from the attention mask.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,9 @@ ATTN_NAME = "kvquant"
 
 
 _CPU = torch.device("cpu")
+
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The K/V dtypes a cache layer accepts (those the write kernels read)."""
 
 
 @dataclass(frozen=True)
@@ -213,8 +217,18 @@ class KVQuantLayer(CacheLayerMixin):
             and vs[1] == hkv
             and vs[3] == d
             and ks[:3] == vs[:3]
+            and key_states.dtype in KV_DTYPES
+            and value_states.dtype in KV_DTYPES
         ):
             return  # the common case; the checks below name what is wrong
+        for what, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dtype not in KV_DTYPES:
+                raise CacheUsageError(
+                    f"{self.spec.name}: cache update got {what} in {t.dtype}; kvquant's FP8 "
+                    "cache stores K/V computed in float32, float16 or bfloat16. Nothing was "
+                    "written. Fix: run the model in one of them (model.to(torch.float32), "
+                    "or torch_dtype=torch.bfloat16 when loading)."
+                )
         for what, t in (("key_states", key_states), ("value_states", value_states)):
             if t.dim() != 4 or t.shape[1] != hkv or t.shape[3] != d:
                 raise CacheUsageError(
@@ -452,6 +466,9 @@ class KVQuantCache(Cache):
         self.fp8_dtype = torch.float8_e4m3fn
         self.config = state.text_config
         self.model_name = state.model_name
+        # the patch that built the cache: its layers carry that patch's scales (patch.py refuses
+        # the cache in a forward of another patch)
+        self.patch_id: str = state.patch_id
         self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
         self.capacity_version = 0
         # capacity_version of the pools the compiled decode step was captured on (graphs.py)
@@ -464,6 +481,23 @@ class KVQuantCache(Cache):
             KVQuantLayer(self, i, spec) for i, spec in enumerate(state.layer_specs)
         ]
         super().__init__(layers=layers)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVQuantCache:
+        """A cache holding the same tokens in pages of its own (``copy.deepcopy``, e.g. to reuse a
+        prompt's cache for several continuations).
+
+        The model's config is shared, not copied (the copy follows the model's
+        attention implementation, as the original does), and the decode graph is
+        left out: it was captured on the original's pages (a CUDA graph cannot be
+        copied), so the copy captures its own at its first decode step.
+        """
+        memo[id(self.config)] = self.config
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            keep = None if name == "decode_graph" else value
+            copied.__dict__[name] = copy.deepcopy(keep, memo)
+        return copied
 
     def __repr__(self) -> str:
         return (

@@ -453,8 +453,11 @@ class DecodeGraphRunner:
         cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
         if not isinstance(cache, KVQuantCache) or cache.cuda_graphs is False:
             return None
+        if cache.patch_id != getattr(getattr(self.model, "_kvquant_state", None), "patch_id", None):
+            return None  # another patch's cache: the ordinary forward refuses it
         if (
             cache.book.static is not None
+            or cache.rollback_point is not None  # a stopped forward: the ordinary path crops it
             or cache.allocator is None
             or not cache.attention_is_kvquant()
         ):

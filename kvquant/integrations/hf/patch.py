@@ -21,7 +21,8 @@ the model is touched):
 
 The cache of a decoder forward (``cache=`` on 5.24, ``past_key_values=`` on 5.17):
 
-- a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache`: used as it is;
+- a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache` this patch built: used as
+  it is (one of another patch: :class:`~kvquant.errors.CacheUsageError`);
 - none: a new ``KVQuantCache`` when the forward uses a cache, else none
   (``use_cache=False``);
 - an empty plain ``DynamicCache`` (what ``generate`` creates, or the user's
@@ -53,10 +54,14 @@ process-global effect is the registration of the ``"kvquant"`` names.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
+import sys
+import threading
+import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -93,7 +98,23 @@ __all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
 _logger = logging.getLogger("kvquant")
 
 STATE_ATTR = "_kvquant_state"
-_MISSING = object()
+
+
+class _Missing:
+    """The mark of an attribute that was absent before the patch (``saved_attrs``).
+
+    One object, also through ``copy.deepcopy`` and pickling (a copied patched
+    model must recognise it when its handle restores the attributes).
+    """
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 _SCALE_ATTRS = ("k_scale", "v_scale")
 
 
@@ -172,6 +193,12 @@ class PatchState:
         row_groups: the row-group prefill wrapper installed as the model's
             ``forward`` (around the graph runner, if any) when ``prefill_tokens``
             is set, else None.
+        handle: the handle :func:`patch` returned.
+        patch_id: identifies the patch; every :class:`KVQuantCache` it builds
+            carries it, and a forward refuses a cache of another patch (another
+            model, or this model before it was patched again with other options).
+        running: ``{"thread": ident}`` while a thread runs a decoder forward of
+            the model (a forward from another thread is refused).
     """
 
     options: PatchOptions
@@ -188,6 +215,18 @@ class PatchState:
     graph_runner: DecodeGraphRunner | None = None
     row_groups: RowGroupForward | None = None
     handle: KVQuantHandle | None = None
+    patch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    running: dict[str, int] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PatchState:
+        """The state of ``copy.deepcopy(model)``: a patch of its own (new ``patch_id``, idle)."""
+        copied = PatchState.__new__(PatchState)
+        memo[id(self)] = copied
+        for f in fields(self):
+            setattr(copied, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        copied.patch_id = uuid.uuid4().hex
+        copied.running = {}
+        return copied
 
 
 class KVQuantHandle:
@@ -468,6 +507,23 @@ def _layer_specs(
     return specs
 
 
+def _same_specs(a: list[LayerSpec], b: list[LayerSpec]) -> bool:
+    """Whether two patches' layer specs are equal (scale tensors compared by value)."""
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return False
+        return bool(x == y)
+
+    return len(a) == len(b) and all(
+        same(getattr(s, f.name), getattr(t, f.name))
+        for s, t in zip(a, b, strict=True)
+        for f in fields(s)
+    )
+
+
 def resolve(
     raw: list[RawScale], geometry: LayerGeometry, opts: PatchOptions, ctx: dict[str, Any]
 ) -> Any:
@@ -618,17 +674,48 @@ def _refuse_cache(cache: Any, name: str) -> NoReturn:
     )
 
 
-def _make_injector(model: nn.Module, state: PatchState) -> Any:
-    def inject(
-        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+class _PatchBound:
+    """A callable of the patch (hook, wrapper predicate) that holds its model and state.
+
+    They are attributes, not a closure's cells: ``copy.deepcopy(model)`` copies
+    the hooks and wrappers on the model with it, and a copied object refers to
+    the copy's model and state where a copied function would keep the original's.
+    """
+
+    def __init__(self, model: nn.Module, state: PatchState) -> None:
+        self.model = model
+        self.state = state
+
+    def active(self) -> bool:
+        """Whether this patch is still the one applied to the model."""
+        return getattr(self.model, STATE_ATTR, None) is self.state
+
+
+class _IsActive(_PatchBound):
+    """The wrappers' ``is_active`` predicate."""
+
+    def __call__(self) -> bool:
+        return self.active()
+
+
+class _Injector(_PatchBound):
+    """Decoder forward pre-hook: decides the call's cache (module docstring) and claims the
+    model for the calling thread (released by :class:`_Rollback`)."""
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if getattr(model, STATE_ATTR, None) is not state:
+        state, model = self.state, self.model
+        if not self.active():
             return None
+        _claim(state, module)
         key, current = _cache_argument(kwargs)
         grad = _grad_flows(module, kwargs)
         name = state.model_name
         plain = _plain_dynamic(current)
         if isinstance(current, KVQuantCache):
+            if current.patch_id != state.patch_id:
+                _refuse_foreign(current, state)
             if grad:
                 raise UnsupportedModelError(
                     f"{name}: a forward with gradients (torch.is_grad_enabled() and trainable "
@@ -656,6 +743,7 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
                 "the model's own attention, which returns the weights)."
             )
         cache = _kvquant_cache(current, model)
+        _settle(cache)
         cache.rollback_point = cache.get_seq_length()
         if cache is current:
             return None
@@ -663,10 +751,84 @@ def _make_injector(model: nn.Module, state: PatchState) -> Any:
         kwargs[key or state.raw_context.get("cache_kwarg", "cache")] = cache
         return args, kwargs
 
-    return inject
+
+def _claim(state: PatchState, decoder: nn.Module) -> None:
+    """Mark the model's decoder as running in this thread, or refuse another thread's forward.
+
+    The attention modules hold the cache of the current forward (the attention
+    function never receives it), so two threads' forwards at once would read
+    each other's caches. ``dict.setdefault`` claims atomically. A claim whose
+    thread is no longer inside a call of ``decoder`` (it ended, or a
+    ``KeyboardInterrupt`` stopped its forward, after which torch runs no forward
+    hook) is taken over; a decoder forward never runs inside another of the
+    same model, so this thread's own leftover claim is simply kept.
+
+    Raises:
+        UnsupportedModelError: another thread is in a forward of this model.
+    """
+    me = threading.get_ident()
+    owner = state.running.setdefault("thread", me)
+    if owner == me:
+        return
+    if _calling(owner, decoder):
+        raise UnsupportedModelError(
+            f"{state.model_name}: a forward in thread {me} while thread {owner} runs one on "
+            "the same kvquant-patched model; the patch keeps the cache of the running forward "
+            "on the attention modules, so concurrent forwards would read each other's caches. "
+            "Nothing was written. Fix: call generate / forward on this model from one thread "
+            "at a time (a threading.Lock around the calls), or give each thread its own model "
+            "(copy.deepcopy(model) of the patched model is patched too)."
+        )
+    state.running["thread"] = me
 
 
-def _make_rollback(model: nn.Module, state: PatchState) -> Any:
+def _calling(thread: int, module: nn.Module) -> bool:
+    """Whether ``thread`` is inside a call of ``module`` (torch's ``Module._call_impl`` frame)."""
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _release(state: PatchState) -> None:
+    """End this thread's :func:`_claim` (a forward that another thread's claim refused holds
+    none, so it releases nothing)."""
+    if state.running.get("thread") == threading.get_ident():
+        state.running.clear()
+
+
+def _settle(cache: KVQuantCache) -> None:
+    """Crop a cache that a stopped forward left part-written back to where that forward began.
+
+    The rollback hook records where a forward began (``rollback_point``) and
+    clears it when the forward ends; a ``KeyboardInterrupt`` skips torch's
+    forward hooks, leaving the earlier layers longer than the rest. The next
+    forward over the cache finds the mark and crops first (outside a row group
+    or a static decode step, which set their own bookkeeping).
+    """
+    point = cache.rollback_point
+    if point is not None and cache.book.window is None and cache.book.static is None:
+        cache.truncate(point)
+        cache.rollback_point = None
+
+
+def _refuse_foreign(cache: KVQuantCache, state: PatchState) -> NoReturn:
+    """Raise :class:`CacheUsageError` for a ``KVQuantCache`` that another patch built."""
+    raise CacheUsageError(
+        f"{state.model_name}: got a KVQuantCache built by another kvquant.patch (of "
+        f"{cache.model_name}, or of this model before it was patched again); its layers carry "
+        "that patch's scales, page size and layer layout, which would quantize this model's "
+        "K/V with the wrong scales. Nothing was written. Fix: pass a cache of this model's "
+        "current patch (handle.new_cache(), or the cache one of its calls returned), or no cache."
+    )
+
+
+class _Rollback(_PatchBound):
     """Decoder forward hook (``always_call``): a failed forward leaves the cache as it found it.
 
     The cache's layers store a call's tokens one layer after the other; a
@@ -674,12 +836,14 @@ def _make_rollback(model: nn.Module, state: PatchState) -> Any:
     layer, a bad input, an out-of-memory error) would leave the earlier layers
     longer than the rest. The injector records the cache's length before the
     forward; this hook crops every layer back to it when the forward raised
-    (torch then calls it with ``output=None``).
+    (torch then calls it with ``output=None``). It also ends the thread's claim
+    of the model (:func:`_claim`).
     """
 
-    def rollback(
-        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
+        _release(self.state)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not isinstance(cache, KVQuantCache):
             return
@@ -687,27 +851,29 @@ def _make_rollback(model: nn.Module, state: PatchState) -> Any:
         if output is None and point is not None:
             cache.truncate(point)
 
-    return rollback
-
 
 # ---------------------------------------------------------------------- apply / undo
 
 
-def _canonical_state_dict_hook(spec: LayerSpec) -> Any:
+class _CanonicalStateDict:
     """A ``state_dict`` post-hook writing the canonical fp32 scales, whatever the buffers became.
 
     ``model.to(torch.float16)`` casts every floating buffer, so a 1e-10 scale
     would be saved as 0.0 and 0.0123 as its bf16 rounding; the saved scales are
-    the exact canonical fp32 ones instead (on the buffer's device).
+    the exact canonical fp32 ones instead (on the buffer's device). An object,
+    not a closure, so that a patched model pickles (``torch.save(model)``).
     """
 
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any) -> None:
-        for attr, value in _canonical_buffers(spec):
+    def __init__(self, spec: LayerSpec) -> None:
+        self.spec = spec
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any
+    ) -> None:
+        for attr, value in _canonical_buffers(self.spec):
             key = prefix + attr
             if value is not None and key in state_dict:
                 state_dict[key] = value.to(device=state_dict[key].device, dtype=torch.float32)
-
-    return hook
 
 
 def _canonical_buffers(spec: LayerSpec) -> tuple[tuple[str, torch.Tensor | None], ...]:
@@ -725,6 +891,64 @@ def _canonical_buffers(spec: LayerSpec) -> tuple[tuple[str, torch.Tensor | None]
     if spec.k_offset is not None:
         out += (("k_offset", spec.k_offset),)
     return out
+
+
+class _ScaleLoad(_PatchBound):
+    """``load_state_dict`` pre-hook of the model: its kvquant scale buffers keep the patch's values.
+
+    Every cache copies the scales the patch resolved (``LayerSpec``), not the
+    buffers, so a state dict with other scale values would change the buffers
+    (and ``model.k_scale``) but not the quantization. A state dict without the
+    scale keys (the unpatched model's) gets the patch's own, so it loads
+    without missing keys; one with the same values (any shape holding them, as
+    ``state_dict()`` of the patched model) loads; other values are refused
+    before anything is loaded (the hook runs before the first module loads).
+    """
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        *rest: Any,
+    ) -> None:
+        if not self.active():
+            return
+        names = {id(m): n for n, m in module.named_modules()}
+        for site, spec in zip(self.state.sites, self.state.layer_specs, strict=True):
+            if id(site.module) not in names:
+                continue
+            for attr, value in _canonical_buffers(spec):
+                buffer = site.module._buffers.get(attr)
+                if value is None or buffer is None:
+                    continue
+                key = f"{prefix}{names[id(site.module)]}.{attr}"
+                given = state_dict.get(key, value)
+                if not (
+                    isinstance(given, torch.Tensor)
+                    and given.numel() == value.numel()
+                    and torch.equal(
+                        given.detach().to("cpu", torch.float32).reshape(value.shape), value
+                    )
+                ):
+                    found = (
+                        given.detach().flatten()[:4].tolist()
+                        if isinstance(given, torch.Tensor)
+                        else type(given).__name__
+                    )
+                    raise ScaleFormatError(
+                        f"{self.state.model_name}.load_state_dict: {key} holds {found}, not the "
+                        f"scale the kvquant patch resolved ({value.flatten()[:4].tolist()}); "
+                        "kvquant's "
+                        "caches use the resolved scales, so loading others into the buffers would "
+                        "not change the quantization. Nothing was loaded. Fix: "
+                        "kvquant.patch(model, scales=state_dict) first (it resolves the new "
+                        "scales), then load_state_dict; or load the checkpoint with "
+                        "kvquant.from_pretrained."
+                    )
+                loaded = value.to(device=buffer.device, dtype=buffer.dtype).clone()
+                loaded._kvq_canonical = True  # type: ignore[attr-defined]  # kept by assign=True
+                state_dict[key] = loaded
 
 
 def _install_scales(state: PatchState) -> None:
@@ -751,9 +975,7 @@ def _install_scales(state: PatchState) -> None:
                 buf._kvq_canonical = True  # type: ignore[attr-defined]
                 mod.register_buffer(attr, buf, persistent=True)
         if spec.k_scale is not None or spec.v_scale is not None:
-            state.handles.append(
-                mod.register_state_dict_post_hook(_canonical_state_dict_hook(spec))
-            )
+            state.handles.append(mod.register_state_dict_post_hook(_CanonicalStateDict(spec)))
         if hasattr(mod, "kv_cache"):
             # compressed-tensors' own KV fake-quant hook (transformers 5.17): K/V would be
             # rounded twice. Keep its hook (it forwards to our cache), switch its quantization off.
@@ -800,10 +1022,7 @@ def _install_forward_wrappers(model: nn.Module, state: PatchState, graphs: bool)
     compiled = _compiled_layers(model, state) if graphs else None
     prev = model.__dict__.get("forward", _MISSING)
     state.saved_attrs.append((model, "forward", prev, "attr"))
-
-    def active() -> bool:
-        return getattr(model, STATE_ATTR, None) is state
-
+    active = _IsActive(model, state)
     forward = model.forward
     if graphs:
         runner = DecodeGraphRunner(
@@ -812,35 +1031,36 @@ def _install_forward_wrappers(model: nn.Module, state: PatchState, graphs: bool)
         state.graph_runner = runner
         forward = runner
     if tokens is not None:
-        groups = RowGroupForward(model, forward, active, tokens, _row_group_cache(model, state))
+        groups = RowGroupForward(model, forward, active, tokens, _RowGroupCache(model, state))
         state.row_groups = groups
         forward = groups
     model.__dict__["forward"] = forward
 
 
-def _row_group_cache(model: nn.Module, state: PatchState) -> Any:
-    """The :data:`~kvquant.integrations.hf.rowgroups.CachePreparer` of ``model``.
+class _RowGroupCache(_PatchBound):
+    """The :data:`~kvquant.integrations.hf.rowgroups.CachePreparer` of the model.
 
     The kvquant cache a call will use, made before the first row group so that
-    every group shares it: the call's ``KVQuantCache``; a new one for no cache
-    (when the call uses a cache); the user's empty ``DynamicCache``, converted in
-    place (as the decoder hook would). None for anything else (the call then
-    runs whole, and the decoder hook refuses or passes it).
+    every group shares it: the call's ``KVQuantCache`` (of this patch); a new one
+    for no cache (when the call uses a cache); the user's empty ``DynamicCache``,
+    converted in place (as the decoder hook would). None for anything else (the
+    call then runs whole, and the decoder hook refuses or passes it).
     """
 
-    def prepare(kwargs: dict[str, Any]) -> tuple[str, KVQuantCache] | None:
+    def __call__(self, kwargs: dict[str, Any]) -> tuple[str, KVQuantCache] | None:
+        state = self.state
         key, current = _cache_argument(kwargs)
         if current is None and not _wants_cache(kwargs, state.text_config):
             return None
         if not (
             current is None
-            or isinstance(current, KVQuantCache)
+            or (isinstance(current, KVQuantCache) and current.patch_id == state.patch_id)
             or (_plain_dynamic(current) and current.get_seq_length() == 0)
         ):
             return None
-        return key or state.raw_context.get("cache_kwarg", "cache"), _kvquant_cache(current, model)
-
-    return prepare
+        cache = _kvquant_cache(current, self.model)
+        _settle(cache)
+        return key or state.raw_context.get("cache_kwarg", "cache"), cache
 
 
 def _module_device(mod: nn.Module) -> torch.device:
@@ -933,6 +1153,8 @@ def apply_patch(
     setattr(model, STATE_ATTR, state)
     try:
         _install_scales(state)
+        if any(s.k_scale is not None or s.v_scale is not None for s in specs):
+            state.handles.append(model.register_load_state_dict_pre_hook(_ScaleLoad(model, state)))
         for site in sites:
             prev_fb = site.module.__dict__.get(_attention.FALLBACK_ATTR, _MISSING)
             state.saved_attrs.append((site.module, _attention.FALLBACK_ATTR, prev_fb, "attr"))
@@ -944,11 +1166,11 @@ def apply_patch(
             state.handles.append(site.module.register_forward_hook(_drop_cache, with_kwargs=True))
         decoder = getattr(model, "base_model", model)
         state.handles.append(
-            decoder.register_forward_pre_hook(_make_injector(model, state), with_kwargs=True)
+            decoder.register_forward_pre_hook(_Injector(model, state), with_kwargs=True)
         )
         state.handles.append(
             decoder.register_forward_hook(
-                _make_rollback(model, state), with_kwargs=True, always_call=True
+                _Rollback(model, state), with_kwargs=True, always_call=True
             )
         )
         _install_forward_wrappers(
@@ -1032,6 +1254,31 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     )
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(model)`` wrapper compiles, else ``model``.
+
+    Patching the module itself is what patching before compiling does: the
+    wrapper's next call compiles the patched forward. Hooks bound to the wrapper
+    would be traced inside its own compiled forward, which dynamo refuses.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    inner = model._orig_mod if isinstance(model, OptimizedModule) else model
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _reuse(model: nn.Module, handle: KVQuantHandle) -> KVQuantHandle:
+    """The handle of an equal patch, with kvquant's attention switched on again.
+
+    ``model.set_attn_implementation(...)`` after the patch keeps the FP8 cache
+    but attends over its dequantized K/V with the chosen implementation;
+    patching again with the same arguments returns to the paged kernels.
+    """
+    if getattr(handle.state.text_config, "_attn_implementation", None) != ATTN_NAME:
+        _set_attn(model, ATTN_NAME)
+    return handle
+
+
 def patch(
     model: nn.Module,
     *,
@@ -1053,7 +1300,8 @@ def patch(
 
     Args:
         model: a transformers causal LM of a supported family
-            (:data:`~kvquant.integrations.hf.models.SUPPORTED_FAMILIES`).
+            (:data:`~kvquant.integrations.hf.models.SUPPORTED_FAMILIES`), or
+            ``torch.compile(model)`` of one (the compiled module is patched).
         scales: where the KV scales come from: a checkpoint folder, a
             ``{tensor_name: tensor}`` mapping (producer names, any shape the
             registry accepts), or None: the folder ``model.name_or_path`` when
@@ -1109,9 +1357,11 @@ def patch(
 
     Returns:
         The patch's handle (also a context manager); ``handle.remove()`` restores
-        the model. Patching again with the same arguments returns the same
-        handle; with other arguments the old patch is removed first (after the
-        new scales resolve).
+        the model. Patching again with the same arguments (the same scales,
+        when ``scales`` is given) returns the same handle; with other arguments
+        the old patch is removed first (after the new scales resolve), and the
+        caches it built are refused from then on (``CacheUsageError``).
+        ``copy.deepcopy(model)`` gives a copy patched on its own.
 
     Raises:
         UnsupportedModelError: the family or a feature it uses is not supported.
@@ -1122,6 +1372,7 @@ def patch(
         OptionError: a bad option value (a ``KVQuantError`` and ``ValueError``;
             :class:`~kvquant.errors.OptionTypeError` for a wrong type).
     """
+    model = _uncompiled(model)
     check_supported(model)
     sites = find_attention_sites(model)
     geometry = model_geometry(model, sites)
@@ -1158,7 +1409,7 @@ def patch(
     if existing is not None and scales is None:
         same = PatchOptions(**{**opts.__dict__, "source": existing.options.source})
         if same == existing.options and existing.handle is not None:
-            return existing.handle
+            return _reuse(model, existing.handle)
         raw, ctx, source = existing.raw_scales, existing.raw_context, existing.options.source
     else:
         dynamic = _is_dynamic(opts.scale_format)
@@ -1166,5 +1417,11 @@ def patch(
     opts = PatchOptions(**{**opts.__dict__, "source": source})
     model_scales = resolve(raw, geometry, opts, ctx)
     if existing is not None:
+        if (
+            existing.handle is not None
+            and opts == existing.options
+            and _same_specs(existing.layer_specs, _layer_specs(sites, geometry, model_scales))
+        ):
+            return _reuse(model, existing.handle)  # the same scales again (mapping or folder)
         _unpatch(model, existing)
     return apply_patch(model, opts, sites, geometry, model_scales, raw, ctx)
