@@ -1261,9 +1261,13 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     wrapper's next call compiles the patched forward. Hooks bound to the wrapper
     would be traced inside its own compiled forward, which dynamo refuses.
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    inner = model._orig_mod if isinstance(model, OptimizedModule) else model
+    # Only a process that imported dynamo can hold a compiled wrapper: patch() itself does
+    # not import it (that import alone costs seconds on a first call).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    if wrapper is None or not isinstance(model, wrapper):
+        return model
+    inner = model._orig_mod
     return inner if isinstance(inner, nn.Module) else model
 
 
