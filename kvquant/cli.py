@@ -223,7 +223,8 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvquant.calibrate import calibrate, write_calibrated_checkpoint
     from kvquant.checkpoint.discovery import discover_scales
-    from kvquant.errors import CalibrationError, CheckpointError
+    from kvquant.checkpoint.writer import check_output_path
+    from kvquant.errors import CalibrationError, CheckpointError, ExportError
     from kvquant.export import ExportTargetExistsError
 
     path = checkpoint_dir(args.path)
@@ -262,14 +263,15 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "both --dataset and --text were given; expected one data source. Fix: drop "
                 "one of them."
             )
-        discover_scales(path)
-        if (args.out.exists() or args.out.is_symlink()) and not args.force:
-            raise ExportTargetExistsError(
-                f"{args.out} already exists; expected a new folder. Fix: pass another --out, "
-                "or --force to replace it."
-            )
-    except KVQuantError as exc:  # CheckpointError, ExportTargetExistsError, CalibrationError
+        found = discover_scales(path)
+    except KVQuantError as exc:  # CheckpointError, CalibrationError
         return _fail(args, exc, EXIT_USAGE, out, err)
+    try:  # before the model runs, by the rule the write applies (as kvquant export does)
+        check_output_path(found.path, args.out, args.force)
+    except ExportTargetExistsError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
+    except ExportError as exc:  # --out is the source, inside it, or holds it
+        return _fail(args, exc, EXIT_REJECTED, out, err)
     try:
         model, tokenizer = _load_for_calibration(args, path)
     except KVQuantError as exc:
@@ -331,6 +333,10 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     from kvquant.demo import run_demo
 
+    try:
+        _check_keep_folder(args.keep)
+    except KVQuantError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
     if not args.json:
         run_demo(out, workdir=args.keep)
         return EXIT_OK
@@ -349,6 +355,20 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     }
     print(json.dumps(payload, indent=2, allow_nan=False), file=out)
     return EXIT_OK
+
+
+def _check_keep_folder(keep: Path | None) -> None:
+    """Refuse a ``demo --keep DIR`` that is, or lies under, a file (before anything is written)."""
+    from kvquant.errors import ExportTargetExistsError
+
+    if keep is None:
+        return
+    blocker = next((p for p in (keep, *keep.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ExportTargetExistsError(
+            f"--keep {keep}: {blocker} is a file, not a folder; the demo writes its "
+            "checkpoints into a folder. Fix: pass a folder (new or existing) for --keep."
+        )
 
 
 # ---------------------------------------------------------------------------
