@@ -326,6 +326,8 @@ def test_write_refuses_bad_requests(tiny: Any, tmp_path: Path) -> None:
         calibrate(model, "some text", progress=False)
     with pytest.raises(CalibrationError, match="vocab_size"):
         calibrate(model, torch.tensor([5, 500, 7]), progress=False)
+    with pytest.raises(CalibrationError, match="-100 is negative"):  # labels-style padding
+        calibrate(model, torch.tensor([[5, 6, 7], [8, 9, -100]]), progress=False)
 
 
 def test_cli_calibrate_exit_codes(tiny: Any, tmp_path: Path, capsys: Any) -> None:
