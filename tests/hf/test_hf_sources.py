@@ -210,3 +210,23 @@ def test_name_or_path_folder_without_weights_is_no_scale_source(
     torch.save({}, folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="safetensors checkpoints only"):
         kvhf.patch(tiny_llama, backend="torch")
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"num_layers": 3},
+        {"num_kv_heads": 4, "convention": "compressed-tensors", "granularity": "per-head"},
+        {"head_dim": 32, "hidden_size": 64},  # per-tensor scales: shapes alone would pass
+    ],
+)
+def test_scales_folder_of_another_model_is_refused(
+    tiny_llama: Any, tmp_path: Path, other: dict[str, Any]
+) -> None:
+    """patch(scales=folder) refuses a checkpoint whose config.json describes another
+    geometry than the model (tiny_llama: 2 layers, 2 KV heads, head_dim 16)."""
+    options = {"convention": "modelopt", **other}
+    path = write_checkpoint(tmp_path / "other", **options)  # type: ignore[arg-type]
+    with pytest.raises(ScaleFormatError, match="Fix: pass the checkpoint the model was loaded"):
+        kvhf.patch(tiny_llama, scales=str(path), backend="torch")
+    assert not hasattr(tiny_llama, "_kvquant_state")
