@@ -31,7 +31,8 @@ Subcommands:
 
 Every subcommand takes ``--json``: its result, or its error as a JSON object
 (``{"error": type, "message": ..., "exit_code": ..., "command": ...}`` on stdout,
-same exit codes). Every PATH follows one rule (:func:`checkpoint_dir`): a
+same exit codes). An exception no subcommand expects (a bug) exits with 3, never
+1, its traceback on stderr (``"error": "InternalError"`` with ``--json``). Every PATH follows one rule (:func:`checkpoint_dir`): a
 checkpoint folder, or a file inside it (``config.json``, ``model.safetensors``)
 for its folder. ``doctor`` prints one row per distinct decision above 8 layers
 (``--full`` for every row).
@@ -64,6 +65,7 @@ _PATH_HELP = (
 EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_USAGE = 2
+EXIT_INTERNAL = 3
 
 _COMMANDS = ("doctor", "demo", "export", "calibrate")
 
@@ -744,7 +746,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 ok, 1 a checkpoint would be rejected, 2 usage error.
+        The exit code: 0 ok, 1 a checkpoint would be rejected, 2 usage error, 3 an
+        internal error (a bug; its traceback on stderr).
     """
     parser = build_parser()
     argv = list(argv) if argv is not None else sys.argv[1:]
@@ -764,4 +767,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     handler: Callable[[argparse.Namespace, TextIO, TextIO], int] = args.func
-    return handler(args, sys.stdout, sys.stderr)
+    try:
+        return handler(args, sys.stdout, sys.stderr)
+    except Exception as exc:  # a bug must not exit 1 ("refused"), nor break --json
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        message = (
+            f"{type(exc).__name__}: {exc}; kvquant did not expect it, so this is a kvquant bug "
+            "or an error it should have explained. Fix: report it with the traceback printed "
+            "on stderr."
+        )
+        if args.json:
+            _print_json_error(
+                "InternalError", message, EXIT_INTERNAL, sys.stdout, command=args.command
+            )
+        else:
+            print(f"kvquant {args.command}: internal error: {message}", file=sys.stderr)
+        return EXIT_INTERNAL

@@ -157,3 +157,25 @@ def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert verdicts["modelopt"] is True and verdicts["broken-nan"] is False
     assert all(Path(entry["path"]).is_dir() for entry in data["checkpoints"].values())
     assert data["generate"]["restored"] is True
+
+
+def test_an_unexpected_exception_exits_3_not_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug must not read as "refused" (exit 1) and must keep --json parseable."""
+    import kvquant.report
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", convention="modelopt", weights="none")
+    marker = f"unexpected-{torch.randint(10**6, ()).item()}"
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(marker)
+
+    monkeypatch.setattr(kvquant.report, "inspect_checkpoint", broken)
+    code, out, err = _cli(["doctor", str(ckpt), "--json"], capsys)
+    data = json.loads(out)
+    assert code == data["exit_code"] == 3 and data["error"] == "InternalError"
+    assert marker in data["message"] and data["command"] == "doctor"
+    assert "Traceback" in err and marker in err
+    code, out, err = _cli(["doctor", str(ckpt)], capsys)
+    assert code == 3 and out == "" and "internal error" in err and marker in err
