@@ -97,6 +97,21 @@ def test_explicit_mapping_naming_nothing_is_an_error(tiny_llama: Any, mapping: d
     assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
 
 
+@pytest.mark.parametrize(
+    "other", ["self_attn.{k}_proj.{k}_scale", "self_attn.{k}_proj.output_scale"]
+)
+def test_mapping_with_two_namings_of_one_scale_is_refused(tiny_llama: Any, other: str) -> None:
+    """As discovery refuses them in a folder (duplicate-scale), not one picked silently."""
+    values = torch.rand(2) * 0.05 + 0.01
+    mapping = {
+        f"model.layers.{i}.self_attn.{k}_scale": values[:1].clone() for i in range(2) for k in "kv"
+    }
+    mapping["model.layers.1." + other.format(k="k")] = values[1].clone()  # a second K scale
+    with pytest.raises(ScaleFormatError, match="layer 1 has two K scales"):
+        kvhf.patch(tiny_llama, scales=mapping, backend="torch")
+    assert not hasattr(tiny_llama, "_kvquant_state")
+
+
 def test_scales_of_the_wrong_type(tiny_llama: Any) -> None:
     with pytest.raises(OptionTypeError):
         kvhf.patch(tiny_llama, scales=42, backend="torch")  # type: ignore[arg-type]
