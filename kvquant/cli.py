@@ -9,7 +9,8 @@ Subcommands:
   usage error (missing path, not a checkpoint, bad option).
 * ``kvquant demo``: build tiny checkpoints in each producer's convention in a
   temporary folder, walk through what the doctor says about each, then load,
-  patch and generate on CPU (see :mod:`kvquant.demo`).
+  patch and generate on CPU (see :mod:`kvquant.demo`). Exit code 2 when
+  ``--keep DIR`` is (or lies under) a file.
 * ``kvquant export PATH --engine vllm|sglang|tensorrt-llm --out DIR``: write a
   copy of the checkpoint whose KV scales follow that engine's loader (names,
   shapes, fp32, config keys); see :mod:`kvquant.export`. Exit code 0 when
