@@ -1296,6 +1296,13 @@ def _windows(
     out: list[torch.Tensor] = []
     budget = max_tokens if max_tokens is not None else sys.maxsize
     for doc in docs:
+        if doc.numel() and int(doc.min()) < 0:
+            raise CalibrationError(
+                f"calibrate: token id {int(doc.min())} is negative; expected ids in "
+                "[0, vocab_size) from this model's tokenizer (a padding value such as -100 or "
+                "-1 is not a token). Fix: drop padding and labels-style ids from the inputs, or "
+                "use the model's tokenizer."
+            )
         if vocab is not None and doc.numel() and int(doc.max()) >= int(vocab):
             raise CalibrationError(
                 f"calibrate: token id {int(doc.max())} >= the model's vocab_size {vocab}; "

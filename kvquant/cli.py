@@ -9,7 +9,8 @@ Subcommands:
   usage error (missing path, not a checkpoint, bad option).
 * ``kvquant demo``: build tiny checkpoints in each producer's convention in a
   temporary folder, walk through what the doctor says about each, then load,
-  patch and generate on CPU (see :mod:`kvquant.demo`).
+  patch and generate on CPU (see :mod:`kvquant.demo`). Exit code 2 when
+  ``--keep DIR`` is (or lies under) a file.
 * ``kvquant export PATH --engine vllm|sglang|tensorrt-llm --out DIR``: write a
   copy of the checkpoint whose KV scales follow that engine's loader (names,
   shapes, fp32, config keys); see :mod:`kvquant.export`. Exit code 0 when
@@ -31,7 +32,8 @@ Subcommands:
 
 Every subcommand takes ``--json``: its result, or its error as a JSON object
 (``{"error": type, "message": ..., "exit_code": ..., "command": ...}`` on stdout,
-same exit codes). Every PATH follows one rule (:func:`checkpoint_dir`): a
+same exit codes). An exception no subcommand expects (a bug) exits with 3, never
+1, its traceback on stderr (``"error": "InternalError"`` with ``--json``). Every PATH follows one rule (:func:`checkpoint_dir`): a
 checkpoint folder, or a file inside it (``config.json``, ``model.safetensors``)
 for its folder. ``doctor`` prints one row per distinct decision above 8 layers
 (``--full`` for every row).
@@ -64,6 +66,7 @@ _PATH_HELP = (
 EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_USAGE = 2
+EXIT_INTERNAL = 3
 
 _COMMANDS = ("doctor", "demo", "export", "calibrate")
 
@@ -223,7 +226,8 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvquant.calibrate import calibrate, write_calibrated_checkpoint
     from kvquant.checkpoint.discovery import discover_scales
-    from kvquant.errors import CalibrationError, CheckpointError
+    from kvquant.checkpoint.writer import check_output_path
+    from kvquant.errors import CalibrationError, CheckpointError, ExportError
     from kvquant.export import ExportTargetExistsError
 
     path = checkpoint_dir(args.path)
@@ -262,14 +266,15 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "both --dataset and --text were given; expected one data source. Fix: drop "
                 "one of them."
             )
-        discover_scales(path)
-        if (args.out.exists() or args.out.is_symlink()) and not args.force:
-            raise ExportTargetExistsError(
-                f"{args.out} already exists; expected a new folder. Fix: pass another --out, "
-                "or --force to replace it."
-            )
-    except KVQuantError as exc:  # CheckpointError, ExportTargetExistsError, CalibrationError
+        found = discover_scales(path)
+    except KVQuantError as exc:  # CheckpointError, CalibrationError
         return _fail(args, exc, EXIT_USAGE, out, err)
+    try:  # before the model runs, by the rule the write applies (as kvquant export does)
+        check_output_path(found.path, args.out, args.force)
+    except ExportTargetExistsError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
+    except ExportError as exc:  # --out is the source, inside it, or holds it
+        return _fail(args, exc, EXIT_REJECTED, out, err)
     try:
         model, tokenizer = _load_for_calibration(args, path)
     except KVQuantError as exc:
@@ -331,6 +336,10 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     from kvquant.demo import run_demo
 
+    try:
+        _check_keep_folder(args.keep)
+    except KVQuantError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
     if not args.json:
         run_demo(out, workdir=args.keep)
         return EXIT_OK
@@ -349,6 +358,20 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     }
     print(json.dumps(payload, indent=2, allow_nan=False), file=out)
     return EXIT_OK
+
+
+def _check_keep_folder(keep: Path | None) -> None:
+    """Refuse a ``demo --keep DIR`` that is, or lies under, a file (before anything is written)."""
+    from kvquant.errors import ExportTargetExistsError
+
+    if keep is None:
+        return
+    blocker = next((p for p in (keep, *keep.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ExportTargetExistsError(
+            f"--keep {keep}: {blocker} is a file, not a folder; the demo writes its "
+            "checkpoints into a folder. Fix: pass a folder (new or existing) for --keep."
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -724,7 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 ok, 1 a checkpoint would be rejected, 2 usage error.
+        The exit code: 0 ok, 1 a checkpoint would be rejected, 2 usage error, 3 an
+        internal error (a bug; its traceback on stderr).
     """
     parser = build_parser()
     argv = list(argv) if argv is not None else sys.argv[1:]
@@ -744,4 +768,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     handler: Callable[[argparse.Namespace, TextIO, TextIO], int] = args.func
-    return handler(args, sys.stdout, sys.stderr)
+    try:
+        return handler(args, sys.stdout, sys.stderr)
+    except Exception as exc:  # a bug must not exit 1 ("refused"), nor break --json
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        message = (
+            f"{type(exc).__name__}: {exc}; kvquant did not expect it, so this is a kvquant bug "
+            "or an error it should have explained. Fix: report it with the traceback printed "
+            "on stderr."
+        )
+        if args.json:
+            _print_json_error(
+                "InternalError", message, EXIT_INTERNAL, sys.stdout, command=args.command
+            )
+        else:
+            print(f"kvquant {args.command}: internal error: {message}", file=sys.stderr)
+        return EXIT_INTERNAL

@@ -326,6 +326,8 @@ def test_write_refuses_bad_requests(tiny: Any, tmp_path: Path) -> None:
         calibrate(model, "some text", progress=False)
     with pytest.raises(CalibrationError, match="vocab_size"):
         calibrate(model, torch.tensor([5, 500, 7]), progress=False)
+    with pytest.raises(CalibrationError, match="-100 is negative"):  # labels-style padding
+        calibrate(model, torch.tensor([[5, 6, 7], [8, 9, -100]]), progress=False)
 
 
 def test_cli_calibrate_exit_codes(tiny: Any, tmp_path: Path, capsys: Any) -> None:
@@ -353,6 +355,35 @@ def test_cli_calibrate_exit_codes(tiny: Any, tmp_path: Path, capsys: Any) -> Non
     assert main(bad) == 2
     assert main([*argv[:3], str(tmp_path / "z"), "--max-tokens", "1"]) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_cli_calibrate_refuses_a_model_with_non_finite_kv(
+    tiny_dir: Path, tmp_path: Path, capsys: Any, poison: float
+) -> None:
+    """A poisoned weight makes K non-finite: refused (exit 1), no scales of NaN/inf written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvquant.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    weights = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.self_attn.k_proj.weight"
+    row = int(torch.randint(weights[name].shape[0], ()))
+    weights[name][row, :] = poison
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8, encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["calibrate", str(src), "--out", str(out), "--text", str(text), "--json"]
+    assert main([*argv, "--device", "cpu"]) == 1
+    error = json.loads(capsys.readouterr().out)
+    assert error["error"] == "CalibrationError" and "non-finite K/V" in error["message"]
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "src"]
 
 
 def test_cli_calibrate_needs_a_data_source(tiny: Any, tmp_path: Path, capsys: Any) -> None:

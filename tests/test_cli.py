@@ -35,19 +35,44 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
         ),
         (["calibrate", "{ckpt}", "--out", "{out}"], 2, "CalibrationError"),
         (["export", "{ckpt}", "--out", "{out}"], 2, "UsageError"),
+        (
+            ["export", "{ckpt}", "--engine", "vllm", "--out", "{file}/out"],
+            2,
+            "ExportTargetExistsError",
+        ),
+        (["demo", "--keep", "{file}"], 2, "ExportTargetExistsError"),
+        # --out is checked before the model is loaded (these weights would not load)
+        (
+            ["calibrate", "{ckpt}", "--out", "{ckpt}", "--force", "--text", "{file}"],
+            1,
+            "ExportError",
+        ),
+        (
+            ["calibrate", "{ckpt}", "--out", "{file}/out", "--text", "{file}"],
+            2,
+            "ExportTargetExistsError",
+        ),
     ],
 )
 def test_json_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, kind: str
 ) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", convention="modelopt", weights="none")
-    names = {"missing": str(tmp_path / "nope"), "ckpt": str(ckpt), "out": str(tmp_path / "out")}
+    (tmp_path / "file").write_text("a file where a folder is expected\n")
+    names = {
+        "missing": str(tmp_path / "nope"),
+        "ckpt": str(ckpt),
+        "out": str(tmp_path / "out"),
+        "file": str(tmp_path / "file"),
+    }
     args = [a.format(**names) for a in argv]
+    files_before = sorted(p.name for p in ckpt.iterdir())
     got, out, _ = _cli([*args, "--json"], capsys)
     data = json.loads(out)
     assert got == code == data["exit_code"]
     assert data["error"] == kind and data["message"] and data["command"] == args[0]
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and (tmp_path / "file").is_file()
+    assert sorted(p.name for p in ckpt.iterdir()) == files_before
     text_code, text_out, text_err = _cli(args, capsys)
     assert text_code == code and text_out == "" and text_err  # same exit code as text
 
@@ -132,3 +157,25 @@ def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert verdicts["modelopt"] is True and verdicts["broken-nan"] is False
     assert all(Path(entry["path"]).is_dir() for entry in data["checkpoints"].values())
     assert data["generate"]["restored"] is True
+
+
+def test_an_unexpected_exception_exits_3_not_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug must not read as "refused" (exit 1) and must keep --json parseable."""
+    import kvquant.report
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", convention="modelopt", weights="none")
+    marker = f"unexpected-{torch.randint(10**6, ()).item()}"
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(marker)
+
+    monkeypatch.setattr(kvquant.report, "inspect_checkpoint", broken)
+    code, out, err = _cli(["doctor", str(ckpt), "--json"], capsys)
+    data = json.loads(out)
+    assert code == data["exit_code"] == 3 and data["error"] == "InternalError"
+    assert marker in data["message"] and data["command"] == "doctor"
+    assert "Traceback" in err and marker in err
+    code, out, err = _cli(["doctor", str(ckpt)], capsys)
+    assert code == 3 and out == "" and "internal error" in err and marker in err

@@ -388,6 +388,22 @@ def test_file_instead_of_folder(tmp_path: Path) -> None:
         discover_scales(f)
 
 
+@pytest.mark.parametrize(
+    "name", ["config.json", "model.safetensors.index.json", "model-00002-of-00002.safetensors"]
+)
+def test_a_checkpoint_file_names_its_folder(tmp_path: Path, name: str) -> None:
+    """The command line's PATH rule, for every door that reads a path (patch(scales=...))."""
+    scales = {(layer, kind): torch.rand(1) * 0.05 + 0.01 for layer in range(2) for kind in "kv"}
+    ckpt = write_checkpoint(
+        tmp_path / "ckpt", convention="compressed-tensors", shards=2, scales=scales
+    )
+    got, want = discover_scales(ckpt / name), discover_scales(ckpt)
+    assert got.path == want.path == ckpt
+    assert [(r.name, r.tensor.tolist()) for r in got.scales] == [
+        (r.name, r.tensor.tolist()) for r in want.scales
+    ]
+
+
 def test_no_config(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"no config\.json"):
         discover_scales(tmp_path)

@@ -1141,7 +1141,8 @@ def raw_scales_from_mapping(
         The raw scales, sorted by (layer, kind).
 
     Raises:
-        ScaleFormatError: a value is not a tensor, or no name is a KV scale.
+        ScaleFormatError: a value is not a tensor, no name is a KV scale, or two
+            names give one layer's K (or V) scale.
     """
     from kvquant.errors import ScaleFormatError
 
@@ -1153,7 +1154,9 @@ def raw_scales_from_mapping(
                 f"{where}[{name!r}] is a {type(t).__name__}; expected a torch.Tensor. "
                 "Fix: pass {tensor_name: tensor}."
             )
-    raws = raw_scales_from_state_dict({k: v for k, v in mapping.items() if k != KV_TRANSFORM_FILE})
+    raws = raw_scales_from_state_dict(
+        {k: v for k, v in mapping.items() if k != KV_TRANSFORM_FILE}, strict=where
+    )
     if not raws and not allow_none:
         names = sorted(str(n) for n in mapping)
         shown = f"{len(names)} name(s), e.g. {names[:3]}" if names else "an empty mapping"
@@ -1172,6 +1175,7 @@ def raw_scales_from_state_dict(
     *,
     producer: str | None = None,
     quantization_config: Mapping[str, Any] | None = None,
+    strict: str = "",
 ) -> list[RawScale]:
     """Map an in-memory ``{tensor_name: tensor}`` mapping to raw KV scales.
 
@@ -1184,9 +1188,17 @@ def raw_scales_from_state_dict(
             decided from ``quantization_config`` and then the names.
         quantization_config: the checkpoint's ``quantization_config`` dict, if any.
 
+        strict: when not empty, how to name the mapping in an error: two
+            tensors for one layer and kind (two namings, e.g. ``self_attn.k_scale``
+            and ``self_attn.k_proj.k_scale``) then raise, as discovery refuses
+            them in a checkpoint folder.
+
     Returns:
-        The raw scales, sorted by (layer, kind). Duplicate (layer, kind) pairs
-        keep the first name in sorted order.
+        The raw scales, sorted by (layer, kind). Unless ``strict``, duplicate
+        (layer, kind) pairs keep the first name in sorted order.
+
+    Raises:
+        ScaleFormatError: ``strict`` and two tensors name one layer's K (or V) scale.
     """
     qcfg = dict(quantization_config) if quantization_config else None
     producer_cfg = producer or _producer_from_config(qcfg, None)
@@ -1197,5 +1209,13 @@ def raw_scales_from_state_dict(
             matches.append((name, *hit))
     big = LayerGeometry(num_layers=1 << 30, num_heads=1, num_kv_heads=1, head_dim=1)
     tensors = {name: state_dict[name] for name, *_ in matches}
-    raws, _ = _build_raw_scales(matches, tensors, producer_cfg, qcfg, big)
+    raws, findings = _build_raw_scales(matches, tensors, producer_cfg, qcfg, big)
+    if strict:
+        errors = [f.message for f in findings if f.severity == "error"]
+        if errors:
+            from kvquant.errors import ScaleFormatError
+
+            raise ScaleFormatError(
+                f"{strict}: {len(errors)} problem(s) with the KV scales: " + " ".join(errors)
+            )
     return raws

@@ -395,14 +395,14 @@ def select_shards(root: str | Path) -> ShardSelection:
 def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
     """The local checkpoint folder for a folder path, a ``config.json`` path, or a hub id.
 
-    A path that exists locally is used as is (a ``config.json`` stands for its
-    folder). Otherwise a string shaped like a hub id (``"org/name"``) is looked
+    A path that exists locally is used as is (``config.json``, the index or a
+    ``*.safetensors`` shard stands for its folder, as on the command line). Otherwise a string shaped like a hub id (``"org/name"``) is looked
     up in the local Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``) with
     ``huggingface_hub.snapshot_download(..., local_files_only=True)``; nothing
     is downloaded.
 
     Args:
-        path: a folder, its ``config.json``, or a hub id.
+        path: a folder, its ``config.json``, index or a shard, or a hub id.
         revision: the hub revision (branch, tag or commit) when ``path`` is a hub id.
 
     Returns:
@@ -410,11 +410,11 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
 
     Raises:
         CheckpointError: the path does not exist and is not a cached hub model,
-            or it is a file other than ``config.json``.
+            or it is a file other than those.
     """
     local = Path(path)
     if os.path.lexists(local):
-        if local.name == "config.json" and not local.is_dir():
+        if _names_its_folder(local):
             local = local.parent
         try:
             st = os.stat(local)
@@ -423,7 +423,8 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
         if not stat.S_ISDIR(st.st_mode):
             raise CheckpointError(
                 f"{local} is {_kind_of(st.st_mode) if not stat.S_ISREG(st.st_mode) else 'a file'}"
-                ", expected a checkpoint folder holding config.json and model.safetensors."
+                ", expected a checkpoint folder holding config.json and model.safetensors. "
+                "Fix: pass the checkpoint folder."
             )
         return local
     text = str(path)
@@ -434,6 +435,12 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
             "cache."
         )
     return _from_hf_cache(text, revision)
+
+
+def _names_its_folder(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint's own file (config, shard, index) naming its folder."""
+    checkpoint_file = path.name in ("config.json", INDEX_NAME) or path.suffix == ".safetensors"
+    return checkpoint_file and not path.is_dir()
 
 
 def _from_hf_cache(repo_id: str, revision: str | None) -> Path:

@@ -168,7 +168,8 @@ def check_output_path(src: Path, out: Path, force: bool) -> None:
 
     Raises:
         ExportError: ``out`` is the source, inside it, or contains it.
-        ExportTargetExistsError: ``out`` exists and ``force`` is False, or is not a folder.
+        ExportTargetExistsError: ``out`` exists and ``force`` is False, or is not a folder,
+            or a file stands where one of its parent folders would be.
     """
     src_r = src.resolve()
     out_r = out.resolve()
@@ -181,6 +182,13 @@ def check_output_path(src: Path, out: Path, force: bool) -> None:
         raise ExportError(
             f"--out {out} contains the source checkpoint {src}; replacing it would delete the "
             "source. Fix: pass another output folder."
+        )
+    blocker = next((p for p in out_r.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ExportTargetExistsError(
+            f"--out {out} lies under {blocker}, which is a file, not a folder; the output "
+            "folder cannot be created there. Fix: pass an --out whose parent folders exist "
+            "or can be created."
         )
     if out.exists() or out.is_symlink():
         if not force:

@@ -537,6 +537,16 @@ def _name_in_two_shards(root: Path) -> Path:
     return root
 
 
+def _index_names_the_wrong_shard(root: Path) -> Path:
+    """An index whose weight_map sends every tensor to the first shard (the second's are lost)."""
+    path = root / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"] = dict.fromkeys(index["weight_map"], first)
+    path.write_text(json.dumps(index, indent=2))
+    return root
+
+
 def _unreadable_hf_quant_config(root: Path) -> Path:
     (root / "hf_quant_config.json").write_text("{ not json")
     return root
@@ -624,6 +634,28 @@ CATALOGUE: Mapping[str, CatalogueEntry] = {
         "load",
         {"convention": "compressed-tensors", "shards": 2},
         _name_in_two_shards,
+    ),
+    "declared-kv-scheme-without-scales": CatalogueEntry(
+        "a kv_cache_scheme in config.json but no scale tensors: dynamic fp32-group, warned",
+        "load",
+        {"convention": "compressed-tensors", "drop": [(i, k) for i in range(2) for k in "kv"]},
+    ),
+    "index-names-the-wrong-shard": CatalogueEntry(
+        "an index placing tensors in a shard that does not hold them",
+        "refuse",
+        {"convention": "compressed-tensors", "shards": 2},
+        _index_names_the_wrong_shard,
+    ),
+    "scales-for-an-absent-layer": CatalogueEntry(
+        "K/V scales for layer 5 of a 2-layer model",
+        "refuse",
+        {
+            "convention": "modelopt",
+            "extra_tensors": {
+                "model.layers.5.self_attn.k_proj.k_scale": torch.tensor(0.02),
+                "model.layers.5.self_attn.v_proj.v_scale": torch.tensor(0.01),
+            },
+        },
     ),
     "int32-scales": CatalogueEntry(
         "int32 scales of value 1",

@@ -11,6 +11,7 @@ from hf_tiny import prompt
 
 import kvquant.integrations.hf as kvhf
 from kvquant.checkpoint.discovery import discover_scales
+from kvquant.errors import CheckpointError
 from kvquant.integrations.hf import KVQuantConfig
 from kvquant.registry import resolve_scales
 from kvquant.testing.checkpoints import write_checkpoint
@@ -143,3 +144,24 @@ def test_checkpoint_level_errors_refused(tmp_path: Path) -> None:
     assert plain.config._attn_implementation != "kvquant"
     with pytest.raises(ScaleFormatError, match="zero-point"):
         kvhf.from_pretrained(path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_file_inside_the_checkpoint_names_its_folder(tmp_path: Path, name: str) -> None:
+    """kvquant.from_pretrained takes a file inside the checkpoint for its folder (the CLI's
+    rule); the KVQuantConfig door, where transformers takes config.json for the weights,
+    refuses it with the folder named."""
+    scales = {(layer, kind): torch.rand(()) * 0.05 + 0.01 for layer in range(2) for kind in "kv"}
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", scales=scales)
+    model = kvhf.from_pretrained(path / name, quantization_config=KVQuantConfig(backend="torch"))
+    for (k, v), (ek, ev) in zip(_installed(model), _expected(path), strict=True):
+        torch.testing.assert_close(k, ek)
+        torch.testing.assert_close(v, ev)
+    if name == "config.json":
+        # 5.24 hands config.json to the quantizer as the weights; 5.17 refuses the path itself
+        old = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 24)
+        error: type[Exception] = OSError if old else CheckpointError
+        with pytest.raises(error, match="repo_name" if old else "expected the checkpoint folder"):
+            transformers.AutoModelForCausalLM.from_pretrained(
+                str(path / name), quantization_config=KVQuantConfig()
+            )

@@ -97,6 +97,21 @@ def test_explicit_mapping_naming_nothing_is_an_error(tiny_llama: Any, mapping: d
     assert {s.granularity for s in handle.state.layer_specs} == {"fp32-group"}
 
 
+@pytest.mark.parametrize(
+    "other", ["self_attn.{k}_proj.{k}_scale", "self_attn.{k}_proj.output_scale"]
+)
+def test_mapping_with_two_namings_of_one_scale_is_refused(tiny_llama: Any, other: str) -> None:
+    """As discovery refuses them in a folder (duplicate-scale), not one picked silently."""
+    values = torch.rand(2) * 0.05 + 0.01
+    mapping = {
+        f"model.layers.{i}.self_attn.{k}_scale": values[:1].clone() for i in range(2) for k in "kv"
+    }
+    mapping["model.layers.1." + other.format(k="k")] = values[1].clone()  # a second K scale
+    with pytest.raises(ScaleFormatError, match="layer 1 has two K scales"):
+        kvhf.patch(tiny_llama, scales=mapping, backend="torch")
+    assert not hasattr(tiny_llama, "_kvquant_state")
+
+
 def test_scales_of_the_wrong_type(tiny_llama: Any) -> None:
     with pytest.raises(OptionTypeError):
         kvhf.patch(tiny_llama, scales=42, backend="torch")  # type: ignore[arg-type]
@@ -210,3 +225,23 @@ def test_name_or_path_folder_without_weights_is_no_scale_source(
     torch.save({}, folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="safetensors checkpoints only"):
         kvhf.patch(tiny_llama, backend="torch")
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"num_layers": 3},
+        {"num_kv_heads": 4, "convention": "compressed-tensors", "granularity": "per-head"},
+        {"head_dim": 32, "hidden_size": 64},  # per-tensor scales: shapes alone would pass
+    ],
+)
+def test_scales_folder_of_another_model_is_refused(
+    tiny_llama: Any, tmp_path: Path, other: dict[str, Any]
+) -> None:
+    """patch(scales=folder) refuses a checkpoint whose config.json describes another
+    geometry than the model (tiny_llama: 2 layers, 2 KV heads, head_dim 16)."""
+    options = {"convention": "modelopt", **other}
+    path = write_checkpoint(tmp_path / "other", **options)  # type: ignore[arg-type]
+    with pytest.raises(ScaleFormatError, match="Fix: pass the checkpoint the model was loaded"):
+        kvhf.patch(tiny_llama, scales=str(path), backend="torch")
+    assert not hasattr(tiny_llama, "_kvquant_state")

@@ -451,13 +451,23 @@ def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> N
     model-wide ``num_key_value_heads`` when that count is one of its layers'.
     """
     kv_counts = sorted({model.kv_heads_of(i) for i in range(model.num_layers)})
+    head_dims = sorted({model.head_dim_of(i) for i in range(model.num_layers)})
     per_layer = found.uniform or found.layer_num_kv_heads == model.layer_num_kv_heads
-    if found.num_layers != model.num_layers or found.num_kv_heads not in kv_counts or not per_layer:
+    per_layer_dims = found.layer_head_dims is None or found.layer_head_dims == model.layer_head_dims
+    if (
+        found.num_layers != model.num_layers
+        or found.num_kv_heads not in kv_counts
+        or not per_layer
+        or found.head_dim not in head_dims
+        or not per_layer_dims
+    ):
         heads = "/".join(str(h) for h in kv_counts)
+        dims = "/".join(str(d) for d in head_dims)
         raise ScaleFormatError(
             f"{where}: the checkpoint config has {found.num_layers} layers and "
-            f"{found.num_kv_heads} KV heads, the model {model.num_layers} layers and "
-            f"{heads} KV heads. Fix: pass the checkpoint the model was loaded from."
+            f"{found.num_kv_heads} KV heads of head_dim {found.head_dim}, the model "
+            f"{model.num_layers} layers and {heads} KV heads of head_dim {dims}. Fix: pass "
+            "the checkpoint the model was loaded from."
         )
 
 

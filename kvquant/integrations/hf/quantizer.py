@@ -205,6 +205,12 @@ class KVQuantizer(HfQuantizer):
         geometry = model_geometry(model, sites)
         files = [Path(str(f)) for f in (checkpoint_files or [])]
         pickled = [f.name for f in files if f.suffix != ".safetensors"]
+        if pickled and files[0].suffix == ".json":
+            raise CheckpointError(
+                f"transformers was given the file {files[0]} as the checkpoint's weights; "
+                "expected the checkpoint folder. Fix: pass the folder "
+                f"({files[0].parent}) to from_pretrained, not a file inside it."
+            )
         if pickled:
             raise CheckpointError(
                 f"{files[0].parent}: the checkpoint's weights are {pickled[:3]}; kvquant reads "
@@ -302,7 +308,8 @@ def from_pretrained(
     folder) so that transformers does not refuse the second config.
 
     Args:
-        path: checkpoint folder.
+        path: checkpoint folder, or a file inside it (``config.json``,
+            ``model.safetensors``) for its folder, by the command line's rule.
         quantization_config: kvquant settings (default ``KVQuantConfig()``).
         model_class: the transformers class to load with (default ``AutoModelForCausalLM``).
         **kwargs: passed to ``from_pretrained`` (``dtype``, ``device_map``, ...).
@@ -317,6 +324,8 @@ def from_pretrained(
 
     cls = model_class or AutoModelForCausalLM
     qc = quantization_config or KVQuantConfig()
+    if Path(path).is_file():  # config.json or a shard names its folder, as on the command line
+        path = Path(path).parent
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path))
     producer_cfg = getattr(config, "quantization_config", None)
     if producer_cfg is not None and not isinstance(producer_cfg, KVQuantConfig):
