@@ -793,7 +793,13 @@ def _claim(state: PatchState, decoder: nn.Module) -> None:
 
 
 def _calling(thread: int, module: nn.Module) -> bool:
-    """Whether ``thread`` is inside a call of ``module`` (torch's ``Module._call_impl`` frame)."""
+    """Whether ``thread`` is inside a call of ``module`` (torch's ``Module._call_impl`` frame).
+
+    False on a torch without that function: the claim is then taken over, as
+    before the guard existed, rather than refusing a thread whose forward ended.
+    """
+    if _CALL_IMPL is None:
+        return False
     frame = sys._current_frames().get(thread)
     while frame is not None:
         if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
@@ -802,7 +808,7 @@ def _calling(thread: int, module: nn.Module) -> bool:
     return False
 
 
-_CALL_IMPL = nn.Module._call_impl.__code__
+_CALL_IMPL = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
 
 
 def _release(state: PatchState) -> None:
