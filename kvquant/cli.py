@@ -334,10 +334,11 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import io
     import json
 
-    from kvquant.demo import run_demo
+    from kvquant.demo import check_workdir, run_demo
 
     try:
-        _check_keep_folder(args.keep)
+        if args.keep is not None:
+            check_workdir(args.keep, "--keep")
     except KVQuantError as exc:
         return _fail(args, exc, EXIT_USAGE, out, err)
     if not args.json:
@@ -358,20 +359,6 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     }
     print(json.dumps(payload, indent=2, allow_nan=False), file=out)
     return EXIT_OK
-
-
-def _check_keep_folder(keep: Path | None) -> None:
-    """Refuse a ``demo --keep DIR`` that is, or lies under, a file (before anything is written)."""
-    from kvquant.errors import ExportTargetExistsError
-
-    if keep is None:
-        return
-    blocker = next((p for p in (keep, *keep.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ExportTargetExistsError(
-            f"--keep {keep}: {blocker} is a file, not a folder; the demo writes its "
-            "checkpoints into a folder. Fix: pass a folder (new or existing) for --keep."
-        )
 
 
 # ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ __all__ = [
     "DemoContext",
     "DemoStep",
     "add_demo_step",
+    "check_workdir",
     "run_demo",
 ]
 
@@ -372,6 +373,26 @@ def add_demo_step(
     raise ValueError(f"no demo step titled {before!r}; steps are {[s.title for s in DEMO_STEPS]}")
 
 
+def check_workdir(workdir: Path, option: str = "workdir") -> None:
+    """Refuse a demo folder that is, or lies under, a file (before anything is written).
+
+    Args:
+        workdir: the folder the demo would keep its checkpoints in.
+        option: how the message names it (``--keep`` on the command line).
+
+    Raises:
+        ExportTargetExistsError: a file stands at ``workdir`` or one of its parents.
+    """
+    from kvquant.errors import ExportTargetExistsError
+
+    blocker = next((p for p in (workdir, *workdir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ExportTargetExistsError(
+            f"{option} {workdir}: {blocker} is a file, not a folder; the demo writes its "
+            f"checkpoints into a folder. Fix: pass a folder (new or existing) for {option}."
+        )
+
+
 def run_demo(
     out: TextIO | None = None,
     *,
@@ -389,6 +410,10 @@ def run_demo(
     Returns:
         The context after the last step (checkpoint paths may be gone when
         ``workdir`` was not given).
+
+    Raises:
+        ExportTargetExistsError: ``workdir`` is, or lies under, a file
+            (:func:`check_workdir`; nothing written).
     """
     stream = out if out is not None else sys.stdout
     chosen = list(steps if steps is not None else DEMO_STEPS)
@@ -405,6 +430,7 @@ def run_demo(
         return ctx
 
     if workdir is not None:
+        check_workdir(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         return _run(workdir)
     with tempfile.TemporaryDirectory(prefix="kvquant-demo-") as tmp:

@@ -3,6 +3,7 @@ export's progress and copies, the shared table renderer."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -179,3 +180,15 @@ def test_an_unexpected_exception_exits_3_not_1(
     assert "Traceback" in err and marker in err
     code, out, err = _cli(["doctor", str(ckpt)], capsys)
     assert code == 3 and out == "" and "internal error" in err and marker in err
+
+
+def test_run_demo_refuses_a_workdir_under_a_file_before_writing(tmp_path: Path) -> None:
+    from kvquant.demo import run_demo
+    from kvquant.errors import ExportTargetExistsError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ExportTargetExistsError, match="is a file, not a folder"):
+        run_demo(io.StringIO(), workdir=blocker / "demo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert blocker.read_text() == "not a folder"
