@@ -184,14 +184,15 @@ def _leftovers(parent: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("error", [ExportError("check failed"), KeyboardInterrupt()])
-@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("existing", [False, True, "nested"])
 def test_a_failed_finish_leaves_nothing(
-    src: Path, tmp_path: Path, error: BaseException, existing: bool
+    src: Path, tmp_path: Path, error: BaseException, existing: bool | str
 ) -> None:
     found = discover_scales(src)
     before = _digests(src)
-    out = tmp_path / "out"
-    if existing:
+    # "nested": the copy's parent folders are new; the failed write removes them too
+    out = tmp_path / "new" / "parents" / "out" if existing == "nested" else tmp_path / "out"
+    if existing is True:
         out.mkdir()
         (out / "old.txt").write_text("old\n")
     seen: list[Path] = []
@@ -208,10 +209,10 @@ def test_a_failed_finish_leaves_nothing(
     assert seen and not seen[0].exists()
     assert _leftovers(tmp_path) == []
     assert _digests(src) == before
-    if existing:
+    if existing is True:
         assert _digests(out) == {"old.txt": hashlib.sha256(b"old\n").hexdigest()}
     else:
-        assert not out.exists()
+        assert not out.exists() and not (tmp_path / "new").exists()
 
 
 def test_a_failure_while_rewriting_leaves_nothing(

@@ -251,8 +251,14 @@ def write_checkpoint_copy(
     skip = set(_WRITER_FILES) | set(edit.files) | set(edit.skip)
     entries = [e for e in sorted(src.iterdir()) if e.name not in skip and e not in changed]
 
+    # the parent folders this write creates: a failed write removes them again
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvquant-tmp-", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvquant-tmp-", dir=out.parent))
+    except BaseException:
+        _remove_empty(created)
+        raise
     umask = os.umask(0o022)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the usual mode
@@ -316,8 +322,18 @@ def write_checkpoint_copy(
         _move_into_place(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
     return WrittenCheckpoint(out, tuple(rewritten), tuple(linked), tuple(copied))
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed write created (deepest first), each only while empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # not empty (someone else wrote there) or gone: keep it and those above
 
 
 # ---------------------------------------------------------------------------
