@@ -368,10 +368,11 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def checkpoint_dir(path: str | Path) -> str:
     """The checkpoint folder a command-line PATH names, by the same rule in every subcommand.
 
-    A folder is itself; a file inside a checkpoint (``config.json``,
-    ``model.safetensors``, ``model.safetensors.index.json``, ...) names its
-    folder; anything else (a missing path, a Hugging Face hub id) is passed on
-    unchanged for discovery to resolve or refuse.
+    A folder is itself; a checkpoint's own file (``config.json``,
+    ``model.safetensors``, ``model.safetensors.index.json``, a shard) names its
+    folder (:func:`kvquant.checkpoint.files.folder_named_by`, the rule of every
+    door); anything else (a missing path, another file, a Hugging Face hub id)
+    is passed on unchanged for discovery to resolve or refuse.
 
     Args:
         path: the PATH argument.
@@ -379,10 +380,9 @@ def checkpoint_dir(path: str | Path) -> str:
     Returns:
         The path to hand to discovery.
     """
-    p = Path(path)
-    if p.is_file():
-        return str(p.parent)
-    return str(path)
+    from kvquant.checkpoint.files import folder_named_by
+
+    return str(folder_named_by(path))
 
 
 def _fail(args: argparse.Namespace, exc: BaseException, code: int, out: TextIO, err: TextIO) -> int:

@@ -45,6 +45,7 @@ __all__ = [
     "SINGLE_FILE_NAME",
     "ShardSelection",
     "TensorInfo",
+    "folder_named_by",
     "locate_checkpoint",
     "read_json",
     "read_safetensors_header",
@@ -412,10 +413,8 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
         CheckpointError: the path does not exist and is not a cached hub model,
             or it is a file other than those.
     """
-    local = Path(path)
+    local = Path(folder_named_by(path))
     if os.path.lexists(local):
-        if _names_its_folder(local):
-            local = local.parent
         try:
             st = os.stat(local)
         except OSError as exc:
@@ -437,10 +436,16 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
     return _from_hf_cache(text, revision)
 
 
-def _names_its_folder(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint's own file (config, shard, index) naming its folder."""
-    checkpoint_file = path.name in ("config.json", INDEX_NAME) or path.suffix == ".safetensors"
-    return checkpoint_file and not path.is_dir()
+def folder_named_by(path: str | Path) -> str | Path:
+    """The checkpoint folder a path names, by one rule at every door (CLI, Python, loading).
+
+    A checkpoint's own file (``config.json``, the safetensors index, a
+    ``*.safetensors`` shard) names its folder; any other path (a folder, another
+    file, a hub id) is returned unchanged, for the caller to use or refuse.
+    """
+    p = Path(path)
+    own_file = p.name in ("config.json", INDEX_NAME) or p.suffix == ".safetensors"
+    return p.parent if own_file and os.path.lexists(p) and not p.is_dir() else path
 
 
 def _from_hf_cache(repo_id: str, revision: str | None) -> Path:

@@ -36,6 +36,7 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from kvquant.checkpoint.files import folder_named_by
 from kvquant.errors import CheckpointError, UnsupportedModelError
 from kvquant.integrations.hf.models import check_supported, find_attention_sites, model_geometry
 from kvquant.integrations.hf.patch import (
@@ -324,8 +325,7 @@ def from_pretrained(
 
     cls = model_class or AutoModelForCausalLM
     qc = quantization_config or KVQuantConfig()
-    if Path(path).is_file():  # config.json or a shard names its folder, as on the command line
-        path = Path(path).parent
+    path = folder_named_by(path)  # config.json or a shard names its folder, at every door
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path))
     producer_cfg = getattr(config, "quantization_config", None)
     if producer_cfg is not None and not isinstance(producer_cfg, KVQuantConfig):
