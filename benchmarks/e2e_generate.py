@@ -15,6 +15,12 @@ after another one finds torch.compile's imports done and may find kernels in
 inductor's caches: for the first-call comparison run each compiling arm alone
 in a fresh process with fresh compile caches (``benchmarks/e2e_round.sh first``).
 
+Every arm runs with its defaults except where named: no ``gc.collect()`` and no
+``torch.cuda.empty_cache()`` between the calls of an arm (``second_call_peak_bytes`` is the
+peak of the first timed call right after the warm-up; ``allocated_*_calls_bytes`` what each
+call found and left), and ``left_after_remove_bytes`` is what stayed allocated after
+``handle.remove()``, also without collection. Between arms the process collects.
+
 Arms:
 
 * ``default``: transformers' default (SDPA attention + bf16 ``DynamicCache``);
@@ -31,10 +37,9 @@ Arms:
 * ``kvquant-fp32-group``: ``kvquant.patch(model)``, nothing else: without
   scales the default is the dynamic ``fp32-group`` format;
 * ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``;
-* ``kvquant-rowgroups`` (the capacity search's, and a shape's when ``--arms``
-  names it): the ``kvquant`` arm with ``prefill_tokens=16384``: a batched
-  prefill forward (each chunk of a chunked prefill) runs the model on at most
-  16384 tokens' rows at a time.
+* ``kvquant-rowgroups`` (opt-in, ``--arms`` / ``--capacity-arms``): the
+  ``kvquant`` arm with a fixed ``prefill_tokens=16384`` in place of the default
+  ``"auto"`` (which chooses the bound per call from the free memory).
 
 Shapes (``--shapes``): ``b16x8k`` (16 x 8192 prompt + 64 new), ``chat``
 (1 x 512 + 256), ``b64x2k`` (64 x 2048 + 64), and two sweeps for the plots:
@@ -43,10 +48,11 @@ Shapes (``--shapes``): ``b16x8k`` (16 x 8192 prompt + 64 new), ``chat``
 
 ``--capacity``: the largest batch of 8192-token prompts (8 new tokens) that
 ``generate`` serves in a memory budget (``torch.cuda.set_per_process_memory_fraction``),
-with and without ``prefill_chunk_size=2048``, for the default, kvquant and
-kvquant-rowgroups arms (``--capacity-arms``): a real run per tried batch (doubling, then bisection), never an estimate; after
-every failed try the memory still allocated is recorded (it must return to the
-weights alone).
+with and without ``prefill_chunk_size=2048``, for the default, kvquant (per-tensor
+scales) and kvquant-fp32-group (no scales) arms, all with default arguments
+(``--capacity-arms``): a real run per tried batch (doubling, then bisection), never an
+estimate. After every try the memory still allocated is recorded without any collection
+(it must return to the weights alone); only a leftover is collected, and marked.
 
 Usage (H200; one process per shape keeps the allocators apart)::
 
@@ -91,7 +97,8 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
 SWEEP_BATCHES = (1, 4, 16, 32, 64)
 SWEEP_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 SWEEP_ARMS = ("default", "kvquant")
-CAPACITY_ARMS = ("default", "kvquant", "kvquant-rowgroups")
+CAPACITY_ARMS = ("default", "kvquant", "kvquant-fp32-group", "kvquant-rowgroups")
+DEFAULT_CAPACITY_ARMS = ("default", "kvquant", "kvquant-fp32-group")
 OPT_IN_ARMS = ("kvquant-rowgroups",)
 """Arms a shape runs only when ``--arms`` names them."""
 ROWGROUP_TOKENS = 16384
@@ -174,9 +181,14 @@ def sync(device: torch.device) -> None:
 
 
 def free_memory(device: torch.device) -> None:
+    """Between arms only (never between the calls of one arm): collect and release the cache."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 class StepClock:
@@ -200,7 +212,9 @@ def one_call(
     from transformers import StoppingCriteriaList
 
     device = ids.device
-    free_memory(device)
+    # No collection and no cache release before the call: a user's repeated calls meet
+    # whatever the previous call left (a reference cycle would show here).
+    before = allocated(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     clock = StepClock(device)
@@ -222,12 +236,16 @@ def one_call(
     if len(clock.stamps) != new:
         raise RuntimeError(f"the step clock saw {len(clock.stamps)} steps for {new} new tokens")
     steps = [1000.0 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)]
+    tokens = out[:, ids.shape[1] :].cpu()
+    del out
     return {
         "wall_s": end - clock.start,
         "prefill_s": clock.stamps[0] - clock.start,
         "step_ms": steps,
         "peak_bytes": peak,
-        "tokens": out[:, ids.shape[1] :].cpu(),
+        "allocated_before_bytes": before,
+        "allocated_after_bytes": allocated(device),
+        "tokens": tokens,
     }
 
 
@@ -286,6 +304,11 @@ def measure(
         "step_ms_p90": sorted(steps)[int(0.9 * (len(steps) - 1))] if steps else float("nan"),
         "decode_tokens_per_s": 1000.0 * batch / med_step if steps else float("nan"),
         "peak_bytes": max((c["peak_bytes"] or 0) for c in calls) or None,
+        # the first timed call right after the warm-up call, nothing collected in between
+        "second_call_peak_bytes": calls[0]["peak_bytes"] if calls else None,
+        # what each call found allocated, and left allocated, beyond the model (no collection)
+        "allocated_before_calls_bytes": [c["allocated_before_bytes"] for c in calls],
+        "allocated_after_calls_bytes": [c["allocated_after_bytes"] for c in calls],
         "_tokens": calls[-1]["tokens"],
     }
 
@@ -312,11 +335,15 @@ class Arm:
         self.handle: Any = None
         self._record = _Record()
         self.warnings = self._record.messages
+        self.device = next(model.parameters()).device
+        self.before: int | None = None
+        self.left_after_remove: int | None = None
 
     def __enter__(self) -> dict[str, Any]:
         import kvquant
 
         logging.getLogger("kvquant").addHandler(self._record)
+        self.before = allocated(self.device)
         if self.name == "default":
             return {}
         if self.name == "static":
@@ -347,6 +374,10 @@ class Arm:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        now = allocated(self.device)
+        if now is not None and self.before is not None:
+            # bytes still allocated beyond what the arm found, without any collection
+            self.left_after_remove = now - self.before
 
 
 def run_arm(
@@ -374,6 +405,7 @@ def run_arm(
     except Exception as err:  # a benchmark records a failed arm and goes on
         row = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
         traceback.print_exc()
+    row["left_after_remove_bytes"] = arm.left_after_remove
     free_memory(device)
     if device.type == "cuda":
         row["allocated_after_bytes"] = torch.cuda.memory_allocated(device)
@@ -463,7 +495,6 @@ def capacity(
             return False, f"{type(err).__name__}: {str(err).splitlines()[0][:600]}"
         finally:
             del ids, mask
-            free_memory(device)
 
     for chunked in (False, True) if args.capacity_unchunked else (True,):
         extra = {"prefill_chunk_size": 2048} if chunked else {}
@@ -472,13 +503,19 @@ def capacity(
             lo, hi, batch = 0, None, args.capacity_start
             while True:
                 ok, why = fits(name, batch, extra)
+                # What the try left allocated, without any collection (a finished or failed
+                # call must hold nothing). Only a leftover is collected, and that is recorded.
                 leak = torch.cuda.memory_allocated(device) - weights
+                collected = leak > 64 * 2**20
+                if collected:
+                    free_memory(device)
                 tries.append(
                     {
                         "batch": batch,
                         "ok": ok,
                         "why": why,
                         "left_allocated_bytes": leak,
+                        "collected_after": collected,
                         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
                         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
                     }
@@ -498,6 +535,9 @@ def capacity(
                 "max_batch": lo,
                 "tries": tries,
             }
+            # written after every arm: a run stopped by its time limit keeps what it measured
+            Path(args.out).write_text(json.dumps({"capacity": out}, indent=1, default=str))
+            print(f"capacity {name} chunked={chunked}: max batch {lo}", flush=True)
     torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out
 
@@ -572,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--capacity-arms",
-        default=",".join(CAPACITY_ARMS),
+        default=",".join(DEFAULT_CAPACITY_ARMS),
         help=f"comma list of the capacity search's arms, a subset of {CAPACITY_ARMS}",
     )
     parser.add_argument("--device", default=None, help="default cuda if available, else cpu")

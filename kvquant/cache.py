@@ -51,6 +51,7 @@ __all__ = [
     "PagedLayerStorage",
     "SequenceBook",
     "StaticStep",
+    "device_free_bytes",
     "total_memory_bytes",
 ]
 
@@ -752,8 +753,12 @@ class SequenceBook:
         return lens
 
     def static_step(self, device: torch.device) -> StaticStep:
-        """A new :class:`StaticStep` spanning the whole capacity of every row."""
-        return StaticStep.allocate(self.batch_size, self.pages_per_sequence(), device)
+        """A new :class:`StaticStep` spanning the whole capacity of every row.
+
+        Its block table has at least two columns: a compiled step marks the
+        width dynamic, and torch.compile specialises a dimension of size 1.
+        """
+        return StaticStep.allocate(self.batch_size, max(2, self.pages_per_sequence()), device)
 
     def load_static(self, step: StaticStep, pos: int, kv_start: torch.Tensor) -> None:
         """Before a static step at ``pos``: its table (copied when :attr:`version` changed), start."""
@@ -1480,6 +1485,27 @@ class PagedLayerStorage:
             "k_transform": transform,
             "total": pages + groups + static + transform,
         }
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes PyTorch can still allocate on a CUDA ``device``; None elsewhere.
+
+    The driver's free memory plus what PyTorch's caching allocator holds but
+    does not use, capped by ``torch.cuda.set_per_process_memory_fraction``.
+    A sizing hint (fragmentation can make less usable): a cache that relies
+    on it still handles an out-of-memory error.
+    """
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    avail = free + torch.cuda.memory_reserved(device) - allocated
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:
+        fraction = float(get_fraction(device))
+        if fraction < 1.0:
+            avail = min(avail, int(fraction * total) - allocated)
+    return max(0, avail)
 
 
 def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:

@@ -34,9 +34,10 @@ def test_compiled_graph_matches_eager_graph_and_unpatched(family: str) -> None:
         got[compiled], cache = step_logits(model, ids, mask, cont)
         assert cache.get_seq_length() == 70
         stats = handle.state.graph_runner.stats
-        assert (stats.captures, stats.replays, stats.static_eager) == (1, 30, 0)
+        # one growth mid-decode (test_hf_gpu.py's test_cuda_graph_decode_matches_ordinary_steps)
+        assert (stats.captures, stats.replays, stats.static_eager) == (2, 30, 0)
         assert stats.compile_fallbacks == 0
-        assert stats.compiled_runs == (0 if compiled is False else 2)  # warm-up, capture
+        assert stats.compiled_runs == (0 if compiled is False else 3)  # warm-up, 2 captures
         handle.remove()
     assert torch.isfinite(got[None]).all()
     # inductor fuses the bf16 elementwise work (rounding differs from eager's): close to
@@ -129,7 +130,7 @@ def test_a_pool_that_grows_mid_decode_captures_again_without_a_recompile(
 
     from kvquant.integrations.hf import cache_layer
 
-    monkeypatch.setattr(cache_layer, "MIN_GROWTH_TOKENS", 16)  # grow every few pages
+    monkeypatch.setattr(cache_layer, "GROWTH_HEADROOM", 0.0)  # grow at every page
     torch._dynamo.reset()
     counters.clear()  # count only this test's compiles
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)

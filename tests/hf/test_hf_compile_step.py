@@ -444,7 +444,7 @@ def test_a_growing_pool_compiles_nothing_new(monkeypatch: pytest.MonkeyPatch) ->
     """Page counts and block-table widths are dynamic in the graph: growth is no recompile."""
     from kvquant.integrations.hf import cache_layer
 
-    monkeypatch.setattr(cache_layer, "MIN_GROWTH_TOKENS", 4)  # grow every few steps
+    monkeypatch.setattr(cache_layer, "GROWTH_HEADROOM", 0.0)  # grow at every page
     model = build("llama")
     ids, mask = prompt(batch=2, length=9, pad=(3, 0))
     runs, pools = {}, {}

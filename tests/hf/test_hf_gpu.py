@@ -63,7 +63,9 @@ def test_cuda_graph_decode_matches_ordinary_steps(family: str) -> None:
         assert cache.get_seq_length() == 70
         if graphs:
             stats = handle.state.graph_runner.stats
-            assert (stats.captures, stats.replays, stats.static_eager) == (1, 30, 0)
+            # 40 + 2 slots: 3 pages; the capture grows to 4 (41 tokens and their headroom), the
+            # 65th token grows the pools again and the next step captures again
+            assert (stats.captures, stats.replays, stats.static_eager) == (2, 30, 0)
         handle.remove()
     assert torch.isfinite(got[True]).all()
     # Same kernels; the graph's decode launches see the whole block table (more splits).
@@ -178,7 +180,7 @@ def test_cuda_graph_survives_pool_growth(
     """
     from kvquant.integrations.hf import cache_layer
 
-    monkeypatch.setattr(cache_layer, "MIN_GROWTH_TOKENS", 16)  # grow often in a short run
+    monkeypatch.setattr(cache_layer, "GROWTH_HEADROOM", 0.0)  # grow at every page
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)
     ids, mask = prompt(batch=2, length=20, pad=(4, 0))
     ids, mask = ids.cuda(), mask.cuda()
@@ -267,3 +269,39 @@ def test_deepcopy_of_a_cache_after_graph_decode_steps() -> None:
             got.append(fwd(cont[:, s : s + 1], m, c).logits[:, -1].float())
         assert torch.equal(torch.stack(got, dim=1), full[:, 5:])
     handle.remove()
+
+
+@pytest.mark.parametrize("compile_step", [False, None])
+def test_no_memory_outlives_generate_or_remove_without_collection(compile_step: Any) -> None:
+    """With the cyclic collector off, every cache a call built is freed when the call returns
+    (CUDA graphs and their buffers included), and ``remove()`` returns the memory of the patch."""
+    import gc
+
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=4, length=300, pad=(5, 0, 9, 0))
+    ids, mask = ids.cuda(), mask.cuda()
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        handle = kvhf.patch(model, compile_step=compile_step)
+        after_calls = []
+        for _ in range(3):
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40,
+                               min_new_tokens=40, do_sample=False)  # fmt: skip
+            torch.cuda.synchronize()
+            after_calls.append(torch.cuda.memory_allocated())
+        # the first call creates what lives as long as the process (cuBLAS's workspaces of the
+        # warm-up stream); the caches of the calls are gone when they return
+        assert after_calls[1] == after_calls[0] == after_calls[2]
+        assert handle.state.graph_runner.stats.replays >= 3 * 38
+        handle.remove()  # also frees cuBLAS's workspaces
+        del handle
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before < 64 * 2**10
+    finally:
+        if was:
+            gc.enable()

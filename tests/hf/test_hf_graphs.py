@@ -65,8 +65,8 @@ def test_remove_and_repatch_restore_forward(tiny_llama: Any) -> None:
     handle = kvhf.patch(tiny_llama, backend="torch", cuda_graphs=True)
     assert "forward" in tiny_llama.__dict__
     assert kvhf.patch(tiny_llama, backend="torch", cuda_graphs=True) is handle
-    other = kvhf.patch(tiny_llama, backend="torch", cuda_graphs=False)
-    assert "forward" not in tiny_llama.__dict__ and not handle.active
+    other = kvhf.patch(tiny_llama, backend="torch", cuda_graphs=False, prefill_tokens=None)
+    assert "forward" not in tiny_llama.__dict__ and not handle.active  # no wrapper at all
     other.remove()
     kvhf.patch(tiny_llama, backend="torch", cuda_graphs=True).remove()
     assert "forward" not in tiny_llama.__dict__
@@ -215,14 +215,23 @@ def test_views_of_a_growing_tensor_reuse_one_graph(tiny_llama: Any) -> None:
 
 
 def test_graph_step_makes_decode_headroom_once(tiny_llama: Any) -> None:
-    """Before a capture, a growable cache grows to hold MIN_GROWTH_TOKENS more steps."""
-    from kvquant.integrations.hf.cache_layer import MIN_GROWTH_TOKENS
-
+    """Before a capture, a growable cache grows to hold the step plus its growth headroom."""
     ids, mask = prompt(batch=2, length=12, pad=(3, 0))
     handle = kvhf.patch(tiny_llama, backend="torch", page_size=4, cuda_graphs=True)
-    out = _generate(tiny_llama, ids, mask, 20)
-    cache = out.past_key_values
+    cache = handle.new_cache()
+    key = cache_kwarg(tiny_llama)
+    with torch.no_grad():
+        tiny_llama(input_ids=ids, attention_mask=mask, **{key: cache})
+        assert cache.book.pages_per_sequence() == 3  # the prompt's pages, no more
+        tiny_llama(
+            input_ids=ids[:, -1:],
+            attention_mask=torch.ones(2, 13),
+            position_ids=torch.full((2, 1), 12),
+            **{key: cache},
+        )
     assert cache.capacity_version == 1  # grown once, before the first (static) step
-    assert cache.book.pages_per_sequence() * 4 >= 13 + MIN_GROWTH_TOKENS
-    assert handle.state.graph_runner.stats.static_eager == 19
+    headroom = cache.headroom_fraction()
+    assert 0 < headroom <= 0.5
+    assert cache.book.pages_per_sequence() * 4 >= 13 * (1 + headroom)
+    assert handle.state.graph_runner.stats.static_eager == 1
     handle.remove()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from hf_kt import biased_llama, k_transform_scales
 from hf_steps import cache_kwarg, calibrate, min_cosine, returned_cache
 from hf_steps import generate_exactly as _generate
@@ -229,7 +230,7 @@ def test_decode_steps_and_training_mode_run_whole(tiny_llama: Any) -> None:
 
 @pytest.mark.parametrize("bad", [0, -8, True, 2.5, "4096"])
 def test_bad_prefill_tokens_are_refused(tiny_llama: Any, bad: Any) -> None:
-    with pytest.raises(OptionError, match=r"prefill_tokens=.*expected a positive int or None"):
+    with pytest.raises(OptionError, match=r"prefill_tokens=.*expected .*a positive int or None"):
         kvhf.patch(tiny_llama, prefill_tokens=bad)
     assert "forward" not in tiny_llama.__dict__
     assert not hasattr(tiny_llama, "_kvquant_state")
@@ -346,3 +347,74 @@ def test_an_output_field_that_cannot_be_joined_is_refused(tiny_llama: Any) -> No
     with torch.no_grad():
         out = tiny_llama(input_ids=ids, attention_mask=mask, **{key: cache})
     assert out.logits.shape[0] == 4 and groups.stats.last_rows == [2, 2]
+
+
+def _free_bytes_for(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    """Make the automatic bound see ``free`` bytes on every device (as on a CUDA device)."""
+    from kvquant.integrations.hf import rowgroups
+
+    monkeypatch.setattr(rowgroups, "device_free_bytes", lambda device: free)
+
+
+def test_auto_runs_whole_off_cuda(tiny_llama: Any) -> None:
+    """The default, ``prefill_tokens="auto"``: on a CPU model every call runs whole."""
+    ids, mask = prompt(batch=4, length=6, pad=(2, 0, 0, 1), seed=2)
+    handle = kvhf.patch(tiny_llama, backend="torch")
+    assert handle.state.options.prefill_tokens == "auto"
+    rows = _count_decoder_rows(tiny_llama)
+    _generate(tiny_llama, ids, mask, 3)
+    assert rows == [4, 4, 4]
+    assert handle.state.row_groups.stats.split_calls == 0
+    handle.remove()
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_auto_bound_follows_the_free_memory(monkeypatch: pytest.MonkeyPatch, chunk: Any) -> None:
+    """With little memory left after the KV pages, the call runs a few rows at a time; with
+    plenty, whole; the tokens and logits equal the unsplit call's either way."""
+    from kvquant.integrations.hf.rowgroups import AUTO_ACTIVATION_SHARE, token_activation_bytes
+
+    ids, mask = prompt(batch=5, length=12, pad=PAD, seed=4)
+    model = build("llama")
+    extra = {} if chunk is None else {"prefill_chunk_size": chunk}
+    handle = kvhf.patch(model, backend="torch", prefill_tokens=None)
+    want = _generate(model, ids, mask, 3, **extra)
+    handle.remove()
+    length = ids.shape[1] if chunk is None else chunk
+    per_token = token_activation_bytes(model, {"logits_to_keep": 1})
+    handle = kvhf.patch(model, backend="torch")
+    pages = handle.new_cache().bytes_to_hold(5, length)  # the first prefill call's pages
+    # room for two rows' activations once the call's pages are counted
+    free = pages + int(2 * length * per_token / AUTO_ACTIVATION_SHARE) + 1
+    _free_bytes_for(monkeypatch, free)
+    rows = _count_decoder_rows(model)
+    got = _generate(model, ids, mask, 3, **extra)
+    assert rows[:3] == [2, 2, 1]
+    if chunk is None:
+        assert rows[3:] == [5, 5]  # the decode steps run whole
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(
+        torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4
+    )
+    _free_bytes_for(monkeypatch, 2**50)
+    rows.clear()
+    _generate(model, ids, mask, 3, **extra)
+    assert rows[0] == 5  # plenty of memory: the prefill runs whole
+    handle.remove()
+
+
+def test_activation_estimate_of_a_llama_1b_shape() -> None:
+    """The estimate, per prompt token, of a Llama-3.2-1B shape in bf16 (no model weights built):
+    between the residual, Q/K/V and MLP tensors alone (about 70 KB) and a few times that."""
+    from kvquant.integrations.hf.rowgroups import token_activation_bytes
+
+    config = transformers.LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+        num_key_value_heads=8, num_hidden_layers=1, vocab_size=128256,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    kept = token_activation_bytes(model, {"logits_to_keep": 1})
+    assert 70_000 < kept < 400_000
+    every = token_activation_bytes(model, {})  # every position's logits kept
+    assert every - kept == 2 * 128256 * (2 + 4)

@@ -101,3 +101,29 @@ def test_a_split_prefill_peaks_below_the_unsplit_one(chunk: int | None) -> None:
     # per forward than the whole batch in every chunk
     assert split < (0.5 if chunk is None else 0.9) * whole, (split, whole)
     assert outs[4096].shape == outs[None].shape
+
+
+def test_auto_bound_splits_a_prefill_that_would_not_fit() -> None:
+    """The default ``prefill_tokens="auto"`` under a memory budget: 32 x 1024 tokens of the wide
+    Llama would need ~1.5 GiB of MLP activations whole; with ~0.4 GiB left after the weights and
+    the KV pages, the prefill runs in row groups and generates what the unsplit call does."""
+    model = _wide_llama()
+    ids = torch.randint(0, 1024, (32, 1024), generator=torch.Generator().manual_seed(1)).cuda()
+    handle = kvhf.patch(model, cuda_graphs=False, prefill_tokens=None)
+    _, want = _peak_of_generate(model, ids)
+    handle.remove()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = torch.cuda.memory_reserved() + 2**30  # the KV pages (~64 MiB) + room
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    try:
+        handle = kvhf.patch(model, cuda_graphs=False)  # prefill_tokens="auto"
+        _peak_of_generate(model, ids)
+        stats = handle.state.row_groups.stats
+        assert stats.split_calls >= 1 and max(stats.last_rows) < 32
+        _, got = _peak_of_generate(model, ids)
+        handle.remove()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert torch.equal(got[:, : ids.shape[1]], ids)
+    assert (got == want).float().mean() > 0.9  # bf16 GEMMs of fewer rows may flip a near-tie

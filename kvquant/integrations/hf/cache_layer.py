@@ -30,6 +30,7 @@ the padding with a per-sequence ``kv_start`` taken from the attention mask.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,21 +43,26 @@ from kvquant.cache import (
     PageAllocator,
     PagedLayerStorage,
     SequenceBook,
+    device_free_bytes,
     total_memory_bytes,
 )
 from kvquant.errors import CacheCapacityError, CacheUsageError, UnsupportedModelError
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec"]
 
-HEADROOM_FRACTION = 16
-"""A cache built without a size holds ``n + max(page_size, n // HEADROOM_FRACTION)`` slots
-per sequence for ``n`` stored tokens: room for a first decode run without growing."""
+GROWTH_HEADROOM = 0.5
+"""A cache without a size bound that must grow enlarges its pools to its need plus up to this
+fraction of it (fewer copies, and fewer captures of a decode graph). Less where the byte bound
+asks for it (:meth:`KVQuantCache.headroom_fraction`) or the device's free memory allows less."""
 
-GROWTH_FACTOR = 1.25
-"""A growing cache enlarges its pools to at least this multiple of their size."""
+START_HEADROOM = 16
+"""A new pool holds ``n + n // START_HEADROOM`` slots per sequence for a first update of ``n``
+tokens: a short decode after a long prompt needs no growth (a copy of the pools at the moment
+memory is tightest)."""
 
-MIN_GROWTH_TOKENS = 256
-"""...and by at least this many slots per sequence (fewer recaptures of a decode graph)."""
+GROWTH_MEMORY_SHARE = 0.9
+"""A growth takes at most this share of the memory the device can still hand out; a need that
+does not fit is still tried without headroom (and fails with CacheCapacityError)."""
 
 ATTN_NAME = "kvquant"
 """The name kvquant registers with ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -137,7 +143,7 @@ class KVQuantLayer(CacheLayerMixin):
 
     def __init__(self, cache: KVQuantCache, layer_idx: int, spec: LayerSpec) -> None:
         super().__init__()
-        self.cache = cache
+        self.cache = cache  # held weakly: the cache owns its layers, not the reverse
         self.layer_idx = layer_idx
         self.spec = spec
         self.storage: PagedLayerStorage | None = None
@@ -150,6 +156,30 @@ class KVQuantLayer(CacheLayerMixin):
         return (
             f"KVQuantLayer(layer={self.layer_idx}, {self.spec.granularity}, seq_len={self.seq_len})"
         )
+
+    @property
+    def cache(self) -> KVQuantCache:
+        """The :class:`KVQuantCache` this layer belongs to.
+
+        A weak reference: a cache and its layers would otherwise form a reference
+        cycle, which keeps the pages allocated after the last user reference is
+        gone, until Python's cyclic collector runs (GPU memory pressure does not
+        run it). The cache holds its layers; a layer alone is of no use.
+
+        Raises:
+            CacheUsageError: the cache was freed while this layer was kept.
+        """
+        cache = self._cache_ref()
+        if cache is None:
+            raise CacheUsageError(
+                f"{self.spec.name}: this KVQuantLayer's KVQuantCache was freed (its pages went "
+                "with it). Fix: keep a reference to the cache, not to one of its layers."
+            )
+        return cache
+
+    @cache.setter
+    def cache(self, cache: KVQuantCache) -> None:
+        self._cache_ref = weakref.ref(cache)
 
     @property
     def seq_len(self) -> int:
@@ -497,6 +527,9 @@ class KVQuantCache(Cache):
         for name, value in vars(self).items():
             keep = None if name == "decode_graph" else value
             copied.__dict__[name] = copy.deepcopy(keep, memo)
+        for layer in copied.layers:  # a weak reference is copied as itself: point it here
+            if isinstance(layer, KVQuantLayer):
+                layer.cache = copied
         return copied
 
     def __repr__(self) -> str:
@@ -524,11 +557,22 @@ class KVQuantCache(Cache):
 
     # ------------------------------------------------------------------ pool sizing
 
-    def _headroom_pages(self, tokens_per_seq: int) -> int:
-        """Pages per sequence for ``tokens_per_seq`` tokens plus the growth headroom."""
-        ps = self.page_size
-        slots = tokens_per_seq + max(ps, tokens_per_seq // HEADROOM_FRACTION)
-        return -(-slots // ps)
+    def headroom_fraction(self) -> float:
+        """The growth headroom, a fraction of the need: :data:`GROWTH_HEADROOM`, or less.
+
+        After any growth the pools hold no more bytes than transformers' bf16
+        ``DynamicCache`` of the same tokens, plus one page per sequence (the
+        last page, partly filled): FP8 pages plus their group scales take
+        ``(1 + 4 / G) / 2`` of bf16's bytes per token, so the headroom is
+        capped at ``0.9 * 2 / (1 + 4 / G) - 1`` (0 for very small groups).
+        """
+        ratio = 0.5  # FP8 / bf16 bytes per element
+        for layer in self.layers:
+            spec = getattr(layer, "spec", None)
+            if spec is not None and spec.granularity == "fp32-group":
+                group = spec.group_size or spec.head_dim
+                ratio = max(ratio, (1.0 + 4.0 / group) / 2.0)
+        return max(0.0, min(GROWTH_HEADROOM, 0.9 / ratio - 1.0))
 
     def pool_shape(
         self, batch_size: int, device: torch.device, first_tokens: int = 0
@@ -536,11 +580,12 @@ class KVQuantCache(Cache):
         """``(num_pages, page_size)`` of every layer's pool; creates the allocator on first use.
 
         With ``num_pages`` or ``max_cache_tokens`` the pool has that fixed size.
-        Without them it starts with room for ``first_tokens`` (the length of the
-        first update: the prompt, or the first chunk of a chunked prefill) plus
-        ``max(page_size, first_tokens // 16)`` slots per sequence, and grows on
-        demand (:meth:`reserve_through`), so that the pages hold memory in
-        proportion to what is stored, like transformers' ``DynamicCache``.
+        Without them it starts with the pages ``first_tokens`` take (the length
+        of the first update: the prompt, or the first chunk of a chunked
+        prefill) plus a sixteenth of them (:data:`START_HEADROOM`; at least one
+        page) per sequence, and grows on demand (:meth:`reserve_through`), so
+        that the pages hold memory in proportion to what is stored, like
+        transformers' ``DynamicCache``.
         """
         alloc = self.book.allocator
         if alloc is None:
@@ -549,7 +594,8 @@ class KVQuantCache(Cache):
             elif self.max_cache_tokens is not None:
                 num_pages = -(-int(self.max_cache_tokens) // self.page_size)
             else:
-                num_pages = batch_size * self._headroom_pages(first_tokens)
+                slots = first_tokens + first_tokens // START_HEADROOM
+                num_pages = batch_size * max(1, -(-slots // self.page_size))
             if num_pages < 1:
                 raise CacheUsageError(
                     f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
@@ -621,43 +667,136 @@ class KVQuantCache(Cache):
             raise CacheCapacityError(f"kvquant cache of {self.model_name}: {err}") from err
 
     def ensure_decode_headroom(self, tokens: int) -> None:
-        """Before a decode graph is captured: room for ``MIN_GROWTH_TOKENS`` more steps.
+        """Before a decode graph is captured: room for ``tokens`` per sequence and the headroom.
 
         A capture is tied to the page tensors; growing them later costs a new
-        capture, so a growable cache makes room for many steps first (a
-        cache with a size bound is left as it is).
+        capture. A growable cache that cannot hold ``tokens`` plus
+        :meth:`headroom_fraction` of them grows now (as far as the device's
+        memory allows, :meth:`_grow`), so that the capture serves many steps; a
+        cache with a size bound is left as it is.
         """
         alloc = self.allocator
         if not self.growable or alloc is None or self.batch_size_ < 1:
             return
+        # at least one page more than the step needs (and so at least two pages in the pool: a
+        # compiled step marks the page count dynamic, and torch.compile specialises a size of 1)
         ps = self.page_size
-        want = -(-(tokens + MIN_GROWTH_TOKENS) // ps)
-        if alloc.num_pages // self.batch_size_ < want:
-            self._grow(alloc, want)
-
-    def _grow(self, alloc: PageAllocator, pages_per_seq: int) -> None:
-        """Enlarge the pool so that every sequence can hold ``pages_per_seq`` pages.
-
-        The new size is the largest of: the need plus its headroom,
-        ``GROWTH_FACTOR`` times the current size, and ``MIN_GROWTH_TOKENS`` more
-        slots per sequence. The layers' page tensors grow first, one at a time
-        (old and new pools of one layer coexist only for its copy); the
-        allocator grows only once all of them did, so a failure (out of
-        memory) leaves a cache that still holds every token it held.
-        """
-        bsz, ps = self.batch_size_, self.page_size
-        target = max(
-            bsz * self._headroom_pages(pages_per_seq * ps),
-            -(-int(alloc.num_pages * GROWTH_FACTOR) // bsz) * bsz,
-            alloc.num_pages + bsz * -(-MIN_GROWTH_TOKENS // ps),
-        )
-        for layer in self.layers:
-            storage = getattr(layer, "storage", None)
-            if storage is not None and storage.num_pages < target:
-                storage.grow(target)
+        want = max(int(tokens * (1.0 + self.headroom_fraction())), tokens + ps)
+        if self.book.pages_per_sequence() * ps >= want:
+            return
+        target, _ = self._growth_target(alloc, -(-tokens // ps), -(-want // ps))
+        if target <= alloc.num_pages:
+            return  # no memory to spare for headroom: the steps grow the pools when they must
+        try:
+            self._grow_layers(target)
+        except CacheCapacityError:
+            return  # headroom only (the step reserves what it needs): grown layers keep theirs
         alloc.grow(target)
         self.capacity_version += 1
+        self.decode_graph = None
+
+    def slot_bytes(self) -> int:
+        """Bytes one token slot of one sequence takes in every layer together (K and V pages and
+        their group scales), from the layers' geometry: known before any pool exists."""
+        total = 0
+        for layer in self.layers:
+            spec = getattr(layer, "spec", None)
+            if spec is None:
+                continue
+            per_kv = spec.num_kv_heads * spec.head_dim  # one FP8 byte each
+            if spec.granularity == "fp32-group":
+                per_kv += (
+                    spec.num_kv_heads * (spec.head_dim // (spec.group_size or spec.head_dim)) * 4
+                )
+            total += 2 * per_kv
+        return total
+
+    def bytes_to_hold(self, batch: int, tokens: int) -> int:
+        """Bytes the pools must still allocate so that ``batch`` sequences hold ``tokens`` each.
+
+        0 when the layers' pools already hold that many pages (a bounded cache
+        allocates its whole size at the first update, counted here too).
+        """
+        ps = self.page_size
+        need = batch * -(-tokens // ps)
+        if not self.growable and self.allocator is not None:
+            need = max(need, self.allocator.num_pages)
+        storages = [getattr(layer, "storage", None) for layer in self.layers]
+        have = min((s.num_pages if s is not None else 0 for s in storages), default=0)
+        return max(0, need - have) * ps * self.slot_bytes()
+
+    def _page_bytes(self) -> tuple[int, int]:
+        """Bytes of one page in every layer together, and in the largest layer (pages and scales)."""
+        total = largest = 0
+        for layer in self.layers:
+            storage = getattr(layer, "storage", None)
+            if storage is None or storage.num_pages < 1:
+                continue
+            held = storage.memory_bytes()
+            one = (held["pages"] + held["group_scales"]) // storage.num_pages
+            total += one
+            largest = max(largest, one)
+        return total, largest
+
+    def _growth_target(
+        self, alloc: PageAllocator, pages_per_seq: int, want_per_seq: int | None = None
+    ) -> tuple[int, int]:
+        """``(target, minimum)`` pool sizes in pages for ``pages_per_seq`` pages per sequence.
+
+        The minimum holds the need; the target ``want_per_seq`` pages per
+        sequence (default: the need plus :meth:`headroom_fraction` of it), less
+        where the device cannot hand out the bytes (the new pools, grown one
+        layer at a time, and the old pool of the layer being copied).
+        """
+        bsz, ps = self.batch_size_, self.page_size
+        minimum = bsz * pages_per_seq
+        if want_per_seq is None:
+            want_per_seq = -(-int(pages_per_seq * ps * (1.0 + self.headroom_fraction())) // ps)
+        target = bsz * max(pages_per_seq, want_per_seq)
+        device = next(
+            (s.device for s in (getattr(layer, "storage", None) for layer in self.layers) if s),
+            None,
+        )
+        free = None if device is None else device_free_bytes(device)
+        if free is not None and target > minimum:
+            per_page, largest = self._page_bytes()
+            if per_page > 0:
+                room = int(free * GROWTH_MEMORY_SHARE) - largest * alloc.num_pages
+                affordable = alloc.num_pages + max(0, room) // per_page
+                target = max(minimum, min(target, affordable // bsz * bsz))
+        return target, minimum
+
+    def _grow(self, alloc: PageAllocator, pages_per_seq: int) -> None:
+        """Enlarge the pool so that every sequence can hold ``pages_per_seq`` pages (or more).
+
+        The new size is the need plus the headroom of :meth:`_growth_target`;
+        if that fails for want of memory, the need alone is tried. The layers'
+        page tensors grow first, one at a time (old and new pools of one layer
+        coexist only for its copy); the allocator grows only once all of them
+        did, so a failure (out of memory) leaves a cache that still holds every
+        token it held.
+
+        Raises:
+            CacheCapacityError: not even the need fits on the device.
+        """
+        target, minimum = self._growth_target(alloc, pages_per_seq)
+        try:
+            self._grow_layers(target)
+        except CacheCapacityError:
+            if target == minimum:
+                raise
+            target = minimum  # layers already grown further keep their pages
+            self._grow_layers(target)
+        if target > alloc.num_pages:
+            alloc.grow(target)
+        self.capacity_version += 1
         self.decode_graph = None  # captured on the old pools
+
+    def _grow_layers(self, num_pages: int) -> None:
+        for layer in self.layers:
+            storage = getattr(layer, "storage", None)
+            if storage is not None and storage.num_pages < num_pages:
+                storage.grow(num_pages)
 
     def attention_is_kvquant(self) -> bool:
         """Whether the model's active attention implementation is kvquant's."""

@@ -117,17 +117,44 @@ class DecodeGraph:
             devices, and the other arguments' values).
         static: the static step tensors.
         inputs: one static buffer per tensor argument, by keyword.
-        call_kwargs: the keyword arguments the step passes to ``forward``.
+        call_kwargs: the keyword arguments the step passes to ``forward``, but the
+            cache (:meth:`call` adds it: the cache holds this record, and a record
+            that held the cache would keep both alive until the cyclic garbage
+            collector ran).
+        cache_key: the keyword the cache is passed under.
         graph: the CUDA graph (None until captured; always None on CPU).
-        output: the captured step's output (static tensors).
+        output: the captured step's output (static tensors; :data:`_CACHE_MARK`
+            where the output carries the cache).
     """
 
     key: tuple[Any, ...]
     static: StaticStep
     inputs: dict[str, torch.Tensor]
     call_kwargs: dict[str, Any]
+    cache_key: str = "cache"
     graph: Any = None
     output: Any = None
+
+    def call(self, forward: Callable[..., Any], cache: KVQuantCache) -> Any:
+        """``forward`` over the step's static arguments and ``cache``."""
+        return forward(**self.call_kwargs, **{self.cache_key: cache})
+
+
+class _CacheMark:
+    """Stands for the cache in a captured output (see :class:`DecodeGraph`)."""
+
+    def __repr__(self) -> str:
+        return "<the step's cache>"
+
+
+_CACHE_MARK = _CacheMark()
+
+
+def _without_cache(out: Any, cache: KVQuantCache) -> Any:
+    """``out`` with :data:`_CACHE_MARK` in place of ``cache`` (a tuple or a ``ModelOutput``)."""
+    if isinstance(out, tuple):
+        return type(out)(_CACHE_MARK if x is cache else x for x in out)
+    return type(out)(**{k: (_CACHE_MARK if v is cache else v) for k, v in out.items()})
 
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}
@@ -144,6 +171,21 @@ def _side_stream(device: torch.device) -> Any:
     if stream is None:
         stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return stream
+
+
+def release_library_workspaces() -> None:
+    """Free the per-stream workspaces cuBLAS keeps (the warm-up stream's too), after a sync.
+
+    For ``remove()`` of a patch that captured decode graphs: the warm-up stream's
+    workspaces would otherwise stay allocated for the life of the process. cuBLAS
+    allocates them again at its next call on a stream. No-op where torch has no
+    such function or CUDA was never initialised.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    clear()
 
 
 def left_padding_starts(
@@ -199,12 +241,18 @@ def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     return tuple(key)
 
 
-def _copy_output(out: Any) -> Any:
-    """The step's output with every tensor cloned (the graph's own are overwritten next step)."""
+def _copy_output(out: Any, cache: KVQuantCache) -> Any:
+    """The step's output with every tensor cloned (the graph's own are overwritten next step)
+    and ``cache`` where the captured output carried it."""
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        return cache if x is _CACHE_MARK else x
+
     if isinstance(out, tuple):
-        return type(out)(x.clone() if isinstance(x, torch.Tensor) else x for x in out)
-    items = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
-    return type(out)(**items)
+        return type(out)(copy(x) for x in out)
+    return type(out)(**{k: copy(v) for k, v in out.items()})
 
 
 def compile_unusable_reason(device: torch.device) -> str | None:
@@ -439,6 +487,10 @@ class DecodeGraphRunner:
         functools.update_wrapper(self, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # torch.compile(model.forward) traces this wrapper: the user's compiled forward
+            # runs the ordinary step (a CUDA graph cannot be captured inside dynamo's trace)
+            return self.original(*args, **kwargs)
         cache = self._eligible(args, kwargs)
         if cache is None:
             self.stats.ordinary += 1
@@ -541,7 +593,7 @@ class DecodeGraphRunner:
                         raise
                     return self._fall_back(cache, layers, kwargs, err)
             rec.graph.replay()
-            out = _copy_output(rec.output)
+            out = _copy_output(rec.output, cache)
             self.stats.replays += 1
         else:
             if not self._logged_cpu:
@@ -610,7 +662,12 @@ class DecodeGraphRunner:
             if isinstance(v, torch.Tensor) and name != "attention_mask"
         }
         call = {**kwargs, **inputs, "attention_mask": None}
-        return DecodeGraph(key=key, static=static, inputs=inputs, call_kwargs=call)
+        cache_key = next(n for n in _CACHE_KWARGS if call.get(n) is cache)
+        for name in _CACHE_KWARGS:
+            call.pop(name, None)
+        return DecodeGraph(
+            key=key, static=static, inputs=inputs, call_kwargs=call, cache_key=cache_key
+        )
 
     def _run(self, cache: KVQuantCache, rec: DecodeGraph, compiled: bool = False) -> Any:
         """The static step's forward, through the compiled layers when ``compiled``.
@@ -623,11 +680,11 @@ class DecodeGraphRunner:
         cache.book.static = rec.static
         try:
             if not compiled or self.compiled is None:
-                return self.original(**rec.call_kwargs)
+                return rec.call(self.original, cache)
             self.stats.compiled_runs += 1
             try:
                 with self.compiled.installed(cast(list[KVQuantLayer], cache.layers), rec.static):
-                    return self.original(**rec.call_kwargs)
+                    return rec.call(self.original, cache)
             except (_CompileFailure, KVQuantError, torch.OutOfMemoryError):
                 raise
             except Exception as err:
@@ -677,6 +734,6 @@ class DecodeGraphRunner:
                 "held. "
                 "Fix: kvquant.patch(model, cuda_graphs=False)."
             ) from err
-        rec.graph, rec.output = graph, output
+        rec.graph, rec.output = graph, _without_cache(output, cache)
         self._warmed.add((rec.key, compiled))
         self.stats.captures += 1

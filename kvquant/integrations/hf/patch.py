@@ -63,7 +63,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -79,7 +79,11 @@ from kvquant.errors import (
 )
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
-from kvquant.integrations.hf.graphs import CompiledLayers, DecodeGraphRunner
+from kvquant.integrations.hf.graphs import (
+    CompiledLayers,
+    DecodeGraphRunner,
+    release_library_workspaces,
+)
 from kvquant.integrations.hf.models import (
     AttentionSite,
     check_supported,
@@ -143,7 +147,8 @@ class PatchOptions:
             step, also on CPU; a failed compile raises) or False.
         prefill_tokens: the most tokens (rows x query length) one prefill
             forward processes: a larger batched prefill runs in row groups
-            (:mod:`kvquant.integrations.hf.rowgroups`); None: no limit.
+            (:mod:`kvquant.integrations.hf.rowgroups`); ``"auto"``: chosen per
+            call from the device's free memory (CUDA only); None: no limit.
         source: a description of where the scales came from.
     """
 
@@ -158,7 +163,7 @@ class PatchOptions:
     num_pages: int | None = None
     cuda_graphs: bool | None = None
     compile_step: bool | None = None
-    prefill_tokens: int | None = None
+    prefill_tokens: int | str | None = "auto"
     source: str = ""
 
     @property
@@ -315,7 +320,13 @@ def _check_options(opts: PatchOptions) -> None:
     positive("group_size", opts.group_size, optional=True)
     positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
     positive("num_pages", opts.num_pages, optional=True)
-    positive("prefill_tokens", opts.prefill_tokens, optional=True)
+    if opts.prefill_tokens != "auto":
+        if isinstance(opts.prefill_tokens, str):
+            raise OptionError(
+                f'kvquant.patch: prefill_tokens={opts.prefill_tokens!r}; expected "auto", a '
+                'positive int or None. Fix: pass prefill_tokens="auto" (the default).'
+            )
+        positive("prefill_tokens", opts.prefill_tokens, optional=True)
     for name in ("cuda_graphs", "compile_step"):
         value = getattr(opts, name)
         if value is not None and not isinstance(value, bool):
@@ -762,6 +773,7 @@ class _Injector(_PatchBound):
         return args, kwargs
 
 
+@torch.compiler.disable  # dynamo cannot trace threading.get_ident (torch.compile(model.forward))
 def _claim(state: PatchState, decoder: nn.Module) -> None:
     """Mark the model's decoder as running in this thread, or refuse another thread's forward.
 
@@ -811,6 +823,7 @@ def _calling(thread: int, module: nn.Module) -> bool:
 _CALL_IMPL = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
 
 
+@torch.compiler.disable  # as _claim
 def _release(state: PatchState) -> None:
     """End this thread's :func:`_claim` (a forward that another thread's claim refused holds
     none, so it releases nothing)."""
@@ -860,6 +873,11 @@ class _Rollback(_PatchBound):
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
         _release(self.state)
+        if output is None:
+            # The forward raised: an attention module it stopped in kept the call's cache
+            # (its own forward hook did not run), which would hold the pages alive.
+            for site in self.state.sites:
+                setattr(site.module, _attention.CACHE_ATTR, None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not isinstance(cache, KVQuantCache):
             return
@@ -1035,6 +1053,7 @@ def _install_forward_wrappers(model: nn.Module, state: PatchState, graphs: bool)
     tokens = state.options.prefill_tokens
     if not graphs and tokens is None:
         return
+    bound = None if tokens is None or tokens == "auto" else int(cast(int, tokens))
     compiled = _compiled_layers(model, state) if graphs else None
     prev = model.__dict__.get("forward", _MISSING)
     state.saved_attrs.append((model, "forward", prev, "attr"))
@@ -1047,7 +1066,7 @@ def _install_forward_wrappers(model: nn.Module, state: PatchState, graphs: bool)
         state.graph_runner = runner
         forward = runner
     if tokens is not None:
-        groups = RowGroupForward(model, forward, active, tokens, _RowGroupCache(model, state))
+        groups = RowGroupForward(model, forward, active, bound, _RowGroupCache(model, state))
         state.row_groups = groups
         forward = groups
     model.__dict__["forward"] = forward
@@ -1130,6 +1149,8 @@ def _unpatch(model: nn.Module, state: PatchState) -> None:
         _set_attn(model, state.previous_attn)
     if getattr(model, STATE_ATTR, None) is state:
         delattr(model, STATE_ATTR)
+    if state.graph_runner is not None:
+        release_library_workspaces()
 
 
 def apply_patch(
@@ -1262,7 +1283,10 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     else:
         compiled = {None: "auto (on CUDA)", True: "on", False: "off"}[opts.compile_step]
     tokens = opts.prefill_tokens
-    groups = "off" if tokens is None else f"at most {tokens} tokens per forward"
+    groups = {None: "off", "auto": "auto (on CUDA, from the free memory)"}.get(
+        tokens,  # type: ignore[arg-type]
+        f"at most {tokens} tokens per forward",
+    )
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
         f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
@@ -1314,7 +1338,7 @@ def patch(
     num_pages: int | None = None,
     cuda_graphs: bool | None = None,
     compile_step: bool | None = None,
-    prefill_tokens: int | None = None,
+    prefill_tokens: int | str | None = "auto",
 ) -> KVQuantHandle:
     """Give ``model`` kvquant's FP8 paged KV cache; ``generate`` then uses it with no extra argument.
 
@@ -1373,7 +1397,11 @@ def patch(
             rounding): a batched prefill's activations then scale with this
             bound, not with the batch (:mod:`kvquant.integrations.hf.rowgroups`;
             it wraps the model instance's ``forward``). Also under chunked
-            prefill (``prefill_chunk_size``), per chunk. Default None: no limit.
+            prefill (``prefill_chunk_size``), per chunk. Default ``"auto"``: on
+            a CUDA device, the bound is chosen per call from the memory the
+            device can still hand out once the call's KV pages are counted (a
+            call that fits runs whole); elsewhere calls run whole. None: no
+            limit.
 
     Returns:
         The patch's handle (also a context manager); ``handle.remove()`` restores

@@ -88,7 +88,8 @@ class KVQuantConfig(QuantizationConfigMixin):
         compile_step: capture decode graphs from ``torch.compile``'d decoder
             layers: None (auto), True or False (see :func:`kvquant.patch`).
         prefill_tokens: the most tokens one prefill forward processes (larger
-            batched prefills run in row groups), or None (see :func:`kvquant.patch`).
+            batched prefills run in row groups): ``"auto"`` (from the free
+            memory, on CUDA), an int, or None (no limit; see :func:`kvquant.patch`).
         **kwargs: ignored keys of a saved config (``quant_method``, ...).
 
     Example:
@@ -110,7 +111,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         num_pages: int | None = None,
         cuda_graphs: bool | None = None,
         compile_step: bool | None = None,
-        prefill_tokens: int | None = None,
+        prefill_tokens: int | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         self.quant_method = "kvquant"  # type: ignore[assignment]

@@ -49,10 +49,15 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
+from kvquant.cache import device_free_bytes
 from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
 
-__all__ = ["RowGroupForward", "RowGroupStats"]
+__all__ = ["AUTO_ACTIVATION_SHARE", "RowGroupForward", "RowGroupStats", "token_activation_bytes"]
+
+AUTO_ACTIVATION_SHARE = 0.5
+"""``prefill_tokens="auto"``: the share of the memory left after the call's KV pages that a
+prefill forward's activations may take (the rest is margin for the estimate and fragmentation)."""
 
 _BATCH_ARGS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "token_type_ids")
 """Tensor arguments whose first dimension is the batch: sliced per group."""
@@ -96,7 +101,9 @@ class RowGroupForward:
         inner: the forward it wraps (the original bound forward, or the
             decode-graph runner).
         is_active: whether the patch that installed the wrapper is still applied.
-        prefill_tokens: the most tokens (rows x query length) one forward processes.
+        prefill_tokens: the most tokens (rows x query length) one forward
+            processes; None: chosen per call from the device's free memory
+            (:meth:`auto_tokens`; on CUDA devices only, elsewhere calls run whole).
         prepare_cache: finds the call's kvquant cache (:data:`CachePreparer`).
     """
 
@@ -105,13 +112,13 @@ class RowGroupForward:
         model: nn.Module,
         inner: Callable[..., Any],
         is_active: Callable[[], bool],
-        prefill_tokens: int,
+        prefill_tokens: int | None,
         prepare_cache: CachePreparer,
     ) -> None:
         self.model = model
         self.inner = inner
         self.is_active = is_active
-        self.prefill_tokens = int(prefill_tokens)
+        self.prefill_tokens = None if prefill_tokens is None else int(prefill_tokens)
         self.prepare_cache = prepare_cache
         self.stats = RowGroupStats()
         # the wrapped forward's name, docstring and signature (generate inspects it); not
@@ -119,13 +126,23 @@ class RowGroupForward:
         functools.update_wrapper(self, inner, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # torch.compile(model.forward): the whole call
+            return self.inner(*args, **kwargs)
         lead = None if args else _lead(kwargs)
-        rows = None if lead is None else self._rows_per_group(lead, kwargs)
-        found = None if rows is None else self.prepare_cache(kwargs)
-        if lead is None or rows is None or found is None or not _cache_fits(found[1], lead):
+        found = None
+        if lead is not None and self._splittable(lead, kwargs):
+            # auto off a CUDA device: memory is not what bounds the call, it runs whole
+            if self.prefill_tokens is not None or device_free_bytes(lead.device) is not None:
+                found = self.prepare_cache(kwargs)
+        if lead is None or found is None or not _cache_fits(found[1], lead):
             self.stats.whole_calls += 1
             return self.inner(*args, **kwargs)
-        return self._run(kwargs, lead, found[0], found[1], rows)
+        key, cache = found
+        rows = self._rows_per_group(lead, cache, kwargs)
+        if rows is None:
+            self.stats.whole_calls += 1
+            return self.inner(*args, **{**kwargs, key: cache})
+        return self._run(kwargs, lead, key, cache, rows)
 
     # ------------------------------------------------------------------ deciding
 
@@ -135,30 +152,68 @@ class RowGroupForward:
             value = getattr(self.model.config, name, False)
         return bool(value)
 
-    def _rows_per_group(self, lead: torch.Tensor, kwargs: dict[str, Any]) -> int | None:
-        """Rows per group when this call is split, else None (it runs whole)."""
+    def _splittable(self, lead: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+        """Whether this call may run in row groups (a batched prefill the wrapper can split)."""
         if not self.is_active() or torch.is_grad_enabled() or self.model.training:
+            return False
+        bsz, length = int(lead.shape[0]), int(lead.shape[1])
+        if bsz < 2 or length < 2:
+            return False
+        if self.prefill_tokens is not None and bsz * length <= self.prefill_tokens:
+            return False
+        return self._plain_arguments(lead, kwargs)
+
+    def _rows_per_group(
+        self, lead: torch.Tensor, cache: KVQuantCache, kwargs: dict[str, Any]
+    ) -> int | None:
+        """Rows per group when this call is split, else None (it runs whole)."""
+        bsz, length = int(lead.shape[0]), int(lead.shape[1])
+        tokens = self.prefill_tokens
+        if tokens is None:
+            tokens = self.auto_tokens(lead, cache, kwargs)
+            if tokens is None or bsz * length <= tokens:
+                return None
+        return max(1, tokens // length)
+
+    def auto_tokens(
+        self, lead: torch.Tensor, cache: KVQuantCache, kwargs: dict[str, Any]
+    ) -> int | None:
+        """The automatic bound (``prefill_tokens="auto"``) for this call, or None off CUDA.
+
+        The memory the device can still hand out, less the pages the cache must
+        allocate for the call's tokens, is the room for activations;
+        :data:`AUTO_ACTIVATION_SHARE` of it, divided by an estimate of one
+        token's activations (:func:`token_activation_bytes`), is the bound. At
+        least one row runs at a time.
+        """
+        free = device_free_bytes(lead.device)
+        if free is None:
             return None
         bsz, length = int(lead.shape[0]), int(lead.shape[1])
-        if bsz < 2 or length < 2 or bsz * length <= self.prefill_tokens:
-            return None
+        room = free - cache.bytes_to_hold(bsz, cache.get_seq_length() + length)
+        per_token = token_activation_bytes(self.model, kwargs)
+        return max(length, int(max(0, room) * AUTO_ACTIVATION_SHARE) // per_token)
+
+    def _plain_arguments(self, lead: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+        """Whether every argument of the call is one the wrapper knows how to split or share."""
+        bsz = int(lead.shape[0])
         if self._flag(kwargs, "output_attentions") or self._flag(kwargs, "output_hidden_states"):
-            return None
+            return False
         if kwargs.get("labels") is not None or kwargs.get("return_dict") is False:
-            return None
+            return False
         config_dict = getattr(self.model.config, "return_dict", True)
         if kwargs.get("return_dict") is None and not config_dict:
-            return None
+            return False
         for name, value in kwargs.items():
             if not isinstance(value, torch.Tensor) or name in _SHARED_ARGS:
                 continue
             if name not in _BATCH_ARGS or value.dim() < 2:
-                return None  # an argument whose batch layout is unknown
+                return False  # an argument whose batch layout is unknown
             if name == "attention_mask" and value.dim() != 2:
-                return None  # a custom 4D mask: the ordinary forward applies or refuses it
+                return False  # a custom 4D mask: the ordinary forward applies or refuses it
             if value.shape[0] != bsz and not (name == "position_ids" and value.shape[0] == 1):
-                return None
-        return max(1, self.prefill_tokens // length)
+                return False
+        return True
 
     # ------------------------------------------------------------------ running
 
@@ -191,6 +246,49 @@ class RowGroupForward:
             # groups before it stored their rows' positions: crop them too.
             cache.truncate(start)
             raise
+
+
+def token_activation_bytes(model: nn.Module, kwargs: dict[str, Any]) -> int:
+    """An upper estimate of the bytes one prompt token's activations take in a prefill forward.
+
+    From the decoder's config: the residual stream and its norms, Q/K/V and the
+    attention output, the MLP's gate, up and activated tensors (the largest of
+    a dense or MoE layer), fp32 copies where models upcast (norms, RoPE), and
+    the logits of every position when the call keeps them all (no
+    ``logits_to_keep``). Twice the sum, for what the estimate does not see
+    (the allocator's rounding, kernels' workspaces).
+    """
+    config = _read(model.config, "text_config") or model.config
+    param = next(model.parameters(), None)
+    width = param.element_size() if param is not None else 2
+    hidden = _read(config, "hidden_size")
+    heads = _read(config, "num_attention_heads")
+    head_dim = _read(config, "head_dim") or (hidden // heads if heads else 0)
+    kv_heads = _read(config, "num_key_value_heads") or heads
+    names = ("intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner")
+    inter = max(_read(config, name) for name in names) or 4 * hidden
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_token = width * (6 * hidden + 3 * inter + 2 * (q + 2 * kv)) + 4 * (2 * hidden + q + kv)
+    keep = kwargs.get("logits_to_keep")
+    if keep is None or (isinstance(keep, int) and keep == 0):
+        per_token += _read(config, "vocab_size") * (width + 4)
+    return max(1, 2 * per_token)
+
+
+def _read(config: Any, name: str) -> Any:
+    """``config.<name>`` (an int, or the nested ``text_config``), 0 where absent or ambiguous.
+
+    A config with per-layer attributes (Gemma 4's) refuses a global read of
+    them with its own error; the largest layer value is then used.
+    """
+    try:
+        value = getattr(config, name, 0)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, and the like
+        layers = getattr(config, "per_layer_config", None) or []
+        return max((_read(layer, name) for layer in layers), default=0)
+    if name == "text_config":
+        return value
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 def _cache_fits(cache: KVQuantCache, lead: torch.Tensor) -> bool:
