@@ -137,3 +137,19 @@ def generate_exactly(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, 
             return_dict_in_generate=True,
             **kw,
         )
+
+
+def assert_fp8_contents_match(got: torch.Tensor, want: torch.Tensor, max_vectors: int = 2) -> None:
+    """Dequantized cache contents ``[B, Hkv, T, D]`` written from projections run at other shapes.
+
+    CPU BLAS may round a projection of another batch composition or length differently in
+    the last bit, and an element on an FP8 rounding boundary then lands one FP8 step away
+    (at most 1/8 of the largest magnitude for e4m3's 3 mantissa bits). So at most
+    ``max_vectors`` (row, head, position) vectors may differ, by no more than that step;
+    a misplaced or stale token changes all ``D`` elements of a whole row's vectors.
+    """
+    assert got.shape == want.shape
+    diff = (got.float() - want.float()).abs()
+    differing = int((diff > 1e-5).any(dim=-1).sum())  # full-precision buffers: rounding only
+    assert differing <= max_vectors, f"{differing} (row, head, position) vectors differ"
+    assert float(diff.max()) <= 2**-3 * float(want.float().abs().amax())

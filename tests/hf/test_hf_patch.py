@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_steps import cache_kwarg
+from hf_steps import cache_kwarg, step_logits
 from hf_tiny import build, prompt
 
 import kvquant.integrations.hf as kvhf
@@ -84,12 +84,17 @@ def test_two_models_do_not_interfere() -> None:
 
 
 def test_left_padding_matches_unpadded_rows(tiny_llama: Any) -> None:
-    """A left-padded row generates what the same prompt generates alone."""
+    """A left-padded row computes what the same prompt computes alone (teacher-forced steps)."""
     kvhf.patch(tiny_llama, backend="torch", page_size=4)
     ids, mask = prompt(batch=2, length=10, pad=(4, 0))
-    batched = _gen(tiny_llama, ids, mask)
-    alone = _gen(tiny_llama, ids[:1, 4:], mask[:1, 4:])
-    assert torch.equal(batched[0, 10:], alone[0, 6:])
+    cont = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    batched, _ = step_logits(tiny_llama, ids, mask, cont)
+    alone, _ = step_logits(tiny_llama, ids[:1, 4:], mask[:1, 4:], cont[:1])
+    # The two batches run the projections at other shapes, which CPU BLAS may round differently
+    # in the last bit; FP8 rounding can amplify that. Measured here (logits ~0.5): 4-ulp
+    # relative noise on the K/V projections' weights moves these logits by at most 4.1e-5 over
+    # 20 draws; the two batches differ by 9e-8. Attending to the padding differs by 0.29.
+    torch.testing.assert_close(batched[:1], alone, rtol=0, atol=1e-3)
 
 
 def test_generation_crosses_pages_and_capacity_error(tiny_llama: Any) -> None:

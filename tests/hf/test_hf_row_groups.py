@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from hf_kt import biased_llama, k_transform_scales
-from hf_steps import cache_kwarg, calibrate, min_cosine, returned_cache
+from hf_steps import assert_fp8_contents_match, cache_kwarg, calibrate, min_cosine, returned_cache
 from hf_steps import generate_exactly as _generate
 from hf_tiny import ALL_BUILDERS, build, prompt
 
@@ -129,7 +129,7 @@ def test_the_cache_holds_each_rows_tokens_as_the_unsplit_call_stores_them(case: 
     assert split.reserved == whole.reserved and split.batch_size_ == 5
     for a, b in zip(whole.layers, split.layers, strict=True):
         for x, y in zip(a.dense_kv(torch.float32), b.dense_kv(torch.float32), strict=True):
-            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+            assert_fp8_contents_match(y, x)  # the groups' projections ran on fewer rows
         sa, sb = a.storage, b.storage
         if sa.first_tokens:
             assert sb.first_start.tolist() == sa.first_start.tolist() == [3, 0, 5, 1, 0]
