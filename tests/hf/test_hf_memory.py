@@ -47,7 +47,9 @@ def _tensor_bytes() -> int:
     """Bytes of every live tensor's storage, each storage counted once."""
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+        # plain tensors and parameters only (an earlier test's fake or functional tensors,
+        # still alive, have no storage to count)
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta:
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())
