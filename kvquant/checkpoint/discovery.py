@@ -921,8 +921,8 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
 
     Reads ``config.json`` (geometry; ``text_config`` for multimodal configs),
     ``hf_quant_config.json`` when present, and the safetensors headers of the
-    files transformers reads (the shards ``model.safetensors.index.json``
-    names, else ``model.safetensors`` alone; see
+    files transformers reads (``model.safetensors``, else the shards
+    ``model.safetensors.index.json`` names; see
     :func:`kvquant.checkpoint.select_shards`), decides the producer from the
     config first and the tensor names second, and loads only the tensors whose
     names are KV scales. Values are not judged here. Every file is untrusted:
@@ -967,7 +967,7 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
         read_json(hf_quant_path, "hf_quant_config.json") if os.path.lexists(hf_quant_path) else None
     )
 
-    selection = select_shards(root)
+    selection = select_shards(root, config)
     files = selection.files
     infos = selection.tensors
     producer_cfg = _producer_from_config(qcfg, hf_quant)

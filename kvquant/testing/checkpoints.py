@@ -552,6 +552,66 @@ def _unreadable_hf_quant_config(root: Path) -> Path:
     return root
 
 
+def _nan_scales_checkpoint(path: Path, **options: Any) -> Path:
+    """A decoy copy of the default catalogue checkpoint whose layer-0 K scale is NaN."""
+    return write_checkpoint(
+        path, convention="compressed-tensors", scales={(0, "k"): torch.tensor([float("nan")])},
+        **options,
+    )  # fmt: skip
+
+
+def _shards_in_a_subfolder(root: Path) -> Path:
+    """Move the shards into ``weights/`` (the index names them there) and leave a decoy
+    ``config.json`` and ``model.safetensors`` with a NaN K scale beside them."""
+    import shutil
+    import tempfile
+
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    sub = root / "weights"
+    sub.mkdir()
+    for shard in sorted(set(index["weight_map"].values())):
+        (root / shard).rename(sub / shard)
+    index["weight_map"] = {k: f"weights/{v}" for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index, indent=2))
+    with tempfile.TemporaryDirectory() as tmp:
+        decoy = _nan_scales_checkpoint(Path(tmp) / "decoy")
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(decoy / name, sub / name)
+    return root
+
+
+def _stale_index_beside_single_file(root: Path) -> Path:
+    """Add a stale index and shards holding a NaN K scale beside ``model.safetensors``:
+    transformers loads ``model.safetensors`` and ignores the index."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        decoy = _nan_scales_checkpoint(Path(tmp) / "decoy", shards=2)
+        for file in decoy.iterdir():
+            if file.name != "config.json":
+                shutil.copyfile(file, root / file.name)
+    return root
+
+
+def _weights_named_by_config(root: Path) -> Path:
+    """Move the weights to ``weights/kv.safetensors``, named by config.json's
+    ``transformers_weights``; a decoy ``model.safetensors`` with a NaN K scale stays."""
+    import shutil
+    import tempfile
+
+    (root / "weights").mkdir()
+    (root / "model.safetensors").rename(root / "weights" / "kv.safetensors")
+    config = json.loads((root / "config.json").read_text())
+    config["transformers_weights"] = "weights/kv.safetensors"
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        decoy = _nan_scales_checkpoint(Path(tmp) / "decoy")
+        shutil.copyfile(decoy / "model.safetensors", root / "model.safetensors")
+    return root
+
+
 def _zero_points() -> dict[str, torch.Tensor]:
     return {
         f"model.layers.{i}.self_attn.{k}_zero_point": torch.zeros(1, dtype=torch.int8)
@@ -634,6 +694,25 @@ CATALOGUE: Mapping[str, CatalogueEntry] = {
         "load",
         {"convention": "compressed-tensors", "shards": 2},
         _name_in_two_shards,
+    ),
+    "index-shards-in-a-subfolder": CatalogueEntry(
+        "an index whose shards lie in weights/, beside a decoy config.json and NaN scales there",
+        "load",
+        {"convention": "compressed-tensors", "shards": 2},
+        _shards_in_a_subfolder,
+    ),
+    "stale-index-beside-single-file": CatalogueEntry(
+        "model.safetensors wins over a stale index (whose shards hold a NaN K scale)",
+        "load",
+        {"convention": "compressed-tensors"},
+        _stale_index_beside_single_file,
+    ),
+    "weights-named-by-config": CatalogueEntry(
+        "config.json's transformers_weights names the weights file; model.safetensors is a "
+        "decoy with a NaN K scale",
+        "load",
+        {"convention": "compressed-tensors"},
+        _weights_named_by_config,
     ),
     "declared-kv-scheme-without-scales": CatalogueEntry(
         "a kv_cache_scheme in config.json but no scale tensors: dynamic fp32-group, warned",

@@ -245,3 +245,22 @@ def test_scales_folder_of_another_model_is_refused(
     with pytest.raises(ScaleFormatError, match="Fix: pass the checkpoint the model was loaded"):
         kvhf.patch(tiny_llama, scales=str(path), backend="torch")
     assert not hasattr(tiny_llama, "_kvquant_state")
+
+
+def test_variant_weights_are_refused_at_load_time(tmp_path: Path) -> None:
+    """transformers loads model.<variant>.safetensors; kvquant would read model.safetensors'
+    scales: refused, not read from the other file."""
+    import shutil
+
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", scales=_random_scales())
+    shutil.copyfile(path / "model.safetensors", path / "model.fp16.safetensors")
+    for load in (
+        lambda: kvhf.from_pretrained(
+            path, variant="fp16", quantization_config=KVQuantConfig(backend="torch")
+        ),
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), variant="fp16", quantization_config=KVQuantConfig(backend="torch")
+        ),
+    ):
+        with pytest.raises(CheckpointError, match="no variant="):
+            load()

@@ -36,7 +36,7 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from kvquant.checkpoint.files import folder_named_by
+from kvquant.checkpoint.files import folder_named_by, folder_of_weight_files
 from kvquant.errors import CheckpointError, UnsupportedModelError
 from kvquant.integrations.hf.models import check_supported, find_attention_sites, model_geometry
 from kvquant.integrations.hf.patch import (
@@ -224,7 +224,8 @@ class KVQuantizer(HfQuantizer):
         ctx: dict[str, Any] = {}
         source = "from_pretrained (no checkpoint files)"
         if files:
-            self._folder = files[0].parent
+            hint = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
+            self._folder = folder_of_weight_files(files, hint)
             found = discover_scales(self._folder)
             _check_geometry(found.geometry, geometry, str(self._folder))
             refuse_error_findings(found, str(self._folder))
