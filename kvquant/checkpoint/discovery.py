@@ -47,6 +47,7 @@ from kvquant.checkpoint.files import (
     locate_checkpoint,
     read_json,
     read_safetensors_header,
+    scan_folder,
     select_shards,
 )
 from kvquant.checkpoint.findings import Finding
@@ -1068,6 +1069,17 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
                 )
             )
     all_findings.extend(selection.findings)
+    _, problems = scan_folder(root)
+    if problems:
+        all_findings.append(
+            Finding(
+                "warning",
+                "uncopyable-file",
+                f"{problems[0]} kvquant reads only the config, index and weight files, but "
+                "kvquant export and calibrate copy the whole folder and refuse this one. Fix: "
+                "replace it with a regular file (or a real folder), or remove it.",
+            )
+        )
     all_findings.extend(findings)
     all_findings.extend(_quark_findings(raws, qcfg))
     all_findings.extend(_weight_findings(producer, qcfg, hf_quant, weight_dtypes))
