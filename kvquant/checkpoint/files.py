@@ -651,7 +651,9 @@ def select_shards(root: str | Path, config: Mapping[str, Any] | None = None) -> 
     return ShardSelection(folder, plan.files, tensors, tuple(findings))
 
 
-def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
+def locate_checkpoint(
+    path: str | Path, *, revision: str | None = None, cache_dir: str | Path | None = None
+) -> Path:
     """The local checkpoint folder for a folder path, a ``config.json`` path, or a hub id.
 
     A path that exists locally is used as is (``config.json``, the index or a
@@ -663,6 +665,7 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
     Args:
         path: a folder, its ``config.json``, index or a shard, or a hub id.
         revision: the hub revision (branch, tag or commit) when ``path`` is a hub id.
+        cache_dir: the Hugging Face hub cache to look in (default ``HF_HUB_CACHE``).
 
     Returns:
         The checkpoint folder (for a hub id, its snapshot folder in the cache).
@@ -691,7 +694,7 @@ def locate_checkpoint(path: str | Path, *, revision: str | None = None) -> Path:
             "holding config.json and model.safetensors), or a hub id in the local Hugging Face "
             "cache."
         )
-    return _from_hf_cache(text, revision)
+    return _from_hf_cache(text, revision, cache_dir)
 
 
 def folder_named_by(path: str | Path) -> str | Path:
@@ -706,7 +709,7 @@ def folder_named_by(path: str | Path) -> str | Path:
     return p.parent if own_file and os.path.lexists(p) and not p.is_dir() else path
 
 
-def _from_hf_cache(repo_id: str, revision: str | None) -> Path:
+def _from_hf_cache(repo_id: str, revision: str | None, cache_dir: str | Path | None) -> Path:
     try:
         from huggingface_hub import constants, snapshot_download
     except ImportError as exc:  # pragma: no cover - transformers depends on huggingface_hub
@@ -716,12 +719,21 @@ def _from_hf_cache(repo_id: str, revision: str | None) -> Path:
             "the checkpoint folder."
         ) from exc
     try:
-        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            local_files_only=True,
+        )
     except Exception as exc:  # huggingface_hub raises several error types for "not cached"
         at = f" at revision {revision!r}" if revision else ""
+        where = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
+        command = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+        if cache_dir is not None:
+            command += f" --cache-dir {cache_dir}"
         raise CheckpointError(
             f"{repo_id} is not a local folder and not in the local Hugging Face cache{at} "
-            f"({constants.HF_HUB_CACHE}): {type(exc).__name__}. kvquant never downloads. Fix: "
-            f"download it first (hf download {repo_id}), or pass the checkpoint folder."
+            f"({where}): {type(exc).__name__}. kvquant never downloads. Fix: "
+            f"download it first ({command}), or pass the checkpoint folder."
         ) from exc
     return Path(folder)

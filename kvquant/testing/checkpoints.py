@@ -845,24 +845,33 @@ must reach the same decision, findings and canonical scales on each."""
 
 
 def write_hf_cache_entry(
-    cache_dir: str | Path, repo_id: str, folder: str | Path, *, commit: str = "0" * 40
+    cache_dir: str | Path,
+    repo_id: str,
+    folder: str | Path,
+    *,
+    commit: str = "0" * 40,
+    ref: str | None = "main",
 ) -> Path:
     """Put a checkpoint folder into a Hugging Face hub cache, laid out as ``huggingface_hub`` does.
 
     ``models--{org}--{name}/blobs/`` holds the files, ``snapshots/{commit}/``
-    symlinks to them, ``refs/main`` names the commit. Point ``HF_HUB_CACHE`` at
-    ``cache_dir`` (and set ``HF_HUB_OFFLINE=1``) to load ``repo_id`` from it.
+    symlinks to them (subfolders too), ``refs/{ref}`` names the commit. Point
+    ``HF_HUB_CACHE`` at ``cache_dir`` (and set ``HF_HUB_OFFLINE=1``) to load
+    ``repo_id`` from it.
 
     Args:
         cache_dir: the hub cache folder.
         repo_id: ``"org/name"``.
         folder: the checkpoint to store.
         commit: the 40-hex-digit commit the snapshot is filed under.
+        ref: the branch or tag naming the commit (``None``: no ref, as after
+            a download at a commit hash).
 
     Returns:
         The snapshot folder.
     """
     import hashlib
+    import os
     import shutil
 
     repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
@@ -870,16 +879,21 @@ def write_hf_cache_entry(
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    for file in sorted(Path(folder).iterdir()):
+    if ref is not None:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    source = Path(folder)
+    for file in sorted(source.rglob("*")):
         if not file.is_file():
             continue
+        rel = file.relative_to(source)
         digest = hashlib.sha256(file.read_bytes()).hexdigest()
         blob = repo / "blobs" / digest
         if not blob.exists():
             shutil.copyfile(file, blob)
-        link = snapshot / file.name
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
         if link.is_symlink() or link.exists():
             link.unlink()
-        link.symlink_to(Path("..") / ".." / "blobs" / digest)
+        link.symlink_to(os.path.relpath(blob, link.parent))
     return snapshot

@@ -264,3 +264,142 @@ def test_variant_weights_are_refused_at_load_time(tmp_path: Path) -> None:
     ):
         with pytest.raises(CheckpointError, match="no variant="):
             load()
+
+
+A_COMMIT, B_COMMIT = "a" * 40, "b" * 40
+
+
+def _two_revisions(tmp_path: Path, hf_cache: Path, *, same: bool = False) -> dict[str, float]:
+    """org/two in the cache: revision A (tag v1, K/V scales 0.25) and main (B, scales 4.0, or
+    0.25 too when ``same``); the weights are the same."""
+    values = {"A": 0.25, "B": 0.25 if same else 4.0}
+    for rev, commit, ref in (("A", A_COMMIT, "v1"), ("B", B_COMMIT, "main")):
+        scales = {(i, k): values[rev] for i in range(2) for k in "kv"}
+        src = write_checkpoint(tmp_path / rev, convention="modelopt", scales=scales)
+        write_hf_cache_entry(hf_cache, "org/two", src, commit=commit, ref=ref)
+    return values
+
+
+def _k0(model: Any) -> float:
+    return float(model.model.layers[0].self_attn.k_scale)
+
+
+@pytest.mark.parametrize("revision", ["v1", A_COMMIT])
+def test_patch_reads_the_revision_the_model_was_loaded_at_or_refuses(
+    tmp_path: Path, hf_cache: Path, revision: str
+) -> None:
+    """transformers 5.17 records the commit (config._commit_hash): revision A's scales;
+    5.24 records nothing: the two snapshots differ, so patch refuses; never main's."""
+    _two_revisions(tmp_path, hf_cache)
+    model = transformers.AutoModelForCausalLM.from_pretrained("org/two", revision=revision)
+    if getattr(model.config, "_commit_hash", None):
+        kvhf.patch(model, backend="torch")
+        assert _k0(model) == 0.25
+    else:
+        with pytest.raises(CheckpointError, match="does not record the revision") as info:
+            kvhf.patch(model, backend="torch")
+        assert "2 snapshots" in str(info.value) and "(main)" in str(info.value)
+        assert not hasattr(model, "_kvquant_state")
+        snapshot = hf_cache / "models--org--two" / "snapshots" / A_COMMIT
+        kvhf.patch(model, scales=snapshot, backend="torch")  # the fix the message names
+        assert _k0(model) == 0.25
+
+
+@pytest.mark.parametrize("revision", ["v1", A_COMMIT])
+def test_load_time_doors_read_the_revision_they_load(
+    tmp_path: Path, hf_cache: Path, revision: str
+) -> None:
+    _two_revisions(tmp_path, hf_cache)
+    qc = KVQuantConfig(backend="torch")
+    via_kvquant = kvhf.from_pretrained("org/two", revision=revision, quantization_config=qc)
+    via_transformers = transformers.AutoModelForCausalLM.from_pretrained(
+        "org/two", revision=revision, quantization_config=qc
+    )
+    assert _k0(via_kvquant) == _k0(via_transformers) == 0.25
+    main = kvhf.from_pretrained("org/two", quantization_config=qc)
+    assert _k0(main) == 4.0
+
+
+def test_snapshots_with_the_same_scales_are_not_ambiguous(tmp_path: Path, hf_cache: Path) -> None:
+    _two_revisions(tmp_path, hf_cache, same=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained("org/two", revision="v1")
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 0.25
+
+
+def test_only_snapshot_without_refs_main(tmp_path: Path, hf_cache: Path) -> None:
+    """A repo downloaded at a tag only (no refs/main): its one snapshot is the loaded one."""
+    src = write_checkpoint(tmp_path / "src", convention="modelopt", scales={(0, "k"): 0.5})
+    write_hf_cache_entry(hf_cache, "org/tagged", src, commit=A_COMMIT, ref="v1")
+    model = transformers.AutoModelForCausalLM.from_pretrained("org/tagged", revision="v1")
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 0.5
+
+
+def test_hub_id_not_cached_is_refused_at_once_without_network(
+    hf_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvquant never downloads: online mode, no socket may be opened, the refusal is immediate."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("kvquant.from_pretrained opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="hf download org/absent --revision v2"):
+        kvhf.from_pretrained("org/absent", revision="v2")
+    with pytest.raises(CheckpointError, match="hf download org/absent$|hf download org/absent\\)"):
+        kvhf.from_pretrained("org/absent", quantization_config=KVQuantConfig(backend="torch"))
+    assert time.monotonic() - start < 2.0
+
+
+def test_cached_hub_id_loads_with_local_files_only(
+    tmp_path: Path, hf_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached id loads in online mode without touching the network."""
+    import socket
+
+    from huggingface_hub import constants
+
+    src = write_checkpoint(tmp_path / "src", convention="modelopt", scales={(0, "k"): 0.5})
+    write_hf_cache_entry(hf_cache, "org/cached", src, commit=COMMIT)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("kvquant.from_pretrained opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    model = kvhf.from_pretrained("org/cached", quantization_config=KVQuantConfig(backend="torch"))
+    assert float(model.model.layers[0].self_attn.k_scale) == 0.5
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"path", ["a"]])
+def test_from_pretrained_path_of_the_wrong_type(bad: object) -> None:
+    with pytest.raises(OptionTypeError, match="from_pretrained: path is a"):
+        kvhf.from_pretrained(bad)  # type: ignore[arg-type]
+
+
+def test_from_pretrained_quantization_config_of_the_wrong_type(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "c", convention="modelopt")
+    with pytest.raises(OptionTypeError, match="expected a kvquant.KVQuantConfig"):
+        kvhf.from_pretrained(path, quantization_config={"quant_method": "kvquant"})  # type: ignore[arg-type]
+
+
+def test_from_pretrained_of_another_file_names_the_folder(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "c", convention="modelopt")
+    (path / "notes.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="expected a checkpoint folder"):
+        kvhf.from_pretrained(path / "notes.json")

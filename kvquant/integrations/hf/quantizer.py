@@ -28,6 +28,7 @@ checkpoints only) and loads them through kvquant.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from kvquant.checkpoint.files import folder_named_by, folder_of_weight_files
-from kvquant.errors import CheckpointError, UnsupportedModelError
+from kvquant.checkpoint.files import folder_named_by, folder_of_weight_files, locate_checkpoint
+from kvquant.errors import CheckpointError, OptionTypeError, UnsupportedModelError
 from kvquant.integrations.hf.models import check_supported, find_attention_sites, model_geometry
 from kvquant.integrations.hf.patch import (
     PatchOptions,
@@ -294,6 +295,10 @@ def _find_module(model: nn.Module, path: str) -> nn.Module | None:
 _TRANSFORMERS_QUANTIZERS = ("compressed-tensors", "compressed_tensors", "quark")
 
 
+_HUB_KWARGS = ("revision", "cache_dir", "subfolder", "token", "trust_remote_code", "code_revision")
+"""``from_pretrained`` keywords that say where the files are: the config is read with them too."""
+
+
 def from_pretrained(
     path: str | Path,
     *,
@@ -301,33 +306,55 @@ def from_pretrained(
     model_class: Any = None,
     **kwargs: Any,
 ) -> Any:
-    """Load a causal LM from a local checkpoint folder with kvquant's FP8 KV cache.
+    """Load a causal LM from a checkpoint folder or a cached hub id with kvquant's FP8 KV cache.
 
     Like ``AutoModelForCausalLM.from_pretrained(path, quantization_config=KVQuantConfig())``,
     but also for KV-only checkpoints whose ``config.json`` names a quantizer
     transformers knows (compressed-tensors ``kv_cache_scheme``, Quark): their
     ``quantization_config`` is kept aside (discovery still reads it from the
-    folder) so that transformers does not refuse the second config.
+    folder) so that transformers does not refuse the second config. A hub id is
+    read from the local Hugging Face cache only (``local_files_only=True``):
+    kvquant never downloads, and an id that is not cached is refused at once.
 
     Args:
         path: checkpoint folder, or a file inside it (``config.json``,
-            ``model.safetensors``) for its folder, by the command line's rule.
+            ``model.safetensors``) for its folder, by the command line's rule;
+            or a hub id in the local Hugging Face cache.
         quantization_config: kvquant settings (default ``KVQuantConfig()``).
         model_class: the transformers class to load with (default ``AutoModelForCausalLM``).
-        **kwargs: passed to ``from_pretrained`` (``dtype``, ``device_map``, ...).
+        **kwargs: passed to ``from_pretrained`` (``dtype``, ``device_map``,
+            ``revision``, ``cache_dir``, ...); the config is read with the same
+            ``revision``, ``cache_dir`` and ``subfolder``.
 
     Returns:
         The loaded, patched model.
 
     Raises:
+        OptionTypeError: ``path`` or ``quantization_config`` of the wrong type.
+        CheckpointError: ``path`` is neither a checkpoint folder nor a hub id in
+            the local cache.
         UnsupportedModelError: the checkpoint also quantizes weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise OptionTypeError(
+            f"kvquant.from_pretrained: path is a {type(path).__name__}; expected a checkpoint "
+            "folder (str or Path) or a hub id in the local Hugging Face cache."
+        )
+    if quantization_config is not None and not isinstance(quantization_config, KVQuantConfig):
+        raise OptionTypeError(
+            "kvquant.from_pretrained: quantization_config is a "
+            f"{type(quantization_config).__name__}; expected a kvquant.KVQuantConfig (or None)."
+        )
     cls = model_class or AutoModelForCausalLM
     qc = quantization_config or KVQuantConfig()
     path = folder_named_by(path)  # config.json or a shard names its folder, at every door
-    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path))
+    locate_checkpoint(path, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"))
+    if not os.path.lexists(str(path)):  # a hub id, found in the local cache: never download
+        kwargs["local_files_only"] = True
+    hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "local_files_only") if k in kwargs}
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path), **hub)
     producer_cfg = getattr(config, "quantization_config", None)
     if producer_cfg is not None and not isinstance(producer_cfg, KVQuantConfig):
         as_dict = producer_cfg if isinstance(producer_cfg, dict) else producer_cfg.to_dict()
