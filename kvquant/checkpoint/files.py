@@ -44,9 +44,9 @@ __all__ = [
     "MAX_INDEX_BYTES",
     "PICKLE_NAMES",
     "SINGLE_FILE_NAME",
+    "FolderEntry",
     "ShardSelection",
     "TensorInfo",
-    "FolderEntry",
     "WeightFiles",
     "folder_named_by",
     "folder_of_weight_files",
@@ -473,7 +473,9 @@ class FolderEntry:
     size: int
 
 
-def scan_folder(root: str | Path, skip: Collection[str] = ()) -> tuple[list[FolderEntry], list[str]]:
+def scan_folder(
+    root: str | Path, skip: Collection[str] = ()
+) -> tuple[list[FolderEntry], list[str]]:
     """Every file and folder under a checkpoint folder, by the rules its readers follow.
 
     A file must be a regular file (a symlink to one is followed, as the Hugging
@@ -636,7 +638,8 @@ def select_shards(root: str | Path, config: Mapping[str, Any] | None = None) -> 
     if stray:
         code = "unlisted-shard" if plan.index is not None else "stray-safetensors"
         what = (
-            f"that {plan.index.name} does not name" if plan.index is not None
+            f"that {plan.index.name} does not name"
+            if plan.index is not None
             else f"besides {plan.files[0].name}"
         )
         findings.append(

@@ -124,7 +124,9 @@ def _snapshot_refs(repo: Path) -> dict[str, list[str]]:
     for ref in sorted(folder.rglob("*"))[:MAX_SNAPSHOTS]:
         try:
             if ref.is_file() and ref.stat().st_size <= 64:
-                refs.setdefault(ref.read_text().strip(), []).append(ref.relative_to(folder).as_posix())
+                refs.setdefault(ref.read_text().strip(), []).append(
+                    ref.relative_to(folder).as_posix()
+                )
         except OSError:
             continue
     return refs
