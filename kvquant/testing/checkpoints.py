@@ -612,6 +612,21 @@ def _weights_named_by_config(root: Path) -> Path:
     return root
 
 
+def _leftover_text_config(root: Path) -> Path:
+    """A Llama config.json that also carries a stale ``text_config`` of another geometry."""
+    config = json.loads((root / "config.json").read_text())
+    config["text_config"] = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "hidden_size": 256,
+        "head_dim": 32,
+    }
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return root
+
+
 def _zero_points() -> dict[str, torch.Tensor]:
     return {
         f"model.layers.{i}.self_attn.{k}_zero_point": torch.zeros(1, dtype=torch.int8)
@@ -713,6 +728,12 @@ CATALOGUE: Mapping[str, CatalogueEntry] = {
         "load",
         {"convention": "compressed-tensors"},
         _weights_named_by_config,
+    ),
+    "leftover-text-config": CatalogueEntry(
+        "a Llama config with a stale text_config of another geometry: the top level decides",
+        "load",
+        {"convention": "modelopt"},
+        _leftover_text_config,
     ),
     "declared-kv-scheme-without-scales": CatalogueEntry(
         "a kv_cache_scheme in config.json but no scale tensors: dynamic fp32-group, warned",

@@ -27,6 +27,7 @@ checkpoints only) and loads them through kvquant.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from kvquant.errors import OptionTypeError, UnsupportedModelError
 from kvquant.integrations.transformers_quantizer import KVQuantConfig, KVQuantizer
 
 __all__ = ["KVQuantConfig", "KVQuantizer", "from_pretrained"]
+
+_logger = logging.getLogger("kvquant")
 
 _TRANSFORMERS_QUANTIZERS = ("compressed-tensors", "compressed_tensors", "quark")
 
@@ -100,6 +103,7 @@ def from_pretrained(
         kwargs["local_files_only"] = True
     hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "local_files_only") if k in kwargs}
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path), **hub)
+    _drop_leftover_text_config(config)
     producer_cfg = getattr(config, "quantization_config", None)
     if producer_cfg is not None and not isinstance(producer_cfg, KVQuantConfig):
         as_dict = producer_cfg if isinstance(producer_cfg, dict) else producer_cfg.to_dict()
@@ -109,6 +113,24 @@ def from_pretrained(
                 _check_kv_only(method, as_dict, path)
             del config.quantization_config
     return cls.from_pretrained(str(path), config=config, quantization_config=qc, **kwargs)
+
+
+def _drop_leftover_text_config(config: Any) -> None:
+    """Drop a ``text_config`` dict that a plain config class does not use (some exports leave one).
+
+    transformers reads such a model's geometry from the top level, but its
+    ``get_text_config()`` returns the dict and building a causal LM fails;
+    ``kvquant doctor`` reports it (``leftover-text-config``).
+    """
+    text = getattr(config, "text_config", None)
+    if isinstance(text, dict) and "text_config" not in (getattr(config, "sub_configs", None) or {}):
+        _logger.warning(
+            "kvquant.from_pretrained: config.json has a text_config that model_type %r does not "
+            "use; it is ignored (transformers reads the geometry from the top level). Fix: "
+            "delete text_config from config.json.",
+            getattr(config, "model_type", None),
+        )
+        del config.text_config
 
 
 def _check_kv_only(method: str, qcfg: dict[str, Any], path: str | Path) -> None:
