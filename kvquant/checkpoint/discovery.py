@@ -45,6 +45,7 @@ import torch
 
 from kvquant.checkpoint.files import (
     TensorInfo,
+    check_path_argument,
     locate_checkpoint,
     read_json,
     read_safetensors_header,
@@ -993,6 +994,7 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
         CheckpointError: the path does not exist (and is not a cached hub
             model), is not a checkpoint (no ``config.json``, no safetensors
             weights), or a file is malformed, special or outside the folder.
+        OptionTypeError: ``path`` is not a str or path.
 
     Example:
         >>> import tempfile
@@ -1002,6 +1004,7 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
         ...     print(ckpt.producer, [(s.layer, s.kind) for s in ckpt.scales])
         modelopt [(0, 'k'), (0, 'v'), (1, 'k'), (1, 'v')]
     """
+    check_path_argument(path, "discover_scales: path")
     root = locate_checkpoint(path, revision=revision)
     config_path = root / "config.json"
     if not os.path.lexists(config_path):
@@ -1218,12 +1221,18 @@ def raw_scales_from_mapping(
         The raw scales, sorted by (layer, kind).
 
     Raises:
+        OptionTypeError: a key is not a str.
         ScaleFormatError: a value is not a tensor, no name is a KV scale, or two
             names give one layer's K (or V) scale.
     """
-    from kvquant.errors import ScaleFormatError
+    from kvquant.errors import OptionTypeError, ScaleFormatError
 
     for name, t in mapping.items():
+        if not isinstance(name, str):
+            raise OptionTypeError(
+                f"{where} has the key {name!r} (a {type(name).__name__}); expected tensor names "
+                "(str), e.g. 'model.layers.0.self_attn.k_scale'. Fix: pass {tensor_name: tensor}."
+            )
         if name == KV_TRANSFORM_FILE:
             continue  # the k-transform settings (k_transform_from_mapping)
         if not isinstance(t, torch.Tensor):

@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from kvquant.checkpoint.findings import Finding
-from kvquant.errors import CheckpointError
+from kvquant.errors import CheckpointError, OptionTypeError
 
 __all__ = [
     "INDEX_NAME",
@@ -48,6 +48,7 @@ __all__ = [
     "ShardSelection",
     "TensorInfo",
     "WeightFiles",
+    "check_path_argument",
     "folder_named_by",
     "folder_of_weight_files",
     "locate_checkpoint",
@@ -676,7 +677,14 @@ def locate_checkpoint(
     Raises:
         CheckpointError: the path does not exist and is not a cached hub model,
             or it is a file other than those.
+        OptionTypeError: ``path`` is not a str or path, or ``revision`` not a str.
     """
+    check_path_argument(path, "path")
+    if revision is not None and not isinstance(revision, str):
+        raise OptionTypeError(
+            f"revision is a {type(revision).__name__}; expected a branch, tag or commit (str) "
+            "or None."
+        )
     local = Path(folder_named_by(path))
     if os.path.lexists(local):
         try:
@@ -698,6 +706,28 @@ def locate_checkpoint(
             "cache."
         )
     return _from_hf_cache(text, revision, cache_dir)
+
+
+def check_path_argument(
+    value: object,
+    name: str,
+    expected: str = "a checkpoint folder, or a hub id in the local Hugging Face cache",
+) -> None:
+    """Refuse a path argument that is not a ``str`` or ``os.PathLike`` (before any file is touched).
+
+    Args:
+        value: the argument.
+        name: how to name it, e.g. ``"discover_scales: path"``.
+        expected: what the path names, for the message.
+
+    Raises:
+        OptionTypeError: ``value`` is of another type (``None``, a list, bytes, ...).
+    """
+    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
+        raise OptionTypeError(
+            f"{name} is a {type(value).__name__}; expected a path (str or pathlib.Path): "
+            f"{expected}."
+        )
 
 
 def folder_named_by(path: str | Path) -> str | Path:

@@ -119,6 +119,13 @@ def test_scales_of_the_wrong_type(tiny_llama: Any) -> None:
         kvhf.patch(tiny_llama, scales=42, backend="torch")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("key", [0, b"model.layers.0.self_attn.k_scale", ("k", 0)])
+def test_scales_mapping_with_a_key_that_is_not_a_name(tiny_llama: Any, key: object) -> None:
+    with pytest.raises(OptionTypeError, match=r"kvquant\.patch: scales has the key"):
+        kvhf.patch(tiny_llama, scales={key: torch.tensor(0.1)}, backend="torch")
+    assert not hasattr(tiny_llama, "_kvquant_state")
+
+
 def _bin_only(tmp_path: Path) -> Path:
     src = write_checkpoint(tmp_path / "src", convention="none")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(src))
