@@ -171,7 +171,7 @@ class KVQuantizer(HfQuantizer):
             find_attention_sites,
             model_geometry,
         )
-        from kvquant.integrations.hf.patch import _check_geometry, refuse_error_findings, resolve
+        from kvquant.integrations.hf.patch import checkpoint_scales, resolve
 
         check_supported(model)
         sites = find_attention_sites(model)
@@ -201,8 +201,7 @@ class KVQuantizer(HfQuantizer):
             )
             self._folder = folder_of_weight_files(files, hint)
             found = discover_scales(self._folder)
-            _check_geometry(found.geometry, geometry, str(self._folder))
-            refuse_error_findings(found, str(self._folder))
+            raw, ctx = checkpoint_scales(found, geometry, str(self._folder), loaded_from=True)
             count = sum(found.weight_dtypes.get(d, 0) for d in _FP8_HEADER_DTYPES)
             if count:
                 raise UnsupportedModelError(
@@ -210,9 +209,8 @@ class KVQuantizer(HfQuantizer):
                     "scales only and would load these weights without their weight scales. "
                     "Fix: use a checkpoint with bf16/fp16 weights and FP8 KV scales."
                 )
-            raw = list(found.scales)
-            offsets = found.k_transform.offsets if found.k_transform is not None else ()
-            ctx["discovered"] = found
+            transform = ctx.get("k_transform", found.k_transform)
+            offsets = transform.offsets if transform is not None else ()
             source = f"checkpoint {found.path}"
         opts = cfg.options(source)
         self._resolved = (opts, geometry, resolve(raw, geometry, opts, ctx), raw, ctx)

@@ -249,7 +249,7 @@ def test_scales_folder_of_another_model_is_refused(
     geometry than the model (tiny_llama: 2 layers, 2 KV heads, head_dim 16)."""
     options = {"convention": "modelopt", **other}
     path = write_checkpoint(tmp_path / "other", **options)  # type: ignore[arg-type]
-    with pytest.raises(ScaleFormatError, match="Fix: pass the checkpoint the model was loaded"):
+    with pytest.raises(ScaleFormatError, match="pass the checkpoint the model was loaded from"):
         kvhf.patch(tiny_llama, scales=str(path), backend="torch")
     assert not hasattr(tiny_llama, "_kvquant_state")
 
@@ -410,3 +410,29 @@ def test_from_pretrained_of_another_file_names_the_folder(tmp_path: Path) -> Non
     (path / "notes.json").write_text("{}")
     with pytest.raises(CheckpointError, match="expected a checkpoint folder"):
         kvhf.from_pretrained(path / "notes.json")
+
+
+def test_a_draft_model_with_fewer_layers_gets_its_layers_scales(tmp_path: Path) -> None:
+    """from_pretrained(folder, num_hidden_layers=M) loads the checkpoint's first M layers (a
+    draft model for assisted decoding): every door gives it those layers' scales."""
+    scales = {(i, k): 0.01 * (i + 1) + (0.001 if k == "v" else 0.0) for i in range(3) for k in "kv"}
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", num_layers=3, scales=scales)
+    qc = KVQuantConfig(backend="torch")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(path), num_hidden_layers=1)
+    kvhf.patch(plain, backend="torch")
+    loaded = [
+        plain,
+        kvhf.from_pretrained(path, num_hidden_layers=2, quantization_config=qc),
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), num_hidden_layers=2, quantization_config=qc
+        ),
+    ]
+    for model in loaded:
+        got = [float(t) for pair in _installed(model) for t in pair]
+        want = [scales[(i, k)] for i in range(len(got) // 2) for k in "kv"]
+        assert got == pytest.approx(want, rel=1e-6)
+    # more layers than the checkpoint has: refused, naming the real mismatch
+    longer = transformers.AutoModelForCausalLM.from_pretrained(str(path), num_hidden_layers=4)
+    with pytest.raises(ScaleFormatError, match="the checkpoint config has 3 layers"):
+        kvhf.patch(longer, backend="torch")
+    assert not hasattr(longer, "_kvquant_state")

@@ -46,6 +46,9 @@ _TRANSFORMERS_QUANTIZERS = ("compressed-tensors", "compressed_tensors", "quark")
 _HUB_KWARGS = ("revision", "cache_dir", "subfolder", "token", "trust_remote_code", "code_revision")
 """``from_pretrained`` keywords that say where the files are: the config is read with them too."""
 
+_MODEL_DTYPE = ("dtype", "torch_dtype")
+"""Keywords ``from_pretrained`` takes for loading although the config has attributes of those names."""
+
 
 def from_pretrained(
     path: str | Path,
@@ -102,7 +105,16 @@ def from_pretrained(
     if not os.path.lexists(str(path)):  # a hub id, found in the local cache: never download
         kwargs["local_files_only"] = True
     hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "local_files_only") if k in kwargs}
-    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path), **hub)
+    config = kwargs.pop("config", None)
+    if config is None:
+        config = AutoConfig.from_pretrained(str(path), **hub)
+        # config attributes among the keywords (num_hidden_layers=1 for a draft model, ...)
+        # override config.json, as transformers' from_pretrained applies them
+        overrides = {
+            k: kwargs.pop(k) for k in list(kwargs) if k not in _MODEL_DTYPE and hasattr(config, k)
+        }
+        if overrides:
+            config = AutoConfig.from_pretrained(str(path), **hub, **overrides)
     _drop_leftover_text_config(config)
     producer_cfg = getattr(config, "quantization_config", None)
     if producer_cfg is not None and not isinstance(producer_cfg, KVQuantConfig):
