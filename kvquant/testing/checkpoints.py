@@ -627,6 +627,29 @@ def _leftover_text_config(root: Path) -> Path:
     return root
 
 
+def _fifo_beside_the_weights(root: Path) -> Path:
+    """A FIFO named ``tokenizer.model`` in the folder: no reader may open it (it would block).
+
+    (On a system without FIFOs the folder is left as it is.)
+    """
+    import os
+
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(root / "tokenizer.model")
+    return root
+
+
+def _kvquant_saved_scales() -> dict[str, torch.Tensor]:
+    """The fp32 ``()`` K/V scales ``save_pretrained`` writes for a patched model."""
+    return {
+        f"model.layers.{i}.self_attn.{k}_scale": torch.tensor(
+            0.01 * (i + 1) + (0.002 if k == "v" else 0)
+        )
+        for i in range(2)
+        for k in "kv"
+    }
+
+
 def _zero_points() -> dict[str, torch.Tensor]:
     return {
         f"model.layers.{i}.self_attn.{k}_zero_point": torch.zeros(1, dtype=torch.int8)
@@ -734,6 +757,22 @@ CATALOGUE: Mapping[str, CatalogueEntry] = {
         "load",
         {"convention": "modelopt"},
         _leftover_text_config,
+    ),
+    "kvquant-saved": CatalogueEntry(
+        "what save_pretrained writes for a patched model: fp32 () scales, quant_method kvquant",
+        "load",
+        {
+            "convention": "none",
+            "extra_tensors": _kvquant_saved_scales(),
+            "quant_config_updates": {"quant_method": "kvquant", "scale_format": "auto"},
+        },
+    ),
+    "fifo-beside-the-weights": CatalogueEntry(
+        "a FIFO among the folder's files (never opened; the doctor warns that export would "
+        "refuse to copy it)",
+        "load",
+        {"convention": "compressed-tensors"},
+        _fifo_beside_the_weights,
     ),
     "declared-kv-scheme-without-scales": CatalogueEntry(
         "a kv_cache_scheme in config.json but no scale tensors: dynamic fp32-group, warned",
