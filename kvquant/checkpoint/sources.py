@@ -13,6 +13,7 @@ from kvquant.checkpoint.files import (
     PICKLE_NAMES,
     SINGLE_FILE_NAME,
     locate_checkpoint,
+    weight_files,
 )
 from kvquant.errors import CheckpointError
 
@@ -56,7 +57,9 @@ def model_checkpoint(model: Any) -> Path | None:
         CheckpointError: the files cannot be found although the config declares
             a ``quantization_config`` (its KV scales would be silently lost), or
             the hub id has snapshots with different KV scales in the cache and
-            the revision the model was loaded at is not recorded.
+            the revision the model was loaded at is not recorded, or the folder
+            and its subfolders hold checkpoints of the model's geometry with
+            different KV scales (a ``subfolder=`` load is not recorded either).
     """
     config = getattr(model, "config", None)
     name = getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", "") or ""
@@ -69,24 +72,91 @@ def model_checkpoint(model: Any) -> Path | None:
             folder = locate_checkpoint(str(name), revision=revision)
         else:
             folder = _unrecorded_revision(str(name))
-    except _AmbiguousRevisionError:
+    except _AmbiguousSourceError:
         raise
     except CheckpointError as exc:
         _not_found(model, str(name), str(exc))
         return None
-    weights = [n for n in (INDEX_NAME, SINGLE_FILE_NAME, *PICKLE_NAMES) if (folder / n).exists()]
-    if not (folder / "config.json").exists() or not weights:
+    candidates = [c for c in (folder, *_subfolders(folder)) if _is_checkpoint(c)]
+    if len(candidates) > 1 and folder in candidates:
+        # a subfolder holding the folder's own weight shards (an index may place them there)
+        # is part of that checkpoint, not another one
+        try:
+            own = {f.parent for f in weight_files(folder).files}
+        except CheckpointError:
+            own = set()
+        candidates = [c for c in candidates if c == folder or c not in own]
+    if not candidates:
         _not_found(model, str(name), f"{folder} holds no config.json and weights")
         return None
-    return folder
+    if len(candidates) == 1:
+        return candidates[0]
+    return _one_of(candidates, folder, config)
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    weights = [n for n in (INDEX_NAME, SINGLE_FILE_NAME, *PICKLE_NAMES) if (folder / n).exists()]
+    return (folder / "config.json").exists() and bool(weights)
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    """The folder's immediate subfolders that hold a ``config.json`` (a ``subfolder=`` load's home)."""
+    try:
+        with os.scandir(folder) as it:
+            subs = sorted(
+                Path(e.path)
+                for e in it
+                if e.is_dir(follow_symlinks=False) and os.path.lexists(Path(e.path) / "config.json")
+            )
+    except OSError:
+        return []
+    return subs[:MAX_SNAPSHOTS]
+
+
+def _one_of(candidates: list[Path], folder: Path, config: Any) -> Path:
+    """The checkpoint among ``folder`` and its subfolders that the model was loaded from.
+
+    transformers does not record a ``subfolder=`` load: the candidates whose
+    config describes the model's geometry must all give kvquant the same scales
+    (then ``folder`` itself when it is one of them), else kvquant refuses.
+    """
+    from kvquant.checkpoint.discovery import discover_scales, read_geometry
+
+    try:
+        as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        wanted = read_geometry(as_dict, "the model's config")
+    except Exception:  # a config kvquant cannot read: every candidate stays in
+        wanted = None
+    prints: dict[Path, str] = {}
+    for candidate in candidates:
+        try:
+            found = discover_scales(candidate)
+        except CheckpointError:
+            prints[candidate] = "unreadable"
+            continue
+        if wanted is None or found.geometry == wanted:
+            prints[candidate] = repr(_fingerprint(found))
+    if not prints:
+        return folder if folder in candidates else candidates[0]
+    if len(set(prints.values())) == 1 and "unreadable" not in prints.values():
+        return folder if folder in prints else next(iter(prints))
+    listed = ", ".join(str(c.relative_to(folder)) if c != folder else "." for c in prints)
+    raise _AmbiguousSourceError(
+        f"the model was loaded from {folder}, which holds several checkpoints of this model's "
+        f"geometry with different KV scales ({listed}: the folder and its subfolders), and "
+        "transformers does not record a subfolder= load; kvquant will not guess. Fix: pass "
+        "kvquant.patch(model, scales=<the folder you loaded>), or load with "
+        "kvquant.from_pretrained(path, subfolder=...), which reads the files it loads."
+    )
 
 
 MAX_SNAPSHOTS = 64
 """Most snapshots of one hub id kvquant compares when the loaded revision is not recorded."""
 
 
-class _AmbiguousRevisionError(CheckpointError):
-    """A hub id's snapshots in the cache differ and the loaded revision is not recorded."""
+class _AmbiguousSourceError(CheckpointError):
+    """The checkpoints a model may have been loaded from differ, and which one is not recorded
+    (a hub id's snapshots, or a folder and its subfolders)."""
 
 
 def _fingerprint(found: Any) -> tuple[Any, ...]:
@@ -176,7 +246,7 @@ def _unrecorded_revision(repo_id: str) -> Path:
         f"{s.name[:12]}" + (f" ({', '.join(refs[s.name])})" if s.name in refs else "")
         for s in snapshots[:8]
     ) + (" ..." if len(snapshots) > 8 else "")
-    raise _AmbiguousRevisionError(
+    raise _AmbiguousSourceError(
         f"the model was loaded from the hub id {repo_id!r}, whose local Hugging Face cache "
         f"holds {len(snapshots)} snapshots with different KV scales or configs ({listed}), and "
         "this version of transformers does not record the revision a model was loaded at; "

@@ -436,3 +436,38 @@ def test_a_draft_model_with_fewer_layers_gets_its_layers_scales(tmp_path: Path) 
     with pytest.raises(ScaleFormatError, match="the checkpoint config has 3 layers"):
         kvhf.patch(longer, backend="torch")
     assert not hasattr(longer, "_kvquant_state")
+
+
+def test_subfolder_loads_are_read_from_the_subfolder_or_refused(tmp_path: Path) -> None:
+    """transformers does not record from_pretrained(path, subfolder=...): patch reads the
+    subfolder when it is the only checkpoint there, refuses when the folder and a subfolder
+    both fit the model with different scales, and ignores subfolders of another geometry."""
+    import shutil
+
+    def ckpt(path: Path, value: float, **kw: Any) -> Path:
+        scales = {(i, k): value for i in range(2) for k in "kv"}
+        return write_checkpoint(path, convention="modelopt", scales=scales, seed=1, **kw)
+
+    only_sub = tmp_path / "only-sub"
+    ckpt(only_sub / "sub", 0.25)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(only_sub), subfolder="sub")
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 0.25
+
+    both = ckpt(tmp_path / "both", 4.0)
+    shutil.copytree(only_sub / "sub", both / "sub")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(both), subfolder="sub")
+    with pytest.raises(CheckpointError, match=r"does not record a subfolder= load") as info:
+        kvhf.patch(model, backend="torch")
+    assert "(., sub:" in str(info.value) and not hasattr(model, "_kvquant_state")
+    kvhf.patch(model, scales=both / "sub", backend="torch")
+    assert _k0(model) == 0.25
+    qc = KVQuantConfig(backend="torch")
+    assert _k0(kvhf.from_pretrained(both, subfolder="sub", quantization_config=qc)) == 0.25
+    assert _k0(kvhf.from_pretrained(both, quantization_config=qc)) == 4.0
+
+    with_draft = ckpt(tmp_path / "draft-beside", 4.0)
+    ckpt(with_draft / "draft", 0.25, num_layers=1)  # another geometry: not a candidate
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(with_draft))
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 4.0
