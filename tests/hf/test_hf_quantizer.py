@@ -243,3 +243,21 @@ def test_a_failed_registration_is_a_warning_naming_the_fix(tmp_path: Path) -> No
     assert "could not register its quantizer" in res.stderr
     assert "RuntimeError: registry changed" in res.stderr
     assert "kvquant.from_pretrained(path)" in res.stderr
+
+
+def test_kvquant_from_pretrained_options_replace_a_saved_config(tmp_path: Path) -> None:
+    """A folder saved from a patched model holds its KVQuantConfig; kvquant.from_pretrained
+    with options of its own uses them (transformers' from_pretrained keeps the saved one and
+    warns), and without options the saved ones."""
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt")
+    saved = tmp_path / "saved"
+    kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch")).save_pretrained(
+        saved
+    )
+    again = kvhf.from_pretrained(saved, quantization_config=KVQuantConfig(page_size=8))
+    assert again._kvquant_state.options.page_size == 8
+    plain = kvhf.from_pretrained(saved)
+    assert plain._kvquant_state.options.page_size == 16
+    assert plain._kvquant_state.options.backend == "torch"
+    for model in (again, plain):
+        assert torch.equal(_installed(model)[0][0], _expected(path)[0][0])

@@ -71,7 +71,9 @@ def from_pretrained(
         path: checkpoint folder, or a file inside it (``config.json``,
             ``model.safetensors``) for its folder, by the command line's rule;
             or a hub id in the local Hugging Face cache.
-        quantization_config: kvquant settings (default ``KVQuantConfig()``).
+        quantization_config: kvquant settings (default: the ``KVQuantConfig`` a folder
+            saved from a patched model holds, else ``KVQuantConfig()``); when given,
+            it replaces a saved one.
         model_class: the transformers class to load with (default ``AutoModelForCausalLM``).
         **kwargs: passed to ``from_pretrained`` (``dtype``, ``device_map``,
             ``revision``, ``cache_dir``, ...); the config is read with the same
@@ -99,7 +101,7 @@ def from_pretrained(
             f"{type(quantization_config).__name__}; expected a kvquant.KVQuantConfig (or None)."
         )
     cls = model_class or AutoModelForCausalLM
-    qc = quantization_config or KVQuantConfig()
+    qc = quantization_config
     path = folder_named_by(path)  # config.json or a shard names its folder, at every door
     locate_checkpoint(path, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"))
     if not os.path.lexists(str(path)):  # a hub id, found in the local cache: never download
@@ -117,13 +119,17 @@ def from_pretrained(
             config = AutoConfig.from_pretrained(str(path), **hub, **overrides)
     _drop_leftover_text_config(config)
     producer_cfg = getattr(config, "quantization_config", None)
-    if producer_cfg is not None and not isinstance(producer_cfg, KVQuantConfig):
+    if producer_cfg is not None:
         as_dict = producer_cfg if isinstance(producer_cfg, dict) else producer_cfg.to_dict()
         method = str(as_dict.get("quant_method", "")).lower()
-        if method != "kvquant":
-            if method in _TRANSFORMERS_QUANTIZERS or method == "modelopt":
-                _check_kv_only(method, as_dict, path)
+        if method in _TRANSFORMERS_QUANTIZERS or method == "modelopt":
+            _check_kv_only(method, as_dict, path)
+        if method != "kvquant" or quantization_config is not None:
+            # a producer's config is kept aside (discovery reads it from the folder); a saved
+            # kvquant config gives way to the one passed (transformers would keep the saved one)
             del config.quantization_config
+    if getattr(config, "quantization_config", None) is None and qc is None:
+        qc = KVQuantConfig()
     return cls.from_pretrained(str(path), config=config, quantization_config=qc, **kwargs)
 
 
