@@ -1723,6 +1723,19 @@ def load_text_files(
 
 
 def _open_dataset(name: str, config: str | None, split: str) -> Any:
+    path = Path(name)
+    if os.path.lexists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = 0
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            raise CalibrationError(
+                f"calibration data: --dataset {name} is neither a regular file nor a folder (a "
+                "FIFO, a device or a broken link); kvquant reads local datasets from files and "
+                "folders only. Fix: save the data to a .jsonl/.json/.csv/.parquet file, or pass "
+                "a dataset name."
+            )
     try:
         import datasets
     except ImportError as exc:
@@ -1731,7 +1744,6 @@ def _open_dataset(name: str, config: str | None, split: str) -> Any:
             "installed. Fix: pip install datasets (kvquant's 'calibrate' extra), or pass "
             "--text FILE instead."
         ) from exc
-    path = Path(name)
     try:
         if path.is_dir() and (path / "dataset_info.json").is_file():
             loaded = datasets.load_from_disk(str(path))

@@ -451,6 +451,25 @@ def test_text_inputs_are_bounded_regular_files(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "broken link"])
+def test_a_special_dataset_path_is_refused(tmp_path: Path, kind: str) -> None:
+    import os
+
+    from kvquant.calibrate import load_dataset_samples
+
+    path = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("needs FIFOs")
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.symlink_to(tmp_path / "absent.jsonl")
+    with pytest.raises(CalibrationError, match="neither a regular file nor a folder"):
+        load_dataset_samples(str(path), tokenizer=None)
+
+
 def _jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
     return path
