@@ -249,7 +249,9 @@ def write_checkpoint_copy(
             with a kept tensor, an extra file named like one the writer writes), a
             bad ``out``, or the rename failed.
         ExportTargetExistsError: ``out`` exists and ``force`` is False.
-        CheckpointError: a source shard could not be read.
+        CheckpointError: a source shard could not be read, or the source folder
+            holds something other than regular files and real folders (a FIFO, a
+            device, a socket, a broken link, a link to a folder; nothing is written).
     """
     from tqdm import tqdm
 
