@@ -383,9 +383,11 @@ def test_chunked_prefill_with_padding_spanning_whole_chunks(
     model's within FP8 rounding (min cosine over the rows, measured: 0.9998 with the torch
     backend, 0.997 with Triton's interpreter; real rows attending to the padding, from position
     0, measured 0.34 to 0.51), and decoding goes on."""
-    ids, mask = prompt(batch=3, length=14, pad=pad)
-    ref = generate_exactly(build("llama"), ids, mask, 1, prefill_chunk_size=4)
-    model = build("llama")
+    # Triton runs compiled on a GPU, in its interpreter on CPU
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    ids, mask = (t.to(device) for t in prompt(batch=3, length=14, pad=pad))
+    ref = generate_exactly(build("llama").to(device), ids, mask, 1, prefill_chunk_size=4)
+    model = build("llama").to(device)
     kvhf.patch(model, backend=backend, page_size=4)
     got = generate_exactly(model, ids, mask, 1, prefill_chunk_size=4)
     assert bool(torch.isfinite(got.logits[0]).all())
