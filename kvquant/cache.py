@@ -304,12 +304,17 @@ class PageAllocator:
                 return [num_new_tokens] * len(ids)  # one valid count: no per-sequence checks
             counts = [num_new_tokens] * len(ids)
         else:
+            bad = CacheUsageError(
+                f"PageAllocator.reserve: num_new_tokens is {num_new_tokens!r} (a "
+                f"{type(num_new_tokens).__name__}); expected an int >= 0 or one int per sequence. "
+                "Fix: pass the number of new tokens (a Python int; int(t) for a tensor t)."
+            )
             if isinstance(num_new_tokens, (str, bytes)) or not isinstance(num_new_tokens, Iterable):
-                raise CacheUsageError(
-                    f"PageAllocator.reserve: num_new_tokens is {num_new_tokens!r}; expected an "
-                    "int >= 0 or one int per sequence. Fix: pass the number of new tokens."
-                )
-            counts = list(num_new_tokens)
+                raise bad
+            try:
+                counts = list(num_new_tokens)
+            except TypeError as exc:  # e.g. a 0-d tensor: iterable by type, not by value
+                raise bad from exc
             if len(counts) != len(ids):
                 raise CacheUsageError(
                     f"PageAllocator.reserve: {len(counts)} token counts for {len(ids)} "

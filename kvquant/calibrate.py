@@ -54,7 +54,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
+import stat
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -88,6 +90,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "LOG2_MAX",
     "LOG2_MIN",
+    "MAX_TEXT_BYTES",
     "OBJECTIVES",
     "CalibrationData",
     "CalibrationResult",
@@ -97,6 +100,7 @@ __all__ = [
     "attention_weights",
     "calibrate",
     "candidate_formats",
+    "check_text_file",
     "choose_k_transform",
     "choose_scales",
     "collect_statistics",
@@ -1589,6 +1593,75 @@ def _check_sizes(num_samples: int | None, max_seq_length: int) -> None:
         )
 
 
+MAX_TEXT_BYTES = 64 * 1024 * 1024
+"""Largest calibration text file read (about 16 M tokens; calibration uses far fewer)."""
+
+
+def check_text_file(file: str | Path) -> int:
+    """Check, without opening it, that a calibration text is a bounded regular file.
+
+    Args:
+        file: the ``--text`` file.
+
+    Returns:
+        Its size in bytes.
+
+    Raises:
+        CalibrationError: the file is missing, not a regular file (a FIFO, a
+            device such as ``/dev/zero``, a folder), or larger than
+            :data:`MAX_TEXT_BYTES`.
+    """
+    if not isinstance(file, (str, os.PathLike)):
+        raise CalibrationError(
+            f"calibration data: a text file is a {type(file).__name__}; expected a path."
+        )
+    try:
+        st = os.stat(file)
+    except OSError as exc:
+        raise CalibrationError(
+            f"calibration data: --text {file} cannot be read ({exc.strerror or exc}). "
+            "Fix: pass an existing plain-text file."
+        ) from exc
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a folder" if stat.S_ISDIR(st.st_mode)
+            else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+            else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "not a regular file"
+        )  # fmt: skip
+        raise CalibrationError(
+            f"calibration data: --text {file} is {kind}, expected a regular text file; kvquant "
+            "reads calibration text from regular files only. Fix: save the text to a file and "
+            "pass that."
+        )
+    if st.st_size > MAX_TEXT_BYTES:
+        raise CalibrationError(
+            f"calibration data: --text {file} is {st.st_size} bytes, more than the "
+            f"{MAX_TEXT_BYTES} kvquant reads from one text file (calibration uses "
+            "--num-samples windows of --max-seq-length tokens, far less). Fix: pass a smaller "
+            "sample of the text."
+        )
+    return int(st.st_size)
+
+
+def _read_text_file(file: str | Path) -> str:
+    size = check_text_file(file)
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise OSError("it changed into a special file")
+            blob = fh.read(min(size, MAX_TEXT_BYTES) + 1)
+        if len(blob) > MAX_TEXT_BYTES:
+            raise OSError(f"it grew beyond {MAX_TEXT_BYTES} bytes while being read")
+        return blob.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CalibrationError(
+            f"calibration data: --text {file} could not be read as UTF-8 text ({exc}). "
+            "Fix: pass a readable plain-text file."
+        ) from exc
+
+
 def load_text_files(
     files: Sequence[str | Path],
     tokenizer: Any,
@@ -1613,26 +1686,25 @@ def load_text_files(
         The :class:`CalibrationData`.
 
     Raises:
-        CalibrationError: no file, an unreadable or non-UTF-8 file, no window of
-            at least 2 tokens, or bad sizes.
+        CalibrationError: no file, a file that is not a regular file or is
+            larger than :data:`MAX_TEXT_BYTES`, an unreadable or non-UTF-8 file, no
+            window of at least 2 tokens, or bad sizes.
     """
     from tqdm import tqdm
 
     _check_sizes(num_samples, max_seq_length)
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
     if not files:
         raise CalibrationError(
             "calibration data: no text file given; expected at least one. Fix: pass "
             "--text FILE (repeatable) or --dataset NAME."
         )
+    for file in files:
+        check_text_file(file)
     samples: list[torch.Tensor] = []
     for file in tqdm(files, desc="tokenizing", unit="file", file=sys.stderr, disable=not progress):
-        try:
-            text = Path(file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CalibrationError(
-                f"calibration data: --text {file} could not be read as UTF-8 text ({exc}). "
-                "Fix: pass a readable plain-text file."
-            ) from exc
+        text = _read_text_file(file)
         ids = tokenizer(text, return_tensors="pt")["input_ids"].long().reshape(-1)
         for start in range(0, ids.numel(), max_seq_length):
             piece = ids[start : start + max_seq_length]
@@ -1651,6 +1723,19 @@ def load_text_files(
 
 
 def _open_dataset(name: str, config: str | None, split: str) -> Any:
+    path = Path(name)
+    if os.path.lexists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = 0
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            raise CalibrationError(
+                f"calibration data: --dataset {name} is neither a regular file nor a folder (a "
+                "FIFO, a device or a broken link); kvquant reads local datasets from files and "
+                "folders only. Fix: save the data to a .jsonl/.json/.csv/.parquet file, or pass "
+                "a dataset name."
+            )
     try:
         import datasets
     except ImportError as exc:
@@ -1659,7 +1744,6 @@ def _open_dataset(name: str, config: str | None, split: str) -> Any:
             "installed. Fix: pip install datasets (kvquant's 'calibrate' extra), or pass "
             "--text FILE instead."
         ) from exc
-    path = Path(name)
     try:
         if path.is_dir() and (path / "dataset_info.json").is_file():
             loaded = datasets.load_from_disk(str(path))

@@ -224,7 +224,7 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 
 def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from kvquant.calibrate import calibrate, write_calibrated_checkpoint
+    from kvquant.calibrate import calibrate, check_text_file, write_calibrated_checkpoint
     from kvquant.checkpoint.discovery import discover_scales
     from kvquant.checkpoint.writer import check_output_path
     from kvquant.errors import CalibrationError, CheckpointError, ExportError
@@ -266,6 +266,8 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "both --dataset and --text were given; expected one data source. Fix: drop "
                 "one of them."
             )
+        for text in args.text or ():  # before the model loads: a FIFO or a device never hangs
+            check_text_file(text)
         found = discover_scales(path)
     except KVQuantError as exc:  # CheckpointError, CalibrationError
         return _fail(args, exc, EXIT_USAGE, out, err)

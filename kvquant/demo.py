@@ -13,6 +13,7 @@ The demo is a list of steps (:data:`DEMO_STEPS`); add steps with :func:`add_demo
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tempfile
 import textwrap
@@ -188,7 +189,17 @@ def _step_build(ctx: DemoContext) -> None:
         "one per producer convention, plus two broken ones."
     )
     for ckpt in tqdm(DEMO_CHECKPOINTS, desc="writing checkpoints", unit="ckpt", file=sys.stderr):
-        path = write_checkpoint(ctx.workdir / ckpt.key, **_demo_options(ckpt))
+        folder = ctx.workdir / ckpt.key
+        try:
+            folder.mkdir()  # a new folder, or refuse: never write over a user's files
+        except FileExistsError as exc:
+            from kvquant.errors import ExportTargetExistsError
+
+            raise ExportTargetExistsError(
+                f"{folder} already exists; the demo writes its checkpoints into new folders "
+                "only. Fix: pass a new folder for --keep, or remove it."
+            ) from exc
+        path = write_checkpoint(folder, **_demo_options(ckpt))
         ctx.checkpoints[ckpt.key] = (ckpt, path)
 
 
@@ -374,14 +385,20 @@ def add_demo_step(
 
 
 def check_workdir(workdir: Path, option: str = "workdir") -> None:
-    """Refuse a demo folder that is, or lies under, a file (before anything is written).
+    """Refuse a demo folder the demo cannot write into without touching a user's file.
+
+    The demo writes one new subfolder per checkpoint (``quark/``, ...) into
+    ``workdir``, which may exist; an existing entry of one of those names is
+    refused, never written over.
 
     Args:
         workdir: the folder the demo would keep its checkpoints in.
         option: how the message names it (``--keep`` on the command line).
 
     Raises:
-        ExportTargetExistsError: a file stands at ``workdir`` or one of its parents.
+        ExportTargetExistsError: a file stands at ``workdir`` or one of its
+            parents, or ``workdir`` already holds one of the demo's checkpoint
+            folder names (nothing is written).
     """
     from kvquant.errors import ExportTargetExistsError
 
@@ -390,6 +407,14 @@ def check_workdir(workdir: Path, option: str = "workdir") -> None:
         raise ExportTargetExistsError(
             f"{option} {workdir}: {blocker} is a file, not a folder; the demo writes its "
             f"checkpoints into a folder. Fix: pass a folder (new or existing) for {option}."
+        )
+    taken = [c.key for c in DEMO_CHECKPOINTS if os.path.lexists(workdir / c.key)]
+    if taken:
+        raise ExportTargetExistsError(
+            f"{option} {workdir}: it already holds {', '.join(taken[:4])}"
+            f"{' ...' if len(taken) > 4 else ''}; the demo writes its checkpoints into new "
+            f"folders of those names and never writes over existing files. Fix: pass a new "
+            f"folder for {option}, or remove those entries."
         )
 
 

@@ -56,6 +56,7 @@ from kvquant.checkpoint.discovery import (
     discover_scales,
     scale_tensor_infos,
 )
+from kvquant.checkpoint.files import check_path_argument
 from kvquant.checkpoint.writer import (
     CheckpointEdit,
     FileContent,
@@ -655,6 +656,8 @@ def export_checkpoint(
             "compressed-tensors attn_head path. Fix: drop --per-head (per-head scales are then "
             "reduced with max and the cost reported), or use --engine vllm --per-head."
         )
+    check_path_argument(src, "export_checkpoint: src")
+    check_path_argument(out, "export_checkpoint: out", "the new output folder")
     src_path = Path(src)
     out_path = Path(out)
     found = discover_scales(src_path)

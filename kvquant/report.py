@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvquant.checkpoint.discovery import DiscoveredCheckpoint, Finding, discover_scales
+from kvquant.checkpoint.files import check_path_argument
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
 from kvquant.tables import WIDTH, render_table
@@ -412,6 +413,7 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
         >>> report.ok, report.granularity, [r.action for r in report.rows]
         (True, 'per-tensor', ['use', 'use', 'use', 'use'])
     """
+    check_path_argument(path, "inspect_checkpoint: path")
     found = discover_scales(path)
     scales = analyze_scales(found.scales, found.geometry, k_transform=found.k_transform, **options)
     return CheckpointReport(

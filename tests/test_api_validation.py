@@ -1,4 +1,5 @@
-"""kvquant.kernels and kvquant.cache refuse bad scales, indices and sizes with KVQuantErrors only."""
+"""kvquant.kernels and kvquant.cache refuse bad scales, indices and sizes with KVQuantErrors only;
+the public entry points type their arguments (OptionTypeError naming the argument)."""
 
 from __future__ import annotations
 
@@ -246,3 +247,70 @@ def test_paged_attention_refuses_an_out_whose_elements_alias() -> None:
     fine = torch.empty(2 * HKV, D).t().t()[None, None]  # any strides without aliasing are fine
     paged_attention(q, kp, vp, bt, lens, sm_scale=0.25, k_scale=s, v_scale=s, out=fine)
     assert torch.isfinite(fine).all()
+
+
+def test_allocator_token_count_of_the_wrong_type_names_the_argument() -> None:
+    """A 0-d tensor is iterable by type only: a CacheUsageError naming num_new_tokens, not a
+    bare TypeError; nothing is reserved."""
+    alloc = PageAllocator(4, 2)
+    for bad in (torch.tensor(2), torch.tensor(2.0), object()):
+        _refused(CacheUsageError, lambda b=bad: alloc.reserve([0], b), "num_new_tokens")
+        _refused(CacheUsageError, lambda b=bad: alloc.reserve_pages([0], b), "num_new_tokens")
+    assert alloc.num_free_pages == 4
+
+
+# ---------------------------------------------------------------------- public entry points
+
+
+def _entry_point_calls(tmp_path: Any) -> dict[str, Callable[[], Any]]:
+    import kvquant
+    from kvquant.testing.checkpoints import write_checkpoint
+
+    src = write_checkpoint(tmp_path / "c", convention="modelopt", weights="none")
+    geometry = kvquant.LayerGeometry(2, 4, 2, 16)
+    return {
+        "inspect_checkpoint(None)": lambda: kvquant.inspect_checkpoint(None),
+        "discover_scales([path])": lambda: kvquant.discover_scales([src]),
+        "discover_scales(revision=3)": lambda: kvquant.discover_scales("org/x", revision=3),
+        "export_checkpoint(out=None)": lambda: kvquant.export_checkpoint(
+            src, out=None, engine="vllm"
+        ),
+        "export_checkpoint(src=b'')": lambda: kvquant.export_checkpoint(
+            b"x", out=tmp_path / "o", engine="vllm"
+        ),
+        "resolve_scales(geometry={})": lambda: kvquant.resolve_scales(
+            [], geometry={"num_layers": 2}
+        ),
+        "resolve_scales(raw=mapping)": lambda: kvquant.resolve_scales(
+            {"model.layers.0.self_attn.k_scale": torch.ones(())}, geometry
+        ),
+        "resolve_scales(options={})": lambda: kvquant.resolve_scales([], geometry, options={}),
+    }
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "inspect_checkpoint(None)",
+        "discover_scales([path])",
+        "discover_scales(revision=3)",
+        "export_checkpoint(out=None)",
+        "export_checkpoint(src=b'')",
+        "resolve_scales(geometry={})",
+        "resolve_scales(raw=mapping)",
+        "resolve_scales(options={})",
+    ],
+)
+def test_public_entry_points_type_their_arguments(tmp_path: Any, call: str) -> None:
+    """A wrong argument type is an OptionTypeError (a KVQuantError and a TypeError) naming the
+    argument, never a bare TypeError or AttributeError from deep inside."""
+    from kvquant.errors import OptionTypeError
+
+    argument = call.split("(")[1].split("=")[0].rstrip(")")
+    named = {"None": "path", "[path]": "path", "b''": "src", "raw": "raw_scales"}.get(
+        argument, argument
+    )
+    with pytest.raises(OptionTypeError, match=named) as info:
+        _entry_point_calls(tmp_path)[call]()
+    assert isinstance(info.value, TypeError) and isinstance(info.value, KVQuantError)
+    assert not (tmp_path / "o").exists()

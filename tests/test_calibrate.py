@@ -406,6 +406,70 @@ def test_cli_calibrate_needs_a_data_source(tiny: Any, tmp_path: Path, capsys: An
     assert not out.exists()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "folder", "too large"])
+def test_text_inputs_are_bounded_regular_files(
+    tiny: Any, tmp_path: Path, capsys: Any, kind: str
+) -> None:
+    """--text FIFO used to hang and --text /dev/zero to run out of memory: both, and a folder
+    or an oversized file, are refused before the model loads (exit 2), in a child process so
+    that a regression cannot hang the run."""
+    import os
+    import subprocess
+    import sys
+
+    from kvquant.calibrate import MAX_TEXT_BYTES, check_text_file, load_text_files
+
+    _, src = tiny
+    text = tmp_path / "calib.txt"
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("needs FIFOs")
+        os.mkfifo(text)
+    elif kind == "/dev/zero":
+        text = Path("/dev/zero")
+    elif kind == "folder":
+        text.mkdir()
+    else:
+        with text.open("wb") as fh:
+            fh.truncate(MAX_TEXT_BYTES + 1)  # sparse: nothing is written
+    want = {"fifo": "is a FIFO", "/dev/zero": "is a device", "folder": "is a folder"}.get(
+        kind, "more than the"
+    )
+    with pytest.raises(CalibrationError, match=want):
+        check_text_file(text)
+    with pytest.raises(CalibrationError, match=want):
+        load_text_files([text], tokenizer=None)
+    out = tmp_path / "out"
+    root = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run(
+        [sys.executable, "-m", "kvquant", "calibrate", str(src), "--out", str(out),
+         "--text", str(text)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root},
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert want in res.stderr and "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "broken link"])
+def test_a_special_dataset_path_is_refused(tmp_path: Path, kind: str) -> None:
+    import os
+
+    from kvquant.calibrate import load_dataset_samples
+
+    path = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("needs FIFOs")
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.symlink_to(tmp_path / "absent.jsonl")
+    with pytest.raises(CalibrationError, match="neither a regular file nor a folder"):
+        load_dataset_samples(str(path), tokenizer=None)
+
+
 def _jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
     return path

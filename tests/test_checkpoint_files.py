@@ -309,3 +309,60 @@ def test_oversized_scale_tensor_is_not_loaded(
     assert all(s.name != scale_tensor_name("modelopt", 0, "k") for s in found.scales)
     assert any(f.code == "scale-too-large" and f.severity == "error" for f in found.findings)
     assert _doctor(path, capsys)[0] == 1
+
+
+# ---------------------------------------------------------------------- transformers' file order
+
+
+def test_single_file_wins_over_an_index_as_in_transformers(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "c", convention="modelopt", weights="none", shards=2)
+    name = scale_tensor_name("modelopt", 0, "k")
+    save_file({name: torch.tensor(7.0)}, str(path / "model.safetensors"))
+    found = discover_scales(path)
+    assert found.files == (path / "model.safetensors",)
+    assert [float(s.tensor) for s in found.scales] == [7.0]
+    assert any(f.code == "index-ignored" for f in found.findings)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("../outside.safetensors", "outside the checkpoint folder"),
+        ("/etc/passwd.safetensors", "outside the checkpoint folder"),
+        ("pytorch_model.bin", "never unpickles"),
+        ("weights.pt", "expected the name of a"),
+        (3, "expected the name of a"),
+    ],
+)
+def test_transformers_weights_is_confined_and_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: object, match: str
+) -> None:
+    path = write_checkpoint(tmp_path / "c", convention="modelopt", weights="none")
+    _edit_config(path, transformers_weights=value)
+    with pytest.raises(CheckpointError, match=match):
+        discover_scales(path)
+    assert _doctor(path, capsys)[0] == 2
+
+
+def test_folder_of_weight_files(tmp_path: Path) -> None:
+    from kvquant.checkpoint.files import folder_of_weight_files
+
+    path = write_checkpoint(tmp_path / "c", convention="modelopt", weights="none", shards=2)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert folder_of_weight_files(shards, str(path)) == path
+    assert folder_of_weight_files(shards, "org/name") == path
+    with pytest.raises(CheckpointError, match="no checkpoint folder above"):
+        folder_of_weight_files(shards[:1], str(path))  # not the whole list: a variant's files
+    variant = path / "model.fp16.safetensors"
+    save_file({"x": torch.zeros(1)}, str(variant))
+    with pytest.raises(CheckpointError, match="no variant="):
+        folder_of_weight_files([variant], str(path))
+    # a second folder listing the same shards, with its own config: refused, not guessed
+    sub = tmp_path / "c2"
+    inner = write_checkpoint(sub / "inner", convention="modelopt", weights="none", shards=2)
+    index = json.loads((inner / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f"inner/{v}" for k, v in index["weight_map"].items()}
+    (sub / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sub / "config.json").write_text((inner / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="more than one checkpoint folder"):
+        folder_of_weight_files(sorted(inner.glob("model-*.safetensors")), str(sub))

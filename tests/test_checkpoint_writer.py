@@ -406,3 +406,65 @@ def test_calibrate_a_failed_check_leaves_nothing(
     with pytest.raises(ExportError, match="own check"):
         write_calibrated_checkpoint(src, _result("per-tensor"), tmp_path / "out")
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------- the source folder's files
+
+
+def _special_entries(src: Path, tmp_path: Path) -> dict[str, Path]:
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    (outside / "big.bin").write_bytes(b"\x00" * 1024)
+    return {
+        "link to /dev/zero": Path("/dev/zero"),
+        "link to a folder outside": outside,
+        "broken link": tmp_path / "absent",
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["link to /dev/zero", "fifo", "fifo in a subfolder", "link to a folder outside",
+             "broken link"],
+)  # fmt: skip
+def test_special_files_in_the_source_are_refused_before_writing(
+    src: Path, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The writer reads the source by the readers' rules: regular files and real folders
+    only; anything else is a CheckpointError (CLI exit 2) before a byte is written."""
+    import os
+
+    from kvquant.cli import main as cli_main
+    from kvquant.errors import CheckpointError
+
+    if case.startswith("fifo"):
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("needs FIFOs")
+        os.mkfifo(src / ("extra/pipe" if "subfolder" in case else "tokenizer.model"))
+    else:
+        (src / "linked").symlink_to(_special_entries(src, tmp_path)[case])
+    found = discover_scales(src)
+    assert [f.code for f in found.findings if f.code == "uncopyable-file"] == ["uncopyable-file"]
+    out = tmp_path / "out" / "nested"
+    with pytest.raises(CheckpointError, match="Nothing was written") as info:
+        write_checkpoint_copy(found.path, found.files, found.config, out, _edit(src)[0])
+    assert isinstance(info.value, KVQuantError)
+    assert not (tmp_path / "out").exists()
+    code = cli_main(["export", str(src), "--engine", "vllm", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "Nothing was written" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_symlinked_files_are_copied_as_files(src: Path, tmp_path: Path) -> None:
+    """A symlink to a regular file (the Hugging Face cache's layout) is copied as the file."""
+    outside = tmp_path / "tok.json"
+    outside.write_text('{"linked": true}\n')
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(outside)
+    found = discover_scales(src)
+    out = tmp_path / "out"
+    write_checkpoint_copy(found.path, found.files, found.config, out, _edit(src)[0])
+    assert not (out / "tokenizer.json").is_symlink()
+    assert (out / "tokenizer.json").read_text() == '{"linked": true}\n'
+    (out / "tokenizer.json").write_text("edited\n")
+    assert outside.read_text() == '{"linked": true}\n'

@@ -160,6 +160,36 @@ def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert data["generate"]["restored"] is True
 
 
+@pytest.mark.parametrize("entry", ["quark/model.safetensors", "modelopt", "legacy-link"])
+def test_demo_keep_never_writes_over_a_users_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], entry: str
+) -> None:
+    """--keep DIR may exist, but the demo's checkpoint folders in it must be new: an existing
+    one (a user's file inside it, a folder, a symlink) is refused before anything is written."""
+    from kvquant.demo import DEMO_CHECKPOINTS, run_demo
+    from kvquant.errors import ExportTargetExistsError
+
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    mine = tmp_path / "mine.safetensors"
+    mine.write_bytes(b"the user's weights")
+    if entry == "legacy-link":
+        (keep / DEMO_CHECKPOINTS[-1].key).symlink_to(tmp_path)
+    elif "/" in entry:
+        (keep / "quark").mkdir()
+        (keep / entry).write_bytes(mine.read_bytes())
+    else:
+        (keep / entry).mkdir()
+    before = sorted(p.relative_to(keep).as_posix() for p in keep.rglob("*"))
+    code, _, err = _cli(["demo", "--keep", str(keep)], capsys)
+    assert code == 2 and "never writes over" in err, err
+    with pytest.raises(ExportTargetExistsError):
+        run_demo(io.StringIO(), workdir=keep)
+    assert sorted(p.relative_to(keep).as_posix() for p in keep.rglob("*")) == before
+    if "/" in entry:
+        assert (keep / entry).read_bytes() == b"the user's weights"
+
+
 def test_an_unexpected_exception_exits_3_not_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

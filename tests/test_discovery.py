@@ -305,6 +305,30 @@ def test_multimodal_text_config(tmp_path: Path) -> None:
     assert {s.layer for s in found.scales} == {0, 1, 2}
 
 
+@pytest.mark.parametrize(
+    ("model_type", "uses"), [("llama", "top"), ("llava", "text"), ("gemma3", "text"),
+                             ("qwen2", "top"), ("not-a-model-type", "text")],
+)  # fmt: skip
+def test_text_config_is_read_where_transformers_reads_it(model_type: str, uses: str) -> None:
+    """A plain model type ignores a leftover text_config; a composite one (and an unknown one)
+    reads its language model from text_config, whatever stale fields the top level has."""
+    from kvquant.checkpoint.discovery import language_config, leftover_text_config
+
+    top = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16}  # fmt: skip
+    text = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "head_dim": 32}  # fmt: skip
+    config = {"model_type": model_type, **top, "text_config": text}
+    want = LayerGeometry(2, 4, 2, 16) if uses == "top" else LayerGeometry(4, 8, 8, 32)
+    assert read_geometry(config) == want
+    assert (language_config(config) is config) == (uses == "top")
+    assert leftover_text_config(config) == (uses == "top")
+    # a composite config whose top level has no geometry: text_config, no leftover
+    assert read_geometry({"model_type": model_type, "text_config": text}) == LayerGeometry(
+        4, 8, 8, 32
+    )
+
+
 def test_read_geometry_defaults() -> None:
     g = read_geometry({"num_hidden_layers": 3, "num_attention_heads": 8, "hidden_size": 256})
     assert g == LayerGeometry(3, 8, 8, 32)

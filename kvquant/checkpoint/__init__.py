@@ -19,7 +19,9 @@
 Every file is treated as untrusted: sizes, depths, types and paths are checked,
 and a bad file is a :class:`~kvquant.errors.CheckpointError`, never another
 exception. This package imports torch and safetensors only (and tqdm for the writer's
-progress bar; never transformers).
+progress bar). It imports transformers in one place only: discovery asks transformers'
+config registry whether a ``model_type`` reads its language model from ``text_config``,
+for a config that has both a top-level geometry and a ``text_config``.
 """
 
 from __future__ import annotations

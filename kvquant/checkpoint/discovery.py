@@ -31,6 +31,7 @@ the file, or the file without offsets, are error findings.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -44,9 +45,11 @@ import torch
 
 from kvquant.checkpoint.files import (
     TensorInfo,
+    check_path_argument,
     locate_checkpoint,
     read_json,
     read_safetensors_header,
+    scan_folder,
     select_shards,
 )
 from kvquant.checkpoint.findings import Finding
@@ -80,6 +83,8 @@ __all__ = [
     "TensorInfo",
     "discover_scales",
     "k_transform_from_mapping",
+    "language_config",
+    "leftover_text_config",
     "match_scale_name",
     "parse_kv_transform",
     "raw_scales_from_mapping",
@@ -190,7 +195,7 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
     """Read the attention geometry from a transformers config dict.
 
     Multimodal configs keep the language model's fields under ``text_config``;
-    those are used when present.
+    those are used where transformers uses them (:func:`language_config`).
 
     Args:
         config: the parsed ``config.json``.
@@ -202,9 +207,8 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
     Raises:
         CheckpointError: a required field is missing or not a positive integer.
     """
-    text = config.get("text_config")
-    if isinstance(text, Mapping) and "num_hidden_layers" in text:
-        config, where = text, f"{where} text_config"
+    if language_config(config) is not config:
+        config, where = config["text_config"], f"{where} text_config"
     layers = _positive_int(config, "num_hidden_layers", where, MAX_LAYERS)
     heads = _positive_int(config, "num_attention_heads", where, MAX_HEADS)
     if layers is None or heads is None:
@@ -253,6 +257,56 @@ def read_geometry(config: Mapping[str, Any], where: str = "config.json") -> Laye
                 f"num_key_value_heads={kv_per_layer[layer]}. Fix: correct config.json."
             )
     return LayerGeometry.from_layers(heads, kv_per_layer, dims)
+
+
+def language_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The part of a config transformers builds the language model from: ``config`` or its ``text_config``.
+
+    A composite config class (Llava, Gemma 3, Qwen2-VL, ...: transformers
+    declares a ``text_config`` sub-config for its ``model_type``) reads the
+    language model from ``text_config`` when the file has one; a plain one
+    (Llama, Qwen2, ...) reads the top level and ignores a leftover
+    ``text_config``, as some exports write (:func:`leftover_text_config`).
+    """
+    text = config.get("text_config")
+    if not isinstance(text, Mapping) or "num_hidden_layers" not in text:
+        return config
+    return config if leftover_text_config(config) else text
+
+
+def leftover_text_config(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` holds a ``text_config`` its ``model_type`` does not use.
+
+    Only a config whose top level carries the decoder's geometry can be plain;
+    for those, transformers' config class for ``model_type`` is asked whether
+    it has a ``text_config`` sub-config (an unknown, e.g. remote-code, type is
+    taken as composite). transformers 5.17 to 5.24 cannot build a causal LM
+    from a plain config with a leftover ``text_config``: ``get_text_config()``
+    returns the raw dict.
+    """
+    if not isinstance(config.get("text_config"), Mapping):
+        return False
+    if config.get("num_hidden_layers") is None or config.get("num_attention_heads") is None:
+        return False
+    model_type = config.get("model_type")
+    return isinstance(model_type, str) and not _composite_model_type(model_type)
+
+
+@functools.lru_cache(maxsize=64)
+def _composite_model_type(model_type: str) -> bool:
+    """Whether transformers' config class for ``model_type`` has a ``text_config`` sub-config.
+
+    The one question the checkpoint tier asks transformers (a dependency of
+    kvquant), imported here only for a config that has both a top-level
+    geometry and a ``text_config``.
+    """
+    try:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+    except Exception:  # an unknown (remote-code) model type, or transformers unusable
+        return True
+    return "text_config" in (getattr(cls, "sub_configs", None) or {})
 
 
 _GEMMA4_DEFAULT_GLOBAL_HEAD_DIM = 512
@@ -921,8 +975,8 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
 
     Reads ``config.json`` (geometry; ``text_config`` for multimodal configs),
     ``hf_quant_config.json`` when present, and the safetensors headers of the
-    files transformers reads (the shards ``model.safetensors.index.json``
-    names, else ``model.safetensors`` alone; see
+    files transformers reads (``model.safetensors``, else the shards
+    ``model.safetensors.index.json`` names; see
     :func:`kvquant.checkpoint.select_shards`), decides the producer from the
     config first and the tensor names second, and loads only the tensors whose
     names are KV scales. Values are not judged here. Every file is untrusted:
@@ -940,6 +994,7 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
         CheckpointError: the path does not exist (and is not a cached hub
             model), is not a checkpoint (no ``config.json``, no safetensors
             weights), or a file is malformed, special or outside the folder.
+        OptionTypeError: ``path`` is not a str or path.
 
     Example:
         >>> import tempfile
@@ -949,6 +1004,7 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
         ...     print(ckpt.producer, [(s.layer, s.kind) for s in ckpt.scales])
         modelopt [(0, 'k'), (0, 'v'), (1, 'k'), (1, 'v')]
     """
+    check_path_argument(path, "discover_scales: path")
     root = locate_checkpoint(path, revision=revision)
     config_path = root / "config.json"
     if not os.path.lexists(config_path):
@@ -959,15 +1015,16 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     config = read_json(config_path, "config.json")
     geometry = read_geometry(config, str(config_path))
     qcfg_raw = config.get("quantization_config")
-    if qcfg_raw is None and isinstance(config.get("text_config"), Mapping):
-        qcfg_raw = config["text_config"].get("quantization_config")
+    language = language_config(config)
+    if qcfg_raw is None and language is not config:
+        qcfg_raw = language.get("quantization_config")
     qcfg: dict[str, Any] | None = dict(qcfg_raw) if isinstance(qcfg_raw, Mapping) else None
     hf_quant_path = root / "hf_quant_config.json"
     hf_quant = (
         read_json(hf_quant_path, "hf_quant_config.json") if os.path.lexists(hf_quant_path) else None
     )
 
-    selection = select_shards(root)
+    selection = select_shards(root, config)
     files = selection.files
     infos = selection.tensors
     producer_cfg = _producer_from_config(qcfg, hf_quant)
@@ -1067,7 +1124,30 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
                     + "; kvquant falls back to --missing-scales (default: dynamic fp32-group scales).",
                 )
             )
+    if leftover_text_config(config):
+        all_findings.append(
+            Finding(
+                "warning",
+                "leftover-text-config",
+                f"config.json has a text_config that its model_type {config.get('model_type')!r} "
+                "does not use: the geometry is read from the top level, as transformers reads "
+                "it. transformers cannot build a causal LM from this file while the leftover is "
+                "there (get_text_config() returns it); kvquant.from_pretrained drops it. Fix: "
+                "delete text_config from config.json.",
+            )
+        )
     all_findings.extend(selection.findings)
+    _, problems = scan_folder(root)
+    if problems:
+        all_findings.append(
+            Finding(
+                "warning",
+                "uncopyable-file",
+                f"{problems[0]} kvquant reads only the config, index and weight files, but "
+                "kvquant export and calibrate copy the whole folder and refuse this one. Fix: "
+                "replace it with a regular file (or a real folder), or remove it.",
+            )
+        )
     all_findings.extend(findings)
     all_findings.extend(_quark_findings(raws, qcfg))
     all_findings.extend(_weight_findings(producer, qcfg, hf_quant, weight_dtypes))
@@ -1141,12 +1221,18 @@ def raw_scales_from_mapping(
         The raw scales, sorted by (layer, kind).
 
     Raises:
+        OptionTypeError: a key is not a str.
         ScaleFormatError: a value is not a tensor, no name is a KV scale, or two
             names give one layer's K (or V) scale.
     """
-    from kvquant.errors import ScaleFormatError
+    from kvquant.errors import OptionTypeError, ScaleFormatError
 
     for name, t in mapping.items():
+        if not isinstance(name, str):
+            raise OptionTypeError(
+                f"{where} has the key {name!r} (a {type(name).__name__}); expected tensor names "
+                "(str), e.g. 'model.layers.0.self_attn.k_scale'. Fix: pass {tensor_name: tensor}."
+            )
         if name == KV_TRANSFORM_FILE:
             continue  # the k-transform settings (k_transform_from_mapping)
         if not isinstance(t, torch.Tensor):

@@ -6,14 +6,22 @@ only what a :class:`CheckpointEdit` names changes:
 * the safetensors shards that lose or receive tensors are re-saved, every other
   tensor in them byte for byte; the other shards are hard-linked (``link=True``,
   falling back to a copy) or copied; every other file and folder is copied;
-* ``model.safetensors.index.json``, when the source has one: the dropped names
-  gone, the new ones pointing at their shard, a new ``total_size``;
+* the index transformers reads (``model.safetensors.index.json``, or the one
+  ``config.json``'s ``transformers_weights`` names), when the source loads
+  through one: the dropped names gone, the new ones pointing at their shard, a
+  new ``total_size``;
 * ``config.json``'s ``quantization_config`` (under ``text_config`` where the
   source keeps it there) and ``hf_quant_config.json``;
 * extra files (a JSON-ready dict, text or bytes), e.g. the tool's report.
 
 :func:`kv_scale_tensors` names and shapes the K/V scales of every layer the way
 one producer of :mod:`kvquant.checkpoint.producers` stores them.
+
+The source folder is read by the checkpoint readers' rules
+(:func:`~kvquant.checkpoint.files.scan_folder`): regular files (a symlink to
+one is followed, as in the Hugging Face cache) and real folders inside it; a
+FIFO, device, socket, broken link or linked folder is a
+:class:`~kvquant.errors.CheckpointError` before anything is written.
 
 Everything is written into a temporary folder beside ``out``; the caller's
 ``finish`` hook checks it there and may add files; only then is it renamed to
@@ -29,6 +37,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -39,6 +48,7 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint import producers
+from kvquant.checkpoint.files import MAX_INDEX_BYTES, read_json, scan_folder, weight_files
 from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
 
 __all__ = [
@@ -239,17 +249,30 @@ def write_checkpoint_copy(
             with a kept tensor, an extra file named like one the writer writes), a
             bad ``out``, or the rename failed.
         ExportTargetExistsError: ``out`` exists and ``force`` is False.
-        CheckpointError: a source shard could not be read.
+        CheckpointError: a source shard could not be read, or the source folder
+            holds something other than regular files and real folders (a FIFO, a
+            device, a socket, a broken link, a link to a folder; nothing is written).
     """
     from tqdm import tqdm
 
     shards = {Path(f) for f in files}
     _check_edit(src, shards, edit)
     check_output_path(src, out, force)
+    index = weight_files(src, config).index
+    index_rel = None if index is None else index.relative_to(src).as_posix()
     drop_by_file = _locate(shards, edit.drop)
     changed = set(drop_by_file) | {Path(h) for h in edit.homes.values()}
-    skip = set(_WRITER_FILES) | set(edit.files) | set(edit.skip)
-    entries = [e for e in sorted(src.iterdir()) if e.name not in skip and e not in changed]
+    changed_rel = {f.relative_to(src).as_posix() for f in changed}
+    skip = {"config.json", "hf_quant_config.json"} | set(edit.files) | set(edit.skip)
+    scanned, problems = scan_folder(src, skip)
+    if problems:
+        raise CheckpointError(
+            f"{src} cannot be copied: {' '.join(problems[:3])}"
+            f"{f' ({len(problems) - 3} more)' if len(problems) > 3 else ''} Nothing was "
+            "written. Fix: replace it with a regular file (or a real folder), or remove it "
+            "from the checkpoint folder."
+        )
+    entries = [e for e in scanned if e.rel not in changed_rel and e.rel != index_rel]
 
     # the parent folders this write creates: a failed write removes them again
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
@@ -266,7 +289,8 @@ def write_checkpoint_copy(
         rewritten: list[str] = []
         linked: list[str] = []
         copied: list[str] = []
-        sizes = {e: _file_bytes(e) for e in [*entries, *changed]}
+        sizes = {e.rel: e.size for e in entries}
+        sizes.update({f.relative_to(src).as_posix(): _file_bytes(f) for f in changed})
         bar = tqdm(
             total=sum(sizes.values()),
             desc=f"writing {out.name}",
@@ -277,32 +301,30 @@ def write_checkpoint_copy(
         )
         with bar:
             for entry in entries:
-                target = tmp / entry.name
-                if entry.is_dir():
-                    shutil.copytree(entry, target, symlinks=True)
-                    copied.append(entry.name)
-                elif _link_or_copy(entry, target, link):
-                    linked.append(entry.name)
-                else:
-                    copied.append(entry.name)
-                bar.update(sizes[entry])
+                target = tmp / entry.rel
+                top = entry.rel.split("/", 1)[0]
+                if entry.is_dir:
+                    target.mkdir()
+                    if top == entry.rel:
+                        copied.append(top)
+                elif _link_or_copy(entry.path, target, link, entry.size) and top == entry.rel:
+                    linked.append(top)
+                elif top == entry.rel:
+                    copied.append(top)
+                bar.update(entry.size)
             for file in sorted(changed):
                 rel = file.relative_to(src).as_posix()
                 bar.set_postfix_str(f"rewriting {rel}")
                 add = {n: t for n, t in edit.tensors.items() if Path(edit.homes[n]) == file}
                 dst = tmp / rel
-                # a shard in a subfolder arrived with the folder's copy, possibly as a symlink
-                # into the source: replace it, never write through it
-                if dst.is_symlink() or dst.exists():
-                    dst.unlink()
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 _rewrite_shard(file, dst, drop_by_file.get(file, set()), add)
                 rewritten.append(rel)
-                bar.update(sizes[file])
+                bar.update(sizes[rel])
 
-        if (src / INDEX_FILE).is_file():
-            _write_index(src, tmp, drop_by_file, edit)
-            rewritten.append(INDEX_FILE)
+        if index is not None and index_rel is not None:
+            _write_index(src, tmp, index, index_rel, drop_by_file, edit)
+            rewritten.append(index_rel)
         new_config = _new_config(config, edit.quantization_config)
         _write_file(tmp, "config.json", new_config, strict=False)
         rewritten.append("config.json")
@@ -394,20 +416,41 @@ def _locate(shards: set[Path], names: Collection[str]) -> dict[Path, set[str]]:
     return out
 
 
-def _link_or_copy(src: Path, dst: Path, link: bool) -> bool:
+def _link_or_copy(src: Path, dst: Path, link: bool, size: int) -> bool:
     """Hard-link a weight shard ``src`` to ``dst`` (True) or copy it (False).
 
     Only ``*.safetensors`` shards are ever linked: configs, tokenizer files and
     the rest are small and always copied, so editing them in the output never
-    changes the source.
+    changes the source. A link is followed to its file; the copy reads the
+    ``size`` bytes :func:`~kvquant.checkpoint.files.scan_folder` found, from a file
+    that must still be a regular file when it is opened.
     """
     if link and src.suffix == ".safetensors":
         try:
-            os.link(src, dst)
+            os.link(os.path.realpath(src), dst)
             return True
         except OSError:
             pass
-    shutil.copy2(src, dst)
+    try:
+        fd = os.open(src, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise CheckpointError(f"{src} could not be read while writing a copy: {exc}.") from exc
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CheckpointError(
+                f"{src} changed while kvquant was copying the checkpoint (expected a regular "
+                f"file of {size} bytes). Fix: run the command again once nothing writes there."
+            )
+        with open(dst, "wb") as out:
+            left = size
+            while left:
+                chunk = fh.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                out.write(chunk)
+                left -= len(chunk)
+    shutil.copystat(src, dst)
     return False
 
 
@@ -452,9 +495,14 @@ def _total_size(files: Sequence[Path]) -> int:
 
 
 def _write_index(
-    src: Path, tmp: Path, drop_by_file: Mapping[Path, set[str]], edit: CheckpointEdit
+    src: Path,
+    tmp: Path,
+    index: Path,
+    rel: str,
+    drop_by_file: Mapping[Path, set[str]],
+    edit: CheckpointEdit,
 ) -> None:
-    data = json.loads((src / INDEX_FILE).read_text(encoding="utf-8"))
+    data = read_json(index, "safetensors index", MAX_INDEX_BYTES)
     weight_map = dict(data.get("weight_map", {}))
     for names in drop_by_file.values():
         for name in names:
@@ -465,7 +513,8 @@ def _write_index(
     meta = dict(data.get("metadata") or {})
     meta["total_size"] = _total_size(sorted({tmp / f for f in weight_map.values()}))
     data["metadata"] = meta
-    _write_file(tmp, INDEX_FILE, data, strict=False)
+    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+    _write_file(tmp, rel, data, strict=False)
 
 
 def _new_config(config: Mapping[str, Any], qcfg: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -509,9 +558,7 @@ def _write_file(folder: Path, name: str, content: FileContent, *, strict: bool =
 
 
 def _file_bytes(path: Path) -> int:
-    """Bytes of a file, or of every file under a folder (for the progress bar)."""
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of a file (for the progress bar)."""
     return path.stat().st_size
 
 

@@ -35,13 +35,13 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from kvquant.errors import OptionError, ScaleFormatError
+from kvquant.errors import OptionError, OptionTypeError, ScaleFormatError
 from kvquant.registry.conversions import AppliedConversion, Conversion
 from kvquant.registry.formats import QueryHeadMaxFormat, ScaleFormat
 from kvquant.registry.options import ResolveOptions
@@ -550,6 +550,36 @@ def _validate_options(
     return registry.get(scale_format)
 
 
+def _check_argument_types(
+    raw_scales: Any, geometry: Any, options: Any, k_transform: Any
+) -> list[RawScale]:
+    """The raw scales as a list, after checking every argument's type (OptionTypeError)."""
+    if not isinstance(geometry, LayerGeometry):
+        raise OptionTypeError(
+            f"resolve_scales: geometry is a {type(geometry).__name__}; expected a "
+            "kvquant.LayerGeometry. Fix: pass LayerGeometry(num_layers, num_heads, num_kv_heads, "
+            "head_dim), or discover_scales(path).geometry."
+        )
+    if isinstance(raw_scales, (str, bytes, Mapping)) or not isinstance(raw_scales, Iterable):
+        raise OptionTypeError(
+            f"resolve_scales: raw_scales is a {type(raw_scales).__name__}; expected a sequence "
+            "of kvquant.RawScale (discover_scales(path).scales). Fix: pass a list of RawScale; "
+            "for a {tensor_name: tensor} mapping, use kvquant.patch(model, scales=mapping)."
+        )
+    listed = list(raw_scales)  # each element is checked where it is read (ScaleFormatError)
+    if options is not None and not isinstance(options, ResolveOptions):
+        raise OptionTypeError(
+            f"resolve_scales: options is a {type(options).__name__}; expected a "
+            "kvquant.ResolveOptions or None."
+        )
+    if k_transform is not None and not isinstance(k_transform, RawKTransform):
+        raise OptionTypeError(
+            f"resolve_scales: k_transform is a {type(k_transform).__name__}; expected "
+            "discover_scales(path).k_transform (a RawKTransform) or None."
+        )
+    return listed
+
+
 def analyze_scales(
     raw_scales: Sequence[RawScale],
     geometry: LayerGeometry,
@@ -572,7 +602,10 @@ def analyze_scales(
         ScaleFormatError: an option value is not a policy, or the geometry is impossible.
         UnknownFormatError: ``scale_format`` names no registered format.
         FormatRegistrationError: ``scale_format`` is a format instance that breaks the contract.
+        OptionTypeError: ``raw_scales``, ``geometry``, ``options`` or ``k_transform``
+            of the wrong type.
     """
+    raw_scales = _check_argument_types(raw_scales, geometry, options, k_transform)
     if options is not None:
         given = ResolveOptions(scale_format, missing_scales, group_size, missing_kv, rope_policy)
         if given != ResolveOptions():

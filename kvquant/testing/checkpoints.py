@@ -552,6 +552,104 @@ def _unreadable_hf_quant_config(root: Path) -> Path:
     return root
 
 
+def _nan_scales_checkpoint(path: Path, **options: Any) -> Path:
+    """A decoy copy of the default catalogue checkpoint whose layer-0 K scale is NaN."""
+    return write_checkpoint(
+        path, convention="compressed-tensors", scales={(0, "k"): torch.tensor([float("nan")])},
+        **options,
+    )  # fmt: skip
+
+
+def _shards_in_a_subfolder(root: Path) -> Path:
+    """Move the shards into ``weights/`` (the index names them there) and leave a decoy
+    ``config.json`` and ``model.safetensors`` with a NaN K scale beside them."""
+    import shutil
+    import tempfile
+
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    sub = root / "weights"
+    sub.mkdir()
+    for shard in sorted(set(index["weight_map"].values())):
+        (root / shard).rename(sub / shard)
+    index["weight_map"] = {k: f"weights/{v}" for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index, indent=2))
+    with tempfile.TemporaryDirectory() as tmp:
+        decoy = _nan_scales_checkpoint(Path(tmp) / "decoy")
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(decoy / name, sub / name)
+    return root
+
+
+def _stale_index_beside_single_file(root: Path) -> Path:
+    """Add a stale index and shards holding a NaN K scale beside ``model.safetensors``:
+    transformers loads ``model.safetensors`` and ignores the index."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        decoy = _nan_scales_checkpoint(Path(tmp) / "decoy", shards=2)
+        for file in decoy.iterdir():
+            if file.name != "config.json":
+                shutil.copyfile(file, root / file.name)
+    return root
+
+
+def _weights_named_by_config(root: Path) -> Path:
+    """Move the weights to ``weights/kv.safetensors``, named by config.json's
+    ``transformers_weights``; a decoy ``model.safetensors`` with a NaN K scale stays."""
+    import shutil
+    import tempfile
+
+    (root / "weights").mkdir()
+    (root / "model.safetensors").rename(root / "weights" / "kv.safetensors")
+    config = json.loads((root / "config.json").read_text())
+    config["transformers_weights"] = "weights/kv.safetensors"
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        decoy = _nan_scales_checkpoint(Path(tmp) / "decoy")
+        shutil.copyfile(decoy / "model.safetensors", root / "model.safetensors")
+    return root
+
+
+def _leftover_text_config(root: Path) -> Path:
+    """A Llama config.json that also carries a stale ``text_config`` of another geometry."""
+    config = json.loads((root / "config.json").read_text())
+    config["text_config"] = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "hidden_size": 256,
+        "head_dim": 32,
+    }
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return root
+
+
+def _fifo_beside_the_weights(root: Path) -> Path:
+    """A FIFO named ``tokenizer.model`` in the folder: no reader may open it (it would block).
+
+    (On a system without FIFOs the folder is left as it is.)
+    """
+    import os
+
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(root / "tokenizer.model")
+    return root
+
+
+def _kvquant_saved_scales() -> dict[str, torch.Tensor]:
+    """The fp32 ``()`` K/V scales ``save_pretrained`` writes for a patched model."""
+    return {
+        f"model.layers.{i}.self_attn.{k}_scale": torch.tensor(
+            0.01 * (i + 1) + (0.002 if k == "v" else 0)
+        )
+        for i in range(2)
+        for k in "kv"
+    }
+
+
 def _zero_points() -> dict[str, torch.Tensor]:
     return {
         f"model.layers.{i}.self_attn.{k}_zero_point": torch.zeros(1, dtype=torch.int8)
@@ -634,6 +732,47 @@ CATALOGUE: Mapping[str, CatalogueEntry] = {
         "load",
         {"convention": "compressed-tensors", "shards": 2},
         _name_in_two_shards,
+    ),
+    "index-shards-in-a-subfolder": CatalogueEntry(
+        "an index whose shards lie in weights/, beside a decoy config.json and NaN scales there",
+        "load",
+        {"convention": "compressed-tensors", "shards": 2},
+        _shards_in_a_subfolder,
+    ),
+    "stale-index-beside-single-file": CatalogueEntry(
+        "model.safetensors wins over a stale index (whose shards hold a NaN K scale)",
+        "load",
+        {"convention": "compressed-tensors"},
+        _stale_index_beside_single_file,
+    ),
+    "weights-named-by-config": CatalogueEntry(
+        "config.json's transformers_weights names the weights file; model.safetensors is a "
+        "decoy with a NaN K scale",
+        "load",
+        {"convention": "compressed-tensors"},
+        _weights_named_by_config,
+    ),
+    "leftover-text-config": CatalogueEntry(
+        "a Llama config with a stale text_config of another geometry: the top level decides",
+        "load",
+        {"convention": "modelopt"},
+        _leftover_text_config,
+    ),
+    "kvquant-saved": CatalogueEntry(
+        "what save_pretrained writes for a patched model: fp32 () scales, quant_method kvquant",
+        "load",
+        {
+            "convention": "none",
+            "extra_tensors": _kvquant_saved_scales(),
+            "quant_config_updates": {"quant_method": "kvquant", "scale_format": "auto"},
+        },
+    ),
+    "fifo-beside-the-weights": CatalogueEntry(
+        "a FIFO among the folder's files (never opened; the doctor warns that export would "
+        "refuse to copy it)",
+        "load",
+        {"convention": "compressed-tensors"},
+        _fifo_beside_the_weights,
     ),
     "declared-kv-scheme-without-scales": CatalogueEntry(
         "a kv_cache_scheme in config.json but no scale tensors: dynamic fp32-group, warned",
@@ -766,24 +905,33 @@ must reach the same decision, findings and canonical scales on each."""
 
 
 def write_hf_cache_entry(
-    cache_dir: str | Path, repo_id: str, folder: str | Path, *, commit: str = "0" * 40
+    cache_dir: str | Path,
+    repo_id: str,
+    folder: str | Path,
+    *,
+    commit: str = "0" * 40,
+    ref: str | None = "main",
 ) -> Path:
     """Put a checkpoint folder into a Hugging Face hub cache, laid out as ``huggingface_hub`` does.
 
     ``models--{org}--{name}/blobs/`` holds the files, ``snapshots/{commit}/``
-    symlinks to them, ``refs/main`` names the commit. Point ``HF_HUB_CACHE`` at
-    ``cache_dir`` (and set ``HF_HUB_OFFLINE=1``) to load ``repo_id`` from it.
+    symlinks to them (subfolders too), ``refs/{ref}`` names the commit. Point
+    ``HF_HUB_CACHE`` at ``cache_dir`` (and set ``HF_HUB_OFFLINE=1``) to load
+    ``repo_id`` from it.
 
     Args:
         cache_dir: the hub cache folder.
         repo_id: ``"org/name"``.
         folder: the checkpoint to store.
         commit: the 40-hex-digit commit the snapshot is filed under.
+        ref: the branch or tag naming the commit (``None``: no ref, as after
+            a download at a commit hash).
 
     Returns:
         The snapshot folder.
     """
     import hashlib
+    import os
     import shutil
 
     repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
@@ -791,16 +939,21 @@ def write_hf_cache_entry(
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    for file in sorted(Path(folder).iterdir()):
+    if ref is not None:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    source = Path(folder)
+    for file in sorted(source.rglob("*")):
         if not file.is_file():
             continue
+        rel = file.relative_to(source)
         digest = hashlib.sha256(file.read_bytes()).hexdigest()
         blob = repo / "blobs" / digest
         if not blob.exists():
             shutil.copyfile(file, blob)
-        link = snapshot / file.name
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
         if link.is_symlink() or link.exists():
             link.unlink()
-        link.symlink_to(Path("..") / ".." / "blobs" / digest)
+        link.symlink_to(os.path.relpath(blob, link.parent))
     return snapshot

@@ -81,6 +81,10 @@ def _config_without_producer(path: Path) -> Any:
     cfg = transformers.AutoConfig.from_pretrained(str(path))
     if getattr(cfg, "quantization_config", None) is not None:
         del cfg.quantization_config
+    if isinstance(getattr(cfg, "text_config", None), dict):
+        # a leftover the Llama config class does not use: transformers cannot build the causal
+        # LM with it (get_text_config() returns the dict), so a user deletes it, as here
+        del cfg.text_config
     return cfg
 
 
@@ -130,9 +134,10 @@ def _kvquant_from_pretrained(path: Path) -> Outcome:
 def _transformers_from_pretrained(path: Path) -> Outcome:
     import json
 
-    qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    raw = json.loads((path / "config.json").read_text())
+    qcfg = raw.get("quantization_config") or {}
     kwargs: dict[str, Any] = {}
-    if qcfg.get("quant_method") in _TRANSFORMERS_QUANTIZERS:
+    if qcfg.get("quant_method") in _TRANSFORMERS_QUANTIZERS or "text_config" in raw:
         kwargs["config"] = _config_without_producer(path)
     return _load_door(
         lambda: transformers.AutoModelForCausalLM.from_pretrained(

@@ -165,3 +165,99 @@ def test_a_file_inside_the_checkpoint_names_its_folder(tmp_path: Path, name: str
             transformers.AutoModelForCausalLM.from_pretrained(
                 str(path / name), quantization_config=KVQuantConfig()
             )
+
+
+_RELOAD = """
+import json, sys
+{imports}
+model = AutoModelForCausalLM.from_pretrained({saved!r})
+print(json.dumps({{
+    "patched": hasattr(model, "_kvquant_state"),
+    "attn": model.config._attn_implementation,
+    "hooks": sum(bool(getattr(f, "kvquant_registration_hook", False)) for f in sys.meta_path),
+}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import kvquant\nfrom transformers import AutoModelForCausalLM",
+        "from transformers import AutoModelForCausalLM\nimport kvquant",
+        "import kvquant, transformers\nAutoModelForCausalLM = transformers.AutoModelForCausalLM",
+        "import kvquant\nimport transformers.modeling_utils\n"
+        "from transformers import AutoModelForCausalLM",
+        "import kvquant.checkpoint\nfrom transformers import AutoModelForCausalLM",
+    ],
+)
+def test_saved_model_reloads_patched_in_a_fresh_process(tmp_path: Path, imports: str) -> None:
+    """`import kvquant` (any order with transformers) registers the quantizer: the documented
+    plain from_pretrained of a saved kvquant model restores the FP8 cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt")
+    kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch")).save_pretrained(
+        tmp_path / "saved"
+    )
+    code = _RELOAD.format(imports=imports, saved=str(tmp_path / "saved"))
+    root = str(Path(__file__).resolve().parents[2])
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen == {"patched": True, "attn": "kvquant", "hooks": 0}, res.stderr
+    assert "Unknown quantization type" not in res.stderr
+
+
+def test_a_failed_registration_is_a_warning_naming_the_fix(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types\n"
+        "broken = types.ModuleType('kvquant.integrations.transformers_quantizer')\n"
+        "def register(): raise RuntimeError('registry changed')\n"
+        "broken.register = register\n"
+        "sys.modules['kvquant.integrations.transformers_quantizer'] = broken\n"
+        "import kvquant\n"
+        "import transformers.quantizers.auto\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert res.returncode == 0, res.stderr
+    assert "could not register its quantizer" in res.stderr
+    assert "RuntimeError: registry changed" in res.stderr
+    assert "kvquant.from_pretrained(path)" in res.stderr
+
+
+def test_kvquant_from_pretrained_options_replace_a_saved_config(tmp_path: Path) -> None:
+    """A folder saved from a patched model holds its KVQuantConfig; kvquant.from_pretrained
+    with options of its own uses them (transformers' from_pretrained keeps the saved one and
+    warns), and without options the saved ones."""
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt")
+    saved = tmp_path / "saved"
+    kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch")).save_pretrained(
+        saved
+    )
+    again = kvhf.from_pretrained(saved, quantization_config=KVQuantConfig(page_size=8))
+    assert again._kvquant_state.options.page_size == 8
+    plain = kvhf.from_pretrained(saved)
+    assert plain._kvquant_state.options.page_size == 16
+    assert plain._kvquant_state.options.backend == "torch"
+    for model in (again, plain):
+        assert torch.equal(_installed(model)[0][0], _expected(path)[0][0])

@@ -119,6 +119,13 @@ def test_scales_of_the_wrong_type(tiny_llama: Any) -> None:
         kvhf.patch(tiny_llama, scales=42, backend="torch")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("key", [0, b"model.layers.0.self_attn.k_scale", ("k", 0)])
+def test_scales_mapping_with_a_key_that_is_not_a_name(tiny_llama: Any, key: object) -> None:
+    with pytest.raises(OptionTypeError, match=r"kvquant\.patch: scales has the key"):
+        kvhf.patch(tiny_llama, scales={key: torch.tensor(0.1)}, backend="torch")
+    assert not hasattr(tiny_llama, "_kvquant_state")
+
+
 def _bin_only(tmp_path: Path) -> Path:
     src = write_checkpoint(tmp_path / "src", convention="none")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(src))
@@ -242,6 +249,225 @@ def test_scales_folder_of_another_model_is_refused(
     geometry than the model (tiny_llama: 2 layers, 2 KV heads, head_dim 16)."""
     options = {"convention": "modelopt", **other}
     path = write_checkpoint(tmp_path / "other", **options)  # type: ignore[arg-type]
-    with pytest.raises(ScaleFormatError, match="Fix: pass the checkpoint the model was loaded"):
+    with pytest.raises(ScaleFormatError, match="pass the checkpoint the model was loaded from"):
         kvhf.patch(tiny_llama, scales=str(path), backend="torch")
     assert not hasattr(tiny_llama, "_kvquant_state")
+
+
+def test_variant_weights_are_refused_at_load_time(tmp_path: Path) -> None:
+    """transformers loads model.<variant>.safetensors; kvquant would read model.safetensors'
+    scales: refused, not read from the other file."""
+    import shutil
+
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", scales=_random_scales())
+    shutil.copyfile(path / "model.safetensors", path / "model.fp16.safetensors")
+    for load in (
+        lambda: kvhf.from_pretrained(
+            path, variant="fp16", quantization_config=KVQuantConfig(backend="torch")
+        ),
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), variant="fp16", quantization_config=KVQuantConfig(backend="torch")
+        ),
+    ):
+        with pytest.raises(CheckpointError, match="no variant="):
+            load()
+
+
+A_COMMIT, B_COMMIT = "a" * 40, "b" * 40
+
+
+def _two_revisions(tmp_path: Path, hf_cache: Path, *, same: bool = False) -> dict[str, float]:
+    """org/two in the cache: revision A (tag v1, K/V scales 0.25) and main (B, scales 4.0, or
+    0.25 too when ``same``); the weights are the same."""
+    values = {"A": 0.25, "B": 0.25 if same else 4.0}
+    for rev, commit, ref in (("A", A_COMMIT, "v1"), ("B", B_COMMIT, "main")):
+        scales = {(i, k): values[rev] for i in range(2) for k in "kv"}
+        src = write_checkpoint(tmp_path / rev, convention="modelopt", scales=scales)
+        write_hf_cache_entry(hf_cache, "org/two", src, commit=commit, ref=ref)
+    return values
+
+
+def _k0(model: Any) -> float:
+    return float(model.model.layers[0].self_attn.k_scale)
+
+
+@pytest.mark.parametrize("revision", ["v1", A_COMMIT])
+def test_patch_reads_the_revision_the_model_was_loaded_at_or_refuses(
+    tmp_path: Path, hf_cache: Path, revision: str
+) -> None:
+    """transformers 5.17 records the commit (config._commit_hash): revision A's scales;
+    5.24 records nothing: the two snapshots differ, so patch refuses; never main's."""
+    _two_revisions(tmp_path, hf_cache)
+    model = transformers.AutoModelForCausalLM.from_pretrained("org/two", revision=revision)
+    if getattr(model.config, "_commit_hash", None):
+        kvhf.patch(model, backend="torch")
+        assert _k0(model) == 0.25
+    else:
+        with pytest.raises(CheckpointError, match="does not record the revision") as info:
+            kvhf.patch(model, backend="torch")
+        assert "2 snapshots" in str(info.value) and "(main)" in str(info.value)
+        assert not hasattr(model, "_kvquant_state")
+        snapshot = hf_cache / "models--org--two" / "snapshots" / A_COMMIT
+        kvhf.patch(model, scales=snapshot, backend="torch")  # the fix the message names
+        assert _k0(model) == 0.25
+
+
+@pytest.mark.parametrize("revision", ["v1", A_COMMIT])
+def test_load_time_doors_read_the_revision_they_load(
+    tmp_path: Path, hf_cache: Path, revision: str
+) -> None:
+    _two_revisions(tmp_path, hf_cache)
+    qc = KVQuantConfig(backend="torch")
+    via_kvquant = kvhf.from_pretrained("org/two", revision=revision, quantization_config=qc)
+    via_transformers = transformers.AutoModelForCausalLM.from_pretrained(
+        "org/two", revision=revision, quantization_config=qc
+    )
+    assert _k0(via_kvquant) == _k0(via_transformers) == 0.25
+    main = kvhf.from_pretrained("org/two", quantization_config=qc)
+    assert _k0(main) == 4.0
+
+
+def test_snapshots_with_the_same_scales_are_not_ambiguous(tmp_path: Path, hf_cache: Path) -> None:
+    _two_revisions(tmp_path, hf_cache, same=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained("org/two", revision="v1")
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 0.25
+
+
+def test_only_snapshot_without_refs_main(tmp_path: Path, hf_cache: Path) -> None:
+    """A repo downloaded at a tag only (no refs/main): its one snapshot is the loaded one."""
+    src = write_checkpoint(tmp_path / "src", convention="modelopt", scales={(0, "k"): 0.5})
+    write_hf_cache_entry(hf_cache, "org/tagged", src, commit=A_COMMIT, ref="v1")
+    model = transformers.AutoModelForCausalLM.from_pretrained("org/tagged", revision="v1")
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 0.5
+
+
+def test_hub_id_not_cached_is_refused_at_once_without_network(
+    hf_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvquant never downloads: online mode, no socket may be opened, the refusal is immediate."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("kvquant.from_pretrained opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="hf download org/absent --revision v2"):
+        kvhf.from_pretrained("org/absent", revision="v2")
+    with pytest.raises(CheckpointError, match=r"\(hf download org/absent\)"):
+        kvhf.from_pretrained("org/absent", quantization_config=KVQuantConfig(backend="torch"))
+    assert time.monotonic() - start < 2.0
+
+
+def test_cached_hub_id_loads_with_local_files_only(
+    tmp_path: Path, hf_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached id loads in online mode without touching the network."""
+    import socket
+
+    from huggingface_hub import constants
+
+    src = write_checkpoint(tmp_path / "src", convention="modelopt", scales={(0, "k"): 0.5})
+    write_hf_cache_entry(hf_cache, "org/cached", src, commit=COMMIT)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("kvquant.from_pretrained opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    model = kvhf.from_pretrained("org/cached", quantization_config=KVQuantConfig(backend="torch"))
+    assert float(model.model.layers[0].self_attn.k_scale) == 0.5
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"path", ["a"]])
+def test_from_pretrained_path_of_the_wrong_type(bad: object) -> None:
+    with pytest.raises(OptionTypeError, match="from_pretrained: path is a"):
+        kvhf.from_pretrained(bad)  # type: ignore[arg-type]
+
+
+def test_from_pretrained_quantization_config_of_the_wrong_type(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "c", convention="modelopt")
+    with pytest.raises(OptionTypeError, match=r"expected a kvquant\.KVQuantConfig"):
+        kvhf.from_pretrained(path, quantization_config={"quant_method": "kvquant"})  # type: ignore[arg-type]
+
+
+def test_from_pretrained_of_another_file_names_the_folder(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "c", convention="modelopt")
+    (path / "notes.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="expected a checkpoint folder"):
+        kvhf.from_pretrained(path / "notes.json")
+
+
+def test_a_draft_model_with_fewer_layers_gets_its_layers_scales(tmp_path: Path) -> None:
+    """from_pretrained(folder, num_hidden_layers=M) loads the checkpoint's first M layers (a
+    draft model for assisted decoding): every door gives it those layers' scales."""
+    scales = {(i, k): 0.01 * (i + 1) + (0.001 if k == "v" else 0.0) for i in range(3) for k in "kv"}
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt", num_layers=3, scales=scales)
+    qc = KVQuantConfig(backend="torch")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(path), num_hidden_layers=1)
+    kvhf.patch(plain, backend="torch")
+    loaded = [
+        plain,
+        kvhf.from_pretrained(path, num_hidden_layers=2, quantization_config=qc),
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), num_hidden_layers=2, quantization_config=qc
+        ),
+    ]
+    for model in loaded:
+        got = [float(t) for pair in _installed(model) for t in pair]
+        want = [scales[(i, k)] for i in range(len(got) // 2) for k in "kv"]
+        assert got == pytest.approx(want, rel=1e-6)
+    # more layers than the checkpoint has: refused, naming the real mismatch
+    longer = transformers.AutoModelForCausalLM.from_pretrained(str(path), num_hidden_layers=4)
+    with pytest.raises(ScaleFormatError, match="the checkpoint config has 3 layers"):
+        kvhf.patch(longer, backend="torch")
+    assert not hasattr(longer, "_kvquant_state")
+
+
+def test_subfolder_loads_are_read_from_the_subfolder_or_refused(tmp_path: Path) -> None:
+    """transformers does not record from_pretrained(path, subfolder=...): patch reads the
+    subfolder when it is the only checkpoint there, refuses when the folder and a subfolder
+    both fit the model with different scales, and ignores subfolders of another geometry."""
+    import shutil
+
+    def ckpt(path: Path, value: float, **kw: Any) -> Path:
+        scales = {(i, k): value for i in range(2) for k in "kv"}
+        return write_checkpoint(path, convention="modelopt", scales=scales, seed=1, **kw)
+
+    only_sub = tmp_path / "only-sub"
+    ckpt(only_sub / "sub", 0.25)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(only_sub), subfolder="sub")
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 0.25
+
+    both = ckpt(tmp_path / "both", 4.0)
+    shutil.copytree(only_sub / "sub", both / "sub")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(both), subfolder="sub")
+    with pytest.raises(CheckpointError, match=r"does not record a subfolder= load") as info:
+        kvhf.patch(model, backend="torch")
+    assert "(., sub:" in str(info.value) and not hasattr(model, "_kvquant_state")
+    kvhf.patch(model, scales=both / "sub", backend="torch")
+    assert _k0(model) == 0.25
+    qc = KVQuantConfig(backend="torch")
+    assert _k0(kvhf.from_pretrained(both, subfolder="sub", quantization_config=qc)) == 0.25
+    assert _k0(kvhf.from_pretrained(both, quantization_config=qc)) == 4.0
+
+    with_draft = ckpt(tmp_path / "draft-beside", 4.0)
+    ckpt(with_draft / "draft", 0.25, num_layers=1)  # another geometry: not a candidate
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(with_draft))
+    kvhf.patch(model, backend="torch")
+    assert _k0(model) == 4.0

@@ -125,7 +125,9 @@ def kv_start_from_mask(
     """Left-padding start ``int32 [B]`` from a boolean mask ``[B, 1, Lq, T]`` (None: no padding).
 
     ``kv_start[b]`` is the first key column any real query row of sequence
-    ``b`` attends to. Fully masked rows (padding queries) are ignored; rows
+    ``b`` attends to; a sequence without any real query row in the call (a
+    prefill chunk that is all padding for it) gets the call's first position.
+    Fully masked rows (padding queries) are ignored; rows
     that an older transformers turned all-True to dodge NaNs are ignored
     unless the newest row (always a real token) sees column 0. The mask is
     then checked to be exactly "causal from ``kv_start``" (plus the sliding
@@ -161,7 +163,11 @@ def kv_start_from_mask(
         start = torch.minimum(start, torch.where(ignore, seq_len, first).amin(-1))
     if raw:
         return start.to(torch.int32)
-    start = torch.where(start >= seq_len, torch.zeros_like(start), start)
+    # A sequence with no real query in this call (a chunk of a chunked prefill that is all
+    # padding for it): every row is ignorable padding; it attends causally within the call's
+    # own tokens only (finite, never read by a real token), so it needs no check.
+    padding_only = start >= seq_len
+    start = torch.where(padding_only, torch.full_like(start, seq_len - q_len), start)
     # Check: real rows must equal the reconstructed pattern.
     bad = torch.zeros((), dtype=torch.bool, device=device)
     for r0 in range(0, q_len, step):
@@ -172,7 +178,7 @@ def kv_start_from_mask(
         expect = (cols[None, None, :] >= start[:, None, None]) & (cols[None, :] <= pos_q)[None]
         if window > 0:
             expect = expect & (cols[None, :] > pos_q - window)[None]
-        real = pos_q[None, :, 0] >= start[:, None]  # [B, r]
+        real = (pos_q[None, :, 0] >= start[:, None]) & ~padding_only[:, None]  # [B, r]
         bad = bad | ((expect != rows) & real[:, :, None]).any()
     if bool(bad):
         raise UnsupportedModelError(

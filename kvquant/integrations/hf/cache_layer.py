@@ -30,11 +30,13 @@ the padding with a per-sequence ``kv_start`` taken from the attention mask.
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvquant import kernels
@@ -72,6 +74,13 @@ _CPU = torch.device("cpu")
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The K/V dtypes a cache layer accepts (those the write kernels read)."""
+
+POSITIVE_CROP_KEEPS = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2]) < (
+    5,
+    18,
+)
+"""Whether the installed transformers' ``DynamicCache.crop(n)`` takes ``n > 0`` as "keep the
+first ``n``" (5.17, deprecated there); from 5.18 on it refuses a positive ``n``."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +207,49 @@ class KVQuantLayer(CacheLayerMixin):
     v_scale = _from_storage("v_scale", "Like ``k_scale`` for V.")
     device = _from_storage("device", "Device of the pages.")
 
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        """Not available: K is stored in FP8 pages, there is no dense ``keys`` tensor.
+
+        Raises:
+            CacheUsageError: always once the layer stores tokens (``None`` before the
+                first update, as ``DynamicLayer``); :meth:`dense_kv` returns the
+                dequantized K/V.
+        """
+        self._no_dense("keys")
+        return None
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._set_dense("keys", value)
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        """Not available, like :attr:`keys`."""
+        self._no_dense("values")
+        return None
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._set_dense("values", value)
+
+    def _no_dense(self, name: str) -> None:
+        if self.storage is None:
+            return  # nothing stored yet: None, as an uninitialised DynamicLayer
+        raise CacheUsageError(
+            f"{self.spec.name}: .{name} of a kvquant cache layer; kvquant stores K/V in FP8 pages, "
+            f"so there is no dense {name} tensor (transformers' DynamicLayer has one). Fix: call "
+            "layer.dense_kv(torch.bfloat16) for the dequantized (keys, values), or run that code "
+            "without kvquant (handle.remove()) and with a DynamicCache."
+        )
+
+    def _set_dense(self, name: str, value: torch.Tensor | None) -> None:
+        if value is not None:  # transformers' own code only ever clears them (None)
+            raise CacheUsageError(
+                f"{self.spec.name}: setting .{name} of a kvquant cache layer; its K/V live in "
+                "FP8 pages written by update(). Fix: write K/V through update()."
+            )
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Build this layer's storage on the device of ``key_states`` [B, Hkv, L, D].
 
@@ -233,7 +285,6 @@ class KVQuantLayer(CacheLayerMixin):
             k_rotation=rotation,
             first_tokens=spec.first_tokens,
         )
-        self.keys = self.values = None
         self.is_initialized = True
 
     def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -301,6 +352,8 @@ class KVQuantLayer(CacheLayerMixin):
             CacheCapacityError: the pages cannot hold the new tokens (nothing is written).
             KVQuantError: the shapes or the batch size do not match the cache.
         """
+        if self.layer_idx == 0:  # the first layer a forward updates: before anything is written
+            self.cache.check_patch_active()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
@@ -499,6 +552,7 @@ class KVQuantCache(Cache):
         # the patch that built the cache: its layers carry that patch's scales (patch.py refuses
         # the cache in a forward of another patch)
         self.patch_id: str = state.patch_id
+        self.patch_state = weakref.ref(state)  # a removed patch's cache is refused (update)
         self.growable = self.max_cache_tokens is None and self.num_pages_requested is None
         self.capacity_version = 0
         # capacity_version of the pools the compiled decode step was captured on (graphs.py)
@@ -802,6 +856,25 @@ class KVQuantCache(Cache):
         """Whether the model's active attention implementation is kvquant's."""
         return getattr(self.config, "_attn_implementation", None) == ATTN_NAME
 
+    def check_patch_active(self) -> None:
+        """Refuse to store tokens for a model whose kvquant patch (the one that built this cache) is gone.
+
+        Raises:
+            CacheUsageError: the patch was removed (``handle.remove()``) or
+                replaced; nothing is written.
+        """
+        state = self.patch_state()
+        handle = getattr(state, "handle", None)
+        if handle is None or handle.active:
+            return
+        raise CacheUsageError(
+            f"kvquant cache of {self.model_name}: it was built by a kvquant patch that has been "
+            "removed (handle.remove()) or replaced, and the model would now store its K/V in "
+            "these FP8 pages behind the back of its own attention. Nothing was written. Fix: "
+            "pass a new cache (or none) to the unpatched model, or patch it again and use "
+            "handle.new_cache()."
+        )
+
     # ------------------------------------------------------------------ whole-cache ops
 
     def reset(self) -> None:
@@ -852,15 +925,22 @@ class KVQuantCache(Cache):
     def crop(self, max_length: int | torch.Tensor) -> None:
         """Roll every layer back (speculative decoding drops rejected draft tokens).
 
+        Follows the installed transformers' ``DynamicCache.crop``: a negative
+        ``n`` removes the newest ``-n`` positions, 0 does nothing, and a
+        positive ``n`` keeps the first ``n`` on transformers 5.17 (deprecated
+        there; no-op when the cache holds no more) and is refused from 5.18 on,
+        as ``DynamicCache.crop`` refuses it. One difference: removing more
+        positions than the cache holds is refused here (``DynamicCache``
+        silently empties itself), since no generation mode asks for it.
+
         Args:
-            max_length: negative: remove that many of the newest positions
-                (``crop(-n)``, an int or a one-element integer tensor, as
-                transformers 5.17 passes it); positive: keep that many
-                positions (the older ``crop(max_length)``); 0: nothing to do.
+            max_length: the count, an int or a one-element integer tensor (as
+                transformers 5.17 passes it).
 
         Raises:
-            CacheUsageError: ``max_length`` is not an int, or would remove more
-                positions than the cache holds (nothing changes).
+            CacheUsageError: ``max_length`` is not an int, is positive on
+                transformers >= 5.18, or would remove more positions than the
+                cache holds (nothing changes).
         """
         if (
             isinstance(max_length, torch.Tensor)
@@ -872,9 +952,16 @@ class KVQuantCache(Cache):
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise CacheUsageError(
                 f"kvquant cache of {self.model_name}: crop({max_length!r}); expected an int "
-                "(-n removes the newest n positions, n > 0 keeps the first n)."
+                "(-n removes the newest n positions)."
             )
         have = self.get_seq_length()
+        if max_length > 0 and not POSITIVE_CROP_KEEPS:
+            raise CacheUsageError(
+                f"kvquant cache of {self.model_name}: crop({max_length}) with a positive value; "
+                f"transformers {transformers.__version__}'s DynamicCache.crop refuses it too (it "
+                "meant 'keep the first n' before 5.18). Nothing changed. Fix: pass -n to remove "
+                f"the newest n positions (crop({max_length - have}) keeps {max_length} of {have})."
+            )
         keep = have + max_length if max_length < 0 else (max_length if max_length else have)
         if keep < 0:
             raise CacheUsageError(

@@ -61,7 +61,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
@@ -400,9 +400,8 @@ def gather_raw_scales(
 
     if isinstance(scales, (str, Path)):
         found = discover_scales(scales)
-        _check_geometry(found.geometry, geometry, str(scales))
-        refuse_error_findings(found, str(scales))
-        return list(found.scales), {"discovered": found}, f"checkpoint {found.path}"
+        raws, ctx = checkpoint_scales(found, geometry, str(scales), loaded_from=False)
+        return raws, ctx, f"checkpoint {found.path}"
     if isinstance(scales, Mapping):
         raws = raw_scales_from_mapping(scales, "kvquant.patch: scales", allow_none=dynamic)
         transform = k_transform_from_mapping(scales, geometry, "kvquant.patch: scales")
@@ -415,10 +414,9 @@ def gather_raw_scales(
     folder = model_checkpoint(model)
     if folder is not None:
         found = discover_scales(folder)
-        _check_geometry(found.geometry, geometry, str(folder))
-        refuse_error_findings(found, str(folder))
+        raws, ctx = checkpoint_scales(found, geometry, str(folder), loaded_from=True)
         if found.scales:
-            return list(found.scales), {"discovered": found}, f"checkpoint {folder}"
+            return raws, ctx, f"checkpoint {folder}"
     in_model = _in_model_scales(sites)
     if in_model:
         return raw_scales_from_state_dict(in_model), {}, "model attributes"
@@ -452,6 +450,67 @@ def refuse_error_findings(found: Any, where: str) -> None:
     if errors:
         lines = "; ".join(f"[{f.code}] {f.message}" for f in errors)
         raise ScaleFormatError(f"{where}: kvquant cannot use this checkpoint's KV scales: {lines}")
+
+
+def checkpoint_scales(
+    found: Any, geometry: LayerGeometry, where: str, *, loaded_from: bool
+) -> tuple[list[RawScale], dict[str, Any]]:
+    """A discovered checkpoint's raw scales for a model of ``geometry``, after checking that they fit.
+
+    The checkpoint's config must describe the model. A model loaded from the
+    checkpoint (``loaded_from``) with fewer layers, whose layers are the
+    checkpoint's first ones (a draft model for assisted decoding, loaded with
+    ``num_hidden_layers=M``: transformers loads those layers' weights), gets
+    those layers' scales, as it gets their weights; a folder named explicitly
+    (``scales=``) must describe the whole model.
+
+    Returns:
+        ``(raw scales, context for the registry)``.
+
+    Raises:
+        ScaleFormatError: the geometries differ otherwise, or discovery found
+            checkpoint-level errors.
+    """
+    full = found.geometry
+    kept = geometry.num_layers
+    ctx: dict[str, Any] = {"discovered": found}
+    if full.num_layers <= kept:
+        _check_geometry(full, geometry, where)
+        refuse_error_findings(found, where)
+        return list(found.scales), ctx
+    first = LayerGeometry.from_layers(
+        full.num_heads,
+        [full.kv_heads_of(i) for i in range(kept)],
+        [full.head_dim_of(i) for i in range(kept)],
+    )
+    try:
+        _check_geometry(first, geometry, where)
+    except ScaleFormatError:
+        _check_geometry(full, geometry, where)  # the message names the whole checkpoint
+        raise
+    if not loaded_from:
+        raise ScaleFormatError(
+            f"{where}: the checkpoint config has {full.num_layers} layers, the model {kept} "
+            "layers like its first ones; kvquant gives a model a checkpoint's first layers only "
+            "when the model was loaded from that checkpoint (e.g. a draft model loaded with "
+            f"num_hidden_layers={kept}). Fix: leave scales unset if the model was loaded from "
+            "this folder (kvquant.patch(model)), else pass the checkpoint the model was "
+            "loaded from."
+        )
+    refuse_error_findings(found, where)
+    transform = found.k_transform
+    if transform is not None:
+        offsets = tuple(o for o in transform.offsets if o.layer < kept)
+        ctx["k_transform"] = replace(transform, offsets=offsets)
+    _logger.info(
+        "kvquant: the model has the first %d of the %d layers of %s (a model loaded with "
+        "num_hidden_layers=%d, e.g. a draft model): it gets their KV scales.",
+        kept,
+        full.num_layers,
+        where,
+        kept,
+    )
+    return [r for r in found.scales if r.layer < kept], ctx
 
 
 def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> None:
