@@ -11,6 +11,7 @@ from typing import Any
 
 from kvquant.errors import (
     BackendError,
+    BatchingError,
     CacheCapacityError,
     CacheUsageError,
     CalibrationError,
@@ -62,6 +63,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "BackendError",
+    "BatchingError",
     "CacheCapacityError",
     "CacheUsageError",
     "CalibrationError",
