@@ -80,21 +80,25 @@ def coarse_k_transform(model: Any) -> dict[str, Any]:
     return scales
 
 
-def models(fmt: str) -> tuple[Any, Any, Any]:
-    """(patched model, its handle, the same model unpatched)."""
+def models(fmt: str, device: str = "cpu") -> tuple[Any, Any, Any]:
+    """(patched model, its handle, the same model unpatched) on ``device``: the torch reference
+    backend on CPU; on CUDA the Triton kernels, and eager decode steps for ``generate`` (no
+    decode graph: the batch runs the same kernels eagerly)."""
+    opts: dict[str, Any] = (
+        {"backend": "torch"} if device == "cpu" else {"backend": "auto", "cuda_graphs": False}
+    )
     if fmt == "k-transform":
         model, ref = biased_llama(), biased_llama()
-        handle = kvhf.patch(model, scales=coarse_k_transform(model), backend="torch")
+        scales = coarse_k_transform(model)
+        model, ref = model.to(device), ref.to(device)
+        handle = kvhf.patch(model, scales=scales, **opts)
     else:
-        model, ref = build("llama"), build("llama")
+        model, ref = build("llama").to(device), build("llama").to(device)
         if fmt == "fp32-group":
-            handle = kvhf.patch(model, scale_format="fp32-group", group_size=16, backend="torch")
+            handle = kvhf.patch(model, scale_format="fp32-group", group_size=16, **opts)
         else:
-            handle = kvhf.patch(
-                model,
-                scales=coarse((48.0,) if fmt == "per-tensor" else (48.0, 24.0)),
-                backend="torch",
-            )
+            values = (48.0,) if fmt == "per-tensor" else (48.0, 24.0)
+            handle = kvhf.patch(model, scales=coarse(values), **opts)
     assert handle.scales.granularity == fmt
     return model, handle, ref
 
@@ -119,7 +123,7 @@ VISIBLE = 1e-3
 def alone(model: Any, ids: list[int], **kw: Any) -> Run:
     """The model's own ``generate`` for one request: its new tokens and their log-probabilities."""
     out = model.generate(
-        torch.tensor([ids]),
+        torch.tensor([ids], device=model.device),
         generation_config=gen_config(**kw),
         output_scores=True,
         return_dict_in_generate=True,
@@ -680,3 +684,69 @@ def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None
     assert float((got - k).abs().max()) <= float(k.abs().max()) / 8  # FP8 of the same keys
     assert bool((buffer.view(-1, layout.bytes_per_block)[:, : layout.bytes_per_page] == 0).all())
     assert math.isclose(layout.bytes_per_block % 128, 0)
+
+
+def test_the_kernels_read_the_batching_buffer_itself() -> None:
+    """No copy: every layer's FP8 pages are views of the one buffer transformers' cache holds."""
+    model, _, _ = models("fp32-group")
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        manager.add_request(prompts((5,))[0], request_id="x", max_new_tokens=2)
+        deadline = time.monotonic() + 60
+        while manager.batch_processor is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cache = manager.batch_processor.cache
+        buffer = cache.cache_tensor if FLAVOUR == "allocators" else cache.kvq_buffer
+        base = buffer.untyped_storage().data_ptr()
+        for storage in cache.kvq.layers:
+            for t in (
+                storage.k_pages,
+                storage.v_pages,
+                storage.k_group_scales,
+                storage.v_group_scales,
+            ):
+                assert t.untyped_storage().data_ptr() == base
+        assert buffer.numel() == cache.kvq.layout.bytes_per_block * cache.kvq.layers[0].num_pages
+    finally:
+        manager.stop(block=True)
+
+
+# ---------------------------------------------------------------------- GPU (Triton kernels)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
+    """CUDA, Triton kernels: the batch's paged launches and the lone request's decode steps run
+    the same kernels on the same pages (fp32 model, so that the projections round alike)."""
+    model, _, ref = models(fmt, "cuda")
+    reqs = prompts()
+    out = model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_no_memory_left_after_the_manager_stops_and_after_remove() -> None:
+    model, handle, _ = models("per-tensor", "cuda")
+    reqs = prompts()
+    alone(model, reqs[0])  # the allocator's and cuBLAS's first allocations happen here
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    handle.remove()
+    assert torch.cuda.memory_allocated() <= before
