@@ -124,9 +124,7 @@ def alone(model: Any, ids: list[int], **kw: Any) -> Run:
     """The model's own ``generate`` for one request: its new tokens and their log-probabilities."""
     out = model.generate(
         torch.tensor([ids], device=model.device),
-        generation_config=gen_config(**kw),
-        output_scores=True,
-        return_dict_in_generate=True,
+        generation_config=gen_config(output_scores=True, return_dict_in_generate=True, **kw),
     )
     tokens = out.sequences[0, len(ids) :].tolist()
     lps = [
@@ -339,23 +337,47 @@ def test_a_shared_prefix_reads_the_first_requests_fp8_blocks(
     finally:
         manager.stop(block=True)
     assert matched == [32]  # B found A's two full blocks
+    assert got is not None
+    assert_same([got], [_continued(model, handle, b, 32, max_new_tokens=8)])
+    assert_fp8_visible([got], [alone(model, b, max_new_tokens=8)])  # the FP8 prefix counts
+
+
+def _continued(model: Any, handle: Any, ids: list[int], cached: int, **kw: Any) -> Run:
+    """The patched model continuing from a cache that holds the first ``cached`` tokens of
+    ``ids`` (the later tokens attend over them in FP8): its new tokens and log-probabilities."""
     cache = handle.new_cache()
     with torch.no_grad():
-        model(torch.tensor([b[:32]]), **{_cache_kwarg(model): cache}, use_cache=True)
+        model(torch.tensor([ids[:cached]]), **{_cache_kwarg(model): cache}, use_cache=True)
     out = model.generate(
-        torch.tensor([b]),
-        generation_config=gen_config(max_new_tokens=8),
-        output_scores=True,
-        return_dict_in_generate=True,
+        torch.tensor([ids]),
+        generation_config=gen_config(output_scores=True, return_dict_in_generate=True, **kw),
         **{_cache_kwarg(model): cache},
     )
-    toks = out.sequences[0, len(b) :].tolist()
+    toks = out.sequences[0, len(ids) :].tolist()
     lps = [
         float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks, strict=True)
     ]
-    assert got is not None
-    assert_same([got], [(toks, lps)])
-    assert_fp8_visible([got], [alone(model, b, max_new_tokens=8)])  # the FP8 prefix counts
+    return toks, lps
+
+
+def test_num_return_sequences_copies_the_fp8_blocks() -> None:
+    """Parallel sampling: transformers prefills the prompt but its last token, then forks the
+    request (copying the FP8 blocks the copies do not share); each copy's last prompt token
+    attends over the FP8 pages. With ``top_k=1`` every copy draws the same tokens."""
+    model, handle, _ = models("per-tensor")
+    reqs = prompts((21, 40), seed=17)
+    greedy = {"do_sample": True, "top_k": 1}
+    out = model.generate_batch(
+        reqs,
+        generation_config=gen_config(num_return_sequences=3, **greedy),
+        continuous_batching_config=cb_config(),
+        warmup=False,
+    )
+    assert len(out) == 6
+    for i, ids in enumerate(reqs):
+        want = _continued(model, handle, ids, len(ids) - 1, **greedy)
+        copies = [out[f"req_{i}"], out[f"req_{i}__child#0"], out[f"req_{i}__child#1"]]
+        assert_same([run_of(c) for c in copies], [want] * 3)
 
 
 def _cache_kwarg(model: Any) -> str:

@@ -63,6 +63,7 @@ attention with one KV-head count and head dim, on one device.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -119,7 +120,18 @@ _DEFAULT_BATCH_TOKENS = 8192
 
 _FULL = "full_attention"
 
-_MISSING = object()
+class _Missing:
+    """The mark of a model attribute that was absent before :func:`install` (one object, also
+    through ``copy.deepcopy`` and pickling)."""
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -1558,6 +1570,26 @@ class BatchingHooks:
             previous = model.__dict__.get(name, _MISSING)
             self.saved[name] = previous
             model.__dict__[name] = cls(model, state, previous)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its managers (a loaded model has none running)."""
+        state = dict(self.__dict__)
+        state["managers"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.managers = weakref.WeakSet()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BatchingHooks:
+        """A copied model's hooks: the same attributes copied, no managers."""
+        copied = BatchingHooks.__new__(BatchingHooks)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name != "managers":
+                copied.__dict__[name] = copy.deepcopy(value, memo)
+        copied.managers = weakref.WeakSet()
+        return copied
 
     def remove(self) -> None:
         """Stop the managers still running, drop a kept one, restore the model (idempotent)."""
