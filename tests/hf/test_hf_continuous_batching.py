@@ -218,9 +218,11 @@ def _wait_for(manager: Any, request_id: str, tokens: int, limit: float = 120.0) 
     raise AssertionError(f"{request_id} did not reach {tokens} tokens")
 
 
-def test_requests_arriving_while_others_decode() -> None:
-    """The manager API: B and C arrive while A decodes, with other lengths and budgets."""
-    model, _, ref = models("per-tensor")
+@pytest.mark.parametrize("fmt", ["per-tensor", "k-transform"])
+def test_requests_arriving_while_others_decode(fmt: str) -> None:
+    """The manager API: B and C arrive while A decodes, with other lengths and budgets (steps
+    that mix prompts and decode steps; k-transform: first tokens written and read in one)."""
+    model, _, ref = models(fmt)
     a, b, c = prompts((20, 5, 33), seed=7)
     manager = model.init_continuous_batching(
         generation_config=gen_config(max_new_tokens=16), continuous_batching_config=cb_config()

@@ -120,6 +120,7 @@ _DEFAULT_BATCH_TOKENS = 8192
 
 _FULL = "full_attention"
 
+
 class _Missing:
     """The mark of a model attribute that was absent before :func:`install` (one object, also
     through ``copy.deepcopy`` and pickling)."""
@@ -419,37 +420,28 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
             f"requests holding {offset} pages. Fix: report this with the transformers version."
         )
     fresh = [(r[1], r[2]) for r in rows if r[3] == 0]
-    # the first block of every request (k-transform's first tokens live there)
-    first_block: dict[int, torch.Tensor] = {}
-    if nf:
+    first_block = None  # k-transform: the first block of every request (its first tokens)
+    first_writes = None
+    if nf and rows:
         if read_index.numel():
             idx = torch.tensor([r[5] for r in rows], dtype=torch.long).to(device)
-            pages = read_index.index_select(0, idx)
+            first_block = read_index.index_select(0, idx).long()
         else:  # only prompts: each one's first slot is written now
             idx = torch.tensor([r[1] for r in rows], dtype=torch.long).to(device)
-            pages = write_index.index_select(0, idx) // ps
-        first_block = {r[0]: pages[i] for i, r in enumerate(rows)}
-    first_writes = None
-    if nf:
-        tok, blk, pos = [], [], []
-        for r in rows:
+            first_block = write_index.index_select(0, idx).long() // ps
+        tok, row, pos = [], [], []
+        for i, r in enumerate(rows):
             for p in range(r[3], min(r[3] + r[2], nf)):
                 tok.append(r[1] + p - r[3])
-                blk.append(r[0])
+                row.append(i)
                 pos.append(p)
         if tok:
-            order = {r[0]: i for i, r in enumerate(rows)}
-            stacked = torch.stack([first_block[r[0]] for r in rows])
-            blocks = stacked.index_select(
-                0, torch.tensor([order[b] for b in blk], dtype=torch.long).to(device)
-            )
-            first_writes = (
-                torch.tensor(tok, dtype=torch.long).to(device),
-                blocks.long(),
-                torch.tensor(pos, dtype=torch.long).to(device),
-            )
+            host = torch.tensor([tok, row, pos], dtype=torch.long).to(device)
+            first_writes = (host[0], first_block.index_select(0, host[1]), host[2])
+    position = {r[0]: i for i, r in enumerate(rows)}
     launches = [
-        _launch(group, read_index, ps, nf, first_block, device) for group in _launch_groups(paged)
+        _launch(group, read_index, ps, nf, first_block, position, device)
+        for group in _launch_groups(paged)
     ]
     return StepPlan(
         tokens=total,
@@ -477,7 +469,8 @@ def _launch(
     read_index: torch.Tensor,
     ps: int,
     nf: int,
-    first_block: dict[int, torch.Tensor],
+    first_block: torch.Tensor | None,
+    position: dict[int, int],
     device: torch.device,
 ) -> _Launch:
     lq = max(r[2] for r in rows)
@@ -497,8 +490,9 @@ def _launch(
         0, torch.tensor(table, dtype=long).reshape(-1).to(device)
     )
     first_pages = first_lens = None
-    if nf:
-        first_pages = torch.stack([first_block[r[0]] for r in rows]).long()
+    if nf and first_block is not None:
+        at = torch.tensor([position[r[0]] for r in rows], dtype=long).to(device)
+        first_pages = first_block.index_select(0, at)
         first_lens = torch.tensor([min(nf, r[4]) for r in rows], dtype=torch.int32).to(device)
     every = all(r[2] == lq for r in rows)
     return _Launch(
