@@ -13,9 +13,10 @@ does the same work. Two arrival modes, one after the other on the same manager:
 Every arm gets the same memory budget for its cache: ``--budget-gb`` GiB, passed as
 ``num_blocks`` = budget / bytes of one block of ``page_size`` tokens in bf16.
 transformers' cache holds those blocks; kvquant's reads ``num_blocks`` as that
-budget and holds the FP8 blocks the same bytes buy (about twice as many). The
-rest of transformers' configuration stays at its defaults for the arm (8192
-tokens per step, pages of 256 tokens; the flash arm may use CUDA graphs).
+budget and holds the FP8 blocks the same bytes buy (about twice as many). Every
+arm steps at most ``--max-batch-tokens`` tokens (8192, transformers 5.24's default;
+5.17 would size it from memory); the rest of transformers' configuration stays at
+its defaults for the arm (pages of 256 tokens; the flash arm may use CUDA graphs).
 
 Per arm and mode (JSON): wall time from the first request added to the last
 result; output tokens/s (generated tokens / wall time); time to first token per
@@ -292,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=None, help="stream arrivals per second")
     parser.add_argument("--modes", default="burst,stream", help="burst,stream")
     parser.add_argument("--page", type=int, default=None, help="tokens per block (default 256)")
-    parser.add_argument("--max-batch-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=8192, help="tokens per step, every arm (8192)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
