@@ -2,7 +2,7 @@
 # One H200 round of continuous batching on kvquant's FP8 pages: the GPU tests of the batching
 # cache, then benchmarks/continuous_batching.py (one process per arm), quick first.
 # Usage (device tool, repo root):  bash benchmarks/cb_round.sh [quick] [full] [full40]
-#   quick:  48 requests (prompts 256-2048, 32-128 new), a 0.5 GiB cache budget (~2 min)
+#   quick:  32 requests (prompts 256-1024, 32-64 new), a 0.25 GiB cache budget (~2 min)
 #   full:   256 requests (prompts 256-8192, 128-512 new), a 16 GiB cache budget
 #   full40: the full workload with a 40 GiB budget
 # Writes under $OUT: env.log, gpu_tests_cb.log, cb_<name>.json, cb.log

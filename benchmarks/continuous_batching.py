@@ -71,7 +71,7 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
 ARMS = ("sdpa", "flash_attention_2", "kvquant", "kvquant-dynamic")
 
 FULL = {"requests": 256, "prompt": (256, 8192), "new": (128, 512), "budget_gb": 16.0, "rate": 4.0}
-QUICK = {"requests": 48, "prompt": (256, 2048), "new": (32, 128), "budget_gb": 0.5, "rate": 16.0}
+QUICK = {"requests": 32, "prompt": (256, 1024), "new": (32, 64), "budget_gb": 0.25, "rate": 16.0}
 TINY = {"requests": 12, "prompt": (8, 48), "new": (4, 12), "budget_gb": 0.0005, "rate": 50.0}
 
 
