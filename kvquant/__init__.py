@@ -27,6 +27,7 @@ from typing import Any
 
 from kvquant.errors import (
     BackendError,
+    BatchingError,
     CacheCapacityError,
     CacheUsageError,
     CalibrationError,
@@ -78,6 +79,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "BackendError",
+    "BatchingError",
     "CacheCapacityError",
     "CacheUsageError",
     "CalibrationError",

@@ -884,6 +884,13 @@ class PagedLayerStorage:
             orthonormal within :data:`ORTHONORMAL_TOL` once.
         first_tokens: ``k-transform`` only: the first visible tokens of each
             sequence attended from a full-precision side buffer (0..1024).
+        pages: pages allocated by the caller instead of by the storage (a
+            transformers continuous-batching cache lays every layer's pages out
+            inside one buffer): ``{"k_pages": ..., "v_pages": ...}`` plus
+            ``"k_group_scales"`` / ``"v_group_scales"`` for ``fp32-group``, in
+            the logical shapes below (any strides with no two elements sharing
+            memory). The storage writes into them in place and never replaces
+            them (:meth:`grow` refuses); None: the storage allocates its own.
 
     Attributes:
         k_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
@@ -947,6 +954,7 @@ class PagedLayerStorage:
         k_offset: torch.Tensor | None = None,
         k_rotation: torch.Tensor | None = None,
         first_tokens: int = 0,
+        pages: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.name = name
         self.num_pages = _positive_int("num_pages", num_pages, name, MAX_PAGES)
@@ -1014,7 +1022,11 @@ class PagedLayerStorage:
             self.v_scale = _static_scale(
                 name, scale_names[1], v_scale, granularity, num_kv_heads, self.device
             )
-        self._allocate(shape, kv_dtype)
+        self.external = pages is not None
+        if pages is None:
+            self._allocate(shape, kv_dtype)
+        else:
+            self._adopt(pages, shape, kv_dtype)
 
     def _check_transform(
         self,
@@ -1099,6 +1111,47 @@ class PagedLayerStorage:
                 f"for K and V) on {self.device} failed ({type(err).__name__}). Fix: a smaller "
                 "num_pages / max_cache_tokens, or a larger page budget on the device."
             ) from err
+
+    def _adopt(
+        self,
+        pages: dict[str, torch.Tensor],
+        shape: tuple[int, int, int, int],
+        kv_dtype: torch.dtype,
+    ) -> None:
+        """Take the caller's page views (``pages=``), checked against the storage's geometry."""
+        n_groups = 0 if self.group_size is None else shape[3] // self.group_size
+        want: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "k_pages": (shape, kv_dtype),
+            "v_pages": (shape, kv_dtype),
+        }
+        if n_groups:
+            gshape = (*shape[:3], n_groups)
+            want.update(
+                k_group_scales=(gshape, torch.float32), v_group_scales=(gshape, torch.float32)
+            )
+        if set(pages) != set(want):
+            raise CacheUsageError(
+                f"{self.name}: pages= names {sorted(pages)}; expected {sorted(want)} for "
+                f"granularity {self.granularity!r}. Fix: pass one view per tensor the storage keeps."
+            )
+        for key, (wshape, wdtype) in want.items():
+            t = pages[key]
+            if (
+                not isinstance(t, torch.Tensor)
+                or tuple(t.shape) != wshape
+                or t.dtype != wdtype
+                or t.device != self.device
+            ):
+                found = (
+                    f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                    if isinstance(t, torch.Tensor)
+                    else type(t).__name__
+                )
+                raise CacheUsageError(
+                    f"{self.name}: pages[{key!r}] is {found}; expected {wshape} {wdtype} on "
+                    f"{self.device}. Fix: lay the pages out with the storage's geometry."
+                )
+            setattr(self, key, t)
 
     def __repr__(self) -> str:
         g = f", G={self.group_size}" if self.group_size is not None else ""
@@ -1427,6 +1480,11 @@ class PagedLayerStorage:
             CacheUsageError: ``num_pages`` is not larger than :attr:`num_pages`.
         """
         n = _positive_int("num_pages", num_pages, self.name)
+        if self.external:
+            raise CacheUsageError(
+                f"{self.name}.grow: the storage's pages belong to the caller (pages=), which sized "
+                "them; it cannot enlarge them. Fix: build a larger pool where the pages come from."
+            )
         if n <= self.num_pages:
             raise CacheUsageError(
                 f"{self.name}.grow: num_pages={n} but the storage already holds "

@@ -38,6 +38,12 @@ checkpoint folder, or a file inside it (``config.json``, ``model.safetensors``)
 for its folder. ``doctor`` prints one row per distinct decision above 8 layers
 (``--full`` for every row).
 
+* ``kvquant serve MODEL``: run transformers' OpenAI-compatible server
+  (``/v1/chat/completions`` and the rest) with continuous batching, the model
+  patched by :func:`kvquant.patch` (see :mod:`kvquant.serve`); it serves until
+  stopped. Exit code 1 when kvquant refuses the model or its scales, 2 when the
+  serving extras are missing or an option is bad.
+
 The demo's story lives in :mod:`kvquant.demo`.
 """
 
@@ -68,7 +74,7 @@ EXIT_REJECTED = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
-_COMMANDS = ("doctor", "demo", "export", "calibrate")
+_COMMANDS = ("doctor", "demo", "export", "calibrate", "serve")
 
 _DOCTOR_OPTIONS = ("scale_format", "missing_scales", "missing_kv", "group_size", "rope_policy")
 
@@ -123,6 +129,38 @@ def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         # ExportError (the engine cannot take it) or the registry's ScaleFormatError
         return _fail(args, exc, EXIT_REJECTED, out, err)
     print(report.to_json() if args.json else report.render(), file=out)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# serve
+
+
+def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from kvquant.errors import BackendError, CheckpointError, OptionError
+    from kvquant.serve import serve
+
+    try:
+        serve(
+            args.model,
+            host=args.host,
+            port=args.port,
+            device=args.device,
+            dtype=args.dtype,
+            scales=args.scales,
+            scale_format=args.scale_format,
+            missing_scales=args.missing_scales,
+            backend=args.backend,
+            page_size=args.page_size,
+            num_blocks=args.num_blocks,
+            max_batch_tokens=args.max_batch_tokens,
+            max_memory_percent=args.max_memory_percent,
+            log_level=args.log_level,
+        )
+    except (BackendError, CheckpointError, OptionError) as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
+    except KVQuantError as exc:  # kvquant.patch refused the model or its scales
+        return _fail(args, exc, EXIT_REJECTED, out, err)
     return EXIT_OK
 
 
@@ -726,6 +764,54 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the calibration report (or the error) as JSON"
     )
     cal.set_defaults(func=_calibrate)
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model on kvquant's FP8 cache with transformers' OpenAI-compatible server",
+        description="Run transformers' server (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health) with continuous batching, the model patched by kvquant.patch: "
+        "every request runs on kvquant's FP8 pages. Needs transformers' serving extras.",
+    )
+    srv.add_argument("model", help="checkpoint folder or hub id (as transformers serve takes)")
+    srv.add_argument("--host", default="localhost", help="address to listen on (localhost)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    srv.add_argument("--device", default="auto", help="auto, cpu, cuda:0, ... (auto)")
+    srv.add_argument(
+        "--dtype", choices=_DTYPES, default="auto", help="model dtype (auto: the checkpoint's)"
+    )
+    srv.add_argument(
+        "--scales",
+        default=None,
+        metavar="PATH",
+        help="a checkpoint folder holding the KV scales (default: the model's own)",
+    )
+    srv.add_argument("--scale-format", default="auto", help="registry scale format (auto)")
+    srv.add_argument(
+        "--missing-scales",
+        choices=("dynamic", "error", "unit"),
+        default="dynamic",
+        help="no KV scales: dynamic fp32-group scales (default), refuse, or unit scales",
+    )
+    srv.add_argument(
+        "--backend", choices=("auto", "triton", "torch"), default="auto", help="kernels (auto)"
+    )
+    srv.add_argument(
+        "--page-size", type=int, default=None, help="tokens per cache block (transformers: 256)"
+    )
+    srv.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="cache budget in blocks of the model's dtype; FP8 holds about twice as many "
+        "(default: sized from free memory)",
+    )
+    srv.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step")
+    srv.add_argument(
+        "--max-memory-percent", type=float, default=None, help="share of free memory (0-1)"
+    )
+    srv.add_argument("--log-level", default="warning", help="transformers' log level")
+    srv.add_argument("--json", action="store_true", help="report a refusal as JSON")
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendError",
+    "BatchingError",
     "CacheCapacityError",
     "CacheUsageError",
     "CalibrationError",
@@ -86,6 +87,15 @@ class BackendError(KVQuantError, RuntimeError):
 
 class UnsupportedModelError(KVQuantError, RuntimeError):
     """A model (or one of its features) cannot run on kvquant's attention path."""
+
+
+class BatchingError(KVQuantError, RuntimeError):
+    """A request of transformers' continuous batching failed inside its batching thread.
+
+    Raised in the caller's thread (``generate_batch``, ``generate(cache_implementation=
+    "paged")``, the manager's ``get_result``) instead of a result that comes back empty;
+    the thread's own exception, when there is one, is chained (``__cause__``).
+    """
 
 
 class ExportError(KVQuantError, ValueError):

@@ -378,3 +378,31 @@ def test_layer_storage_errors_name_the_owner() -> None:
         PagedLayerStorage(2, 16, 2, 32, granularity="fp32-group", backend="cuda", name="X")
     with pytest.raises(CacheUsageError, match="X: num_pages is 0"):
         PagedLayerStorage(0, 16, 2, 32, granularity="fp32-group", name="X")
+
+
+def test_storage_over_pages_of_the_callers_buffer() -> None:
+    """``pages=``: the storage writes into the caller's views (here: every second page of a
+    buffer, as a batching cache interleaves layers) and refuses views of another geometry."""
+    from kvquant.errors import CacheUsageError
+
+    buffer = torch.zeros(2 * 4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+    views = {"k_pages": buffer[0::2], "v_pages": buffer[1::2]}
+    storage = PagedLayerStorage(
+        4, 4, 2, 16, granularity="per-tensor", k_scale=torch.tensor(0.05),
+        v_scale=torch.tensor(0.05), backend="torch", pages=views,
+    )  # fmt: skip
+    assert storage.k_pages is views["k_pages"] and storage.external
+    key = torch.randn(1, 3, 2, 16)
+    storage.write(key, key, torch.tensor([[4, 5, 6]]))
+    assert bool(buffer[2].float().abs().sum() > 0) and bool(buffer[3].float().abs().sum() > 0)
+    assert not bool(buffer[0].float().any()) and not bool(buffer[4:].float().any())
+    with pytest.raises(CacheUsageError, match="belong to the caller"):
+        storage.grow(8)
+    with pytest.raises(CacheUsageError, match=r"pages\['v_pages'\] is \(4, 4, 2, 8\)"):
+        PagedLayerStorage(
+            4, 4, 2, 16, granularity="per-tensor", k_scale=torch.tensor(0.05),
+            v_scale=torch.tensor(0.05), backend="torch",
+            pages={"k_pages": views["k_pages"], "v_pages": views["v_pages"][..., :8]},
+        )  # fmt: skip
+    with pytest.raises(CacheUsageError, match=r"expected.*k_group_scales"):
+        PagedLayerStorage(4, 4, 2, 16, granularity="fp32-group", backend="torch", pages=views)

@@ -222,3 +222,17 @@ def test_run_demo_refuses_a_workdir_under_a_file_before_writing(tmp_path: Path) 
         run_demo(io.StringIO(), workdir=blocker / "demo")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     assert blocker.read_text() == "not a folder"
+
+
+def test_serve_without_the_serving_extras_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvquant serve runs transformers' server: without FastAPI & co it names the install."""
+    pytest.importorskip("transformers")
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    assert main(["serve", "some/model", "--json"]) == 2
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["error"] == "BackendError" and payload["command"] == "serve"
+    assert 'pip install "transformers[serving]"' in payload["message"]

@@ -37,11 +37,13 @@ TIERS: dict[str, int] = {
     "kvquant.registry": 3,
     "kvquant.checkpoint": 3,
     "kvquant.integrations": 4,
+    "kvquant.integrations.hf.continuous": 4,
     "kvquant.report": 5,
     "kvquant.calibrate": 5,
     "kvquant.calibration_report": 5,
     "kvquant.export": 5,
     "kvquant.demo": 5,
+    "kvquant.serve": 5,
     "kvquant.testing": 5,
     "kvquant.tools": 5,
     "kvquant.tables": 5,
@@ -187,6 +189,7 @@ def test_importing_the_whole_package_loads_no_harness() -> None:
 def test_public_api_is_pinned() -> None:
     assert kvquant.__all__ == [
         "BackendError",
+        "BatchingError",
         "CacheCapacityError",
         "CacheUsageError",
         "CalibrationError",

@@ -494,3 +494,32 @@ def test_interpreter_set_too_late_raises() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "OK"
+
+
+def _interleaved(shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pages of one buffer, block by block: K page, then V page ``shift`` bytes early."""
+    page = PAGE * H * D
+    codes = torch.zeros(P * 2 * page, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    k_pages = codes.as_strided((P, PAGE, H, D), (2 * page, H * D, D, 1), 0)
+    v_pages = codes.as_strided((P, PAGE, H, D), (2 * page, H * D, D, 1), page - shift)
+    return k_pages, v_pages
+
+
+def test_pages_interleaved_in_one_buffer_are_written_like_separate_pages() -> None:
+    """A continuous-batching buffer holds every layer's K and V pages block by block: views
+    with a common period whose runs never meet are apart; one byte of overlap is refused."""
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(1, 5, H, D, generator=g), torch.randn(1, 5, H, D, generator=g)
+    slots = torch.tensor([[0, 17, 18, 40, 63]])
+    scales = {"k_scale": torch.tensor(0.02), "v_scale": torch.tensor(0.03)}
+    k_pages, v_pages = _interleaved(0)
+    write_kv(key, value, k_pages, v_pages, slots, backend="torch", **scales)
+    ref_k = torch.zeros(P, PAGE, H, D, dtype=torch.float8_e4m3fn)
+    ref_v = torch.zeros_like(ref_k)
+    write_kv_reference(key, value, ref_k, ref_v, slots, **scales)
+    assert torch.equal(k_pages.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_pages.view(torch.uint8), ref_v.view(torch.uint8))
+    k_pages, v_pages = _interleaved(1)
+    with pytest.raises(KernelInputError, match="k_pages and v_pages share memory"):
+        write_kv(key, value, k_pages, v_pages, slots, backend="torch", **scales)
+    assert not bool(k_pages.view(torch.uint8).any())  # nothing written

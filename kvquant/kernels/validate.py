@@ -228,12 +228,44 @@ def _byte_range(x: torch.Tensor) -> tuple[int, int]:
     return start, start + span * x.element_size()
 
 
+def _period(x: torch.Tensor) -> tuple[int, int] | None:
+    """``(P, w)`` when ``x``'s memory is runs of ``w`` bytes repeating every ``P`` bytes, else None.
+
+    That is the layout of one layer's pages inside a buffer that interleaves
+    every layer's pages block by block: the largest stride (in bytes) is the
+    period ``P`` and everything else stays inside one period.
+    """
+    dims = sorted(
+        (st * x.element_size(), n) for st, n in zip(x.stride(), x.shape, strict=True) if n > 1
+    )
+    if len(dims) < 2:
+        return None
+    period = dims[-1][0]
+    width = sum(st * (n - 1) for st, n in dims[:-1]) + x.element_size()
+    return (period, width) if width <= period else None
+
+
+def _interleaved_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` repeat with one period and their runs never meet (disjoint)."""
+    pa, pb = _period(a), _period(b)
+    if pa is None or pb is None or pa[0] != pb[0]:
+        return False
+    period = pa[0]
+    da = (a.data_ptr() - b.data_ptr()) % period  # a's run start, relative to b's, on the circle
+    # b's run covers [0, wb); a's run covers [da, da + wa) modulo the period
+    return da >= pb[1] and da + pa[1] <= period
+
+
 def _check_disjoint(op: str, written: list[tuple[str, Any]]) -> None:
-    """Tensors written by one call must not share memory (one would overwrite the other)."""
-    ranges = [(name, *_byte_range(x)) for name, x in written if x.numel()]
-    for i, (a, a0, a1) in enumerate(ranges):
-        for b, b0, b1 in ranges[i + 1 :]:
-            if a0 < b1 and b0 < a1:
+    """Tensors written by one call must not share memory (one would overwrite the other).
+
+    Two views of one buffer whose byte ranges overlap pass when they interleave
+    with a common period and their runs never meet (:func:`_interleaved_apart`).
+    """
+    ranges = [(name, *_byte_range(x), x) for name, x in written if x.numel()]
+    for i, (a, a0, a1, ta) in enumerate(ranges):
+        for b, b0, b1, tb in ranges[i + 1 :]:
+            if a0 < b1 and b0 < a1 and not _interleaved_apart(ta, tb):
                 raise _fail(
                     f"{op}: {a} and {b} share memory; each is written in place, so one "
                     f"would overwrite the other. Fix: allocate them separately "

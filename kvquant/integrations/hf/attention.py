@@ -36,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.continuous import BATCH_KWARG
 from kvquant.integrations.hf.step_ops import STEP_KWARG, step_attention_call
 
 __all__ = ["ATTN_NAME", "fallback_attention", "kvquant_attention", "kvquant_mask", "register"]
@@ -310,6 +311,20 @@ def kvquant_attention(
         UnsupportedModelError: dropout during training, or an unsupported mask pattern.
         KVQuantError: K/V are missing and the layer's kvquant cache cannot be found.
     """
+    batch = kwargs.pop(BATCH_KWARG, None)
+    if batch is not None and key is not None and value is not None:
+        # transformers' continuous batching (5.24): the batching cache stored this layer's K/V
+        return batch.attend(  # type: ignore[no-any-return]
+            module,
+            query,
+            key,
+            value,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            s_aux=s_aux,
+        )
     step = kwargs.pop(STEP_KWARG, None)
     if step is not None and key is not None and value is not None:
         return step_attention_call(

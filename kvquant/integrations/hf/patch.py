@@ -78,6 +78,7 @@ from kvquant.errors import (
     UnsupportedModelError,
 )
 from kvquant.integrations.hf import attention as _attention
+from kvquant.integrations.hf import continuous as _continuous
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
 from kvquant.integrations.hf.graphs import (
     CompiledLayers,
@@ -790,6 +791,8 @@ class _Injector(_PatchBound):
             return None
         _claim(state, module)
         key, current = _cache_argument(kwargs)
+        if _continuous.is_batching_cache(current):
+            return None  # transformers' continuous batching over kvquant's pages (continuous.py)
         grad = _grad_flows(module, kwargs)
         name = state.model_name
         plain = _plain_dynamic(current)
@@ -1272,6 +1275,7 @@ def apply_patch(
         _install_forward_wrappers(
             model, state, graphs=opts.cuda_graphs is not False and not _shares_kv(sites)
         )
+        state.handles.append(_continuous.install(model, state))  # type: ignore[arg-type]
         _set_attn(model, ATTN_NAME)
         if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
             raise UnsupportedModelError(

@@ -1,0 +1,779 @@
+"""transformers' continuous batching on kvquant's FP8 pages (tiny fp32 models, CPU, torch backend).
+
+Every request of a batch must equal the patched model's own ``generate`` for that
+request alone: the same FP8 arithmetic (a prompt attends at full precision, every
+later token over the FP8 pages). The static scales are coarse (the keys and values
+land among FP8's subnormals), so FP8 visibly changes the tokens: each case also
+checks that some request differs from the unpatched model, so that the equality
+says something. Runs on transformers 5.17 and 5.24 (CI runs ``tests/hf`` on both).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+from hf_kt import biased_llama, k_transform_scales
+from hf_tiny import VOCAB, build
+
+import kvquant.integrations.hf as kvhf
+from kvquant.cache import PagedLayerStorage
+from kvquant.errors import (
+    BatchingError,
+    CacheCapacityError,
+    CacheUsageError,
+    KVQuantError,
+    OptionError,
+    UnsupportedModelError,
+)
+from kvquant.integrations.hf import continuous
+
+transformers = pytest.importorskip("transformers")
+ContinuousBatchingConfig = transformers.ContinuousBatchingConfig
+from transformers.generation.continuous_batching import continuous_api  # noqa: E402
+
+FLAVOUR = continuous.flavour()
+PAGE_KEY = "page_size" if FLAVOUR == "allocators" else "block_size"
+FORMATS = ("per-tensor", "per-head", "fp32-group", "k-transform")
+LENGTHS = (3, 9, 17, 30, 12)
+NEW = 12
+
+
+def cb_config(**kw: Any) -> Any:
+    """A small ContinuousBatchingConfig: pages of 16 tokens, 64 fp32 blocks of budget, and the
+    log-probabilities of the generated tokens."""
+    kw.setdefault("num_blocks", 64)
+    kw.setdefault("return_logprobs", True)
+    kw.setdefault("max_batch_tokens", 256)
+    kw.setdefault(PAGE_KEY, kw.pop("page", 16))
+    return ContinuousBatchingConfig(**kw)
+
+
+def gen_config(**kw: Any) -> Any:
+    kw.setdefault("max_new_tokens", NEW)
+    kw.setdefault("do_sample", False)
+    kw.setdefault("pad_token_id", 0)
+    kw.setdefault("eos_token_id", -1)  # none: every id is in the tiny vocabulary
+    return transformers.GenerationConfig(**kw)
+
+
+def coarse(values: tuple[float, ...]) -> dict[str, torch.Tensor]:
+    """Static scales so large that the tiny model's K/V (|x| < 0.7) become FP8 subnormals."""
+    scale = torch.tensor(values[0]) if len(values) == 1 else torch.tensor(values)
+    return {
+        f"model.layers.{i}.self_attn.{n}": scale.clone()
+        for i in range(2)
+        for n in ("k_scale", "v_scale")
+    }
+
+
+def coarse_k_transform(model: Any) -> dict[str, Any]:
+    """The k-transform of hf_kt, its scales made coarse like :func:`coarse` (x64 amax)."""
+    scales = k_transform_scales(model)
+    for name, value in scales.items():
+        if name.endswith(("k_scale", "v_scale")):
+            scales[name] = value * (448 * 64 / 1.25)
+    return scales
+
+
+def models(fmt: str, device: str = "cpu") -> tuple[Any, Any, Any]:
+    """(patched model, its handle, the same model unpatched) on ``device``: the torch reference
+    backend on CPU; on CUDA the Triton kernels, and eager decode steps for ``generate`` (no
+    decode graph: the batch runs the same kernels eagerly)."""
+    opts: dict[str, Any] = (
+        {"backend": "torch"} if device == "cpu" else {"backend": "auto", "cuda_graphs": False}
+    )
+    if fmt == "k-transform":
+        model, ref = biased_llama(), biased_llama()
+        scales = coarse_k_transform(model)
+        model, ref = model.to(device), ref.to(device)
+        handle = kvhf.patch(model, scales=scales, **opts)
+    else:
+        model, ref = build("llama").to(device), build("llama").to(device)
+        if fmt == "fp32-group":
+            handle = kvhf.patch(model, scale_format="fp32-group", group_size=16, **opts)
+        else:
+            values = (48.0,) if fmt == "per-tensor" else (48.0, 24.0)
+            handle = kvhf.patch(model, scales=coarse(values), **opts)
+    assert handle.scales.granularity == fmt
+    return model, handle, ref
+
+
+def prompts(lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+Run = tuple[list[int], list[float]]
+"""A request's new tokens and their log-probabilities."""
+
+SAME = 1e-5
+"""Largest log-probability difference of one token between a batch and ``generate``: the
+same arithmetic, batched (measured: 4.8e-7 on every format)."""
+
+VISIBLE = 1e-3
+"""Smallest log-probability change FP8 must show where it leaves the tokens as they were
+(measured: 4.3e-3 for fp32-group, 1.6e-2 for per-head and k-transform)."""
+
+
+def alone(model: Any, ids: list[int], **kw: Any) -> Run:
+    """The model's own ``generate`` for one request: its new tokens and their log-probabilities."""
+    out = model.generate(
+        torch.tensor([ids], device=model.device),
+        generation_config=gen_config(output_scores=True, return_dict_in_generate=True, **kw),
+    )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    lps = [
+        float(torch.log_softmax(s[0].float(), -1)[t])
+        for s, t in zip(out.scores, tokens, strict=True)
+    ]
+    return tokens, lps
+
+
+def run_of(result: Any) -> Run:
+    return list(result.generated_tokens), list(result.logprobs)
+
+
+def tokens(runs: list[Run]) -> list[list[int]]:
+    return [r[0] for r in runs]
+
+
+def assert_same(got: list[Run], want: list[Run]) -> None:
+    """Equal tokens, log-probabilities within :data:`SAME`."""
+    assert tokens(got) == tokens(want)
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert len(a) == len(b)
+        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) <= SAME
+
+
+def assert_fp8_visible(got: list[Run], unpatched: list[Run]) -> None:
+    """FP8 changed the result: a token, or a log-probability by more than :data:`VISIBLE`."""
+    changed = tokens(got) != tokens(unpatched)
+    for (ta, a), (tb, b) in zip(got, unpatched, strict=True):
+        if ta == tb:
+            changed |= max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) > VISIBLE
+    assert changed
+
+
+class WriteCount:
+    """Counts the FP8 writes of kvquant's batching caches (the pages did serve the batch)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = continuous.BatchingStorage.write
+
+        def counted(storage: Any, *a: Any, **k: Any) -> Any:
+            self.calls += 1
+            return original(storage, *a, **k)
+
+        monkeypatch.setattr(continuous.BatchingStorage, "write", counted)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_generate_batch_equals_each_requests_own_generate(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _, ref = models(fmt)
+    writes = WriteCount(monkeypatch)
+    reqs = prompts()
+    out = model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    assert writes.calls > 0
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    assert all(len(t) == NEW for t in tokens(got))
+    # FP8 changed the numbers, so the equality above is not the unpatched model's
+    assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
+    assert continuous.live_caches() == []
+
+
+def test_paged_generate_equals_generate() -> None:
+    model, _, ref = models("per-tensor")
+    reqs = prompts((11, 11, 11), seed=3)
+    ids = torch.tensor(reqs)
+    out = model.generate(
+        ids,
+        generation_config=gen_config(),
+        cache_implementation="paged",
+        continuous_batching_config=cb_config(),
+    )
+    rows = out.reshape(len(reqs), -1)
+    got = [row[11:].tolist() for row in rows]
+    assert got == tokens([alone(model, r) for r in reqs])
+    assert got != tokens([alone(ref, r) for r in reqs])
+
+
+def _wait_for(manager: Any, request_id: str, tokens: int, limit: float = 120.0) -> None:
+    """Block until the streaming request ``request_id`` produced ``tokens`` tokens."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        result = manager.get_result(request_id=request_id, timeout=0.5)
+        if result is not None and len(result.generated_tokens) >= tokens:
+            return
+    raise AssertionError(f"{request_id} did not reach {tokens} tokens")
+
+
+@pytest.mark.parametrize("fmt", ["per-tensor", "k-transform"])
+def test_requests_arriving_while_others_decode(fmt: str) -> None:
+    """The manager API: B and C arrive while A decodes, with other lengths and budgets (steps
+    that mix prompts and decode steps; k-transform: first tokens written and read in one)."""
+    model, _, ref = models(fmt)
+    a, b, c = prompts((20, 5, 33), seed=7)
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(max_new_tokens=16), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        manager.add_request(a, request_id="a", max_new_tokens=16, streaming=True)
+        _wait_for(manager, "a", 3)
+        manager.add_request(b, request_id="b", max_new_tokens=9)
+        manager.add_request(c, request_id="c", max_new_tokens=14)
+        finals: dict[str, Run] = {}
+        deadline = time.monotonic() + 120
+        while len(finals) < 3 and time.monotonic() < deadline:
+            result = manager.get_result(timeout=0.5)
+            if result is not None and result.is_finished():
+                finals[result.request_id] = run_of(result)
+    finally:
+        manager.stop(block=True)
+    budgets = {"a": (a, 16), "b": (b, 9), "c": (c, 14)}
+    got = [finals[k] for k in budgets]
+    assert_same(got, [alone(model, p, max_new_tokens=n) for p, n in budgets.values()])
+    assert_fp8_visible(got, [alone(ref, p, max_new_tokens=n) for p, n in budgets.values()])
+
+
+def test_eos_mid_batch_stops_each_request_where_its_generate_stops() -> None:
+    model, _, _ = models("per-head")
+    reqs = prompts(seed=11)
+    free = tokens([alone(model, ids) for ids in reqs])
+    # an id that first appears mid-way in one request and never in another
+    eos, stop = next(
+        (t, p + 1)
+        for r in free
+        for p, t in enumerate(r)
+        if 3 <= p < NEW - 2 and t not in r[:p] and any(t not in other for other in free)
+    )
+    out = model.generate_batch(
+        reqs,
+        generation_config=gen_config(eos_token_id=eos),
+        continuous_batching_config=cb_config(),
+        warmup=False,
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids, eos_token_id=eos) for ids in reqs])
+    lengths = [len(t) for t in tokens(got)]
+    assert stop in lengths and NEW in lengths  # one stopped mid-way, another ran to the end
+
+
+def test_sampling_with_a_seed() -> None:
+    """transformers' batching seeds one generator for the whole batch (``seed`` of the config);
+    no request has a seed of its own. A lone request draws what ``generate`` draws after
+    ``torch.manual_seed(seed)``; a batch draws the same tokens again with the same seed."""
+    model, _, _ = models("per-tensor")
+    reqs = prompts(seed=5)
+    sample = {"do_sample": True, "temperature": 1.5, "top_k": 0}
+    one = model.generate_batch(
+        reqs[:1],
+        generation_config=gen_config(**sample),
+        continuous_batching_config=cb_config(seed=1234),
+        warmup=False,
+    )
+    torch.manual_seed(1234)
+    assert one["req_0"].generated_tokens == alone(model, reqs[0], **sample)[0]
+
+    def batch(seed: int) -> list[list[int]]:
+        out = model.generate_batch(
+            reqs,
+            generation_config=gen_config(**sample),
+            continuous_batching_config=cb_config(seed=seed),
+            warmup=False,
+        )
+        return [out[f"req_{i}"].generated_tokens for i in range(len(reqs))]
+
+    first = batch(99)
+    assert batch(99) == first
+    assert batch(100) != first
+
+
+def test_a_shared_prefix_reads_the_first_requests_fp8_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefix sharing: B's prompt starts with A's first two full blocks, reused from A.
+
+    B then attends over those blocks in FP8, exactly as the patched model does when it
+    continues from a cache that holds the prefix (not as ``generate`` on B alone,
+    which attends over its whole prompt at full precision)."""
+    model, handle, _ = models("per-tensor")
+    matched: list[int] = []
+    cls = continuous._cache_class()
+    original = cls.search_prefix_match
+
+    def search(self: Any, request_id: str, prompt_ids: list[int]) -> int:
+        found = original(self, request_id, prompt_ids)
+        if request_id == "b":
+            matched.append(found)
+        return int(found)
+
+    monkeypatch.setattr(cls, "search_prefix_match", search)
+    a, tail = prompts((40, 7), seed=13)
+    b = a[:35] + tail  # 2 full blocks of 16 shared, then B's own tokens
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(max_new_tokens=8), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        manager.add_request(a, request_id="a", max_new_tokens=8, streaming=True)
+        _wait_for(manager, "a", 1)  # A's prompt blocks are written and hashed
+        manager.add_request(b, request_id="b", max_new_tokens=8)
+        got = None
+        deadline = time.monotonic() + 120
+        while got is None and time.monotonic() < deadline:
+            result = manager.get_result(request_id="b", timeout=0.5)
+            if result is not None and result.is_finished():
+                got = run_of(result)
+    finally:
+        manager.stop(block=True)
+    assert matched == [32]  # B found A's two full blocks
+    assert got is not None
+    assert_same([got], [_continued(model, handle, b, 32, max_new_tokens=8)])
+    assert_fp8_visible([got], [alone(model, b, max_new_tokens=8)])  # the FP8 prefix counts
+
+
+def _continued(model: Any, handle: Any, ids: list[int], cached: int, **kw: Any) -> Run:
+    """The patched model continuing from a cache that holds the first ``cached`` tokens of
+    ``ids`` (the later tokens attend over them in FP8): its new tokens and log-probabilities."""
+    cache = handle.new_cache()
+    with torch.no_grad():
+        model(torch.tensor([ids[:cached]]), **{_cache_kwarg(model): cache}, use_cache=True)
+    out = model.generate(
+        torch.tensor([ids]),
+        generation_config=gen_config(output_scores=True, return_dict_in_generate=True, **kw),
+        **{_cache_kwarg(model): cache},
+    )
+    toks = out.sequences[0, len(ids) :].tolist()
+    lps = [
+        float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks, strict=True)
+    ]
+    return toks, lps
+
+
+def test_num_return_sequences_copies_the_fp8_blocks() -> None:
+    """Parallel sampling: transformers prefills the prompt but its last token, then forks the
+    request (copying the FP8 blocks the copies do not share); each copy's last prompt token
+    attends over the FP8 pages. With ``top_k=1`` every copy draws the same tokens."""
+    model, handle, _ = models("per-tensor")
+    reqs = prompts((21, 40), seed=17)
+    greedy = {"do_sample": True, "top_k": 1}
+    out = model.generate_batch(
+        reqs,
+        generation_config=gen_config(num_return_sequences=3, **greedy),
+        continuous_batching_config=cb_config(),
+        warmup=False,
+    )
+    # transformers 5.24 returns the copies; 5.17 forks them too, but returns the prompts' own
+    assert len(out) == (6 if FLAVOUR == "allocators" else 2)
+    for i, ids in enumerate(reqs):
+        want = _continued(model, handle, ids, len(ids) - 1, **greedy)
+        copies = [
+            out[k] for k in (f"req_{i}", f"req_{i}__child#0", f"req_{i}__child#1") if k in out
+        ]
+        assert_same([run_of(c) for c in copies], [want] * len(copies))
+
+
+def _cache_kwarg(model: Any) -> str:
+    from kvquant.integrations.hf.patch import cache_kwarg_name
+
+    return "past_key_values" if cache_kwarg_name(model.model) == "past_key_values" else "cache"
+
+
+# ---------------------------------------------------------------------- sizing
+
+
+@pytest.mark.parametrize("fmt", ["per-tensor", "fp32-group"])
+def test_num_blocks_is_a_budget_the_fp8_cache_holds_more_blocks_of(fmt: str) -> None:
+    model, handle, _ = models(fmt)
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(), continuous_batching_config=cb_config(num_blocks=10)
+    )
+    manager.start()
+    try:
+        manager.add_request(prompts((5,))[0], request_id="x", max_new_tokens=2)
+        deadline = time.monotonic() + 60
+        while manager.batch_processor is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cache = manager.batch_processor.cache
+        layout = cache.kvq.layout
+    finally:
+        manager.stop(block=True)
+    # 10 fp32 blocks of 16 tokens, 2 layers, 2 KV heads of 16: 10 * 2*2*16*2*16*4 bytes
+    budget = 10 * 2 * 2 * 16 * 2 * 16 * 4
+    assert layout.dense_block_bytes(torch.float32) * 10 == budget
+    per_layer = 2 * 16 * 2 * 16  # FP8 K and V codes of one layer
+    if fmt == "fp32-group":  # + fp32 K and V scales: 16 tokens x 2 heads x 1 group of 16
+        per_layer += 2 * 128  # 2 * 4 * 16 * 2 * 1 = 256 bytes, each part 128-aligned
+    assert layout.bytes_per_block == 2 * per_layer
+    assert cache.num_blocks == budget // layout.bytes_per_block
+    assert cache.num_blocks == (40 if fmt == "per-tensor" else 32)
+    del handle
+
+
+def test_a_bf16_budget_holds_twice_the_blocks_in_fp8() -> None:
+    """Llama-3.2-1B shapes: 16 layers, 8 KV heads of 64, pages of 256 tokens."""
+    shape = dict(num_layers=16, page_size=256, num_kv_heads=8, head_dim=64)
+    per_tensor = continuous.BlockLayout(**shape)
+    assert per_tensor.dense_block_bytes(torch.bfloat16) == 2 * per_tensor.bytes_per_block
+    grouped = continuous.BlockLayout(**shape, n_groups=1)  # fp32 scales, G = 64
+    ratio = per_tensor.dense_block_bytes(torch.bfloat16) / grouped.bytes_per_block
+    assert ratio == pytest.approx(2 / (1 + 4 / 64))  # the group scales are counted
+
+
+def test_memory_sized_cache_counts_fp8_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No num_blocks: the free memory, less one step's activations, buys FP8 blocks."""
+    layout = continuous.BlockLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=16)
+    free = 8 << 20
+    monkeypatch.setattr(continuous, "_memory_breakdown", lambda: (free, 0, 0))
+    config = build("llama").config
+    cfg = cb_config(num_blocks=None, max_batch_tokens=64, max_memory_percent=0.5)
+    tokens, blocks = continuous.plan_blocks(cfg, config, layout, torch.float32)
+    step = 64 * (max(64 * 4 + VOCAB * 4, 4 * (64 + 64 + 64 + 128)) + 52)
+    assert tokens == 64
+    assert blocks == (free // 2 - 2 * layout.bytes_per_block - step) // (layout.bytes_per_block + 8)
+    monkeypatch.setattr(continuous, "_memory_breakdown", lambda: (4096, 0, 0))
+    with pytest.raises(CacheCapacityError, match="hold no FP8 block"):
+        continuous.plan_blocks(cfg, config, layout, torch.float32)
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def test_a_failure_in_the_batching_thread_reaches_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, _, _ = models("per-tensor")
+    calls = {"n": 0}
+    original = PagedLayerStorage.write
+
+    def failing(self: Any, *a: Any, **k: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] > 6:  # after a few steps, inside transformers' batching thread
+            raise CacheUsageError("kernel refused (test)")
+        original(self, *a, **k)
+
+    monkeypatch.setattr(PagedLayerStorage, "write", failing)
+    reqs = prompts()
+    with pytest.raises(CacheUsageError, match="kernel refused"):
+        model.generate_batch(
+            reqs,
+            generation_config=gen_config(),
+            continuous_batching_config=cb_config(),
+            warmup=False,
+        )
+    calls["n"] = 0
+    with pytest.raises(CacheUsageError, match="kernel refused"):
+        model.generate(
+            torch.tensor([reqs[0]]),
+            generation_config=gen_config(),
+            cache_implementation="paged",
+            continuous_batching_config=cb_config(),
+        )
+    calls["n"] = 0
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        manager.add_request(reqs[0], request_id="r", max_new_tokens=NEW)
+        with pytest.raises(CacheUsageError, match="kernel refused"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                manager.get_result(timeout=0.5)
+    finally:
+        manager.stop(block=True)
+    assert continuous.live_caches() == []
+
+
+def test_a_request_the_cache_cannot_hold_is_a_batching_error() -> None:
+    """transformers' own failure (no block left, nothing to offload) names kvquant's fix."""
+    model, _, _ = models("per-tensor")
+    req = prompts((60,))[0]
+    with pytest.raises(BatchingError, match="num_blocks") as info:
+        model.generate_batch(
+            [req],
+            generation_config=gen_config(max_new_tokens=40),
+            continuous_batching_config=cb_config(num_blocks=1),
+            warmup=False,
+        )
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, KVQuantError)
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"use_cuda_graph": True}, "use_cuda_graph"),
+        ({"page": 4}, "page size of at least 8"),
+    ],
+)
+def test_options_kvquant_cannot_honour_are_refused_in_the_callers_thread(
+    option: dict[str, Any], match: str
+) -> None:
+    model = biased_llama()
+    if "page" in option:  # 8 first tokens kept at full precision: pages of 4 cannot hold them
+        kvhf.patch(model, scales=k_transform_scales(model, first_tokens=8), backend="torch")
+    else:
+        kvhf.patch(model, scales=coarse((48.0,)), backend="torch")
+    with pytest.raises(OptionError, match=match):
+        model.generate_batch(
+            prompts((4,)),
+            generation_config=gen_config(),
+            continuous_batching_config=cb_config(**option),
+        )
+    assert model.config._attn_implementation == "kvquant"
+
+
+def test_sliding_window_models_are_refused_before_any_thread_starts() -> None:
+    model = build("mistral")
+    kvhf.patch(model, backend="torch")
+    with pytest.raises(UnsupportedModelError, match="full-attention layers only"):
+        model.generate_batch(
+            prompts((4,)), generation_config=gen_config(), continuous_batching_config=cb_config()
+        )
+
+
+# ---------------------------------------------------------------------- memory and removal
+
+
+def test_no_memory_left_after_the_manager_stops_and_after_remove(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the cyclic collector off (transformers' own gc.collect() calls neutralised too),
+    the FP8 buffer dies with the batch processor; remove() leaves nothing of kvquant."""
+    monkeypatch.setattr(gc, "collect", lambda *a, **k: 0)
+    monkeypatch.setattr(continuous, "_registry", {})  # other tests' patched models apart
+    gc.disable()
+    try:
+        model, handle, _ = models("fp32-group")
+        buffers: list[Any] = []
+        original = continuous.BatchingStorage.__init__
+
+        def spy(self: Any, buffer: torch.Tensor, *a: Any, **k: Any) -> None:
+            buffers.append(__import__("weakref").ref(buffer))
+            original(self, buffer, *a, **k)
+
+        monkeypatch.setattr(continuous.BatchingStorage, "__init__", spy)
+        model.generate_batch(
+            prompts(),
+            generation_config=gen_config(),
+            continuous_batching_config=cb_config(),
+            warmup=False,
+        )
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(), continuous_batching_config=cb_config()
+        )
+        manager.start()
+        manager.add_request(prompts((6,))[0], request_id="m", max_new_tokens=3)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            r = manager.get_result(timeout=0.5)
+            if r is not None and r.is_finished():
+                break
+        manager.stop(block=True)
+        del manager, r
+        assert len(buffers) == 2 and all(ref() is None for ref in buffers)
+        assert continuous.live_caches() == []
+        assert isinstance(continuous_api.PagedAttentionCache, continuous._CacheFactory)
+        handle.remove()
+        assert not isinstance(continuous_api.PagedAttentionCache, continuous._CacheFactory)
+        assert "init_continuous_batching" not in model.__dict__
+        assert "generate_batch" not in model.__dict__
+        assert not hasattr(model, "_kvquant_state")
+    finally:
+        gc.enable()
+
+
+def test_remove_gives_transformers_its_batching_back() -> None:
+    model, handle, ref = models("per-tensor")
+    reqs = prompts((7, 13), seed=2)
+    model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    handle.remove()
+    out = model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    assert [out[f"req_{i}"].generated_tokens for i in range(2)] == tokens(
+        [alone(ref, r) for r in reqs]
+    )
+
+
+def test_an_unpatched_model_keeps_transformers_cache_while_a_patched_one_batches() -> None:
+    model, _, ref = models("per-tensor")
+    reqs = prompts((7, 13), seed=4)
+    model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    assert isinstance(continuous_api.PagedAttentionCache, continuous._CacheFactory)
+    other = build("llama")
+    out = other.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    assert [out[f"req_{i}"].generated_tokens for i in range(2)] == tokens(
+        [alone(ref, r) for r in reqs]
+    )
+    assert continuous.live_caches() == []
+
+
+# ---------------------------------------------------------------------- the step plan
+
+
+def _kwargs(cu_q: list[int], cu_k: list[int], write: list[int], read: list[int]) -> dict[str, Any]:
+    i64 = torch.long
+    return {
+        "cu_seq_lens_q": torch.tensor(cu_q, dtype=torch.int32),
+        "cu_seq_lens_k": {"full_attention": torch.tensor(cu_k, dtype=torch.int32)},
+        "write_index": [torch.tensor(write, dtype=i64)],
+        "read_index": [torch.tensor(read, dtype=i64)],
+    }
+
+
+def test_the_step_plan_splits_prompts_from_paged_rows() -> None:
+    """Row 0: a prompt of 3; row 1: a decode step at position 17 (2 pages); row 2: the
+    second chunk of a split prompt (tokens 4..5 of 6, one page)."""
+    layout = continuous.BlockLayout(num_layers=1, page_size=16, num_kv_heads=1, head_dim=16)
+    write = [5 * 16 + 0, 5 * 16 + 1, 5 * 16 + 2, 8 * 16 + 1, 2 * 16 + 4, 2 * 16 + 5]
+    read = [5, 7, 8, 2]  # the page ids of each request, in batch order
+    plan = continuous.build_plan(_kwargs([0, 3, 4, 6], [0, 3, 21, 27], write, read), layout)
+    assert plan.tokens == 6
+    assert plan.slots.tolist() == [write]
+    assert plan.fresh == [(0, 3)]
+    assert len(plan.launches) == 1  # 2 paged rows of 1 and 2 queries: one launch
+    launch = plan.launches[0]
+    assert launch.gather.tolist() == [[3, 3], [4, 5]]
+    assert launch.valid.tolist() == [0, 2, 3]
+    assert launch.tokens.tolist() == [3, 4, 5]
+    assert launch.block_tables.tolist() == [[7, 8], [2, 2]]
+    assert launch.seq_lens.tolist() == [18, 6]
+    assert launch.q_lens.tolist() == [1, 2]
+
+
+def test_the_step_plan_gives_long_chunks_a_launch_of_their_own() -> None:
+    layout = continuous.BlockLayout(num_layers=1, page_size=4, num_kv_heads=1, head_dim=16)
+    # rows 0..2 decode (1 page each), row 3 a 10-token chunk after 2 cached tokens
+    cu_q, cu_k = [0, 1, 2, 3, 13], [0, 3, 3 + 2, 5 + 4, 9 + 12]
+    write = [1, 9, 13] + [20 + i for i in range(2, 12)]
+    read = [0, 2, 3, 5, 6, 7]
+    plan = continuous.build_plan(_kwargs(cu_q, cu_k, write, read), layout)
+    assert [launch.gather.shape[1] for launch in plan.launches] == [1, 10]
+    assert plan.launches[0].q_lens is None and plan.launches[0].valid is None
+    assert plan.launches[1].block_tables.tolist() == [[5, 6, 7]]
+
+
+def test_a_plan_that_does_not_match_the_batch_is_refused() -> None:
+    layout = continuous.BlockLayout(num_layers=1, page_size=16, num_kv_heads=1, head_dim=16)
+    with pytest.raises(BatchingError, match="write slots"):
+        continuous.build_plan(_kwargs([0, 2], [0, 2], [1], []), layout)
+    with pytest.raises(BatchingError, match="page ids"):
+        continuous.build_plan(_kwargs([0, 1], [0, 20], [3], [1]), layout)
+
+
+def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None:
+    layout = continuous.BlockLayout(
+        num_layers=2, page_size=4, num_kv_heads=2, head_dim=16, n_groups=2, first_tokens=1,
+        side_dtype=torch.float32,
+    )  # fmt: skip
+    blocks = 3
+    buffer = torch.zeros(blocks * layout.bytes_per_block, dtype=torch.uint8)
+    owner = torch.full((buffer.numel(),), -1)
+    for layer in range(2):
+        for i, (name, view) in enumerate(sorted(layout.views(buffer, layer, blocks).items())):
+            start = view.data_ptr() - buffer.data_ptr()
+            size = view.element_size()
+            offsets = torch.zeros(view.shape, dtype=torch.long)
+            for dim, stride in enumerate(view.stride()):
+                shape = [1] * view.dim()
+                shape[dim] = view.shape[dim]
+                offsets = offsets + torch.arange(view.shape[dim]).view(shape) * stride
+            for byte in range(size):
+                idx = start + offsets.reshape(-1) * size + byte
+                assert bool((owner[idx] == -1).all()), (layer, name)
+                owner[idx] = layer * 10 + i
+    storage = PagedLayerStorage(
+        blocks, 4, 2, 16, granularity="fp32-group", group_size=8, backend="torch",
+        pages={k: v for k, v in layout.views(buffer, 1, blocks).items() if not k.startswith("first")},
+    )  # fmt: skip
+    k = torch.randn(1, 5, 2, 16)
+    storage.write(k, k, torch.tensor([[0, 1, 2, 3, 4]]))
+    got = storage.dense(torch.tensor([[0, 1]], dtype=torch.int32), 5)[0]
+    assert float((got - k).abs().max()) <= float(k.abs().max()) / 8  # FP8 of the same keys
+    assert bool((buffer.view(-1, layout.bytes_per_block)[:, : layout.bytes_per_page] == 0).all())
+    assert math.isclose(layout.bytes_per_block % 128, 0)
+
+
+def test_the_kernels_read_the_batching_buffer_itself() -> None:
+    """No copy: every layer's FP8 pages are views of the one buffer transformers' cache holds."""
+    model, _, _ = models("fp32-group")
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        manager.add_request(prompts((5,))[0], request_id="x", max_new_tokens=2)
+        deadline = time.monotonic() + 60
+        while manager.batch_processor is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cache = manager.batch_processor.cache
+        buffer = cache.cache_tensor if FLAVOUR == "allocators" else cache.kvq_buffer
+        base = buffer.untyped_storage().data_ptr()
+        for storage in cache.kvq.layers:
+            for t in (
+                storage.k_pages,
+                storage.v_pages,
+                storage.k_group_scales,
+                storage.v_group_scales,
+            ):
+                assert t.untyped_storage().data_ptr() == base
+        assert buffer.numel() == cache.kvq.layout.bytes_per_block * cache.kvq.layers[0].num_pages
+    finally:
+        manager.stop(block=True)
+
+
+# ---------------------------------------------------------------------- GPU (Triton kernels)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
+    """CUDA, Triton kernels: the batch's paged launches and the lone request's decode steps run
+    the same kernels on the same pages (fp32 model, so that the projections round alike)."""
+    model, _, ref = models(fmt, "cuda")
+    reqs = prompts()
+    out = model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_no_memory_left_after_the_manager_stops_and_after_remove() -> None:
+    model, handle, _ = models("per-tensor", "cuda")
+    reqs = prompts()
+    alone(model, reqs[0])  # the allocator's and cuBLAS's first allocations happen here
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    handle.remove()
+    assert torch.cuda.memory_allocated() <= before

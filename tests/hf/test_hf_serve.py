@@ -1,0 +1,162 @@
+"""``kvquant serve``: transformers' OpenAI-compatible server over kvquant's FP8 cache.
+
+The server runs in its own process on 127.0.0.1 (a tiny fp32 Llama whose checkpoint
+carries coarse per-tensor KV scales, CPU, the torch backend). Concurrent chat requests
+go through a real HTTP client (the standard library's); each answer must be what the
+patched model's own ``generate`` says for that conversation alone. A malformed request
+gets the server's usual error and the server keeps serving. Needs transformers'
+serving extras (FastAPI, Uvicorn, pydantic, openai): skipped without them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_tiny import build, tokenizer
+
+import kvquant.integrations.hf as kvhf
+
+transformers = pytest.importorskip("transformers")
+from transformers.utils.import_utils import is_serve_available  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not is_serve_available(), reason="transformers' serving extras missing"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+QUESTIONS = [
+    ("What is FP8?", 8),
+    ("hello there", 5),
+    ("Tell me about paged attention, please.", 9),
+    ("x", 7),
+]
+
+
+def _checkpoint(folder: Path) -> Path:
+    """A tiny Llama saved with coarse per-tensor KV scales (as a patched model saves them)."""
+    model = build("llama")
+    scale = torch.tensor(48.0)
+    names = [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("k_scale", "v_scale")]
+    kvhf.patch(model, scales=dict.fromkeys(names, scale), backend="torch")
+    model.save_pretrained(folder)
+    tok = tokenizer()
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: Any, timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        text = err.read().decode(errors="replace")
+        try:
+            return err.code, json.loads(text)
+        except ValueError:
+            return err.code, {"text": text}
+
+
+def _expected(
+    folder: Path, question: str, max_tokens: int, patched: bool = True
+) -> tuple[str, int]:
+    """The patched model's own greedy ``generate`` for the conversation, decoded as the server
+    does (``patched=False``: the same model without kvquant)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.eval()
+    if patched:
+        kvhf.patch(model, backend="torch")  # the checkpoint's own scales, as the server finds them
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": [{"type": "text", "text": question}]}]
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    prompt = torch.tensor([ids["input_ids"]])
+    out = model.generate(prompt, max_new_tokens=max_tokens, do_sample=False)
+    new = out[0, prompt.shape[1] :].tolist()
+    return tok.decode(new, skip_special_tokens=True), len(new)
+
+
+def test_kvquant_serve_answers_concurrent_chats_like_generate(tmp_path: Path) -> None:
+    folder = _checkpoint(tmp_path / "tiny")
+    port = _free_port()
+    log = (tmp_path / "server.log").open("w")
+    options = "--host 127.0.0.1 --device cpu --backend torch --page-size 16 --num-blocks 64"
+    command = [sys.executable, "-m", "kvquant", "serve", str(folder), *options.split()]
+    command += ["--max-batch-tokens", "256", "--port", str(port)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError((tmp_path / "server.log").read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 180 s"
+            time.sleep(0.5)
+
+        def chat(item: tuple[str, int]) -> tuple[int, dict[str, Any]]:
+            question, max_tokens = item
+            body = {
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+            return _post(f"{base}/v1/chat/completions", body)
+
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            answers = list(pool.map(chat, QUESTIONS))
+        # a malformed request gets the server's error; the server then keeps serving
+        status, _ = _post(f"{base}/v1/chat/completions", b'{"messages": 3}')
+        assert 400 <= status < 600
+        again = chat(QUESTIONS[1])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+    server_log = (tmp_path / "server.log").read_text()
+    assert "kvquant: continuous-batching cache of" in server_log  # the FP8 cache served them
+    for (question, max_tokens), (status, body) in zip(QUESTIONS, answers, strict=True):
+        assert status == 200, body
+        text, count = _expected(folder, question, max_tokens)
+        assert body["choices"][0]["message"]["content"] == text
+        assert body["usage"]["completion_tokens"] == count
+    # FP8 changed some answer, so the equality above is not the unpatched model's
+    contents = [body["choices"][0]["message"]["content"] for _, body in answers]
+    assert contents != [_expected(folder, q, n, patched=False)[0] for q, n in QUESTIONS]
+    assert again[0] == 200
+    assert again[1]["choices"] == answers[1][1]["choices"]
