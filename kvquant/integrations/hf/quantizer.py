@@ -34,7 +34,7 @@ from typing import Any
 
 from kvquant.checkpoint.files import folder_named_by, locate_checkpoint
 from kvquant.errors import OptionTypeError, UnsupportedModelError
-from kvquant.integrations.transformers_quantizer import KVQuantConfig, KVQuantizer
+from kvquant.integrations.transformers_quantizer import SET_ASIDE, KVQuantConfig, KVQuantizer
 
 __all__ = ["KVQuantConfig", "KVQuantizer", "from_pretrained"]
 
@@ -130,7 +130,11 @@ def from_pretrained(
             del config.quantization_config
     if getattr(config, "quantization_config", None) is None and qc is None:
         qc = KVQuantConfig()
-    return cls.from_pretrained(str(path), config=config, quantization_config=qc, **kwargs)
+    token = SET_ASIDE.set(True)  # a producer config kept aside: transformers does not warn
+    try:
+        return cls.from_pretrained(str(path), config=config, quantization_config=qc, **kwargs)
+    finally:
+        SET_ASIDE.reset(token)
 
 
 def _drop_leftover_text_config(config: Any) -> None:
