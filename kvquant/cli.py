@@ -181,10 +181,37 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-def _load_for_calibration(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
-    """Load the model (its quantization_config dropped) and tokenizer, placed as asked."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files one of which a checkpoint folder with a tokenizer holds."""
+
+
+def _load_tokenizer(path: str, folder: Path) -> Any:
+    """The checkpoint's tokenizer, loaded before the model (a missing one fails fast)."""
+    from transformers import AutoTokenizer
+
+    from kvquant.errors import CalibrationError
+
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise CalibrationError(
+            f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); calibrate "
+            "turns the calibration text into tokens with the model's own tokenizer. Fix: copy "
+            "the tokenizer files of the model this checkpoint comes from into the folder "
+            "(kvquant demo's checkpoints are random models without one: calibrate a real model)."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CalibrationError(
+            f"{folder}: its tokenizer files do not load ({first}). Fix: copy the complete "
+            "tokenizer files of the model this checkpoint comes from into the folder."
+        ) from exc
+
+
+def _load_for_calibration(args: argparse.Namespace, path: str) -> Any:
+    """Load the model (its quantization_config dropped), placed as asked."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvquant.errors import CalibrationError
     from kvquant.integrations.hf.quantizer import quiet_loading
@@ -209,8 +236,7 @@ def _load_for_calibration(args: argparse.Namespace, path: str) -> tuple[Any, Any
     if args.device_map is None:
         model.to(_device(args.device))
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return model
 
 
 def _device(name: str | None) -> Any:
@@ -327,21 +353,22 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return _fail(args, exc, EXIT_USAGE, out, err)
     except ExportError as exc:  # --out is the source, inside it, or holds it
         return _fail(args, exc, EXIT_REJECTED, out, err)
-    try:
-        model, tokenizer = _load_for_calibration(args, path)
-    except KVQuantError as exc:
-        return _fail(args, exc, EXIT_USAGE, out, err)
-    except (OSError, ValueError, KeyError) as exc:
-        wrapped = CheckpointError(
-            f"could not load the model and tokenizer of {path} with transformers "
-            f"({type(exc).__name__}: {exc}). Fix: pass a folder that AutoModelForCausalLM and "
-            "AutoTokenizer load (tokenizer files included)."
-        )
-        return _fail(args, wrapped, EXIT_USAGE, out, err)
-    try:
+    try:  # the tokenizer and the data first: a missing one fails before the model loads
+        tokenizer = _load_tokenizer(path, found.path)
         data = _calibration_data(args, tokenizer)
     except KVQuantError as exc:
         return _fail(args, exc, EXIT_USAGE, out, err)
+    try:
+        model = _load_for_calibration(args, path)
+    except KVQuantError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        wrapped = CheckpointError(
+            f"transformers could not load the model of {path} ({type(exc).__name__}: {first}). "
+            "Fix: pass a folder AutoModelForCausalLM loads."
+        )
+        return _fail(args, wrapped, EXIT_USAGE, out, err)
     try:
         result = calibrate(
             model,
@@ -374,8 +401,18 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json:
         _print_json({"out": str(written), "convention": args.convention, **result.to_dict()}, out)
     else:
-        print(result.render(), file=out)
-        print(f"\nwrote {written} ({args.convention} convention, {result.granularity})", file=out)
+        from kvquant.calibration_report import READERS
+
+        width = _width(out)
+        print(result.render(full=args.full, width=width, cli=True), file=out)
+        readers = READERS.get(result.granularity, "kvquant")
+        import textwrap
+
+        text = (
+            f"wrote {written}: {result.granularity} scales in the {args.convention} "
+            f"convention, read by {readers}"
+        )
+        print("\n" + textwrap.fill(text, width=width, subsequent_indent="  "), file=out)
     return EXIT_OK
 
 
@@ -786,6 +823,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer files are always copied)",
     )
     cal.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    cal.add_argument(
+        "--full",
+        action="store_true",
+        help="print the per-layer tables (scales, and every format's error per layer)",
+    )
     cal.add_argument(
         "--json", action="store_true", help="print the calibration report (or the error) as JSON"
     )
