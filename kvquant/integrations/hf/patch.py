@@ -637,12 +637,13 @@ def _refuse_cache(cache: Any, name: str) -> NoReturn:
         raise CacheUsageError(
             f"{name}: got a {kind} (cache_implementation='static' or 'sliding_window', a "
             "StaticCache object, or generate's torch.compile route through them); kvquant's "
-            "attention reads only its own FP8 pages, and its paged cache cannot be compiled "
-            "(its allocator keeps host-side page tables and its kernels are not torch custom "
-            "ops), so a forward over this cache would attend without kvquant. Nothing was "
-            "written. Fix: drop cache_implementation (generate then uses kvquant's FP8 cache; on "
-            "CUDA its decode steps replay from CUDA graphs, cuda_graphs=None), or "
-            "handle.remove() to compile the model without kvquant."
+            "attention reads only its own FP8 pages, and generate's static route compiles the "
+            "whole model around a fixed-size cache, which kvquant's growing paged cache (its "
+            "page tables kept on the host) cannot be; a forward over this cache would attend "
+            "without kvquant. Nothing was written. Fix: drop cache_implementation (generate "
+            "then uses kvquant's FP8 cache; on CUDA its decode steps replay a CUDA graph of "
+            "compiled decoder layers, compile_step=None), or handle.remove() to compile the "
+            "model without kvquant."
         )
     raise CacheUsageError(
         f"{name}: got a {kind} (e.g. cache_implementation='quantized'); kvquant's "
