@@ -317,10 +317,10 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
     runs = payload["runs"]
     formats = _formats(runs)
     y = list(range(len(formats)))[::-1]  # the first format at the top
-    fig, axes = plt.subplots(2, 1, figsize=(9, 8.4), sharey=True)
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 8.8), sharey=True)
     panels = (
-        ("kl_mean", "mean KL to the unquantized model (nats, lower is better)", 1.0),
-        ("top1", "top-1 agreement with the unquantized model (%, higher is better)", 100.0),
+        ("kl_mean", "mean KL to unquantized (nats, lower is better)", 1.0),
+        ("top1", "top-1 agreement (%, higher is better)", 100.0),
     )
     for ax, (metric, title, mult) in zip(axes, panels, strict=True):
         for row, name in zip(y, formats, strict=True):
@@ -361,7 +361,7 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
         ax.set_yticks(y, [_label(f) for f in formats])
         ax.set_title(title, fontsize=11)
         ax.grid(axis="x", alpha=0.3)
-    axes[0].legend(loc="lower right", fontsize=10)
+    axes[0].legend(loc="lower right", fontsize=9)
     n = payload["evaluation"]["scored_positions"]
     fig.suptitle(f"SmolLM2-135M, simulated FP8 K/V, {n} scored positions", fontsize=11)
     fig.tight_layout()
@@ -372,9 +372,9 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
 def _label(name: str) -> str:
     """A format's name on one line for the plot's rows."""
     return (
-        name.replace("kvquant calibrate, k-transform", "k-transform, calibrated")
+        name.replace("kvquant calibrate, k-transform", "k-transform")
         .replace(" kvquant calibrate (", ", calibrated (")
-        .replace(" offset-only", ", offset only")
+        .replace(" offset-only", ", no rotation")
     )
 
 

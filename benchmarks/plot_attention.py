@@ -3,9 +3,9 @@
 Reads ``benchmarks/results/h200_attention_final.json`` (written by
 ``benchmarks/bench_attention.py``) and writes ``docs/assets/attention_h200.png``:
 
-* left: decode time per call in µs (log scale, lower is better) against the context,
+* top: decode time per call in µs (log scale, lower is better) against the context,
   one line per batch size, SDPA on a bf16 cache (dashed) and kvquant per-tensor (solid);
-* right: the same runs as speed-up over SDPA (higher is better), per-tensor and
+* bottom: the same runs as speed-up over SDPA (higher is better), per-tensor and
   fp32-group.
 
 Time, not effective bandwidth: FP8 moves half the bytes of bf16, so equal
@@ -45,7 +45,7 @@ def plot(results: dict[str, Any], out: Path, source: str) -> None:
     }
     x = list(range(len(CONTEXTS)))
     ticks = [f"{c // 1024}k" for c in CONTEXTS]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6), constrained_layout=True)
+    fig, (left, right) = plt.subplots(2, 1, figsize=(7.5, 9), constrained_layout=True)
     for i, batch in enumerate(BATCHES):
         color = f"C{i}"
         shape = [rows[(batch, c)] for c in CONTEXTS]
@@ -56,20 +56,19 @@ def plot(results: dict[str, Any], out: Path, source: str) -> None:
                    label=f"batch {batch}")  # fmt: skip
         right.plot(x, [r["group64"]["speedup_vs_sdpa"] for r in shape], ":", color=color)
     left.set_yscale("log")
-    left.set_ylabel("µs per decode call (lower is better)")
-    left.set_title("kvquant per-tensor (solid) and SDPA bf16 (dashed)")
+    left.set_ylabel("µs per call (lower is better)")
+    left.set_title("time: kvquant per-tensor (solid), SDPA bf16 (dashed)")
     right.axhline(1.0, color="k", linewidth=1)
-    right.set_ylabel("speed-up over SDPA (higher is better)")
-    right.set_title("kvquant per-tensor (solid), fp32-group (dotted)")
+    right.set_ylabel("speed-up (higher is better)")
+    right.set_title("speed-up over SDPA: per-tensor (solid), fp32-group (dotted)")
     for axis in (left, right):
         axis.set_xticks(x, ticks)
         axis.set_xlabel("context (tokens per sequence)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=10)
     fig.suptitle(
-        f"Decode attention of one layer (32 query / 8 KV heads, head_dim 128), eager launch, "
-        f"{results['gpu']} ({source})",
-        fontsize=11,
+        f"Decode attention, one layer (32/8 heads, head_dim 128), {results['gpu']}",
+        fontsize=12,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

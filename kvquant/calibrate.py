@@ -830,9 +830,14 @@ class CalibrationResult:
             lines.append(
                 field(
                     f"{kind.upper()} scales:",
-                    f"r = {min(ratios):.2f}..{max(ratios):.2f} (median "
-                    f"{statistics.median(ratios):.2f}) times amax / 448; at most "
-                    f"{100 * max(sat):.3f}% of a layer's values saturate",
+                    (
+                        f"r = {min(ratios):.2f}"
+                        if min(ratios) == max(ratios)
+                        else f"r = {min(ratios):.2f}..{max(ratios):.2f} (median "
+                        f"{statistics.median(ratios):.2f})"
+                    )
+                    + f" times amax / 448; at most {100 * max(sat):.3f}% of a layer's values "
+                    "saturate",
                 )
             )
         if full:

@@ -517,15 +517,15 @@ class CalibrationReport:
                 (
                     label,
                     _pct(scores[name]),
-                    f"{_pct(float(per_layer[worst]))} (layer {worst})",
+                    f"{_pct(float(per_layer[worst]))} ({worst})",
                     READERS.get(name, "kvquant"),
                 )
             )
         lines.append(
             render_table(
-                ("format", "error", "worst layer", "read by"),
+                ("format", "error", "worst (layer)", "read by"),
                 rows,
-                wrap={"format", "read by"},
+                wrap={"read by"},
                 right={"error"},
                 width=width,
             )
