@@ -260,17 +260,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _short(label: str) -> str:
-    """A tick label of a few short lines."""
-    return (
-        label.replace(" kvquant calibrate (", "\ncalibrated\n")
-        .replace("kvquant calibrate, k-transform", "k-transform\ncalibrated")
-        .replace(" offset-only", "\noffset-only")
-        .replace(")", "")
-        .replace(" G=", "\nG=")
-    )
-
-
 def jitter_control(
     runs: dict[str, dict[str, Any]], boots: dict[str, dict[str, torch.Tensor]]
 ) -> tuple[dict[str, Any], dict[str, float], list[dict[str, Any]]]:
@@ -314,48 +303,51 @@ def jitter_control(
 def plot(payload: dict[str, Any], path: str | Path) -> None:
     """KL divergence and top-1 agreement by format, with the static formats' jitter bands.
 
-    A static format's band spans its jitter family (scales x 1.00 ... 1.10, the
-    runs drawn as small dots); the per-head runs of ``kvquant calibrate`` are
-    drawn over the per-head band.
+    One row per format (its name on the left, readable at page width), the two metrics
+    stacked; a static format's band spans its jitter family (scales x 1.00 ... 1.10, the
+    runs drawn as small dots); the per-head runs of ``kvquant calibrate`` are drawn over
+    the per-head band.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.rcParams.update({"font.size": 11})
     runs = payload["runs"]
     formats = _formats(runs)
-    fig, axes = plt.subplots(1, 2, figsize=(15, 4.6))
+    y = list(range(len(formats)))[::-1]  # the first format at the top
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 8.8), sharey=True)
     panels = (
-        ("kl_mean", "mean KL to unquantized (nats)", 1.0),
-        ("top1", "top-1 agreement (%)", 100.0),
+        ("kl_mean", "mean KL to unquantized (nats, lower is better)", 1.0),
+        ("top1", "top-1 agreement (%, higher is better)", 100.0),
     )
     for ax, (metric, title, mult) in zip(axes, panels, strict=True):
-        for x, name in enumerate(formats):
+        for row, name in zip(y, formats, strict=True):
             pooled = runs[name]["pooled"]
             ax.errorbar(
-                x,
                 mult * pooled[metric],
-                yerr=mult * pooled["se"][metric],
+                row,
+                xerr=mult * pooled["se"][metric],
                 fmt="o",
                 color="C0",
                 capsize=4,
                 zorder=3,
-                label="run (block-bootstrap SE)" if x == 0 else None,
+                label="run (block-bootstrap SE)" if row == y[0] else None,
             )
             fmt = runs[name].get("format")
             family = fmt if fmt in payload["jitter"] else None
             if family is None:
                 continue
             j = payload["jitter"][family][metric]
-            ax.fill_between(
-                [x - 0.3, x + 0.3],
+            ax.fill_betweenx(
+                [row - 0.3, row + 0.3],
                 mult * j["min"],
                 mult * j["max"],
                 color="C1",
                 alpha=0.35,
                 zorder=2,
-                label="jitter band (scales x1.00-1.10)" if x == 0 else None,
+                label="jitter band (scales x 1.00-1.10)" if row == y[0] else None,
             )
             if "scale_factor" in runs[name]:
                 values = [
@@ -364,17 +356,26 @@ def plot(payload: dict[str, Any], path: str | Path) -> None:
                     if r.get("format") == family and "scale_factor" in r
                 ]
                 ax.scatter(
-                    [x] * len(values), [mult * v for v in values], s=10, color="C1", zorder=2
+                    [mult * v for v in values], [row] * len(values), s=12, color="C1", zorder=2
                 )
-        ax.set_xticks(range(len(formats)), [_short(f) for f in formats], fontsize=8)
-        ax.set_title(title)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(loc="lower left", fontsize=8)
+        ax.set_yticks(y, [_label(f) for f in formats])
+        ax.set_title(title, fontsize=11)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].legend(loc="lower right", fontsize=9)
     n = payload["evaluation"]["scored_positions"]
-    fig.suptitle(f"SmolLM2-135M, simulated FP8 K/V, {n} scored positions", fontsize=10)
+    fig.suptitle(f"SmolLM2-135M, simulated FP8 K/V, {n} scored positions", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _label(name: str) -> str:
+    """A format's name on one line for the plot's rows."""
+    return (
+        name.replace("kvquant calibrate, k-transform", "k-transform")
+        .replace(" kvquant calibrate (", ", calibrated (")
+        .replace(" offset-only", ", no rotation")
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

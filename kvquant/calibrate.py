@@ -790,11 +790,29 @@ class CalibrationResult:
         """:meth:`to_dict` as strict JSON."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-    def render(self) -> str:
-        """Plain-text report: what it calibrated on, how, and one row per layer."""
+    def render(self, *, full: bool = False, width: int = 100, cli: bool = False) -> str:
+        """Plain-text report: what it calibrated on and how, the scales chosen, the formats compared.
+
+        Args:
+            full: one row per layer (clipping ratios, saturation, MSE) and the
+                report's per-layer tables; default: their ranges in a few lines.
+            width: the widest a line may be.
+            cli: point at ``--full`` (the command line's flag) for the per-layer tables.
+        """
+        import statistics
         import textwrap
 
         from kvquant.tables import render_table
+
+        def field(label: str, text: str) -> str:
+            return textwrap.fill(
+                text,
+                width=width,
+                initial_indent=f"{label:<12}",
+                subsequent_indent=" " * 12,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
 
         source = "; ".join(self.texts) if self.texts else "token ids"
         lines = [f"calibrated: {self.num_layers} layers, {self.granularity} scales"]
@@ -803,40 +821,54 @@ class CalibrationResult:
             n = self.report.held_out_windows
             data += (
                 f" (and {n} sample{'s' if n != 1 else ''}, {self.report.held_out_tokens} "
-                "tokens held out for the report)"
+                "tokens held out for the comparison below)"
             )
-        for label, text in (
-            ("data:", data),
-            ("method:", self.method),
-        ):
+        lines += [field("data:", data), field("method:", self.method)]
+        for kind in ("k", "v"):
+            ratios = [r for lay in self.layers for r in getattr(lay, f"{kind}_ratio")]
+            sat = [getattr(lay, f"{kind}_saturation") for lay in self.layers]
             lines.append(
-                textwrap.fill(
-                    text,
-                    width=100,
-                    initial_indent=f"{label:<12}",
-                    subsequent_indent=" " * 12,
-                    break_long_words=False,
-                    break_on_hyphens=False,
+                field(
+                    f"{kind.upper()} scales:",
+                    (
+                        f"r = {min(ratios):.2f}"
+                        if min(ratios) == max(ratios)
+                        else f"r = {min(ratios):.2f}..{max(ratios):.2f} (median "
+                        f"{statistics.median(ratios):.2f})"
+                    )
+                    + f" times amax / 448; at most {100 * max(sat):.3f}% of a layer's values "
+                    "saturate",
                 )
             )
-        lines.append("")
-        header = ("layer", "K ratio", "K sat.", "K MSE/amax", "V ratio", "V sat.", "V MSE/amax")
-        rows = [
-            (
-                str(lay.layer),
-                _fmt_ratios(lay.k_ratio),
-                f"{100 * lay.k_saturation:.3f}%",
-                f"{lay.k_mse_vs_amax:.3f}",
-                _fmt_ratios(lay.v_ratio),
-                f"{100 * lay.v_saturation:.3f}%",
-                f"{lay.v_mse_vs_amax:.3f}",
+        if full:
+            lines.append("")
+            header: tuple[str, ...] = ("layer", "K ratio", "K sat.", "K MSE/amax", "V ratio")
+            header += ("V sat.", "V MSE/amax")
+            rows = [
+                (
+                    str(lay.layer),
+                    _fmt_ratios(lay.k_ratio),
+                    f"{100 * lay.k_saturation:.3f}%",
+                    f"{lay.k_mse_vs_amax:.3f}",
+                    _fmt_ratios(lay.v_ratio),
+                    f"{100 * lay.v_saturation:.3f}%",
+                    f"{lay.v_mse_vs_amax:.3f}",
+                )
+                for lay in self.layers
+            ]
+            numbers = set(header[1:])
+            lines.append(
+                render_table(header, rows, wrap={"K ratio", "V ratio"}, right=numbers, width=width)
             )
-            for lay in self.layers
-        ]
-        numbers = set(header[1:])
-        lines.append(render_table(header, rows, wrap={"K ratio", "V ratio"}, right=numbers))
+            lines.append(
+                field(
+                    "",
+                    "ratio: r of scale = r * amax / 448; sat.: values above r * amax; MSE/amax: "
+                    "the expected FP8 error at this scale over the error at amax / 448",
+                )
+            )
         if self.report is not None:
-            lines += ["", self.report.render()]
+            lines += ["", self.report.render(full=full, width=width, cli=cli)]
         return "\n".join(lines)
 
     def __str__(self) -> str:

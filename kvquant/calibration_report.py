@@ -400,14 +400,36 @@ class CalibrationReport:
 
     @property
     def recommendation(self) -> str:
-        """One sentence: the best static format and how dynamic G=32 compares."""
+        """What was written, its error and who reads it, and the formats that measured better.
+
+        For each group of readers (every engine; vLLM and kvquant; kvquant alone), the
+        best candidate that beats the written one is named with its error and how to
+        get it, so the advice never points at a format without saying who can load it.
+        """
         scores = self.scores
-        best = self.best_static
-        text = f"best static format: {best} (mean relative attention error {scores[best]:.4f})"
-        g32 = scores.get("fp32-group G=32")
-        if g32 is not None:
-            verb = "beats" if g32 < scores[best] else "does not beat"
-            text += f"; dynamic fp32-group G=32 ({g32:.4f}) {verb} it"
+        written = self.chosen
+        text = (
+            f"Written: {describe(written)} scales, error {_pct(scores[written])}, read by "
+            f"{READERS.get(written, 'kvquant')}."
+        )
+        better = []
+        seen_readers = set()
+        # the formats more engines read first; within a group of readers, the best one
+        for name in sorted(
+            self.candidates,
+            key=lambda n: (-len(READERS.get(n, "kvquant").split(",")), scores[n]),
+        ):
+            readers = READERS.get(name, "kvquant")
+            if scores[name] >= scores[written] or readers in seen_readers or name == written:
+                continue
+            seen_readers.add(readers)
+            better.append(
+                f"{describe(name)} {_pct(scores[name])} ({HOW.get(name, '')}; read by {readers})"
+            )
+        if better:
+            text += " Measured better here: " + "; ".join(better) + "."
+        else:
+            text += " No other format measured here does better."
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -427,6 +449,7 @@ class CalibrationReport:
             "best_static": self.best_static,
             "dynamic_g32_beats_best_static": self.dynamic_g32_beats_best_static,
             "recommendation": self.recommendation,
+            "read_by": {n: READERS.get(n, "kvquant") for n in self.candidates},
             "near_constant_rule": f"channel std < {NEAR_CONSTANT_RATIO} * |mean| (post-RoPE K, "
             "first tokens left out); share of sum k**2",
             "layers": [
@@ -452,68 +475,178 @@ class CalibrationReport:
         """:meth:`to_dict` as strict JSON."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-    def render(self) -> str:
-        """Two tables (per layer: fractions per head; errors per candidate) and the verdict."""
+    def render(self, *, full: bool = False, width: int = 100, cli: bool = False) -> str:
+        """The formats compared, the written scales' clipping, and the recommendation.
+
+        Args:
+            full: also the per-layer tables (errors per format; clipped and subnormal
+                fractions and near-constant K energy per KV head).
+            width: the widest a line may be.
+            cli: point at ``--full`` (the command line's flag) for the per-layer tables.
+        """
         import textwrap
 
-        from kvquant.tables import WIDTH, render_table
+        from kvquant.tables import render_table
 
-        def heads(t: torch.Tensor, i: int, mult: float = 100.0, digits: int = 2) -> str:
-            return "/".join(f"{mult * float(x):.{digits}f}" for x in t[i])
+        def fill(text: str, indent: str = "") -> str:
+            return textwrap.fill(
+                text,
+                width=width,
+                break_long_words=False,
+                break_on_hyphens=False,
+                initial_indent=indent,
+                subsequent_indent=indent + "  ",
+            )
 
-        def fill(text: str) -> str:
-            return textwrap.fill(text, width=WIDTH, break_long_words=False, subsequent_indent="  ")
-
-        n_layers = self.error.shape[1]
+        scores = self.scores
+        windows = f"{self.held_out_windows} sample{'s' if self.held_out_windows != 1 else ''}"
         lines = [
             fill(
-                f"calibration report: {self.held_out_tokens} held-out tokens "
-                f"({self.held_out_windows} window{'s' if self.held_out_windows != 1 else ''}); "
-                f"written format: {self.chosen}"
-            ),
-            fill(
-                "per layer, per KV head (a/b/...), in %: clipping and subnormal fractions at the "
-                "written scales, K energy in near-constant channels"
+                f"How each format does on {self.held_out_tokens} held-out tokens ({windows} the "
+                "scales never saw): relative error of the attention output, mean over layers "
+                "and KV heads; lower is better."
             ),
             "",
         ]
-        header = ("layer", "K clip", "K subn.", "V clip", "V subn.", "K near-const.")
-        rows = [
-            (
-                str(i),
-                heads(self.k_clip, i, digits=3),
-                heads(self.k_subnormal, i, digits=3),
-                heads(self.v_clip, i, digits=3),
-                heads(self.v_subnormal, i, digits=3),
-                heads(self.near_constant, i, digits=0),
+        rows = []
+        for c, name in enumerate(self.candidates):
+            per_layer = self.error[c].mean(dim=1)
+            worst = int(per_layer.argmax())
+            label = describe(name) + (" (written)" if name == self.chosen else "")
+            rows.append(
+                (
+                    label,
+                    _pct(scores[name]),
+                    f"{_pct(float(per_layer[worst]))} ({worst})",
+                    READERS.get(name, "kvquant"),
+                )
             )
-            for i in range(n_layers)
-        ]
-        lines.append(render_table(header, rows, wrap=set(header[1:]), right=set(header[1:])))
-        lines += ["", "relative attention-output error x 1000 (mean over KV heads)", ""]
-        short = [_short_name(n) for n in self.candidates]
-        errors: list[list[str]] = [
-            [str(i), *(f"{1000 * float(self.error[c, i].mean()):.2f}" for c in range(len(short)))]
-            for i in range(n_layers)
-        ]
-        errors.append(["mean", *(f"{1000 * s:.2f}" for s in self.scores.values())])
-        lines.append(render_table(("layer", *short), errors, right=set(short)))
-        lines += [""] + [f"{_short_name(n)} = {n}" for n in self.candidates if _short_name(n) != n]
-        lines += ["", *(fill(t) for t in (self.recommendation, *self.notes))]
+        lines.append(
+            render_table(
+                ("format", "error", "worst (layer)", "read by"),
+                rows,
+                wrap={"read by"},
+                right={"error"},
+                width=width,
+            )
+        )
+        lines.append("")
+        k_clip, v_clip = float(self.k_clip.max()), float(self.v_clip.max())
+        k_sub, v_sub = float(self.k_subnormal.max()), float(self.v_subnormal.max())
+        lines.append(
+            fill(
+                f"At the written scales, at most {_pct(k_clip, 3)} of a KV head's keys and "
+                f"{_pct(v_clip, 3)} of its values saturate, and at most {_pct(k_sub, 3)} and "
+                f"{_pct(v_sub, 3)} are subnormal (fewer significant bits). A median "
+                f"{_pct(float(self.near_constant.median()), 0)} of the keys' energy sits in "
+                "channels that barely change from token to token, which the k-transform's "
+                "offset removes."
+            )
+        )
+        if full:
+            lines += ["", fill("Per layer: relative attention-output error, in %"), ""]
+            labels = [_column(n) for n in self.candidates]
+            errors: list[list[str]] = [
+                [
+                    str(i),
+                    *(f"{100 * float(self.error[c, i].mean()):.2f}" for c in range(len(labels))),
+                ]
+                for i in range(self.error.shape[1])
+            ]
+            lines.append(render_table(("layer", *labels), errors, right=set(labels), width=width))
+            legend = [f"{_column(n)}: {describe(n)}" for n in self.candidates if _column(n) != n]
+            lines += [fill(", ".join(legend))] if legend else []
+            lines += [
+                "",
+                fill(
+                    "Per layer and KV head (a/b/...), in %: keys and values saturated or "
+                    "subnormal at the written scales; share of the keys' energy in "
+                    "near-constant channels"
+                ),
+                "",
+            ]
+            header: tuple[str, ...] = ("layer", "K saturated", "K subnormal", "V saturated")
+            header += ("V subnormal", "K near-constant")
+            heads = _heads
+            stats = [
+                (
+                    str(i),
+                    heads(self.k_clip, i, 3),
+                    heads(self.k_subnormal, i, 3),
+                    heads(self.v_clip, i, 3),
+                    heads(self.v_subnormal, i, 3),
+                    heads(self.near_constant, i, 0),
+                )
+                for i in range(self.error.shape[1])
+            ]
+            lines.append(
+                render_table(
+                    header, stats, wrap=set(header[1:]), right=set(header[1:]), width=width
+                )
+            )
+        else:
+            how = "--full" if cli else "render(full=True)"
+            lines.append(fill(f"(per layer: {how})"))
+        lines += ["", fill(self.recommendation), *(fill(t) for t in self.notes)]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.render()
 
 
-_SHORT = {
-    "fp32-group G=64": "G=64",
-    "fp32-group G=32": "G=32",
+READERS: dict[str, str] = {
+    "per-tensor": "kvquant, vLLM, SGLang",
+    "per-head": "kvquant, vLLM",
+    "fp32-group G=64": "kvquant",
+    "fp32-group G=32": "kvquant",
+    "k-transform (hadamard, first tokens)": "kvquant",
+    "k-transform (offset only, first tokens)": "kvquant",
+    "k-transform (hadamard, no first tokens)": "kvquant",
+}
+"""Who loads each candidate format (``kvquant export`` writes per-tensor and per-head for the engines)."""
+
+HOW: dict[str, str] = {
+    "per-tensor": "--format per-tensor",
+    "per-head": "--format per-head",
+    "fp32-group G=64": "no scales: kvquant computes them while serving",
+    "fp32-group G=32": "no scales: kvquant computes them while serving, group size 32",
+    "k-transform (hadamard, first tokens)": "--format k-transform",
+    "k-transform (offset only, first tokens)": "--format k-transform --rotation none",
+    "k-transform (hadamard, no first tokens)": "--format k-transform --first-tokens 0",
+}
+"""How to get each candidate format."""
+
+_DESCRIPTIONS = {
+    "per-tensor": "per-tensor",
+    "per-head": "per-head",
+    "fp32-group G=64": "dynamic, 64-channel groups",
+    "fp32-group G=32": "dynamic, 32-channel groups",
+    "k-transform (hadamard, first tokens)": "k-transform",
+    "k-transform (offset only, first tokens)": "k-transform, no rotation",
+    "k-transform (hadamard, no first tokens)": "k-transform, no exact first token",
+}
+
+_COLUMNS = {
+    "fp32-group G=64": "dyn-64",
+    "fp32-group G=32": "dyn-32",
     "k-transform (hadamard, first tokens)": "kt",
-    "k-transform (offset only, first tokens)": "kt-off",
+    "k-transform (offset only, first tokens)": "kt-norot",
     "k-transform (hadamard, no first tokens)": "kt-nofirst",
 }
 
 
-def _short_name(name: str) -> str:
-    return _SHORT.get(name, name)
+def describe(name: str) -> str:
+    """A candidate format's name in words (``"dynamic, 32-channel groups"``)."""
+    return _DESCRIPTIONS.get(name, name)
+
+
+def _column(name: str) -> str:
+    return _COLUMNS.get(name, name)
+
+
+def _pct(x: float, digits: int = 2) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def _heads(t: torch.Tensor, i: int, digits: int) -> str:
+    return "/".join(f"{100 * float(x):.{digits}f}" for x in t[i])

@@ -32,8 +32,11 @@ Subcommands:
 
 Every subcommand takes ``--json``: its result, or its error as a JSON object
 (``{"error": type, "message": ..., "exit_code": ..., "command": ...}`` on stdout,
-same exit codes). An exception no subcommand expects (a bug) exits with 3, never
-1, its traceback on stderr (``"error": "InternalError"`` with ``--json``). Every PATH follows one rule (:func:`checkpoint_dir`): a
+same exit codes); every object starts with ``"schema_version"``
+(:data:`JSON_SCHEMA_VERSION`). An exception no subcommand expects (a bug) exits with 3,
+never 1, its traceback on stderr (``"error": "InternalError"`` with ``--json``). When
+stdout's reader goes away early (``| head``) the command stops quietly with 141.
+Text output is laid out for the terminal's width (:func:`kvquant.tables.output_width`). Every PATH follows one rule (:func:`checkpoint_dir`): a
 checkpoint folder, or a file inside it (``config.json``, ``model.safetensors``)
 for its folder. ``doctor`` prints one row per distinct decision above 8 layers
 (``--full`` for every row).
@@ -73,6 +76,8 @@ EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
+EXIT_CLOSED_PIPE = 141
+"""The reader of stdout closed it early (128 + SIGPIPE, what a shell reports for such a command)."""
 
 _COMMANDS = ("doctor", "demo", "export", "calibrate", "serve")
 
@@ -96,9 +101,11 @@ def _doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         # CheckpointError (not a checkpoint) or an option the registry refuses
         return _fail(args, exc, EXIT_USAGE, out, err)
     if args.json:
-        print(report.to_json(), file=out)
+        _print_json(report.to_dict(), out)
     else:
-        print(report.render(full=True if args.full else None), file=out)
+        print(
+            report.render(full=True if args.full else None, width=_width(out), cli=True), file=out
+        )
     return report.exit_code
 
 
@@ -128,7 +135,10 @@ def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except KVQuantError as exc:
         # ExportError (the engine cannot take it) or the registry's ScaleFormatError
         return _fail(args, exc, EXIT_REJECTED, out, err)
-    print(report.to_json() if args.json else report.render(), file=out)
+    if args.json:
+        _print_json(report.to_dict(), out)
+    else:
+        print(report.render(width=_width(out)), file=out)
     return EXIT_OK
 
 
@@ -171,12 +181,40 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-def _load_for_calibration(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
-    """Load the model (its quantization_config dropped) and tokenizer, placed as asked."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files one of which a checkpoint folder with a tokenizer holds."""
+
+
+def _load_tokenizer(path: str, folder: Path) -> Any:
+    """The checkpoint's tokenizer, loaded before the model (a missing one fails fast)."""
+    from transformers import AutoTokenizer
 
     from kvquant.errors import CalibrationError
+
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise CalibrationError(
+            f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); calibrate "
+            "turns the calibration text into tokens with the model's own tokenizer. Fix: copy "
+            "the tokenizer files of the model this checkpoint comes from into the folder "
+            "(kvquant demo's checkpoints are random models without one: calibrate a real model)."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CalibrationError(
+            f"{folder}: its tokenizer files do not load ({first}). Fix: copy the complete "
+            "tokenizer files of the model this checkpoint comes from into the folder."
+        ) from exc
+
+
+def _load_for_calibration(args: argparse.Namespace, path: str) -> Any:
+    """Load the model (its quantization_config dropped), placed as asked."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvquant.errors import CalibrationError
+    from kvquant.integrations.hf.quantizer import quiet_loading
 
     config = AutoConfig.from_pretrained(path)
     for holder in (config, getattr(config, "text_config", None)):
@@ -193,12 +231,12 @@ def _load_for_calibration(args: argparse.Namespace, path: str) -> tuple[Any, Any
                 "installed. Fix: pip install accelerate, or pass --device cuda (one device)."
             )
         kwargs["device_map"] = args.device_map
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    with quiet_loading():  # no load bars or UNEXPECTED-keys report amid the command's output
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if args.device_map is None:
         model.to(_device(args.device))
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return model
 
 
 def _device(name: str | None) -> Any:
@@ -315,21 +353,22 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return _fail(args, exc, EXIT_USAGE, out, err)
     except ExportError as exc:  # --out is the source, inside it, or holds it
         return _fail(args, exc, EXIT_REJECTED, out, err)
-    try:
-        model, tokenizer = _load_for_calibration(args, path)
-    except KVQuantError as exc:
-        return _fail(args, exc, EXIT_USAGE, out, err)
-    except (OSError, ValueError, KeyError) as exc:
-        wrapped = CheckpointError(
-            f"could not load the model and tokenizer of {path} with transformers "
-            f"({type(exc).__name__}: {exc}). Fix: pass a folder that AutoModelForCausalLM and "
-            "AutoTokenizer load (tokenizer files included)."
-        )
-        return _fail(args, wrapped, EXIT_USAGE, out, err)
-    try:
+    try:  # the tokenizer and the data first: a missing one fails before the model loads
+        tokenizer = _load_tokenizer(path, found.path)
         data = _calibration_data(args, tokenizer)
     except KVQuantError as exc:
         return _fail(args, exc, EXIT_USAGE, out, err)
+    try:
+        model = _load_for_calibration(args, path)
+    except KVQuantError as exc:
+        return _fail(args, exc, EXIT_USAGE, out, err)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        wrapped = CheckpointError(
+            f"transformers could not load the model of {path} ({type(exc).__name__}: {first}). "
+            "Fix: pass a folder AutoModelForCausalLM loads."
+        )
+        return _fail(args, wrapped, EXIT_USAGE, out, err)
     try:
         result = calibrate(
             model,
@@ -360,19 +399,25 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except KVQuantError as exc:  # CalibrationError, UnsupportedModelError, ExportError
         return _fail(args, exc, EXIT_REJECTED, out, err)
     if args.json:
-        import json
-
-        payload = {"out": str(written), "convention": args.convention, **result.to_dict()}
-        print(json.dumps(payload, indent=2, allow_nan=False), file=out)
+        _print_json({"out": str(written), "convention": args.convention, **result.to_dict()}, out)
     else:
-        print(result.render(), file=out)
-        print(f"\nwrote {written} ({args.convention} convention, {result.granularity})", file=out)
+        from kvquant.calibration_report import READERS
+
+        width = _width(out)
+        print(result.render(full=args.full, width=width, cli=True), file=out)
+        readers = READERS.get(result.granularity, "kvquant")
+        import textwrap
+
+        text = (
+            f"wrote {written}: {result.granularity} scales in the {args.convention} "
+            f"convention, read by {readers}"
+        )
+        print("\n" + textwrap.fill(text, width=width, subsequent_indent="  "), file=out)
     return EXIT_OK
 
 
 def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import io
-    import json
 
     from kvquant.demo import check_workdir, run_demo
 
@@ -382,7 +427,7 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except KVQuantError as exc:
         return _fail(args, exc, EXIT_USAGE, out, err)
     if not args.json:
-        run_demo(out, workdir=args.keep)
+        run_demo(out, workdir=args.keep, width=_width(out))
         return EXIT_OK
     ctx = run_demo(io.StringIO(), workdir=args.keep)
     payload = {
@@ -397,7 +442,7 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         },
         "generate": ctx.extra.get("generate"),
     }
-    print(json.dumps(payload, indent=2, allow_nan=False), file=out)
+    _print_json(payload, out)
     return EXIT_OK
 
 
@@ -438,10 +483,28 @@ def _fail(args: argparse.Namespace, exc: BaseException, code: int, out: TextIO, 
 def _print_json_error(
     kind: str, message: str, code: int, out: TextIO, *, command: str | None
 ) -> None:
+    _print_json({"error": kind, "message": message, "exit_code": code, "command": command}, out)
+
+
+JSON_SCHEMA_VERSION = 1
+"""``schema_version`` of every JSON object the command line prints (raised when a key changes
+meaning or goes away; new keys may appear without it)."""
+
+
+def _print_json(payload: dict[str, Any], out: TextIO) -> None:
+    """Print one strict JSON object (no NaN literals), ``schema_version`` first."""
     import json
 
-    payload = {"error": kind, "message": message, "exit_code": code, "command": command}
-    print(json.dumps(payload, indent=2), file=out)
+    print(
+        json.dumps({"schema_version": JSON_SCHEMA_VERSION, **payload}, indent=2, allow_nan=False),
+        file=out,
+    )
+
+
+def _width(out: TextIO) -> int:
+    from kvquant.tables import output_width
+
+    return output_width(out)
 
 
 # ---------------------------------------------------------------------------
@@ -761,6 +824,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--force", action="store_true", help="replace OUT if it exists")
     cal.add_argument(
+        "--full",
+        action="store_true",
+        help="print the per-layer tables (scales, and every format's error per layer)",
+    )
+    cal.add_argument(
         "--json", action="store_true", help="print the calibration report (or the error) as JSON"
     )
     cal.set_defaults(func=_calibrate)
@@ -844,7 +912,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     handler: Callable[[argparse.Namespace, TextIO, TextIO], int] = args.func
     try:
-        return handler(args, sys.stdout, sys.stderr)
+        code = handler(args, sys.stdout, sys.stderr)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # the reader went away (``kvquant doctor ... | head``)
+        return _closed_pipe()
     except Exception as exc:  # a bug must not exit 1 ("refused"), nor break --json
         import traceback
 
@@ -861,3 +933,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"kvquant {args.command}: internal error: {message}", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _closed_pipe() -> int:
+    """Stop quietly when stdout's reader has gone: no traceback, nothing more written there."""
+    import os
+
+    try:  # Python would flush stdout again at exit and report the same error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (a test's buffer)
+        pass
+    return EXIT_CLOSED_PIPE

@@ -64,6 +64,7 @@ class DemoContext:
     Attributes:
         workdir: the temporary folder the checkpoints live in.
         out: where the story is printed.
+        width: the columns the story is laid out for.
         checkpoints: key -> (demo checkpoint, its folder), filled by the build step.
         reports: key -> :class:`kvquant.report.CheckpointReport`, filled by the doctor step.
         extra: free space for later steps.
@@ -71,14 +72,22 @@ class DemoContext:
 
     workdir: Path
     out: TextIO
+    width: int = 100
     checkpoints: dict[str, tuple[DemoCheckpoint, Path]] = field(default_factory=dict)
     reports: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def say(self, text: str = "", *, wrap: bool = True) -> None:
-        """Print one paragraph of the story (wrapped at 100 columns unless ``wrap=False``)."""
-        if wrap and "\n" not in text and len(text) > 100:
-            text = textwrap.fill(text, width=100, break_on_hyphens=False)
+        """Print one paragraph of the story (wrapped at :attr:`width` columns unless ``wrap=False``)."""
+        if wrap and "\n" not in text and len(text) > self.width:
+            indent = text[: len(text) - len(text.lstrip(" "))]
+            text = textwrap.fill(
+                text.lstrip(" "),
+                width=self.width,
+                initial_indent=indent,
+                subsequent_indent=indent + ("    " if indent else ""),
+                break_on_hyphens=False,
+            )
         print(text, file=self.out)
 
 
@@ -218,7 +227,7 @@ def _step_doctor(ctx: DemoContext) -> None:
         ctx.say(f"--- {ckpt.title} ({key}) ---")
         ctx.say(ckpt.story)
         ctx.say(f"$ kvquant doctor {path}", wrap=False)
-        ctx.say(report.render(), wrap=False)
+        ctx.say(report.render(width=ctx.width, cli=True), wrap=False)
         ctx.say(f"(exit code {report.exit_code})")
 
 
@@ -227,7 +236,7 @@ def _step_summary(ctx: DemoContext) -> None:
     width = max((len(k) for k in ctx.reports), default=4)
     for key, report in ctx.reports.items():
         verdict = "loads" if report.ok else "REJECTED"
-        ctx.say(f"  {key:<{width}}  {verdict:<8}  {report.summary}", wrap=False)
+        ctx.say(f"  {key:<{width}}  {verdict:<8}  {report.summary}")
     ctx.say()
     ctx.say(
         "Try it on your own checkpoint: `kvquant doctor /path/to/model` "
@@ -267,14 +276,24 @@ def _step_generate(ctx: DemoContext) -> None:
     and the ``modelopt`` one through the load-time hook
     (``from_pretrained(..., quantization_config=kvquant.KVQuantConfig())``).
     """
+    from kvquant.integrations.hf.quantizer import quiet_loading
+
+    logger = logging.getLogger("kvquant")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # the story says what patch decided
+    try:
+        with quiet_loading():  # no load bars, no UNEXPECTED-keys report in the story
+            _generate_story(ctx)
+    finally:
+        logger.setLevel(level)
+
+
+def _generate_story(ctx: DemoContext) -> None:
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM
 
     import kvquant
 
-    transformers.logging.set_verbosity_error()  # the UNEXPECTED-keys table of plain loads
-    logging.getLogger("kvquant").setLevel(logging.WARNING)
     _, legacy = ctx.checkpoints["legacy"]
     _, modelopt = ctx.checkpoints["modelopt"]
 
@@ -297,12 +316,11 @@ def _step_generate(ctx: DemoContext) -> None:
     new_out = out.sequences[:, ids.shape[1] :]
     agree = float((new_ref == new_out).float().mean())
     cos = min(_cosine(a, b) for a, b in zip(ref.logits, out.logits, strict=True))
-    ctx.say(f"  scales in use: {handle.scales.granularity} (from {legacy.name}/)", wrap=False)
+    ctx.say(f"  scales in use: {handle.scales.granularity} (from {legacy.name}/)")
     ctx.say(f"  cache object:  {type(cache).__name__}", wrap=False)
     ctx.say(
         f"  {NEW_TOKENS} greedy tokens x 2 sequences: {agree:.0%} identical to unpatched; "
-        f"lowest per-step logit cosine {cos:.5f}",
-        wrap=False,
+        f"lowest per-step logit cosine {cos:.5f}"
     )
 
     pool = cache.memory_bytes()["total"]
@@ -314,8 +332,7 @@ def _step_generate(ctx: DemoContext) -> None:
     ctx.say(
         f"  KV memory for {ids.shape[0]} x {tokens} tokens: {fp8:,} bytes in FP8 pages "
         f"(scales included) vs {bf16:,} bytes in a bf16 DynamicCache ({fp8 / bf16:.0%}); "
-        f"the page pool reserves {pool:,} bytes up front",
-        wrap=False,
+        f"the page pool reserves {pool:,} bytes up front"
     )
     handle.remove()
     after = _greedy(model, ids)
@@ -327,7 +344,7 @@ def _step_generate(ctx: DemoContext) -> None:
         "bf16_bytes": bf16,
         "restored": same,
     }
-    ctx.say(f"  handle.remove(): tokens identical to before patching: {same}", wrap=False)
+    ctx.say(f"  handle.remove(): tokens identical to before patching: {same}")
 
     ctx.say()
     ctx.say(
@@ -343,8 +360,7 @@ def _step_generate(ctx: DemoContext) -> None:
     ctx.say(
         f"  patched at load: {scales.granularity} scales for {len(scales.layers)} layers; "
         f"generated {out2.sequences.shape[1] - ids.shape[1]} tokens with "
-        f"{type(_cache_of(out2)).__name__}",
-        wrap=False,
+        f"{type(_cache_of(out2)).__name__}"
     )
 
 
@@ -423,6 +439,7 @@ def run_demo(
     *,
     workdir: Path | None = None,
     steps: Sequence[DemoStep] | None = None,
+    width: int = 100,
 ) -> DemoContext:
     """Run the demo steps and print the story.
 
@@ -431,6 +448,7 @@ def run_demo(
         workdir: keep the checkpoints in this folder (default: a temporary
             folder deleted afterwards).
         steps: the steps to run (default :data:`DEMO_STEPS`).
+        width: the columns the story is laid out for (``kvquant demo``: the terminal's).
 
     Returns:
         The context after the last step (checkpoint paths may be gone when
@@ -445,7 +463,7 @@ def run_demo(
     started = time.perf_counter()
 
     def _run(folder: Path) -> DemoContext:
-        ctx = DemoContext(workdir=folder, out=stream)
+        ctx = DemoContext(workdir=folder, out=stream, width=width)
         for i, step in enumerate(chosen, 1):
             ctx.say()
             ctx.say(f"== Step {i}/{len(chosen)}: {step.title} ==")

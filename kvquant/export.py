@@ -267,8 +267,8 @@ class ExportReport:
         """Return :meth:`to_dict` as strict JSON."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-    def render(self) -> str:
-        """Plain-text summary: header, one row per layer, notes and warnings."""
+    def render(self, width: int = WIDTH) -> str:
+        """Plain-text summary: header, one row per layer, notes and warnings, at most ``width`` columns."""
         lines = [
             f"exported:   {self.source} -> {self.out}",
             f"engine:     {self.engine} ({self.granularity})",
@@ -283,7 +283,7 @@ class ExportReport:
             )
             lines.append(
                 textwrap.fill(
-                    cost, width=WIDTH, initial_indent="cost:       ", subsequent_indent=" " * 12
+                    cost, width=width, initial_indent="cost:       ", subsequent_indent=" " * 12
                 )
             )
         k_pattern = _name_pattern([(layer.layer, layer.k_name) for layer in self.layers])
@@ -309,7 +309,13 @@ class ExportReport:
                 )
             )
         lines.append(
-            render_table(header, rows, wrap={"K tensor", "V tensor", "K", "V"}, right={"max/min"})
+            render_table(
+                header,
+                rows,
+                wrap={"K tensor", "V tensor", "K", "V"},
+                right={"max/min"},
+                width=width,
+            )
         )
         for title, items in (("notes:", self.notes), ("warnings:", self.warnings)):
             if items:
@@ -317,7 +323,7 @@ class ExportReport:
                 lines.extend(
                     textwrap.fill(
                         item,
-                        width=WIDTH,
+                        width=width,
                         initial_indent="  - ",
                         subsequent_indent="    ",
                         break_long_words=False,

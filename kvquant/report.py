@@ -161,14 +161,18 @@ class CheckpointReport:
         """Return :meth:`to_dict` as strict JSON (no NaN literals)."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-    def render(self, *, full: bool | None = None, width: int = WIDTH) -> str:
+    def render(self, *, full: bool | None = None, width: int = WIDTH, cli: bool = False) -> str:
         """Render the report as plain text: a header, a table, findings and notes.
 
         Args:
             full: one table row per layer and K/V (True), or one row per distinct
-                decision with the layers it covers (False: the summary view);
-                default: full up to :data:`SUMMARY_ABOVE` layers, the summary above.
+                decision with the layers it covers (False: the summary view: rows
+                that differ only in their numbers are one row, with each number's
+                range); default: full up to :data:`SUMMARY_ABOVE` layers, the summary above.
             width: the widest a line may be (long reasons are numbered under the table).
+            cli: name options as ``kvquant doctor``'s flags (``--full``,
+                ``--rope-policy widen``) instead of Python's (``render(full=True)``,
+                ``rope_policy='widen'``).
 
         Returns:
             The report as text.
@@ -193,6 +197,11 @@ class CheckpointReport:
             lines.append(f"format:     {formats.pop()} (every row)")
             header = header[:5] + header[6:]
             groups = [row[:5] + row[6:] for row in groups]
+        reasons = {row[-1] for row in groups}
+        if len(groups) > 1 and len(reasons) == 1:  # one reason for every row: said once
+            lines.append(_wrapped(f"why:        {reasons.pop()} (every row)", width, indent=""))
+            header = header[:-1]
+            groups = [row[:-1] for row in groups]
         lines.append("")
         if not groups:
             lines.append("(no layers)")
@@ -206,16 +215,23 @@ class CheckpointReport:
             table = []
             for row in groups:
                 why = row[-1]
-                if len(why) > room:
+                if header[-1] == "why" and len(why) > room:
                     why = f"see [{notes.setdefault(why, len(notes) + 1)}]"
                 table.append((*row[:-1], why))
-            lines.append(render_table(header, table, wrap={"why"}, width=width))
+            lines.append(
+                render_table(header, table, wrap={"why", "value", "stored", "tensor"}, width=width)
+            )
             for why, n in notes.items():
                 lines.append(_wrapped(f"[{n}] {why}", width, indent=""))
             if not full:
+                how = "--full" if cli else "render(full=True)"
                 lines.append(
-                    f"(summary: one row per distinct decision; --full or render(full=True) "
-                    f"lists all {len(self.rows)} rows)"
+                    _wrapped(
+                        f"(summary: one row per distinct decision; {how} lists all "
+                        f"{len(self.rows)} rows)",
+                        width,
+                        indent="",
+                    )
                 )
         if self.findings or self.notes:
             lines.append("")
@@ -230,10 +246,21 @@ class CheckpointReport:
             lines.append("")
             lines.append("problems:")
             lines.extend(_wrapped(f"- {p}", width) for p in extra_problems)
-        return "\n".join(lines)
+        text = "\n".join(lines)
+        return _OPTION_SPELLING.sub(_flag, text) if cli else text
 
     def __str__(self) -> str:
         return self.render()
+
+
+_OPTION_SPELLING = re.compile(
+    r"\((scale_format|missing_scales|missing_kv|group_size|rope_policy)=(['\"]?)([\w.-]+)\2\)"
+)
+"""A resolve option named in parentheses, Python-style: ``(rope_policy='widen')``."""
+
+
+def _flag(m: re.Match[str]) -> str:
+    return f"(--{m.group(1).replace('_', '-')} {m.group(3)})"
 
 
 SUMMARY_ABOVE = 8
@@ -284,35 +311,58 @@ def _group_rows(
             )
             for r in rows
         ]
-    groups: dict[tuple[str, ...], list[ScaleRecord]] = {}
+    groups: dict[tuple[str, ...], list[tuple[ScaleRecord, list[str]]]] = {}
     for r in rows:
-        layer_free = re.sub(rf"(\blayers?[ .]){r.layer}(?=\D|$)", r"\1N", r.reason)
+        reason = re.sub(rf"(\blayers?[ .]){r.layer}(?=\D|$)", r"\1N", r.reason)
+        numbers: list[str] = []
+        if r.action != "reject":  # a rejected row keeps its exact reason (shapes, values)
+            numbers = _NUMBER.findall(reason)
+            reason = _NUMBER.sub("\0", reason)
         key = (
             r.kind.upper(),
             _short_tensor(r, producer, prefix),
             _fmt_stored(r),
             r.format or "-",
             r.action,
-            layer_free,
+            reason,
         )
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(key, []).append((r, numbers))
     out: list[tuple[str, ...]] = []
-    for (kind, tensor, stored, fmt, action, reason), members in groups.items():
-        mins = [r.raw_min for r in members if r.raw_min is not None]
-        maxs = [r.raw_max for r in members if r.raw_max is not None]
+    for (kind, tensor, stored, fmt, action, template), members in groups.items():
+        records = [r for r, _ in members]
+        mins = [r.raw_min for r in records if r.raw_min is not None]
+        maxs = [r.raw_max for r in records if r.raw_max is not None]
         out.append(
             (
-                format_layers(r.layer for r in members),
+                format_layers(r.layer for r in records),
                 kind,
                 tensor,
                 stored,
                 _fmt_range(min(mins) if mins else None, max(maxs) if maxs else None),
                 fmt,
                 action,
-                reason,
+                _fill_numbers(template, [numbers for _, numbers in members]),
             )
         )
     return out
+
+
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:e[+-]?\d+)?(?![\w.])")
+"""A number standing alone in a reason (not part of a name such as ``float32``)."""
+
+
+def _fill_numbers(template: str, numbers: Sequence[Sequence[str]]) -> str:
+    """A grouped reason: each number of the members' reasons, or its range (``1.2..4.5``)."""
+    parts = template.split("\0")
+    if len(parts) == 1:
+        return template
+    out = [parts[0]]
+    for i, tail in enumerate(parts[1:]):
+        values = [float(n[i]) for n in numbers]
+        lo, hi = min(values), max(values)
+        out.append(_fmt_num(lo) if lo == hi else f"{_fmt_num(lo)}..{_fmt_num(hi)}")
+        out.append(tail)
+    return "".join(out)
 
 
 def _fmt_range(lo: float | None, hi: float | None) -> str:

@@ -2,19 +2,47 @@
 
 Tables are laid out by `rich <https://rich.readthedocs.io>`_ without colour or
 box characters, so the text is the same on a terminal, in a pipe and in a log
-file, and fits in :data:`WIDTH` columns: columns named in ``wrap`` fold their
-long cells onto further lines instead of widening the table.
+file, and fits in the width asked for: columns named in ``wrap`` fold their
+long cells onto further lines instead of widening the table. The command line
+lays its reports out for the terminal (:func:`output_width`).
 """
 
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Collection, Sequence
+from typing import TextIO
 
-__all__ = ["WIDTH", "render_table"]
+__all__ = ["MIN_WIDTH", "WIDTH", "output_width", "render_table"]
 
 WIDTH = 100
-"""The width every report is laid out for."""
+"""The widest a report is laid out (and its width when the output is no terminal)."""
+
+MIN_WIDTH = 60
+"""The narrowest a report is laid out, however narrow the terminal."""
+
+
+def output_width(stream: TextIO) -> int:
+    """The columns to lay a report out for when printing it to ``stream``.
+
+    rich's detection decides: the ``COLUMNS`` environment variable, else the size of
+    the terminal. Output that goes to no terminal (a pipe, a file) without
+    ``COLUMNS`` is laid out for :data:`WIDTH`. The result is kept within
+    :data:`MIN_WIDTH` .. :data:`WIDTH`: wider lines are harder to read.
+
+    Args:
+        stream: where the report will be printed (``sys.stdout``).
+
+    Returns:
+        A width in columns.
+    """
+    from rich.console import Console
+
+    console = Console(file=stream)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        return WIDTH
+    return max(MIN_WIDTH, min(console.width, WIDTH))
 
 
 def render_table(

@@ -543,7 +543,7 @@ def test_cli_calibrate_on_a_dataset_writes_what_it_did(
     flat = " ".join(captured.out.split())  # the report wraps at 100 columns
     # the last sample (a quarter at most) is held out to measure the candidate formats
     assert f"dataset {data}, split train, column text: 4 samples, 400 tokens" in flat
-    assert "(and 1 sample, 100 tokens held out for the report)" in flat
+    assert "(and 1 sample, 100 tokens held out for the comparison below)" in flat
     assert "clipping search" in flat
     assert "calibrating" in captured.err and "writing out" in captured.err  # progress bars
     lines = [line for line in captured.out.splitlines() if str(tmp_path) not in line]
@@ -705,3 +705,63 @@ def test_smollm2_calibrated_perplexity(tmp_path: Path, smollm2_dir: Path) -> Non
         assert calibrated <= deltas[f"{granularity} amax"] + 0.75
         assert calibrated < 2.0
     assert not math.isnan(sum(deltas.values()))
+
+
+def test_cli_refuses_a_checkpoint_without_a_tokenizer_before_loading_the_model(
+    tiny: Any, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    from kvquant.cli import main
+    from kvquant.testing.checkpoints import write_checkpoint
+
+    src = write_checkpoint(tmp_path / "demo", convention="modelopt")  # no tokenizer files
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox. " * 40, encoding="utf-8")
+
+    def loaded(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    argv = ["calibrate", str(src), "--out", str(tmp_path / "out"), "--text", str(text)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and "Fix: copy the tokenizer files" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert main([*argv, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == "CalibrationError"
+
+
+def test_the_recommendation_names_what_was_written_and_who_reads_each_format() -> None:
+    from kvquant.calibration_report import READERS, CalibrationReport
+
+    names = ("per-tensor", "per-head", "fp32-group G=32", "k-transform (hadamard, first tokens)")
+    errors = torch.tensor([0.06, 0.05, 0.045, 0.03], dtype=torch.float64).view(4, 1, 1)
+    zeros = torch.zeros(1, 1, dtype=torch.float64)
+
+    def report(chosen: str, error: torch.Tensor = errors) -> CalibrationReport:
+        return CalibrationReport(
+            candidates=names,
+            static=(True, True, False, True),
+            error=error.expand(4, 3, 2).clone(),
+            k_clip=zeros,
+            k_subnormal=zeros,
+            v_clip=zeros,
+            v_subnormal=zeros,
+            near_constant=zeros,
+            chosen=chosen,
+            held_out_tokens=64,
+            held_out_windows=1,
+        )
+
+    text = report("per-tensor").recommendation
+    assert text.startswith(
+        "Written: per-tensor scales, error 6.00%, read by kvquant, vLLM, SGLang."
+    )
+    # the best of each group of readers that beats it, with how to get it and who reads it
+    assert "per-head 5.00% (--format per-head; read by kvquant, vLLM)" in text
+    assert "k-transform 3.00% (--format k-transform; read by kvquant)" in text
+    assert "dynamic" not in text  # kvquant reads the k-transform, which does better still
+    text = report("k-transform (hadamard, first tokens)").recommendation
+    assert text.endswith("No other format measured here does better.")
+    assert set(READERS) >= set(names)

@@ -323,8 +323,12 @@ def test_report_fields_on_a_tiny_model(tiny: Any) -> None:
     assert d["rotation"] == "hadamard" and d["first_tokens"] == 1
     assert len(d["report"]["layers"]) == 2
     text = res.render()
-    assert "best static format:" in text and "kt-nofirst" in text
-    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "Written: k-transform scales" in text and "read by kvquant" in text
+    assert "k-transform, no exact first token" in text and "kt-nofirst" not in text
+    assert "K near-const" not in text and len(text.splitlines()) < 45  # no per-layer tables
+    full = res.render(full=True, width=80)
+    assert "kt-nofirst: k-transform, no exact first token" in " ".join(full.split())
+    assert max(len(line) for line in full.splitlines()) <= 80
     # one window: nothing to hold out, no measured report
     assert calibrate(model, ids[:, :96], window=96, progress=False).report is None
     with pytest.raises(CalibrationError, match="held_out_tokens=-1"):
@@ -398,7 +402,8 @@ def test_cli_json_of_the_report(tiny: Any, tmp_path: Path, capsys: Any) -> None:
     report = payload["report"]
     assert report["written_format"] == "k-transform (offset only, first tokens)"
     assert set(report["scores"]) >= {"per-tensor", "per-head", "fp32-group G=32"}
-    assert report["recommendation"].startswith("best static format:")
+    assert report["recommendation"].startswith("Written: k-transform, no rotation scales")
+    assert report["read_by"]["per-head"] == "kvquant, vLLM"
     first = report["layers"][0]
     assert len(first["k_clip"]) == 2 and len(first["near_constant_energy"]) == 2
     assert all(len(v) == 2 for v in first["error"].values())
@@ -407,7 +412,8 @@ def test_cli_json_of_the_report(tiny: Any, tmp_path: Path, capsys: Any) -> None:
     # the table form carries the same report
     assert main([*argv[:-1], "--out", str(tmp_path / "p"), "--first-tokens", "0"]) == 0
     out = capsys.readouterr().out
-    assert "calibration report:" in out and "k-transform (hadamard, no first tokens)" in out
+    assert "How each format does on" in out and "k-transform, no exact first token" in out
+    assert "read by kvquant" in out.splitlines()[-1]
     assert (
         json.loads((tmp_path / "p" / "kvquant_kv_transform.json").read_text())["first_tokens"] == 0
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,139 @@ def test_serve_without_the_serving_extras_is_a_usage_error(
     payload = json.loads(capsys.readouterr().out)
     assert payload["error"] == "BackendError" and payload["command"] == "serve"
     assert 'pip install "transformers[serving]"' in payload["message"]
+
+
+def _per_head(tmp_path: Path, layers: int = 30) -> Path:
+    """A per-head checkpoint whose layers' head scales differ (so do their max/min ratios)."""
+    g = torch.Generator().manual_seed(0)
+    scales = {
+        (layer, kind): (torch.rand(3, 1, 1, generator=g) * 0.05 + 0.01).to(torch.bfloat16)
+        for layer in range(layers)
+        for kind in "kv"
+    }
+    return write_checkpoint(
+        tmp_path / "per-head",
+        convention="compressed-tensors",
+        granularity="per-head",
+        num_layers=layers,
+        num_heads=9,
+        num_kv_heads=3,
+        weights="none",
+        scales=scales,
+    )
+
+
+def test_a_summary_summarises_rows_that_differ_only_in_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = _per_head(tmp_path)
+    code, out, _ = _cli(["doctor", str(ckpt), "--scale-format", "per-tensor"], capsys)
+    assert code == 0
+    rows = [line for line in out.splitlines() if line[:1].isdigit()]
+    assert [r.split()[:2] for r in rows] == [["0-29", "K"], ["0-29", "V"]]
+    notes = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(notes) <= 2 and len(out.splitlines()) < 30  # was 127 lines, 51 notes
+    k_ratios = [
+        float(m)
+        for r in inspect_checkpoint(ckpt, scale_format="per-tensor").rows
+        if r.kind == "k"
+        for m in re.findall(r"max/min ([\d.]+)", r.reason)
+    ]
+    assert len(k_ratios) == 30
+    want = f"max/min {min(k_ratios):.4g}..{max(k_ratios):.4g}"
+    assert want in out.replace("\n", " ")
+    # --full still has one row per layer and K/V, each with its own ratio
+    code, full, _ = _cli(["doctor", str(ckpt), "--scale-format", "per-tensor", "--full"], capsys)
+    assert len([line for line in full.splitlines() if line[:1].isdigit()]) == 60
+
+
+def test_doctor_honours_the_terminal_width(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = _per_head(tmp_path, layers=4)
+    quark = write_checkpoint(tmp_path / "quark", convention="quark", weights="none")
+    for columns in (80, 64):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        for argv in (["doctor", str(ckpt), "--scale-format", "per-tensor"], ["doctor", str(quark)]):
+            code, out, _ = _cli(argv, capsys)
+            assert code == 0
+            lines = [line for line in out.splitlines() if not line.startswith("checkpoint:")]
+            assert max(len(line) for line in lines) <= columns, out  # the path is printed whole
+    monkeypatch.delenv("COLUMNS")  # a pipe without COLUMNS: the 100-column layout
+    code, out, _ = _cli(["doctor", str(quark)], capsys)
+    assert max(len(line) for line in out.splitlines()) > 80
+
+
+def test_cli_text_spells_options_as_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    quark = write_checkpoint(tmp_path / "quark", convention="quark", weights="none")
+    big = write_checkpoint(tmp_path / "big", convention="modelopt", weights="none", num_layers=12)
+    out = "".join(_cli(["doctor", str(p)], capsys)[1] for p in (quark, big))
+    assert "(--rope-policy widen)" in out and "--full lists all 24 rows" in out
+    assert "rope_policy=" not in out and "render(full=True)" not in out
+    assert "producer: modelopt (from" in out and "producer: producer" not in out
+    # Python keeps Python's spelling
+    assert "rope_policy='widen'" in inspect_checkpoint(quark).render()
+    out_dir = tmp_path / "o"
+    out_dir.mkdir()
+    code, _, err = _cli(["export", str(quark), "--engine", "vllm", "--out", str(out_dir)], capsys)
+    assert code == 2 and "--force to replace it" in err and "force=True" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["doctor", "{ckpt}", "--json"],
+        ["doctor", "{missing}", "--json"],
+        ["export", "{ckpt}", "--engine", "vllm", "--out", "{out}", "--json"],
+    ],
+)
+def test_every_json_object_has_a_schema_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    from kvquant.cli import JSON_SCHEMA_VERSION
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", convention="modelopt", weights="none")
+    names = {"ckpt": ckpt, "missing": tmp_path / "missing", "out": tmp_path / "out"}
+    _, out, _ = _cli([a.format(**names) for a in argv], capsys)
+    data = json.loads(out)
+    assert JSON_SCHEMA_VERSION == 1 and next(iter(data)) == "schema_version"
+    assert data["schema_version"] == 1
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """``kvquant doctor ... --json | head``: no traceback, exit 141 (128 + SIGPIPE)."""
+    import subprocess
+    import sys
+
+    ckpt = write_checkpoint(tmp_path / "big", convention="modelopt", weights="none", num_layers=300)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvquant", "doctor", str(ckpt), "--json", "--full"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.read(10)
+    proc.stdout.close()  # the reader goes away before the output (> 64 kB) is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141
+    assert first.startswith(b"{") and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_demo_at_80_columns_without_transformers_load_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setenv("COLUMNS", "80")
+    before = (hf_logging.get_verbosity(), logging.getLogger("kvquant").level)
+    code, out, err = _cli(["demo", "--keep", str(tmp_path / "d")], capsys)
+    assert code == 0 and "Step 4/4: Summary" in out
+    assert "Loading weights" not in err and "UNEXPECTED" not in err + out
+    assert (hf_logging.get_verbosity(), logging.getLogger("kvquant").level) == before
+    paths = ("checkpoint:", "$ kvquant doctor")  # a path is printed whole
+    assert max(len(line) for line in out.splitlines() if not line.startswith(paths)) <= 80

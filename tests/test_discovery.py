@@ -449,10 +449,11 @@ def test_bad_config_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "blob, match",
     [
-        (b"\x01\x02", "too short"),
-        ((10**12).to_bytes(8, "little"), "corrupt"),
-        ((100).to_bytes(8, "little") + b"{", "truncated"),
-        ((5).to_bytes(8, "little") + b"nope!", "unreadable"),
+        # safetensors' own bounds on the header, reported with the fix
+        (b"\x01\x02", "header too small"),
+        ((10**12).to_bytes(8, "little"), "header too large"),
+        ((100).to_bytes(8, "little") + b"{", "invalid header length"),
+        ((5).to_bytes(8, "little") + b"nope!", "invalid JSON"),
     ],
 )
 def test_unreadable_header(tmp_path: Path, blob: bytes, match: str) -> None:
@@ -461,6 +462,7 @@ def test_unreadable_header(tmp_path: Path, blob: bytes, match: str) -> None:
     with pytest.raises(CheckpointError, match=match) as info:
         discover_scales(path)
     assert isinstance(info.value, KVQuantError) and isinstance(info.value, ValueError)
+    assert "Fix: the file is corrupt" in str(info.value)
 
 
 def test_index_names_missing_shard(tmp_path: Path) -> None:

@@ -48,7 +48,9 @@ def test_suggested_patch_and_config_keywords_exist() -> None:
     pytest.importorskip("transformers")
     from kvquant.integrations.hf import KVQuantConfig, patch
 
-    patch_kw, config_kw = _keywords(patch), _keywords(KVQuantConfig)
+    config_kw = _keywords(KVQuantConfig) - {"self", "saved"}
+    patch_kw = {"scales", "config"} | config_kw  # the options are keyword sugar for the config
+    assert "options" in _keywords(patch)
     seen = 0
     bad = []
     for where, text in _strings():

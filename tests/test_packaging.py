@@ -72,3 +72,28 @@ def test_transformers_range_has_an_upper_bound_and_is_installed(project: dict[st
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("transformers is not installed")
     assert _version(low) <= _version(installed) < _version(high), installed
+
+
+def test_metadata_names_the_project_and_its_pages(project: dict[str, Any]) -> None:
+    yaml = pytest.importorskip("yaml")
+    meta = project["project"]
+    assert meta["authors"] and len(meta["keywords"]) >= 5
+    assert "Typing :: Typed" in meta["classifiers"]
+    versions = {c.rsplit(" ", 1)[-1] for c in meta["classifiers"] if "Python :: 3." in c}
+    assert min(versions, key=_version) == meta["requires-python"].removeprefix(">=")
+    urls = meta["urls"]
+    assert {"Homepage", "Documentation", "Source", "Issues", "Changelog"} <= set(urls)
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8").replace("!!", "#"))
+    # the docs' 404 page and the repository link resolve against these
+    assert site["site_url"] == urls["Documentation"] and site["repo_url"] == urls["Source"]
+
+
+def test_triton_is_an_extra_not_a_cpu_requirement(project: dict[str, Any]) -> None:
+    """A CPU-only install needs no Triton (torch's CUDA wheels bring it where it runs)."""
+    deps = project["project"]["dependencies"]
+    extras = project["project"]["optional-dependencies"]
+    assert not any(d.startswith("triton") for d in deps)
+    assert any(d.startswith("triton") for d in extras["triton"])
+    assert any(d.startswith("triton") for d in extras["test"])  # the interpreter tests
+    # mkdocstrings formats the API signatures only when black or ruff is installed
+    assert any(d.startswith(("ruff", "black")) for d in extras["docs"])

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from kvquant.checkpoint.files import (
     MAX_CONFIG_BYTES,
-    MAX_HEADER_BYTES,
     ShardSelection,
     TensorInfo,
     locate_checkpoint,
@@ -40,7 +39,6 @@ from kvquant.checkpoint.findings import Finding, Severity
 
 __all__ = [
     "MAX_CONFIG_BYTES",
-    "MAX_HEADER_BYTES",
     "Finding",
     "Severity",
     "ShardSelection",

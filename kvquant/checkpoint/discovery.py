@@ -1088,13 +1088,13 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
             if from_transform_file
             else (f"quant_method {method!r}" if method else "hf_quant_config.json")
         )
-        all_findings.append(Finding("info", "producer", f"producer {producer} (from {source})."))
+        all_findings.append(Finding("info", "producer", f"{producer} (from {source})."))
     elif raws:
         all_findings.append(
             Finding(
                 "info",
                 "producer",
-                f"producer {producer} (from tensor names; config.json has no quantization_config).",
+                f"{producer} (from tensor names; config.json has no quantization_config).",
             )
         )
     if qcfg is not None and method and producer_cfg is None:

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from kvquant.checkpoint.files import (
-    _HUB_ID,
     INDEX_NAME,
     PICKLE_NAMES,
     SINGLE_FILE_NAME,
+    _is_hub_id,
     locate_checkpoint,
     weight_files,
 )
@@ -211,7 +211,7 @@ def _unrecorded_revision(repo_id: str) -> Path:
     """
     from kvquant.checkpoint.discovery import discover_scales
 
-    if not _HUB_ID.match(repo_id) or ".." in repo_id:
+    if not _is_hub_id(repo_id):
         return locate_checkpoint(repo_id)  # raises: neither a folder nor a hub id
     try:
         default: Path | None = locate_checkpoint(repo_id)

@@ -204,7 +204,7 @@ def check_output_path(src: Path, out: Path, force: bool) -> None:
         if not force:
             raise ExportTargetExistsError(
                 f"{out} already exists; expected a new folder. Fix: pass another --out, or "
-                "--force (force=True) to replace it."
+                "--force to replace it."
             )
         if not out.is_dir() or out.is_symlink():
             raise ExportTargetExistsError(

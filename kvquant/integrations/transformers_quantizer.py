@@ -14,6 +14,8 @@ still being imported. Everything else is imported when a method runs, during
 
 from __future__ import annotations
 
+import contextvars
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,39 +28,81 @@ from kvquant.checkpoint.files import folder_of_weight_files
 from kvquant.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from kvquant.integrations.hf.patch import PatchOptions
+    from kvquant.integrations.hf.config import PatchOptions
 
 __all__ = ["KVQuantConfig", "KVQuantizer", "register"]
 
 _FP8_HEADER_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 
+SET_ASIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("kvquant_set_aside", default=False)
+"""True while :func:`kvquant.from_pretrained` loads a folder whose producer config it kept
+from transformers (so transformers never warned about it)."""
+
 
 class KVQuantConfig(QuantizationConfigMixin):
-    """transformers quantization config selecting kvquant's FP8 paged KV cache at load time.
+    """kvquant's options, for :func:`kvquant.patch` and for ``from_pretrained``.
+
+    Pass it positionally to :func:`kvquant.patch` (``kvquant.patch(model,
+    KVQuantConfig(page_size=32))``) or as ``quantization_config=`` to
+    ``from_pretrained``; keyword options of ``kvquant.patch`` build one. Every
+    value is checked when the config is built (and again when it is used:
+    transformers' ``update()`` may change an attribute).
 
     Args:
-        scale_format: registry format name or ``"auto"``.
-        missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"``.
-        group_size: ``G`` of the dynamic ``fp32-group`` format.
-        missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
-        rope_policy: K calibrated before RoPE: ``"widen"`` or ``"keep"``.
-        backend: kernel backend (``"auto"``, ``"triton"``, ``"torch"``).
-        page_size: token slots per page.
-        max_cache_tokens: token slots of each cache (whole batch), or None.
-        num_pages: pages of each cache, or None.
-        cuda_graphs: replay one-token decode steps from a CUDA graph: None
-            (auto, on CUDA devices), True or False (see :func:`kvquant.patch`).
-        compile_step: capture decode graphs from ``torch.compile``'d decoder
-            layers: None (auto), True or False (see :func:`kvquant.patch`).
-        prefill_tokens: the most tokens one prefill forward processes (larger
-            batched prefills run in row groups): ``"auto"`` (from the free
-            memory, on CUDA), an int, or None (no limit; see :func:`kvquant.patch`).
-        **kwargs: ignored keys of a saved config (``quant_method``, ...).
+        scale_format: registry format (``"auto"``, ``"per-tensor"``,
+            ``"per-head"``, ``"fp32-group"``, ``"k-transform"`` or a registered
+            name).
+        missing_scales: what to do when no layer has a scale: ``"dynamic"``
+            (fp32-group scales computed as tokens are written), ``"error"`` or
+            ``"unit"``.
+        group_size: ``G`` of the ``fp32-group`` format; default 64 capped at
+            head_dim, halved until it divides head_dim.
+        missing_kv: a layer with only a K or only a V scale: ``"error"``
+            (default) or ``"reuse"`` (the one present serves both, noted).
+        rope_policy: K scales calibrated before RoPE (Quark's default):
+            ``"widen"`` (by sqrt(2), default) or ``"keep"``.
+        backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
+            ``"triton"`` or ``"torch"``.
+        page_size: token slots per page, 1..4096 (16, 32 or 64 are typical).
+        max_cache_tokens: a bound on the token slots of each cache, all
+            sequences together (going beyond raises ``CacheCapacityError``).
+            Default None: no bound; the pages grow on demand and hold memory in
+            proportion to what is stored.
+        num_pages: a fixed page count of each cache (overrides ``max_cache_tokens``).
+        cuda_graphs: replay each one-token decode step from a CUDA graph, so
+            the step's host cost drops to a few small copies. Default None
+            (auto): on for models on a CUDA device, captured at the first decode
+            step of each cache; a capture that fails is logged once and the
+            model decodes eagerly. True: also on CPU (eagerly, through the
+            graph's static buffers), and a failed capture raises. False: every
+            step runs the eager forward.
+        compile_step: capture the decode graph from ``torch.compile``'d decoder
+            layers (fused normalisation, rotary and MLP kernels; kvquant's
+            attention runs as two custom ops inside them), so a replay runs far
+            fewer kernels. Default None (auto): on wherever a decode graph is
+            captured on CUDA and inductor is usable; the first decode of a new
+            batch size pays the compile; a compile that fails is logged once and
+            the eager step is captured instead. True: every static step, also on
+            CPU, and a failed compile raises. False: the graph captures the
+            eager layers.
+        prefill_tokens: the most tokens (rows x prompt length) one prefill
+            forward processes: a larger batched prefill runs its rows in groups
+            into the same cache, so its activations scale with this bound, not
+            with the batch (logits equal the unsplit call's within rounding).
+            Default ``"auto"``: on a CUDA device, chosen per call from the
+            memory the device can still hand out (a call that fits runs whole);
+            elsewhere calls run whole. None: no limit.
+        **saved: keys of a saved config that are not options (``quant_method``).
+
+    Raises:
+        OptionError: a bad value (a ``KVQuantError`` and ``ValueError``).
+        OptionTypeError: an unknown option name or a value of the wrong type
+            (also a ``TypeError``).
 
     Example:
-        >>> cfg = KVQuantConfig(scale_format="per-tensor")
-        >>> cfg.to_dict()["quant_method"]
-        'kvquant'
+        >>> cfg = KVQuantConfig(page_size=32)
+        >>> cfg.page_size, cfg.to_dict()["quant_method"]
+        (32, 'kvquant')
     """
 
     def __init__(
@@ -75,8 +119,11 @@ class KVQuantConfig(QuantizationConfigMixin):
         cuda_graphs: bool | None = None,
         compile_step: bool | None = None,
         prefill_tokens: int | str | None = "auto",
-        **kwargs: Any,
+        **saved: Any,
     ) -> None:
+        from kvquant.integrations.hf.config import SAVED_KEYS, check_option_names
+
+        check_option_names({k for k in saved if k not in SAVED_KEYS}, "KVQuantConfig")
         self.quant_method = "kvquant"  # type: ignore[assignment]
         self.scale_format = scale_format
         self.missing_scales = missing_scales
@@ -90,47 +137,42 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.cuda_graphs = cuda_graphs
         self.compile_step = compile_step
         self.prefill_tokens = prefill_tokens
-        from kvquant.integrations.hf.patch import _check_options
-
-        _check_options(self.options())
+        self.options()  # checks every value
 
     def options(self, source: str = "") -> PatchOptions:
-        """The equivalent :func:`kvquant.patch` options."""
-        from kvquant.integrations.hf.patch import PatchOptions
+        """These options as the frozen value a patch keeps (``source``: where the scales came from).
 
-        return PatchOptions(
-            scale_format=self.scale_format,
-            missing_scales=self.missing_scales,
-            group_size=self.group_size,
-            missing_kv=self.missing_kv,
-            rope_policy=self.rope_policy,
-            backend=self.backend,
-            page_size=self.page_size,
-            max_cache_tokens=self.max_cache_tokens,
-            num_pages=self.num_pages,
-            cuda_graphs=self.cuda_graphs,
-            compile_step=self.compile_step,
-            prefill_tokens=self.prefill_tokens,
-            source=source,
-        )
+        Checked again here: transformers' ``update()`` may have changed an attribute.
+        """
+        from kvquant.integrations.hf.config import OPTION_NAMES, PatchOptions, check_options
+
+        opts = PatchOptions(**{name: getattr(self, name) for name in OPTION_NAMES}, source=source)
+        check_options(opts)
+        return opts
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready config written to ``config.json`` by ``save_pretrained``."""
-        return {
-            "quant_method": "kvquant",
-            "scale_format": self.scale_format,
-            "missing_scales": self.missing_scales,
-            "group_size": self.group_size,
-            "missing_kv": self.missing_kv,
-            "rope_policy": self.rope_policy,
-            "backend": self.backend,
-            "page_size": self.page_size,
-            "max_cache_tokens": self.max_cache_tokens,
-            "num_pages": self.num_pages,
-            "cuda_graphs": self.cuda_graphs,
-            "compile_step": self.compile_step,
-            "prefill_tokens": self.prefill_tokens,
-        }
+        from kvquant.integrations.hf.config import OPTION_NAMES
+
+        return {"quant_method": "kvquant", **{name: getattr(self, name) for name in OPTION_NAMES}}
+
+    def __repr__(self) -> str:
+        import inspect
+
+        defaults = inspect.signature(KVQuantConfig.__init__).parameters
+        changed = [
+            f"{name}={value!r}"
+            for name, value in self.to_dict().items()
+            if name in defaults and value != defaults[name].default
+        ]
+        return f"KVQuantConfig({', '.join(changed)})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVQuantConfig):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as transformers' configs
 
 
 class KVQuantizer(HfQuantizer):
@@ -202,6 +244,7 @@ class KVQuantizer(HfQuantizer):
             )
             self._folder = folder_of_weight_files(files, hint)
             found = discover_scales(self._folder)
+            _explain_unread_producer_config(found)
             raw, ctx = checkpoint_scales(found, geometry, str(self._folder), loaded_from=True)
             count = sum(found.weight_dtypes.get(d, 0) for d in _FP8_HEADER_DTYPES)
             if count:
@@ -265,6 +308,34 @@ def _find_module(model: nn.Module, path: str) -> nn.Module | None:
         except AttributeError:
             continue
     return None
+
+
+def _explain_unread_producer_config(found: Any) -> None:
+    """Say what transformers' "Unknown quantization type ... skip" warning meant, just before.
+
+    A KV-only checkpoint whose ``config.json`` names a producer transformers has no
+    quantizer for (ModelOpt) makes transformers warn that it skips "the quantization"
+    and load with ``KVQuantConfig`` alone, which is right: the weights are not
+    quantized, and kvquant reads the KV scales the producer's config describes.
+    """
+    method = str((found.quantization_config or {}).get("quant_method", "")).lower()
+    if not method or method == "kvquant" or SET_ASIDE.get():
+        return
+    try:
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - moved in a later transformers
+        return
+    if method in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        return
+    logging.getLogger("kvquant").info(
+        "kvquant: %s names a %s quantization_config, which transformers does not load (its "
+        "'Unknown quantization type, got %s' warning); kvquant reads the KV-cache scales it "
+        "describes, and the weights load as stored. kvquant.from_pretrained(path) loads this "
+        "checkpoint without that warning.",
+        found.path,
+        method,
+        method,
+    )
 
 
 def register() -> None:

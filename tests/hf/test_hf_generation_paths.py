@@ -232,33 +232,33 @@ def test_crop_rolls_back_lengths_and_frees_pages(monkeypatch: pytest.MonkeyPatch
     with torch.no_grad(), monkeypatch.context() as m:
         m.setattr(KVQuantLayer, "update", recording)
         model(input_ids=ids, attention_mask=mask, **{key: cache})
-        assert cache.allocator is not None and cache.allocator.num_used_pages == 2 * 4
-        cache.crop(-5)  # 8 positions: 2 pages per sequence
-        assert [layer.get_seq_length() for layer in cache.layers] == [8, 8]
-        assert cache.allocator.num_used_pages == 2 * 2
-        cache.crop(torch.tensor(-1))  # transformers 5.17 passes a 0-d tensor
-        assert cache.get_seq_length() == 7
-        # a positive count: what the installed transformers' DynamicCache.crop does with it
-        dense = transformers.DynamicCache()
-        dense.update(torch.zeros(1, 2, 7, 16), torch.zeros(1, 2, 7, 16), 0)
-        try:
-            dense.crop(6)
-        except ValueError:  # transformers >= 5.18 refuses it
-            with pytest.raises(CacheUsageError, match=r"positive value.*crop\(-1\) keeps 6"):
-                cache.crop(6)
-            assert cache.get_seq_length() == 7
-            cache.crop(-1)
-        else:  # transformers 5.17: "keep the first 6"
-            assert dense.get_seq_length() == 6
+    assert cache.allocator is not None and cache.allocator.num_used_pages == 2 * 4
+    cache.crop(-5)  # 8 positions: 2 pages per sequence
+    assert [layer.get_seq_length() for layer in cache.layers] == [8, 8]
+    assert cache.allocator.num_used_pages == 2 * 2
+    cache.crop(torch.tensor(-1))  # transformers 5.17 passes a 0-d tensor
+    assert cache.get_seq_length() == 7
+    # a positive count: what the installed transformers' DynamicCache.crop does with it
+    dense = transformers.DynamicCache()
+    dense.update(torch.zeros(1, 2, 7, 16), torch.zeros(1, 2, 7, 16), 0)
+    try:
+        dense.crop(6)
+    except ValueError:  # transformers >= 5.18 refuses it
+        with pytest.raises(CacheUsageError, match=r"positive value.*crop\(-1\) keeps 6"):
             cache.crop(6)
-        assert cache.get_seq_length() == 6 and cache.allocator.num_used_pages == 2 * 2
-        cache.crop(0)
-        assert cache.get_seq_length() == 6
-        with pytest.raises(CacheUsageError, match="holds 6"):
-            cache.crop(-7)
-        with pytest.raises(CacheUsageError):
-            cache.layers[0].crop(-1)
-        assert cache.get_seq_length() == 6
+        assert cache.get_seq_length() == 7
+        cache.crop(-1)
+    else:  # transformers 5.17: "keep the first 6"
+        assert dense.get_seq_length() == 6
+        cache.crop(6)
+    assert cache.get_seq_length() == 6 and cache.allocator.num_used_pages == 2 * 2
+    cache.crop(0)
+    assert cache.get_seq_length() == 6
+    with pytest.raises(CacheUsageError, match="holds 6"):
+        cache.crop(-7)
+    with pytest.raises(CacheUsageError):
+        cache.layers[0].crop(-1)
+    assert cache.get_seq_length() == 6
     # The cropped cache holds exactly what a cache given only the first 6 of the same K/V holds
     # (same inputs, same per-token quantization: bit for bit), and continues the same way.
     rebuilt = handle.new_cache()

@@ -261,3 +261,27 @@ def test_kvquant_from_pretrained_options_replace_a_saved_config(tmp_path: Path) 
     assert plain._kvquant_state.options.backend == "torch"
     for model in (again, plain):
         assert torch.equal(_installed(model)[0][0], _expected(path)[0][0])
+
+
+def test_transformers_skip_warning_on_a_modelopt_checkpoint_is_explained(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``AutoModelForCausalLM.from_pretrained(modelopt, quantization_config=KVQuantConfig())``."""
+    import logging
+
+    path = write_checkpoint(tmp_path / "ckpt", convention="modelopt")
+    with caplog.at_level(logging.INFO):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), quantization_config=KVQuantConfig(backend="torch")
+        )
+    said = [r.getMessage() for r in caplog.records if r.name == "kvquant"]
+    assert any(
+        "names a modelopt quantization_config, which transformers does not load" in m
+        and "kvquant.from_pretrained(path)" in m
+        for m in said
+    ), said
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        kvhf.from_pretrained(path, quantization_config=KVQuantConfig(backend="torch"))
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "Unknown quantization type" not in text and "does not load" not in text

@@ -69,7 +69,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kvquant.cache import MAX_PAGE_SIZE
 from kvquant.errors import (
     CacheUsageError,
     OptionError,
@@ -80,6 +79,7 @@ from kvquant.errors import (
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf import continuous as _continuous
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache, LayerSpec
+from kvquant.integrations.hf.config import PatchOptions, check_option_names
 from kvquant.integrations.hf.graphs import (
     CompiledLayers,
     DecodeGraphRunner,
@@ -94,8 +94,8 @@ from kvquant.integrations.hf.models import (
     text_config,
 )
 from kvquant.integrations.hf.rowgroups import RowGroupForward
-from kvquant.kernels.backend import BACKENDS, resolve_backend
-from kvquant.registry.options import ResolveOptions
+from kvquant.integrations.transformers_quantizer import KVQuantConfig
+from kvquant.kernels.backend import resolve_backend
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = ["KVQuantHandle", "PatchOptions", "PatchState", "patch"]
@@ -121,62 +121,6 @@ class _Missing:
 
 _MISSING = _Missing()
 _SCALE_ATTRS = ("k_scale", "v_scale")
-
-
-@dataclass(frozen=True)
-class PatchOptions:
-    """The settings of one :func:`patch` call (compared for idempotence).
-
-    Attributes:
-        scale_format: registry format name or ``"auto"``.
-        missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"`` (registry policy).
-        group_size: ``G`` of the dynamic ``fp32-group`` format.
-        missing_kv: a layer with only K or only V: ``"error"`` or ``"reuse"``.
-        rope_policy: K calibrated before RoPE: ``"widen"`` or ``"keep"``.
-        backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
-        page_size: token slots per page.
-        max_cache_tokens: token slots of a cache (whole batch), or None.
-        num_pages: pages of a cache (overrides ``max_cache_tokens``), or None.
-        cuda_graphs: replay one-token decode steps from a CUDA graph: None
-            (auto: on CUDA devices, falling back to eager steps with one log line
-            if a capture fails), True (also on CPU, through the static buffers;
-            a failed capture raises) or False.
-        compile_step: run the decode graph's step through ``torch.compile``'d
-            decoder layers (inductor's fused kernels): None (auto: where decode
-            graphs are captured on CUDA and inductor is usable; a failed compile
-            is logged once and the eager step is captured), True (every static
-            step, also on CPU; a failed compile raises) or False.
-        prefill_tokens: the most tokens (rows x query length) one prefill
-            forward processes: a larger batched prefill runs in row groups
-            (:mod:`kvquant.integrations.hf.rowgroups`); ``"auto"``: chosen per
-            call from the device's free memory (CUDA only); None: no limit.
-        source: a description of where the scales came from.
-    """
-
-    scale_format: str = "auto"
-    missing_scales: str = "dynamic"
-    group_size: int | None = None
-    missing_kv: str = "error"
-    rope_policy: str = "widen"
-    backend: str = "auto"
-    page_size: int = 16
-    max_cache_tokens: int | None = None
-    num_pages: int | None = None
-    cuda_graphs: bool | None = None
-    compile_step: bool | None = None
-    prefill_tokens: int | str | None = "auto"
-    source: str = ""
-
-    @property
-    def resolve_options(self) -> ResolveOptions:
-        """The registry options of this patch (what ``kvquant doctor`` resolves with)."""
-        return ResolveOptions(
-            scale_format=self.scale_format,
-            missing_scales=self.missing_scales,
-            group_size=self.group_size,
-            missing_kv=self.missing_kv,
-            rope_policy=self.rope_policy,
-        )
 
 
 @dataclass
@@ -297,54 +241,6 @@ class KVQuantHandle:
 
 
 # ---------------------------------------------------------------------- options
-
-
-def _check_options(opts: PatchOptions) -> None:
-    """Refuse bad option values (:class:`~kvquant.errors.OptionError`, a ``ValueError``) before any change."""
-
-    def positive(name: str, value: object, optional: bool = False, limit: int = 0) -> None:
-        if optional and value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise OptionError(
-                f"kvquant.patch: {name}={value!r}; expected a positive int"
-                + (" or None" if optional else "")
-                + f". Fix: pass {name}=<int >= 1>."
-            )
-        if limit and value > limit:
-            raise OptionError(
-                f"kvquant.patch: {name}={value}; expected at most {limit}. Fix: pass "
-                f"{name} in 1..{limit} (16, 32 or 64 are typical page sizes)."
-            )
-
-    positive("page_size", opts.page_size, limit=MAX_PAGE_SIZE)
-    positive("group_size", opts.group_size, optional=True)
-    positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
-    positive("num_pages", opts.num_pages, optional=True)
-    if opts.prefill_tokens != "auto":
-        if isinstance(opts.prefill_tokens, str):
-            raise OptionError(
-                f'kvquant.patch: prefill_tokens={opts.prefill_tokens!r}; expected "auto", a '
-                'positive int or None. Fix: pass prefill_tokens="auto" (the default).'
-            )
-        positive("prefill_tokens", opts.prefill_tokens, optional=True)
-    for name in ("cuda_graphs", "compile_step"):
-        value = getattr(opts, name)
-        if value is not None and not isinstance(value, bool):
-            raise OptionTypeError(
-                f"kvquant.patch: {name}={value!r}; expected None (auto), True or False."
-            )
-    if opts.compile_step and opts.cuda_graphs is False:
-        raise OptionError(
-            "kvquant.patch: compile_step=True with cuda_graphs=False; the compiled layers run "
-            "only in the decode-graph step. Fix: pass cuda_graphs=None (or True) with "
-            "compile_step=True, or compile_step=None."
-        )
-    if opts.backend not in BACKENDS:
-        raise OptionError(
-            f"kvquant.patch: backend={opts.backend!r}; expected one of {BACKENDS}. "
-            "Fix: pass backend='auto'."
-        )
 
 
 # ---------------------------------------------------------------------- scales
@@ -741,12 +637,13 @@ def _refuse_cache(cache: Any, name: str) -> NoReturn:
         raise CacheUsageError(
             f"{name}: got a {kind} (cache_implementation='static' or 'sliding_window', a "
             "StaticCache object, or generate's torch.compile route through them); kvquant's "
-            "attention reads only its own FP8 pages, and its paged cache cannot be compiled "
-            "(its allocator keeps host-side page tables and its kernels are not torch custom "
-            "ops), so a forward over this cache would attend without kvquant. Nothing was "
-            "written. Fix: drop cache_implementation (generate then uses kvquant's FP8 cache; on "
-            "CUDA its decode steps replay from CUDA graphs, cuda_graphs=None), or "
-            "handle.remove() to compile the model without kvquant."
+            "attention reads only its own FP8 pages, and generate's static route compiles the "
+            "whole model around a fixed-size cache, which kvquant's growing paged cache (its "
+            "page tables kept on the host) cannot be; a forward over this cache would attend "
+            "without kvquant. Nothing was written. Fix: drop cache_implementation (generate "
+            "then uses kvquant's FP8 cache; on CUDA its decode steps replay a CUDA graph of "
+            "compiled decoder layers, compile_step=None), or handle.remove() to compile the "
+            "model without kvquant."
         )
     raise CacheUsageError(
         f"{name}: got a {kind} (e.g. cache_implementation='quantized'); kvquant's "
@@ -1388,83 +1285,32 @@ def _reuse(model: nn.Module, handle: KVQuantHandle) -> KVQuantHandle:
 
 def patch(
     model: nn.Module,
+    config: KVQuantConfig | None = None,
     *,
     scales: str | Path | Mapping[str, torch.Tensor] | None = None,
-    scale_format: str = "auto",
-    missing_scales: str = "dynamic",
-    group_size: int | None = None,
-    missing_kv: str = "error",
-    rope_policy: str = "widen",
-    backend: str = "auto",
-    page_size: int = 16,
-    max_cache_tokens: int | None = None,
-    num_pages: int | None = None,
-    cuda_graphs: bool | None = None,
-    compile_step: bool | None = None,
-    prefill_tokens: int | str | None = "auto",
+    **options: Any,
 ) -> KVQuantHandle:
     """Give ``model`` kvquant's FP8 paged KV cache; ``generate`` then uses it with no extra argument.
+
+    ``kvquant.patch(model)`` uses the defaults; ``kvquant.patch(model,
+    kvquant.KVQuantConfig(page_size=32))`` the given options (the same object
+    ``from_pretrained(..., quantization_config=...)`` takes); keyword options,
+    ``kvquant.patch(model, page_size=32)``, are short for the latter.
 
     Args:
         model: a transformers causal LM of a supported family
             (:data:`~kvquant.integrations.hf.models.SUPPORTED_FAMILIES`), or
             ``torch.compile(model)`` of one (the compiled module is patched).
+        config: the options (:class:`~kvquant.integrations.hf.quantizer.KVQuantConfig`);
+            None: ``KVQuantConfig(**options)``.
         scales: where the KV scales come from: a checkpoint folder, a
             ``{tensor_name: tensor}`` mapping (producer names, any shape the
             registry accepts), or None: the folder ``model.name_or_path`` when
             it is a local checkpoint, else scale tensors already on the
-            attention modules, else none (then ``missing_scales`` decides).
-        scale_format: registry format (``"auto"``, ``"per-tensor"``,
-            ``"per-head"``, ``"fp32-group"`` or a registered name).
-        missing_scales: ``"dynamic"`` (fp32-group scales computed as tokens
-            are written), ``"error"`` or ``"unit"``.
-        group_size: ``G`` of the ``fp32-group`` format; default 64 capped at
-            head_dim, halved until it divides head_dim.
-        missing_kv: a layer with only a K or only a V scale: ``"error"``
-            (default) or ``"reuse"`` (the one present serves both, noted).
-        rope_policy: K scales calibrated before RoPE (Quark's default):
-            ``"widen"`` (by sqrt(2), default) or ``"keep"``.
-        backend: kernel backend: ``"auto"`` (Triton on CUDA, torch on CPU),
-            ``"triton"`` or ``"torch"``.
-        page_size: token slots per page, 1..4096 (16, 32 or 64 are typical).
-        max_cache_tokens: a bound on the token slots of each cache, all
-            sequences together (going beyond raises CacheCapacityError). Default
-            None: no bound; the pages grow on demand and hold memory in
-            proportion to what is stored (about ``1/16`` headroom).
-        num_pages: a fixed page count of each cache (overrides ``max_cache_tokens``).
-        cuda_graphs: replay each one-token decode step from a CUDA graph
-            (:mod:`kvquant.integrations.hf.graphs`): the step's host cost drops to
-            a few small copies. Default None (auto): on for models on a CUDA
-            device, captured at the first decode step of each cache; a capture
-            that fails is logged once and the model decodes eagerly. True: also
-            on CPU (eagerly through the graph's static buffers, for tests), and a
-            failed capture raises. False: every step runs the eager forward. The
-            runner wraps the model instance's ``forward``; prefill and any call a
-            graph cannot serve run the ordinary forward.
-        compile_step: capture the decode graph from ``torch.compile``'d decoder
-            layers (inductor's fused RMSNorm, rotary, SiLU-and-multiply and
-            residual kernels; kvquant's attention stays a graph break), so a
-            replay runs far fewer kernels. Default None (auto): on wherever a
-            decode graph is captured on CUDA and inductor (Triton) is usable;
-            the first decode of a new batch size pays the compile (once per
-            process and layer class); a compile that fails is logged once and
-            the eager step is captured instead. True: every static step, also
-            the CPU one (for tests), and a failed compile raises. False: the
-            graph captures the eager layers. Prefill and eager steps always
-            run the original forwards.
-        prefill_tokens: the most tokens (rows x query length) one prefill
-            forward processes. A forward whose ``input_ids`` is ``[B, L]``
-            (``L > 1``) with ``B * L`` above it runs the model's forward on
-            ``max(1, prefill_tokens // L)`` rows at a time, into the same cache,
-            and returns the concatenated logits (the unsplit call's within
-            rounding): a batched prefill's activations then scale with this
-            bound, not with the batch (:mod:`kvquant.integrations.hf.rowgroups`;
-            it wraps the model instance's ``forward``). Also under chunked
-            prefill (``prefill_chunk_size``), per chunk. Default ``"auto"``: on
-            a CUDA device, the bound is chosen per call from the memory the
-            device can still hand out once the call's KV pages are counted (a
-            call that fits runs whole); elsewhere calls run whole. None: no
-            limit.
+            attention modules, else none (then the ``missing_scales`` option decides).
+        **options: any :class:`~kvquant.integrations.hf.quantizer.KVQuantConfig`
+            option (``page_size=32``, ``backend="torch"``, ...), when no
+            ``config`` is given.
 
     Returns:
         The patch's handle (also a context manager); ``handle.remove()`` restores
@@ -1496,22 +1342,8 @@ def patch(
                     f"{site.name}.{attr} is already a {type(site.module.__dict__[attr]).__name__} "
                     "attribute of the model; kvquant installs its scale buffer under that name."
                 )
-    opts = PatchOptions(
-        scale_format=scale_format,
-        missing_scales=missing_scales,
-        group_size=group_size,
-        missing_kv=missing_kv,
-        rope_policy=rope_policy,
-        backend=backend,
-        page_size=page_size,
-        max_cache_tokens=max_cache_tokens,
-        num_pages=num_pages,
-        cuda_graphs=cuda_graphs,
-        compile_step=compile_step,
-        prefill_tokens=prefill_tokens,
-    )
-    _check_options(opts)
-    if backend == "triton":  # fail here, not at the first generate
+    opts = _config_of(config, options).options()
+    if opts.backend == "triton":  # fail here, not at the first generate
         param = next(model.parameters(), None)
         resolve_backend(
             "triton", param.device if param is not None else torch.device("cpu"), "kvquant.patch"
@@ -1536,3 +1368,24 @@ def patch(
             return _reuse(model, existing.handle)  # the same scales again (mapping or folder)
         _unpatch(model, existing)
     return apply_patch(model, opts, sites, geometry, model_scales, raw, ctx)
+
+
+def _config_of(config: object, options: dict[str, Any]) -> KVQuantConfig:
+    """The one config of a :func:`patch` call: ``config``, or ``KVQuantConfig(**options)``."""
+    if config is None:
+        check_option_names(options, "kvquant.patch")
+        return KVQuantConfig(**options)
+    if not isinstance(config, KVQuantConfig):
+        raise OptionTypeError(
+            f"kvquant.patch: the second argument is a {type(config).__name__}; expected a "
+            "kvquant.KVQuantConfig. Fix: kvquant.patch(model, kvquant.KVQuantConfig(...)), or "
+            "pass the options as keywords."
+        )
+    if options:
+        names = ", ".join(f"{k}=..." for k in options)
+        raise OptionError(
+            f"kvquant.patch: got a KVQuantConfig and the keyword options {names}; the options "
+            "come from one place. Fix: put them in the config (KVQuantConfig(..., "
+            f"{names})), or pass keywords alone."
+        )
+    return config

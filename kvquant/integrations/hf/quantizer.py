@@ -27,16 +27,18 @@ checkpoints only) and loads them through kvquant.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvquant.checkpoint.files import folder_named_by, locate_checkpoint
 from kvquant.errors import OptionTypeError, UnsupportedModelError
-from kvquant.integrations.transformers_quantizer import KVQuantConfig, KVQuantizer
+from kvquant.integrations.transformers_quantizer import SET_ASIDE, KVQuantConfig, KVQuantizer
 
-__all__ = ["KVQuantConfig", "KVQuantizer", "from_pretrained"]
+__all__ = ["KVQuantConfig", "KVQuantizer", "from_pretrained", "quiet_loading"]
 
 _logger = logging.getLogger("kvquant")
 
@@ -130,7 +132,11 @@ def from_pretrained(
             del config.quantization_config
     if getattr(config, "quantization_config", None) is None and qc is None:
         qc = KVQuantConfig()
-    return cls.from_pretrained(str(path), config=config, quantization_config=qc, **kwargs)
+    token = SET_ASIDE.set(True)  # a producer config kept aside: transformers does not warn
+    try:
+        return cls.from_pretrained(str(path), config=config, quantization_config=qc, **kwargs)
+    finally:
+        SET_ASIDE.reset(token)
 
 
 def _drop_leftover_text_config(config: Any) -> None:
@@ -166,3 +172,26 @@ def _check_kv_only(method: str, qcfg: dict[str, Any], path: str | Path) -> None:
             "KV-cache scales only and cannot load quantized weights. Fix: use a KV-only "
             "checkpoint (bf16/fp16 weights plus FP8 KV scales)."
         )
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Hide transformers' progress bars and warnings while a command loads a model.
+
+    ``kvquant demo`` and ``kvquant calibrate`` print their own story; transformers'
+    "Loading weights" bars and its report of UNEXPECTED keys (the KV-scale tensors a
+    model has no parameter for) would interleave with it. Errors still raise. The
+    previous verbosity and progress-bar setting are restored on exit.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()

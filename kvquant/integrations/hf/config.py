@@ -1,0 +1,143 @@
+"""kvquant's options, defined once: the fields of :class:`PatchOptions` and their checks.
+
+:class:`~kvquant.KVQuantConfig` (in :mod:`kvquant.integrations.transformers_quantizer`,
+where transformers' quantizer plugin registers it) holds these options;
+``kvquant.patch(model, KVQuantConfig(page_size=32))`` and
+``from_pretrained(path, quantization_config=KVQuantConfig(page_size=32))`` take the same
+object (the torchao shape), and ``kvquant.patch(model, page_size=32)`` is sugar for the
+first. :class:`PatchOptions` is the frozen value a patch keeps (compared for
+idempotence); it adds where the scales came from. This module imports no transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvquant.cache import MAX_PAGE_SIZE
+from kvquant.errors import OptionError, OptionTypeError
+from kvquant.kernels.backend import BACKENDS
+from kvquant.registry.options import ResolveOptions
+
+__all__ = ["OPTION_NAMES", "SAVED_KEYS", "PatchOptions", "check_option_names", "check_options"]
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """The settings of one :func:`kvquant.patch` (a :class:`KVQuantConfig`'s values, frozen).
+
+    Attributes:
+        scale_format: see :class:`~kvquant.KVQuantConfig` (each field below too).
+        missing_scales: ``"dynamic"``, ``"error"`` or ``"unit"``.
+        group_size: ``G`` of the dynamic ``fp32-group`` format, or None.
+        missing_kv: ``"error"`` or ``"reuse"``.
+        rope_policy: ``"widen"`` or ``"keep"``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        page_size: token slots per page.
+        max_cache_tokens: token slots of a cache (whole batch), or None.
+        num_pages: pages of a cache, or None.
+        cuda_graphs: None (auto), True or False.
+        compile_step: None (auto), True or False.
+        prefill_tokens: the most tokens one prefill forward processes: ``"auto"``,
+            an int or None.
+        source: a description of where the scales came from (not an option).
+    """
+
+    scale_format: str
+    missing_scales: str
+    group_size: int | None
+    missing_kv: str
+    rope_policy: str
+    backend: str
+    page_size: int
+    max_cache_tokens: int | None
+    num_pages: int | None
+    cuda_graphs: bool | None
+    compile_step: bool | None
+    prefill_tokens: int | str | None
+    source: str = ""
+
+    @property
+    def resolve_options(self) -> ResolveOptions:
+        """The registry options of this patch (what ``kvquant doctor`` resolves with)."""
+        return ResolveOptions(
+            scale_format=self.scale_format,
+            missing_scales=self.missing_scales,
+            group_size=self.group_size,
+            missing_kv=self.missing_kv,
+            rope_policy=self.rope_policy,
+        )
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(PatchOptions) if f.name != "source")
+"""The options :class:`~kvquant.KVQuantConfig` takes (and :func:`kvquant.patch` as keywords)."""
+
+SAVED_KEYS = frozenset({"quant_method"})
+"""Keys of a saved config that are not options (``save_pretrained`` writes them)."""
+
+
+def check_option_names(names: Mapping[str, Any] | set[str], owner: str) -> None:
+    """Refuse a keyword that is not an option (a typo would otherwise be ignored).
+
+    Raises:
+        OptionTypeError: an unknown name (a ``TypeError``, as Python's own), with
+            the closest option name.
+    """
+    for name in names:
+        if name in OPTION_NAMES:
+            continue
+        close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+        hint = f"Did you mean {close[0]!r}? " if close else ""
+        raise OptionTypeError(
+            f"{owner}: unknown option {name!r}. {hint}Expected one of: {', '.join(OPTION_NAMES)}."
+        )
+
+
+def check_options(opts: PatchOptions, owner: str = "KVQuantConfig") -> None:
+    """Refuse bad option values (:class:`~kvquant.errors.OptionError`, a ``ValueError``) before any change."""
+
+    def positive(name: str, value: object, optional: bool = False, limit: int = 0) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OptionError(
+                f"{owner}: {name}={value!r}; expected a positive int"
+                + (" or None" if optional else "")
+                + f". Fix: pass {name}=<int >= 1>."
+            )
+        if limit and value > limit:
+            raise OptionError(
+                f"{owner}: {name}={value}; expected at most {limit}. Fix: pass "
+                f"{name} in 1..{limit} (16, 32 or 64 are typical page sizes)."
+            )
+
+    positive("page_size", opts.page_size, limit=MAX_PAGE_SIZE)
+    positive("group_size", opts.group_size, optional=True)
+    positive("max_cache_tokens", opts.max_cache_tokens, optional=True)
+    positive("num_pages", opts.num_pages, optional=True)
+    if opts.prefill_tokens != "auto":
+        if isinstance(opts.prefill_tokens, str):
+            raise OptionError(
+                f'{owner}: prefill_tokens={opts.prefill_tokens!r}; expected "auto", a positive '
+                'int or None. Fix: pass prefill_tokens="auto" (the default).'
+            )
+        positive("prefill_tokens", opts.prefill_tokens, optional=True)
+    for name in ("cuda_graphs", "compile_step"):
+        value = getattr(opts, name)
+        if value is not None and not isinstance(value, bool):
+            raise OptionTypeError(
+                f"{owner}: {name}={value!r}; expected None (auto), True or False."
+            )
+    if opts.compile_step and opts.cuda_graphs is False:
+        raise OptionError(
+            f"{owner}: compile_step=True with cuda_graphs=False; the compiled layers run "
+            "only in the decode-graph step. Fix: pass cuda_graphs=None (or True) with "
+            "compile_step=True, or compile_step=None."
+        )
+    if opts.backend not in BACKENDS:
+        raise OptionError(
+            f"{owner}: backend={opts.backend!r}; expected one of {BACKENDS}. "
+            "Fix: pass backend='auto'."
+        )
