@@ -203,6 +203,21 @@ def _full_mask(query: torch.Tensor, t: int, window: int) -> torch.Tensor:
     return visible[None, None]
 
 
+def fallback_kwargs(
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> dict[str, Any]:
+    """The keywords :func:`fallback_attention` takes: dropout and scaling, and the optional
+    window, softcap and sinks only where the model passed them."""
+    extra: dict[str, Any] = {"dropout": dropout, "scaling": scaling}
+    optional = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": s_aux}
+    extra.update({name: value for name, value in optional.items() if value is not None})
+    return extra
+
+
 def fallback_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -380,13 +395,7 @@ def _paged_attention(
         if fresh is not None and fresh.pending_first is not None:
             # k-transform: keep the prompt's first visible tokens at full precision
             fresh.flush_first_tokens(_first_visible(fresh, attention_mask, query, module))
-        extra: dict[str, Any] = {"dropout": dropout, "scaling": scaling}
-        if sliding_window is not None:
-            extra["sliding_window"] = sliding_window
-        if softcap is not None:
-            extra["softcap"] = softcap
-        if s_aux is not None:
-            extra["s_aux"] = s_aux
+        extra = fallback_kwargs(dropout, scaling, sliding_window, softcap, s_aux)
         return fallback_attention(module, query, key, value, attention_mask, **extra, **kwargs)
     if dropout and module.training:
         raise UnsupportedModelError(

@@ -649,7 +649,7 @@ class LayerStep:
         Raises:
             UnsupportedModelError: attention dropout in training mode.
         """
-        from kvquant.integrations.hf.attention import fallback_attention
+        from kvquant.integrations.hf.attention import fallback_attention, fallback_kwargs
 
         if dropout and module.training:
             raise UnsupportedModelError(
@@ -659,13 +659,7 @@ class LayerStep:
         plan = self.plan
         q4 = query.transpose(1, 2)  # [1, T, Hq, D]
         out = torch.empty(q4.shape, dtype=query.dtype, device=query.device)
-        extra: dict[str, Any] = {"dropout": 0.0, "scaling": scaling}
-        if sliding_window is not None:
-            extra["sliding_window"] = sliding_window
-        if softcap is not None:
-            extra["softcap"] = softcap
-        if s_aux is not None:
-            extra["s_aux"] = s_aux
+        extra = fallback_kwargs(0.0, scaling, sliding_window, softcap, s_aux)
         for start, length in plan.fresh:
             sl = slice(start, start + length)
             dense, _ = fallback_attention(
