@@ -52,6 +52,7 @@ __all__ = [
     "SequenceBook",
     "StaticStep",
     "device_free_bytes",
+    "release_library_workspaces",
     "total_memory_bytes",
 ]
 
@@ -1578,3 +1579,18 @@ def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:
         for key, value in storage.memory_bytes().items():
             total[key] += value
     return total
+
+
+def release_library_workspaces() -> None:
+    """Free the per-stream workspaces cuBLAS keeps (the warm-up stream's too), after a sync.
+
+    For ``remove()`` of a patch that captured decode graphs: the warm-up stream's
+    workspaces would otherwise stay allocated for the life of the process. cuBLAS
+    allocates them again at its next call on a stream. No-op where torch has no
+    such function or CUDA was never initialised.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    clear()

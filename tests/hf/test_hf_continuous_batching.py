@@ -774,6 +774,7 @@ def test_gpu_no_memory_left_after_the_manager_stops_and_after_remove() -> None:
         reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
     )
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    # The batching thread's cuBLAS handle got its own workspace; stopping frees it too.
+    assert torch.cuda.memory_allocated() <= before
     handle.remove()
     assert torch.cuda.memory_allocated() <= before

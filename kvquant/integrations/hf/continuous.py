@@ -80,7 +80,7 @@ import torch
 from torch import nn
 
 from kvquant import kernels
-from kvquant.cache import PagedLayerStorage
+from kvquant.cache import PagedLayerStorage, release_library_workspaces
 from kvquant.errors import (
     BatchingError,
     CacheCapacityError,
@@ -1406,7 +1406,8 @@ class _GetResult:
 
 class _Stop:
     """``manager.stop``: a manager that stops for good frees its cache's device memory
-    (:func:`release`), whatever still refers to the cache object."""
+    (:func:`release`), whatever still refers to the cache object, and the cuBLAS workspace
+    its batching thread's handle allocated (held for the life of the process otherwise)."""
 
     def __init__(self, manager: Any) -> None:
         self.manager = weakref.ref(manager)
@@ -1423,6 +1424,7 @@ class _Stop:
             and not manager.is_running()
         ):
             release(cache_obj)
+            release_library_workspaces()
         return result
 
 

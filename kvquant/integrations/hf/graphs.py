@@ -173,21 +173,6 @@ def _side_stream(device: torch.device) -> Any:
     return stream
 
 
-def release_library_workspaces() -> None:
-    """Free the per-stream workspaces cuBLAS keeps (the warm-up stream's too), after a sync.
-
-    For ``remove()`` of a patch that captured decode graphs: the warm-up stream's
-    workspaces would otherwise stay allocated for the life of the process. cuBLAS
-    allocates them again at its next call on a stream. No-op where torch has no
-    such function or CUDA was never initialised.
-    """
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is None or not torch.cuda.is_initialized():
-        return
-    torch.cuda.synchronize()
-    clear()
-
-
 def left_padding_starts(
     mask: torch.Tensor | None, batch: int, total: int, device: torch.device
 ) -> torch.Tensor | None:

@@ -69,6 +69,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from kvquant.cache import release_library_workspaces
 from kvquant.errors import (
     CacheUsageError,
     OptionError,
@@ -83,7 +84,6 @@ from kvquant.integrations.hf.config import PatchOptions, check_option_names
 from kvquant.integrations.hf.graphs import (
     CompiledLayers,
     DecodeGraphRunner,
-    release_library_workspaces,
 )
 from kvquant.integrations.hf.models import (
     AttentionSite,
