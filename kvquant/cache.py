@@ -52,6 +52,7 @@ __all__ = [
     "SequenceBook",
     "StaticStep",
     "device_free_bytes",
+    "release_cached_blocks",
     "release_library_workspaces",
     "total_memory_bytes",
 ]
@@ -1570,6 +1571,19 @@ def device_free_bytes(device: torch.device) -> int | None:
         if fraction < 1.0:
             avail = min(avail, int(fraction * total) - allocated)
     return max(0, avail)
+
+
+def release_cached_blocks(device: torch.device | None) -> None:
+    """Return the caching allocator's unused blocks to a CUDA ``device`` (no-op elsewhere).
+
+    For a pool that grew: torch keeps the old page tensors' blocks cached, the
+    next forward's activations split them, and one long-lived tensor placed in
+    such a block keeps all of it from being released, so a later, larger pool
+    fails for want of contiguous memory while enough is free. Released at once,
+    the old blocks cannot be split.
+    """
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:

@@ -168,6 +168,44 @@ def test_default_patch_captures_and_falls_back_once_on_failure(
     handle.remove()
 
 
+def test_pool_growth_returns_the_old_pools_to_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A growth frees the old pools to the device, not into torch's cache, where a chunked
+    prefill's activations split them and a larger pool later found no contiguous memory."""
+    import inspect
+
+    from kvquant.integrations.hf import cache_layer
+
+    monkeypatch.setattr(cache_layer, "RELEASE_AFTER_GROWTH_BYTES", 1)  # the tiny model's pools
+    model = build("llama").to(device="cuda", dtype=torch.bfloat16)
+    ids, mask = prompt(batch=4, length=300)
+    ids, mask = ids.cuda(), mask.cuda()
+    handle = kvhf.patch(model, page_size=16, cuda_graphs=False)
+    cache = handle.new_cache()
+    key = (
+        "cache"
+        if "cache" in inspect.signature(type(model.model).forward).parameters
+        else "past_key_values"
+    )
+    with torch.no_grad():
+        model(input_ids=ids[:, :64], attention_mask=mask[:, :64], **{key: cache})
+    # pools of over 10 MiB a tensor: torch gives such blocks segments of their own (smaller
+    # ones share segments with other tensors and are never released one by one)
+    cache.reserve_through(100_000, cache.layers[0])
+    torch.cuda.synchronize()
+    old = sum(layer.storage.memory_bytes()["pages"] for layer in cache.layers)
+    assert old // (2 * len(cache.layers)) > 10 * 2**20
+    torch.cuda.empty_cache()
+    cache.reserve_through(200_000, cache.layers[0])  # grows every layer's pool again
+    torch.cuda.synchronize()
+    assert sum(layer.storage.memory_bytes()["pages"] for layer in cache.layers) > old
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < old
+    with torch.no_grad():  # the grown cache still serves the rest of the prompt
+        out = model(input_ids=ids[:, 64:], attention_mask=mask, **{key: cache})
+    assert torch.isfinite(out.logits).all()
+    assert cache.get_seq_length() == 300
+    handle.remove()
+
+
 @pytest.mark.parametrize("compile_step", [False, None])
 def test_cuda_graph_survives_pool_growth(
     monkeypatch: pytest.MonkeyPatch, compile_step: bool | None

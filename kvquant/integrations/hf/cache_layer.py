@@ -46,6 +46,7 @@ from kvquant.cache import (
     PagedLayerStorage,
     SequenceBook,
     device_free_bytes,
+    release_cached_blocks,
     total_memory_bytes,
 )
 from kvquant.errors import CacheCapacityError, CacheUsageError, UnsupportedModelError
@@ -65,6 +66,11 @@ memory is tightest)."""
 GROWTH_MEMORY_SHARE = 0.9
 """A growth takes at most this share of the memory the device can still hand out; a need that
 does not fit is still tried without headroom (and fails with CacheCapacityError)."""
+
+RELEASE_AFTER_GROWTH_BYTES = 256 * 2**20
+"""A growth that frees at least this many bytes of old pools returns them to the device at once
+(:func:`kvquant.cache.release_cached_blocks`) instead of leaving them in torch's cache, where
+activations would split them (chunked prefill then ran out of memory with gigabytes free)."""
 
 ATTN_NAME = "kvquant"
 """The name kvquant registers with ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -741,6 +747,7 @@ class KVQuantCache(Cache):
         target, _ = self._growth_target(alloc, -(-tokens // ps), -(-want // ps))
         if target <= alloc.num_pages:
             return  # no memory to spare for headroom: the steps grow the pools when they must
+        freed = self._page_bytes()[0] * alloc.num_pages
         try:
             self._grow_layers(target)
         except CacheCapacityError:
@@ -748,6 +755,7 @@ class KVQuantCache(Cache):
         alloc.grow(target)
         self.capacity_version += 1
         self.decode_graph = None
+        self._release_old_pools(freed)
 
     def slot_bytes(self) -> int:
         """Bytes one token slot of one sequence takes in every layer together (K and V pages and
@@ -807,10 +815,7 @@ class KVQuantCache(Cache):
         if want_per_seq is None:
             want_per_seq = -(-int(pages_per_seq * ps * (1.0 + self.headroom_fraction())) // ps)
         target = bsz * max(pages_per_seq, want_per_seq)
-        device = next(
-            (s.device for s in (getattr(layer, "storage", None) for layer in self.layers) if s),
-            None,
-        )
+        device = self._device()
         free = None if device is None else device_free_bytes(device)
         if free is not None and target > minimum:
             per_page, largest = self._page_bytes()
@@ -834,6 +839,7 @@ class KVQuantCache(Cache):
             CacheCapacityError: not even the need fits on the device.
         """
         target, minimum = self._growth_target(alloc, pages_per_seq)
+        freed = self._page_bytes()[0] * alloc.num_pages
         try:
             self._grow_layers(target)
         except CacheCapacityError:
@@ -845,6 +851,17 @@ class KVQuantCache(Cache):
             alloc.grow(target)
         self.capacity_version += 1
         self.decode_graph = None  # captured on the old pools
+        self._release_old_pools(freed)
+
+    def _release_old_pools(self, freed: int) -> None:
+        """After a growth that freed ``freed`` bytes of old pools: return large ones to the device."""
+        if freed >= RELEASE_AFTER_GROWTH_BYTES:
+            release_cached_blocks(self._device())
+
+    def _device(self) -> torch.device | None:
+        """The device of the layers' pools (None before any pool exists)."""
+        storages = (getattr(layer, "storage", None) for layer in self.layers)
+        return next((s.device for s in storages if s is not None), None)
 
     def _grow_layers(self, num_pages: int) -> None:
         for layer in self.layers:
