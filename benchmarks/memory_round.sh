@@ -14,7 +14,7 @@ for p in "${parts[@]}"; do
   case "$p" in
     capacity)
       timeout "${CAP_TIMEOUT:-330}" python3 benchmarks/e2e_generate.py --capacity --budget-gb 24 \
-        --capacity-start 32 --out "$OUT/e2e_capacity.json" 2>&1 | tee -a "$OUT/e2e.log" \
+        --capacity-start 64 --out "$OUT/e2e_capacity.json" 2>&1 | tee -a "$OUT/e2e.log" \
         | grep -E '^(capacity|  )' ;;
     b16x8k)
       timeout "${SHAPE_TIMEOUT:-200}" python3 benchmarks/e2e_generate.py --shapes b16x8k \
