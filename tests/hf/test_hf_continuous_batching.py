@@ -31,6 +31,8 @@ from kvquant.errors import (
     UnsupportedModelError,
 )
 from kvquant.integrations.hf import continuous
+from kvquant.integrations.hf.continuous import caches as cb_caches
+from kvquant.integrations.hf.continuous import storage as cb_storage
 
 transformers = pytest.importorskip("transformers")
 ContinuousBatchingConfig = transformers.ContinuousBatchingConfig
@@ -310,7 +312,7 @@ def test_a_shared_prefix_reads_the_first_requests_fp8_blocks(
     which attends over its whole prompt at full precision)."""
     model, handle, _ = models("per-tensor")
     matched: list[int] = []
-    cls = continuous._cache_class()
+    cls = cb_caches._cache_class()
     original = cls.search_prefix_match
 
     def search(self: Any, request_id: str, prompt_ids: list[int]) -> int:
@@ -436,14 +438,14 @@ def test_memory_sized_cache_counts_fp8_blocks(monkeypatch: pytest.MonkeyPatch) -
     """No num_blocks: the free memory, less one step's activations, buys FP8 blocks."""
     layout = continuous.BlockLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=16)
     free = 8 << 20
-    monkeypatch.setattr(continuous, "_memory_breakdown", lambda: (free, 0, 0))
+    monkeypatch.setattr(cb_storage, "_memory_breakdown", lambda: (free, 0, 0))
     config = build("llama").config
     cfg = cb_config(num_blocks=None, max_batch_tokens=64, max_memory_percent=0.5)
     tokens, blocks = continuous.plan_blocks(cfg, config, layout, torch.float32)
     step = 64 * (max(64 * 4 + VOCAB * 4, 4 * (64 + 64 + 64 + 128)) + 52)
     assert tokens == 64
     assert blocks == (free // 2 - 2 * layout.bytes_per_block - step) // (layout.bytes_per_block + 8)
-    monkeypatch.setattr(continuous, "_memory_breakdown", lambda: (4096, 0, 0))
+    monkeypatch.setattr(cb_storage, "_memory_breakdown", lambda: (4096, 0, 0))
     with pytest.raises(CacheCapacityError, match="hold no FP8 block"):
         continuous.plan_blocks(cfg, config, layout, torch.float32)
 
@@ -553,7 +555,7 @@ def test_no_memory_left_after_the_manager_stops_and_after_remove(
     """With the cyclic collector off (transformers' own gc.collect() calls neutralised too),
     the FP8 buffer dies with the batch processor; remove() leaves nothing of kvquant."""
     monkeypatch.setattr(gc, "collect", lambda *a, **k: 0)
-    monkeypatch.setattr(continuous, "_registry", {})  # other tests' patched models apart
+    monkeypatch.setattr(cb_caches, "_registry", {})  # other tests' patched models apart
     gc.disable()
     try:
         model, handle, _ = models("fp32-group")
@@ -585,9 +587,9 @@ def test_no_memory_left_after_the_manager_stops_and_after_remove(
         del manager, r
         assert len(buffers) == 2 and all(ref() is None for ref in buffers)
         assert continuous.live_caches() == []
-        assert isinstance(continuous_api.PagedAttentionCache, continuous._CacheFactory)
+        assert isinstance(continuous_api.PagedAttentionCache, cb_caches._CacheFactory)
         handle.remove()
-        assert not isinstance(continuous_api.PagedAttentionCache, continuous._CacheFactory)
+        assert not isinstance(continuous_api.PagedAttentionCache, cb_caches._CacheFactory)
         assert "init_continuous_batching" not in model.__dict__
         assert "generate_batch" not in model.__dict__
         assert not hasattr(model, "_kvquant_state")
@@ -616,7 +618,7 @@ def test_an_unpatched_model_keeps_transformers_cache_while_a_patched_one_batches
     model.generate_batch(
         reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
     )
-    assert isinstance(continuous_api.PagedAttentionCache, continuous._CacheFactory)
+    assert isinstance(continuous_api.PagedAttentionCache, cb_caches._CacheFactory)
     other = build("llama")
     out = other.generate_batch(
         reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False

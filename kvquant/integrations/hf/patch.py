@@ -689,7 +689,7 @@ class _Injector(_PatchBound):
         _claim(state, module)
         key, current = _cache_argument(kwargs)
         if _continuous.is_batching_cache(current):
-            return None  # transformers' continuous batching over kvquant's pages (continuous.py)
+            return None  # transformers' continuous batching over kvquant's pages (the continuous package)
         grad = _grad_flows(module, kwargs)
         name = state.model_name
         plain = _plain_dynamic(current)
