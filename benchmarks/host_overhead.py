@@ -329,7 +329,7 @@ def null_once(model: Any, ids: torch.Tensor, args: argparse.Namespace) -> list[f
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    from kvquant.integrations.hf.patch import cache_kwarg_name
+    from kvquant.integrations.hf.routing import cache_kwarg_name
 
     AttentionInterface.register(STUB_ATTN, _stub_attention)
     AttentionMaskInterface.register(STUB_ATTN, sdpa_mask)
@@ -350,7 +350,7 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
     import kvquant
     import kvquant.kernels as kernels
     import kvquant.kernels.validate as validate
-    from kvquant.integrations.hf.patch import cache_kwarg_name
+    from kvquant.integrations.hf.routing import cache_kwarg_name
 
     checks = (
         patched(validate, "value_checks_enabled", lambda device: False)

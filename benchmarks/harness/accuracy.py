@@ -491,7 +491,7 @@ def teacher_forced(
     if cache_factory is None:
         hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
     else:
-        from kvquant.integrations.hf.patch import cache_kwarg_name
+        from kvquant.integrations.hf.routing import cache_kwarg_name
 
         kwargs = {"use_cache": True, cache_kwarg_name(decoder): cache_factory()}
         first = decoder(input_ids=ids[:, :1], **kwargs).last_hidden_state

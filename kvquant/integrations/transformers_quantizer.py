@@ -214,7 +214,7 @@ class KVQuantizer(HfQuantizer):
             find_attention_sites,
             model_geometry,
         )
-        from kvquant.integrations.hf.patch import checkpoint_scales, resolve
+        from kvquant.integrations.hf.scale_source import checkpoint_scales, resolve
 
         check_supported(model)
         sites = find_attention_sites(model)

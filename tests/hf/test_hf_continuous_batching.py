@@ -388,7 +388,7 @@ def test_num_return_sequences_copies_the_fp8_blocks() -> None:
 
 
 def _cache_kwarg(model: Any) -> str:
-    from kvquant.integrations.hf.patch import cache_kwarg_name
+    from kvquant.integrations.hf.routing import cache_kwarg_name
 
     return "past_key_values" if cache_kwarg_name(model.model) == "past_key_values" else "cache"
 

@@ -129,7 +129,7 @@ def test_teacher_forced_matches_cross_entropy_of_full_logits() -> None:
 
 
 def test_calibrate_measures_post_rope_cache_contents() -> None:
-    from kvquant.integrations.hf.patch import cache_kwarg_name
+    from kvquant.integrations.hf.routing import cache_kwarg_name
 
     model = _tiny_llama()
     ids = _ids(50)

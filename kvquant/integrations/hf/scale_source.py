@@ -1,0 +1,310 @@
+"""Where a patch gets its KV scales: the checkpoint, a mapping, or the attention modules, resolved
+through the registry into one :class:`~kvquant.integrations.hf.cache_layer.LayerSpec` per layer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvquant.errors import (
+    OptionTypeError,
+    ScaleFormatError,
+    UnsupportedModelError,
+)
+from kvquant.integrations.hf.cache_layer import LayerSpec
+from kvquant.integrations.hf.config import PatchOptions
+from kvquant.integrations.hf.models import (
+    AttentionSite,
+)
+from kvquant.types import LayerGeometry, RawScale
+
+__all__ = [
+    "checkpoint_scales",
+    "gather_raw_scales",
+    "is_dynamic",
+    "layer_specs",
+    "refuse_error_findings",
+    "resolve",
+    "same_specs",
+]
+
+_logger = logging.getLogger("kvquant")
+
+
+# ---------------------------------------------------------------------- scales
+
+
+def _in_model_scales(sites: list[AttentionSite]) -> dict[str, torch.Tensor]:
+    """Scale tensors already on the attention modules (e.g. compressed-tensors on 5.17)."""
+    found: dict[str, torch.Tensor] = {}
+    for site in sites:
+        for attr in ("k_scale", "v_scale", "kv_scale"):
+            value = getattr(site.module, attr, None)
+            if isinstance(value, torch.Tensor) and not getattr(value, "_kvq_canonical", False):
+                found[f"{site.name}.{attr}"] = value.detach().cpu()
+    return found
+
+
+def gather_raw_scales(
+    model: nn.Module,
+    sites: list[AttentionSite],
+    geometry: LayerGeometry,
+    scales: str | Path | Mapping[str, torch.Tensor] | None,
+    dynamic: bool = False,
+) -> tuple[list[RawScale], dict[str, Any], str]:
+    """Find the raw KV scales for ``model``.
+
+    Args:
+        model: the model.
+        sites: its attention modules.
+        geometry: its attention geometry.
+        scales: a checkpoint folder or hub id, a ``{tensor_name: tensor}``
+            mapping, or None (the model's own checkpoint, from
+            ``model.name_or_path`` as a folder or through the local Hugging
+            Face cache; else scale tensors already on the attention modules,
+            else none).
+        dynamic: the scale format is dynamic (``fp32-group``), so an explicit
+            mapping may name no KV scale (``scales={}``: read nothing).
+
+    Returns:
+        ``(raw scales, context for the registry, source description)``.
+
+    Raises:
+        CheckpointError: a folder that is not a checkpoint, or the model's own
+            checkpoint cannot be found although its config declares quantization.
+        ScaleFormatError: the folder's geometry does not match the model, or a
+            mapping names no KV scale.
+    """
+    from kvquant.checkpoint.discovery import (
+        discover_scales,
+        k_transform_from_mapping,
+        raw_scales_from_mapping,
+        raw_scales_from_state_dict,
+    )
+    from kvquant.checkpoint.sources import model_checkpoint
+
+    if isinstance(scales, (str, Path)):
+        found = discover_scales(scales)
+        raws, ctx = checkpoint_scales(found, geometry, str(scales), loaded_from=False)
+        return raws, ctx, f"checkpoint {found.path}"
+    if isinstance(scales, Mapping):
+        raws = raw_scales_from_mapping(scales, "kvquant.patch: scales", allow_none=dynamic)
+        transform = k_transform_from_mapping(scales, geometry, "kvquant.patch: scales")
+        return raws, {"k_transform": transform} if transform else {}, "mapping"
+    if scales is not None:
+        raise OptionTypeError(
+            f"kvquant.patch: scales is a {type(scales).__name__}; expected a checkpoint folder "
+            "(str or Path), a {tensor_name: tensor} mapping, or None."
+        )
+    folder = model_checkpoint(model)
+    if folder is not None:
+        found = discover_scales(folder)
+        raws, ctx = checkpoint_scales(found, geometry, str(folder), loaded_from=True)
+        if found.scales:
+            return raws, ctx, f"checkpoint {folder}"
+    in_model = _in_model_scales(sites)
+    if in_model:
+        return raw_scales_from_state_dict(in_model), {}, "model attributes"
+    if folder is not None:
+        return [], {"discovered": found}, f"checkpoint {folder} (no KV scales)"
+    return [], {}, "none"
+
+
+def is_dynamic(scale_format: Any) -> bool:
+    """Whether ``scale_format`` names a dynamic format (one that uses no stored scale)."""
+    from kvquant.errors import UnknownFormatError
+    from kvquant.registry import ScaleFormat, get_scale_format
+
+    if isinstance(scale_format, ScaleFormat):
+        return bool(scale_format.dynamic)
+    if not isinstance(scale_format, str) or scale_format == "auto":
+        return False
+    try:
+        return bool(get_scale_format(scale_format).dynamic)
+    except UnknownFormatError:
+        return False  # the registry reports the unknown name when resolving
+
+
+def refuse_error_findings(found: Any, where: str) -> None:
+    """Raise when discovery found checkpoint-level errors (unsupported KV scheme, zero points, ...).
+
+    Raises:
+        ScaleFormatError: listing every error finding.
+    """
+    errors = [f for f in getattr(found, "findings", ()) if f.severity == "error"]
+    if errors:
+        lines = "; ".join(f"[{f.code}] {f.message}" for f in errors)
+        raise ScaleFormatError(f"{where}: kvquant cannot use this checkpoint's KV scales: {lines}")
+
+
+def checkpoint_scales(
+    found: Any, geometry: LayerGeometry, where: str, *, loaded_from: bool
+) -> tuple[list[RawScale], dict[str, Any]]:
+    """A discovered checkpoint's raw scales for a model of ``geometry``, after checking that they fit.
+
+    The checkpoint's config must describe the model. A model loaded from the
+    checkpoint (``loaded_from``) with fewer layers, whose layers are the
+    checkpoint's first ones (a draft model for assisted decoding, loaded with
+    ``num_hidden_layers=M``: transformers loads those layers' weights), gets
+    those layers' scales, as it gets their weights; a folder named explicitly
+    (``scales=``) must describe the whole model.
+
+    Returns:
+        ``(raw scales, context for the registry)``.
+
+    Raises:
+        ScaleFormatError: the geometries differ otherwise, or discovery found
+            checkpoint-level errors.
+    """
+    full = found.geometry
+    kept = geometry.num_layers
+    ctx: dict[str, Any] = {"discovered": found}
+    if full.num_layers <= kept:
+        _check_geometry(full, geometry, where)
+        refuse_error_findings(found, where)
+        return list(found.scales), ctx
+    first = LayerGeometry.from_layers(
+        full.num_heads,
+        [full.kv_heads_of(i) for i in range(kept)],
+        [full.head_dim_of(i) for i in range(kept)],
+    )
+    try:
+        _check_geometry(first, geometry, where)
+    except ScaleFormatError:
+        _check_geometry(full, geometry, where)  # the message names the whole checkpoint
+        raise
+    if not loaded_from:
+        raise ScaleFormatError(
+            f"{where}: the checkpoint config has {full.num_layers} layers, the model {kept} "
+            "layers like its first ones; kvquant gives a model a checkpoint's first layers only "
+            "when the model was loaded from that checkpoint (e.g. a draft model loaded with "
+            f"num_hidden_layers={kept}). Fix: leave scales unset if the model was loaded from "
+            "this folder (kvquant.patch(model)), else pass the checkpoint the model was "
+            "loaded from."
+        )
+    refuse_error_findings(found, where)
+    transform = found.k_transform
+    if transform is not None:
+        offsets = tuple(o for o in transform.offsets if o.layer < kept)
+        ctx["k_transform"] = replace(transform, offsets=offsets)
+    _logger.info(
+        "kvquant: the model has the first %d of the %d layers of %s (a model loaded with "
+        "num_hidden_layers=%d, e.g. a draft model): it gets their KV scales.",
+        kept,
+        full.num_layers,
+        where,
+        kept,
+    )
+    return [r for r in found.scales if r.layer < kept], ctx
+
+
+def _check_geometry(found: LayerGeometry, model: LayerGeometry, where: str) -> None:
+    """Refuse a checkpoint whose config does not describe ``model``.
+
+    The checkpoint's geometry comes from its ``config.json``; a model whose
+    layers differ in KV heads matches a per-layer config layer by layer, and a
+    model-wide ``num_key_value_heads`` when that count is one of its layers'.
+    """
+    kv_counts = sorted({model.kv_heads_of(i) for i in range(model.num_layers)})
+    head_dims = sorted({model.head_dim_of(i) for i in range(model.num_layers)})
+    per_layer = found.uniform or found.layer_num_kv_heads == model.layer_num_kv_heads
+    per_layer_dims = found.layer_head_dims is None or found.layer_head_dims == model.layer_head_dims
+    if (
+        found.num_layers != model.num_layers
+        or found.num_kv_heads not in kv_counts
+        or not per_layer
+        or found.head_dim not in head_dims
+        or not per_layer_dims
+    ):
+        heads = "/".join(str(h) for h in kv_counts)
+        dims = "/".join(str(d) for d in head_dims)
+        raise ScaleFormatError(
+            f"{where}: the checkpoint config has {found.num_layers} layers and "
+            f"{found.num_kv_heads} KV heads of head_dim {found.head_dim}, the model "
+            f"{model.num_layers} layers and {heads} KV heads of head_dim {dims}. Fix: pass "
+            "the checkpoint the model was loaded from."
+        )
+
+
+def _host_scale(scale: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU copy of a canonical scale, pinned where CUDA is available.
+
+    Every cache copies the scales to its device when a layer's storage is built,
+    inside the first forward; from pinned memory that copy does not wait for the
+    GPU work already queued (a pageable copy would, once per layer).
+    """
+    host = scale.detach().to(device="cpu", dtype=torch.float32).clone()
+    return host.pin_memory() if torch.cuda.is_available() else host
+
+
+def layer_specs(
+    sites: list[AttentionSite], geometry: LayerGeometry, model_scales: Any
+) -> list[LayerSpec]:
+    layers = list(model_scales.layers)
+    if len(layers) != len(sites):
+        raise UnsupportedModelError(
+            f"the registry resolved {len(layers)} layers of scales for {len(sites)} attention "
+            "layers."
+        )
+    reused = {s.kv_source for s in sites if s.kv_source is not None}
+    specs = []
+    for i, (site, ls) in enumerate(zip(sites, layers, strict=True)):
+        gran = str(ls.granularity)
+        k = None if ls.k is None else _host_scale(ls.k)
+        v = None if ls.v is None else _host_scale(ls.v)
+        transform = getattr(model_scales, "k_transform", None)
+        offset = getattr(ls, "k_offset", None)
+        specs.append(
+            LayerSpec(
+                name=site.name,
+                num_kv_heads=geometry.kv_heads_of(i),
+                head_dim=geometry.head_dim_of(i),
+                granularity=gran,
+                k_scale=k,
+                v_scale=v,
+                group_size=int(ls.group_size) if ls.group_size else None,
+                k_offset=None if offset is None else _host_scale(offset),
+                rotation=None if transform is None else transform.rotation,
+                first_tokens=0 if transform is None else int(transform.first_tokens),
+                kv_reused=i in reused,
+            )
+        )
+    return specs
+
+
+def same_specs(a: list[LayerSpec], b: list[LayerSpec]) -> bool:
+    """Whether two patches' layer specs are equal (scale tensors compared by value)."""
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return False
+        return bool(x == y)
+
+    return len(a) == len(b) and all(
+        same(getattr(s, f.name), getattr(t, f.name))
+        for s, t in zip(a, b, strict=True)
+        for f in fields(s)
+    )
+
+
+def resolve(
+    raw: list[RawScale], geometry: LayerGeometry, opts: PatchOptions, ctx: dict[str, Any]
+) -> Any:
+    """Resolve raw scales into canonical per-layer scales through the registry.
+
+    Raises:
+        ScaleFormatError: the registry rejects the scales.
+    """
+    from kvquant.registry import resolve_scales
+
+    discovered = ctx.get("discovered")
+    transform = ctx.get("k_transform", getattr(discovered, "k_transform", None))
+    return resolve_scales(raw, geometry, options=opts.resolve_options, k_transform=transform)
