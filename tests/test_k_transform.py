@@ -19,8 +19,8 @@ from paged_cases import PagedCase, build_case
 
 from kvquant.errors import KernelInputError, KVQuantError
 from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
-from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.reference import dequantize_pages, gather_kv
+from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.kernels.fp8 import dequantize_pages, gather_kv
 
 REL_TOL = 5e-3
 
@@ -444,7 +444,7 @@ def test_triton_first_tokens_in_split_merge_match_reference(
         assert_close_rel(got, ref, rel_tol=REL_TOL, name=f"{case_kw} splits={splits}")
 
 
-# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.tuning)
+# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.attention.tuning)
 ROT_VARIANTS = [{"ROT_WHERE": "kernel", "ROT_PRECISION": p} for p in ("ieee", "tf32x3", "tf32")]
 ROT_VARIANTS.append({"ROT_WHERE": "host"})
 ROT_IDS = ["kernel-ieee", "kernel-tf32x3", "kernel-tf32", "host"]
@@ -470,7 +470,7 @@ def test_triton_rotation_variants_match_reference(rot: dict[str, str], lq: int) 
 
 
 # the launcher's latency choices of the transform's per-program work (config= keys; defaults
-# in kvquant.kernels.tuning): rotation slices and pipelining, early loads, first-token split
+# in kvquant.kernels.attention.tuning): rotation slices and pipelining, early loads, first-token split
 LATENCY_VARIANTS: list[dict[str, Any]] = [
     {"ROT_STAGES": 2},
     {"ROT_SLICE": 32, "ROT_STAGES": 3},

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvquant.kernels.tuning import programs_per_sm, register_cap
+from kvquant.kernels.attention.tuning import programs_per_sm, register_cap
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,7 +52,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Launch]]:
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", record)
     # a GPU's split counts (132 multiprocessors), not the CPU placeholder's
-    monkeypatch.setattr("kvquant.kernels.attention_triton._num_sms", lambda device: 132)
+    monkeypatch.setattr("kvquant.kernels.attention.launch._num_sms", lambda device: 132)
     yield seen
 
 

@@ -21,9 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numerics import assert_close_rel
 from paged_cases import build_case
 
-from kvquant.kernels import hadamard, page_storage, write_kv
-from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.reference import write_kv_reference
+from kvquant.kernels import hadamard, page_storage, write_kv, write_kv_reference
+from kvquant.kernels.attention.launch import paged_attention_triton
 
 pytestmark = pytest.mark.gpu
 REL_TOL = 5e-3
@@ -106,7 +105,7 @@ def test_attention_matches_reference(
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{transform} {case_kw} {extra}")
 
 
-# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.tuning):
+# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.attention.tuning):
 # the TF32 ones run on tensor cores only here (the interpreter computes every dot in fp32)
 ROT_VARIANTS = [{"ROT_WHERE": "kernel", "ROT_PRECISION": p} for p in ("ieee", "tf32x3", "tf32")]
 ROT_VARIANTS.append({"ROT_WHERE": "host"})
