@@ -67,7 +67,9 @@ def _key(name: str, bound: dict[str, Any], declared: bool) -> tuple[Any, ...]:
             key.append((arg, repr(value)))  # a constexpr (upper case by convention), None
         else:
             spec = tuple(
-                native_specialize_impl(BaseBackend, v, False, arg not in plain, arg not in unaligned)
+                native_specialize_impl(
+                    BaseBackend, v, False, arg not in plain, arg not in unaligned
+                )
                 for v in values
             )
             key.append((arg, spec))

@@ -168,5 +168,3 @@ def gather_kv(
     n_pages = (seq_len + page_size - 1) // page_size
     ids = block_tables[batch_index, :n_pages].long()
     return pages[ids].reshape(-1, *pages.shape[2:])[:seq_len]
-
-

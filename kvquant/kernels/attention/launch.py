@@ -199,7 +199,9 @@ def _constexprs(
         # group scales stored head-major: a run's [TP, NG] scales are contiguous. Loaded so
         # where they fold (decode) or with one group per head (per-key loads were faster for
         # several groups per head in prefill: docs/dev/kernels.md, tuning)
-        "SCALE_RUNS_DENSE": kg is not None and kg.stride(1) == ng and vg.stride(1) == ng
+        "SCALE_RUNS_DENSE": kg is not None
+        and kg.stride(1) == ng
+        and vg.stride(1) == ng
         and (fold or ng == 1),
         # one group per head: the scales fold into the scores and the probabilities
         "FOLD": fold,

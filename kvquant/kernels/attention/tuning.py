@@ -44,8 +44,10 @@ class Tiles:
         """These tiles with the fields ``overrides`` names (other keys are ignored)."""
         names = {f.name for f in dataclasses.fields(self)}
         return dataclasses.replace(
-            self, **{k: int(v) for k, v in overrides.items() if k in names}  # type: ignore[call-overload]
+            self,
+            **{k: int(v) for k, v in overrides.items() if k in names},  # type: ignore[call-overload]
         )
+
 
 _SM_COUNT: dict[int, int] = {}
 

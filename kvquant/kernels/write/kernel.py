@@ -227,4 +227,3 @@ def _write_kv_kernel(
         GROUP,
         FP8_MAX,
     )
-

@@ -86,5 +86,3 @@ def write_kv_reference(
             sc = static.float().reshape(-1, 1) if static.dim() else static.float()
             codes = quantize_fp8(xs, sc, pages.dtype)
         pages[page, off] = codes
-
-
