@@ -1,25 +1,16 @@
 """FP8 paged KV-cache kernels: public entry points.
 
-:func:`write_kv` quantizes new K/V tokens into FP8 pages; :func:`paged_attention`
-attends new queries over those pages. Both validate every argument before anything runs,
-then dispatch to a backend (:mod:`kvquant.kernels.backend`): ``"triton"`` (the Triton
-kernels), ``"torch"`` (the pure-PyTorch references :func:`write_kv_reference` and
-:func:`paged_attention_reference`) or ``"auto"`` (Triton on CUDA, the reference on CPU).
-Each op is a folder: ``kvquant.kernels.attention`` and ``kvquant.kernels.write`` (kernel,
-launch, naive reference, validate).
-
-This package imports only torch at import time; the Triton kernel modules are
-imported at the first Triton dispatch. It never imports transformers.
-
-The static K transform (format ``k-transform``): ``write_kv(k_offset=, k_rotation=)``
-stores K as ``fp8((k @ R - c) / k_scale)``, and ``paged_attention`` with the same arguments
-attends with the query rotated alike, adding ``(q @ R)·c`` to every paged key's score; its
-``first_k`` / ``first_v`` / ``first_lens`` attend the first tokens of each sequence from a
-full-precision side buffer instead of their slots. :func:`hadamard` is the built-in rotation.
-
-Layout shared by every function here: pages ``[num_pages, page_size, Hkv, D]``
-(``float8_e4m3fn`` or ``float8_e5m2``), slot ``= page * page_size + offset``,
-block tables int32 ``[B, max_pages]``, sequence lengths int32 ``[B]``.
+:func:`write_kv` quantizes new K/V tokens into FP8 pages; :func:`paged_attention` attends new
+queries over those pages. Both validate every argument before anything runs, then dispatch to
+a backend (:mod:`kvquant.kernels.backend`): ``"triton"``, ``"torch"`` (the pure-PyTorch
+references :func:`write_kv_reference` and :func:`paged_attention_reference`) or ``"auto"``
+(Triton on CUDA, the reference on CPU). Each op is a folder, ``kvquant.kernels.attention`` and
+``kvquant.kernels.write`` (kernel, launch, naive reference, validate); this package imports
+only torch (Triton at the first Triton dispatch), never transformers. The static K transform
+(``k_offset``, ``k_rotation``, :func:`hadamard`; ``first_k``/``first_v``/``first_lens`` for
+the first tokens) is described with each function. Layout: pages ``[num_pages, page_size,
+Hkv, D]`` FP8, slot ``= page * page_size + offset``, int32 block tables ``[B, max_pages]`` and
+sequence lengths ``[B]``; the design: docs/dev/kernels.md.
 """
 
 from __future__ import annotations

@@ -264,35 +264,16 @@ def paged_attention_triton(
     """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
 
     Semantics are those of :func:`kvquant.kernels.paged_attention_reference`; the arguments
-    are :func:`kvquant.kernels.paged_attention`'s (already validated), plus two overrides
-    for tests and tuning.
+    are :func:`kvquant.kernels.paged_attention`'s (already validated: static or group scales,
+    ``q_lens``, ``kv_start``, masks, ``out``, ``sinks``, the K transform; ``block_tables``' last
+    dimension and the transform's tensors contiguous), plus two overrides for tests and tuning.
 
     Args:
         query: ``[B, Lq, Hq, D]`` fp16, bf16 or fp32, any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides.
-        v_pages: like ``k_pages`` (fastest with keys contiguous within a page:
-            :func:`kvquant.kernels.page_storage`).
-        block_tables: int32 ``[B, max_pages]``, last dimension contiguous.
-        seq_lens: int32 ``[B]`` tokens in the cache, the ``Lq`` new ones included.
-        sm_scale: softmax scale applied to ``q·k``.
-        k_scale: fp32 ``[]`` or ``[Hkv]`` static scale, or None with group scales.
-        v_scale: like ``k_scale``.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` or None.
-        v_group_scales: like ``k_group_scales``.
-        q_lens: int32 ``[B]`` valid query tokens per sequence, or None (all ``Lq``).
-        kv_start: int32 ``[B]`` first visible key per sequence, or None (0).
-        causal: mask keys after each query's position.
-        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
-        window: if > 0, a query sees only the last ``window`` positions up to itself.
-        out: optional ``[B, Lq, Hq, D]`` output in the query dtype (any strides).
-        sinks: fp32 ``[Hq]`` contiguous attention-sink logits, or None.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides; ``v_pages`` likewise
+            (fastest with keys contiguous within a page: :func:`kvquant.kernels.page_storage`).
         num_splits: split-KV count override for the decode path (tests, tuning).
         config: overrides of the launch, keys :data:`CONFIG_KEYS`; others are refused.
-        k_offset: fp32 ``[Hkv, D]`` contiguous K offset (static scales only), or None.
-        k_rotation: fp32 ``[D, D]`` contiguous K rotation (static scales only), or None.
-        first_k: ``[B, NF, Hkv, D]`` contiguous first-token keys (rotated frame), or None.
-        first_v: ``[B, NF, Hkv, D]`` contiguous first-token values, or None.
-        first_lens: int32 ``[B]`` first tokens per sequence (with ``first_k``/``first_v``).
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
