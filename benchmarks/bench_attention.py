@@ -14,11 +14,9 @@ Measures, in one run (notes §6 protocol):
 * the ``k-transform`` format (``per-head-kt``: per-head scales, K offset, Hadamard rotation
   and one first token from the side buffer) beside ``per-head`` on the same cache: decode
   B32 x 16k and B16 x 8k at 32/8/128 and 9/3/64 (eager and CUDA-graph replay), and chunk
-  over prefix prefill; ``--only-kt`` runs just that section, ``--kt-variants`` adds each
-  query-rotation choice of the launcher (in the kernel in fp32 / 3xTF32 / TF32, or before the
-  launch) and each ordering of its per-program work (``KT_VARIANTS``; ``--kt-only a,b`` picks
-  some), each checked and printed with its ratio to per-head; ``--kt-ablation`` adds the
-  transform with only some of its parts (rotation, offset, first tokens), likewise.
+  over prefix prefill; ``--only-kt`` runs just that section; ``--kt-ablation`` adds the
+  transform with only some of its parts (rotation, offset, first tokens), each checked and
+  printed with its ratio to per-head.
 
 Every configuration is checked against the fp32 reference (on a few sequences,
 NaN-poisoned output) before it is timed. Results go to ``--out`` as JSON and PNG.
@@ -33,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -47,21 +46,9 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kvquant.kernels import group_scale_storage, hadamard, page_storage
-from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.reference import paged_attention_reference
-from kvquant.kernels.tuning import (
-    KT_EARLY_LOADS,
-    KT_FIRST_SPLIT,
-    KT_REG_TRIM,
-    KT_ROT_KIND,
-    KT_ROT_PRECISION,
-    KT_ROT_SLICE,
-    KT_ROT_STAGES,
-    KT_ROT_WHERE,
-    KT_SPLIT_FROM_END,
-    choose_config,
-)
+from kvquant.kernels import group_scale_storage, hadamard, page_storage, paged_attention_reference
+from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.kernels.attention.tuning import choose_config
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -417,7 +404,9 @@ def run_prefill(results: dict[str, Any], deadline: float) -> None:
                 "TFLOPs": flops / t / 1e9,
                 "rel_err": err,
                 "ratio_vs_sdpa": row["sdpa_bf16_ms"] / t,
-                "config": choose_config(chunk, hq // hkv, d, group_dequant=name != "per-tensor"),
+                "config": dataclasses.asdict(
+                    choose_config(chunk, hq // hkv, d, group_dequant=name != "per-tensor")
+                ),
             }
             del f
         results["prefill"].append(row)
@@ -434,55 +423,6 @@ KT_DECODE_SHAPES = [
 KT_PREFILL_SHAPES = [(4, 8192, 2048), (8, 2048, 512)]
 
 
-# --kt-variants: the launcher's choices of the query rotation and of the order of the
-# transform's per-program work (config= keys), timed beside the default; the defaults are
-# kvquant.kernels.tuning.KT_ROT_* / KT_EARLY_LOADS / KT_FIRST_SPLIT; --kt-only picks some
-KT_VARIANTS: dict[str, dict[str, Any]] = {
-    "kernel-ieee": {"ROT_WHERE": "kernel", "ROT_PRECISION": "ieee"},
-    "kernel-tf32x3": {"ROT_WHERE": "kernel", "ROT_PRECISION": "tf32x3"},
-    "kernel-tf32": {"ROT_WHERE": "kernel", "ROT_PRECISION": "tf32"},
-    "host": {"ROT_WHERE": "host"},
-    # latency before the key loop (short decode shapes): rotation loop software-pipelined,
-    # 32-row slices of R, the transform's loads issued first, first tokens in the last split,
-    # R's slices computed from their indices (Hadamard) instead of loaded, and combinations
-    "stages2": {"ROT_STAGES": 2},
-    "slice32-stages2": {"ROT_SLICE": 32, "ROT_STAGES": 2},
-    "early": {"EARLY_LOADS": True},
-    "first-last": {"FIRST_SPLIT": "last"},
-    "early-last": {"EARLY_LOADS": True, "FIRST_SPLIT": "last"},
-    "hadamard": {"ROT_KIND": "hadamard"},
-    "hadamard-stages2": {"ROT_KIND": "hadamard", "ROT_STAGES": 2},
-    "hadamard-early-last": {"ROT_KIND": "hadamard", "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
-    "hadamard-stages2-early-last": {
-        "ROT_KIND": "hadamard", "ROT_STAGES": 2, "EARLY_LOADS": True, "FIRST_SPLIT": "last"
-    },
-    "hadamard-slice64-early-last": {
-        "ROT_KIND": "hadamard", "ROT_SLICE": 64, "EARLY_LOADS": True, "FIRST_SPLIT": "last"
-    },
-    # the split decode kernel's registers capped where that fits one more program per SM
-    "trim16": {"REG_TRIM": 16},
-    "early-last-trim16": {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16},
-    "hadamard-early-last-trim16": {
-        "ROT_KIND": "hadamard", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16
-    },
-    # split 0 (masked tile after the first tokens, the first tokens) takes the shortest share
-    "from-end": {"SPLIT_FROM_END": True},
-    "from-end-early-trim16": {"SPLIT_FROM_END": True, "EARLY_LOADS": True, "REG_TRIM": 16},
-    "from-end-hadamard-early-trim16": {
-        "SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "REG_TRIM": 16
-    },
-    # the split merge attends the first tokens (decode): no key-loop program carries them;
-    # from the end, split 0's masked tile after them sits in the shortest share
-    "merge": {"FIRST_SPLIT": "merge"},
-    "merge-from-end": {"FIRST_SPLIT": "merge", "SPLIT_FROM_END": True},
-    "merge-early": {"FIRST_SPLIT": "merge", "EARLY_LOADS": True},
-    "merge-stages2-from-end": {"FIRST_SPLIT": "merge", "ROT_STAGES": 2, "SPLIT_FROM_END": True},
-    "hadamard-merge-from-end": {
-        "ROT_KIND": "hadamard", "FIRST_SPLIT": "merge", "SPLIT_FROM_END": True
-    },
-}  # fmt: skip
-
-
 # --kt-ablation: the k-transform with only some of its parts (the pages stay those of the full
 # transform; each run is checked against the reference with the same parts), to show which
 # part costs the time over per-head
@@ -495,19 +435,11 @@ KT_ABLATIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def run_k_transform(
-    results: dict[str, Any],
-    deadline: float,
-    variants: bool = False,
-    ablation: bool = False,
-    only: list[str] | None = None,
-) -> None:
+def run_k_transform(results: dict[str, Any], deadline: float, ablation: bool = False) -> None:
     """``per-head-kt`` beside ``per-head`` on the same cache: decode (eager, graph), prefill.
 
-    With ``variants`` each of :data:`KT_VARIANTS` too (checked against the reference first),
-    or those named in ``only``, recorded as ``per-head-kt[<name>]`` with its ratios to
-    per-head, one line printed each; with ``ablation`` each of :data:`KT_ABLATIONS` likewise,
-    as ``per-head-kt{<parts>}``.
+    With ``ablation`` each of :data:`KT_ABLATIONS` too (checked against the reference first),
+    recorded as ``per-head-kt{<parts>}`` with its ratios to per-head, one line printed each.
     """
     rows = results["k_transform"]
     shapes = [("decode", hq, hkv, d, bsz, ctx, 1) for hq, hkv, d, bsz, ctx in KT_DECODE_SHAPES]
@@ -517,20 +449,8 @@ def run_k_transform(
     runs: list[tuple[str, str, dict[str, Any] | None]] = [
         ("per-head", "per-head", None), ("per-head-kt", "per-head-kt", None)
     ]  # fmt: skip
-    if variants:
-        runs += [
-            (f"per-head-kt[{v}]", "per-head-kt", cfg)
-            for v, cfg in KT_VARIANTS.items()
-            if only is None or v in only
-        ]
     if ablation:
         runs += [(f"per-head-kt{{{a}}}", f"kt:{a}", None) for a in KT_ABLATIONS]
-        # the parts with first tokens once more with the split merge attending them
-        runs += [
-            (f"per-head-kt{{{a}}}[merge]", f"kt:{a}", {"FIRST_SPLIT": "merge"})
-            for a, parts in KT_ABLATIONS.items()
-            if "first_k" in parts
-        ]
     for kind, hq, hkv, d, bsz, ctx, lq in shapes:
         label = f"{kind} {hq}/{hkv}/{d} B{bsz} ctx{ctx} lq{lq}"
         if time.time() > deadline:
@@ -558,7 +478,7 @@ def run_k_transform(
                 if "graph_ms" in row[key]:
                     g = row[key]["graph_ms"] / row["per-head"]["graph_ms"]
                     row[key]["over_per_head_graph"] = g
-            if (variants or ablation) and key != "per-head":
+            if ablation and key != "per-head":
                 line = f"kt variant {key:<24} {label}: {row[key]['over_per_head']:.3f}x eager"
                 if "over_per_head_graph" in row[key]:
                     line += f", {row[key]['over_per_head_graph']:.3f}x graph"
@@ -672,24 +592,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter script check")
     ap.add_argument("--only-kt", action="store_true", help="only the k-transform section")
     ap.add_argument(
-        "--kt-variants",
-        action="store_true",
-        help="the k-transform section also times each query-rotation choice (KT_VARIANTS)",
-    )
-    ap.add_argument(
-        "--kt-only",
-        type=lambda text: text.split(","),
-        help="with --kt-variants: only these KT_VARIANTS names (comma-separated)",
-    )
-    ap.add_argument(
         "--kt-ablation",
         action="store_true",
         help="the k-transform section also times it with only some of its parts (KT_ABLATIONS)",
     )
     args = ap.parse_args()
-    unknown = sorted(set(args.kt_only or ()) - set(KT_VARIANTS))
-    if unknown:
-        ap.error(f"--kt-only: unknown variants {unknown}; known: {sorted(KT_VARIANTS)}")
     global DEV, SMOKE, SWEEP_SHAPES, PREFILL_SHAPES
     if args.smoke:
         DEV, SMOKE = "cpu", True
@@ -719,23 +626,11 @@ def main() -> None:
         "sweeps": [],
         "prefill": [],
         "k_transform": [],
-        # the launcher's default query rotation (row "per-head-kt")
-        "kt_default": dict(
-            ROT_WHERE=KT_ROT_WHERE,
-            ROT_PRECISION=KT_ROT_PRECISION,
-            ROT_KIND=KT_ROT_KIND,
-            ROT_SLICE=KT_ROT_SLICE,
-            ROT_STAGES=KT_ROT_STAGES,
-            EARLY_LOADS=KT_EARLY_LOADS,
-            FIRST_SPLIT=KT_FIRST_SPLIT,
-            REG_TRIM=KT_REG_TRIM,
-            SPLIT_FROM_END=KT_SPLIT_FROM_END,
-        ),
         "skipped": [],
     }
     print(json.dumps(results["bandwidth"]), flush=True)
     if args.only_kt:
-        run_k_transform(results, deadline, args.kt_variants, args.kt_ablation, args.kt_only)
+        run_k_transform(results, deadline, args.kt_ablation)
         results["elapsed_s"] = time.time() - start
         save(results, args.out)
         summarize_kt(results)
@@ -757,7 +652,7 @@ def main() -> None:
         run_write(results)
     run_prefill(results, deadline + 60)
     save(results, args.out)
-    run_k_transform(results, deadline + 90, args.kt_variants, args.kt_ablation, args.kt_only)
+    run_k_transform(results, deadline + 90, args.kt_ablation)
     save(results, args.out)
     if not args.no_sweep:
         run_sweeps(results, deadline + 120)

@@ -349,14 +349,15 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
     """The model patched by kvquant, its compute stubbed; yields a factory of ``generate`` kwargs."""
     import kvquant
     import kvquant.kernels as kernels
-    import kvquant.kernels.validate as validate
+    import kvquant.kernels.attention.validate as attention_checks
+    import kvquant.kernels.write.validate as write_checks
     from kvquant.integrations.hf.routing import cache_kwarg_name
 
-    checks = (
-        patched(validate, "value_checks_enabled", lambda device: False)
-        if not args.value_checks
-        else contextlib.nullcontext()
-    )
+    checks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if not args.value_checks:
+        checks = contextlib.ExitStack()
+        for module in (attention_checks, write_checks):
+            checks.enter_context(patched(module, "value_checks_enabled", lambda device: False))
     handle = kvquant.patch(model, scales={}, scale_format="fp32-group", page_size=args.page_size)
     key = cache_kwarg_name(model.model)
     tokens = args.batch * (args.prompt_len + args.steps + 8)

@@ -33,17 +33,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvquant.kernels import attention_jit as at
 from kvquant.kernels import specialize
-from kvquant.kernels.tuning import (
-    KT_EARLY_LOADS,
-    KT_FIRST_SPLIT,
-    KT_ROT_KIND,
-    KT_ROT_PRECISION,
-    KT_ROT_SLICE,
-    KT_ROT_STAGES,
-    KT_SPLIT_FROM_END,
-)
+from kvquant.kernels.attention import kernel as at
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
@@ -51,8 +42,7 @@ FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)
 # the full format (Hadamard rotation, offset, first tokens)
 TRANSFORM_FORMATS = {
     "per-head-kt": (True, True, True),
-    # the query rotated before the launch (ROT_WHERE "host"): offset and first tokens only
-    "per-head-kt-host": (False, True, True),
+    "per-head-kt-host": (False, True, True),  # offset and first tokens only
     "per-head-kt-rot": (True, False, False),
     "per-head-kt-off": (False, True, False),
     "per-head-kt-first": (False, False, True),
@@ -75,120 +65,99 @@ def _compile_sm90(
     unaligned = set(declared.get("do_not_specialize_on_alignment", ()))
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for name in names:
+    constexprs: dict[tuple[int, ...], Any] = {}
+
+    def integer(path: tuple[int, ...], name: str, value: int | None) -> str:
+        if value == 1 and name not in plain:
+            constexprs[path] = 1
+            return "constexpr"
+        if value and value % 16 == 0 and name not in unaligned:
+            attrs[path] = [["tt.divisibility", 16]]
+        return "i32"
+
+    for i, name in enumerate(names):
+        value = values.get(name)
         if name in pointers:
             signature[name] = pointers[name]
-            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in consts:
             signature[name] = "constexpr"
+            constexprs[(i,)] = consts[name]
+        elif name.endswith("_ptr"):  # an optional tensor left out: None, a constexpr
+            signature[name] = "constexpr"
+            constexprs[(i,)] = None
         elif name in ("sm_scale", "softcap"):
             signature[name] = "fp32"
-        elif values.get(name) == 1 and name not in plain:
-            signature[name] = "constexpr"
-            consts[name] = 1
+        elif isinstance(value, tuple):  # a tensor's strides
+            signature[name] = tuple(integer((i, j), name, v) for j, v in enumerate(value))
         else:
-            signature[name] = "i32"
-            if values.get(name, 1) % 16 == 0 and values.get(name) and name not in unaligned:
-                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-    src = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(names.index(k),): v for k, v in consts.items()},
-        attrs=attrs,
-    )
+            signature[name] = integer((i,), name, value)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
-    rot_precision: str = KT_ROT_PRECISION, rot_slice: int = KT_ROT_SLICE,
-    rot_stages: int = KT_ROT_STAGES, early_loads: bool = KT_EARLY_LOADS,
-    first_split: str = KT_FIRST_SPLIT, rot_kind: str = KT_ROT_KIND, maxnreg: int = 0,
-    split_from_end: bool = KT_SPLIT_FROM_END,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
     With ``prefill`` the one-split prefill kernel instead: 128 query rows per program (the
-    launcher's prefill tile), no group-scale folding. ``rot_precision``, ``rot_slice``,
-    ``rot_stages``, ``early_loads``, ``first_split`` and ``rot_kind`` are the launcher's
-    k-transform choices (``config=`` keys ``ROT_PRECISION``, ``ROT_SLICE``, ``ROT_STAGES``,
-    ``EARLY_LOADS``, ``FIRST_SPLIT``, ``ROT_KIND``) for the k-transform formats; ``maxnreg``
-    caps the registers per thread (what the launcher's ``REG_TRIM`` sets; 0 = no cap);
-    ``split_from_end`` is the launcher's ``SPLIT_FROM_END``.
+    launcher's prefill tile), no group-scale folding.
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
     group_scales, ng = FORMATS["per-tensor" if kt else fmt]
     fn = at._paged_attn_kernel
+    # the pointers given (the others are None: absent optional tensors)
     pointers = {
         "q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32",
-        "seq_ptr": "*i32", "qlen_ptr": "*i32", "start_ptr": "*i32", "ks_ptr": "*fp32",
-        "vs_ptr": "*fp32", "kg_ptr": "*fp32", "vg_ptr": "*fp32", "out_ptr": "*bf16",
-        "part_ptr": "*fp32", "lse_ptr": "*fp32",
+        "seq_ptr": "*i32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32",
     }  # fmt: skip
-    if kt:
-        pointers.update(rot_ptr="*fp32", off_ptr="*fp32", fk_ptr="*bf16", fv_ptr="*bf16",
-                        flen_ptr="*i32", qr_ptr="*fp32")  # fmt: skip
+    if group_scales:
+        pointers.update(kg_ptr="*fp32", vg_ptr="*fp32")
+    else:
+        pointers.update(ks_ptr="*fp32", vs_ptr="*fp32")
+    if has_rot:
+        pointers.update(rot_ptr="*fp32")
+    if has_off:
+        pointers.update(off_ptr="*fp32")
+    if has_first:
+        pointers.update(fk_ptr="*bf16", fv_ptr="*bf16", flen_ptr="*i32")
     fold = fold and group_scales and not prefill
     block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
     if prefill:
         block_m = 128
     consts: dict[str, Any] = dict(
-        HAS_QLEN=False, HAS_START=False, GROUP=hq // hkv,
-        QPB=block_m // (hq // hkv) if prefill else 1, BLOCK_M=block_m,
+        GROUP=hq // hkv, QPB=block_m // (hq // hkv) if prefill else 1, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_D=d, PAGE=page, TP=math.gcd(page, block_n),
         V_RUNS_DENSE=math.gcd(page, block_n) == page, SCALE_RUNS_DENSE=group_scales,
-        GROUP_SCALES=group_scales, FOLD=fold, NG=ng,
-        CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill, USE_WHILE=False,
-        LOOP_STAGES=loop_stages, PDL=pdl, HAS_SINKS=False, HAS_ROT=has_rot,
-        HAS_OFF=has_off, HAS_FIRST=has_first, ROT_PREC=rot_precision,
-        ROT_SLICE=min(rot_slice, d) if has_rot else 16, ROT_STAGES=rot_stages if has_rot else 1,
-        EARLY_LOADS=early_loads and kt, FIRST_SPLIT_LAST=first_split == "last" and has_first,
-        ROT_HADAMARD=rot_kind == "hadamard" and has_rot, SPLIT_FROM_END=split_from_end,
-        FIRST_IN_MERGE=first_split == "merge" and has_first and not prefill,
+        FOLD=fold, NG=ng, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill,
+        USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
+    gs = (page * hkv * ng, ng, page * ng) if group_scales else (0, 0, 0)
     values = dict(
         # pages from kvquant.kernels.page_storage: K token-major, V keys-fastest
-        s_qb=hq * d, s_qt=hq * d, s_qh=d, s_qd=1, s_kp=page * hkv * d, s_kt=hkv * d, s_kh=d,
-        s_kd=1, s_vp=page * hkv * d, s_vt=1, s_vh=d * page, s_vd=page, s_bt=1024, s_ks=0,
-        s_vs=0,
+        s_q=(hq * d, hq * d, d, 1), s_k=(page * hkv * d, hkv * d, d, 1),
+        s_v=(page * hkv * d, 1, d * page, page), s_bt=1024, s_ks=0, s_vs=0,
         # group scales head-major (kvquant.kernels.group_scale_storage)
-        s_kgp=page * hkv * ng, s_kgt=ng, s_kgh=page * ng, s_vgp=page * hkv * ng,
-        s_vgt=ng, s_vgh=page * ng, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1,
+        s_kg=gs, s_vg=gs, s_o=(hq * d, hq * d, d, 1),
         Lq=2048 if prefill else 1, Hq=hq,
     )  # fmt: skip
     options = {"num_warps": warps, "num_stages": 2 if prefill else 3, "launch_pdl": pdl}
-    if maxnreg:
-        options["maxnreg"] = maxnreg
     return _compile_sm90(fn, pointers, consts, values, options)
 
 
 def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
-                   first: bool = False, n_first: int = 1, pdl: bool = True) -> Any:  # fmt: skip
-    """Compile the split merge (one warp, 32 columns per program, bf16 output) for sm_90.
-
-    With ``first`` the merge that also attends the first tokens (``_reduce_first_kernel``, the
-    launcher's ``FIRST_SPLIT="merge"``: query rows fp32, bf16 side buffers of ``n_first``
-    tokens).
-    """
-    fn = at._reduce_first_kernel if first else at._reduce_kernel
-    pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "sink_ptr": "*fp32",
-                "qr_ptr": "*fp32", "fk_ptr": "*bf16", "fv_ptr": "*bf16", "flen_ptr": "*i32",
-                "seq_ptr": "*i32", "qlen_ptr": "*i32", "start_ptr": "*i32"}  # fmt: skip
+                   pdl: bool = True) -> Any:  # fmt: skip
+    """Compile the split merge (one warp, 32 columns per program, bf16 output) for sm_90."""
+    fn = at._reduce_kernel
+    pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}
     consts: dict[str, Any] = dict(
-        SPLITS_P2=max(2, triton.next_power_of_2(splits)), HEAD_D=d, BLOCK_D=min(32, d), PDL=pdl,
-        HAS_SINKS=False,
+        SPLITS_P2=max(2, triton.next_power_of_2(splits)), HEAD_D=d, BLOCK_D=min(32, d), PDL=pdl
     )  # fmt: skip
-    if first:
-        consts.update(
-            FIRST_P2=max(2, triton.next_power_of_2(n_first)), GROUP=hq // hkv, HAS_QLEN=False,
-            HAS_START=False, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False,
-        )  # fmt: skip
-    # the rotated query rows are contiguous [B, Lq, Hq, D] (Lq = 1); output [B, 1, Hq, D]
-    values = dict(Lq=1, Hq=hq, num_splits=splits, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1,
-                  s_qrb=hq * d, s_qrt=hq * d, s_qrh=d, s_qrd=1, n_first_max=n_first)  # fmt: skip
+    values = dict(Lq=1, Hq=hq, num_splits=splits, s_ob=hq * d, s_ot=hq * d, s_oh=d, s_od=1)
     options = {"num_warps": 1, "num_stages": 3, "launch_pdl": pdl}
     return _compile_sm90(fn, pointers, consts, values, options)
 
@@ -301,88 +270,30 @@ def main() -> None:
     ap.add_argument(
         "--prefill", action="store_true", help="the prefill kernel (128-row tiles, one split)"
     )
-    ap.add_argument(
-        "--rot-precision",
-        default=KT_ROT_PRECISION,
-        choices=("ieee", "tf32x3", "tf32"),
-        help="query rotation's dot precision (k-transform formats with a rotation; default: "
-        "the launcher's, kvquant.kernels.tuning.KT_ROT_PRECISION)",
-    )
-    ap.add_argument(
-        "--rot-slice",
-        type=int,
-        default=KT_ROT_SLICE,
-        choices=(16, 32, 64),
-        help="rows of R per rotation step (k-transform, config ROT_SLICE)",
-    )
-    ap.add_argument(
-        "--rot-stages",
-        type=int,
-        default=KT_ROT_STAGES,
-        choices=(1, 2, 3),
-        help="pipelining depth of the rotation loop (config ROT_STAGES)",
-    )
-    ap.add_argument(
-        "--early-loads",
-        action=argparse.BooleanOptionalAction,
-        default=KT_EARLY_LOADS,
-        help="config EARLY_LOADS (k-transform)",
-    )
-    ap.add_argument(
-        "--first-split",
-        default=KT_FIRST_SPLIT,
-        choices=("first", "last", "merge"),
-        help="split attending the first tokens, or the split merge (config FIRST_SPLIT)",
-    )
-    ap.add_argument(
-        "--rot-kind",
-        default=KT_ROT_KIND,
-        choices=("matrix", "hadamard"),
-        help="products with R or the in-register Walsh-Hadamard transform (config ROT_KIND)",
-    )
-    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (what REG_TRIM sets)")
-    ap.add_argument(
-        "--split-from-end",
-        action=argparse.BooleanOptionalAction,
-        default=KT_SPLIT_FROM_END,
-        help="config SPLIT_FROM_END: split 0 gets the remainder of the key tiles",
-    )
     ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
     ap.add_argument(
         "--reduce",
         metavar="SPLITS",
         type=int,
         default=0,
-        help="the split merge of SPLITS partials instead, without and with the first tokens "
-        "(FIRST_SPLIT 'merge'; --first-tokens of them)",
+        help="the split merge of SPLITS partials instead",
     )
-    ap.add_argument("--first-tokens", type=int, default=1, help="with --reduce: side buffer size")
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.shape.split(","))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
     if args.reduce:
-        for first in (False, True):
-            kernel = compile_reduce(
-                hq=hq, hkv=hkv, d=d, splits=args.reduce, first=first, n_first=args.first_tokens
-            )  # fmt: skip
-            record = {"reduce": args.reduce, "shape": args.shape, "first_tokens": first,
-                      "n_first": args.first_tokens, **reduce_resources(kernel)}  # fmt: skip
-            print(json.dumps(record), flush=True)
+        kernel = compile_reduce(hq=hq, hkv=hkv, d=d, splits=args.reduce)
+        print(json.dumps({"reduce": args.reduce, "shape": args.shape, **reduce_resources(kernel)}))
         return
     for spec in args.variant or DEFAULT_VARIANTS:
         parts = spec.split(",")
         bn, warps, ls = (int(x) for x in parts[:3])
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
-        kt = {"rot_precision": args.rot_precision, "rot_slice": args.rot_slice,
-              "rot_stages": args.rot_stages, "early_loads": args.early_loads,
-              "first_split": args.first_split, "rot_kind": args.rot_kind,
-              "split_from_end": args.split_from_end}  # fmt: skip
         kernel = compile_decode(
-            bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold,
-            prefill=args.prefill, maxnreg=args.maxnreg, **kt,
+            bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold, prefill=args.prefill
         )  # fmt: skip
-        record = {"variant": spec, "shape": args.shape, **kt, **resources(kernel)}
+        record = {"variant": spec, "shape": args.shape, **resources(kernel)}
         print(json.dumps(record), flush=True)
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as ba
 import tune_decode as td
 
-import kvquant.kernels.attention_triton as at
+import kvquant.kernels.attention.launch as at
 
 
 def main() -> None:

@@ -4,9 +4,9 @@ For each decode shape and format, every ``(BLOCK_N, num_warps, num_stages)`` con
 runs with the launcher's own split choice and with forced split counts; each run is checked
 against the fp32 reference first (NaN-poisoned output), then timed. SDPA over a contiguous
 bf16 cache of the same shape is timed in the same process, and ``--baseline`` names another
-copy of the launcher module ``attention_triton.py`` to time beside the current one. A copy from
-after the kernels moved to ``attention_jit.py`` imports kvquant's current kernels, so to time a
-kernel change give a copy that defines its kernels itself (e.g. one from before that split).
+copy of the launcher module (``kvquant/kernels/attention/launch.py``) to time beside the
+current one. A copy of today's launcher imports kvquant's current kernels, so to time a kernel
+change give a copy that defines its kernels itself (e.g. one from before they moved apart).
 Prints the best configuration per shape and writes everything to ``--out/tune.json``.
 
 ``--graph`` times CUDA-graph replays (device time without host gaps), ``--auto-splits``
@@ -107,7 +107,7 @@ def stream_probe(p: ba.Problem, head_major: bool, block_n: int, warps: int, stag
 
 def current_module() -> Any:
     """kvquant's attention module (imported lazily, after ``--smoke`` set the device)."""
-    import kvquant.kernels.attention_triton as current
+    import kvquant.kernels.attention.launch as current
 
     return current
 

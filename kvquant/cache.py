@@ -39,7 +39,7 @@ from kvquant.kernels import (
     write_kv,
 )
 from kvquant.kernels.backend import BACKENDS
-from kvquant.kernels.reference import dequantize_pages
+from kvquant.kernels.fp8 import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES, SCALE_MAX, SCALE_MIN
 from kvquant.types import MAX_FIRST_TOKENS
 

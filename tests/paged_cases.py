@@ -1,7 +1,7 @@
 """Builders of paged FP8 KV-cache problems for the attention kernel tests.
 
 A case is random K/V written into shuffled pages with
-:func:`kvquant.kernels.reference.write_kv_reference` (the spec), every slot
+:func:`kvquant.kernels.write_kv_reference` (the spec), every slot
 nobody wrote poisoned with NaN codes (so a kernel reading past a sequence's
 end or through an unused block-table entry produces NaN), and unused
 block-table entries set to -1.
@@ -22,8 +22,14 @@ from typing import Any
 
 import torch
 
-from kvquant.kernels import group_scale_storage, hadamard, page_storage
-from kvquant.kernels.reference import fp8_max, paged_attention_reference, write_kv_reference
+from kvquant.kernels import (
+    group_scale_storage,
+    hadamard,
+    page_storage,
+    paged_attention_reference,
+    write_kv_reference,
+)
+from kvquant.kernels.fp8 import fp8_max
 
 __all__ = ["PagedCase", "build_case"]
 

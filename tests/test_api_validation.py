@@ -16,9 +16,14 @@ from kvquant.errors import (
     KVQuantError,
     ScaleFormatError,
 )
-from kvquant.kernels import compute_slot_mapping, page_storage, paged_attention, write_kv
+from kvquant.kernels import (
+    compute_slot_mapping,
+    page_storage,
+    paged_attention,
+    paged_attention_reference,
+    write_kv,
+)
 from kvquant.kernels import validate as kval
-from kvquant.kernels.reference import paged_attention_reference
 
 HKV, D, PS, PAGES = 2, 16, 4, 4
 BAD_SCALES = [0.0, float("nan"), -0.5, float("inf"), 1e-40, 1e31]

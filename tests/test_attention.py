@@ -17,12 +17,11 @@ import torch
 from numerics import assert_close_rel, error_report
 from paged_cases import build_case
 
-from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.tuning import (
+from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.kernels.attention.tuning import (
     choose_config,
     choose_num_splits,
     programs_per_sm,
-    register_cap,
 )
 
 REL_TOL = 5e-3
@@ -350,16 +349,8 @@ def test_programs_per_sm() -> None:
     assert programs_per_sm(64, 4, 120000) == 1  # shared-memory-limited
     assert programs_per_sm(16, 16, 0) == 4  # thread-limited: 4 x 512 threads
     assert programs_per_sm(255, 8, 1024) == 1
-
-
-def test_register_cap_reaches_the_next_residency_or_nothing() -> None:
-    """``REG_TRIM``'s cap: the next residency step within ``trim`` registers, else None."""
     assert programs_per_sm(142, 2, 20512) == 7
-    assert register_cap(142, 2, 20512, 16) == 128 and programs_per_sm(128, 2, 20512) == 8
-    assert register_cap(142, 2, 20512, 8) is None  # 14 registers to shed
-    assert register_cap(164, 2, 38944, 32) is None  # shared memory binds (5 per SM)
-    assert register_cap(128, 2, 20512, 32) == 112  # 8 -> 9 programs
-    assert register_cap(16, 16, 0, 32) is None  # thread-limited
+    assert programs_per_sm(128, 2, 20512) == 8
 
 
 def test_numerics_helper_flags_errors() -> None:
@@ -377,7 +368,7 @@ def test_numerics_helper_flags_errors() -> None:
 
 def test_programmatic_dependent_launch_only_on_nvidia_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """PDL launches need sm_90+ NVIDIA devices: never on CPU, ROCm or older GPUs."""
-    import kvquant.kernels.attention_triton as at
+    import kvquant.kernels.attention.launch as at
 
     assert not at._supports_pdl(torch.device("cpu"))
     monkeypatch.setattr(at, "_INTERPRETED", False)
@@ -394,8 +385,8 @@ def test_programmatic_dependent_launch_only_on_nvidia_sm90(monkeypatch: pytest.M
 
 def test_prefill_tiles_follow_the_rows() -> None:
     """Static-scale prefill at head_dim 128 takes 256-row tiles where there are rows for four."""
-    assert choose_config(260, 4, 128)["BLOCK_M"] == 256  # the "prefill-256-row-tiles" case
-    assert choose_config(255, 4, 128)["BLOCK_M"] == 128
-    assert choose_config(2048, 4, 64)["BLOCK_M"] == 128
-    assert choose_config(2048, 4, 128, group_dequant=True)["BLOCK_M"] == 128
-    assert choose_config(2048, 4, 256)["BLOCK_M"] == 64
+    assert choose_config(260, 4, 128).BLOCK_M == 256  # the "prefill-256-row-tiles" case
+    assert choose_config(255, 4, 128).BLOCK_M == 128
+    assert choose_config(2048, 4, 64).BLOCK_M == 128
+    assert choose_config(2048, 4, 128, group_dequant=True).BLOCK_M == 128
+    assert choose_config(2048, 4, 256).BLOCK_M == 64

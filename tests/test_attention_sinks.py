@@ -10,7 +10,7 @@ from numerics import assert_close_rel
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
-from kvquant.kernels.attention_triton import paged_attention_triton
+from kvquant.kernels.attention.launch import paged_attention_triton
 
 HKV, HQ, D, PS, PAGES, T = 2, 4, 16, 4, 8, 13
 BT = torch.tensor([[3, 0, 5, 1]], dtype=torch.int32)  # shuffled pages, partial last page
@@ -38,7 +38,7 @@ def _cache(groups: bool, device: str = "cpu") -> dict[str, Any]:
 
 def _dense(q: torch.Tensor, c: dict[str, Any], sinks: torch.Tensor, start: int) -> torch.Tensor:
     """Softmax over [scores, sink] with the sink's column dropped, on the dequantized K/V."""
-    from kvquant.kernels.reference import dequantize_pages
+    from kvquant.kernels.fp8 import dequantize_pages
 
     ids = BT[0].long()
     kv = []

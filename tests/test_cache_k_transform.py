@@ -14,8 +14,7 @@ from numerics import assert_close_rel
 
 from kvquant.cache import PageAllocator, PagedLayerStorage
 from kvquant.errors import CacheUsageError, ScaleFormatError
-from kvquant.kernels import hadamard
-from kvquant.kernels.reference import paged_attention_reference
+from kvquant.kernels import hadamard, paged_attention_reference
 
 HKV, HQ, D, PAGE = 2, 4, 16, 4
 

@@ -26,11 +26,8 @@ from kvquant.calibration_report import (
     near_constant_share,
 )
 from kvquant.errors import CalibrationError
-from kvquant.kernels.reference import (
-    dequantize_pages,
-    paged_attention_reference,
-    write_kv_reference,
-)
+from kvquant.kernels import paged_attention_reference, write_kv_reference
+from kvquant.kernels.fp8 import dequantize_pages
 
 pytest.importorskip("transformers")
 

@@ -17,6 +17,8 @@ import torch
 from kvquant.cache import PageAllocator
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError
 from kvquant.kernels import validate
+from kvquant.kernels.attention.validate import check_attention_inputs
+from kvquant.kernels.write.validate import check_write_inputs
 
 # ---------------------------------------------------------------- allocator
 
@@ -125,7 +127,7 @@ def _write_args(**over: Any) -> dict[str, Any]:
 
 def _check_write(args: dict[str, Any]) -> Any:
     a = args
-    return validate.check_write_inputs(
+    return check_write_inputs(
         a["key"], a["value"], a["k_pages"], a["v_pages"], a["slot_mapping"],
         a["k_scale"], a["v_scale"], a["k_group_scales"], a["v_group_scales"],
     )  # fmt: skip
@@ -157,7 +159,7 @@ def _attn_args(**over: Any) -> dict[str, Any]:
 
 def _check_attn(args: dict[str, Any]) -> Any:
     a = dict(args)
-    return validate.check_attention_inputs(
+    return check_attention_inputs(
         a.pop("query"), a.pop("k_pages"), a.pop("v_pages"), a.pop("block_tables"),
         a.pop("seq_lens"), **a,
     )  # fmt: skip
@@ -173,13 +175,13 @@ def _fresh_memo() -> Any:
 def test_write_memo_hits_and_returns_the_same_geometry() -> None:
     args = _write_args()
     first = _check_write(args)
-    assert len(validate._write_ok) == 1
+    assert validate.memo_size("write") == 1
     # a decode step: new K/V and slots, the same cache tensors
     written = {k: args[k] for k in ("k_pages", "v_pages", "k_group_scales", "v_group_scales")}
     again = _check_write(_write_args(**written))
-    assert again == first and len(validate._write_ok) == 1
+    assert again == first and validate.memo_size("write") == 1
     # other cache tensors of the same shapes: checked again (they must not overlap)
-    assert _check_write(_write_args()) == first and len(validate._write_ok) == 2
+    assert _check_write(_write_args()) == first and validate.memo_size("write") == 2
 
 
 @pytest.mark.parametrize(
@@ -235,7 +237,7 @@ def test_write_value_check_still_runs_on_a_memo_hit() -> None:
 
 def test_attention_memo_hits_and_value_checks_still_run() -> None:
     first = _check_attn(_attn_args())
-    assert _check_attn(_attn_args()) == first and len(validate._attention_ok) == 1
+    assert _check_attn(_attn_args()) == first and validate.memo_size("attention") == 1
     with pytest.raises(KernelInputError, match="seq_lens holds"):
         _check_attn(_attn_args(seq_lens=torch.tensor([5, 9], dtype=torch.int32)))
     with pytest.raises(KernelInputError, match="page ids"):
@@ -273,18 +275,18 @@ def test_attention_memo_never_skips_a_failing_check(over: dict[str, Any]) -> Non
 
 
 def test_memo_is_bounded_and_stays_correct() -> None:
-    for n in range(1, validate._MEMO_MAX + 10):
+    for n in range(1, validate.MEMO_MAX + 10):
         _check_attn(_attn_args(sm_scale=1.0 / n))
-    assert len(validate._attention_ok) <= validate._MEMO_MAX
+    assert validate.memo_size("attention") <= validate.MEMO_MAX
     with pytest.raises(KernelInputError):
         _check_attn(_attn_args(window=-1))
 
 
 def test_signature_declines_uncacheable_arguments() -> None:
-    assert validate._signature(torch.zeros(2), None, 1, 2.0, True) is not None
-    assert validate._signature(torch.zeros(2), "x") is None
+    assert validate.signature(torch.zeros(2), None, 1, 2.0, True) is not None
+    assert validate.signature(torch.zeros(2), "x") is None
     sparse = torch.zeros(2, 2).to_sparse()
-    assert validate._signature(sparse) is None
+    assert validate.signature(sparse) is None
 
 
 def test_page_id_value_check_reads_only_used_columns_and_names_the_row() -> None:

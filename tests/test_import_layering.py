@@ -257,7 +257,9 @@ def _probe(imports: str) -> dict[str, bool]:
     "imports",
     [
         "import kvquant.kernels",
-        "import kvquant.kernels.validate, kvquant.kernels.backend, kvquant.kernels.reference",
+        "import kvquant.kernels.validate, kvquant.kernels.backend, kvquant.kernels.fp8, "
+        "kvquant.kernels.attention.naive, kvquant.kernels.attention.validate, "
+        "kvquant.kernels.write.naive, kvquant.kernels.write.validate",
         "import kvquant.cache",
     ],
 )
@@ -275,7 +277,7 @@ def test_kvquant_import_is_lazy() -> None:
 
 
 def test_triton_kernel_module_does_not_initialise_cuda() -> None:
-    seen = _probe("import kvquant.kernels.write_triton")
+    seen = _probe("import kvquant.kernels.write.launch")
     assert seen["triton"]
     assert not seen["cuda_initialized"]
     assert not seen["transformers"]

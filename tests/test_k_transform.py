@@ -19,8 +19,8 @@ from paged_cases import PagedCase, build_case
 
 from kvquant.errors import KernelInputError, KVQuantError
 from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
-from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.reference import dequantize_pages, gather_kv
+from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.kernels.fp8 import dequantize_pages, gather_kv
 
 REL_TOL = 5e-3
 
@@ -336,9 +336,10 @@ def test_triton_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]
     assert_close_rel(_triton(case, **extra), ref, rel_tol=REL_TOL, name=str(case_kw))
 
 
-# FIRST_SPLIT "merge": the split merge attends the first tokens (decode; prefill keeps split 0)
-FIRST_WHERE = [{}, {"FIRST_SPLIT": "merge"}]
-FIRST_IDS = ["in-split", "in-merge"]
+# where the first tokens are attended: split 0 (the launcher's one way since the split merge's
+# FIRST_SPLIT="merge" was retired: docs/dev/kernels.md)
+FIRST_WHERE: list[dict[str, str]] = [{}]
+FIRST_IDS = ["in-split"]
 
 
 @pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
@@ -415,39 +416,9 @@ def test_nan_first_value_no_query_sees_never_reaches_the_output(first: dict[str,
     assert_close_rel(_triton(case, num_splits=2, config=first), ref, rel_tol=REL_TOL)
 
 
-DECODE_KT_CASES = [c for c in KT_CASES if c[0].startswith("decode")]
-
-
-@pytest.mark.parametrize(
-    "case_kw, extra", [c[1:] for c in DECODE_KT_CASES], ids=[c[0] for c in DECODE_KT_CASES]
-)
-def test_triton_first_tokens_in_split_merge_match_reference(
-    case_kw: dict[str, Any], extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``FIRST_SPLIT="merge"``: the split merge attends the first tokens, also where the
-    decode is not split (one split then writes a partial for the merge); NaN-poisoned
-    output, pages, first-token slots and split workspace (partials, log-sum-exps, rotated
-    query rows), fresh data per case."""
-    kw = {"granularity": "per-head", **case_kw}
-    case = build_case(**kw, seed=len(kw["lens"]) * 7 + kw["hq"] + 1)
-    ref = case.reference()
-    assert bool(torch.isfinite(ref).all())
-    empty = torch.empty
-
-    def nan_empty(*size: Any, **kwargs: Any) -> torch.Tensor:
-        t = empty(*size, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    for splits in {extra.get("num_splits", 2), 1}:
-        got = _triton(case, num_splits=splits, config={"FIRST_SPLIT": "merge"})
-        assert_close_rel(got, ref, rel_tol=REL_TOL, name=f"{case_kw} splits={splits}")
-
-
-# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.tuning)
-ROT_VARIANTS = [{"ROT_WHERE": "kernel", "ROT_PRECISION": p} for p in ("ieee", "tf32x3", "tf32")]
-ROT_VARIANTS.append({"ROT_WHERE": "host"})
-ROT_IDS = ["kernel-ieee", "kernel-tf32x3", "kernel-tf32", "host"]
+# the query rotation: in the kernel, TF32 tensor-core dots (the other choices were retired)
+ROT_VARIANTS: list[dict[str, str]] = [{}]
+ROT_IDS = ["kernel-tf32"]
 
 
 @pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
@@ -469,27 +440,10 @@ def test_triton_rotation_variants_match_reference(rot: dict[str, str], lq: int) 
     assert torch.equal(case.query, query)  # the caller's query is never rotated in place
 
 
-# the launcher's latency choices of the transform's per-program work (config= keys; defaults
-# in kvquant.kernels.tuning): rotation slices and pipelining, early loads, first-token split
-LATENCY_VARIANTS: list[dict[str, Any]] = [
-    {"ROT_STAGES": 2},
-    {"ROT_SLICE": 32, "ROT_STAGES": 3},
-    {"ROT_SLICE": 64},
-    {"EARLY_LOADS": True},
-    {"FIRST_SPLIT": "last"},
-    {"EARLY_LOADS": True, "FIRST_SPLIT": "last", "ROT_STAGES": 2, "REG_TRIM": 16},
-    {"ROT_KIND": "hadamard"},
-    {"ROT_KIND": "auto", "ROT_SLICE": 32, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
-    {"SPLIT_FROM_END": True},
-    {"SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "ROT_STAGES": 2},
-    {"FIRST_SPLIT": "merge"},
-    {"FIRST_SPLIT": "merge", "EARLY_LOADS": True, "SPLIT_FROM_END": True},
-    {"FIRST_SPLIT": "merge", "ROT_WHERE": "host"},
-]
-LATENCY_IDS = ["stages2", "slice32-stages3", "slice64", "early", "first-last", "early-last-stages2-trim",
-               "hadamard", "auto-slice32-early-last", "from-end",
-               "from-end-hadamard-early-stages2", "merge", "merge-early-from-end",
-               "merge-host"]  # fmt: skip
+# the transform's per-program work in its one order (the launcher's latency choices were
+# retired: docs/dev/kernels.md)
+LATENCY_VARIANTS: list[dict[str, Any]] = [{}]
+LATENCY_IDS = ["default"]
 
 
 @pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)
@@ -501,9 +455,7 @@ def test_triton_latency_variants_match_reference(
 ) -> None:
     """Each choice with offset, rotation and several first tokens per row (one row none).
 
-    Three splits of two 64-key tiles leave one split without paged keys (the last, or split 0
-    with ``SPLIT_FROM_END``): with ``FIRST_SPLIT="last"`` (or from the end) it attends the
-    first tokens alone.
+    Three splits of two 64-key tiles leave the last split without paged keys.
     """
     case = build_case(
         [75, 40, 66], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", k_transform="both",
@@ -518,12 +470,9 @@ def test_triton_latency_variants_match_reference(
     assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL, name=str(opts))
 
 
-@pytest.mark.parametrize(
-    "opts", [LATENCY_VARIANTS[2], LATENCY_VARIANTS[5], LATENCY_VARIANTS[7]],
-    ids=["slice64", "early-last-stages2-trim", "auto-slice32-early-last"],
-)  # fmt: skip
+@pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)
 def test_triton_latency_variants_small_head_softcap_window(opts: dict[str, Any]) -> None:
-    """``ROT_SLICE`` above ``D`` is capped; softcap and a window keep their masks."""
+    """A head dim of one rotation slice (16); softcap and a window keep their masks."""
     case = build_case(
         [90, 40], hq=6, hkv=2, d=16, granularity="per-head", k_transform="both",
         first_lens=[2, 1], n_first=2, softcap=5.0, window=24, seed=31,
@@ -534,85 +483,21 @@ def test_triton_latency_variants_small_head_softcap_window(opts: dict[str, Any])
 
 @pytest.mark.parametrize("granularity", ["per-head", "fp32-group"])
 def test_latency_variants_leave_other_formats_alone(granularity: str) -> None:
-    """Without a transform the k-transform choices change nothing; the split choices
-    (``SPLIT_FROM_END``, ``REG_TRIM``) keep every format's result, left padding included."""
+    """Every format's split result, left padding included."""
     case = build_case(
         [150, 33], hq=8, hkv=2, d=64, granularity=granularity, kv_start=[7, 0], seed=5
     )  # fmt: skip
     ref = case.reference()
-    for opts in (LATENCY_VARIANTS[5], LATENCY_VARIANTS[9], LATENCY_VARIANTS[-2]):
+    for opts in LATENCY_VARIANTS:
         assert_close_rel(_triton(case, num_splits=3, config=opts), ref, rel_tol=REL_TOL,
                          name=str(opts))  # fmt: skip
 
 
-def test_hadamard_kind_refuses_another_rotation() -> None:
-    """``ROT_KIND="hadamard"`` never reads R: any other R is refused, also after an edit;
-    ``"auto"`` computes R only where it is ``hadamard(D)`` and reads any other."""
-    case = build_case(
-        [40, 20], hq=4, hkv=2, d=16, granularity="per-head", k_transform="rotation", seed=3
-    )  # fmt: skip
-    rot = case.options["k_rotation"]
-    for kind in ("hadamard", "auto"):
-        got = _triton(case, config={"ROT_KIND": kind})
-        assert_close_rel(got, case.reference(), rel_tol=REL_TOL, name=kind)
-    rot[[0, 1]] = rot[[1, 0]]  # still orthonormal, no longer hadamard(16)
-    with pytest.raises(KernelInputError, match=r"differs from kvquant.kernels.hadamard\(16\)"):
-        _triton(case, config={"ROT_KIND": "hadamard"})
-    for cfg in ({"ROT_KIND": "auto"}, {}):  # products with R
-        assert_close_rel(_triton(case, config=cfg), case.reference(), rel_tol=REL_TOL)
-    case.options["k_rotation"] = torch.linalg.qr(torch.randn(16, 16))[0].contiguous()
-    with pytest.raises(KernelInputError, match="use ROT_KIND 'auto' or 'matrix'") as info:
-        _triton(case, config={"ROT_KIND": "hadamard"})
-    assert isinstance(info.value, ValueError)
-    assert_close_rel(_triton(case, config={"ROT_KIND": "auto"}), case.reference(),
-                     rel_tol=REL_TOL)  # fmt: skip
-
-
-def test_hadamard_kind_with_an_inference_rotation() -> None:
-    """An inference tensor has no version counter: it is compared at every call."""
-    case = build_case(
-        [40, 20], hq=4, hkv=2, d=16, granularity="per-head", k_transform="rotation", seed=6
-    )  # fmt: skip
-    with torch.inference_mode():
-        rot = case.options["k_rotation"] = case.options["k_rotation"].clone()
-    for kind in ("hadamard", "auto"):
-        got = _triton(case, config={"ROT_KIND": kind})
-        assert_close_rel(got, case.reference(), rel_tol=REL_TOL, name=kind)
-    with torch.inference_mode():
-        rot[[2, 3]] = rot[[3, 2]]
-    with pytest.raises(KernelInputError, match=r"differs from kvquant.kernels.hadamard\(16\)"):
-        _triton(case, config={"ROT_KIND": "hadamard"})
-    assert_close_rel(_triton(case, config={"ROT_KIND": "auto"}), case.reference(),
-                     rel_tol=REL_TOL)  # fmt: skip
-
-
-def test_host_rotation_keeps_the_query_dtype() -> None:
-    """Rotated before the launch in fp32, the output is still in the query's dtype."""
-    case = build_case(
-        [33, 60], hq=4, hkv=2, d=64, granularity="per-head", k_transform="rotation",
-        qdtype=torch.bfloat16, seed=21,
-    )  # fmt: skip
-    got = paged_attention_triton(
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), config={"ROT_WHERE": "host"},
-    )  # fmt: skip
-    assert got.dtype == torch.bfloat16
-    assert_close_rel(got, case.reference(), rel_tol=REL_TOL)
-
-
 @pytest.mark.parametrize(
-    "config, match",
-    [({"ROT_PRECISION": "fp64"}, r"config\['ROT_PRECISION'\] is 'fp64', expected one of"),
-     ({"ROT_WHERE": "write"}, r"config\['ROT_WHERE'\] is 'write', expected one of"),
-     ({"ROT_SLICE": 8}, r"config\['ROT_SLICE'\] is 8, expected one of \(16, 32, 64\)"),
-     ({"ROT_STAGES": True}, r"config\['ROT_STAGES'\] is True, expected one of \(1, 2, 3\)"),
-     ({"EARLY_LOADS": 1}, r"config\['EARLY_LOADS'\] is 1, expected one of \(False, True\)"),
-     ({"FIRST_SPLIT": 0}, r"config\['FIRST_SPLIT'\] is 0, expected one of"),
-     ({"REG_TRIM": 12}, r"config\['REG_TRIM'\] is 12, expected one of \(0, 8, 16, 24, 32\)"),
-     ({"ROT_KIND": "fwht"}, r"config\['ROT_KIND'\] is 'fwht', expected one of"),
-     ({"SPLIT_FROM_END": "yes"}, r"config\['SPLIT_FROM_END'\] is 'yes', expected one of")],
+    "key", ["ROT_WHERE", "ROT_PRECISION", "ROT_KIND", "ROT_SLICE", "ROT_STAGES", "EARLY_LOADS",
+            "FIRST_SPLIT", "REG_TRIM", "SPLIT_FROM_END", "BLOCK_K"],
 )  # fmt: skip
-def test_unknown_rotation_choice_is_refused(config: dict[str, str], match: str) -> None:
+def test_retired_or_unknown_config_key_is_refused(key: str) -> None:
     case = _kt_case()
-    with pytest.raises(KernelInputError, match=match):
-        _triton(case, config=config)
+    with pytest.raises(KernelInputError, match=rf"config has keys \['{key}'\], expected only"):
+        _triton(case, config={key: 1})

@@ -7,9 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from kvquant.kernels.tuning import programs_per_sm, register_cap
+from kvquant.kernels.attention.tuning import programs_per_sm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,61 +65,14 @@ def test_offline_sm90_k_transform_decode_keeps_registers_and_key_loop() -> None:
     assert loops[3] <= 1.05 * plain["sass_loop_instructions"][1]
 
 
-def test_offline_sm90_k_transform_latency_variants() -> None:
-    """9/3/64 decode: computed Hadamard slices drop R's loads before the key loops, and the
-    register cap ``REG_TRIM`` would pick reaches per-head's residency (8 programs per SM)."""
+def test_offline_sm90_split_merge_compiles_without_spills() -> None:
+    """The split merge (one warp, 32 columns per program) of 22 partials, 9/3/64."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-
-    def compile_(*flags: str) -> dict[str, object]:
-        out = subprocess.run(
-            [sys.executable, "benchmarks/kernel_resources.py", "--shape", "9,3,64",
-             "--variant", "64,2,6,per-head-kt", *flags],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
-        ).stdout  # fmt: skip
-        return dict(json.loads(out.strip().splitlines()[-1]))
-
-    default, computed = compile_(), compile_("--rot-kind", "hadamard")
-    assert computed["rot_kind"] == "hadamard" and default["rot_kind"] == "matrix"
-    assert int(computed["prologue_global_loads"]) < int(default["prologue_global_loads"])
-    regs, shared = int(default["registers"]), int(default["shared_bytes"])
-    cap = register_cap(regs, 2, shared, 32)
-    if cap is None:  # already at the next residency step
-        assert programs_per_sm(regs, 2, shared) >= 8
-        return
-    capped = compile_("--maxnreg", str(cap))
-    assert int(capped["registers"]) <= cap
-    assert programs_per_sm(int(capped["registers"]), 2, int(capped["shared_bytes"])) > (
-        programs_per_sm(regs, 2, shared)
-    )
-
-
-def test_offline_sm90_first_tokens_in_the_split_merge() -> None:
-    """``FIRST_SPLIT="merge"`` (9/3/64 decode): no first-token loop before the key loops, and
-    the kernel keeps per-head's residency, which the first tokens in split 0 cost; the
-    merge that takes them over stays a one-warp kernel without spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-
-    def compile_(*flags: str) -> list[dict[str, Any]]:
-        out = subprocess.run(
-            [sys.executable, "benchmarks/kernel_resources.py", "--shape", "9,3,64", *flags],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
-        ).stdout  # fmt: skip
-        return [json.loads(line) for line in out.strip().splitlines()]
-
-    plain, in_split = compile_("--variant", "64,2,6", "--variant", "64,2,6,per-head-kt-first")
-    (merged,) = compile_("--variant", "64,2,6,per-head-kt-first", "--first-split", "merge")
-
-    def residency(r: dict[str, Any]) -> int:
-        return programs_per_sm(r["registers"], 2, r["shared_bytes"])
-
-    assert merged["first_split"] == "merge"
-    # the first-token loop, then the three key loops; with the merge only the key loops
-    assert len(in_split["sass_loop_instructions"]) == 4
-    assert len(merged["sass_loop_instructions"]) == 3
-    assert residency(merged) == residency(plain) > residency(in_split)
-    without, with_first = compile_("--reduce", "22")
-    assert without["first_tokens"] is False and with_first["first_tokens"] is True
-    assert with_first["stack_bytes"] == 0
-    assert with_first["sass_instructions"] > without["sass_instructions"]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/kernel_resources.py", "--shape", "9,3,64", "--reduce", "22"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    merge = json.loads(out.strip().splitlines()[-1])
+    assert merge["reduce"] == 22 and merge["stack_bytes"] == 0
+    assert merge["sass_instructions"] > 0

@@ -52,7 +52,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Launch]]:
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", record)
     # a GPU's split counts (132 multiprocessors), not the CPU placeholder's
-    monkeypatch.setattr("kvquant.kernels.attention_triton._num_sms", lambda device: 132)
+    monkeypatch.setattr("kvquant.kernels.attention.launch._num_sms", lambda device: 132)
     yield seen
 
 
@@ -62,11 +62,15 @@ def _key(name: str, bound: dict[str, Any], declared: bool) -> tuple[Any, ...]:
     unaligned = set(options.get("do_not_specialize_on_alignment", ()))
     key = []
     for arg, value in bound.items():
-        if arg.isupper() or not isinstance(value, (torch.Tensor, int, float)):
-            key.append((arg, repr(value)))  # a constexpr (upper case by convention here)
+        values = value if isinstance(value, tuple) else (value,)  # strides come as tuples
+        if arg.isupper() or not all(isinstance(v, (torch.Tensor, int, float)) for v in values):
+            key.append((arg, repr(value)))  # a constexpr (upper case by convention), None
         else:
-            spec = native_specialize_impl(
-                BaseBackend, value, False, arg not in plain, arg not in unaligned
+            spec = tuple(
+                native_specialize_impl(
+                    BaseBackend, v, False, arg not in plain, arg not in unaligned
+                )
+                for v in values
             )
             key.append((arg, spec))
     return tuple(key)

@@ -21,9 +21,8 @@ from numerics import assert_close_rel
 
 from kvquant.errors import BackendError, KernelInputError, KVQuantError
 from kvquant.kernels import backend as backend_mod
-from kvquant.kernels import paged_attention, write_kv
+from kvquant.kernels import paged_attention, paged_attention_reference, write_kv, write_kv_reference
 from kvquant.kernels.backend import resolve_backend
-from kvquant.kernels.reference import paged_attention_reference, write_kv_reference
 
 P, PAGE, H, D = 4, 16, 2, 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or interpreted on CPU
@@ -473,7 +472,7 @@ def test_interpreter_set_too_late_raises() -> None:
     code = textwrap.dedent(
         """
         import os, torch
-        import kvquant.kernels.write_triton  # decorated without the interpreter
+        import kvquant.kernels.write.launch  # decorated without the interpreter
         os.environ["TRITON_INTERPRET"] = "1"
         from kvquant.errors import BackendError
         from kvquant.kernels import write_kv

@@ -24,8 +24,8 @@ from numerics import assert_close_rel
 from paged_cases import PagedCase, build_case
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.reference import dequantize_pages, gather_kv
+from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.kernels.fp8 import dequantize_pages, gather_kv
 
 LENS, LQ, PAGE = [40, 40], 24, 16
 POISONED = 36  # sequence 0, chunk row 20 of 24: rows 0-19 do not see it

@@ -19,8 +19,9 @@ from kvquant.kernels import (
     hadamard,
     page_storage,
     write_kv,
+    write_kv_reference,
 )
-from kvquant.kernels.reference import fp8_max, write_kv_reference
+from kvquant.kernels.fp8 import fp8_max
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 HAS_CUDA = torch.cuda.is_available()

@@ -1,24 +1,16 @@
 """FP8 paged KV-cache kernels: public entry points.
 
-:func:`write_kv` quantizes new K/V tokens into FP8 pages; :func:`paged_attention`
-attends new queries over those pages. Both validate every argument
-(:mod:`kvquant.kernels.validate`) before anything runs, then dispatch to a
-backend (:mod:`kvquant.kernels.backend`): ``"triton"`` (the Triton kernels),
-``"torch"`` (the pure-PyTorch reference, :mod:`kvquant.kernels.reference`) or
-``"auto"`` (Triton on CUDA, the reference on CPU).
-
-This package imports only torch at import time; the Triton kernel modules are
-imported at the first Triton dispatch. It never imports transformers.
-
-The static K transform (format ``k-transform``): ``write_kv(k_offset=, k_rotation=)``
-stores K as ``fp8((k @ R - c) / k_scale)``, and ``paged_attention`` with the same arguments
-attends with the query rotated alike, adding ``(q @ R)·c`` to every paged key's score; its
-``first_k`` / ``first_v`` / ``first_lens`` attend the first tokens of each sequence from a
-full-precision side buffer instead of their slots. :func:`hadamard` is the built-in rotation.
-
-Layout shared by every function here: pages ``[num_pages, page_size, Hkv, D]``
-(``float8_e4m3fn`` or ``float8_e5m2``), slot ``= page * page_size + offset``,
-block tables int32 ``[B, max_pages]``, sequence lengths int32 ``[B]``.
+:func:`write_kv` quantizes new K/V tokens into FP8 pages; :func:`paged_attention` attends new
+queries over those pages. Both validate every argument before anything runs, then dispatch to
+a backend (:mod:`kvquant.kernels.backend`): ``"triton"``, ``"torch"`` (the pure-PyTorch
+references :func:`write_kv_reference` and :func:`paged_attention_reference`) or ``"auto"``
+(Triton on CUDA, the reference on CPU). Each op is a folder, ``kvquant.kernels.attention`` and
+``kvquant.kernels.write`` (kernel, launch, naive reference, validate); this package imports
+only torch (Triton at the first Triton dispatch), never transformers. The static K transform
+(``k_offset``, ``k_rotation``, :func:`hadamard`; ``first_k``/``first_v``/``first_lens`` for
+the first tokens) is described with each function. Layout: pages ``[num_pages, page_size,
+Hkv, D]`` FP8, slot ``= page * page_size + offset``, int32 block tables ``[B, max_pages]`` and
+sequence lengths ``[B]``; the design: docs/dev/kernels.md.
 """
 
 from __future__ import annotations
@@ -30,14 +22,13 @@ from typing import Any
 import torch
 
 from kvquant.errors import BackendError, KernelInputError
+from kvquant.kernels.attention.naive import paged_attention_reference
+from kvquant.kernels.attention.validate import AttentionGeometry, check_attention_inputs
 from kvquant.kernels.backend import resolve_backend
-from kvquant.kernels.reference import hadamard, paged_attention_reference, write_kv_reference
-from kvquant.kernels.validate import (
-    AttentionGeometry,
-    check_attention_inputs,
-    check_slot_mapping_inputs,
-    check_write_inputs,
-)
+from kvquant.kernels.fp8 import hadamard
+from kvquant.kernels.validate import check_slot_mapping_inputs
+from kvquant.kernels.write.naive import write_kv_reference
+from kvquant.kernels.write.validate import check_write_inputs
 
 __all__ = [
     "compute_slot_mapping",
@@ -54,7 +45,7 @@ _triton_modules: dict[str, ModuleType] = {}
 
 
 def _triton_module(name: str) -> ModuleType:
-    """``kvquant.kernels.<name>`` (a Triton kernel module), imported on first use."""
+    """``kvquant.kernels.<name>`` (a Triton launcher module), imported on first use."""
     mod = _triton_modules.get(name)
     if mod is None:
         mod = _triton_modules[name] = importlib.import_module(f"kvquant.kernels.{name}")
@@ -175,7 +166,7 @@ def write_kv(
             k_rotation=k_rotation,
         )
         return
-    write_triton = _triton_module("write_triton")
+    write_triton = _triton_module("write.launch")
     if k_pages.device.type != "cuda":
         _require_interpreter_for_cpu(k_pages.device, write_triton.is_interpreted(), "write_kv")
     write_triton.write_kv_triton(
@@ -341,7 +332,7 @@ def paged_attention(
     and rows that see no key, are zeros; a slot no query of the call sees
     never reaches the output, whatever it holds. Static scales must be finite
     and in ``[SCALE_MIN, SCALE_MAX]`` (:mod:`kvquant.kernels.validate`). Semantics:
-    :func:`kvquant.kernels.reference.paged_attention_reference`.
+    :func:`kvquant.kernels.paged_attention_reference`.
 
     Args:
         query: ``[B, Lq, Hq, D]`` float16, bfloat16 or float32, any strides
@@ -423,7 +414,7 @@ def paged_attention(
         ("first_v", first_v),
     ]
     _check_triton_attention_limits(geo, block_tables, k_group_scales, v_group_scales, transform)
-    attention_triton = _triton_module("attention_triton")
+    attention_triton = _triton_module("attention.launch")
     if k_pages.device.type != "cuda":
         _require_interpreter_for_cpu(
             k_pages.device, attention_triton.is_interpreted(), "paged_attention"

@@ -2,7 +2,7 @@
 
 Three backends exist:
 
-* ``"torch"``: the pure-PyTorch reference (:mod:`kvquant.kernels.reference`);
+* ``"torch"``: the pure-PyTorch reference (:mod:`kvquant.kernels.attention.naive`, :mod:`kvquant.kernels.write.naive`);
   always available, on any device.
 * ``"triton"``: the Triton kernels. Runs on CUDA tensors, or on CPU tensors
   when the Triton interpreter is active (``TRITON_INTERPRET=1`` set in the

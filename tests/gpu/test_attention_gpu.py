@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numerics import assert_close_rel
 from paged_cases import build_case
 
-from kvquant.kernels.attention_triton import paged_attention_triton
+from kvquant.kernels.attention.launch import paged_attention_triton
 
 pytestmark = pytest.mark.gpu
 REL_TOL = 5e-3

@@ -21,9 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numerics import assert_close_rel
 from paged_cases import build_case
 
-from kvquant.kernels import hadamard, page_storage, write_kv
-from kvquant.kernels.attention_triton import paged_attention_triton
-from kvquant.kernels.reference import write_kv_reference
+from kvquant.kernels import hadamard, page_storage, write_kv, write_kv_reference
+from kvquant.kernels.attention.launch import paged_attention_triton
 
 pytestmark = pytest.mark.gpu
 REL_TOL = 5e-3
@@ -106,33 +105,11 @@ def test_attention_matches_reference(
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{transform} {case_kw} {extra}")
 
 
-# the launcher's query-rotation choices (config= keys; defaults in kvquant.kernels.tuning):
-# the TF32 ones run on tensor cores only here (the interpreter computes every dot in fp32)
-ROT_VARIANTS = [{"ROT_WHERE": "kernel", "ROT_PRECISION": p} for p in ("ieee", "tf32x3", "tf32")]
-ROT_VARIANTS.append({"ROT_WHERE": "host"})
-ROT_IDS = ["kernel-ieee", "kernel-tf32x3", "kernel-tf32", "host"]
-# and the latency choices of the transform's per-program work (the pipelined rotation loop
-# compiles apart from the interpreter's): compiled, inside a graph, against the reference
-ROT_VARIANTS += [
-    {"ROT_STAGES": 2},
-    {"ROT_SLICE": 32, "ROT_STAGES": 3},
-    {"ROT_SLICE": 64},
-    {"EARLY_LOADS": True, "FIRST_SPLIT": "last"},
-    {"ROT_KIND": "hadamard"},
-    {"ROT_KIND": "hadamard", "ROT_STAGES": 2, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
-    {"ROT_KIND": "hadamard", "ROT_SLICE": 64, "EARLY_LOADS": True, "FIRST_SPLIT": "last"},
-    {"REG_TRIM": 16},
-    {"ROT_KIND": "auto", "EARLY_LOADS": True, "FIRST_SPLIT": "last", "REG_TRIM": 16},
-    {"SPLIT_FROM_END": True, "ROT_KIND": "hadamard", "EARLY_LOADS": True, "REG_TRIM": 16},
-    {"FIRST_SPLIT": "merge"},
-    {"FIRST_SPLIT": "merge", "SPLIT_FROM_END": True, "ROT_STAGES": 2},
-    {"FIRST_SPLIT": "merge", "ROT_KIND": "hadamard", "SPLIT_FROM_END": True},
-    {"FIRST_SPLIT": "merge", "ROT_WHERE": "host"},
-]
-ROT_IDS += ["stages2", "slice32-stages3", "slice64", "early-last", "hadamard",
-            "hadamard-stages2-early-last", "hadamard-slice64-early-last", "trim16",
-            "auto-early-last-trim16", "from-end-hadamard-early-trim16", "merge",
-            "merge-from-end-stages2", "hadamard-merge-from-end", "merge-host"]  # fmt: skip
+# the query rotation in its one form (TF32 tensor-core dots in the kernel; the launcher's other
+# rotation and latency choices were retired: docs/dev/kernels.md); TF32 runs on tensor cores
+# only here (the interpreter computes every dot in fp32)
+ROT_VARIANTS: list[dict[str, Any]] = [{}]
+ROT_IDS = ["kernel-tf32"]
 
 
 @pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
@@ -155,10 +132,9 @@ def test_rotation_variants_match_reference(rot: dict[str, Any], case_i: int) -> 
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{rot} {case_kw}")
 
 
-@pytest.mark.parametrize("rot", [{}, *ROT_VARIANTS], ids=["default", *ROT_IDS])
+@pytest.mark.parametrize("rot", ROT_VARIANTS, ids=ROT_IDS)
 def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, Any]) -> None:
-    """Split decode with the transform and first tokens, the launcher's defaults and each
-    rotation choice, captured and replayed (the host matmul too)."""
+    """Split decode with the transform and first tokens, captured and replayed."""
     case = build_case(
         [5000, 300], hq=32, hkv=8, d=128, granularity="per-head", k_transform="both",
         first_lens=[1, 1], n_first=1, qdtype=torch.bfloat16, device="cuda", seed=3,
@@ -180,25 +156,3 @@ def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, Any]) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=str(rot))
-
-
-@pytest.mark.parametrize("transform", ["offset", "rotation", "both"])
-@pytest.mark.parametrize("case_i", [0, 1, 2, 3, 4], ids=lambda i: f"case{i}")
-def test_first_tokens_in_split_merge_match_reference(transform: str, case_i: int) -> None:
-    """``FIRST_SPLIT="merge"`` over every decode case (left padding, HF query layout,
-    speculative rows, softcap and window), with the launcher's split count and unsplit."""
-    case_kw, extra = KT_GPU[case_i]
-    case = build_case(
-        **case_kw, granularity="per-head", k_transform=transform,
-        n_first=max(case_kw["first_lens"]), first_dtype=torch.bfloat16, qdtype=torch.bfloat16,
-        device="cuda", seed=sum(case_kw["lens"]) % 1000 + 2,
-    )  # fmt: skip
-    ref = case.reference()
-    for splits in (extra.get("num_splits"), 1):
-        out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
-        paged_attention_triton(
-            case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-            **case.kwargs(), out=out, num_splits=splits, config={"FIRST_SPLIT": "merge"},
-        )  # fmt: skip
-        torch.cuda.synchronize()
-        assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{transform} {case_kw} {splits}")

@@ -141,8 +141,7 @@ def test_cuda_block_table_and_slots_across_page_boundaries(tiny_llama: Any) -> N
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_triton_write_on_a_device_that_is_not_current() -> None:
-    from kvquant.kernels import write_kv
-    from kvquant.kernels.reference import write_kv_reference
+    from kvquant.kernels import write_kv, write_kv_reference
 
     dev = torch.device("cuda", 1)
     assert torch.cuda.current_device() != 1  # the launcher must switch to cuda:1

@@ -362,7 +362,7 @@ def _op_inputs(fmt: str, seed: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("fmt", ["fp32-group", "per-head", "k-transform"])
 def test_step_ops_equal_the_reference_kernels_and_pass_opcheck(fmt: str) -> None:
-    from kvquant.kernels.reference import paged_attention_reference, write_kv_reference
+    from kvquant.kernels import paged_attention_reference, write_kv_reference
 
     x = _op_inputs(fmt, seed=len(fmt))
     scales = {n: x[n] for n in ("k_scale", "v_scale", "k_group_scales", "v_group_scales")}

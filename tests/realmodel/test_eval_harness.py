@@ -15,7 +15,7 @@ import torch
 import benchmarks.harness.accuracy as E
 import benchmarks.harness.texts as T
 from kvquant.errors import KVQuantError
-from kvquant.kernels.reference import quantize_fp8
+from kvquant.kernels.fp8 import quantize_fp8
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,0 +1,323 @@
+"""Launcher of the paged-attention Triton kernels (decode and prefill/extend).
+
+:func:`paged_attention_triton` picks the :class:`~kvquant.kernels.attention.tuning.Tiles` and
+the split-KV count (:mod:`kvquant.kernels.attention.tuning`), measures the split kernel's
+residency once per signature, and launches :mod:`kvquant.kernels.attention.kernel`'s kernels,
+with programmatic dependent launch on sm_90 and newer. It does no argument validation:
+:func:`kvquant.kernels.paged_attention` validates before dispatching here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import triton
+
+from kvquant.errors import KernelInputError
+from kvquant.kernels.attention.kernel import _paged_attn_kernel, _reduce_kernel
+from kvquant.kernels.attention.tuning import (
+    _FOLD_MAX_ROWS,
+    Tiles,
+    _is_decode,
+    _num_sms,
+    choose_config,
+    choose_num_splits,
+    programs_per_sm,
+)
+
+__all__ = ["CONFIG_KEYS", "is_interpreted", "paged_attention_triton"]
+
+# Triton reads TRITON_INTERPRET when the kernels are decorated: fixed for this process.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+CONFIG_KEYS: tuple[str, ...] = (
+    *(f.name for f in Tiles.__dataclass_fields__.values()),
+    "USE_WHILE",
+    "FOLD",
+    "PDL",
+)
+"""Keys of :func:`paged_attention_triton`'s ``config=`` override: the :class:`Tiles` fields,
+``USE_WHILE`` (while-loops, default on in the interpreter), ``FOLD`` (fold group scales in
+decode) and ``PDL`` (0: no programmatic dependent launch)."""
+
+
+def is_interpreted() -> bool:
+    """Whether the attention kernels run in the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_paged_attn_kernel, InterpretedFunction)
+
+
+_PDL: dict[int, bool] = {}
+
+
+def _supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: NVIDIA devices of compute capability 9.0 and newer (cached)."""
+    if _INTERPRETED or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL:
+        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL[idx]
+
+
+_KERNEL_USE: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+
+
+def _device_limits(device: torch.device) -> dict[str, int]:
+    """Registers, shared memory and threads per SM (keywords of :func:`programs_per_sm`)."""
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "regs_per_sm": int(getattr(props, "regs_per_multiprocessor", 65536)),
+        "shared_per_sm": int(getattr(props, "shared_memory_per_multiprocessor", 233472)),
+        "threads_per_sm": int(getattr(props, "max_threads_per_multi_processor", 2048)),
+    }
+
+
+def _split_kernel_use(
+    args: list[Any], consts: dict[str, Any], device: torch.device
+) -> tuple[int, int, int]:
+    """Registers per thread, warps and shared memory of the split decode kernel (memoised).
+
+    The first call of a signature compiles the kernel (``warmup``, no launch).
+    """
+    # the pointers' dtypes and which optional ones are absent (a variant each)
+    dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args if a is None
+                   or isinstance(a, torch.Tensor))  # fmt: skip
+    key: tuple[Any, ...] = (device, dtypes, *sorted(consts.items()))
+    use = _KERNEL_USE.get(key)
+    if use is None:
+        kernel = _paged_attn_kernel.warmup(*args, grid=(1,), **{**consts, "SPLIT": True})
+        _ = kernel.run  # loads the binary, which sets n_regs (Triton loads kernels lazily)
+        use = _KERNEL_USE[key] = (
+            int(kernel.n_regs), int(kernel.metadata.num_warps), int(kernel.metadata.shared)
+        )  # fmt: skip
+    return use
+
+
+def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.device) -> int:
+    """Resident programs per SM of the split decode kernel for this launch.
+
+    From its compiled register and shared-memory use; the interpreter (CPU) assumes 2.
+    """
+    if _INTERPRETED or device.type != "cuda":
+        return 2
+    return programs_per_sm(*_split_kernel_use(args, consts, device), **_device_limits(device))
+
+
+def _tiles(
+    query: torch.Tensor, group: int, ng: int, group_scales: bool, config: Mapping[str, Any]
+) -> tuple[Tiles, bool]:
+    """The launch's tiles and whether decode folds the group scales (``config`` overrides)."""
+    lq, d = query.shape[1], query.shape[3]
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise KernelInputError(
+            f"paged_attention_triton: config has keys {unknown}, expected only {CONFIG_KEYS}; "
+            "fix: leave the other keys out (the launcher's experiments were retired: "
+            "docs/dev/kernels.md)"
+        )
+    # Decode folds group scales into the scores and probabilities (no per-element multiply,
+    # no range limit) while the tile's row copies stay within _FOLD_MAX_ROWS (timings:
+    # docs/performance.md).
+    if "FOLD" in config:
+        fold_wanted = bool(config["FOLD"])
+    else:
+        fold_wanted = triton.next_power_of_2(lq * group) * ng <= _FOLD_MAX_ROWS
+    fold = group_scales and _is_decode(lq, group) and fold_wanted
+    tiles = choose_config(
+        lq, group, d, group_dequant=group_scales and not fold, fold_groups=ng if fold else 0
+    )
+    return tiles.replace(config), fold
+
+
+def _kernel_args(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    n_qblocks: int,
+    opt: dict[str, Any],
+) -> list[Any]:
+    """``_paged_attn_kernel``'s arguments up to the constexprs; absent tensors are ``None``.
+
+    The partials, their log-sum-exp (``args[12:14]``, ``out`` until a split workspace exists)
+    and the split count (``args[20]``) are set by the caller.
+    """
+    kg, vg = opt["k_group_scales"], opt["v_group_scales"]
+    ks, vs = (opt["k_scale"], opt["v_scale"]) if kg is None else (None, None)
+    first_k = opt["first_k"]
+    return [
+        query, k_pages, v_pages, block_tables, seq_lens, opt["q_lens"], opt["kv_start"],
+        ks, vs, kg, vg, out, out, out,
+        float(opt["sm_scale"]), float(opt["softcap"]) if opt["softcap"] > 0 else 1.0,
+        int(opt["window"]), query.shape[1], query.shape[2], n_qblocks, 2,
+        query.stride(), k_pages.stride(), v_pages.stride(), block_tables.stride(0),
+        ks.stride(0) if ks is not None and ks.dim() else 0,
+        vs.stride(0) if vs is not None and vs.dim() else 0,
+        kg.stride()[:3] if kg is not None else (0, 0, 0),
+        vg.stride()[:3] if vg is not None else (0, 0, 0),
+        out.stride(), opt["sinks"], opt["k_rotation"], opt["k_offset"],
+        first_k, opt["first_v"] if first_k is not None else None,
+        opt["first_lens"] if first_k is not None else None,
+        first_k.shape[1] if first_k is not None else 0,
+    ]  # fmt: skip
+
+
+def _constexprs(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tiles: Tiles,
+    fold: bool,
+    opt: dict[str, Any],
+    config: Mapping[str, Any],
+) -> dict[str, Any]:
+    """``_paged_attn_kernel``'s constexprs (but ``SPLIT``) and launch options."""
+    page_size, hkv, d = k_pages.shape[1], k_pages.shape[2], query.shape[3]
+    kg, vg = opt["k_group_scales"], opt["v_group_scales"]
+    ng = kg.shape[-1] if kg is not None else 1
+    # keys per run of a tile that stays inside one page (tiles start at multiples of it)
+    tp = math.gcd(page_size, tiles.BLOCK_N)
+    pdl = _supports_pdl(query.device) and bool(config.get("PDL", True))
+    return {
+        "GROUP": query.shape[2] // hkv,
+        "QPB": tiles.QPB,
+        "BLOCK_M": tiles.BLOCK_M,
+        "BLOCK_N": tiles.BLOCK_N,
+        "HEAD_D": d,
+        "PAGE": page_size,
+        "TP": tp,
+        # V stored keys-fastest with runs of whole pages: a run's [D, TP] block is contiguous
+        "V_RUNS_DENSE": v_pages.stride(1) == 1 and v_pages.stride(3) == tp,
+        # group scales stored head-major: a run's [TP, NG] scales are contiguous. Loaded so
+        # where they fold (decode) or with one group per head (per-key loads were faster for
+        # several groups per head in prefill: docs/dev/kernels.md, tuning)
+        "SCALE_RUNS_DENSE": kg is not None
+        and kg.stride(1) == ng
+        and vg.stride(1) == ng
+        and (fold or ng == 1),
+        # one group per head: the scales fold into the scores and the probabilities
+        "FOLD": fold,
+        "NG": ng,
+        "CAUSAL": bool(opt["causal"]),
+        "USE_SOFTCAP": opt["softcap"] > 0,
+        "USE_WINDOW": opt["window"] > 0,
+        "USE_WHILE": bool(config.get("USE_WHILE", _INTERPRETED)),
+        "LOOP_STAGES": tiles.LOOP_STAGES,
+        "PDL": pdl,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+        "launch_pdl": pdl,
+    }
+
+
+def _merge(
+    part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+    sinks: torch.Tensor | None, pdl: bool,
+) -> None:  # fmt: skip
+    """Launch the split merge: one-warp programs of 32 columns of an output row."""
+    bsz, lq, hq, d = out.shape
+    # one warp per 32 columns: the merge is latency-bound, and at B1 x 32k it had only 32
+    # programs (one per row); the graph table of bench_attention.py times it
+    block_d = min(32, d)
+    _reduce_kernel[(bsz * lq * hq, d // block_d)](
+        part, lse, out, lq, hq, num_splits, *out.stride(), sinks,
+        SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), HEAD_D=d, BLOCK_D=block_d,
+        PDL=pdl, num_warps=1, launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_group_scales: torch.Tensor | None = None,
+    v_group_scales: torch.Tensor | None = None,
+    q_lens: torch.Tensor | None = None,
+    kv_start: torch.Tensor | None = None,
+    causal: bool = True,
+    softcap: float = 0.0,
+    window: int = 0,
+    out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: Mapping[str, Any] | None = None,
+    k_offset: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
+    first_k: torch.Tensor | None = None,
+    first_v: torch.Tensor | None = None,
+    first_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
+
+    Semantics are those of :func:`kvquant.kernels.paged_attention_reference`; the arguments
+    are :func:`kvquant.kernels.paged_attention`'s (already validated: static or group scales,
+    ``q_lens``, ``kv_start``, masks, ``out``, ``sinks``, the K transform; ``block_tables``' last
+    dimension and the transform's tensors contiguous), plus two overrides for tests and tuning.
+
+    Args:
+        query: ``[B, Lq, Hq, D]`` fp16, bf16 or fp32, any strides.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides; ``v_pages`` likewise
+            (fastest with keys contiguous within a page: :func:`kvquant.kernels.page_storage`).
+        num_splits: split-KV count override for the decode path (tests, tuning).
+        config: overrides of the launch, keys :data:`CONFIG_KEYS`; others are refused.
+
+    Returns:
+        ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
+    """
+    bsz, lq, hq, d = query.shape
+    hkv = k_pages.shape[2]
+    if out is None:
+        out = torch.empty(bsz, lq, hq, d, dtype=query.dtype, device=query.device)
+    if bsz == 0 or lq == 0:
+        return out
+    config = config or {}
+    opt: dict[str, Any] = dict(
+        sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, k_group_scales=k_group_scales,
+        v_group_scales=v_group_scales, q_lens=q_lens, kv_start=kv_start, causal=causal,
+        softcap=softcap, window=window, sinks=sinks, k_offset=k_offset, k_rotation=k_rotation,
+        first_k=first_k if first_v is not None and first_lens is not None else None,
+        first_v=first_v, first_lens=first_lens,
+    )  # fmt: skip
+    group_scales = k_group_scales is not None and v_group_scales is not None
+    if not group_scales:
+        opt["k_group_scales"] = opt["v_group_scales"] = None
+    ng = k_group_scales.shape[-1] if group_scales and k_group_scales is not None else 1
+    tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config)
+    n_qblocks = triton.cdiv(lq, tiles.QPB)
+    args = _kernel_args(query, k_pages, v_pages, block_tables, seq_lens, out, n_qblocks, opt)
+    consts = _constexprs(query, k_pages, v_pages, tiles, fold, opt, config)
+    if num_splits is None:
+        num_splits = 1
+        if n_qblocks == 1:  # decode: split the keys to fill the GPU
+            num_splits = choose_num_splits(
+                bsz * hkv,
+                block_tables.shape[1] * k_pages.shape[1],
+                _num_sms(query.device),
+                programs_per_sm=_decode_residency(args, consts, query.device),
+                block_n=tiles.BLOCK_N,
+            )
+    split = num_splits > 1
+    if split:
+        # one workspace: partial outputs [B, Lq, Hq, S, D], their log2-sum-exp [B, Lq, Hq, S]
+        rows = bsz * lq * hq * num_splits
+        work = torch.empty(rows * (d + 1), dtype=torch.float32, device=query.device)
+        args[12], args[13] = work[: rows * d], work[rows * d :]
+    args[20] = num_splits
+    _paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
+    if split:
+        _merge(args[12], args[13], out, num_splits, sinks, bool(consts["PDL"]))
+    return out

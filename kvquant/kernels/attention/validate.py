@@ -1,0 +1,463 @@
+"""Argument checks of :func:`kvquant.kernels.paged_attention` (structure, then values).
+
+Built on :mod:`kvquant.kernels.validate` (its helpers, scale checks and signature memo): the
+query, pages, block tables, lengths, masks, sinks and the K transform's side buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvquant.kernels.validate import (
+    INPUT_DTYPES,
+    check_device,
+    check_dtype,
+    check_index_vector,
+    check_k_transform,
+    check_ndim,
+    check_pages,
+    check_scale_values,
+    check_scales,
+    check_shape,
+    check_transform_values,
+    fail,
+    new_check_memo,
+    overlaps,
+    remembered,
+    require_tensor,
+    signature,
+    value_checks_enabled,
+)
+
+__all__ = ["AttentionGeometry", "check_attention_inputs"]
+
+_ATTENTION_OK: dict[tuple[object, ...], AttentionGeometry] = new_check_memo("attention")
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Sizes read from validated :func:`~kvquant.kernels.paged_attention` arguments.
+
+    Attributes:
+        batch: ``B``.
+        q_len: ``Lq``.
+        num_heads: ``Hq``.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``D``.
+        num_pages: pages in the cache.
+        page_size: token slots per page.
+        max_pages: block-table width.
+        group_size: ``G`` for dynamic group scales, ``None`` for static scales.
+    """
+
+    batch: int
+    q_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+    group_size: int | None
+
+
+def _check_first_tokens(
+    op: str,
+    first_k: object,
+    first_v: object,
+    first_lens: object,
+    group_size: int | None,
+    bsz: int,
+    hkv: int,
+    d: int,
+    device: torch.device,
+) -> None:
+    """Structure of the first-token side buffer: all three or none, static scales."""
+    given = (first_k is not None, first_v is not None, first_lens is not None)
+    if not any(given):
+        return
+    if not all(given):
+        missing = [
+            n for n, g in zip(("first_k", "first_v", "first_lens"), given, strict=True) if not g
+        ]
+        raise fail(
+            f"{op}: {', '.join(missing)} is None but the other first-token arguments are "
+            "given; expected first_k, first_v and first_lens together, or none of them. "
+            "Fix: pass all three (first_lens zeros where a row has none), or none."
+        )
+    if group_size is not None:
+        raise fail(
+            f"{op}: first-token buffers (first_k / first_v) were given with fp32 group "
+            "scales; expected static k_scale and v_scale (the k-transform format). Fix: pass "
+            "k_scale and v_scale, or drop first_k, first_v and first_lens."
+        )
+    fk = require_tensor(op, "first_k", first_k)
+    fv = require_tensor(op, "first_v", first_v)
+    layout = "[batch, n_first, num_kv_heads, head_dim]"
+    check_ndim(op, "first_k", fk, 4, layout)
+    fix = "keep the first tokens' K (rotated frame) and V in the model dtype."
+    check_dtype(op, "first_k", fk, INPUT_DTYPES, fix)
+    check_dtype(op, "first_v", fv, INPUT_DTYPES, fix)
+    nf = fk.shape[1]
+    check_shape(op, "first_k", fk, (bsz, nf, hkv, d), f"{layout} of the query and pages")
+    check_shape(op, "first_v", fv, (bsz, nf, hkv, d), f"{layout}, the shape of first_k")
+    check_device(op, "first_k", fk, device, "k_pages")
+    check_device(op, "first_v", fv, device, "k_pages")
+    check_index_vector(op, "first_lens", first_lens, bsz, device)
+
+
+def _check_attention_structure(
+    query: object,
+    k_pages: object,
+    v_pages: object,
+    block_tables: object,
+    seq_lens: object,
+    *,
+    sm_scale: object,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+    q_lens: object,
+    kv_start: object,
+    causal: object,
+    softcap: object,
+    window: object,
+    out: object,
+    sinks: object = None,
+    k_offset: object = None,
+    k_rotation: object = None,
+    first_k: object = None,
+    first_v: object = None,
+    first_lens: object = None,
+) -> AttentionGeometry:
+    """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
+    op = "paged_attention"
+    kp, _ = check_pages(op, k_pages, v_pages, written=False)
+    num_pages, page_size, hkv, d = kp.shape
+    device = kp.device
+    q = require_tensor(op, "query", query)
+    layout = "[batch, q_len, num_heads, head_dim] (HF's [B, H, L, D] .transpose(1, 2) is fine)"
+    check_ndim(op, "query", q, 4, layout)
+    check_dtype(op, "query", q, INPUT_DTYPES, "cast the query to float16, bfloat16 or float32.")
+    bsz, lq, hq, qd = q.shape
+    if qd != d:
+        raise fail(
+            f"{op}: query has head_dim {qd} but the pages have head_dim {d}. "
+            "Fix: pass the cache built for this layer's geometry."
+        )
+    if hq == 0 or hq % hkv != 0:
+        raise fail(
+            f"{op}: query has {hq} heads, not a positive multiple of the pages' {hkv} KV heads. "
+            "Fix: pass the cache built for this model's num_key_value_heads."
+        )
+    check_device(op, "query", q, device, "k_pages")
+    bt = require_tensor(op, "block_tables", block_tables)
+    check_ndim(op, "block_tables", bt, 2, "[batch, max_pages]")
+    check_dtype(
+        op,
+        "block_tables",
+        bt,
+        (torch.int32,),
+        "use kvquant.cache.PageAllocator.block_tables (int32), or .to(torch.int32) once per step.",
+    )
+    if bt.shape[0] != bsz:
+        raise fail(
+            f"{op}: block_tables has {bt.shape[0]} rows but query has batch {bsz}; expected "
+            "one row per sequence. Fix: build block_tables for the same sequences as the query."
+        )
+    check_device(op, "block_tables", bt, device, "k_pages")
+    check_index_vector(op, "seq_lens", seq_lens, bsz, device)
+    if q_lens is not None:
+        check_index_vector(op, "q_lens", q_lens, bsz, device)
+    if kv_start is not None:
+        check_index_vector(op, "kv_start", kv_start, bsz, device)
+    group_size = check_scales(
+        op,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+        num_pages,
+        page_size,
+        hkv,
+        d,
+        device,
+        group_scales_written=False,
+    )
+    check_k_transform(op, k_offset, k_rotation, group_size, hkv, d, device)
+    _check_first_tokens(op, first_k, first_v, first_lens, group_size, bsz, hkv, d, device)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise fail(
+            f"{op}: sm_scale is a {type(sm_scale).__name__}; expected a Python float. "
+            "Fix: pass sm_scale=head_dim ** -0.5 (or the model's scaling)."
+        )
+    if not math.isfinite(float(sm_scale)):
+        raise fail(
+            f"{op}: sm_scale is {sm_scale}; expected a finite float. Fix: pass a finite scale."
+        )
+    if not isinstance(causal, bool):
+        raise fail(f"{op}: causal is a {type(causal).__name__}; expected a bool.")
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise fail(
+            f"{op}: softcap is {softcap!r}; expected a finite float > 0, or 0 to disable it. "
+            "Fix: pass the model's attn_logit_softcapping or 0.0."
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise fail(
+            f"{op}: window is {window!r}; expected an int >= 0 (0 disables it). "
+            "Fix: pass the model's sliding_window or 0."
+        )
+    if out is not None:
+        o = require_tensor(op, "out", out)
+        check_shape(op, "out", o, (bsz, lq, hq, d), "the query's shape")
+        if o.dtype != q.dtype:
+            raise fail(
+                f"{op}: out has dtype {o.dtype}; expected the query dtype {q.dtype}. "
+                "Fix: allocate out like the query (torch.empty_like(query))."
+            )
+        check_device(op, "out", o, device, "k_pages")
+        if overlaps(o):
+            raise fail(
+                f"{op}: out is written in place but has strides {o.stride()} for shape "
+                f"{tuple(o.shape)}, so that elements share memory (an expanded view?); "
+                "expected no two elements sharing memory. Fix: allocate out with "
+                "torch.empty_like(query) or torch.empty(query.shape)."
+            )
+    if sinks is not None:
+        sk = require_tensor(op, "sinks", sinks)
+        check_dtype(op, "sinks", sk, (torch.float32,), "pass module.sinks.float() (fp32).")
+        check_shape(op, "sinks", sk, (hq,), "one attention-sink logit per query head")
+        check_device(op, "sinks", sk, device, "k_pages")
+        if hq > 1 and sk.stride(0) != 1:
+            raise fail(
+                f"{op}: sinks has stride {sk.stride(0)}; expected a contiguous [{hq}] tensor. "
+                "Fix: pass sinks.contiguous() once, when it is created."
+            )
+    return AttentionGeometry(bsz, lq, hq, hkv, d, num_pages, page_size, bt.shape[1], group_size)
+
+
+def _page_ids_in_range(bt: torch.Tensor, lens: list[int], page_size: int, num_pages: int) -> bool:
+    """Whether every block-table entry a sequence uses lies in ``[0, num_pages)`` (one read)."""
+    used = torch.tensor([(n + page_size - 1) // page_size for n in lens], device=bt.device)
+    cols = torch.arange(bt.shape[1], device=bt.device)
+    out = (bt < 0) | (bt >= num_pages)
+    return not bool((out & (cols[None, :] < used[:, None])).any())
+
+
+def _raise_page_id_error(
+    op: str, bt: torch.Tensor, lens: list[int], page_size: int, num_pages: int
+) -> None:
+    """Name the first row of ``bt`` that uses a page id outside ``[0, num_pages)``."""
+    for b, n in enumerate(lens):
+        used = (n + page_size - 1) // page_size
+        if used:
+            row = bt[b, :used]
+            lo, hi = int(row.min()), int(row.max())
+            if lo < 0 or hi >= num_pages:
+                raise fail(
+                    f"{op}: block_tables row {b} uses page ids {lo}..{hi}; expected "
+                    f"0..{num_pages - 1} (the cache has {num_pages} pages). "
+                    "Fix: take block tables from the cache's PageAllocator."
+                )
+
+
+def _check_attention_values(
+    bt: torch.Tensor,
+    sl: torch.Tensor,
+    ql: torch.Tensor | None,
+    ks: torch.Tensor | None,
+    geo: AttentionGeometry,
+    first_lens: torch.Tensor | None = None,
+    n_first: int = 0,
+) -> None:
+    """Value checks of :func:`check_attention_inputs` (read the index tensors: sync a GPU)."""
+    op = "paged_attention"
+    num_pages, page_size, lq = geo.num_pages, geo.page_size, geo.q_len
+    max_pages = bt.shape[1]
+    lens = sl.tolist()
+    if min(lens) < 0 or max(lens) > max_pages * page_size:
+        raise fail(
+            f"{op}: seq_lens holds {min(lens)}..{max(lens)}; expected 0..{max_pages * page_size} "
+            f"(block_tables has {max_pages} pages of {page_size} tokens per row). "
+            "Fix: pass seq_lens and block_tables from the same PageAllocator step."
+        )
+    if not _page_ids_in_range(bt, lens, page_size, num_pages):
+        _raise_page_id_error(op, bt, lens, page_size, num_pages)
+    if ql is None:
+        for b, n in enumerate(lens):
+            if 0 < n < lq:
+                raise fail(
+                    f"{op}: seq_lens[{b}] is {n} but the query has {lq} tokens and q_lens is "
+                    "None (every query token needs its own key in the cache). Fix: pass "
+                    "q_lens for ragged batches, or write the new tokens before attending."
+                )
+    else:
+        qls = ql.tolist()
+        for b, (nq, n) in enumerate(zip(qls, lens, strict=True)):
+            if nq < 0 or nq > lq or nq > n:
+                raise fail(
+                    f"{op}: q_lens[{b}] is {nq}; expected 0..min(q_len={lq}, seq_lens[{b}]={n}) "
+                    "(the new queries' own keys are already in the cache). "
+                    "Fix: write the new tokens before attending and pass their count."
+                )
+    if ks is not None:
+        starts = ks.tolist()
+        for b, (s0, n) in enumerate(zip(starts, lens, strict=True)):
+            if s0 < 0 or s0 > n:
+                raise fail(
+                    f"{op}: kv_start[{b}] is {s0}; expected 0..seq_lens[{b}]={n}. "
+                    "Fix: pass the number of left-padding tokens of each sequence."
+                )
+    if first_lens is not None:
+        starts = ks.tolist() if ks is not None else [0] * len(lens)
+        for b, (nf, s0, n) in enumerate(zip(first_lens.tolist(), starts, lens, strict=True)):
+            if nf < 0 or nf > n_first or s0 + nf > n:
+                raise fail(
+                    f"{op}: first_lens[{b}] is {nf}; expected 0..min(n_first={n_first}, "
+                    f"seq_lens[{b}] - kv_start[{b}] = {n - s0}) (first_k holds {n_first} "
+                    "tokens per row, and only tokens in the cache can be first tokens). Fix: "
+                    "count the first tokens stored for each row (0 where it has none)."
+                )
+
+
+def check_attention_inputs(
+    query: object,
+    k_pages: object,
+    v_pages: object,
+    block_tables: object,
+    seq_lens: object,
+    *,
+    sm_scale: object,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
+    q_lens: object,
+    kv_start: object,
+    causal: object,
+    softcap: object,
+    window: object,
+    out: object,
+    sinks: object = None,
+    k_offset: object = None,
+    k_rotation: object = None,
+    first_k: object = None,
+    first_v: object = None,
+    first_lens: object = None,
+) -> AttentionGeometry:
+    """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
+
+    Dtype, shape, device, stride and option checks are remembered per
+    signature of the arguments, like :func:`check_write_inputs` (options by
+    type and value); the value checks (lengths and page ids inside the
+    cache, where values are cheap to read) run on every call.
+
+    Args:
+        query: ``[B, Lq, Hq, D]`` fp32/fp16/bf16, any strides, ``Hq % Hkv == 0``.
+        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides.
+        v_pages: like ``k_pages``, same dtype.
+        block_tables: int32 ``[B, max_pages]``.
+        seq_lens: int32 ``[B]``.
+        sm_scale: softmax scale (a finite Python number).
+        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
+        v_scale: fp32 ``[]`` or ``[Hkv]``.
+        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, with ``v_group_scales``.
+        v_group_scales: like ``k_group_scales``.
+        q_lens: int32 ``[B]`` or None.
+        kv_start: int32 ``[B]`` or None.
+        causal: bool.
+        softcap: number >= 0.
+        window: int >= 0.
+        out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
+        sinks: fp32 ``[Hq]`` contiguous, finite, or None.
+        k_offset: fp32 ``[Hkv, D]`` finite, or None; needs static scales.
+        k_rotation: fp32 ``[D, D]`` finite, or None; needs static scales.
+        first_k: ``[B, NF, Hkv, D]`` fp32/fp16/bf16, with ``first_v`` and ``first_lens``.
+        first_v: like ``first_k``.
+        first_lens: int32 ``[B]``, each in ``0..NF`` and at most ``seq_lens - kv_start``.
+
+    Returns:
+        The call's sizes.
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    sig = signature(
+        query,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        sm_scale,
+        k_scale,
+        v_scale,
+        k_group_scales,
+        v_group_scales,
+        q_lens,
+        kv_start,
+        causal,
+        softcap,
+        window,
+        out,
+        sinks,
+        k_offset,
+        k_rotation,
+        first_k,
+        first_v,
+        first_lens,
+    )
+    geo = remembered(
+        _ATTENTION_OK,
+        sig,
+        lambda: _check_attention_structure(
+            query,
+            k_pages,
+            v_pages,
+            block_tables,
+            seq_lens,
+            sm_scale=sm_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_group_scales=k_group_scales,
+            v_group_scales=v_group_scales,
+            q_lens=q_lens,
+            kv_start=kv_start,
+            causal=causal,
+            softcap=softcap,
+            window=window,
+            out=out,
+            sinks=sinks,
+            k_offset=k_offset,
+            k_rotation=k_rotation,
+            first_k=first_k,
+            first_v=first_v,
+            first_lens=first_lens,
+        ),
+    )
+    check_transform_values("paged_attention", k_offset, k_rotation)
+    pages: torch.Tensor = k_pages  # type: ignore[assignment]  # checked above
+    if geo.group_size is None:
+        check_scale_values("paged_attention", "k_scale", k_scale)  # type: ignore[arg-type]
+        check_scale_values("paged_attention", "v_scale", v_scale)  # type: ignore[arg-type]
+    if sinks is not None:
+        check_scale_values("paged_attention", "sinks", sinks, sinks=True)  # type: ignore[arg-type]
+    if geo.batch and value_checks_enabled(pages.device):
+        _check_attention_values(
+            block_tables,  # type: ignore[arg-type]
+            seq_lens,  # type: ignore[arg-type]
+            q_lens,  # type: ignore[arg-type]
+            kv_start,  # type: ignore[arg-type]
+            geo,
+            first_lens,  # type: ignore[arg-type]
+            first_k.shape[1] if isinstance(first_k, torch.Tensor) else 0,
+        )
+    return geo
