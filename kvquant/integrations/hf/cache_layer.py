@@ -68,10 +68,9 @@ GROWTH_MEMORY_SHARE = 0.9
 does not fit is still tried without headroom (and fails with CacheCapacityError)."""
 
 RELEASE_AFTER_GROWTH_BYTES = 256 * 2**20
-"""A growth of pools of at least this many bytes returns torch's unused blocks to the device
-before and after it (:func:`kvquant.cache.release_cached_blocks`): pools then never share a
-block with activations, which split cached blocks (chunked prefill ran out of contiguous memory
-with gigabytes free)."""
+"""A growth that frees at least this many bytes of old pools returns them to the device at once
+(:func:`kvquant.cache.release_cached_blocks`) instead of leaving them in torch's cache, where
+activations would split them (chunked prefill then ran out of memory with gigabytes free)."""
 
 ATTN_NAME = "kvquant"
 """The name kvquant registers with ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -749,7 +748,6 @@ class KVQuantCache(Cache):
         if target <= alloc.num_pages:
             return  # no memory to spare for headroom: the steps grow the pools when they must
         freed = self._page_bytes()[0] * alloc.num_pages
-        self._release_old_pools(freed)
         try:
             self._grow_layers(target)
         except CacheCapacityError:
@@ -842,7 +840,6 @@ class KVQuantCache(Cache):
         """
         target, minimum = self._growth_target(alloc, pages_per_seq)
         freed = self._page_bytes()[0] * alloc.num_pages
-        self._release_old_pools(freed)  # the new pools get blocks of their own, not split ones
         try:
             self._grow_layers(target)
         except CacheCapacityError:
@@ -857,12 +854,7 @@ class KVQuantCache(Cache):
         self._release_old_pools(freed)
 
     def _release_old_pools(self, freed: int) -> None:
-        """Around a growth of pools of ``freed`` bytes: return torch's unused blocks to the device.
-
-        Before the growth, so that the new pools get blocks of their own instead of parts of
-        blocks that activations left in torch's cache (such a part pins the rest of its block);
-        after it, so that the old pools are released before activations split them.
-        """
+        """After a growth that freed ``freed`` bytes of old pools: return large ones to the device."""
         if freed >= RELEASE_AFTER_GROWTH_BYTES:
             release_cached_blocks(self._device())
 
