@@ -401,7 +401,7 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json:
         _print_json({"out": str(written), "convention": args.convention, **result.to_dict()}, out)
     else:
-        from kvquant.calibration_report import READERS
+        from kvquant.calibrate.report import READERS
 
         width = _width(out)
         print(result.render(full=args.full, width=width, cli=True), file=out)

@@ -733,7 +733,7 @@ def test_cli_refuses_a_checkpoint_without_a_tokenizer_before_loading_the_model(
 
 
 def test_the_recommendation_names_what_was_written_and_who_reads_each_format() -> None:
-    from kvquant.calibration_report import READERS, CalibrationReport
+    from kvquant.calibrate.report import READERS, CalibrationReport
 
     names = ("per-tensor", "per-head", "fp32-group G=32", "k-transform (hadamard, first tokens)")
     errors = torch.tensor([0.06, 0.05, 0.045, 0.03], dtype=torch.float64).view(4, 1, 1)

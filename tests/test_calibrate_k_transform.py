@@ -17,14 +17,9 @@ from kvquant.calibrate import (
     choose_k_transform,
     write_calibrated_checkpoint,
 )
-from kvquant.calibration_report import (
-    Candidate,
-    FormatEvaluator,
-    fake_quantize_static,
-    hadamard_matrix,
-    k_transform_keys,
-    near_constant_share,
-)
+from kvquant.calibrate.evaluate import Candidate, FormatEvaluator
+from kvquant.calibrate.fp8 import fake_quantize_static, hadamard_matrix, k_transform_keys
+from kvquant.calibrate.statistics import near_constant_share
 from kvquant.errors import CalibrationError
 from kvquant.kernels.reference import (
     dequantize_pages,
@@ -452,10 +447,10 @@ def test_harness_simulation_matches_kvquant_on_the_written_checkpoint(
     # the harness and the report simulate the same numbers
     q, k, v = torch.randn(1, 4, 20, 64), torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64)
     spec = A._SimSpec(mode="k-transform", scales=kt)
-    from kvquant.calibrate import _candidate_of
+    from kvquant.calibrate.evaluate import candidate_of
 
     for a, b in zip(
-        A._k_transform(spec, 1, q, k, v), _candidate_of(res).simulate(1, q, k, v), strict=True
+        A._k_transform(spec, 1, q, k, v), candidate_of(res).simulate(1, q, k, v), strict=True
     ):
         assert torch.equal(a, b)
     with pytest.raises(CalibrationError, match="k-transform one"):
