@@ -81,6 +81,8 @@ __all__ = [
     "compressed_tensors_kv_scheme",
     "engine_rules",
     "export_checkpoint",
+    "kv_quantization_configs",
+    "weight_quantization",
 ]
 
 Engine = Literal["vllm", "sglang", "tensorrt-llm"]
@@ -358,7 +360,7 @@ def _fmt_values(values: Sequence[float]) -> str:
 # decisions
 
 
-def _weight_quantization(found: DiscoveredCheckpoint) -> str | None:
+def weight_quantization(found: DiscoveredCheckpoint) -> str | None:
     """Describe the source's weight quantization, or ``None`` when the weights are plain floats."""
     quantized = {
         d: n for d, n in found.weight_dtypes.items() if d not in _FLOAT_DTYPES | _BUFFER_DTYPES
@@ -560,7 +562,7 @@ def compressed_tensors_config(
     return out
 
 
-def _new_configs(
+def kv_quantization_configs(
     convention: str,
     granularity: str,
     found: DiscoveredCheckpoint,
@@ -678,7 +680,7 @@ def export_checkpoint(
         missing_kv=missing_kv,
         rope_policy=rope_policy,
     )
-    weights = _weight_quantization(found)
+    weights = weight_quantization(found)
     convention = _target_convention(engine, granularity, found, weights)
     geometry = found.geometry
 
@@ -762,7 +764,7 @@ def export_checkpoint(
                 "know them. Remove them if the engine refuses to load."
             )
 
-    qcfg, hf_quant = _new_configs(convention, granularity, found, weights)
+    qcfg, hf_quant = kv_quantization_configs(convention, granularity, found, weights)
     report_base = ExportReport(
         source=str(src_path),
         out=str(out_path),

@@ -40,7 +40,6 @@ TIERS: dict[str, int] = {
     "kvquant.integrations.hf.continuous": 4,
     "kvquant.report": 5,
     "kvquant.calibrate": 5,
-    "kvquant.calibration_report": 5,
     "kvquant.export": 5,
     "kvquant.demo": 5,
     "kvquant.serve": 5,

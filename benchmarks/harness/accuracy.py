@@ -165,7 +165,7 @@ class KTransformScales:
     @classmethod
     def from_result(cls, result: Any) -> KTransformScales:
         """From a ``kvquant.calibrate.CalibrationResult`` of granularity ``"k-transform"``."""
-        from kvquant.calibration_report import hadamard_matrix
+        from kvquant.calibrate.fp8 import hadamard_matrix
 
         if result.granularity != "k-transform" or result.k_offset is None:
             raise CalibrationError(
@@ -293,7 +293,7 @@ def _k_transform(
     spec: _SimSpec, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Query, keys and values of the k-transform, in the rotated frame (see the module doc)."""
-    from kvquant.calibration_report import fake_quantize_static, k_transform_keys
+    from kvquant.calibrate.fp8 import fake_quantize_static, k_transform_keys
 
     kt = spec.scales
     if not isinstance(kt, KTransformScales):

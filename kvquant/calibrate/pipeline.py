@@ -1,0 +1,166 @@
+"""``calibrate()``: hold out windows, collect statistics, choose the scales, measure every format.
+
+The one call behind ``kvquant calibrate``: :func:`~kvquant.calibrate.collection.collect_statistics`
+on all but the last windows, :func:`~kvquant.calibrate.search.choose_scales` or
+:func:`~kvquant.calibrate.k_transform.choose_k_transform`, then
+:func:`~kvquant.calibrate.evaluate.evaluate_formats` on the held-out windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvquant.calibrate.collection import collect_statistics, token_windows
+from kvquant.calibrate.evaluate import evaluate_formats
+from kvquant.calibrate.k_transform import choose_k_transform
+from kvquant.calibrate.options import (
+    FORMATS,
+    Centre,
+    Granularity,
+    Objective,
+    Rotation,
+    is_rotation,
+    parse_choice,
+)
+from kvquant.calibrate.result import CalibrationResult
+from kvquant.calibrate.search import DEFAULT_RATIOS, choose_scales
+from kvquant.errors import CalibrationError
+
+__all__ = ["calibrate"]
+
+
+def _split_held_out(
+    windows: list[torch.Tensor], held_out_tokens: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The last windows holding at least ``held_out_tokens`` tokens, at most a quarter of them.
+
+    At least one window is held out when there are two or more (and
+    ``held_out_tokens > 0``); at least one is always kept to calibrate on.
+    """
+    held: list[torch.Tensor] = []
+    count = 0
+    most = max(1, len(windows) // 4) if len(windows) > 1 else 0
+    while held_out_tokens > 0 and count < held_out_tokens and len(held) < most:
+        held.insert(0, windows.pop())
+        count += int(held[0].numel())
+    return windows, held
+
+
+def calibrate(
+    model: torch.nn.Module,
+    texts_or_token_ids: str | torch.Tensor | Sequence[str | torch.Tensor],
+    *,
+    granularity: Granularity | str = "per-tensor",
+    tokenizer: Any = None,
+    window: int = 2048,
+    max_tokens: int | None = None,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    tolerance: float = 0.0,
+    objective: Objective | str = "mse",
+    progress: bool = True,
+    text_names: Sequence[str] = (),
+    rotation: Rotation | str | None = "hadamard",
+    first_tokens: int = 1,
+    centre: Centre | str = "mean",
+    held_out_tokens: int = 512,
+) -> CalibrationResult:
+    """Calibrate static FP8 KV scales by the expected quantization error they cause.
+
+    The last windows (at least ``held_out_tokens`` tokens, at most a quarter of
+    the windows, at least one when there are two or more) are held out; :func:`collect_statistics` runs on the
+    rest, then :func:`choose_scales` (per-tensor, per-head) or
+    :func:`choose_k_transform` (k-transform), and :func:`evaluate_formats`
+    measures every candidate format on the held-out windows (the result's
+    ``report``; None when nothing could be held out).
+
+    Args:
+        model: an unpatched transformers causal LM of a family kvquant supports.
+        texts_or_token_ids: a text, token ids int64 [T] or [B, T], or a list of either.
+        granularity: ``"per-tensor"``, ``"per-head"`` or ``"k-transform"``.
+        tokenizer: required when texts are given.
+        window: tokens per forward.
+        max_tokens: stop after this many tokens (None: all).
+        ratios: clipping-ratio grid (must contain 1.0).
+        tolerance: relative MSE margin that still prefers a larger ratio.
+        objective: ``"mse"`` (default: every value counts once) or ``"attention"``
+            (errors weighted by their first-order effect on the attention output).
+        progress: show a tqdm progress bar.
+        text_names: names of the texts, for the report.
+        rotation: k-transform: ``"hadamard"`` (head_dim a power of two) or None.
+        first_tokens: k-transform: first positions of every sequence attended at
+            full precision, left out of the offsets and scales (0: none).
+        centre: k-transform: per-channel offset, ``"mean"`` or ``"midrange"``.
+        held_out_tokens: tokens held out for the report (0: no report).
+
+    Returns:
+        A :class:`CalibrationResult` (scales per layer, canonical fp32, plus the report).
+
+    Raises:
+        CalibrationError: bad inputs or options.
+        UnsupportedModelError: the model's attention cannot be observed.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> _ = torch.manual_seed(0)
+        >>> model = LlamaForCausalLM(cfg).eval()
+        >>> res = calibrate(model, torch.randint(0, 64, (1, 256)), progress=False)
+        >>> res.k_scales.shape, res.k_scales.dtype
+        (torch.Size([2]), torch.float32)
+    """
+    chosen = _check_options(granularity, rotation, held_out_tokens, window)
+    windows = token_windows(model, texts_or_token_ids, tokenizer, window, max_tokens)
+    windows, held_out = _split_held_out(windows, held_out_tokens)
+    stats = collect_statistics(
+        model,
+        windows,
+        tokenizer=tokenizer,
+        window=window,
+        objective=objective,
+        progress=progress,
+        first_tokens=first_tokens,
+    )
+    opts: dict[str, Any] = {
+        "ratios": ratios,
+        "tolerance": tolerance,
+        "objective": objective,
+        "texts": text_names,
+    }
+    if chosen is Granularity.K_TRANSFORM:
+        result = choose_k_transform(
+            stats, rotation=rotation, first_tokens=first_tokens > 0, centre=centre, **opts
+        )
+    else:
+        result = choose_scales(stats, chosen, **opts)
+    if not held_out:
+        return result
+    return result.with_report(evaluate_formats(model, result, held_out, progress=progress))
+
+
+def _check_options(
+    granularity: object, rotation: object, held_out_tokens: int, window: int
+) -> Granularity:
+    """The granularity :func:`calibrate` was asked for, or its refusal of the options."""
+    chosen = parse_choice(Granularity, granularity)
+    if chosen is None:
+        raise CalibrationError(
+            f"calibrate: granularity {granularity!r}; expected one of {FORMATS}. "
+            "Fix: fp32-group scales are dynamic and need no calibration."
+        )
+    if held_out_tokens < 0:
+        raise CalibrationError(
+            f"calibrate: held_out_tokens={held_out_tokens}; expected >= 0. Fix: pass 0 (no "
+            "report) or a token count such as 512."
+        )
+    if chosen is Granularity.K_TRANSFORM and not is_rotation(rotation):
+        raise CalibrationError(
+            f"calibrate: rotation {rotation!r}; expected 'hadamard' or None. Fix: pass one of those."
+        )
+    if not 2 <= window:
+        raise CalibrationError(f"calibrate: window={window}; expected >= 2 tokens.")
+    return chosen

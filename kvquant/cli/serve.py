@@ -1,0 +1,97 @@
+"""``kvquant serve MODEL``: transformers' OpenAI-compatible server on kvquant's FP8 cache.
+
+Runs ``/v1/chat/completions`` and the rest with continuous batching, the model
+patched by :func:`kvquant.patch` (see :mod:`kvquant.serve`); it serves until
+stopped. Exit code 1 when kvquant refuses the model or its scales, 2 when the
+serving extras are missing or an option is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TextIO
+
+from kvquant.cli.common import DTYPES, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, fail
+from kvquant.errors import KVQuantError
+
+NAME = "serve"
+
+HELP = "serve a model on kvquant's FP8 cache with transformers' OpenAI-compatible server"
+
+DESCRIPTION = (
+    "Run transformers' server (/v1/chat/completions, /v1/completions, /v1/models, /health) "
+    "with continuous batching, the model patched by kvquant.patch: every request runs on "
+    "kvquant's FP8 pages. Needs transformers' serving extras."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``kvquant serve``'s arguments."""
+    parser.add_argument("model", help="checkpoint folder or hub id (as transformers serve takes)")
+    parser.add_argument("--host", default="localhost", help="address to listen on (localhost)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda:0, ... (auto)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="model dtype (auto: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--scales",
+        default=None,
+        metavar="PATH",
+        help="a checkpoint folder holding the KV scales (default: the model's own)",
+    )
+    parser.add_argument("--scale-format", default="auto", help="registry scale format (auto)")
+    parser.add_argument(
+        "--missing-scales",
+        choices=("dynamic", "error", "unit"),
+        default="dynamic",
+        help="no KV scales: dynamic fp32-group scales (default), refuse, or unit scales",
+    )
+    parser.add_argument(
+        "--backend", choices=("auto", "triton", "torch"), default="auto", help="kernels (auto)"
+    )
+    parser.add_argument(
+        "--page-size", type=int, default=None, help="tokens per cache block (transformers: 256)"
+    )
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="cache budget in blocks of the model's dtype; FP8 holds about twice as many "
+        "(default: sized from free memory)",
+    )
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step")
+    parser.add_argument(
+        "--max-memory-percent", type=float, default=None, help="share of free memory (0-1)"
+    )
+    parser.add_argument("--log-level", default="warning", help="transformers' log level")
+    parser.add_argument("--json", action="store_true", help="report a refusal as JSON")
+
+
+def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Run ``kvquant serve``; return its exit code."""
+    from kvquant.errors import BackendError, CheckpointError, OptionError
+    from kvquant.serve import serve
+
+    try:
+        serve(
+            args.model,
+            host=args.host,
+            port=args.port,
+            device=args.device,
+            dtype=args.dtype,
+            scales=args.scales,
+            scale_format=args.scale_format,
+            missing_scales=args.missing_scales,
+            backend=args.backend,
+            page_size=args.page_size,
+            num_blocks=args.num_blocks,
+            max_batch_tokens=args.max_batch_tokens,
+            max_memory_percent=args.max_memory_percent,
+            log_level=args.log_level,
+        )
+    except (BackendError, CheckpointError, OptionError) as exc:
+        return fail(args, exc, EXIT_USAGE, out, err)
+    except KVQuantError as exc:  # kvquant.patch refused the model or its scales
+        return fail(args, exc, EXIT_REJECTED, out, err)
+    return EXIT_OK
