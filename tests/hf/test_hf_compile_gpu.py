@@ -128,9 +128,9 @@ def test_a_pool_that_grows_mid_decode_captures_again_without_a_recompile(
     """
     from torch._dynamo.utils import counters
 
-    from kvquant.integrations.hf import cache_layer
+    from kvquant.integrations.hf import pool_sizing
 
-    monkeypatch.setattr(cache_layer, "GROWTH_HEADROOM", 0.0)  # grow at every page
+    monkeypatch.setattr(pool_sizing, "GROWTH_HEADROOM", 0.0)  # grow at every page
     torch._dynamo.reset()
     counters.clear()  # count only this test's compiles
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)

@@ -442,9 +442,9 @@ def test_each_layer_type_compiles_one_graph_without_a_break(family: str, graphs:
 
 def test_a_growing_pool_compiles_nothing_new(monkeypatch: pytest.MonkeyPatch) -> None:
     """Page counts and block-table widths are dynamic in the graph: growth is no recompile."""
-    from kvquant.integrations.hf import cache_layer
+    from kvquant.integrations.hf import pool_sizing
 
-    monkeypatch.setattr(cache_layer, "GROWTH_HEADROOM", 0.0)  # grow at every page
+    monkeypatch.setattr(pool_sizing, "GROWTH_HEADROOM", 0.0)  # grow at every page
     model = build("llama")
     ids, mask = prompt(batch=2, length=9, pad=(3, 0))
     runs, pools = {}, {}

@@ -173,9 +173,9 @@ def test_pool_growth_returns_the_old_pools_to_the_device(monkeypatch: pytest.Mon
     prefill's activations split them and a larger pool later found no contiguous memory."""
     import inspect
 
-    from kvquant.integrations.hf import cache_layer
+    from kvquant.integrations.hf import pool_sizing
 
-    monkeypatch.setattr(cache_layer, "RELEASE_AFTER_GROWTH_BYTES", 1)  # the tiny model's pools
+    monkeypatch.setattr(pool_sizing, "RELEASE_AFTER_GROWTH_BYTES", 1)  # the tiny model's pools
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)
     ids, mask = prompt(batch=4, length=300)
     ids, mask = ids.cuda(), mask.cuda()
@@ -216,9 +216,9 @@ def test_cuda_graph_survives_pool_growth(
     running comparison would follow another token path after the first near-tie that bf16
     rounding (the compiled step's fused kernels) flips, and compare unrelated logits.
     """
-    from kvquant.integrations.hf import cache_layer
+    from kvquant.integrations.hf import pool_sizing
 
-    monkeypatch.setattr(cache_layer, "GROWTH_HEADROOM", 0.0)  # grow at every page
+    monkeypatch.setattr(pool_sizing, "GROWTH_HEADROOM", 0.0)  # grow at every page
     model = build("llama").to(device="cuda", dtype=torch.bfloat16)
     ids, mask = prompt(batch=2, length=20, pad=(4, 0))
     ids, mask = ids.cuda(), mask.cuda()

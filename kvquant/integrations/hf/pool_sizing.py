@@ -1,0 +1,338 @@
+"""How a :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache` sizes its page pools: the
+first pool, growth in proportion to what is stored (bounded by bf16's bytes and the device's
+free memory), the headroom before a decode graph is captured, and the release of old pools.
+Why these rules: ``docs/dev/memory.md``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvquant.cache import (
+    PageAllocator,
+    SequenceBook,
+    device_free_bytes,
+    release_cached_blocks,
+)
+from kvquant.errors import CacheCapacityError, CacheUsageError
+
+if TYPE_CHECKING:
+    from kvquant.integrations.hf.cache_layer import KVQuantLayer
+
+__all__ = [
+    "GROWTH_HEADROOM",
+    "GROWTH_MEMORY_SHARE",
+    "RELEASE_AFTER_GROWTH_BYTES",
+    "START_HEADROOM",
+    "PoolSizing",
+]
+
+GROWTH_HEADROOM = 0.5
+"""A cache without a size bound that must grow enlarges its pools to its need plus up to this
+fraction of it (fewer copies, and fewer captures of a decode graph). Less where the byte bound
+asks for it (:meth:`KVQuantCache.headroom_fraction`) or the device's free memory allows less."""
+
+START_HEADROOM = 16
+"""A new pool holds ``n + n // START_HEADROOM`` slots per sequence for a first update of ``n``
+tokens: a short decode after a long prompt needs no growth (a copy of the pools at the moment
+memory is tightest)."""
+
+GROWTH_MEMORY_SHARE = 0.9
+"""A growth takes at most this share of the memory the device can still hand out; a need that
+does not fit is still tried without headroom (and fails with CacheCapacityError)."""
+
+RELEASE_AFTER_GROWTH_BYTES = 256 * 2**20
+"""A growth that frees at least this many bytes of old pools returns them to the device at once
+(:func:`kvquant.cache.release_cached_blocks`) instead of leaving them in torch's cache, where
+activations would split them (chunked prefill then ran out of memory with gigabytes free)."""
+
+
+_CPU = torch.device("cpu")
+
+
+class PoolSizing:
+    """The pool-sizing part of :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache` (a
+    mixin: it reads the cache's book, layers and bounds, declared below)."""
+
+    book: SequenceBook
+    layers: list[Any]
+    page_size: int
+    num_pages_requested: int | None
+    max_cache_tokens: int | None
+    growable: bool
+    model_name: str
+    capacity_version: int
+    decode_graph: Any
+
+    # ------------------------------------------------------------------ the book's state
+
+    @property
+    def allocator(self) -> PageAllocator | None:
+        """The shared :class:`~kvquant.cache.PageAllocator` (None before the first update)."""
+        return self.book.allocator
+
+    @property
+    def batch_size_(self) -> int:
+        """Sequences the cache holds (0 before the first update)."""
+        return self.book.batch_size
+
+    @property
+    def reserved(self) -> int:
+        """Token slots reserved per sequence (the first layer to reach a position reserves it)."""
+        return self.book.reserved
+
+    # ------------------------------------------------------------------ pool sizing
+
+    def headroom_fraction(self) -> float:
+        """The growth headroom, a fraction of the need: :data:`GROWTH_HEADROOM`, or less.
+
+        After any growth the pools hold no more bytes than transformers' bf16
+        ``DynamicCache`` of the same tokens, plus one page per sequence (the
+        last page, partly filled): FP8 pages plus their group scales take
+        ``(1 + 4 / G) / 2`` of bf16's bytes per token, so the headroom is
+        capped at ``0.9 * 2 / (1 + 4 / G) - 1`` (0 for very small groups).
+        """
+        ratio = 0.5  # FP8 / bf16 bytes per element
+        for layer in self.layers:
+            spec = getattr(layer, "spec", None)
+            if spec is not None and spec.granularity == "fp32-group":
+                group = spec.group_size or spec.head_dim
+                ratio = max(ratio, (1.0 + 4.0 / group) / 2.0)
+        return max(0.0, min(GROWTH_HEADROOM, 0.9 / ratio - 1.0))
+
+    def pool_shape(
+        self, batch_size: int, device: torch.device, first_tokens: int = 0
+    ) -> tuple[int, int]:
+        """``(num_pages, page_size)`` of every layer's pool; creates the allocator on first use.
+
+        With ``num_pages`` or ``max_cache_tokens`` the pool has that fixed size.
+        Without them it starts with the pages ``first_tokens`` take (the length
+        of the first update: the prompt, or the first chunk of a chunked
+        prefill) plus a sixteenth of them (:data:`START_HEADROOM`; at least one
+        page) per sequence, and grows on demand (:meth:`reserve_through`), so
+        that the pages hold memory in proportion to what is stored, like
+        transformers' ``DynamicCache``.
+        """
+        alloc = self.book.allocator
+        if alloc is None:
+            if self.num_pages_requested is not None:
+                num_pages = int(self.num_pages_requested)
+            elif self.max_cache_tokens is not None:
+                num_pages = -(-int(self.max_cache_tokens) // self.page_size)
+            else:
+                slots = first_tokens + first_tokens // START_HEADROOM
+                num_pages = batch_size * max(1, -(-slots // self.page_size))
+            if num_pages < 1:
+                raise CacheUsageError(
+                    f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
+                    "Fix: pass a positive max_cache_tokens or num_pages."
+                )
+            alloc = self.book.open(num_pages, batch_size, device)
+        return alloc.num_pages, self.page_size
+
+    def slots_for(self, layer: KVQuantLayer, batch_size: int, new_tokens: int) -> torch.Tensor:
+        """Slot mapping int64 ``[B, new_tokens]`` of positions ``layer.seq_len ...``, reserving pages.
+
+        The first layer to reach a position reserves its pages for all layers
+        (all-or-nothing, before any write); later layers reuse them
+        (:meth:`kvquant.cache.SequenceBook.slots`).
+
+        Raises:
+            CacheCapacityError: too few free pages (nothing changes).
+            KVQuantError: the batch size differs from the one the cache was built for.
+        """
+        storage = layer.storage
+        device = storage.device if storage is not None else _CPU
+        book = self.book
+        start = book.layer_lens[layer.layer_idx]
+        memo = book._slot_memo
+        if memo is not None and memo[0] == book.slot_key(start, new_tokens, device):
+            return memo[1]
+        self.pool_shape(batch_size, device)
+        if batch_size != book.rows_in_view:
+            where = "" if book.window is None else f" (rows {book.window[0]}..{book.window[1] - 1})"
+            raise CacheUsageError(
+                f"{layer.spec.name}: the kvquant cache holds {book.rows_in_view} sequences"
+                f"{where} but the update has batch size {batch_size}. Fix: use a fresh cache (or "
+                "let generate create one) for a different batch size."
+            )
+        self.reserve_through(start + new_tokens, layer)
+        return book.slots(start, new_tokens, device)
+
+    def reserve_through(self, tokens: int, layer: KVQuantLayer) -> None:
+        """Reserve pages so that every sequence holds ``tokens`` slots (no-op if it does).
+
+        A growable cache enlarges its pools first when the free pages do not suffice.
+
+        Raises:
+            CacheCapacityError: too few free pages (nothing changes).
+        """
+        book = self.book
+        if tokens <= book.reserved:
+            return
+        alloc = book.require_allocator()
+        ps = self.page_size
+        extra_pages = book.pages_needed(tokens)
+        free = alloc.num_free_pages
+        if extra_pages > free and self.growable:
+            self._grow(alloc, -(-tokens // ps))
+            free = alloc.num_free_pages
+        if extra_pages > free:
+            capacity = alloc.num_pages * ps
+            raise CacheCapacityError(
+                f"kvquant cache of {self.model_name} is full: {book.batch_size} sequence(s) of "
+                f"{book.reserved} tokens need {tokens - book.reserved} more each ({extra_pages} "
+                f"more pages of {ps} tokens), but only {free} of {alloc.num_pages} pages are free "
+                f"(capacity {capacity} token slots in all). Nothing was written. Fix: "
+                "kvquant.patch(model, max_cache_tokens=...) or num_pages=... with a larger value, "
+                "or generate fewer tokens (max_new_tokens)."
+            )
+        try:
+            book.reserve_through(tokens)
+        except CacheCapacityError as err:  # pragma: no cover - pre-checked above
+            raise CacheCapacityError(f"kvquant cache of {self.model_name}: {err}") from err
+
+    def ensure_decode_headroom(self, tokens: int) -> None:
+        """Before a decode graph is captured: room for ``tokens`` per sequence and the headroom.
+
+        A capture is tied to the page tensors; growing them later costs a new
+        capture. A growable cache that cannot hold ``tokens`` plus
+        :meth:`headroom_fraction` of them grows now (as far as the device's
+        memory allows, :meth:`_grow`), so that the capture serves many steps; a
+        cache with a size bound is left as it is.
+        """
+        alloc = self.allocator
+        if not self.growable or alloc is None or self.batch_size_ < 1:
+            return
+        # at least one page more than the step needs (and so at least two pages in the pool: a
+        # compiled step marks the page count dynamic, and torch.compile specialises a size of 1)
+        ps = self.page_size
+        want = max(int(tokens * (1.0 + self.headroom_fraction())), tokens + ps)
+        if self.book.pages_per_sequence() * ps >= want:
+            return
+        target, _ = self._growth_target(alloc, -(-tokens // ps), -(-want // ps))
+        if target <= alloc.num_pages:
+            return  # no memory to spare for headroom: the steps grow the pools when they must
+        freed = self._page_bytes()[0] * alloc.num_pages
+        try:
+            self._grow_layers(target)
+        except CacheCapacityError:
+            return  # headroom only (the step reserves what it needs): grown layers keep theirs
+        alloc.grow(target)
+        self.capacity_version += 1
+        self.decode_graph = None
+        self._release_old_pools(freed)
+
+    def slot_bytes(self) -> int:
+        """Bytes one token slot of one sequence takes in every layer together (K and V pages and
+        their group scales), from the layers' geometry: known before any pool exists."""
+        total = 0
+        for layer in self.layers:
+            spec = getattr(layer, "spec", None)
+            if spec is None:
+                continue
+            per_kv = spec.num_kv_heads * spec.head_dim  # one FP8 byte each
+            if spec.granularity == "fp32-group":
+                per_kv += (
+                    spec.num_kv_heads * (spec.head_dim // (spec.group_size or spec.head_dim)) * 4
+                )
+            total += 2 * per_kv
+        return total
+
+    def bytes_to_hold(self, batch: int, tokens: int) -> int:
+        """Bytes the pools must still allocate so that ``batch`` sequences hold ``tokens`` each.
+
+        0 when the layers' pools already hold that many pages (a bounded cache
+        allocates its whole size at the first update, counted here too).
+        """
+        ps = self.page_size
+        need = batch * -(-tokens // ps)
+        if not self.growable and self.allocator is not None:
+            need = max(need, self.allocator.num_pages)
+        storages = [getattr(layer, "storage", None) for layer in self.layers]
+        have = min((s.num_pages if s is not None else 0 for s in storages), default=0)
+        return max(0, need - have) * ps * self.slot_bytes()
+
+    def _page_bytes(self) -> tuple[int, int]:
+        """Bytes of one page in every layer together, and in the largest layer (pages and scales)."""
+        total = largest = 0
+        for layer in self.layers:
+            storage = getattr(layer, "storage", None)
+            if storage is None or storage.num_pages < 1:
+                continue
+            held = storage.memory_bytes()
+            one = (held["pages"] + held["group_scales"]) // storage.num_pages
+            total += one
+            largest = max(largest, one)
+        return total, largest
+
+    def _growth_target(
+        self, alloc: PageAllocator, pages_per_seq: int, want_per_seq: int | None = None
+    ) -> tuple[int, int]:
+        """``(target, minimum)`` pool sizes in pages for ``pages_per_seq`` pages per sequence.
+
+        The minimum holds the need; the target ``want_per_seq`` pages per
+        sequence (default: the need plus :meth:`headroom_fraction` of it), less
+        where the device cannot hand out the bytes (the new pools, grown one
+        layer at a time, and the old pool of the layer being copied).
+        """
+        bsz, ps = self.batch_size_, self.page_size
+        minimum = bsz * pages_per_seq
+        if want_per_seq is None:
+            want_per_seq = -(-int(pages_per_seq * ps * (1.0 + self.headroom_fraction())) // ps)
+        target = bsz * max(pages_per_seq, want_per_seq)
+        device = self._device()
+        free = None if device is None else device_free_bytes(device)
+        if free is not None and target > minimum:
+            per_page, largest = self._page_bytes()
+            if per_page > 0:
+                room = int(free * GROWTH_MEMORY_SHARE) - largest * alloc.num_pages
+                affordable = alloc.num_pages + max(0, room) // per_page
+                target = max(minimum, min(target, affordable // bsz * bsz))
+        return target, minimum
+
+    def _grow(self, alloc: PageAllocator, pages_per_seq: int) -> None:
+        """Enlarge the pool so that every sequence can hold ``pages_per_seq`` pages (or more).
+
+        The new size is the need plus the headroom of :meth:`_growth_target`;
+        if that fails for want of memory, the need alone is tried. The layers'
+        page tensors grow first, one at a time (old and new pools of one layer
+        coexist only for its copy); the allocator grows only once all of them
+        did, so a failure (out of memory) leaves a cache that still holds every
+        token it held.
+
+        Raises:
+            CacheCapacityError: not even the need fits on the device.
+        """
+        target, minimum = self._growth_target(alloc, pages_per_seq)
+        freed = self._page_bytes()[0] * alloc.num_pages
+        try:
+            self._grow_layers(target)
+        except CacheCapacityError:
+            if target == minimum:
+                raise
+            target = minimum  # layers already grown further keep their pages
+            self._grow_layers(target)
+        if target > alloc.num_pages:
+            alloc.grow(target)
+        self.capacity_version += 1
+        self.decode_graph = None  # captured on the old pools
+        self._release_old_pools(freed)
+
+    def _release_old_pools(self, freed: int) -> None:
+        """After a growth that freed ``freed`` bytes of old pools: return large ones to the device."""
+        if freed >= RELEASE_AFTER_GROWTH_BYTES:
+            release_cached_blocks(self._device())
+
+    def _device(self) -> torch.device | None:
+        """The device of the layers' pools (None before any pool exists)."""
+        storages = (getattr(layer, "storage", None) for layer in self.layers)
+        return next((s.device for s in storages if s is not None), None)
+
+    def _grow_layers(self, num_pages: int) -> None:
+        for layer in self.layers:
+            storage = getattr(layer, "storage", None)
+            if storage is not None and storage.num_pages < num_pages:
+                storage.grow(num_pages)
