@@ -1,6 +1,6 @@
 """Resources of the decode kernel compiled for sm_90 offline (no GPU needed).
 
-Compiles ``_paged_attn_kernel`` ahead of time for a Hopper target with the
+Compiles ``paged_attn_kernel`` ahead of time for a Hopper target with the
 specializations Triton's JIT applies at launch (16-byte aligned pointers, strides
 divisible by 16, unit strides as constants) for a B32 x 16k decode, and prints per
 variant: registers per thread, stack bytes (register spills), shared memory, the
@@ -108,7 +108,7 @@ def compile_decode(
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
     group_scales, ng = FORMATS["per-tensor" if kt else fmt]
-    fn = at._paged_attn_kernel
+    fn = at.paged_attn_kernel
     # the pointers given (the others are None: absent optional tensors)
     pointers = {
         "q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32",
@@ -152,7 +152,7 @@ def compile_decode(
 def compile_reduce(*, hq: int = 32, hkv: int = 8, d: int = 128, splits: int = 5,
                    pdl: bool = True) -> Any:  # fmt: skip
     """Compile the split merge (one warp, 32 columns per program, bf16 output) for sm_90."""
-    fn = at._reduce_kernel
+    fn = at.reduce_kernel
     pointers = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}
     consts: dict[str, Any] = dict(
         SPLITS_P2=max(2, triton.next_power_of_2(splits)), HEAD_D=d, BLOCK_D=min(32, d), PDL=pdl

@@ -52,7 +52,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Launch]]:
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", record)
     # a GPU's split counts (132 multiprocessors), not the CPU placeholder's
-    monkeypatch.setattr("kvquant.kernels.attention.launch._num_sms", lambda device: 132)
+    monkeypatch.setattr("kvquant.kernels.attention.launch.device_sm_count", lambda device: 132)
     yield seen
 
 
@@ -101,12 +101,12 @@ def test_decode_over_a_growing_context_compiles_a_variant_per_split_mode_and_mer
         kernels.paged_attention(case.query, case.k_pages, case.v_pages, case.block_tables,
                                 case.seq_lens, out=out, backend="triton", **case.kwargs())  # fmt: skip
         torch.testing.assert_close(out.float(), case.reference(), atol=2e-3, rtol=2e-3)
-    tiles = {b["SPLITS_P2"] for name, b in launches if name == "_reduce_kernel"}
+    tiles = {b["SPLITS_P2"] for name, b in launches if name == "reduce_kernel"}
     control = _variants(launches, declared=False)
-    assert control["_paged_attn_kernel"] > 2 and control["_reduce_kernel"] > len(tiles), control
+    assert control["paged_attn_kernel"] > 2 and control["reduce_kernel"] > len(tiles), control
     # the attention: one unsplit and one split variant (SPLIT is a constexpr); the merge: one
     # per tile (a constexpr), whatever the split count and the block table's width
-    assert _variants(launches) == {"_paged_attn_kernel": 2, "_reduce_kernel": len(tiles)}
+    assert _variants(launches) == {"paged_attn_kernel": 2, "reduce_kernel": len(tiles)}
 
 
 def test_writes_of_any_length_compile_one_prefill_and_one_decode_variant(
@@ -121,5 +121,5 @@ def test_writes_of_any_length_compile_one_prefill_and_one_decode_variant(
         slots = torch.arange(n, dtype=torch.int64).view(1, n)
         kernels.write_kv(key, value, k_pages, v_pages, slots, backend="triton", **case.scales)
     control = _variants(launches, declared=False)
-    assert control["_write_kv_kernel"] > 2, control
-    assert _variants(launches) == {"_write_kv_kernel": 2}
+    assert control["write_kv_kernel"] > 2, control
+    assert _variants(launches) == {"write_kv_kernel": 2}

@@ -1,9 +1,9 @@
 """``@triton.jit`` programs of paged attention over the FP8 cache: the key loop and the merge.
 
-:func:`_paged_attn_kernel` runs one (query block x KV split, KV head, sequence): every query
+:func:`paged_attn_kernel` runs one (query block x KV split, KV head, sequence): every query
 row of a KV head in one tile, K/V tiles gathered from the pages and converted once for the
 whole GQA group, an online softmax over a masked first tile, an unmasked interior and a masked
-rest. With several splits it writes partials that :func:`_reduce_kernel` merges. Optional
+rest. With several splits it writes partials that :func:`reduce_kernel` merges. Optional
 inputs (query lengths, key starts, sinks, the K transform's rotation, offset and first tokens)
 are ``None`` when absent, and the code for them compiles only when given. Tile helpers:
 :mod:`kvquant.kernels.attention.tile`; launcher: :mod:`kvquant.kernels.attention.launch`; the
@@ -15,9 +15,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvquant.kernels import specialize
-from kvquant.kernels.attention.tile import _attn_tile
+from kvquant.kernels.attention.tile import attn_tile
 
-__all__ = ["_paged_attn_kernel", "_reduce_kernel"]
+__all__ = ["paged_attn_kernel", "reduce_kernel"]
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def _first_tokens(
 
 
 @specialize.jit(varying=("num_splits",), unaligned=("Lq", "n_qblocks", "s_bt"))
-def _paged_attn_kernel(
+def paged_attn_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -332,7 +332,7 @@ def _paged_attn_kernel(
     if USE_WHILE:  # (the interpreter: runtime-bound for loops crash it on numpy 2.4)
         n0 = s_lo
         while n0 < head_hi:
-            acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
@@ -341,7 +341,7 @@ def _paged_attn_kernel(
             n0 += BLOCK_N
         n0 = int_lo
         while n0 < mid:
-            acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
                 False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
@@ -349,7 +349,7 @@ def _paged_attn_kernel(
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < s_hi:
-            acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
@@ -359,7 +359,7 @@ def _paged_attn_kernel(
     else:
         for n0 in tl.range(s_lo, head_hi, BLOCK_N, num_stages=1):
             n0 = tl.multiple_of(n0, BLOCK_N)
-            acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
@@ -367,7 +367,7 @@ def _paged_attn_kernel(
             )  # fmt: skip
         for n0 in tl.range(int_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
             n0 = tl.multiple_of(n0, BLOCK_N)
-            acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
                 False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
@@ -375,7 +375,7 @@ def _paged_attn_kernel(
             )  # fmt: skip
         for n0 in tl.range(mid, s_hi, BLOCK_N, num_stages=1):
             n0 = tl.multiple_of(n0, BLOCK_N)
-            acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
                 bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
@@ -408,7 +408,7 @@ def _paged_attn_kernel(
 
 
 @specialize.jit(varying=("num_splits",), unaligned=("Lq",))
-def _reduce_kernel(
+def reduce_kernel(
     part_ptr,
     lse_ptr,
     out_ptr,

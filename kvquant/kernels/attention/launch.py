@@ -18,14 +18,14 @@ import torch
 import triton
 
 from kvquant.errors import KernelInputError
-from kvquant.kernels.attention.kernel import _paged_attn_kernel, _reduce_kernel
+from kvquant.kernels.attention.kernel import paged_attn_kernel, reduce_kernel
 from kvquant.kernels.attention.tuning import (
-    _FOLD_MAX_ROWS,
+    FOLD_MAX_ROWS,
     Tiles,
-    _is_decode,
-    _num_sms,
     choose_config,
     choose_num_splits,
+    device_sm_count,
+    is_decode,
     programs_per_sm,
 )
 
@@ -49,7 +49,7 @@ def is_interpreted() -> bool:
     """Whether the attention kernels run in the Triton interpreter (``TRITON_INTERPRET=1``)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_paged_attn_kernel, InterpretedFunction)
+    return isinstance(paged_attn_kernel, InterpretedFunction)
 
 
 _PDL: dict[int, bool] = {}
@@ -91,7 +91,7 @@ def _split_kernel_use(
     key: tuple[Any, ...] = (device, dtypes, *sorted(consts.items()))
     use = _KERNEL_USE.get(key)
     if use is None:
-        kernel = _paged_attn_kernel.warmup(*args, grid=(1,), **{**consts, "SPLIT": True})
+        kernel = paged_attn_kernel.warmup(*args, grid=(1,), **{**consts, "SPLIT": True})
         _ = kernel.run  # loads the binary, which sets n_regs (Triton loads kernels lazily)
         use = _KERNEL_USE[key] = (
             int(kernel.n_regs), int(kernel.metadata.num_warps), int(kernel.metadata.shared)
@@ -122,13 +122,13 @@ def _tiles(
             "docs/dev/kernels.md)"
         )
     # Decode folds group scales into the scores and probabilities (no per-element multiply,
-    # no range limit) while the tile's row copies stay within _FOLD_MAX_ROWS (timings:
+    # no range limit) while the tile's row copies stay within FOLD_MAX_ROWS (timings:
     # docs/performance.md).
     if "FOLD" in config:
         fold_wanted = bool(config["FOLD"])
     else:
-        fold_wanted = triton.next_power_of_2(lq * group) * ng <= _FOLD_MAX_ROWS
-    fold = group_scales and _is_decode(lq, group) and fold_wanted
+        fold_wanted = triton.next_power_of_2(lq * group) * ng <= FOLD_MAX_ROWS
+    fold = group_scales and is_decode(lq, group) and fold_wanted
     tiles = choose_config(
         lq, group, d, group_dequant=group_scales and not fold, fold_groups=ng if fold else 0
     )
@@ -145,7 +145,7 @@ def _kernel_args(
     n_qblocks: int,
     opt: dict[str, Any],
 ) -> list[Any]:
-    """``_paged_attn_kernel``'s arguments up to the constexprs; absent tensors are ``None``.
+    """``paged_attn_kernel``'s arguments up to the constexprs; absent tensors are ``None``.
 
     The partials, their log-sum-exp (``args[12:14]``, ``out`` until a split workspace exists)
     and the split count (``args[20]``) are set by the caller.
@@ -179,7 +179,7 @@ def _constexprs(
     opt: dict[str, Any],
     config: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """``_paged_attn_kernel``'s constexprs (but ``SPLIT``) and launch options."""
+    """``paged_attn_kernel``'s constexprs (but ``SPLIT``) and launch options."""
     page_size, hkv, d = k_pages.shape[1], k_pages.shape[2], query.shape[3]
     kg, vg = opt["k_group_scales"], opt["v_group_scales"]
     ng = kg.shape[-1] if kg is not None else 1
@@ -227,7 +227,7 @@ def _merge(
     # one warp per 32 columns: the merge is latency-bound, and at B1 x 32k it had only 32
     # programs (one per row); the graph table of bench_attention.py times it
     block_d = min(32, d)
-    _reduce_kernel[(bsz * lq * hq, d // block_d)](
+    reduce_kernel[(bsz * lq * hq, d // block_d)](
         part, lse, out, lq, hq, num_splits, *out.stride(), sinks,
         SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), HEAD_D=d, BLOCK_D=block_d,
         PDL=pdl, num_warps=1, launch_pdl=pdl,
@@ -306,7 +306,7 @@ def paged_attention_triton(
             num_splits = choose_num_splits(
                 bsz * hkv,
                 block_tables.shape[1] * k_pages.shape[1],
-                _num_sms(query.device),
+                device_sm_count(query.device),
                 programs_per_sm=_decode_residency(args, consts, query.device),
                 block_n=tiles.BLOCK_N,
             )
@@ -317,7 +317,7 @@ def paged_attention_triton(
         work = torch.empty(rows * (d + 1), dtype=torch.float32, device=query.device)
         args[12], args[13] = work[: rows * d], work[rows * d :]
     args[20] = num_splits
-    _paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
+    paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
     if split:
         _merge(args[12], args[13], out, num_splits, sinks, bool(consts["PDL"]))
     return out

@@ -1,6 +1,6 @@
 """``@triton.jit`` tile helpers of the paged-attention kernel: gather, dequantize, one step.
 
-:func:`_attn_tile` is one online-softmax step over ``BLOCK_N`` keys: :func:`_load_kv`
+:func:`attn_tile` is one online-softmax step over ``BLOCK_N`` keys: :func:`_load_kv`
 gathers the FP8 K/V tiles (runs of ``TP`` keys inside one page) and their group scales,
 :func:`_qk` and :func:`_pv` are the two tensor-core products with the scales folded or
 dequantized. The design (run loads, folding, masks) is described in docs/dev/kernels.md.
@@ -9,7 +9,7 @@ dequantized. The design (run loads, folding, masks) is described in docs/dev/ker
 import triton
 import triton.language as tl
 
-__all__ = ["_attn_tile"]
+__all__ = ["attn_tile"]
 
 
 @triton.jit
@@ -221,7 +221,7 @@ def _pv(acc, alpha, p, v, vs, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr,
 
 
 @triton.jit
-def _attn_tile(
+def attn_tile(
     acc,
     m_i,
     l_i,

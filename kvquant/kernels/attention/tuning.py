@@ -17,7 +17,7 @@ import triton
 
 __all__ = ["Tiles", "choose_config", "choose_num_splits", "programs_per_sm"]
 
-_FOLD_MAX_ROWS = 32
+FOLD_MAX_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Tiles:
 _SM_COUNT: dict[int, int] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def device_sm_count(device: torch.device) -> int:
     """Multiprocessor count of a CUDA device (cached); a small constant on CPU."""
     if device.type != "cuda":
         return 4
@@ -62,7 +62,7 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _is_decode(lq: int, group: int) -> bool:
+def is_decode(lq: int, group: int) -> bool:
     """Decode path (one query block, split-KV) when all rows of a KV head fit in 64."""
     return lq * group <= 64
 
@@ -84,7 +84,7 @@ def choose_config(
     Returns:
         The :class:`Tiles`.
     """
-    if _is_decode(lq, group):
+    if is_decode(lq, group):
         block_m = max(16, triton.next_power_of_2(lq * group) * max(1, fold_groups))
         # The key loop's loads are indirect (block table) and feed dots: Triton gives them
         # LOOP_STAGES - 3 prefetch buffers; the register-heavy dequantizing variants keep none.

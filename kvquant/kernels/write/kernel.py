@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kvquant.kernels import specialize
 
-__all__ = ["_write_kv_kernel"]
+__all__ = ["write_kv_kernel"]
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def _quantize_tile(
 
 
 @specialize.jit(unaligned=("n_tokens", "seq_len", "num_slots", "ss_b"))
-def _write_kv_kernel(
+def write_kv_kernel(
     k_ptr,
     v_ptr,
     kp_ptr,

@@ -12,7 +12,7 @@ import functools
 import torch
 import triton
 
-from kvquant.kernels.write.kernel import _write_kv_kernel
+from kvquant.kernels.write.kernel import write_kv_kernel
 
 __all__ = ["is_interpreted", "write_kv_triton"]
 
@@ -21,7 +21,7 @@ def is_interpreted() -> bool:
     """Whether this module's kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_write_kv_kernel, InterpretedFunction)
+    return isinstance(write_kv_kernel, InterpretedFunction)
 
 
 _FP8_MAX: dict[torch.dtype, float] = {
@@ -119,7 +119,7 @@ def write_kv_triton(
     # Triton launches on the current CUDA device: switch only when the tensors are elsewhere.
     switch = dev.type == "cuda" and dev.index is not None and dev.index != _current_device()
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
-        _write_kv_kernel[grid](
+        write_kv_kernel[grid](
             key,
             value,
             k_pages,
