@@ -63,9 +63,16 @@ __all__ = [
     "NAMINGS",
     "PRODUCERS",
     "PRODUCER_CONVENTIONS",
+    "CompressedTensors",
+    "KVQuant",
+    "LegacyKvScale",
+    "ModelOpt",
     "Naming",
     "Producer",
+    "Quark",
+    "QuarkFp8",
     "ScaleShape",
+    "TensorRTLLM",
     "compressed_tensors_config",
     "compressed_tensors_kv_scheme",
     "convention_of",
@@ -82,6 +89,7 @@ __all__ = [
     "scale_tensor_name",
     "stored_scale",
     "stored_scale_shape",
+    "weight_quantization",
 ]
 
 PRODUCERS: tuple[Producer, ...] = (
@@ -270,3 +278,32 @@ def producer_configs(
         post_rope=post_rope,
         scale_dtype=scale_dtype,
     )
+
+
+_FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+_BUFFER_DTYPES = frozenset({"I64", "BOOL"})  # position ids, masks: not quantized weights
+
+
+def weight_quantization(
+    weight_dtypes: Mapping[str, int],
+    qcfg: Mapping[str, Any] | None,
+    hf_quant: Mapping[str, Any] | None,
+) -> str | None:
+    """Describe a checkpoint's weight quantization, or ``None`` when the weights are plain floats.
+
+    Args:
+        weight_dtypes: header dtype -> count over the non-scale tensors.
+        qcfg: ``quantization_config``.
+        hf_quant: ``hf_quant_config.json``.
+    """
+    quantized = {d: n for d, n in weight_dtypes.items() if d not in _FLOAT_DTYPES | _BUFFER_DTYPES}
+    if quantized:
+        return f"{sum(quantized.values())} weight tensors stored as {sorted(quantized)}"
+    qcfg = qcfg or {}
+    if qcfg.get("config_groups"):
+        return f"{qcfg.get('quant_method')} config_groups {sorted(qcfg['config_groups'])}"
+    for producer in PRODUCERS:
+        said = producer.weight_quantization(qcfg, hf_quant)
+        if said is not None:
+            return said
+    return None
