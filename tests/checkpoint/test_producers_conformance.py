@@ -23,9 +23,7 @@ def _granularities(producer: Producer) -> list[str]:
     return ["per-head"] if producer.stores_k_transform else list(producer.granularities)
 
 
-CASES = [
-    pytest.param(p, g, id=f"{p.name}-{g}") for p in PRODUCERS for g in _granularities(p)
-]
+CASES = [pytest.param(p, g, id=f"{p.name}-{g}") for p in PRODUCERS for g in _granularities(p)]
 
 
 def _expected(producer: Producer, granularity: str, layer: int) -> dict[str, torch.Tensor]:

@@ -1,13 +1,8 @@
 """Checkpoint producers: one :class:`~kvquant.checkpoint.producers.base.Producer` per file, and the registry.
 
-:data:`PRODUCERS` lists them in the order discovery asks them. Discovery
-(:mod:`kvquant.checkpoint.discovery`) reads the names of :data:`NAMINGS`; the
-writers (:func:`kvquant.testing.checkpoints.write_checkpoint`, ``kvquant
-export``, ``kvquant calibrate``) write the conventions of :data:`PRODUCER_CONVENTIONS`.
-A name written under a convention is read back under the same naming by
-construction; ``tests/checkpoint/test_producers_conformance.py`` writes,
-discovers and round-trips every registered producer. Developer notes:
-``docs/dev/checkpoint.md``.
+:data:`PRODUCERS` lists them in the order discovery asks them; writers take the
+conventions of :data:`PRODUCER_CONVENTIONS`; ``tests/checkpoint/test_producers_conformance.py``
+round-trips every registered one. Developer notes: ``docs/dev/checkpoint.md``.
 
 Example:
     >>> from kvquant.checkpoint.producers import scale_tensor_name, stored_scale

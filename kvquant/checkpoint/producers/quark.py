@@ -8,12 +8,12 @@ By default K is calibrated before RoPE and both tensors hold ``max(K, V)``;
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from kvquant.checkpoint.findings import Finding
-from kvquant.checkpoint.producers.base import OUTPUT_SCALE, SELF_ATTN, Producer, ScaleShape
+from kvquant.checkpoint.producers.base import OUTPUT_SCALE, SELF_ATTN, Naming, Producer, ScaleShape
 
 if TYPE_CHECKING:
     from kvquant.types import RawScale
@@ -117,8 +117,8 @@ class Quark(Producer):
 
     name = "quark"
     names = OUTPUT_SCALE
-    also_reads = (SELF_ATTN,)
-    quant_methods = ("quark",)
+    also_reads: ClassVar[tuple[Naming, ...]] = (SELF_ATTN,)
+    quant_methods: ClassVar[tuple[str, ...]] = ("quark",)
     default_dtype = torch.bfloat16
     per_tensor_shape = ScaleShape.SCALAR
     write_options = frozenset({"post_rope"})
