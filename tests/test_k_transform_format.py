@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvquant.checkpoint.discovery import discover_scales, k_transform_from_mapping
+from kvquant.checkpoint.discovery import discover_scales
 from kvquant.checkpoint.producers import KV_TRANSFORM_FILE, kv_transform_config
+from kvquant.checkpoint.producers.kvquant import k_transform_from_mapping
 from kvquant.errors import ScaleFormatError
 from kvquant.registry import (
     KTransform,

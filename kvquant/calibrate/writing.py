@@ -179,7 +179,7 @@ def _check_convention(result: CalibrationResult, convention: object) -> Conventi
 
 def _check_source(found: Any, result: CalibrationResult, convention: Convention) -> str | None:
     """The source's weight quantization (None: plain floats), or its refusal."""
-    from kvquant.export import weight_quantization
+    from kvquant.export.write import source_weights as weight_quantization
 
     src = found.path
     geometry = found.geometry
@@ -281,7 +281,7 @@ def _configs(
     For the k-transform, ``found`` comes back with its config's ``quantization_config``
     removed: kvquant_kv_transform.json alone declares the KV format.
     """
-    from kvquant.export import kv_quantization_configs
+    from kvquant.export.write import new_configs as kv_quantization_configs
 
     if convention is Convention.KVQUANT:
         found, files = _k_transform_files(found, result, weights)

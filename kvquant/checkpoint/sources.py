@@ -120,7 +120,8 @@ def _one_of(candidates: list[Path], folder: Path, config: Any) -> Path:
     config describes the model's geometry must all give kvquant the same scales
     (then ``folder`` itself when it is one of them), else kvquant refuses.
     """
-    from kvquant.checkpoint.discovery import discover_scales, read_geometry
+    from kvquant.checkpoint.discovery import discover_scales
+    from kvquant.checkpoint.geometry import read_geometry
 
     try:
         as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)

@@ -47,6 +47,7 @@ from typing import Any, Literal
 import torch
 
 from kvquant.checkpoint import producers as conventions
+from kvquant.checkpoint.producers import PRODUCERS, Producer
 
 __all__ = [
     "CATALOGUE",
@@ -55,25 +56,25 @@ __all__ = [
     "CatalogueEntry",
     "default_k_offsets",
     "default_scale_values",
+    "producer_checkpoint",
     "scale_tensor_name",
     "write_checkpoint",
     "write_hf_cache_entry",
 ]
 
-Convention = Literal[
-    "compressed-tensors",
-    "modelopt",
-    "quark",
-    "quark-fp8",
-    "legacy-kv_scale",
-    "kvquant-k-transform",
-    "none",
-]
 K_TRANSFORM = "kvquant-k-transform"
 """kvquant's own k-transform convention (per-head scales, K offsets, the settings file)."""
 
-CONVENTIONS: tuple[str, ...] = (*conventions.PRODUCER_CONVENTIONS, K_TRANSFORM, "none")
-"""The producer conventions :func:`write_checkpoint` can write."""
+CONVENTIONS: tuple[str, ...] = (
+    *(p.name for p in PRODUCERS if not p.stores_k_transform),
+    K_TRANSFORM,
+    "none",
+)
+"""The producer conventions :func:`write_checkpoint` can write (every registered producer)."""
+
+_PRODUCER_OF: dict[str, Producer] = {
+    (K_TRANSFORM if p.stores_k_transform else p.name): p for p in PRODUCERS
+}
 
 _LINEARS = (
     "self_attn.q_proj",
@@ -101,7 +102,7 @@ def scale_tensor_name(convention: str, layer: int, kind: str) -> str:
         ValueError: unknown convention or a kind the convention does not use
             (:class:`~kvquant.errors.ConventionError`).
     """
-    return conventions.scale_tensor_name(convention, layer, kind)
+    return conventions.producer_for(convention).tensor_name(layer, kind)
 
 
 def default_scale_values(
@@ -174,8 +175,18 @@ def _k_transform_tensors(
     return out
 
 
+def _merged_kv_value(
+    layer: int, values: Mapping[tuple[int, str], float | torch.Tensor]
+) -> float | torch.Tensor:
+    """The one scale a single-``kv`` producer stores: ``max(K, V)`` unless given."""
+    k, v = values[(layer, "k")], values[(layer, "v")]
+    kt = k if isinstance(k, torch.Tensor) else torch.tensor(float(k))
+    vt = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+    return float(torch.maximum(kt.float().amax(), vt.float().amax()))
+
+
 def _kv_scale_tensors(
-    convention: str,
+    producer: Producer,
     granularity: str,
     num_layers: int,
     num_kv_heads: int,
@@ -184,17 +195,8 @@ def _kv_scale_tensors(
     scales: Mapping[tuple[int, str], float | torch.Tensor] | None,
     drop: set[tuple[int, str]],
 ) -> dict[str, torch.Tensor]:
-    if convention == "none":
-        explicit = dict(scales or {})
-        if explicit:
-            raise ValueError(
-                "write_checkpoint(convention='none') stores no KV scales; pass a producer "
-                "convention to write scales, or extra_tensors for arbitrary tensors"
-            )
-        return {}
-    per_head = convention == "compressed-tensors" and granularity == "per-head"
     values: dict[tuple[int, str], float | torch.Tensor] = dict(
-        default_scale_values(num_layers, num_kv_heads, per_head=per_head)
+        default_scale_values(num_layers, num_kv_heads, per_head=granularity == "per-head")
     )
     explicit = dict(scales or {})
     stored_as_given: dict[tuple[int, str], torch.Tensor] = {}
@@ -203,29 +205,25 @@ def _kv_scale_tensors(
             stored_as_given[key] = value
         values[key] = value
     out: dict[str, torch.Tensor] = {}
-    if convention == "legacy-kv_scale":
+    if set(producer.suffixes) == {"kv"}:  # one scale serves K and V
         for layer in range(num_layers):
             if (layer, "kv") in drop:
                 continue
             given = explicit.get((layer, "kv"))
+            name = producer.tensor_name(layer, "kv")
             if isinstance(given, torch.Tensor):
-                out[scale_tensor_name(convention, layer, "kv")] = given.clone()
+                out[name] = given.clone()
                 continue
             if given is None:
-                k, v = values[(layer, "k")], values[(layer, "v")]
-                kt = k if isinstance(k, torch.Tensor) else torch.tensor(float(k))
-                vt = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
-                given = float(torch.maximum(kt.float().amax(), vt.float().amax()))
-            out[scale_tensor_name(convention, layer, "kv")] = conventions.stored_scale(
-                given, convention, "per-tensor", num_kv_heads, scale_dtype
-            )
+                given = _merged_kv_value(layer, values)
+            out[name] = producer.stored_scale(given, "per-tensor", num_kv_heads, scale_dtype)
         return out
-    merged = (convention == "quark" and not post_rope) or convention == "quark-fp8"
+    merged = producer.writes_merged(post_rope=post_rope)
     for layer in range(num_layers):
         shaped: dict[str, torch.Tensor] = {}
         for kind in ("k", "v"):
-            shaped[kind] = conventions.stored_scale(
-                values[(layer, kind)], convention, granularity, num_kv_heads, scale_dtype
+            shaped[kind] = producer.stored_scale(
+                values[(layer, kind)], granularity, num_kv_heads, scale_dtype
             )
         if merged:
             both = torch.maximum(shaped["k"].float(), shaped["v"].float()).to(scale_dtype)
@@ -234,7 +232,7 @@ def _kv_scale_tensors(
             if (layer, kind) in drop:
                 continue
             tensor = stored_as_given.get((layer, kind), shaped[kind])
-            out[scale_tensor_name(convention, layer, kind)] = tensor.clone()
+            out[producer.tensor_name(layer, kind)] = tensor.clone()
     return out
 
 
@@ -415,33 +413,13 @@ def write_checkpoint(
     Raises:
         ValueError: an unknown convention or an option the convention does not support.
     """
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
-    if granularity not in ("per-tensor", "per-head"):
-        raise ValueError(f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}")
-    if granularity == "per-head" and convention not in ("compressed-tensors", K_TRANSFORM):
-        raise ValueError(
-            f"granularity='per-head' is a compressed-tensors (attn_head) export; {convention} "
-            "writes per-tensor scales (pass explicit tensors in scales= to store other shapes)"
-        )
-    if fp8_weights and convention != "modelopt":
-        raise ValueError("fp8_weights=True is supported for convention='modelopt' only")
-    if fp8_weights and weights != "tiny-random":
-        raise ValueError("fp8_weights=True needs weights='tiny-random'")
-    if post_rope and convention != "quark":
-        raise ValueError("post_rope=True is a Quark option (kv_cache_post_rope)")
-    if weights not in ("tiny-random", "none"):
-        raise ValueError(f"weights must be 'tiny-random' or 'none', got {weights!r}")
-    if shards < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-
+    producer = _check_options(
+        convention, granularity, weights, fp8_weights, post_rope, shards, num_heads, num_kv_heads
+    )
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     hidden = hidden_size if hidden_size is not None else num_heads * head_dim
-    spec = conventions.CONVENTION_SPECS.get(convention)
-    dtype = scale_dtype or (spec.default_dtype if spec is not None else torch.float32)
+    dtype = scale_dtype or (producer.default_dtype if producer is not None else torch.float32)
     config = _llama_config_dict(
         num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=False
     )
@@ -454,13 +432,18 @@ def write_checkpoint(
                 num_layers, num_kv_heads, head_dim, scales, k_offsets, set(drop), seed
             )
         )
-    else:
+    elif producer is not None:
         tensors.update(
             _kv_scale_tensors(
-                convention, granularity, num_layers, num_kv_heads, dtype, post_rope, scales,
+                producer, granularity, num_layers, num_kv_heads, dtype, post_rope, scales,
                 set(drop),
             )
         )  # fmt: skip
+    elif scales:
+        raise ValueError(
+            "write_checkpoint(convention='none') stores no KV scales; pass a producer "
+            "convention to write scales, or extra_tensors for arbitrary tensors"
+        )
     if extra_tensors:
         tensors.update({k: v.detach().clone() for k, v in extra_tensors.items()})
     if not tensors:
@@ -471,31 +454,17 @@ def write_checkpoint(
         config = _llama_config_dict(
             num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=True
         )
-    qcfg, hf_quant = conventions.producer_configs(
-        "none" if convention == K_TRANSFORM else convention,
-        granularity=granularity,
-        fp8_weights=fp8_weights,
-        post_rope=post_rope,
-        scale_dtype=dtype,
-    )
+    qcfg, hf_quant = (None, None)
+    if producer is not None and convention != K_TRANSFORM:
+        qcfg, hf_quant = producer.configs(
+            granularity=granularity, fp8_weights=fp8_weights, post_rope=post_rope, scale_dtype=dtype
+        )
     if quant_config_updates:
         qcfg = dict(qcfg or {})
         qcfg.update(quant_config_updates)
     if qcfg is not None:
         config["quantization_config"] = qcfg
-
-    for stale in root.glob("*.safetensors"):
-        stale.unlink()
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        index.unlink()
-    _write_shards(root, tensors, shards)
-    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if hf_quant is not None:
-        (root / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
-    elif (root / "hf_quant_config.json").exists():
-        (root / "hf_quant_config.json").unlink()
-    settings_path = root / conventions.KV_TRANSFORM_FILE
+    settings = None
     if convention == K_TRANSFORM and kv_transform_file:
         settings = conventions.kv_transform_config(
             rotation="hadamard",
@@ -505,10 +474,94 @@ def write_checkpoint(
             num_layers=num_layers,
         )
         settings.update(kv_transform or {})
-        settings_path.write_text(json.dumps(settings, indent=2) + "\n")
-    elif settings_path.exists():
-        settings_path.unlink()
+    _write_folder(root, config, tensors, shards, hf_quant, settings)
     return root
+
+
+_OPTION_TEXT = {
+    "fp8_weights": "the FP8-weight export",
+    "post_rope": "Quark's kv_cache_post_rope",
+}
+
+
+def _check_options(
+    convention: str,
+    granularity: str,
+    weights: str,
+    fp8_weights: bool,
+    post_rope: bool,
+    shards: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> Producer | None:
+    """The producer :func:`write_checkpoint` writes (None for ``"none"``), or ValueError."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
+    producer = None if convention == "none" else _PRODUCER_OF[convention]
+    if granularity not in ("per-tensor", "per-head"):
+        raise ValueError(f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}")
+    per_head = producer is not None and (producer.per_head or producer.stores_k_transform)
+    if granularity == "per-head" and not per_head:
+        raise ValueError(
+            f"granularity='per-head' is a compressed-tensors (attn_head) export; {convention} "
+            "writes per-tensor scales (pass explicit tensors in scales= to store other shapes)"
+        )
+    for option, on in (("fp8_weights", fp8_weights), ("post_rope", post_rope)):
+        if on and (producer is None or option not in producer.write_options):
+            names = " or ".join(repr(p.name) for p in PRODUCERS if option in p.write_options)
+            raise ValueError(
+                f"{option}=True is supported for convention={names} only ({_OPTION_TEXT[option]})"
+            )
+    if fp8_weights and weights != "tiny-random":
+        raise ValueError("fp8_weights=True needs weights='tiny-random'")
+    if weights not in ("tiny-random", "none"):
+        raise ValueError(f"weights must be 'tiny-random' or 'none', got {weights!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    return producer
+
+
+def _write_folder(
+    root: Path,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    shards: int,
+    hf_quant: Mapping[str, Any] | None,
+    settings: Mapping[str, Any] | None,
+) -> None:
+    """Write the shards, config.json and the side files, replacing stale ones of the same names."""
+    for stale in root.glob("*.safetensors"):
+        stale.unlink()
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    _write_shards(root, tensors, shards)
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name, content in (
+        ("hf_quant_config.json", hf_quant),
+        (conventions.KV_TRANSFORM_FILE, settings),
+    ):
+        if content is not None:
+            (root / name).write_text(json.dumps(content, indent=2) + "\n")
+        elif (root / name).exists():
+            (root / name).unlink()
+
+
+def producer_checkpoint(path: str | Path, producer: Producer, **options: Any) -> Path:
+    """:func:`write_checkpoint` in ``producer``'s convention (kvquant's own: the k-transform).
+
+    Args:
+        path: the folder to write.
+        producer: a registered producer (:data:`kvquant.checkpoint.producers.PRODUCERS`).
+        options: more :func:`write_checkpoint` keyword arguments.
+
+    Returns:
+        The checkpoint folder.
+    """
+    convention = K_TRANSFORM if producer.stores_k_transform else producer.name
+    return write_checkpoint(path, convention=convention, **options)
 
 
 # ---------------------------------------------------------------------------

@@ -83,10 +83,10 @@ def gather_raw_scales(
     """
     from kvquant.checkpoint.discovery import (
         discover_scales,
-        k_transform_from_mapping,
         raw_scales_from_mapping,
         raw_scales_from_state_dict,
     )
+    from kvquant.checkpoint.producers.kvquant import k_transform_from_mapping
     from kvquant.checkpoint.sources import model_checkpoint
 
     if isinstance(scales, (str, Path)):

@@ -18,7 +18,7 @@ import pytest
 import safetensors
 import torch
 
-import kvquant.export as export_mod
+import kvquant.export.write as export_write
 from kvquant.checkpoint.discovery import discover_scales
 from kvquant.cli import main
 from kvquant.errors import KVQuantError, ScaleFormatError
@@ -387,7 +387,7 @@ def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def boom(*args: object, **kwargs: object) -> None:
         raise ExportError("simulated failure")
 
-    monkeypatch.setattr(export_mod, "_verify", boom)
+    monkeypatch.setattr(export_write, "_verify", boom)
     with pytest.raises(ExportError, match="simulated"):
         export_checkpoint(src, tmp_path / "new", engine="vllm")
     with pytest.raises(ExportError, match="simulated"):

@@ -14,8 +14,8 @@ from kvquant.checkpoint.discovery import (
     discover_scales,
     match_scale_name,
     raw_scales_from_state_dict,
-    read_geometry,
 )
+from kvquant.checkpoint.geometry import read_geometry
 from kvquant.errors import CheckpointError, KVQuantError
 from kvquant.testing.checkpoints import write_checkpoint
 from kvquant.types import LayerGeometry
@@ -312,7 +312,7 @@ def test_multimodal_text_config(tmp_path: Path) -> None:
 def test_text_config_is_read_where_transformers_reads_it(model_type: str, uses: str) -> None:
     """A plain model type ignores a leftover text_config; a composite one (and an unknown one)
     reads its language model from text_config, whatever stale fields the top level has."""
-    from kvquant.checkpoint.discovery import language_config, leftover_text_config
+    from kvquant.checkpoint.geometry import language_config, leftover_text_config
 
     top = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "head_dim": 16}  # fmt: skip

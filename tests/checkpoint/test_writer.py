@@ -397,12 +397,12 @@ def test_calibrate_refuses_clashing_extras(
 def test_calibrate_a_failed_check_leaves_nothing(
     src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvquant.export as export_mod
+    import kvquant.export.write as export_write
 
     def boom(*args: Any) -> None:
         raise ExportError("the copy failed its own check")
 
-    monkeypatch.setattr(export_mod, "_verify", boom)
+    monkeypatch.setattr(export_write, "_verify", boom)
     with pytest.raises(ExportError, match="own check"):
         write_calibrated_checkpoint(src, _result("per-tensor"), tmp_path / "out")
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvquant.checkpoint.discovery import read_geometry
+from kvquant.checkpoint.geometry import read_geometry
 from kvquant.errors import CheckpointError, ScaleFormatError
 from kvquant.export import export_checkpoint
 from kvquant.registry import analyze_scales

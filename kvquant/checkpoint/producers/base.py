@@ -1,0 +1,288 @@
+"""The :class:`Producer` base: what every checkpoint producer says about its KV scales.
+
+A subclass (one file each) declares names read and written, how its config is
+detected, its KV scheme, findings, whether its weights are quantized, the
+granularities and stored shapes it supports, and the configs it writes; the
+base holds what is the same for all. Developer notes: ``docs/dev/checkpoint.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from kvquant.errors import ConventionError
+from kvquant.types import ScaleKind
+
+if TYPE_CHECKING:
+    from kvquant.checkpoint.findings import Finding
+    from kvquant.types import RawScale
+
+__all__ = ["OUTPUT_SCALE", "SELF_ATTN", "Naming", "Producer", "ScaleShape"]
+
+
+@dataclass(frozen=True)
+class Naming:
+    """One family of KV-scale tensor names.
+
+    Attributes:
+        family: the family's name, e.g. ``"modelopt"``.
+        suffixes: tensor-name suffix per scale kind, after ``{prefix}layers.N.``
+            (``"k"``/``"v"``, or ``"kv"`` alone for one scale serving both).
+    """
+
+    family: str
+    suffixes: Mapping[ScaleKind, str]
+
+
+SELF_ATTN = Naming("self_attn", {"k": "self_attn.k_scale", "v": "self_attn.v_scale"})
+"""``self_attn.k_scale`` / ``v_scale``: written by compressed-tensors, Quark's fp8 mode and kvquant."""
+
+OUTPUT_SCALE = Naming(
+    "output_scale",
+    {"k": "self_attn.k_proj.output_scale", "v": "self_attn.v_proj.output_scale"},
+)
+"""``k_proj.output_scale`` / ``v_proj.output_scale``: Quark's default, compressed-tensors before 2024-08."""
+
+
+class ScaleShape(Enum):
+    """The shape a KV-scale tensor is stored in; the value is how reports print it."""
+
+    SCALAR = "()"
+    """A 0-dim tensor."""
+    ONE = "(1,)"
+    """A one-element tensor."""
+    PER_HEAD = "(Hkv,1,1)"
+    """One scale per KV head (compressed-tensors ``attn_head``)."""
+
+    def dims(self, num_kv_heads: int) -> tuple[int, ...]:
+        """The tensor shape for ``num_kv_heads`` KV heads."""
+        return {"()": (), "(1,)": (1,)}.get(self.value, (num_kv_heads, 1, 1))
+
+
+class Producer:
+    """One checkpoint producer convention (subclass per producer; one instance is registered).
+
+    Attributes:
+        name: the convention name (``write_checkpoint``'s ``convention``), unique.
+        reports_as: the producer discovery reports for its checkpoints (default ``name``).
+        names: the KV-scale names it writes.
+        owns_names: whether names of :attr:`names` are read as this producer
+            when the checkpoint's config names no producer.
+        also_reads: more namings read as this producer under its own config.
+        quant_methods: ``quantization_config.quant_method`` values naming it.
+        default_dtype: the dtype it stores scales in.
+        per_tensor_shape: the stored shape of a per-tensor scale.
+        per_head: whether it stores per-head ``(Hkv,1,1)`` scales.
+        writable: whether kvquant writes it for users (:data:`PRODUCER_CONVENTIONS`).
+        keeps_weights: whether ``kvquant export`` writes KV scales beside its quantized weights.
+        stores_k_transform: kvquant's own k-transform (K offsets and a settings file).
+        hugging_face: whether its checkpoints are Hugging Face checkpoints
+            (``kvquant export`` refuses the others).
+        write_options: the :func:`~kvquant.testing.checkpoints.write_checkpoint`
+            options only this producer takes.
+    """
+
+    name: ClassVar[str]
+    reports_as: ClassVar[str | None] = None
+    names: ClassVar[Naming]
+    owns_names: ClassVar[bool] = True
+    also_reads: ClassVar[tuple[Naming, ...]] = ()
+    quant_methods: ClassVar[tuple[str, ...]] = ()
+    default_dtype: ClassVar[torch.dtype] = torch.float32
+    per_tensor_shape: ClassVar[ScaleShape] = ScaleShape.SCALAR
+    per_head: ClassVar[bool] = False
+    writable: ClassVar[bool] = True
+    keeps_weights: ClassVar[bool] = False
+    stores_k_transform: ClassVar[bool] = False
+    hugging_face: ClassVar[bool] = True
+    write_options: ClassVar[frozenset[str]] = frozenset()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @property
+    def producer(self) -> str:
+        """The producer name discovery reports for this convention's checkpoints."""
+        return self.reports_as or self.name
+
+    @property
+    def naming(self) -> str:
+        """The family of :attr:`names`."""
+        return self.names.family
+
+    @property
+    def suffixes(self) -> Mapping[ScaleKind, str]:
+        """Tensor-name suffix per scale kind, after ``{prefix}layers.N.``."""
+        return self.names.suffixes
+
+    @property
+    def granularities(self) -> tuple[str, ...]:
+        """The granularities it stores: ``"per-tensor"``, and ``"per-head"`` where it can."""
+        return ("per-tensor", "per-head") if self.per_head else ("per-tensor",)
+
+    # ------------------------------------------------------------------ reading
+
+    def detect(self, qcfg: Mapping[str, Any] | None) -> bool:
+        """Whether ``quantization_config``'s ``quant_method`` names this producer."""
+        method = str(qcfg.get("quant_method", "")).lower() if qcfg else ""
+        return method in self.quant_methods
+
+    def detect_side_config(self, hf_quant: Mapping[str, Any]) -> bool:
+        """Whether ``hf_quant_config.json`` names it (asked when no ``quant_method`` does)."""
+        return False
+
+    def detect_in_folder(self, root: Path) -> bool:
+        """Whether a file of the folder names it (asked when no config does)."""
+        return False
+
+    def reads(self, family: str) -> bool:
+        """Whether a name of ``family`` is read as this producer under its own config."""
+        return family == self.naming or any(n.family == family for n in self.also_reads)
+
+    def kv_scheme(
+        self, qcfg: Mapping[str, Any] | None, hf_quant: Mapping[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The KV scheme its configs declare, flattened into one dict (None: none declared)."""
+        return None
+
+    def scale_facts(
+        self, family: str, qcfg: Mapping[str, Any] | None
+    ) -> tuple[bool, bool, tuple[str, ...]]:
+        """``(pre_rope, merged_kv, notes)`` of a scale of ``family`` read as this producer."""
+        return False, False, ()
+
+    def scale_findings(
+        self, raws: Sequence[RawScale], qcfg: Mapping[str, Any] | None
+    ) -> list[Finding]:
+        """Findings about the scales read as this producer (``raws`` are those only)."""
+        return []
+
+    def weight_finding(self, fp8_tensors: int, quant_algo: Any) -> Finding | None:
+        """A finding about FP8 weights when the producer has its own (None: the generic one)."""
+        return None
+
+    def config_findings(self, qcfg: Mapping[str, Any]) -> list[Finding]:
+        """Findings about the decided producer's ``quantization_config``."""
+        return []
+
+    def weight_quantization(
+        self, qcfg: Mapping[str, Any], hf_quant: Mapping[str, Any] | None
+    ) -> str | None:
+        """How its configs quantize the weights, or None when they say nothing of it."""
+        return None
+
+    # ------------------------------------------------------------------ writing
+
+    def tensor_name(self, layer: int, kind: str, *, prefix: str = "model.") -> str:
+        """The tensor name of one KV scale, e.g. ``model.layers.0.self_attn.k_scale``.
+
+        Raises:
+            ConventionError: a kind the producer does not store.
+        """
+        suffix = {str(k): v for k, v in self.suffixes.items()}.get(kind)
+        if suffix is None:
+            if set(self.suffixes) == {"kv"}:
+                raise ConventionError(
+                    f"{self.name} stores one 'kv' scale per layer, got kind {kind!r}. "
+                    "Fix: ask for kind 'kv'."
+                )
+            raise ConventionError(
+                f"{self.name} stores 'k' and 'v' scales, got kind {kind!r}. "
+                "Fix: ask for 'k' or 'v'."
+            )
+        return f"{prefix}layers.{layer}.{suffix}"
+
+    def stored_shape(self, granularity: str, num_kv_heads: int) -> tuple[int, ...]:
+        """The stored shape of one scale: ``(Hkv, 1, 1)`` per head, else :attr:`per_tensor_shape`.
+
+        Raises:
+            ConventionError: an unknown granularity, or per-head for a per-tensor-only producer.
+        """
+        if granularity == "per-head":
+            if not self.per_head:
+                raise ConventionError(
+                    f"{self.name} has no per-head KV-scale strategy; got granularity 'per-head'. "
+                    "Fix: use 'compressed-tensors' (strategy attn_head) or per-tensor scales."
+                )
+            return ScaleShape.PER_HEAD.dims(num_kv_heads)
+        if granularity != "per-tensor":
+            raise ConventionError(
+                f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}. "
+                "Fix: pass one of those."
+            )
+        return self.per_tensor_shape.dims(num_kv_heads)
+
+    def stored_scale(
+        self,
+        value: float | torch.Tensor,
+        granularity: str,
+        num_kv_heads: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Shape and type a canonical fp32 scale (a float, [] or [Hkv]) as the producer stores it.
+
+        Per-tensor takes the max over heads; per-head broadcasts a scalar to every head.
+        Returns a new tensor of :meth:`stored_shape` and ``dtype``.
+        """
+        shape = self.stored_shape(granularity, num_kv_heads)
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to(torch.float32).reshape(-1)
+        else:
+            t = torch.tensor([float(value)], dtype=torch.float32)
+        if granularity == "per-head":
+            if t.numel() == 1:
+                t = t.expand(num_kv_heads)
+            return t.reshape(shape).to(dtype).clone()
+        return t.amax().reshape(shape).to(dtype).clone()
+
+    def writes_merged(self, *, post_rope: bool = False) -> bool:
+        """Whether its export stores ``max(K, V)`` in both the K and the V tensor."""
+        return False
+
+    def configs(
+        self,
+        *,
+        granularity: str = "per-tensor",
+        fp8_weights: bool = False,
+        post_rope: bool = False,
+        scale_dtype: torch.dtype | None = None,
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """``(quantization_config, hf_quant_config.json)`` its current release writes (new dicts)."""
+        return None, None
+
+    def export_configs(
+        self,
+        granularity: str,
+        qcfg: Mapping[str, Any] | None,
+        hf_quant: Mapping[str, Any] | None,
+        *,
+        same_producer: bool,
+        weights: str | None,
+        observer: str = "minmax",
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The configs of a copy whose KV scales ``kvquant export`` rewrote into this producer.
+
+        Args:
+            granularity: ``"per-tensor"`` or ``"per-head"``.
+            qcfg: the source's ``quantization_config`` (not modified).
+            hf_quant: the source's ``hf_quant_config.json`` (not modified).
+            same_producer: the source was written by this producer.
+            weights: how the source quantizes its weights (None: it does not).
+            observer: how the scales were chosen (``"minmax"`` or ``"mse"``).
+
+        Returns:
+            ``(quantization_config or None to leave config.json alone, hf_quant_config or None)``.
+
+        Raises:
+            ConventionError: kvquant export does not write this producer.
+        """
+        raise ConventionError(
+            f"kvquant export does not write {self.name} KV scales; expected a producer it "
+            "writes beside the weights. Fix: export a KV-only checkpoint."
+        )
