@@ -136,6 +136,23 @@ def test_tiers_import_only_downward() -> None:
     assert not upward, "imports against the tier table:\n" + "\n".join(upward)
 
 
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A leading underscore means "this module only": a name another module needs is public
+    there (and documented), so moving or changing a private name never breaks a neighbour."""
+    bad = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
+                "kvquant"
+            ):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    bad.append(f"{module}:{node.lineno} from {node.module} import {alias.name}")
+    assert not bad, "imports of another module's private names:\n" + "\n".join(bad)
+
+
 def test_package_init_imports_only_errors_eagerly() -> None:
     # kvquant.log too: the ``kvquant`` logger's handler is set up on import.
     imported = {t for _, t, _ in _imports("kvquant", PACKAGE / "__init__.py")}

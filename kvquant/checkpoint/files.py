@@ -48,6 +48,7 @@ __all__ = [
     "check_path_argument",
     "folder_named_by",
     "folder_of_weight_files",
+    "is_hub_id",
     "locate_checkpoint",
     "read_json",
     "read_safetensors_header",
@@ -675,7 +676,7 @@ def locate_checkpoint(
             )
         return local
     text = str(path)
-    if not _is_hub_id(text):
+    if not is_hub_id(text):
         raise CheckpointError(
             f"{local} does not exist. Fix: pass the folder of a saved checkpoint (the one "
             "holding config.json and model.safetensors), or a hub id in the local Hugging Face "
@@ -706,7 +707,7 @@ def check_path_argument(
         )
 
 
-def _is_hub_id(text: str) -> bool:
+def is_hub_id(text: str) -> bool:
     """Whether ``text`` is a valid Hugging Face repo id (``name`` or ``org/name``), by the hub's rule."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 

@@ -11,7 +11,7 @@ from kvquant.checkpoint.files import (
     INDEX_NAME,
     PICKLE_NAMES,
     SINGLE_FILE_NAME,
-    _is_hub_id,
+    is_hub_id,
     locate_checkpoint,
     weight_files,
 )
@@ -212,7 +212,7 @@ def _unrecorded_revision(repo_id: str) -> Path:
     """
     from kvquant.checkpoint.discovery import discover_scales
 
-    if not _is_hub_id(repo_id):
+    if not is_hub_id(repo_id):
         return locate_checkpoint(repo_id)  # raises: neither a folder nor a hub id
     try:
         default: Path | None = locate_checkpoint(repo_id)
