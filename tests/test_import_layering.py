@@ -32,6 +32,7 @@ TIERS: dict[str, int] = {
     "kvquant.errors": 0,
     "kvquant.log": 0,
     "kvquant.types": 0,
+    "kvquant.choices": 0,
     "kvquant.kernels": 1,
     "kvquant.cache": 2,
     "kvquant.registry": 3,

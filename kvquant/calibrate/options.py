@@ -8,8 +8,7 @@ messages read as before. :func:`parse_choice` turns a user's value into a member
 
 from __future__ import annotations
 
-from enum import Enum
-from typing import TypeVar
+from kvquant.choices import Choice, parse_choice
 
 __all__ = [
     "CENTRES",
@@ -27,13 +26,6 @@ __all__ = [
     "is_rotation",
     "parse_choice",
 ]
-
-
-class Choice(str, Enum):
-    """Base of calibration's choices: ``str(member)`` and f-strings give the value."""
-
-    def __str__(self) -> str:
-        return str(self.value)
 
 
 class Objective(Choice):
@@ -109,16 +101,6 @@ STATIC_GRANULARITIES: tuple[str, ...] = (Granularity.PER_TENSOR.value, Granulari
 
 FORMATS: tuple[str, ...] = tuple(m.value for m in Granularity)
 """Every format :func:`~kvquant.calibrate.calibrate` chooses."""
-
-C = TypeVar("C", bound=Choice)
-
-
-def parse_choice(kind: type[C], value: object) -> C | None:
-    """The member of ``kind`` that ``value`` (a member or its string) names, or None."""
-    try:
-        return kind(value)
-    except (ValueError, TypeError):
-        return None
 
 
 def is_rotation(value: object) -> bool:

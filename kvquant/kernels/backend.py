@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from kvquant.choices import Backend
 from kvquant.errors import BackendError
 
 __all__ = [
@@ -35,11 +36,8 @@ __all__ = [
     "triton_available",
 ]
 
-Backend = Literal["auto", "triton", "torch"]
-"""A backend request: ``"auto"``, ``"triton"`` or ``"torch"``."""
-
-BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
-"""The accepted backend names."""
+BACKENDS: tuple[str, ...] = Backend.values()
+"""The accepted backend names (:class:`~kvquant.choices.Backend`'s words)."""
 
 _logger = logging.getLogger("kvquant")
 _logged: set[tuple[str, str, str]] = set()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from kvquant.choices import MissingKV, MissingScales, RopePolicy, coerce_choice
+
 if TYPE_CHECKING:
     from kvquant.registry.formats import ScaleFormat
 
@@ -39,6 +41,15 @@ class ResolveOptions:
     group_size: int | None = None
     missing_kv: str = "error"
     rope_policy: str = "widen"
+
+    def __post_init__(self) -> None:
+        # the words as typed choices (a word that names none is left for resolve's own error)
+        for name, kind in (
+            ("missing_scales", MissingScales),
+            ("missing_kv", MissingKV),
+            ("rope_policy", RopePolicy),
+        ):
+            object.__setattr__(self, name, coerce_choice(kind, getattr(self, name)))
 
     def as_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of :func:`~kvquant.registry.resolve_scales`."""

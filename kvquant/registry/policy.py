@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvquant.choices import MissingKV, MissingScales, RopePolicy
 from kvquant.errors import ScaleFormatError
 from kvquant.types import Granularity, LayerGeometry, RawOffset, RawScale
 
@@ -90,9 +91,9 @@ GRANULARITIES: tuple[Granularity, ...] = ("per-tensor", "per-head", "fp32-group"
 MAX_OFFSET = 2.0**20
 """Largest accepted ``|k_offset|`` element: K channel means of real models are far below
 (tens); a larger value is garbage or a unit mistake, and ``offset / scale`` must stay finite."""
-MISSING_SCALES_POLICIES = ("dynamic", "error", "unit")
-MISSING_KV_POLICIES = ("error", "reuse")
-ROPE_POLICIES = ("widen", "keep")
+MISSING_SCALES_POLICIES = MissingScales.values()
+MISSING_KV_POLICIES = MissingKV.values()
+ROPE_POLICIES = RopePolicy.values()
 
 _DEFAULT_GROUP_SIZE = 64
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvquant.cache import MAX_PAGE_SIZE
+from kvquant.choices import Backend, MissingKV, MissingScales, RopePolicy, coerce_choice
 from kvquant.errors import OptionError, OptionTypeError
 from kvquant.kernels.backend import BACKENDS
 from kvquant.registry.options import ResolveOptions
@@ -58,6 +59,16 @@ class PatchOptions:
     compile_step: bool | None
     prefill_tokens: int | str | None
     source: str = ""
+
+    def __post_init__(self) -> None:
+        # the words as typed choices (a word that names none is left for check_options)
+        for name, kind in (
+            ("backend", Backend),
+            ("missing_scales", MissingScales),
+            ("missing_kv", MissingKV),
+            ("rope_policy", RopePolicy),
+        ):
+            object.__setattr__(self, name, coerce_choice(kind, getattr(self, name)))
 
     @property
     def resolve_options(self) -> ResolveOptions:
