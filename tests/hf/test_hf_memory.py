@@ -214,12 +214,12 @@ def _decode_past_the_prompt_pages(model: Any, handle: Any) -> KVQuantCache:
 
 def test_growth_takes_headroom_only_where_memory_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plenty of free memory: the pool grows to the need plus the headroom; none: to the need."""
-    from kvquant.integrations.hf import cache_layer
+    from kvquant.integrations.hf import pool_sizing
 
     model = build("llama")
     handle = kvhf.patch(model, backend="torch", page_size=4)
     for free, want_pages in ((2**40, None), (0, 3)):
-        monkeypatch.setattr(cache_layer, "device_free_bytes", lambda device, f=free: f)
+        monkeypatch.setattr(pool_sizing, "device_free_bytes", lambda device, f=free: f)
         cache = _decode_past_the_prompt_pages(model, handle)
         pages = cache.book.pages_per_sequence()
         if want_pages is None:
