@@ -6,16 +6,12 @@ transformers nor triton and never initialises CUDA.
 ``import kvquant`` also registers kvquant's quantizer with transformers (the
 ``"kvquant"`` ``quant_method`` that ``save_pretrained`` writes for a patched
 model), so that ``AutoModelForCausalLM.from_pretrained(saved_folder)`` restores
-the FP8 cache. Registering means importing transformers' quantizer registry, so
-it happens when transformers loads that registry itself: if transformers'
-quantizers are already imported, at once; otherwise a finder on
-``sys.meta_path`` waits for the module ``transformers.quantizers.auto``, runs
-it, then imports :mod:`kvquant.integrations.transformers_quantizer` (which
-needs only transformers' quantizer base classes, complete by then) and removes
-itself. transformers has no entry-point mechanism for quantizer plugins, so
-this is the one way to register on ``import kvquant`` without importing
-transformers. If registration fails, a warning says so (and how to load the
-model instead).
+the FP8 cache. It happens when transformers loads its quantizer registry, never
+by importing transformers; if registration fails, a warning says so (and how to
+load the model instead).
+
+Documentation: https://kvquant-fp8.github.io/kvquant-fp8/ (the Quickstart first).
+Design (how the registration waits for transformers): docs/dev/package.md.
 """
 
 from __future__ import annotations

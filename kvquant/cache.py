@@ -1,24 +1,17 @@
 """Paged FP8 KV storage: a page allocator, the batch bookkeeping, per-layer page tensors.
 
-:class:`PageAllocator` hands out fixed-size pages to sequences (any ids, any
-lengths) and turns "sequence ``s`` gets ``n`` more tokens" into a slot mapping
-(where each new token is stored), block tables and sequence lengths: the
-index tensors the kernels in :mod:`kvquant.kernels` consume.
-:class:`SequenceBook` is the one owner of a batch's bookkeeping on top of it
-(reservation, device block tables, slots, lengths, the static decode step
-:class:`StaticStep`, rollback, beams): the transformers cache asks it for
-all of them. Every slot comes from :func:`kvquant.kernels.slot_mapping`.
-:class:`PagedLayerStorage` is one layer's FP8 K/V pages with its fp32 group
-scales (for the dynamic ``fp32-group`` format) or static K/V scales, and the
-kernel calls on them (write, attend, dequantize, page copies, memory
-accounting): the one implementation of paged FP8 storage. Several layers
-share one allocator or book (a token occupies the same slot in every layer).
+:class:`PageAllocator` hands out fixed-size pages to sequences and turns new
+tokens into slots, block tables and lengths for :mod:`kvquant.kernels`.
+:class:`SequenceBook` owns a batch's bookkeeping on top of it (reservation,
+block tables, slots, lengths, :class:`StaticStep`, rollback, beams).
+:class:`PagedLayerStorage` is one layer's FP8 K/V pages and scales, and the
+kernel calls on them. Several layers share one allocator or book.
 
-Layout (see :mod:`kvquant.kernels`): pages ``[num_pages, page_size, Hkv, D]``,
-slot ``= page * page_size + offset``, block tables int32 ``[B, max_pages]``,
-sequence lengths int32 ``[B]``.
+Layout: pages ``[num_pages, page_size, Hkv, D]``, slot ``= page * page_size +
+offset``, block tables int32 ``[B, max_pages]``, sequence lengths int32 ``[B]``.
 
-This module imports torch and :mod:`kvquant.kernels` only (no transformers).
+Imports torch and :mod:`kvquant.kernels` only (no transformers).
+Design: docs/dev/cache.md.
 """
 
 from __future__ import annotations

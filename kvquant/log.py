@@ -1,19 +1,16 @@
 """The ``kvquant`` logger: one visible line per decision, and how to change its verbosity.
 
-kvquant logs through the standard :mod:`logging` logger named ``"kvquant"``.
-Like transformers, it is visible by default without any setup:
-
-* the logger's level is ``INFO`` (``kvquant.patch`` logs what it decided at
-  ``INFO``; lossy or risky choices are ``WARNING``; details are ``DEBUG``);
-* it has its own handler writing to ``sys.stderr``, which stays silent once the
-  application has configured logging (the root logger has a handler): then the
-  records reach the application's handlers by propagation, and only there.
+kvquant logs through the standard :mod:`logging` logger named ``"kvquant"``,
+visible by default at ``INFO`` (decisions ``INFO``, lossy or risky choices
+``WARNING``, details ``DEBUG``) through its own ``sys.stderr`` handler, which
+stays silent once the application has configured logging (records then reach
+the application's handlers by propagation, and only there).
 
 Change the verbosity with :func:`set_verbosity` (``kvquant.set_verbosity("warning")``),
 with the ``KVQUANT_VERBOSITY`` environment variable (``debug``, ``info``,
 ``warning``, ``error`` or ``critical``, read when kvquant is imported; an
 unknown value is reported as a warning and ignored), or with
-``logging.getLogger("kvquant").setLevel(...)``.
+``logging.getLogger("kvquant").setLevel(...)``. Design: docs/dev/package.md.
 """
 
 from __future__ import annotations

@@ -2,18 +2,15 @@
 
 Three backends exist:
 
-* ``"torch"``: the pure-PyTorch reference (:mod:`kvquant.kernels.attention.naive`, :mod:`kvquant.kernels.write.naive`);
-  always available, on any device.
+* ``"torch"``: the pure-PyTorch reference; always available, on any device.
 * ``"triton"``: the Triton kernels. Runs on CUDA tensors, or on CPU tensors
-  when the Triton interpreter is active (``TRITON_INTERPRET=1`` set in the
-  environment before kvquant's Triton kernels are first imported).
+  when ``TRITON_INTERPRET=1`` is set before kvquant's Triton kernels are first
+  imported.
 * ``"auto"``: ``"triton"`` when the tensors are on CUDA and Triton is
-  importable, ``"torch"`` otherwise. The choice is logged once per
-  (operation, device type) on the ``"kvquant"`` logger.
+  importable, ``"torch"`` otherwise (logged once per operation and device type).
 
-This module never imports Triton at import time: :func:`triton_available`
-imports it on first use only (importing Triton does not initialise CUDA, but
-it is slow and unneeded on the CPU path).
+Triton is imported on first use only (:func:`triton_available`), never at
+import time. Design: docs/dev/backends.md.
 """
 
 from __future__ import annotations

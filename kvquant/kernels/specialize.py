@@ -1,23 +1,16 @@
 """Which integer arguments of kvquant's Triton kernels Triton may specialise on.
 
-Triton compiles one variant of a kernel per *specialisation key*: besides the
-``tl.constexpr`` values, every integer argument contributes whether it equals 1
-and whether it is divisible by 16. An argument whose value follows the call (a
-prompt's length, a block table's width, the split count of a decode) then makes
-later calls compile again when the value crosses one of those lines: a chat
-whose prompts grow from call to call compiled a new decode variant in a call
-that was otherwise warm, and under kvquant's decode graphs such a compile lands
-in the capture. The kernels mark those arguments:
+Triton compiles one variant per specialisation key (the ``tl.constexpr`` values
+and, per integer argument, ``== 1`` and ``% 16 == 0``), so an argument that
+follows the call (a prompt's length, a block table's width, a split count)
+compiled new variants in otherwise warm calls, and inside decode-graph captures.
+The kernels mark those arguments ``varying`` (no specialisation,
+``do_not_specialize``: ``num_splits``) or ``unaligned`` (only ``== 1`` kept,
+``do_not_specialize_on_alignment``, so decode keeps its own variant:
+``n_tokens``, ``Lq``, a block table's row stride). Strides fixed by the model
+keep their full specialisation.
 
-* ``varying``: no specialisation at all (``do_not_specialize``), for values
-  whose size says nothing the kernel could use (``num_splits``);
-* ``unaligned``: only the ``== 1`` specialisation is kept
-  (``do_not_specialize_on_alignment``), so that decode (one token, one query
-  block) keeps its own constant-folded variant while every other length shares
-  one (``n_tokens``, ``Lq``, a block table's row stride).
-
-Strides of the pages and of tensors whose shape is fixed by the model keep
-their full specialisation: they never change between calls.
+Design: docs/dev/backends.md.
 """
 
 from __future__ import annotations

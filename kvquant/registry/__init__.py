@@ -1,22 +1,16 @@
 """Scale formats, their registry, and the normalise-or-reject policy.
 
-* :class:`RawScale`, :class:`LayerGeometry` (defined in :mod:`kvquant.types`,
-  shared with :mod:`kvquant.checkpoint`).
-* :mod:`~kvquant.registry.formats`: :class:`ScaleFormat` and the built-ins
-  ``per-tensor``, ``per-head``, ``fp32-group``, ``k-transform``.
+* :mod:`~kvquant.registry.formats`: :class:`ScaleFormat` and the built-ins.
 * :mod:`~kvquant.registry.registry`: :func:`register_scale_format`,
   :func:`temporary_format`, :func:`get_scale_format`.
 * :mod:`~kvquant.registry.policy`: one pure function per policy step.
-* :mod:`~kvquant.registry.conversions`: :class:`Conversion` (typed, with
-  ``lossy``) and :class:`AppliedConversion`.
-* :mod:`~kvquant.registry.options`: :class:`ResolveOptions`, the resolve options
-  every entry point shares.
 * :mod:`~kvquant.registry.resolve`: :func:`resolve_scales` (raises) and
   :func:`analyze_scales` (records), returning :class:`ModelScales`.
-Reading scales out of checkpoints lives in :mod:`kvquant.checkpoint`
-(:mod:`kvquant.checkpoint.discovery`, :mod:`kvquant.checkpoint.producers`).
+* also :mod:`~kvquant.registry.conversions`, :mod:`~kvquant.registry.options`,
+  and :class:`RawScale`, :class:`LayerGeometry` from :mod:`kvquant.types`.
 
-This package imports torch only (never transformers).
+Imports torch only (never transformers). Reading scales out of checkpoints
+lives in :mod:`kvquant.checkpoint`. Design: docs/dev/registry.md.
 """
 
 from __future__ import annotations

@@ -1,63 +1,15 @@
 """Scale formats: small frozen value objects that read one checkpoint convention.
 
 A format says which raw tensor shapes it recognises for a layer geometry
-(:meth:`ScaleFormat.raw_shapes`) and how to turn a recognised tensor into the
-canonical fp32 dequantization multiplier the kernels consume
-(:meth:`ScaleFormat.convert`). :meth:`ScaleFormat.normalize` wraps ``convert``
-with the checks every format shares, so a format cannot hand the kernels a
-NaN, a zero, an integer or a wrongly shaped scale:
+(:meth:`ScaleFormat.raw_shapes`) and how to turn one into the canonical fp32
+dequantization multiplier the kernels consume (:meth:`ScaleFormat.convert`);
+:meth:`ScaleFormat.normalize` wraps ``convert`` with the checks every format
+shares. Built-ins: ``per-tensor``, ``per-head``, ``fp32-group`` (dynamic) and
+``k-transform`` (a target only). Writing your own: the :class:`ScaleFormat`
+example, and docs/custom-formats.md.
 
-1. the dtype is floating point (:func:`~kvquant.registry.policy.check_dtype`);
-2. the shape is one the format recognises, else :class:`ScaleFormatError`
-   naming the expected shapes;
-3. every input value is finite, positive and in range
-   (:func:`~kvquant.registry.policy.check_values`);
-4. ``convert`` gets a fresh fp32 copy (it cannot mutate the caller's tensor);
-5. the result is fp32 of the canonical shape (``[]`` or ``[num_kv_heads]``) and
-   passes the value checks again.
-
-Built-ins:
-
-| name | raw shapes (`Hkv` = KV heads) | canonical |
-|---|---|---|
-| `per-tensor` | `()`, `(1,)`, `(1, 1)`, `(1, 1, 1)` | fp32 `[]` |
-| `per-head` | `(Hkv,)`, `(Hkv, 1)`, `(Hkv, 1, 1)` | fp32 `[Hkv]` |
-| `fp32-group` | none (dynamic: scales computed when tokens are written) | no tensor |
-| `k-transform` | the per-tensor and per-head shapes (a target: scales are read by those) | fp32 `[Hkv]`, plus a per-channel K offset |
-
-A format has two roles that the registry keeps apart: a *reader* (raw shapes ->
-values: :meth:`ScaleFormat.raw_shapes` and :meth:`ScaleFormat.convert`) and a
-*target granularity* (:attr:`ScaleFormat.granularity`: what the kernels get).
-Naming a built-in (``scale_format="per-head"``) picks a target, and every tensor
-is read by whichever format recognises its shape; a user format is both the
-reader of every tensor and its target. ``k-transform`` is a target only: its K/V
-scales are read as per-tensor or per-head and held per head, and the K offset
-and transform settings come from kvquant's own checkpoint convention
-(:mod:`kvquant.checkpoint.producers`).
-
-Writing your own format (a producer that stores per-channel scales):
-
-Example:
-    >>> import torch
-    >>> from dataclasses import dataclass
-    >>> from kvquant.registry import ScaleFormat, LayerGeometry, RawScale, temporary_format
-    >>> @dataclass(frozen=True)
-    ... class PerChannelMax(ScaleFormat):
-    ...     '''Per-channel ``[Hkv, head_dim]`` scales reduced with max to per-head ``[Hkv]``.'''
-    ...
-    ...     name = "per-channel-max"
-    ...     granularity = "per-head"
-    ...
-    ...     def raw_shapes(self, geometry):
-    ...         return ((geometry.num_kv_heads, geometry.head_dim),)
-    ...
-    ...     def convert(self, values, geometry):
-    ...         return values.amax(dim=-1)
-    >>> geometry = LayerGeometry(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
-    >>> raw = RawScale(0, "k", "model.layers.0.self_attn.k_scale", "custom", torch.full((2, 8), 0.5))
-    >>> with temporary_format(PerChannelMax()) as fmt:
-    ...     fmt.normalize(raw, geometry)
-    tensor([0.5000, 0.5000])
+Design (the shared checks, the built-ins' shapes, readers and targets):
+docs/dev/registry.md.
 """
 
 from __future__ import annotations
@@ -106,6 +58,30 @@ class ScaleFormat(abc.ABC):
 
     Methods a subclass implements: :meth:`raw_shapes` and :meth:`convert`.
     :meth:`normalize` is the checked entry point; do not override it.
+
+    Writing your own format (a producer that stores per-channel scales):
+
+    Example:
+        >>> import torch
+        >>> from dataclasses import dataclass
+        >>> from kvquant.registry import ScaleFormat, LayerGeometry, RawScale, temporary_format
+        >>> @dataclass(frozen=True)
+        ... class PerChannelMax(ScaleFormat):
+        ...     '''Per-channel ``[Hkv, head_dim]`` scales reduced with max to per-head ``[Hkv]``.'''
+        ...
+        ...     name = "per-channel-max"
+        ...     granularity = "per-head"
+        ...
+        ...     def raw_shapes(self, geometry):
+        ...         return ((geometry.num_kv_heads, geometry.head_dim),)
+        ...
+        ...     def convert(self, values, geometry):
+        ...         return values.amax(dim=-1)
+        >>> geometry = LayerGeometry(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
+        >>> raw = RawScale(0, "k", "model.layers.0.self_attn.k_scale", "custom", torch.full((2, 8), 0.5))
+        >>> with temporary_format(PerChannelMax()) as fmt:
+        ...     fmt.normalize(raw, geometry)
+        tensor([0.5000, 0.5000])
     """
 
     name: ClassVar[str]

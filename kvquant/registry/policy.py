@@ -3,37 +3,11 @@
 Every function here takes values and returns values (or raises
 :class:`~kvquant.errors.ScaleFormatError`); none of them logs, mutates its
 inputs or keeps state. :func:`kvquant.registry.resolve_scales` chains them and
-records what each step did. The policy, row by row:
+records what each step did. A scale ``s`` is accepted when
+``2^-117 <= s <= 2^100`` (:data:`MIN_SCALE`, :data:`MAX_SCALE`).
 
-| found | kvquant does |
-|---|---|
-| fp16 / bf16 / fp64 / fp8 scale | casts to fp32 (:func:`check_dtype`), noted |
-| integer, bool, complex or sparse scale | rejects (:func:`check_dtype`) |
-| `()`, `(1,)`, `(1, 1)`, `(1, 1, 1)` | per-tensor scalar (format `per-tensor`) |
-| `(Hkv,)`, `(Hkv, 1)`, `(Hkv, 1, 1)` | per-head (format `per-head`) |
-| `(H,)` (query heads), `scale_format="per-tensor"` | max over all (lossy, logged once per model) |
-| any other shape | rejects, naming the expected shapes |
-| NaN, ±inf, zero, negative, < 2^-117 or > 2^100 | rejects with tensor, element and value (:func:`check_values`) |
-| only `kv_scale` | one scale for K and V, noted (:func:`pair_kv`) |
-| only K or only V in a layer | rejects; `missing_kv="reuse"` uses the one present for both, noted |
-| some layers with scales, others without | rejects, naming the layers (:func:`missing_layers`) |
-| no scales at all | `missing_scales`: `"dynamic"` (fp32-group, noted; default), `"error"`, `"unit"` (1.0, warned) |
-| per-head scales, `scale_format="per-tensor"` | max over heads (:func:`reduce_to_per_tensor`), logged once with the max/min ratio |
-| per-tensor scales, `scale_format="per-head"` | broadcast, lossless (:func:`broadcast_to_per_head`) |
-| pre-RoPE K scale (Quark default) | `rope_policy`: `"widen"` (x√2, default) or `"keep"` (:func:`apply_rope_policy`), noted |
-
-Value limits. A scale ``s`` is accepted when ``2^-117 <= s <= 2^100``:
-
-* lower bound: the smallest e4m3fn code (``2^-9``) times ``s`` is still a
-  normal fp32 number and ``1 / s`` is finite, so neither dequantisation nor a
-  kernel that multiplies by the reciprocal produces subnormals or ``inf``;
-* upper bound: ``448 * s < 2^109`` leaves ``2^19`` of headroom below the fp32
-  maximum for the attention dot product over ``head_dim`` elements and for the
-  x2 that e4m3fnuz hardware applies to OCP scales.
-
-No real calibration comes near either bound (scales are ``amax / 448``, about
-``1e-4 .. 10``); values outside them are producer bugs (fp16 underflow, a
-``448 / amax`` inverse stored as-is, uninitialised memory).
+Users: the policy table in docs/scale-formats.md ("Normalise or reject").
+Design (the policy row by row, why the value limits): docs/dev/registry.md.
 """
 
 from __future__ import annotations

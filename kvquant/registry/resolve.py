@@ -1,32 +1,13 @@
 """Model-level scale resolution: raw checkpoint scales in, canonical per-layer scales out.
 
-Two entry points share one implementation:
+Two entry points share one implementation: :func:`analyze_scales` records every
+problem per layer and never raises for the scales' contents (the ``kvquant
+doctor`` view); :func:`resolve_scales` runs the same analysis, logs lossy
+conversions once, and raises one :class:`~kvquant.errors.ScaleFormatError`
+listing all problems. Both raise at once for caller errors (an unknown option
+value or format name, an impossible geometry).
 
-* :func:`analyze_scales` never raises for the *contents* of the scales: it
-  records every problem per layer (the ``kvquant doctor`` view: print every
-  layer, exit 1 when :attr:`ModelScales.ok` is False);
-* :func:`resolve_scales` runs the same analysis, logs lossy conversions once,
-  and raises one :class:`~kvquant.errors.ScaleFormatError` listing **all**
-  problems (the first ten in full, then a count) when there is any.
-
-Both raise at once for caller errors (an unknown option value or format name,
-an impossible geometry).
-
-Example:
-    >>> import torch
-    >>> from kvquant.registry import LayerGeometry, RawScale, resolve_scales
-    >>> geometry = LayerGeometry(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=64)
-    >>> raws = [
-    ...     RawScale(0, "k", "model.layers.0.self_attn.k_scale", "compressed-tensors",
-    ...              torch.tensor([0.02], dtype=torch.bfloat16)),
-    ...     RawScale(0, "v", "model.layers.0.self_attn.v_scale", "compressed-tensors",
-    ...              torch.tensor([0.01], dtype=torch.bfloat16)),
-    ... ]
-    >>> scales = resolve_scales(raws, geometry)
-    >>> scales.granularity, scales[0].k.dtype, tuple(scales[0].k.shape)
-    ('per-tensor', torch.float32, ())
-    >>> scales[0].k_record.action
-    'convert'
+Design: docs/dev/registry.md.
 """
 
 from __future__ import annotations
@@ -1408,6 +1389,22 @@ def resolve_scales(
             a count), or an invalid option / geometry.
         UnknownFormatError: ``scale_format`` names no registered format.
         OptionError: ``options`` and individual options were both given.
+
+    Example:
+        >>> import torch
+        >>> from kvquant.registry import LayerGeometry, RawScale, resolve_scales
+        >>> geometry = LayerGeometry(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=64)
+        >>> raws = [
+        ...     RawScale(0, "k", "model.layers.0.self_attn.k_scale", "compressed-tensors",
+        ...              torch.tensor([0.02], dtype=torch.bfloat16)),
+        ...     RawScale(0, "v", "model.layers.0.self_attn.v_scale", "compressed-tensors",
+        ...              torch.tensor([0.01], dtype=torch.bfloat16)),
+        ... ]
+        >>> scales = resolve_scales(raws, geometry)
+        >>> scales.granularity, scales[0].k.dtype, tuple(scales[0].k.shape)
+        ('per-tensor', torch.float32, ())
+        >>> scales[0].k_record.action
+        'convert'
     """
     scales = analyze_scales(
         raw_scales,

@@ -6,34 +6,13 @@ Run it on one format:
     >>> from kvquant.testing.conformance import check_scale_format
     >>> check_scale_format(PerHeadFormat())
 
-or parametrize pytest over every registered format (or your own list):
+or parametrize pytest over every registered format (or your own list) with
+:func:`conformance_cases`. The checks of a static format: ``canonical``,
+``rejects-X`` for X in nan, inf, neg-inf, zero, negative, tiny, huge, int, bool
+and other-shape, ``no-mutation``, ``deterministic``; of a dynamic one:
+``reads-no-tensor``; of every format: ``contract``.
 
-.. code-block:: python
-
-    import pytest
-    from kvquant.testing.conformance import conformance_cases
-
-    @pytest.mark.parametrize("case", conformance_cases([MyFormat()]), ids=str)
-    def test_my_format(case):
-        case.run()
-
-What a static format must do, for every raw shape it claims, on MHA, GQA, MQA
-and odd-``head_dim`` geometries:
-
-* ``canonical``: return a new fp32 CPU tensor of the canonical shape (``[]`` or
-  ``[num_kv_heads]``), finite and positive, from fp32, fp16, bf16 and fp64 input;
-* ``rejects-nan``, ``rejects-inf``, ``rejects-neg-inf``, ``rejects-zero``,
-  ``rejects-negative``, ``rejects-tiny`` (below ``MIN_SCALE``),
-  ``rejects-huge`` (above ``MAX_SCALE``), ``rejects-int``, ``rejects-bool``: raise
-  :class:`~kvquant.errors.ScaleFormatError` (and nothing else);
-* ``rejects-other-shape``: raise ``ScaleFormatError`` for a shape it does not claim;
-* ``no-mutation``: leave the input tensor untouched, and return a tensor that
-  does not share its memory;
-* ``deterministic``: return bitwise-identical results for the same input.
-
-A dynamic format must claim no raw shape and reject every tensor
-(``reads-no-tensor``). Every format must pass the registry's contract check
-(``contract``).
+Users: docs/custom-formats.md. What each check requires: docs/dev/registry.md.
 """
 
 from __future__ import annotations
@@ -253,7 +232,7 @@ class ConformanceCase:
 
     Attributes:
         fmt: the format under test.
-        check: the check's name (see the module docstring).
+        check: the check's name (listed in the module docstring).
         geometries: the geometries it runs on.
     """
 
@@ -279,6 +258,15 @@ def conformance_cases(
     geometries: Sequence[LayerGeometry] = CONFORMANCE_GEOMETRIES,
 ) -> list[ConformanceCase]:
     """Every check for every format, for ``pytest.mark.parametrize(..., ids=str)``.
+
+    .. code-block:: python
+
+        import pytest
+        from kvquant.testing.conformance import conformance_cases
+
+        @pytest.mark.parametrize("case", conformance_cases([MyFormat()]), ids=str)
+        def test_my_format(case):
+            case.run()
 
     Args:
         formats: the formats to test; ``None``: everything registered in the

@@ -1,7 +1,6 @@
 """Two example user scale formats, used by kvquant's tests and docs.
 
-They are not registered: register them (or use
-:func:`kvquant.registry.temporary_format`) to let ``resolve_scales`` find them.
+Not registered: ``resolve_scales`` finds one once registered (or in :func:`temporary_format`).
 
 Example:
     >>> import torch

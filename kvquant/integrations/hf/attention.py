@@ -1,23 +1,15 @@
 """kvquant's attention function and mask function for transformers' interfaces.
 
-Both are registered under the name ``"kvquant"``
-(``AttentionInterface`` and ``AttentionMaskInterface``). The mask
-registration is mandatory: transformers builds no mask at all for an
-attention name without a mask function, and left-padded batches would then
-attend to their padding.
+Both are registered under the name ``"kvquant"`` (``AttentionInterface`` and
+``AttentionMaskInterface``; without a mask function transformers builds no mask
+and left-padded batches would attend to their padding). Over kvquant's
+``(None, None)`` from the cache layer, the attention function reads the layer's
+FP8 pages with :func:`kvquant.kernels.paged_attention`; over dense K/V (a
+prompt with no cached prefix, or no kvquant cache) it hands the call to the
+model's previous implementation (:func:`fallback_attention`), exactly as the
+unpatched model.
 
-The attention function receives, from the attention module's forward:
-``query [B, Hq, Lq, D]`` (after RoPE) and whatever the cache layer's
-``update()`` returned. When that is kvquant's ``(None, None)`` it reads the
-FP8 pages of the layer (found through the pre-hook that :func:`kvquant.patch`
-installs) with :func:`kvquant.kernels.paged_attention`. Otherwise it got dense
-K/V and hands the call to the model's previous attention implementation
-(:func:`fallback_attention`), so that the call is exactly the unpatched model's:
-a prompt with no cached prefix (the cache layer stored it in FP8 and hands back
-the keys and values it was given: the prefill costs what it costs without
-kvquant, plus the FP8 write), or a forward without a kvquant cache
-(``use_cache=False``, or a forward with gradients, see :func:`kvquant.patch`),
-whose gradients are then exact too.
+Design: docs/dev/cache.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """kvquant's transformers cache: FP8 pages behind the ``Cache`` / ``CacheLayerMixin`` seam.
 
 :class:`KVQuantCache` is a :class:`transformers.Cache` made of one
-:class:`KVQuantLayer` per decoder layer. All layers share one
-:class:`~kvquant.cache.PageAllocator` (the sequences of a batch grow in
-lockstep, so one block table serves every layer), kept with the batch's
-whole bookkeeping (reservation, block tables, slots, lengths, the static
-decode step) by one :class:`~kvquant.cache.SequenceBook`; each layer builds one
-:class:`~kvquant.cache.PagedLayerStorage` on its first update (FP8 page pools
-``[num_pages, page_size, Hkv, D]`` for K and V, plus fp32 group scales for the
-dynamic ``fp32-group`` format) and delegates writes, dense dequantization,
-beam reordering and memory accounting to it.
+:class:`KVQuantLayer` per decoder layer; the layers share one
+:class:`~kvquant.cache.SequenceBook` (one block table serves every layer) and
+each stores its K/V in a :class:`~kvquant.cache.PagedLayerStorage`. A layer's
+first ``update()`` stores the prompt in FP8 and returns it as given; later ones
+return ``(None, None)`` for kvquant's attention function to read the pages, or
+dense dequantized K/V ``[B, Hkv, T, D]`` under any other attention
+implementation. Sequence bookkeeping follows ``DynamicLayer`` (left-padding
+slots included).
 
-The first ``update()`` of a layer (a prompt with no cached prefix) stores the
-keys and values in FP8 and returns them as given: kvquant's attention runs
-SDPA over them, exactly as the unpatched model. Later updates return
-``(None, None)`` while kvquant's attention function is
-the model's attention implementation: that function finds the layer through
-the forward pre-hook that :func:`kvquant.patch` installs and reads the pages
-with :func:`kvquant.kernels.paged_attention`. Under any other attention
-implementation ``update()`` returns dense dequantized K/V ``[B, Hkv, T, D]``
-like ``DynamicLayer``.
-
-Sequence bookkeeping follows ``DynamicLayer``: every position handed to
-``update()``, left-padding slots included, is stored and counted by
-``get_seq_length()`` and ``get_mask_sizes()``; the attention function masks
-the padding with a per-sequence ``kv_start`` taken from the attention mask.
+Design (update, bookkeeping, padding): docs/dev/cache.md.
 """
 
 from __future__ import annotations

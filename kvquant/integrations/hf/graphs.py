@@ -1,77 +1,17 @@
 """CUDA-graph decode steps for patched models (``kvquant.patch``'s ``cuda_graphs``).
 
-At small and medium batch sizes ``generate`` is host bound: a decode step of
-an eager transformers model launches hundreds of small kernels, each costing
-more CPU time than GPU time. This module captures the whole one-token forward
-of a patched model in one CUDA graph per cache, and replays it for every later
-decode step.
+:class:`DecodeGraphRunner` captures the one-token forward of a patched model in
+one CUDA graph per :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache`
+and replays it for every later decode step (an eager step launches hundreds of
+small kernels: ``generate`` is host bound). Steps that do not qualify (prefill,
+a custom mask, gradients, ...) run the ordinary forward; on CPU the same static
+step runs eagerly. With ``compile_step`` the graph captures each decoder
+layer's ``torch.compile``'d forward (:class:`CompiledLayers`), whose write and
+attention are the custom ops of :mod:`~kvquant.integrations.hf.step_ops`. The
+runner is installed as the model instance's ``forward`` attribute (transformers
+offers no hook that replaces a step); the patch handle's ``remove()`` deletes it.
 
-How a step runs (:class:`DecodeGraphRunner`):
-
-1. The step qualifies when it is a one-token forward of every sequence of a
-   :class:`~kvquant.integrations.hf.cache_layer.KVQuantCache` that holds a
-   prefix and has ``cuda_graphs`` on (``None``, the default, means: on a CUDA
-   device), called with keyword arguments only,
-   ``position_ids`` given, without gradients, and with a 2D attention mask
-   that is pure left padding (checked on the device, one sync per step).
-   Anything else (prefill, chunked prefill, ``inputs_embeds``, a custom mask,
-   ``output_attentions``) runs the ordinary forward, with the same results.
-2. The cache reserves the new token's pages on the host (a full cache raises
-   :class:`~kvquant.errors.CacheCapacityError` before anything is written).
-3. The step's inputs are copied into static buffers
-   (:class:`~kvquant.cache.StaticStep`, refreshed by the cache's book, and one buffer per
-   tensor argument); the first step of a cache warms the forward up on a side
-   stream and captures it; every step then replays the graph. When the pool
-   grows (a cache without a size bound enlarges its pages on demand) the
-   page tensors move, and the next step captures again. With the default
-   ``cuda_graphs=None`` a capture that fails is logged once and the cache
-   decodes eagerly from then on; with ``cuda_graphs=True`` it raises.
-4. The layers' lengths in the cache's :class:`~kvquant.cache.SequenceBook`
-   advance, and the step returns a copy of the captured output (the next
-   replay overwrites the static one).
-
-Inside the step, the cache layers write to slots computed on the device from
-the static position and the block table, and kvquant's attention reads the
-static lengths, block table and left-padding starts; the model gets
-``attention_mask=None`` (the padding is carried by the starts), so
-transformers builds no mask. On a CPU model the same static step runs
-eagerly, without a graph (logged once): it is how the CPU tests check the
-step's bookkeeping.
-
-Compiled decode steps (``compile_step``): at chat shapes the captured graph
-of an eager model is still a few hundred small kernels per step (every
-RMSNorm, rotary embedding, SiLU-and-multiply and residual add is its own
-launch), and their GPU time, not kvquant's attention, dominates the step.
-With ``compile_step`` on, the graph captures each decoder layer's
-``torch.compile``'d forward instead (:class:`CompiledLayers`: inductor, static
-shapes, one compiled graph shared by every layer of a class, torch's "regional
-compilation"), so the graph replays inductor's fused kernels. Only the warm-up
-and capture of a decode graph (and, on CPU, the static step itself) run the
-compiled layers; prefill, chunks and eager steps run the original forwards.
-No Python object of the cache enters the compiled code: the layers get no
-cache (so no per-layer index is traced into the shared graph) but their cache
-layer's page tensors, scales and the static step's tensors as one keyword
-argument (:func:`~kvquant.integrations.hf.step_ops.layer_step`), which
-transformers' decoder layers hand on to the attention function; there
-kvquant's write and attention are PyTorch custom ops
-(:mod:`~kvquant.integrations.hf.step_ops`), so dynamo traces each decoder
-layer as one graph (no graph break, no restarted frame) and inductor calls the
-ops as extern kernels. The pools' page count and the block table's width are
-dynamic dimensions of that graph, so a grown pool or a new cache compiles
-nothing new. A decoder layer that does not hand the keyword on (none of the
-tested families) gets the cache layer through ``STEP_LAYER_ATTR`` instead,
-and kvquant's attention breaks the graph there (logged once per attention
-class). The first compiled warm-up pays the compile (once per
-process, layer class and batch size); with the default ``compile_step=None``
-a compile that fails is logged once and the eager step is captured instead;
-with ``compile_step=True`` it raises.
-
-The seam: transformers' ``generate`` calls the model's ``forward`` for each
-step and offers no hook that can replace a step's computation (its own
-``torch.compile`` path needs a cache that dynamo can trace). kvquant therefore
-installs the runner as an attribute ``forward`` of the model instance,
-wrapping the previous one (as accelerate's hooks do); the patch handle's
-``remove()`` deletes it.
+Design (when a step qualifies, capture, recapture, compile): docs/dev/decode-steps.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """Load-time integration: ``from_pretrained(..., quantization_config=KVQuantConfig())``.
 
 :class:`KVQuantConfig` and :class:`KVQuantizer` are registered with
-transformers' quantizer plugin under ``"kvquant"``. During ``from_pretrained``:
+transformers' quantizer plugin under ``"kvquant"``. Before the weights load,
+the quantizer runs the same discovery and registry as :func:`kvquant.patch`
+(any refusal happens before a weight is read) and registers placeholder buffers
+at the producer's own scale names; after loading it drops them and patches the
+model exactly like :func:`kvquant.patch`. ``save_pretrained`` then writes
+``{"quant_method": "kvquant", ...}``, and loading that folder restores the same
+model. :func:`from_pretrained` also loads checkpoints whose ``config.json``
+names another quantizer (compressed-tensors, Quark; KV-only checkpoints only).
 
-* before the weights load, the quantizer runs discovery on the checkpoint
-  folder and the registry on the raw scale tensors as stored (the same
-  pipeline as ``kvquant doctor`` and :func:`kvquant.patch`, so the same
-  decision, findings and scales); any refusal happens here, before a weight
-  is read. It registers one buffer per KV-scale tensor **at the producer's
-  own name and shape** (``self_attn.k_scale``, ``self_attn.k_proj.k_scale``,
-  ``self_attn.k_proj.output_scale``, ``self_attn.kv_scale``, ...), so that no
-  scale is reported UNEXPECTED; their loaded values are never used;
-* after loading, those buffers are dropped and the model is patched exactly
-  like :func:`kvquant.patch` (canonical ``k_scale`` / ``v_scale`` buffers,
-  attention + mask functions, hooks).
-
-``save_pretrained`` then writes the canonical scales and
-``{"quant_method": "kvquant", ...}``; loading that folder again (with kvquant
-imported) restores the same model.
-
-Checkpoints whose ``config.json`` names a quantizer transformers knows
-(compressed-tensors, Quark) cannot take a second ``quantization_config``:
-:func:`from_pretrained` keeps their ``quantization_config`` aside (KV-only
-checkpoints only) and loads them through kvquant.
+Design: docs/dev/patch.md.
 """
 
 from __future__ import annotations

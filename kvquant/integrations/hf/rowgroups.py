@@ -1,41 +1,16 @@
 """Batched prefill in row groups (``kvquant.patch``'s ``prefill_tokens``).
 
-A prefill forward of ``B`` prompts of ``L`` tokens holds activations for all
-``B * L`` tokens at once: at long prompts the MLP's ``[B * L, intermediate]``
-tensors cost about as much as the FP8 K/V the cache stores, and transformers'
-chunked prefill (``prefill_chunk_size``) bounds ``L`` but still runs the whole
-batch through every chunk. With ``prefill_tokens=N`` a forward whose
-``input_ids`` is ``[B, L]`` with ``L > 1`` and ``B * L > N`` runs the model's
-forward on ``max(1, N // L)`` rows at a time instead, each group writing its
-rows' K/V into the same kvquant cache, and returns the concatenated logits:
-activations then scale with ``N``, not with the batch.
+With ``prefill_tokens=N``, a forward whose ``input_ids`` is ``[B, L]`` with
+``L > 1`` and ``B * L > N`` runs the model's forward on ``max(1, N // L)`` rows
+at a time, each group writing its rows' K/V into the same kvquant cache (through
+:meth:`~kvquant.cache.SequenceBook.row_window`), and returns the concatenated
+logits: activations scale with ``N``, not with the batch. The pages of the whole
+batch are reserved first; a group that raises leaves the cache as the call found
+it. Every other call (decode steps, no kvquant cache, gradients, unknown
+arguments, ...) runs whole. The wrapper is the model instance's ``forward``
+attribute; the patch handle's ``remove()`` deletes it.
 
-Rows of a decoder-only model never interact, so the result is the unsplit
-call's, within the rounding of matrix products whose row count differs. The
-cache's :class:`~kvquant.cache.SequenceBook` serves each group through its
-:meth:`~kvquant.cache.SequenceBook.row_window`: the block table, slots and
-lengths are the group's rows, every group starts from the lengths the call
-began with, and the pages of the whole batch are reserved before the first
-group (a full cache raises :class:`~kvquant.errors.CacheCapacityError` before
-anything is written). The k-transform's first-token side buffers follow the
-window (:meth:`~kvquant.cache.PagedLayerStorage.keep_first`'s ``rows``). A
-group that raises leaves the cache as the call found it (kvquant's rollback
-hook crops the failing group's partial write; this wrapper crops the earlier
-groups'), and the error propagates.
-
-Calls that run whole (the unsplit forward, exactly as without the option):
-one row, one token per row (decode steps), ``B * L <= prefill_tokens``, no
-kvquant cache (``use_cache=False``, or a cache kvquant refuses, which the
-ordinary forward reports), positional arguments, gradients on or training
-mode, ``output_attentions`` / ``output_hidden_states``, ``labels``,
-``return_dict=False``, a mask that is not a 2D padding mask, or a tensor
-argument the wrapper does not know how to split.
-
-The seam: transformers has no extension point that splits one forward call
-into several (``generate``'s chunked prefill splits the sequence, never the
-batch), so kvquant wraps the model instance's ``forward`` (the attribute, as
-accelerate's hooks and kvquant's decode-graph runner do); the patch handle's
-``remove()`` deletes it.
+Design (exactness, which calls run whole, the seam): docs/dev/memory.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,15 @@
 """kvquant's decode-step write and attention as PyTorch custom ops, for compiled decode steps.
 
-A compiled decode step (``kvquant.patch(compile_step=...)``, see
-:mod:`kvquant.integrations.hf.graphs`) runs each decoder layer's
-``torch.compile``'d forward without a cache. The layer's new K/V still have to
-be stored in the FP8 pages and attended over. Doing that in Python (the cache
-layer's ``update`` and :func:`~kvquant.kernels.paged_attention` with their
-bookkeeping) is a graph break: dynamo stops the layer's graph at the
-attention, compiles the two halves separately and restarts the frame. Here the
-two calls are custom ops (``torch.library.custom_op``) that take only tensors
-and plain scalars, so dynamo traces each layer as one graph and inductor calls
-them as extern kernels:
+``kvquant::step_write`` stores the new token's K/V at the static step's slots;
+``kvquant::step_attention`` attends the query over the pages and returns the
+output. They take only tensors and plain scalars (one :func:`layer_step`
+dictionary per layer, passed as the keyword :data:`STEP_KWARG`), so dynamo
+traces each compiled decoder layer as one graph, without a graph break, and
+inductor calls them as extern kernels. Their real implementations call
+:func:`kvquant.kernels.write_kv` and :func:`kvquant.kernels.paged_attention`;
+their fake ones only give the output's shape.
 
-- ``kvquant::step_write`` stores the new token's K/V at the static step's
-  slots (mutates the layer's K/V pages and, for ``fp32-group``, its group
-  scales);
-- ``kvquant::step_attention`` attends the query over the pages with the static
-  step's block table, lengths and left-padding starts, and returns the output.
-
-Their real implementations call :func:`kvquant.kernels.write_kv` and
-:func:`kvquant.kernels.paged_attention` (every argument validated, on the
-cache's backend); their fake implementations only give the output's shape, so
-tracing never runs a kernel.
-
-What enters the compiled graph is one :func:`layer_step` dictionary per layer
-(passed to the decoder layer as the keyword :data:`STEP_KWARG`, which
-transformers' layers hand on to the attention function): the layer's page
-tensors and scales and the static step's tensors, no Python object of the
-cache. Every layer of a class has tensors of the same shapes, so the layers
-share one compiled graph; the page count and the block table's width (which
-change when a pool grows, and from one cache to the next) are marked dynamic
-(:func:`torch._dynamo.maybe_mark_dynamic`), so that a grown pool or a new
-cache is no recompile. Nothing in the traced path reads a per-step Python
-value: the position, lengths and slots are device tensors refreshed before the
-step (:class:`~kvquant.cache.StaticStep`).
+Design (why custom ops, what is dynamic): docs/dev/decode-steps.md.
 """
 
 from __future__ import annotations
