@@ -31,7 +31,8 @@ _OPTIONAL = ("triton", "transformers", "safetensors", "gguf", "accelerate", "num
 # Modules whose docstrings hold examples today: if one of them loses all its
 # examples (or doctest stops finding them), test_doctests_are_found fails.
 _MODULES_WITH_EXAMPLES = (
-    "kvquant.cache",
+    "kvquant.cache.allocator",
+    "kvquant.cache.storage",
     "kvquant.checkpoint.discovery",
     "kvquant.checkpoint.producers",
     "kvquant.kernels",
