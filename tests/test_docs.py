@@ -43,6 +43,7 @@ _MODULES_WITH_EXAMPLES = (
     "kvquant.registry.resolve",
     "kvquant.report",
     "kvquant.testing.conformance",
+    "kvquant.testing.synthetic",
     "kvquant.testing.example_formats",
 )
 
