@@ -1,4 +1,4 @@
-"""Tests for ``kvquant export`` (kvquant/export.py and the CLI subcommand).
+"""Tests for ``kvquant export`` (the kvquant.export package and the CLI subcommand).
 
 The engines' loader rules are encoded here independently of kvquant/export.py
 (see docs/export.md for their sources): expected tensor names, shapes, dtype
