@@ -30,6 +30,7 @@ from kvquant.types import (
 
 __all__ = [
     "LayerReads",
+    "RawRead",
     "read_layers",
     "record_of",
 ]
@@ -133,7 +134,7 @@ def _shape_error(raw: RawScale, geometry: LayerGeometry, registry: ScaleFormatRe
 
 
 @dataclass
-class _Read:
+class RawRead:
     """One raw tensor after its format normalised it."""
 
     raw: RawScale
@@ -148,7 +149,7 @@ def _read_raw(
     reader: ScaleFormat | None,
     target: Granularity | None,
     registry: ScaleFormatRegistry,
-) -> _Read:
+) -> RawRead:
     """Pick the format for one raw tensor and normalise it (raises ScaleFormatError)."""
     cast_note = check_dtype(raw)
     steps = [f"cast {dtype_name(raw.tensor.dtype)} to float32"] if cast_note else []
@@ -168,14 +169,14 @@ def _read_raw(
         steps.append(f"converted by format {fmt.name!r}")
     if isinstance(fmt, QueryHeadMaxFormat):
         steps.append(f"reduced {geometry.num_heads} query-head scales with max")
-    return _Read(raw, fmt, tensor, steps)
+    return RawRead(raw, fmt, tensor, steps)
 
 
 @dataclass
 class LayerReads:
     """Per layer: the K/V reads, the raw pair, problems and notes found while reading."""
 
-    reads: dict[int, tuple[_Read | None, _Read | None]]
+    reads: dict[int, tuple[RawRead | None, RawRead | None]]
     pairs: dict[int, tuple[RawScale | None, RawScale | None]]
     problems: dict[int, list[str]]
     notes: dict[int, list[str]]
@@ -191,7 +192,7 @@ def read_layers(
     events: dict[tuple[Conversion, str], list[int]],
 ) -> LayerReads:
     """Pair each layer's K and V and read every raw tensor once (a shared kv_scale once)."""
-    layer_reads: dict[int, tuple[_Read | None, _Read | None]] = {}
+    layer_reads: dict[int, tuple[RawRead | None, RawRead | None]] = {}
     layer_problems: dict[int, list[str]] = {}
     layer_notes: dict[int, list[str]] = {}
     pairs: dict[int, tuple[RawScale | None, RawScale | None]] = {}
@@ -216,7 +217,7 @@ def read_layers(
             k_raw = kinds.get("k", kinds.get("kv"))
             v_raw = kinds.get("v", kinds.get("kv"))
         pairs[layer] = (k_raw, v_raw)
-        done: dict[int, _Read | None] = {}
+        done: dict[int, RawRead | None] = {}
         for side in (k_raw, v_raw):
             if side is None or id(side) in done:
                 continue

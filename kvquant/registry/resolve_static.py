@@ -24,7 +24,7 @@ from kvquant.registry.registry import (
     ScaleFormatRegistry,
 )
 from kvquant.registry.resolve_dynamic import no_scales
-from kvquant.registry.resolve_reading import LayerReads, read_layers, record_of
+from kvquant.registry.resolve_reading import LayerReads, RawRead, read_layers, record_of
 from kvquant.registry.resolve_results import (
     Action,
     LayerScales,
@@ -258,6 +258,132 @@ def analyze_static(
     )
 
 
+def _event(
+    events: dict[tuple[Conversion, str], list[int]], conversion: Conversion, text: str, layer: int
+) -> None:
+    """Record that ``layer`` went through ``conversion`` (``text`` says it in the summary)."""
+    events.setdefault((conversion, text), []).append(layer)
+
+
+def _convert_read(
+    layer: int,
+    kind: str,
+    read: RawRead,
+    target: Granularity,
+    geometry: LayerGeometry,
+    rope_policy: str,
+    events: dict[tuple[Conversion, str], list[int]],
+    reductions: list[tuple[int, float]],
+    notes: list[str],
+) -> tuple[torch.Tensor, list[str]]:
+    """One cache's read converted to ``target`` (granularity, RoPE policy): tensor and steps."""
+    tensor = read.tensor
+    steps = list(read.steps)
+    if isinstance(read.fmt, QueryHeadMaxFormat):
+        _event(
+            events,
+            Conversion.QUERY_HEAD_MAX,
+            'query-head scales reduced to per-tensor with max (scale_format="per-tensor")',
+            layer,
+        )
+    if target == "per-tensor" and tensor.dim() == 1:
+        tensor, ratio = reduce_to_per_tensor(tensor)
+        reductions.append((layer, ratio))
+        steps.append(f"reduced per-head to per-tensor with max (max/min {ratio:.3g})")
+        _event(
+            events,
+            Conversion.PER_HEAD_MAX,
+            'per-head scales reduced to per-tensor with max (scale_format="per-tensor")',
+            layer,
+        )
+    elif target in ("per-head", "k-transform") and tensor.dim() == 0:
+        tensor = broadcast_to_per_head(tensor, geometry.kv_heads_of(layer))
+        steps.append("per-tensor broadcast to every KV head (lossless)")
+        _event(
+            events,
+            Conversion.BROADCAST_PER_HEAD,
+            "per-tensor scales broadcast to per-head (lossless)",
+            layer,
+        )
+    if kind == "k" and read.raw.pre_rope:
+        tensor, note = apply_rope_policy(tensor, read.raw, rope_policy)
+        notes.append(note)
+        if rope_policy == "widen":
+            steps.append("widened by sqrt(2): calibrated before RoPE")
+            _event(
+                events,
+                Conversion.ROPE_WIDENED,
+                "K calibrated before RoPE, widened by sqrt(2) (rope_policy='widen')",
+                layer,
+            )
+        else:
+            _event(
+                events,
+                Conversion.ROPE_KEPT,
+                "K calibrated before RoPE, kept, may saturate (rope_policy='keep')",
+                layer,
+            )
+    if read.steps and read.steps[0].startswith("cast "):
+        _event(
+            events,
+            Conversion.CAST,
+            f"{dtype_name(read.raw.tensor.dtype)} scales cast to float32",
+            layer,
+        )
+    return tensor, steps
+
+
+def _note_kv_relation(
+    layer: int,
+    k_read: RawRead,
+    v_read: RawRead,
+    notes: list[str],
+    events: dict[tuple[Conversion, str], list[int]],
+) -> None:
+    """Note K and V scales that are one tensor, one merged value or identical."""
+    if k_read.raw is v_read.raw:
+        return  # one tensor for both caches: already noted by pair_kv
+    if k_read.raw.merged_kv or v_read.raw.merged_kv:
+        notes.append(
+            f"layer {layer}: the producer stores max(K, V) in both tensors "
+            f"({k_read.raw.convention}); kept as stored"
+        )
+        _event(events, Conversion.MERGED_KV, "K and V hold one merged max(K, V) value", layer)
+    elif torch.equal(k_read.tensor, v_read.tensor):
+        notes.append(f"layer {layer}: K and V scales are identical (merged by the producer?)")
+        _event(events, Conversion.IDENTICAL_KV, "K and V scales identical", layer)
+
+
+def _rejection_reason(
+    layer: int, kind: str, side: Any, side_read: Any, other_raw: Any, mine: list[str]
+) -> str:
+    """Why one cache's scale of a rejected layer is rejected.
+
+    A row carries its own tensor's problems; a healthy sibling says why it is rejected with
+    its layer instead of repeating the other row's reason.
+    """
+    own = [p for p in mine if side is None or side.name in p]
+    other = "V" if kind == "k" else "K"
+    blamed = other_raw is not None and any(other_raw.name in p for p in mine)
+    if side_read is not None and not own and blamed:
+        reason = (
+            f"this {kind.upper()} scale is fine on its own; layer {layer} is "
+            f"rejected because of its {other} scale (see the {other} row)"
+        )
+    else:
+        reason = " | ".join(own or mine)
+    return f"no {kind.upper()} scale; " + reason if side is None else reason
+
+
+def _accepted_steps(kind: str, side: Any, steps: list[str]) -> list[str]:
+    """An accepted cache's steps, led by how its raw tensor relates to the cache."""
+    if side is not None and side.kind == "kv":
+        return ["one kv_scale for K and V", *steps]
+    if side is not None and side.kind != kind:
+        return [f"{side.kind.upper()} scale reused (missing_kv='reuse')", *steps]
+    return steps
+
+
 def _finish_layer(
     layer: int,
     reads: LayerReads,
@@ -276,100 +402,26 @@ def _finish_layer(
     steps: dict[str, list[str]] = {}
     if not mine and k_read is not None and v_read is not None:
         for kind, read in (("k", k_read), ("v", v_read)):
-            tensor = read.tensor
-            kind_steps = list(read.steps)
-            if isinstance(read.fmt, QueryHeadMaxFormat):
-                events.setdefault(
-                    (
-                        Conversion.QUERY_HEAD_MAX,
-                        "query-head scales reduced to per-tensor with max "
-                        '(scale_format="per-tensor")',
-                    ),
-                    [],
-                ).append(layer)
-            if target == "per-tensor" and tensor.dim() == 1:
-                tensor, ratio = reduce_to_per_tensor(tensor)
-                reductions.append((layer, ratio))
-                kind_steps.append(f"reduced per-head to per-tensor with max (max/min {ratio:.3g})")
-                events.setdefault(
-                    (
-                        Conversion.PER_HEAD_MAX,
-                        "per-head scales reduced to per-tensor with max "
-                        '(scale_format="per-tensor")',
-                    ),
-                    [],
-                ).append(layer)
-            elif target in ("per-head", "k-transform") and tensor.dim() == 0:
-                tensor = broadcast_to_per_head(tensor, geometry.kv_heads_of(layer))
-                kind_steps.append("per-tensor broadcast to every KV head (lossless)")
-                events.setdefault(
-                    (
-                        Conversion.BROADCAST_PER_HEAD,
-                        "per-tensor scales broadcast to per-head (lossless)",
-                    ),
-                    [],
-                ).append(layer)
-            if kind == "k" and read.raw.pre_rope:
-                tensor, note = apply_rope_policy(tensor, read.raw, rope_policy)
-                notes.append(note)
-                if rope_policy == "widen":
-                    kind_steps.append("widened by sqrt(2): calibrated before RoPE")
-                rope_event = (
-                    (
-                        Conversion.ROPE_WIDENED,
-                        "K calibrated before RoPE, widened by sqrt(2) (rope_policy='widen')",
-                    )
-                    if rope_policy == "widen"
-                    else (
-                        Conversion.ROPE_KEPT,
-                        "K calibrated before RoPE, kept, may saturate (rope_policy='keep')",
-                    )
-                )
-                events.setdefault(rope_event, []).append(layer)
+            tensor, steps[kind] = _convert_read(
+                layer, kind, read, target, geometry, rope_policy, events, reductions, notes
+            )
             try:
                 check_values(tensor, read.raw.name, stage="after conversion")
             except ScaleFormatError as exc:
                 mine.append(str(exc))
             finals[kind] = tensor.clone()  # K and V never share storage
-            steps[kind] = kind_steps
-            if read.steps and read.steps[0].startswith("cast "):
-                events.setdefault(
-                    (
-                        Conversion.CAST,
-                        f"{dtype_name(read.raw.tensor.dtype)} scales cast to float32",
-                    ),
-                    [],
-                ).append(layer)
-        if k_read.raw is v_read.raw:
-            pass  # one tensor for both caches: already noted by pair_kv
-        elif k_read.raw.merged_kv or v_read.raw.merged_kv:
-            notes.append(
-                f"layer {layer}: the producer stores max(K, V) in both tensors "
-                f"({k_read.raw.convention}); kept as stored"
-            )
-            events.setdefault(
-                (Conversion.MERGED_KV, "K and V hold one merged max(K, V) value"), []
-            ).append(layer)
-        elif torch.equal(k_read.tensor, v_read.tensor):
-            notes.append(f"layer {layer}: K and V scales are identical (merged by the producer?)")
-            events.setdefault((Conversion.IDENTICAL_KV, "K and V scales identical"), []).append(
-                layer
-            )
+        _note_kv_relation(layer, k_read, v_read, notes, events)
     ok = not mine
     sources = sorted({r.convention for r in (k_raw, v_raw) if r is not None})
     records = []
-    for kind, side, side_read in (("k", k_raw, k_read), ("v", v_raw, v_read)):
+    for kind, side, side_read, other_raw in (
+        ("k", k_raw, k_read, v_raw),
+        ("v", v_raw, v_read, k_raw),
+    ):
         kind_lit: Literal["k", "v"] = "k" if kind == "k" else "v"
         fmt_name = side_read.fmt.name if side_read is not None else None
         if ok:
-            kind_steps = steps[kind]
-            if side is not None and side.kind == "kv":
-                kind_steps = ["one kv_scale for K and V", *kind_steps]
-            elif side is not None and side.kind != kind:
-                kind_steps = [
-                    f"{side.kind.upper()} scale reused (missing_kv='reuse')",
-                    *kind_steps,
-                ]
+            kind_steps = _accepted_steps(kind, side, steps[kind])
             action: Action = "convert" if kind_steps else "use"
             reason = "; ".join(kind_steps) if kind_steps else "used as stored"
             records.append(
@@ -385,21 +437,7 @@ def _finish_layer(
                 )
             )
         else:
-            # A row carries its own tensor's problems; a healthy sibling says why it is
-            # rejected with its layer instead of repeating the other row's reason.
-            own = [p for p in mine if side is None or side.name in p]
-            other = "V" if kind == "k" else "K"
-            other_raw = v_raw if kind == "k" else k_raw
-            blamed = other_raw is not None and any(other_raw.name in p for p in mine)
-            if side_read is not None and not own and blamed:
-                reason = (
-                    f"this {kind.upper()} scale is fine on its own; layer {layer} is "
-                    f"rejected because of its {other} scale (see the {other} row)"
-                )
-            else:
-                reason = " | ".join(own or mine)
-            if side is None:
-                reason = f"no {kind.upper()} scale; " + reason
+            reason = _rejection_reason(layer, kind, side, side_read, other_raw, mine)
             records.append(
                 record_of(side, layer, kind_lit, "reject", reason, fmt=fmt_name, granularity=target)
             )
