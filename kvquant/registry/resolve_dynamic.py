@@ -124,7 +124,6 @@ def no_scales(
     problems: list[str],
 ) -> ModelScales:
     """Apply ``missing_scales`` when no layer has a checkpoint scale."""
-    last = geometry.num_layers - 1
     if missing_scales == "dynamic" and requested is None:
         return dynamic_layers(
             (),
@@ -137,56 +136,79 @@ def no_scales(
             problems=problems,
         )
     if missing_scales == "unit":
-        granularity: Granularity = target or "per-tensor"
-        reason = 'no KV scale in the checkpoint; 1.0 used (missing_scales="unit")'
-        layers = []
-        for layer in range(geometry.num_layers):
-            shape = () if granularity == "per-tensor" else (geometry.kv_heads_of(layer),)
-            k = torch.ones(shape, dtype=torch.float32)
-            v = torch.ones(shape, dtype=torch.float32)
-            layers.append(
-                LayerScales(
-                    layer=layer,
+        return _unit_scales(geometry, options, target, problems)
+    return _rejected_for_no_scales(geometry, options, missing_scales, requested, target, problems)
+
+
+def _unit_scales(
+    geometry: LayerGeometry,
+    options: dict[str, Any],
+    target: Granularity | None,
+    problems: list[str],
+) -> ModelScales:
+    """``missing_scales="unit"``: scale 1.0 for every layer (noted as lossy)."""
+    granularity: Granularity = target or "per-tensor"
+    reason = 'no KV scale in the checkpoint; 1.0 used (missing_scales="unit")'
+    layers = []
+    for layer in range(geometry.num_layers):
+        shape = () if granularity == "per-tensor" else (geometry.kv_heads_of(layer),)
+        k = torch.ones(shape, dtype=torch.float32)
+        v = torch.ones(shape, dtype=torch.float32)
+        layers.append(
+            LayerScales(
+                layer=layer,
+                granularity=granularity,
+                k=k,
+                v=v,
+                group_size=None,
+                source="unit",
+                k_record=ScaleRecord(
+                    layer,
+                    "k",
+                    "default",
+                    reason,
                     granularity=granularity,
-                    k=k,
-                    v=v,
-                    group_size=None,
-                    source="unit",
-                    k_record=ScaleRecord(
-                        layer,
-                        "k",
-                        "default",
-                        reason,
-                        granularity=granularity,
-                        scale=tuple(float(x) for x in k.reshape(-1)),
-                    ),
-                    v_record=ScaleRecord(
-                        layer,
-                        "v",
-                        "default",
-                        reason,
-                        granularity=granularity,
-                        scale=tuple(float(x) for x in v.reshape(-1)),
-                    ),
-                )
+                    scale=tuple(float(x) for x in k.reshape(-1)),
+                ),
+                v_record=ScaleRecord(
+                    layer,
+                    "v",
+                    "default",
+                    reason,
+                    granularity=granularity,
+                    scale=tuple(float(x) for x in v.reshape(-1)),
+                ),
             )
-        note = (
-            'no KV scales in the checkpoint: every scale set to 1.0 (missing_scales="unit"). '
-            "Values above 448 saturate and small ones lose precision; this has cost accuracy "
-            "in other engines. Calibrate, or use the default dynamic fp32-group scales"
         )
-        return ModelScales(
-            geometry=geometry,
-            granularity=granularity,
-            group_size=None,
-            layers=tuple(layers),
-            notes=(note,),
-            problems=tuple(problems),
-            options=options,
-            conversions=(
-                AppliedConversion(Conversion.UNIT_DEFAULT, note, tuple(range(geometry.num_layers))),
-            ),
-        )
+    note = (
+        'no KV scales in the checkpoint: every scale set to 1.0 (missing_scales="unit"). '
+        "Values above 448 saturate and small ones lose precision; this has cost accuracy "
+        "in other engines. Calibrate, or use the default dynamic fp32-group scales"
+    )
+    return ModelScales(
+        geometry=geometry,
+        granularity=granularity,
+        group_size=None,
+        layers=tuple(layers),
+        notes=(note,),
+        problems=tuple(problems),
+        options=options,
+        conversions=(
+            AppliedConversion(Conversion.UNIT_DEFAULT, note, tuple(range(geometry.num_layers))),
+        ),
+    )
+
+
+def _rejected_for_no_scales(
+    geometry: LayerGeometry,
+    options: dict[str, Any],
+    missing_scales: str,
+    requested: ScaleFormat | None,
+    target: Granularity | None,
+    problems: list[str],
+) -> ModelScales:
+    """No scales where they are needed: every layer rejected, with the fix."""
+    last = geometry.num_layers - 1
     if missing_scales == "error":
         problem = (
             f"the checkpoint has no KV scales; expected K and V scales for layers 0-{last} "
