@@ -150,24 +150,8 @@ def analyze_scales(
         own = getattr(requested, "group_size", None)
         if group_size is None and isinstance(scale_format, ScaleFormat) and isinstance(own, int):
             group_size = own  # an instance such as Fp32GroupFormat(group_size=32)
-        dynamic = dynamic_layers(
-            raw_scales, geometry, group_size, recorded, requested.name, explicit=True, reason=None
-        )
-        if k_transform is None:
-            return dynamic
-        note = (
-            f'scale_format="{requested.name}": the checkpoint\'s K transform '
-            f"({k_transform.source or 'given'}) is ignored; scales are computed while writing"
-        )
-        return dataclasses.replace(
-            dynamic,
-            notes=(*dynamic.notes, note),
-            conversions=(
-                *dynamic.conversions,
-                AppliedConversion(
-                    Conversion.CHECKPOINT_IGNORED, note, tuple(range(geometry.num_layers))
-                ),
-            ),
+        return _requested_dynamic(
+            raw_scales, geometry, group_size, recorded, requested, k_transform
         )
     # A built-in name chooses the target granularity and formats are detected
     # per tensor; a user format reads every tensor itself. A K transform in the
@@ -180,6 +164,47 @@ def analyze_scales(
         raw_scales, geometry, reader, target, requested, group_size, missing_scales,
         missing_kv, rope_policy, registry, recorded,
     )  # fmt: skip
+    return _with_checkpoint_transform(result, raw_scales, k_transform, requested, geometry)
+
+
+def _requested_dynamic(
+    raw_scales: Sequence[RawScale],
+    geometry: LayerGeometry,
+    group_size: int | None,
+    recorded: dict[str, Any],
+    requested: ScaleFormat,
+    k_transform: RawKTransform | None,
+) -> ModelScales:
+    """A dynamic format was asked for: every layer dynamic, a checkpoint K transform noted as ignored."""
+    dynamic = dynamic_layers(
+        raw_scales, geometry, group_size, recorded, requested.name, explicit=True, reason=None
+    )
+    if k_transform is None:
+        return dynamic
+    note = (
+        f'scale_format="{requested.name}": the checkpoint\'s K transform '
+        f"({k_transform.source or 'given'}) is ignored; scales are computed while writing"
+    )
+    return dataclasses.replace(
+        dynamic,
+        notes=(*dynamic.notes, note),
+        conversions=(
+            *dynamic.conversions,
+            AppliedConversion(
+                Conversion.CHECKPOINT_IGNORED, note, tuple(range(geometry.num_layers))
+            ),
+        ),
+    )
+
+
+def _with_checkpoint_transform(
+    result: ModelScales,
+    raw_scales: Sequence[RawScale],
+    k_transform: RawKTransform | None,
+    requested: ScaleFormat | None,
+    geometry: LayerGeometry,
+) -> ModelScales:
+    """The static result joined with the checkpoint's K transform, or the problem that forbids it."""
     if k_transform is not None and not raw_scales:
         problem = (
             f"{k_transform.source or 'the checkpoint'} declares a K transform but the checkpoint "
