@@ -91,55 +91,11 @@ def with_k_transform(
             )
     layers = []
     for layer_scales in scales.layers:
-        found = offsets.get(layer_scales.layer, [])
-        mine: list[str] = []
-        offset = None
-        name = found[0].name if found else None
-        if not found:
-            mine.append(
-                f"layer {layer_scales.layer} has no k_offset (expected "
-                f"model.layers.{layer_scales.layer}.self_attn.k_offset, fp32 "
-                f"[{geometry.num_kv_heads}, {geometry.head_dim}]). Fix: re-run kvquant calibrate "
-                'for this model, or patch(model, scale_format="fp32-group").'
-            )
-        elif len(found) > 1:
-            mine.append(
-                f"layer {layer_scales.layer} has {len(found)} k_offset tensors "
-                f"({', '.join(r.name for r in found[:3])}). Fix: keep one per layer."
-            )
-        else:
-            try:
-                offset = check_offset(found[0], geometry)
-            except ScaleFormatError as exc:
-                mine.append(str(exc))
-        problems.extend(mine)
-        ok = layer_scales.ok and not mine
-        k_record, v_record = layer_scales.k_record, layer_scales.v_record
-        if mine and layer_scales.ok:
-            k_record = dataclasses.replace(
-                k_record, action="reject", reason=" | ".join(mine), scale=None
-            )
-            v_record = dataclasses.replace(
-                v_record,
-                action="reject",
-                reason=(
-                    f"this V scale is fine on its own; layer {layer_scales.layer} is rejected "
-                    "because of its K offset (see the K row)"
-                ),
-                scale=None,
-            )
-        layers.append(
-            dataclasses.replace(
-                layer_scales,
-                k_record=k_record,
-                v_record=v_record,
-                k=layer_scales.k if ok else None,
-                v=layer_scales.v if ok else None,
-                k_offset=offset if ok else None,
-                k_offset_tensor=name,
-                problems=(*layer_scales.problems, *mine),
-            )
+        layer, mine = _layer_with_offset(
+            layer_scales, offsets.get(layer_scales.layer, []), geometry
         )
+        problems.extend(mine)
+        layers.append(layer)
     note = (
         f"K transform from {where}: per-channel K offsets, rotation "
         f"{settings.rotation or 'none'}, first {settings.first_tokens} token(s) of each sequence "
@@ -151,6 +107,61 @@ def with_k_transform(
         problems=(*model_problems, *problems),
         notes=(*scales.notes, note),
         k_transform=KTransform(rotation=settings.rotation, first_tokens=settings.first_tokens),
+    )
+
+
+def _layer_with_offset(
+    layer_scales: LayerScales, found: list[Any], geometry: LayerGeometry
+) -> tuple[LayerScales, list[str]]:
+    """One layer's scales joined with its K offset (``found``: the offsets named for it), and
+    the problems that reject the layer (a missing, repeated or bad offset)."""
+    mine: list[str] = []
+    offset = None
+    name = found[0].name if found else None
+    if not found:
+        mine.append(
+            f"layer {layer_scales.layer} has no k_offset (expected "
+            f"model.layers.{layer_scales.layer}.self_attn.k_offset, fp32 "
+            f"[{geometry.num_kv_heads}, {geometry.head_dim}]). Fix: re-run kvquant calibrate "
+            'for this model, or patch(model, scale_format="fp32-group").'
+        )
+    elif len(found) > 1:
+        mine.append(
+            f"layer {layer_scales.layer} has {len(found)} k_offset tensors "
+            f"({', '.join(r.name for r in found[:3])}). Fix: keep one per layer."
+        )
+    else:
+        try:
+            offset = check_offset(found[0], geometry)
+        except ScaleFormatError as exc:
+            mine.append(str(exc))
+    ok = layer_scales.ok and not mine
+    k_record, v_record = layer_scales.k_record, layer_scales.v_record
+    if mine and layer_scales.ok:
+        k_record = dataclasses.replace(
+            k_record, action="reject", reason=" | ".join(mine), scale=None
+        )
+        v_record = dataclasses.replace(
+            v_record,
+            action="reject",
+            reason=(
+                f"this V scale is fine on its own; layer {layer_scales.layer} is rejected "
+                "because of its K offset (see the K row)"
+            ),
+            scale=None,
+        )
+    return (
+        dataclasses.replace(
+            layer_scales,
+            k_record=k_record,
+            v_record=v_record,
+            k=layer_scales.k if ok else None,
+            v=layer_scales.v if ok else None,
+            k_offset=offset if ok else None,
+            k_offset_tensor=name,
+            problems=(*layer_scales.problems, *mine),
+        ),
+        mine,
     )
 
 
