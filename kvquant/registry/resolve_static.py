@@ -181,27 +181,7 @@ def analyze_static(
     """The static part of :func:`analyze_scales`: read, pair, convert and check every layer."""
 
     problems: list[str] = []
-    by_layer: dict[int, list[RawScale]] = {}
-    for raw in raw_scales:
-        if not isinstance(raw, RawScale):
-            raise ScaleFormatError(
-                f"raw_scales holds a {type(raw).__name__}; expected kvquant.registry.RawScale. "
-                "Fix: build them with kvquant's discovery (discover_scales or "
-                "raw_scales_from_state_dict)."
-            )
-        if isinstance(raw.layer, bool) or not isinstance(raw.layer, int):
-            problems.append(
-                f"{raw.name} has layer index {raw.layer!r}; expected an int. "
-                "Fix: build RawScale objects with kvquant's discovery."
-            )
-        elif not 0 <= raw.layer < geometry.num_layers:
-            problems.append(
-                f"{raw.name} is for layer {raw.layer} but the model has {geometry.num_layers} "
-                f"layers (0-{geometry.num_layers - 1}). Fix: check that the checkpoint belongs "
-                "to this model (num_hidden_layers in config.json)."
-            )
-        else:
-            by_layer.setdefault(raw.layer, []).append(raw)
+    by_layer = _by_layer(raw_scales, geometry, problems)
 
     if not by_layer:
         return no_scales(
@@ -236,20 +216,7 @@ def analyze_static(
     layers: list[LayerScales] = []
     for layer in range(geometry.num_layers):
         if layer not in by_layer:
-            reason = "no KV scale for this layer (other layers have them)"
-            layers.append(
-                LayerScales(
-                    layer=layer,
-                    granularity=target,
-                    k=None,
-                    v=None,
-                    group_size=None,
-                    source="none",
-                    k_record=record_of(None, layer, "k", "reject", reason, granularity=target),
-                    v_record=record_of(None, layer, "v", "reject", reason, granularity=target),
-                    problems=(f"layer {layer} has no KV scales",),
-                )
-            )
+            layers.append(_layer_without_scales(layer, target))
             continue
         layers.append(
             _finish_layer(layer, reads, target, geometry, rope_policy, events, reductions)
@@ -266,6 +233,50 @@ def analyze_static(
         problems=tuple(problems),
         options=recorded,
         conversions=tuple(applied),
+    )
+
+
+def _by_layer(
+    raw_scales: Sequence[RawScale], geometry: LayerGeometry, problems: list[str]
+) -> dict[int, list[RawScale]]:
+    """The raw scales grouped by layer; one with a bad layer index goes to ``problems``."""
+    by_layer: dict[int, list[RawScale]] = {}
+    for raw in raw_scales:
+        if not isinstance(raw, RawScale):
+            raise ScaleFormatError(
+                f"raw_scales holds a {type(raw).__name__}; expected kvquant.registry.RawScale. "
+                "Fix: build them with kvquant's discovery (discover_scales or "
+                "raw_scales_from_state_dict)."
+            )
+        if isinstance(raw.layer, bool) or not isinstance(raw.layer, int):
+            problems.append(
+                f"{raw.name} has layer index {raw.layer!r}; expected an int. "
+                "Fix: build RawScale objects with kvquant's discovery."
+            )
+        elif not 0 <= raw.layer < geometry.num_layers:
+            problems.append(
+                f"{raw.name} is for layer {raw.layer} but the model has {geometry.num_layers} "
+                f"layers (0-{geometry.num_layers - 1}). Fix: check that the checkpoint belongs "
+                "to this model (num_hidden_layers in config.json)."
+            )
+        else:
+            by_layer.setdefault(raw.layer, []).append(raw)
+    return by_layer
+
+
+def _layer_without_scales(layer: int, target: Granularity) -> LayerScales:
+    """A layer with no scale while other layers have them: rejected."""
+    reason = "no KV scale for this layer (other layers have them)"
+    return LayerScales(
+        layer=layer,
+        granularity=target,
+        k=None,
+        v=None,
+        group_size=None,
+        source="none",
+        k_record=record_of(None, layer, "k", "reject", reason, granularity=target),
+        v_record=record_of(None, layer, "v", "reject", reason, granularity=target),
+        problems=(f"layer {layer} has no KV scales",),
     )
 
 
