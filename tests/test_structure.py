@@ -26,11 +26,6 @@ FUNCTION_DEBT = {
     "kvquant/kernels/attention/validate.py::_check_attention_structure": 134,
     "kvquant/kernels/attention/validate.py::check_attention_inputs": 132,
     "kvquant/kernels/write/launch.py::write_kv_triton": 104,
-    "kvquant/registry/resolve_analysis.py::analyze_scales": 104,
-    "kvquant/registry/resolve_dynamic.py::no_scales": 113,
-    "kvquant/registry/resolve_static.py::_finish_layer": 157,
-    "kvquant/registry/resolve_static.py::analyze_static": 102,
-    "kvquant/registry/resolve_static.py::with_k_transform": 104,
     "kvquant/testing/synthetic.py::write_checkpoint": 146,
 }
 
