@@ -121,9 +121,14 @@ class KVQuantConfig(QuantizationConfigMixin):
         prefill_tokens: int | str | None = "auto",
         **saved: Any,
     ) -> None:
-        from kvquant.integrations.hf.config import SAVED_KEYS, check_option_names
+        from kvquant.integrations.hf.config import (
+            SAVED_KEYS,
+            check_config_version,
+            check_option_names,
+        )
 
         check_option_names({k for k in saved if k not in SAVED_KEYS}, "KVQuantConfig")
+        check_config_version(saved, "KVQuantConfig")
         self.quant_method = "kvquant"  # type: ignore[assignment]
         self.scale_format = scale_format
         self.missing_scales = missing_scales
@@ -151,10 +156,12 @@ class KVQuantConfig(QuantizationConfigMixin):
         return opts
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON-ready config written to ``config.json`` by ``save_pretrained``."""
-        from kvquant.integrations.hf.config import OPTION_NAMES
+        """The JSON-ready config written to ``config.json`` by ``save_pretrained`` (versioned:
+        ``config_version``; a later kvquant reads it, an earlier one refuses it by name)."""
+        from kvquant.integrations.hf.config import CONFIG_VERSION, OPTION_NAMES
 
-        return {"quant_method": "kvquant", **{name: getattr(self, name) for name in OPTION_NAMES}}
+        options = {name: getattr(self, name) for name in OPTION_NAMES}
+        return {"quant_method": "kvquant", "config_version": CONFIG_VERSION, **options}
 
     def __repr__(self) -> str:
         import inspect

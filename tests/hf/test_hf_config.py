@@ -66,7 +66,8 @@ def test_bad_values_are_refused_at_construction_and_after_update() -> None:
 def test_saved_config_round_trips_and_compares_by_value() -> None:
     cfg = KVQuantConfig(page_size=32, cuda_graphs=False)
     saved = json.loads(json.dumps(cfg.to_dict()))
-    assert set(saved) == {"quant_method", *OPTION_NAMES}
+    assert set(saved) == {"quant_method", "config_version", *OPTION_NAMES}
+    assert saved["config_version"] == 1
     again = KVQuantConfig.from_dict(saved)
     assert again == cfg and again != KVQuantConfig()
     assert repr(cfg) == "KVQuantConfig(page_size=32, cuda_graphs=False)"
@@ -80,3 +81,13 @@ def test_from_pretrained_takes_the_same_object(tmp_path: Any) -> None:
     state = model._kvquant_state
     assert state.options.page_size == 8
     assert state.options == cfg.options(state.options.source)
+
+
+def test_a_saved_config_carries_its_version_and_a_newer_one_is_refused() -> None:
+    saved = KVQuantConfig(page_size=32).to_dict()
+    older = {k: v for k, v in saved.items() if k != "config_version"}  # saved before versions
+    assert KVQuantConfig.from_dict(older) == KVQuantConfig(page_size=32)
+    with pytest.raises(OptionError, match=r"saved by a newer kvquant \(config_version=2\)"):
+        KVQuantConfig.from_dict({**saved, "config_version": 2})
+    with pytest.raises(OptionError, match=r"config_version='1'; expected an int"):
+        KVQuantConfig.from_dict({**saved, "config_version": "1"})

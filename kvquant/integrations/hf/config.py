@@ -22,7 +22,15 @@ from kvquant.errors import OptionError, OptionTypeError
 from kvquant.kernels.backend import BACKENDS
 from kvquant.registry.options import ResolveOptions
 
-__all__ = ["OPTION_NAMES", "SAVED_KEYS", "PatchOptions", "check_option_names", "check_options"]
+__all__ = [
+    "CONFIG_VERSION",
+    "OPTION_NAMES",
+    "SAVED_KEYS",
+    "PatchOptions",
+    "check_config_version",
+    "check_option_names",
+    "check_options",
+]
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,31 @@ class PatchOptions:
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(PatchOptions) if f.name != "source")
 """The options :class:`~kvquant.KVQuantConfig` takes (and :func:`kvquant.patch` as keywords)."""
 
-SAVED_KEYS = frozenset({"quant_method"})
+CONFIG_VERSION = 1
+"""The version of the saved config's layout (``config_version`` in ``config.json``); a config
+saved without one is version 1."""
+
+SAVED_KEYS = frozenset({"quant_method", "config_version"})
 """Keys of a saved config that are not options (``save_pretrained`` writes them)."""
+
+
+def check_config_version(saved: Mapping[str, Any], owner: str) -> None:
+    """Refuse a saved config written by a newer kvquant, whose options this one may misread.
+
+    Raises:
+        OptionError: ``config_version`` is not an int from 1 to :data:`CONFIG_VERSION`.
+    """
+    version = saved.get("config_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version:
+        raise OptionError(
+            f"{owner}: config_version={version!r}; expected an int from 1 to {CONFIG_VERSION}. "
+            "Fix: remove the key from the saved config, or save it again."
+        )
+    if version > CONFIG_VERSION:
+        raise OptionError(
+            f"{owner}: the config was saved by a newer kvquant (config_version={version}); "
+            f"this one reads up to {CONFIG_VERSION}. Fix: upgrade kvquant-fp8."
+        )
 
 
 def check_option_names(names: Mapping[str, Any] | set[str], owner: str) -> None:
