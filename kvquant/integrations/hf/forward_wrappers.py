@@ -16,6 +16,7 @@ from kvquant.integrations.hf.graphs import (
     CompiledLayers,
     DecodeGraphRunner,
 )
+from kvquant.integrations.hf.marks import MISSING
 from kvquant.integrations.hf.models import (
     decoder_layers,
 )
@@ -29,7 +30,7 @@ from kvquant.integrations.hf.routing import (
     wants_cache,
 )
 from kvquant.integrations.hf.rowgroups import RowGroupForward
-from kvquant.integrations.hf.state import MISSING, PatchState
+from kvquant.integrations.hf.state import PatchState
 
 __all__ = [
     "install_forward_wrappers",

@@ -30,6 +30,7 @@ from kvquant.integrations.hf import continuous as _continuous
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache
 from kvquant.integrations.hf.config import PatchOptions, check_option_names
 from kvquant.integrations.hf.forward_wrappers import install_forward_wrappers
+from kvquant.integrations.hf.marks import MISSING, STATE_ATTR
 from kvquant.integrations.hf.models import (
     AttentionSite,
     check_supported,
@@ -52,7 +53,7 @@ from kvquant.integrations.hf.scale_source import (
     resolve,
     same_specs,
 )
-from kvquant.integrations.hf.state import MISSING, SCALE_ATTRS, STATE_ATTR, PatchState
+from kvquant.integrations.hf.state import SCALE_ATTRS, PatchState
 from kvquant.integrations.transformers_quantizer import KVQuantConfig
 from kvquant.kernels.backend import resolve_backend
 from kvquant.types import LayerGeometry, RawScale

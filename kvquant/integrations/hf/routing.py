@@ -19,7 +19,8 @@ from kvquant.errors import (
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf import continuous as _continuous
 from kvquant.integrations.hf.cache_layer import KVQuantCache
-from kvquant.integrations.hf.state import STATE_ATTR, PatchState
+from kvquant.integrations.hf.marks import STATE_ATTR
+from kvquant.integrations.hf.state import PatchState
 
 __all__ = [
     "Injector",

@@ -13,8 +13,9 @@ from kvquant.errors import (
 )
 from kvquant.integrations.hf.cache_layer import LayerSpec
 from kvquant.integrations.hf.forward_wrappers import module_device
+from kvquant.integrations.hf.marks import MISSING
 from kvquant.integrations.hf.routing import PatchBound
-from kvquant.integrations.hf.state import MISSING, PatchState
+from kvquant.integrations.hf.state import PatchState
 
 __all__ = [
     "ScaleLoad",

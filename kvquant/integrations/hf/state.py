@@ -22,35 +22,15 @@ from kvquant.integrations.hf.rowgroups import RowGroupForward
 from kvquant.types import RawScale
 
 __all__ = [
-    "MISSING",
     "SCALE_ATTRS",
-    "STATE_ATTR",
     "PatchState",
 ]
-
-
-STATE_ATTR = "_kvquant_state"
 
 
 if TYPE_CHECKING:
     from kvquant.integrations.hf.patch import KVQuantHandle
 
 
-class _Missing:
-    """The mark of an attribute that was absent before the patch (``saved_attrs``).
-
-    One object, also through ``copy.deepcopy`` and pickling (a copied patched
-    model must recognise it when its handle restores the attributes).
-    """
-
-    def __reduce__(self) -> str:
-        return "MISSING"
-
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-MISSING = _Missing()
 SCALE_ATTRS = ("k_scale", "v_scale")
 
 

@@ -20,13 +20,10 @@ __all__ = [
     "BATCH_KWARG",
     "FULL_ATTENTION",
     "PAGED_NAME",
-    "STATE_ATTR",
     "BlockLayout",
     "layout_for",
 ]
 
-STATE_ATTR = "_kvquant_state"
-"""Attribute of a patched model holding its :class:`~kvquant.integrations.hf.patch.PatchState`."""
 
 BATCH_KWARG = "_kvq_batch_step"
 """Keyword the batching cache's ``update`` (5.24) adds to the attention call: the layer's step."""

@@ -36,8 +36,9 @@ from kvquant.integrations.hf.continuous.caches import (
     register_config,
     unregister_config,
 )
-from kvquant.integrations.hf.continuous.layout import PAGED_NAME, STATE_ATTR, layout_for
+from kvquant.integrations.hf.continuous.layout import PAGED_NAME, layout_for
 from kvquant.integrations.hf.continuous.storage import release
+from kvquant.integrations.hf.marks import MISSING, STATE_ATTR
 
 __all__ = [
     "BatchingHooks",
@@ -48,19 +49,6 @@ __all__ = [
 
 _logger = logging.getLogger("kvquant")
 
-
-class _Missing:
-    """The mark of a model attribute that was absent before :func:`install` (one object, also
-    through ``copy.deepcopy`` and pickling)."""
-
-    def __reduce__(self) -> str:
-        return "_MISSING"
-
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING = _Missing()
 
 # ---------------------------------------------------------------------- attention (5.17)
 
@@ -117,7 +105,7 @@ class _Bound:
     """A callable of this integration that holds its model and patch state as attributes
     (``copy.deepcopy`` of the model copies it with the model)."""
 
-    def __init__(self, model: nn.Module, state: Any, previous: Any = _MISSING) -> None:
+    def __init__(self, model: nn.Module, state: Any, previous: Any = MISSING) -> None:
         self.model = model
         self.state = state
         self.previous = previous
@@ -126,7 +114,7 @@ class _Bound:
         return getattr(self.model, STATE_ATTR, None) is self.state
 
     def original(self, name: str) -> Callable[..., Any]:
-        if self.previous is not _MISSING:
+        if self.previous is not MISSING:
             fn: Callable[..., Any] = self.previous
             return fn
         return getattr(type(self.model), name).__get__(self.model)
@@ -463,7 +451,7 @@ class BatchingHooks:
         ):
             if not callable(getattr(type(model), name, None)):
                 continue
-            previous = model.__dict__.get(name, _MISSING)
+            previous = model.__dict__.get(name, MISSING)
             self.saved[name] = previous
             model.__dict__[name] = cls(model, state, previous)
 
@@ -507,7 +495,7 @@ class BatchingHooks:
         for name, previous in self.saved.items():
             current = model.__dict__.get(name)
             if isinstance(current, _Bound) and current.state is self.state:
-                if previous is _MISSING:
+                if previous is MISSING:
                     del model.__dict__[name]
                 else:
                     model.__dict__[name] = previous
