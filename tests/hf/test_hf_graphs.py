@@ -19,7 +19,7 @@ from hf_tiny import BUILDERS, build, prompt
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import CacheCapacityError, KVQuantError, UnsupportedModelError
-from kvquant.integrations.hf.graphs import left_padding_starts
+from kvquant.integrations.hf.graphs import left_padding_starts, step_left_padding_starts
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
@@ -187,6 +187,36 @@ def test_left_padding_starts() -> None:
     assert left_padding_starts(torch.tensor([[1, 1, 0]]), 1, 3, cpu) is None  # padding query
     assert left_padding_starts(torch.tensor([[0, 0, 0]]), 1, 3, cpu) is None
     assert left_padding_starts(torch.tensor([[1, 0, 1]]), 1, 3, cpu) is None  # a hole
+
+
+def test_step_left_padding_starts_follows_the_growing_mask() -> None:
+    """A decode step whose mask is the last one plus a column of ones reuses its starts; any
+    other mask (a hole, a padding newest token, the last mask changed in place) is checked
+    again in full."""
+    from types import SimpleNamespace
+
+    cpu = torch.device("cpu")
+    cache = SimpleNamespace(batch_size_=3, decode_mask_memo=None)
+    ones = torch.ones(3, 1, dtype=torch.long)
+    m = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    first = step_left_padding_starts(cache, m, 5, cpu)  # type: ignore[arg-type]
+    assert first is not None and first.tolist() == [2, 0, 1]
+    m2 = torch.cat([m, ones], dim=1)
+    again = step_left_padding_starts(cache, m2, 6, cpu)  # type: ignore[arg-type]
+    assert again is first  # the previous step's starts, no second check
+    m2[1, 2] = 0  # the caller changes the last mask in place: a hole
+    holed = torch.cat([m2, ones], dim=1)
+    assert step_left_padding_starts(cache, holed, 7, cpu) is None  # type: ignore[arg-type]
+    assert cache.decode_mask_memo is None
+    m3 = torch.cat([m, ones, ones], dim=1)
+    fresh = step_left_padding_starts(cache, m3, 7, cpu)  # type: ignore[arg-type]
+    assert fresh is not None and fresh.tolist() == [2, 0, 1]
+    padded_newest = torch.cat([m3, torch.tensor([[1], [0], [1]])], dim=1)
+    assert step_left_padding_starts(cache, padded_newest, 8, cpu) is None  # type: ignore[arg-type]
+    shifted = torch.cat([torch.zeros(3, 1, dtype=torch.long), m3], dim=1)  # same length + 1
+    step_left_padding_starts(cache, m3, 7, cpu)  # type: ignore[arg-type]
+    moved = step_left_padding_starts(cache, shifted, 8, cpu)  # type: ignore[arg-type]
+    assert moved is not None and moved.tolist() == [3, 1, 2]
 
 
 def test_views_of_a_growing_tensor_reuse_one_graph(tiny_llama: Any) -> None:

@@ -530,6 +530,8 @@ class KVQuantCache(PoolSizing, Cache):
         self.compiled_capacity: int | None = None
         self.book = SequenceBook(max(1, len(state.layer_specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
+        # the last decode step's padding mask (a copy) and its left-padding starts (graphs.py)
+        self.decode_mask_memo: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
         self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
         layers: list[Any] = [
@@ -594,6 +596,7 @@ class KVQuantCache(PoolSizing, Cache):
             layer.reset()
         self.book.reset()
         self.kv_start_memo = None
+        self.decode_mask_memo = None
         self.first_visible_memo = None
         self.decode_graph = None
 
@@ -699,6 +702,7 @@ class KVQuantCache(PoolSizing, Cache):
                     layer.storage.truncate_first(tokens)
         self.book.truncate(tokens)  # a graph's static table is copied again if pages moved
         self.kv_start_memo = None
+        self.decode_mask_memo = None
         self.first_visible_memo = None
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:

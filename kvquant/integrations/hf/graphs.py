@@ -40,6 +40,7 @@ __all__ = [
     "GraphStats",
     "compile_unusable_reason",
     "left_padding_starts",
+    "step_left_padding_starts",
 ]
 
 _logger = logging.getLogger("kvquant")
@@ -143,6 +144,38 @@ def left_padding_starts(
     if not (bool((real == (cols[None, :] >= start[:, None])).all()) and bool(real[:, -1].all())):
         return None
     return start.to(device)
+
+
+def step_left_padding_starts(
+    cache: KVQuantCache, mask: torch.Tensor | None, total: int, device: torch.device
+) -> torch.Tensor | None:
+    """:func:`left_padding_starts` of a decode step, checked against the previous step's mask.
+
+    ``generate`` grows the mask by a column of ones each step: when this mask is
+    the previous step's plus such a column (compared on the mask's device, one
+    small reduction), the starts are the previous step's, and the ``[B, total]``
+    copy to the host and its check are skipped. Anything else takes the full
+    check. The previous mask is kept as a copy on the cache, which ends with it.
+    """
+    batch = cache.batch_size_
+    memo = cache.decode_mask_memo
+    if (
+        memo is not None
+        and isinstance(mask, torch.Tensor)
+        and tuple(mask.shape) == (batch, total)
+        and tuple(memo[0].shape) == (batch, total - 1)
+        and mask.device == memo[0].device
+        and mask.dtype == memo[0].dtype
+    ):
+        prev, starts = memo
+        same = (mask[:, :-1] == prev).all() & (mask[:, -1] != 0).all()
+        if bool(same):
+            cache.decode_mask_memo = (mask.detach().clone(), starts)
+            return starts
+    starts = left_padding_starts(mask, batch, total, device)
+    keep = isinstance(mask, torch.Tensor) and starts is not None
+    cache.decode_mask_memo = (mask.detach().clone(), starts) if keep else None
+    return starts
 
 
 def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -490,9 +523,7 @@ class DecodeGraphRunner:
         starts = (
             None
             if key is None
-            else left_padding_starts(
-                kwargs.get("attention_mask"), cache.batch_size_, seq + 1, device
-            )
+            else step_left_padding_starts(cache, kwargs.get("attention_mask"), seq + 1, device)
         )
         if key is None or starts is None:
             self.stats.ordinary += 1
