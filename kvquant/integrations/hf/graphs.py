@@ -172,10 +172,12 @@ def step_left_padding_starts(
         if bool(same):
             cache.decode_mask_memo = (mask.detach().clone(), starts)
             return starts
-    starts = left_padding_starts(mask, batch, total, device)
-    keep = isinstance(mask, torch.Tensor) and starts is not None
-    cache.decode_mask_memo = (mask.detach().clone(), starts) if keep else None
-    return starts
+    checked = left_padding_starts(mask, batch, total, device)
+    if isinstance(mask, torch.Tensor) and checked is not None:
+        cache.decode_mask_memo = (mask.detach().clone(), checked)
+    else:
+        cache.decode_mask_memo = None
+    return checked
 
 
 def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
