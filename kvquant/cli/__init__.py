@@ -4,7 +4,8 @@
 of this package that declares its arguments beside its handler (``NAME``,
 ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)``, ``run(args, out, err)``);
 :mod:`kvquant.cli.common` holds what they share: exit codes, the PATH rule
-(:func:`checkpoint_dir`), errors and ``--json`` output. Text output is laid out
+(:func:`checkpoint_dir`), errors and ``--json`` output; :mod:`kvquant.cli.options` the
+scale and kernel option flags and the one value they build. Text output is laid out
 for the terminal's width (:func:`kvquant.tables.output_width`); when stdout's
 reader goes away early (``| head``) a command stops quietly with 141, and an
 exception no subcommand expects (a bug) exits with 3, its traceback on stderr.

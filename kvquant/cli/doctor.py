@@ -10,9 +10,10 @@ when any layer (or the checkpoint) would be rejected, 2 on a usage error.
 from __future__ import annotations
 
 import argparse
-from typing import Any, TextIO
+from typing import TextIO
 
 from kvquant.cli.common import EXIT_USAGE, PATH_HELP, checkpoint_dir, fail, print_json, width
+from kvquant.cli.options import add_option_flags, config_from_args
 from kvquant.errors import KVQuantError
 
 NAME = "doctor"
@@ -27,7 +28,8 @@ DESCRIPTION = (
     "(missing path, not a checkpoint)."
 )
 
-_OPTIONS = ("scale_format", "missing_scales", "missing_kv", "group_size", "rope_policy")
+OPTIONS = ("scale_format", "missing_scales", "missing_kv", "group_size", "rope_policy")
+"""The shared option flags doctor takes: the registry's resolve options."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,43 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one row per layer and K/V (default for up to 8 layers; above, one row per "
         "distinct decision with its layer ranges)",
     )
-    parser.add_argument(
-        "--scale-format",
-        dest="scale_format",
-        default=None,
-        help="scale format to resolve to: auto (default), per-tensor, per-head, fp32-group, "
-        "or a registered format's name",
-    )
-    parser.add_argument(
-        "--missing-scales",
-        dest="missing_scales",
-        default=None,
-        choices=("dynamic", "error", "unit"),
-        help="when the checkpoint has no KV scales: dynamic fp32-group scales (default), "
-        "error, or unit (1.0, warned)",
-    )
-    parser.add_argument(
-        "--missing-kv",
-        dest="missing_kv",
-        default=None,
-        choices=("error", "reuse"),
-        help="when a layer has only K or only V: error (default) or reuse the one present",
-    )
-    parser.add_argument(
-        "--group-size",
-        dest="group_size",
-        type=int,
-        default=None,
-        help="fp32-group group size (a divisor of head_dim; default 64 capped at head_dim)",
-    )
-    parser.add_argument(
-        "--rope-policy",
-        dest="rope_policy",
-        default=None,
-        choices=("widen", "keep"),
-        help="for K scales calibrated before RoPE (Quark default): widen by sqrt(2) (default) "
-        "or keep as stored",
-    )
+    add_option_flags(parser, OPTIONS)
 
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -86,11 +52,9 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvquant.registry.options import ResolveOptions
     from kvquant.report import inspect_checkpoint
 
-    options: dict[str, Any] = {
-        name: getattr(args, name) for name in _OPTIONS if getattr(args, name) is not None
-    }
     try:
-        report = inspect_checkpoint(checkpoint_dir(args.path), options=ResolveOptions(**options))
+        options = config_from_args(args, ResolveOptions)
+        report = inspect_checkpoint(checkpoint_dir(args.path), options=options)
     except KVQuantError as exc:
         # CheckpointError (not a checkpoint) or an option the registry refuses
         return fail(args, exc, EXIT_USAGE, out, err)

@@ -22,6 +22,7 @@ from kvquant.cli.common import (
     print_json,
     width,
 )
+from kvquant.cli.options import add_option_flags, config_from_args
 from kvquant.errors import KVQuantError
 
 NAME = "export"
@@ -35,6 +36,9 @@ DESCRIPTION = (
     "scales are re-saved with every other tensor unchanged. Exit code: 0 written, 1 refused "
     "(nothing written), 2 usage error."
 )
+
+OPTIONS = ("rope_policy", "missing_kv")
+"""The shared option flags export takes (the rest of the resolve options are the engine's)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,21 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--per-head", action="store_true", help="same as --granularity per-head (vLLM only)"
     )
-    parser.add_argument(
-        "--rope-policy",
-        dest="rope_policy",
-        default="widen",
-        choices=("widen", "keep"),
-        help="K scales calibrated before RoPE (Quark default): widen by sqrt(2) (default) or "
-        "export as stored (warned)",
-    )
-    parser.add_argument(
-        "--missing-kv",
-        dest="missing_kv",
-        default="error",
-        choices=("error", "reuse"),
-        help="a layer with only K or only V: error (default) or reuse the one present",
-    )
+    add_option_flags(parser, OPTIONS)
     parser.add_argument(
         "--force",
         action="store_true",
@@ -86,16 +76,18 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Run ``kvquant export``; return its exit code."""
     from kvquant.errors import CheckpointError
     from kvquant.export import ExportTargetExistsError, export_checkpoint
+    from kvquant.registry.options import ResolveOptions
 
     granularity = "per-head" if args.per_head else args.granularity
+    options = config_from_args(args, ResolveOptions)
     try:
         report = export_checkpoint(
             checkpoint_dir(args.path),
             args.out,
             engine=args.engine,
             granularity=granularity,
-            rope_policy=args.rope_policy,
-            missing_kv=args.missing_kv,
+            rope_policy=options.rope_policy,
+            missing_kv=options.missing_kv,
             force=args.force,
             link=not args.copy,
             progress=not args.json,

@@ -12,6 +12,7 @@ import argparse
 from typing import TextIO
 
 from kvquant.cli.common import DTYPES, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, fail
+from kvquant.cli.options import add_option_flags, config_from_args
 from kvquant.errors import KVQuantError
 
 NAME = "serve"
@@ -23,6 +24,9 @@ DESCRIPTION = (
     "with continuous batching, the model patched by kvquant.patch: every request runs on "
     "kvquant's FP8 pages. Needs transformers' serving extras."
 )
+
+OPTIONS = ("scale_format", "missing_scales", "backend")
+"""The shared option flags serve takes (options of the patch the served model gets)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,16 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a checkpoint folder holding the KV scales (default: the model's own)",
     )
-    parser.add_argument("--scale-format", default="auto", help="registry scale format (auto)")
-    parser.add_argument(
-        "--missing-scales",
-        choices=("dynamic", "error", "unit"),
-        default="dynamic",
-        help="no KV scales: dynamic fp32-group scales (default), refuse, or unit scales",
-    )
-    parser.add_argument(
-        "--backend", choices=("auto", "triton", "torch"), default="auto", help="kernels (auto)"
-    )
+    add_option_flags(parser, OPTIONS)
     parser.add_argument(
         "--page-size", type=int, default=None, help="tokens per cache block (transformers: 256)"
     )
@@ -71,9 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Run ``kvquant serve``; return its exit code."""
     from kvquant.errors import BackendError, CheckpointError, OptionError
+    from kvquant.integrations.hf import KVQuantConfig
     from kvquant.serve import serve
 
     try:
+        config = config_from_args(args, KVQuantConfig)
         serve(
             args.model,
             host=args.host,
@@ -81,9 +78,9 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             device=args.device,
             dtype=args.dtype,
             scales=args.scales,
-            scale_format=args.scale_format,
-            missing_scales=args.missing_scales,
-            backend=args.backend,
+            scale_format=config.scale_format,
+            missing_scales=config.missing_scales,
+            backend=config.backend,
             page_size=args.page_size,
             num_blocks=args.num_blocks,
             max_batch_tokens=args.max_batch_tokens,
