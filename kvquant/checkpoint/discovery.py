@@ -38,6 +38,7 @@ from kvquant.checkpoint.geometry import language_config, leftover_text_config, r
 from kvquant.checkpoint.producers import (
     KV_TRANSFORM_FILE,
     NAMINGS,
+    NO_PRODUCER,
     PRODUCERS,
     Producer,
     convention_of,
@@ -407,13 +408,18 @@ def _producer_findings(
     return found
 
 
-def _no_scales_finding(producer: str, scheme: Mapping[str, Any] | None) -> list[Finding]:
+def _no_scales_finding(
+    producer: Producer | None, scheme: Mapping[str, Any] | None
+) -> list[Finding]:
+    """The finding of a checkpoint without KV scales (``producer``: the one its config names)."""
     if scheme and scheme.get("dynamic") is True:
         return []
-    declared = f" although its {producer} config declares a KV scheme" if producer != "none" else ""
+    declared = ""
+    if producer is not None:
+        declared = f" although its {producer.producer} config declares a KV scheme"
     return [
         Finding(
-            "info" if producer == "none" else "warning",
+            "info" if producer is None else "warning",
             "no-kv-scales",
             f"the checkpoint carries no KV scales{declared}; kvquant falls back to "
             "--missing-scales (default: dynamic fp32-group scales).",
@@ -508,13 +514,13 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     elif raws:
         producer = Counter(r.convention for r in raws).most_common(1)[0][0]
     else:
-        producer = "none"
+        producer = NO_PRODUCER
     final = reported(producer)
     scheme = final.kv_scheme(qcfg, cfg.hf_quant) if final is not None else None
     all_findings = _producer_findings(decided, from_folder, producer, raws, qcfg)
     all_findings.extend(scheme_findings(producer, scheme))
     if not raws:
-        all_findings.extend(_no_scales_finding(producer, scheme))
+        all_findings.extend(_no_scales_finding(final, scheme))
     all_findings.extend(_folder_findings(root, cfg.config, selection))
     all_findings.extend(findings)
     for each in PRODUCERS:

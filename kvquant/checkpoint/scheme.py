@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvquant.checkpoint.findings import Finding
-from kvquant.checkpoint.producers import Producer
+from kvquant.checkpoint.producers import NO_PRODUCER, Producer
 
 __all__ = ["FP8_DTYPES", "scheme_findings", "weight_findings"]
 
@@ -138,7 +138,7 @@ def weight_findings(
             )
         ]
     if fp8:
-        name = producer.producer if producer is not None else "none"
+        name = producer.producer if producer is not None else NO_PRODUCER
         return [
             Finding(
                 "info",

@@ -386,25 +386,31 @@ def _check_request(args: argparse.Namespace) -> None:
         CalibrationError: a convention that cannot hold the format, or not exactly one
             data source.
     """
+    from kvquant.calibrate.options import Convention, Granularity
+    from kvquant.checkpoint.producers import producer_for
     from kvquant.errors import CalibrationError
 
-    if args.granularity == "k-transform":
-        if args.convention not in (None, "kvquant"):
+    k_transform = args.granularity == Granularity.K_TRANSFORM
+    if (
+        args.convention is None
+    ):  # the k-transform has one home; the rest defaults to llm-compressor's
+        default = Convention.KVQUANT if k_transform else Convention.COMPRESSED_TENSORS
+        args.convention = default.value
+    producer = producer_for(args.convention)
+    if k_transform:
+        if not producer.stores_k_transform:
             raise CalibrationError(
                 f"--format k-transform is stored only in kvquant's own convention (k_offset "
                 f"tensors and kvquant_kv_transform.json), not {args.convention}: no serving "
                 "engine reads it. Fix: drop --convention, or calibrate --format per-head "
                 "for a producer convention."
             )
-        args.convention = "kvquant"
-    elif args.convention == "kvquant":
+    elif producer.stores_k_transform:
         raise CalibrationError(
-            f"--convention kvquant holds only the k-transform, not --format "
+            f"--convention {args.convention} holds only the k-transform, not --format "
             f"{args.granularity}. Fix: pass --format k-transform, or drop --convention."
         )
-    elif args.convention is None:
-        args.convention = "compressed-tensors"
-    if args.granularity == "per-head" and args.convention != "compressed-tensors":
+    if args.granularity == Granularity.PER_HEAD and not producer.per_head:
         raise CalibrationError(
             f"--format per-head is stored by the compressed-tensors convention only "
             f"(strategy attn_head), not {args.convention}. Fix: drop --convention or use "

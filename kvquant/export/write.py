@@ -59,11 +59,12 @@ def new_configs(
 
     See :meth:`kvquant.checkpoint.producers.Producer.export_configs`.
     """
-    return producer_for(convention).export_configs(
+    target = producer_for(convention)
+    return target.export_configs(
         granularity,
         found.quantization_config,
         found.hf_quant_config,
-        same_producer=found.producer == convention,
+        same_producer=reported(found.producer) is target,
         weights=weights,
         observer=observer,
     )

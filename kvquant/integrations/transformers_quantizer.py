@@ -325,8 +325,11 @@ def _explain_unread_producer_config(found: Any) -> None:
     and load with ``KVQuantConfig`` alone, which is right: the weights are not
     quantized, and kvquant reads the KV scales the producer's config describes.
     """
+    from kvquant.checkpoint.producers import config_producer
+
     method = str((found.quantization_config or {}).get("quant_method", "")).lower()
-    if not method or method == "kvquant" or SET_ASIDE.get():
+    producer = config_producer(found.quantization_config)
+    if not method or (producer is not None and producer.kvquant_config) or SET_ASIDE.get():
         return
     try:
         from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING

@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 
 from kvquant.checkpoint import producers as conventions
-from kvquant.checkpoint.producers import PRODUCERS, Producer
+from kvquant.checkpoint.producers import NO_PRODUCER, PRODUCERS, Producer
 
 __all__ = [
     "CONVENTIONS",
@@ -66,7 +66,7 @@ K_TRANSFORM = "kvquant-k-transform"
 CONVENTIONS: tuple[str, ...] = (
     *(p.name for p in PRODUCERS if not p.stores_k_transform),
     K_TRANSFORM,
-    "none",
+    NO_PRODUCER,
 )
 """The producer conventions :func:`write_checkpoint` can write (every registered producer)."""
 
@@ -495,7 +495,7 @@ def _check_options(
     """The producer :func:`write_checkpoint` writes (None for ``"none"``), or ValueError."""
     if convention not in CONVENTIONS:
         raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
-    producer = None if convention == "none" else _PRODUCER_OF[convention]
+    producer = _PRODUCER_OF.get(convention)  # None: NO_PRODUCER
     if granularity not in ("per-tensor", "per-head"):
         raise ValueError(f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}")
     per_head = producer is not None and (producer.per_head or producer.stores_k_transform)

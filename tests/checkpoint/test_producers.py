@@ -179,3 +179,40 @@ def test_quark_configs(
     bare = cv.quark_config(post_rope=True)
     assert "version" not in bare and bare["exclude"] == []
     assert bare["export"]["kv_cache_group"] == [] and bare["export"]["scale_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "name", "weights"),
+    [
+        ({"quant_method": "compressed-tensors"}, "compressed-tensors", False),
+        (
+            {"quant_method": "compressed_tensors", "config_groups": {"g": {}}},
+            "compressed-tensors",
+            True,
+        ),
+        ({"quant_method": "modelopt", "quant_algo": None}, "modelopt", False),
+        ({"quant_method": "modelopt", "quant_algo": "null"}, "modelopt", False),
+        ({"quant_method": "MODELOPT", "quant_algo": "FP8"}, "modelopt", True),
+        ({"quant_method": "quark", "global_quant_config": {"weight": None}}, "quark", False),
+        (
+            {"quant_method": "quark", "global_quant_config": {"weight": {"dtype": "fp8"}}},
+            "quark",
+            True,
+        ),
+        ({"quant_method": "kvquant", "page_size": 16}, "kvquant", False),
+        ({"quant_method": "bitsandbytes"}, None, False),
+        (None, None, False),
+    ],
+)
+def test_config_producer_and_whether_its_config_quantizes_weights(
+    qcfg: dict[str, object] | None, name: str | None, weights: bool
+) -> None:
+    producer = cv.config_producer(qcfg)
+    assert (producer.name if producer is not None else None) == name
+    if producer is not None:
+        assert producer.config_quantizes_weights(qcfg or {}) is weights
+
+
+def test_only_kvquants_own_config_is_a_kvquant_config() -> None:
+    assert [p.name for p in cv.PRODUCERS if p.kvquant_config] == ["kvquant"]
+    assert cv.reported(cv.NO_PRODUCER) is None

@@ -56,6 +56,7 @@ __all__ = [
     "KV_TRANSFORM_VERSION",
     "K_OFFSET_SUFFIX",
     "NAMINGS",
+    "NO_PRODUCER",
     "PRODUCERS",
     "PRODUCER_CONVENTIONS",
     "CompressedTensors",
@@ -70,6 +71,7 @@ __all__ = [
     "TensorRTLLM",
     "compressed_tensors_config",
     "compressed_tensors_kv_scheme",
+    "config_producer",
     "convention_of",
     "detect_producer",
     "k_offset_tensor_name",
@@ -97,6 +99,9 @@ PRODUCERS: tuple[Producer, ...] = (
     KVQuant(),
 )
 """Every producer convention kvquant knows, in the order discovery asks them."""
+
+NO_PRODUCER = "none"
+"""The producer discovery reports for a checkpoint with no KV scales and no producer config."""
 
 _BY_NAME: Mapping[str, Producer] = {p.name: p for p in PRODUCERS}
 
@@ -131,7 +136,7 @@ def producer_for(convention: str) -> Producer:
 
 
 def reported(name: str) -> Producer | None:
-    """The producer discovery reports as ``name`` (None for ``"none"`` and unknown names)."""
+    """The producer discovery reports as ``name`` (None for :data:`NO_PRODUCER` and unknown names)."""
     return next((p for p in PRODUCERS if p.producer == name), None)
 
 
@@ -144,9 +149,9 @@ def detect_producer(
 
     Asked in order: ``quant_method``, ``hf_quant_config.json``, a file in ``root``.
     """
-    for producer in PRODUCERS:
-        if producer.detect(qcfg):
-            return producer
+    named = config_producer(qcfg)
+    if named is not None:
+        return named
     for producer in PRODUCERS if hf_quant else ():
         if hf_quant is not None and producer.detect_side_config(hf_quant):
             return producer
@@ -154,6 +159,11 @@ def detect_producer(
         if root is not None and producer.detect_in_folder(root):
             return producer
     return None
+
+
+def config_producer(qcfg: Mapping[str, Any] | None) -> Producer | None:
+    """The producer whose ``quant_method`` a ``quantization_config`` names, or None."""
+    return next((p for p in PRODUCERS if p.detect(qcfg)), None)
 
 
 def convention_of(family: str, decided: Producer | None) -> Producer:
@@ -252,7 +262,7 @@ def producer_configs(
     """The configs a producer's own export writes (as its current release does).
 
     Args:
-        convention: one of :data:`PRODUCER_CONVENTIONS`, or ``"none"``.
+        convention: one of :data:`PRODUCER_CONVENTIONS`, or :data:`NO_PRODUCER`.
         granularity: compressed-tensors only: ``"per-head"`` writes ``attn_head``.
         fp8_weights: ModelOpt only: the FP8-weight export.
         post_rope: Quark only: ``kv_cache_post_rope``.
@@ -260,12 +270,12 @@ def producer_configs(
 
     Returns:
         ``(quantization_config or None, hf_quant_config.json or None)``; both
-        None for ``"legacy-kv_scale"`` and ``"none"``.
+        None for ``"legacy-kv_scale"`` and :data:`NO_PRODUCER`.
 
     Raises:
         ConventionError: unknown convention.
     """
-    if convention == "none":
+    if convention == NO_PRODUCER:
         return None, None
     return _writable(convention).configs(
         granularity=granularity,

@@ -84,6 +84,8 @@ class Producer:
         stores_k_transform: kvquant's own k-transform (K offsets and a settings file).
         hugging_face: whether its checkpoints are Hugging Face checkpoints
             (``kvquant export`` refuses the others).
+        kvquant_config: whether its ``quantization_config`` is a saved
+            :class:`~kvquant.KVQuantConfig` (loaded by kvquant's own quantizer).
         write_options: the :func:`~kvquant.testing.checkpoints.write_checkpoint`
             options only this producer takes.
     """
@@ -101,6 +103,7 @@ class Producer:
     keeps_weights: ClassVar[bool] = False
     stores_k_transform: ClassVar[bool] = False
     hugging_face: ClassVar[bool] = True
+    kvquant_config: ClassVar[bool] = False
     write_options: ClassVar[frozenset[str]] = frozenset()
 
     def __repr__(self) -> str:
@@ -176,6 +179,11 @@ class Producer:
     ) -> str | None:
         """How its configs quantize the weights, or None when they say nothing of it."""
         return None
+
+    def config_quantizes_weights(self, qcfg: Mapping[str, Any]) -> bool:
+        """Whether its ``quantization_config`` alone says the weights are quantized (what
+        :func:`kvquant.from_pretrained` refuses before loading anything)."""
+        return False
 
     # ------------------------------------------------------------------ writing
 

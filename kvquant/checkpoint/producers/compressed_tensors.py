@@ -199,6 +199,9 @@ class CompressedTensors(Producer):
             )
         ]
 
+    def config_quantizes_weights(self, qcfg: Mapping[str, Any]) -> bool:
+        return bool(qcfg.get("config_groups"))
+
     def configs(
         self,
         *,

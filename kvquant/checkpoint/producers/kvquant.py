@@ -117,6 +117,7 @@ class KVQuant(Producer):
     per_tensor_shape = ScaleShape.SCALAR
     writable = False
     stores_k_transform = True
+    kvquant_config = True
 
     def detect_in_folder(self, root: Path) -> bool:
         return os.path.lexists(root / KV_TRANSFORM_FILE)

@@ -159,6 +159,9 @@ class ModelOpt(Producer):
             algo = quant.get("quant_algo")
         return None if algo is None else f"ModelOpt quant_algo {algo!r}"
 
+    def config_quantizes_weights(self, qcfg: Mapping[str, Any]) -> bool:
+        return qcfg.get("quant_algo") not in (None, "", "null")
+
     def configs(
         self,
         *,

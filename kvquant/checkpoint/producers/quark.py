@@ -210,6 +210,10 @@ class Quark(Producer):
                     return f"Quark {key} quantizes weights"
         return None
 
+    def config_quantizes_weights(self, qcfg: Mapping[str, Any]) -> bool:
+        glob = qcfg.get("global_quant_config") or {}
+        return bool(isinstance(glob, Mapping) and glob.get("weight"))
+
     def writes_merged(self, *, post_rope: bool = False) -> bool:
         return not post_rope
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kvquant.cache import release_library_workspaces
+from kvquant.checkpoint.producers import NO_PRODUCER
 from kvquant.errors import (
     OptionError,
     OptionTypeError,
@@ -283,7 +284,7 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     found = state.raw_context.get("discovered")
     producer = getattr(found, "producer", None)
     source = opts.source or "none"
-    if producer not in (None, "none"):
+    if producer not in (None, NO_PRODUCER):
         source += f", {producer} convention"
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")

@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from kvquant.checkpoint.files import folder_named_by, locate_checkpoint
+from kvquant.checkpoint.producers import Producer, config_producer
 from kvquant.errors import OptionTypeError, UnsupportedModelError
 from kvquant.integrations.transformers_quantizer import SET_ASIDE, KVQuantConfig, KVQuantizer
 
 __all__ = ["KVQuantConfig", "KVQuantizer", "from_pretrained", "quiet_loading"]
 
 _logger = logging.getLogger("kvquant")
-
-_TRANSFORMERS_QUANTIZERS = ("compressed-tensors", "compressed_tensors", "quark")
 
 
 _HUB_KWARGS = ("revision", "cache_dir", "subfolder", "token", "trust_remote_code", "code_revision")
@@ -111,10 +110,9 @@ def from_pretrained(
     producer_cfg = getattr(config, "quantization_config", None)
     if producer_cfg is not None:
         as_dict = producer_cfg if isinstance(producer_cfg, dict) else producer_cfg.to_dict()
-        method = str(as_dict.get("quant_method", "")).lower()
-        if method in _TRANSFORMERS_QUANTIZERS or method == "modelopt":
-            _check_kv_only(method, as_dict, path)
-        if method != "kvquant" or quantization_config is not None:
+        producer = config_producer(as_dict)
+        _check_kv_only(producer, as_dict, path)
+        if producer is None or not producer.kvquant_config or quantization_config is not None:
             # a producer's config is kept aside (discovery reads it from the folder); a saved
             # kvquant config gives way to the one passed (transformers would keep the saved one)
             del config.quantization_config
@@ -145,16 +143,10 @@ def _drop_leftover_text_config(config: Any) -> None:
         del config.text_config
 
 
-def _check_kv_only(method: str, qcfg: dict[str, Any], path: str | Path) -> None:
-    weights = False
-    if method.startswith("compressed"):
-        weights = bool(qcfg.get("config_groups"))
-    elif method == "modelopt":
-        weights = qcfg.get("quant_algo") not in (None, "", "null")
-    elif method == "quark":
-        glob = qcfg.get("global_quant_config") or {}
-        weights = bool(isinstance(glob, dict) and glob.get("weight"))
-    if weights:
+def _check_kv_only(producer: Producer | None, qcfg: dict[str, Any], path: str | Path) -> None:
+    """Refuse a producer config that also quantizes the weights (kvquant loads KV scales only)."""
+    if producer is not None and producer.config_quantizes_weights(qcfg):
+        method = str(qcfg.get("quant_method", "")).lower()
         raise UnsupportedModelError(
             f"{path}: its {method} quantization_config also quantizes the weights; kvquant loads "
             "KV-cache scales only and cannot load quantized weights. Fix: use a KV-only "
