@@ -5,7 +5,7 @@ must be enabled before triton is first imported: this file is imported by pytest
 before any test module, so it sets ``TRITON_INTERPRET=1`` here. transformers runs
 offline; the only downloads are the SmolLM2 wheel of the slow real-model tests
 (benchmarks/harness/smollm2.py) and the serving engines' releases whose loader code
-tests/test_engine_loaders.py runs (tests/engine_sources.py); the header of every run
+tests/export/test_engine_loaders.py runs (tests/engine_sources.py); the header of every run
 says whether they are cached and where.
 """
 

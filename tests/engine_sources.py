@@ -1,6 +1,6 @@
 """The serving engines' own KV-scale loading code, fetched from PyPI at test time.
 
-Test harness for ``tests/test_engine_loaders.py``; nothing here is part of kvquant,
+Test harness for ``tests/export/test_engine_loaders.py``; nothing here is part of kvquant,
 and no engine code is kept in the repository. For each pinned release
 (:data:`RELEASES`) the first use
 

@@ -212,8 +212,8 @@ def test_fuzzed_checkpoints_patch_agrees_with_the_doctor() -> None:
     import tempfile
     from datetime import timedelta
 
+    from fuzz_checkpoints import checkpoints, write_spec
     from hypothesis import HealthCheck, given, settings
-    from test_fuzz_checkpoints import checkpoints, write_spec
 
     from kvquant.checkpoint.discovery import discover_scales
     from kvquant.types import LayerGeometry
