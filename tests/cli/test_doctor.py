@@ -12,7 +12,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -320,11 +319,8 @@ def test_python_m_kvquant_help() -> None:
 
 def test_demo_runs_and_tells_the_story(tmp_path: Path) -> None:
     out = io.StringIO()
-    started = time.perf_counter()
     ctx = run_demo(out, workdir=tmp_path)
-    elapsed = time.perf_counter() - started
     text = out.getvalue()
-    assert elapsed < 30
     verdicts = {key: report.ok for key, report in ctx.reports.items()}
     assert verdicts == {
         "ct-tensor": True,
