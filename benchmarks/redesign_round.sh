@@ -3,7 +3,8 @@
 # of the reorganised tree beside a tree of the revision before it, in one session.
 # Usage (device tool, repo root):  BEFORE=<commit> bash benchmarks/redesign_round.sh [shapes...]
 #   BEFORE: a commit whose tree was unpacked into ./bench_before (git archive, untracked)
-#   shapes: e2e_generate.py shapes (default: b16x8k chat); arms: default, kvquant, kvquant-fp32-group
+#   shapes: e2e_generate.py shapes (default: b16x8k chat)
+#   ARMS (this tree; default: default,kvquant,kvquant-fp32-group), ARMS_BEFORE (default: kvquant,kvquant-fp32-group)
 # Writes under $OUT: env.log, gpu_tests.log, gpu_tests_hf.log, e2e_<shape>_{before,after}.json
 set -u
 OUT=${OUT:-./redesign_round_out}
@@ -21,10 +22,11 @@ shapes=("$@")
 for s in "${shapes[@]}"; do
   for tree in after before; do
     dir=.
-    [ "$tree" = before ] && dir=bench_before
+    arms=${ARMS:-default,kvquant,kvquant-fp32-group}
+    [ "$tree" = before ] && dir=bench_before && arms=${ARMS_BEFORE:-kvquant,kvquant-fp32-group}
     [ -d "$dir" ] || { echo "no $dir"; continue; }
     (cd "$dir" && PYTHONPATH=. timeout "${SHAPE_TIMEOUT:-150}" python3 benchmarks/e2e_generate.py \
-      --shapes "$s" --arms "${ARMS:-kvquant,kvquant-fp32-group}" --repeats 2 \
+      --shapes "$s" --arms "$arms" --repeats 2 \
       --out "$OUT/e2e_${s}_${tree}.json" 2>&1 | tail -n 6)
   done
 done
