@@ -44,7 +44,8 @@ def _kernel_times(model, ids, mask, new: int, gen_kwargs: dict) -> tuple[float, 
     times = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0.0)
-        if us > 0:
+        # kernels and copies only: an operator's row repeats the time of the kernels it launched
+        if us > 0 and str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1")):
             times[e.key] = (us, e.count)
     return wall, times
 
