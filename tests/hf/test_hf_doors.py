@@ -210,7 +210,6 @@ def _shared_tiny_llama() -> Any:
 def test_fuzzed_checkpoints_patch_agrees_with_the_doctor() -> None:
     """patch(model, scales=folder) on fuzzed folders: same decision and scales as the doctor."""
     import tempfile
-    from datetime import timedelta
 
     from fuzz_checkpoints import checkpoints, write_spec
     from hypothesis import HealthCheck, given, settings
@@ -223,7 +222,7 @@ def test_fuzzed_checkpoints_patch_agrees_with_the_doctor() -> None:
 
     @settings(
         max_examples=60,
-        deadline=timedelta(seconds=5),
+        deadline=None,  # patches a model per example: wall time on a shared machine is no signal
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(spec=checkpoints(num_layers=2, num_kv_heads=2))
