@@ -277,7 +277,8 @@ def _probe(imports: str) -> dict[str, bool]:
         "import kvquant.kernels.validate, kvquant.kernels.backend, kvquant.kernels.fp8, "
         "kvquant.kernels.attention.naive, kvquant.kernels.attention.validate, "
         "kvquant.kernels.write.naive, kvquant.kernels.write.validate",
-        "import kvquant.kernels.fp4",
+        "import kvquant.kernels.fp4, kvquant.kernels.write_fp4, kvquant.kernels.write_fp4.naive, "
+        "kvquant.kernels.write_fp4.validate",
         "import kvquant.cache",
     ],
 )
