@@ -1,0 +1,135 @@
+"""The Triton twins of the 4-bit codes and the attention's 4-bit tile, through tiny test kernels.
+
+Run in the Triton interpreter on CPU: the integer-op encoders (e2m1, e4m3) against torch on
+dense sweeps, every tie and every e4m3 code's neighbours; the decoders against
+:mod:`kvquant.kernels.fp4` for every code; ``load_fp4_tile`` on pages gathered through a
+shuffled block table against :func:`~kvquant.kernels.fp4.dequantize_fp4`, bit for bit, with a
+NaN-poisoned output whose unwritten rows must stay NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvquant.kernels.attention.fp4_tile import load_fp4_tile
+from kvquant.kernels.fp4 import (
+    MXFP4,
+    NVFP4,
+    Fp4Format,
+    dequantize_fp4,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_encode,
+    e8m0_decode,
+    quantize_fp4,
+)
+from kvquant.kernels.fp4_triton import e2m1_code, e2m1_value, e4m3_code, e4m3_value, e8m0_value
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _codes_kernel(x_ptr, e2m1_ptr, e4m3_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    x = tl.load(x_ptr + i, mask=ok, other=0.0)
+    tl.store(e2m1_ptr + i, e2m1_code(x), mask=ok)
+    t = tl.minimum(tl.abs(x), 448.0)
+    tl.store(e4m3_ptr + i, e4m3_code(t), mask=ok)
+
+
+@triton.jit
+def _values_kernel(code_ptr, e2m1_ptr, e4m3_ptr, e8m0_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    c = tl.load(code_ptr + i)
+    tl.store(e2m1_ptr + i, e2m1_value(c))
+    tl.store(e4m3_ptr + i, e4m3_value(c & 0x7F))
+    tl.store(e8m0_ptr + i, e8m0_value(c))
+
+
+def _e4m3_probe_points() -> torch.Tensor:
+    """Every e4m3 value, the midpoints between neighbours (ties) and the floats next to them."""
+    values = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (values[1:] + values[:-1]) / 2
+    pts = torch.cat([values, mids, torch.tensor([448.0, 460.0, 1e30])])
+    return torch.cat([pts, torch.nextafter(pts, pts + 1), torch.nextafter(pts, pts * 0)])
+
+
+def test_encoders_match_torch_on_sweeps_ties_and_every_e4m3_neighbour() -> None:
+    x = torch.cat([
+        torch.linspace(-7, 7, 4001),
+        torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -2.5, float("inf"), -0.0]),
+        _e4m3_probe_points(),
+        torch.rand(2000) * 2.0 ** torch.randint(-20, 9, (2000,)).float(),
+    ])  # fmt: skip
+    n = x.numel()
+    e2m1 = torch.full((n,), -1, dtype=torch.int32)
+    e4m3 = torch.full((n,), -1, dtype=torch.int32)
+    _codes_kernel[(triton.cdiv(n, 1024),)](x.to(DEV), e2m1, e4m3, n, BLOCK=1024)
+    assert torch.equal(e2m1.cpu().to(torch.uint8), e2m1_encode(x))
+    want = e4m3_encode(x.abs()).view(torch.uint8).int()
+    bad = (e4m3.cpu() != want).nonzero().flatten()
+    assert bad.numel() == 0, [(float(x[i]), int(e4m3[i]), int(want[i])) for i in bad[:5]]
+
+
+def test_decoders_match_torch_for_every_code() -> None:
+    codes = torch.arange(256, dtype=torch.int32)
+    e2m1, e4m3, e8m0 = (torch.empty(256) for _ in range(3))
+    _values_kernel[(1,)](codes.to(DEV), e2m1, e4m3, e8m0, BLOCK=256)
+    assert torch.equal(e2m1.cpu(), e2m1_decode(codes.to(torch.uint8)))
+    assert torch.equal(torch.signbit(e2m1.cpu()), torch.signbit(e2m1_decode(codes.to(torch.uint8))))
+    want = (codes & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(torch.nan_to_num(e4m3.cpu(), 7.0), torch.nan_to_num(want, 7.0))
+    assert torch.equal(e4m3.cpu().isnan(), want.isnan())
+    want = e8m0_decode(codes.to(torch.uint8))
+    assert torch.equal(torch.nan_to_num(e8m0.cpu(), 7.0), torch.nan_to_num(want, 7.0))
+
+
+@triton.jit
+def _tile_kernel(
+    pages_ptr, scales_ptr, bt_ptr, g_ptr, out_ptr, n_tok, page_size,
+    s_p, s_t, s_h, ss_p, ss_t, ss_h, s_g,
+    D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NVFP4: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    n = tl.arange(0, BLOCK_N)
+    ok = n < n_tok
+    page = tl.load(bt_ptr + n // page_size, mask=ok, other=0).to(tl.int64)
+    tok = n % page_size
+    row = page * s_p + tok * s_t + h * s_h
+    srow = page * ss_p + tok * ss_t + h * ss_h
+    g = 1.0
+    if NVFP4:
+        g = tl.load(g_ptr + h * s_g)
+    v = load_fp4_tile(pages_ptr, scales_ptr, row, srow, ok, g, D, BLOCK, NVFP4)
+    d = tl.arange(0, D)
+    tl.store(out_ptr + (h * BLOCK_N + n)[:, None] * D + d[None, :], v, mask=ok[:, None])
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
+def test_tile_matches_the_reference_dequantization(fmt: Fp4Format) -> None:
+    torch.manual_seed(7)
+    num_pages, page, hkv, d, n_tok, block_n = 5, 4, 2, 64, 13, 16
+    x = torch.randn(num_pages, page, hkv, d) * torch.rand(num_pages, page, hkv, 1) * 6
+    table = torch.randperm(num_pages)[: (n_tok + page - 1) // page].int()
+    x[table[1], 1, 0, 3] = float("nan")  # a NaN block: its scale code reads NaN
+    g = torch.tensor([3.0, 5.0]) / 2688 if fmt.global_scale else None
+    pages, scales = quantize_fp4(x, fmt, g)
+    out = torch.full((hkv, block_n, d), float("nan"))
+    sc = scales.view(torch.uint8)
+    g_arg = g if g is not None else torch.ones(1)
+    _tile_kernel[(hkv,)](
+        pages.to(DEV), sc.to(DEV), table.to(DEV), g_arg.to(DEV), out, n_tok, page,
+        *pages.stride()[:3], *sc.stride()[:3], g_arg.stride(0) if g is not None else 0,
+        D=d, BLOCK=fmt.block_size, BLOCK_N=block_n, NVFP4=fmt.global_scale,
+    )  # fmt: skip
+    ids = table.long().repeat_interleave(page)[:n_tok]
+    offs = torch.arange(n_tok) % page
+    want = dequantize_fp4(pages[ids, offs], scales[ids, offs], fmt, g)  # [n_tok, Hkv, D]
+    got = out.cpu()[:, :n_tok].transpose(0, 1)
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert out[:, n_tok:].isnan().all()  # rows past the tokens are never stored
