@@ -1,0 +1,304 @@
+"""4-bit KV checkpoints: each producer's global-scale convention to kvquant's canonical one.
+
+kvquant's canonical NVFP4 global scale is an fp32 dequantization multiplier ``g = amax / (6 *
+448)`` (``x = (e2m1 * block_scale) * g``, :mod:`kvquant.kernels.fp4`). Producers store other
+numbers under other names; :data:`CONVENTIONS` is the one table of what a stored number means
+and :data:`PRODUCERS` says which convention and tensor names each producer uses.
+:func:`normalize_fp4_global_scale` turns one layer's tensor into ``g`` or raises
+:class:`~kvquant.errors.ScaleFormatError` naming the layer, tensor, what was found, what was
+expected and the fix; :func:`kv_formats_by_layer` reads a config's per-layer K/V format map.
+The sources of every entry: docs/dev/fp4-formats.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvquant.errors import ConventionError, ScaleFormatError
+from kvquant.kernels.fp4 import E2M1_MAX, E4M3_MAX, NVFP4, Fp4Format
+from kvquant.registry.policy import MAX_SCALE, MIN_SCALE
+
+__all__ = [
+    "CONVENTIONS",
+    "PRODUCERS",
+    "Fp4GlobalScale",
+    "Fp4Producer",
+    "GlobalScaleConvention",
+    "kv_formats_by_layer",
+    "normalize_fp4_global_scale",
+]
+
+
+@dataclass(frozen=True)
+class GlobalScaleConvention:
+    """What a stored global-scale number means: ``g = stored * factor`` or ``factor / stored``.
+
+    Attributes:
+        name: the stored number in terms of the calibrated amax, e.g. ``"amax/448"``.
+        factor: the constant relating it to the canonical ``amax / (6 * 448)``.
+        reciprocal: the stored number is a quantization multiplier (``g = factor / stored``).
+    """
+
+    name: str
+    factor: float
+    reciprocal: bool = False
+
+    def canonical(self, stored: torch.Tensor) -> torch.Tensor:
+        """The canonical ``g`` (float64) of stored values (float64)."""
+        return self.factor / stored if self.reciprocal else stored * self.factor
+
+
+_CANONICAL = E2M1_MAX * E4M3_MAX  # 2688
+
+CONVENTIONS: dict[str, GlobalScaleConvention] = {
+    c.name: c
+    for c in (
+        GlobalScaleConvention("amax/(6*448)", 1.0),
+        GlobalScaleConvention("amax/448", 1.0 / E2M1_MAX),
+        GlobalScaleConvention("amax/6", 1.0 / E4M3_MAX),
+        GlobalScaleConvention("(6*448)/amax", 1.0, reciprocal=True),
+    )
+}
+"""The known global-scale conventions, by the number they store."""
+
+
+@dataclass(frozen=True)
+class Fp4Producer:
+    """One producer's 4-bit KV checkpoint layout.
+
+    Attributes:
+        name: the producer.
+        convention: a key of :data:`CONVENTIONS`.
+        k_names: K global-scale tensor names, relative to the layer (``model.layers.N``).
+        v_names: the V names.
+        confirmed: whether the convention was read in the producer's code (else from its
+            description only; docs/dev/fp4-formats.md says which).
+    """
+
+    name: str
+    convention: str
+    k_names: tuple[str, ...]
+    v_names: tuple[str, ...]
+    confirmed: bool = True
+
+
+PRODUCERS: dict[str, Fp4Producer] = {
+    p.name: p
+    for p in (
+        Fp4Producer(
+            "modelopt", "amax/(6*448)", ("self_attn.k_proj.k_scale",), ("self_attn.v_proj.v_scale",)
+        ),
+        Fp4Producer(
+            "compressed-tensors",
+            "(6*448)/amax",
+            ("self_attn.k_global_scale",),
+            ("self_attn.v_global_scale",),
+        ),
+        Fp4Producer(
+            "auto-round",
+            "amax/(6*448)",
+            ("self_attn.k_global_scale",),
+            ("self_attn.v_global_scale",),
+            confirmed=False,
+        ),
+        Fp4Producer(
+            "tensorrt-llm",
+            "amax/448",
+            ("self_attn.k_proj.k_scale",),
+            ("self_attn.v_proj.v_scale",),
+            confirmed=False,
+        ),
+    )
+}
+"""Producers of NVFP4 KV checkpoints: convention and tensor names."""
+
+
+@dataclass(frozen=True)
+class Fp4GlobalScale:
+    """One layer's canonical NVFP4 global scale for K or V.
+
+    Attributes:
+        value: fp32 ``[]`` (per-tensor) or ``[Hkv]`` (per KV head), ``amax / (6 * 448)``.
+        fmt: the block format (:data:`~kvquant.kernels.fp4.NVFP4`: blocks of 16, e4m3 scales).
+        tensor: the checkpoint tensor it was read from.
+        convention: the key of :data:`CONVENTIONS` it was converted from.
+        notes: what the conversion did (dtype casts, the convention).
+    """
+
+    value: torch.Tensor
+    fmt: Fp4Format
+    tensor: str
+    convention: str
+    notes: tuple[str, ...]
+
+    @property
+    def implied_amax(self) -> torch.Tensor:
+        """The calibrated amax the scale stands for (``g * 6 * 448``)."""
+        return self.value * _CANONICAL
+
+
+def _producer(producer: str, convention: str | None) -> tuple[Fp4Producer, GlobalScaleConvention]:
+    if producer not in PRODUCERS:
+        raise ConventionError(
+            f"4-bit KV producer {producer!r} is not known; expected one of {sorted(PRODUCERS)}. "
+            "Fix: name the producer that wrote the checkpoint, or pass convention= with one of "
+            f"{sorted(CONVENTIONS)} and the producer whose tensor names it uses."
+        )
+    name = convention if convention is not None else PRODUCERS[producer].convention
+    if name not in CONVENTIONS:
+        raise ConventionError(
+            f"global-scale convention {name!r} is not known; expected one of "
+            f"{sorted(CONVENTIONS)}. Fix: pass the number the checkpoint stores, e.g. 'amax/448'."
+        )
+    return PRODUCERS[producer], CONVENTIONS[name]
+
+
+def _find(
+    tensors: Mapping[str, object], layer: str, names: tuple[str, ...], producer: str
+) -> tuple[str, object]:
+    wanted = [f"{layer}.{n}" for n in names]
+    found = [w for w in wanted if w in tensors]
+    if len(found) == 1:
+        return found[0], tensors[found[0]]
+    near = sorted(n for n in tensors if n.startswith(layer + "."))
+    what = "several of" if found else "none of"
+    raise ScaleFormatError(
+        f"{layer}: found {what} {wanted} (the layer's tensors: {near or 'none'}); expected "
+        f"exactly one, the {producer} NVFP4 KV global scale. Fix: check that the checkpoint was "
+        f"written by {producer} with an NVFP4 KV cache, or name its actual producer."
+    )
+
+
+def _read(name: str, tensor: object, num_kv_heads: int) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The stored values as float64 ``[]`` or ``[Hkv]``, and a note when cast."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+        found = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ScaleFormatError(
+            f"{name}: found {found}; expected a floating-point tensor (float32 as written). "
+            "Fix: check that the name maps to the NVFP4 global scale, not a packed payload."
+        )
+    shape = tuple(tensor.shape)
+    if shape not in ((), (1,), (num_kv_heads,)):
+        raise ScaleFormatError(
+            f"{name}: found shape {shape}; expected () or (1,) (per-tensor) or ({num_kv_heads},) "
+            f"(per KV head). Fix: check num_kv_heads ({num_kv_heads}) and that the tensor is "
+            "the global scale (block scales are computed when tokens are written)."
+        )
+    values = tensor.detach().to(device="cpu", dtype=torch.float64, copy=True)
+    values = values.reshape(()) if shape == (1,) else values
+    notes = () if tensor.dtype == torch.float32 else (f"{name}: {tensor.dtype} cast to float32",)
+    return values, notes
+
+
+def _check(name: str, stored: torch.Tensor, g: torch.Tensor, conv: GlobalScaleConvention) -> None:
+    flat, canon = stored.reshape(-1), g.reshape(-1)
+    ok = torch.isfinite(flat) & (flat > 0)
+    ok &= torch.isfinite(canon) & (canon >= MIN_SCALE) & (canon <= MAX_SCALE)
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0, 0])
+        raise ScaleFormatError(
+            f"{name}: element {i} is {float(flat[i])!r}, read as {conv.name} (canonical "
+            f"{float(canon[i])!r}); expected a finite positive number whose canonical "
+            f"amax / (6 * 448) lies in [{MIN_SCALE:.3g}, {MAX_SCALE:.3g}]. Fix: re-calibrate "
+            "the layer, or pass the convention the checkpoint actually uses."
+        )
+
+
+def normalize_fp4_global_scale(
+    producer: str,
+    tensors: Mapping[str, object],
+    layer: str,
+    cache: str,
+    *,
+    num_kv_heads: int,
+    convention: str | None = None,
+) -> Fp4GlobalScale:
+    """One layer's K or V NVFP4 global scale in kvquant's canonical meaning.
+
+    Args:
+        producer: a key of :data:`PRODUCERS` (decided from the checkpoint's config).
+        tensors: the checkpoint's tensors by full name (e.g. ``model.layers.3.self_attn...``).
+        layer: the layer's prefix, e.g. ``"model.layers.3"``.
+        cache: ``"k"`` or ``"v"``.
+        num_kv_heads: the model's KV heads (a per-head scale must have as many).
+        convention: a key of :data:`CONVENTIONS` overriding the producer's (for a
+            checkpoint whose convention is known to differ).
+
+    Returns:
+        The canonical scale with its source and notes.
+
+    Raises:
+        ConventionError: an unknown producer or convention, or ``cache`` not ``"k"``/``"v"``.
+        ScaleFormatError: the tensor is missing, ambiguous, of the wrong dtype or shape, or
+            holds a value that is not finite and positive in range once converted.
+
+    Example:
+        >>> import torch
+        >>> t = {"model.layers.0.self_attn.k_proj.k_scale": torch.tensor(12.0 / 2688)}
+        >>> g = normalize_fp4_global_scale("modelopt", t, "model.layers.0", "k", num_kv_heads=8)
+        >>> round(float(g.implied_amax), 4)
+        12.0
+    """
+    prod, conv = _producer(producer, convention)
+    if cache not in ("k", "v"):
+        raise ConventionError(f"cache is {cache!r}; expected 'k' or 'v'. Fix: pass 'k' or 'v'.")
+    name, tensor = _find(tensors, layer, prod.k_names if cache == "k" else prod.v_names, producer)
+    stored, notes = _read(name, tensor, num_kv_heads)
+    g = conv.canonical(stored)
+    _check(name, stored, g, conv)
+    if conv.factor != 1.0 or conv.reciprocal:
+        notes += (f"{name}: stored as {conv.name}, converted to amax/(6*448)",)
+    return Fp4GlobalScale(g.to(torch.float32), NVFP4, name, conv.name, notes)
+
+
+_ALGOS = {"FP8": ("fp8", "fp8"), "NVFP4": ("nvfp4", "nvfp4"), "FP8_K_NVFP4_V": ("fp8", "nvfp4")}
+
+
+def _algo(algo: object, where: str) -> tuple[str, str]:
+    if algo not in _ALGOS:
+        raise ScaleFormatError(
+            f"{where}: found KV cache algorithm {algo!r}; expected one of {sorted(_ALGOS)}. "
+            "Fix: export the KV cache as FP8 or NVFP4 (affine NVFP4 and INT8 are not read)."
+        )
+    return _ALGOS[str(algo)]
+
+
+def kv_formats_by_layer(quantization: Mapping[str, object]) -> dict[str, tuple[str, str]]:
+    """The per-layer ``(K format, V format)`` map of a ModelOpt quantization config.
+
+    Reads ``kv_cache_quant_algo`` and, for ModelOpt's layer-wise KV AutoQuant,
+    ``kv_cache_quantized_layers`` (``{"model.layers.0.self_attn": {"quant_algo": "NVFP4"}}``,
+    ``kv_cache_schema_version`` 1) from ``hf_quant_config.json``'s ``quantization`` (or the
+    ``quantization_config`` of ``config.json``, which carries the same keys).
+
+    Returns:
+        ``{attention module: (k, v)}`` with ``"fp8"`` / ``"nvfp4"``; ``{}`` when the config
+        has no layer map (one model-wide algorithm: read ``kv_cache_quant_algo`` itself).
+
+    Raises:
+        ScaleFormatError: an unknown algorithm or schema version, or a malformed map.
+    """
+    layers = quantization.get("kv_cache_quantized_layers")
+    if layers is None:
+        if quantization.get("kv_cache_quant_algo") == "MIXED_PRECISION":
+            raise ScaleFormatError(
+                "quantization: kv_cache_quant_algo is MIXED_PRECISION but there is no "
+                "kv_cache_quantized_layers map; expected one entry per attention layer. Fix: "
+                "re-export the checkpoint with its layer map."
+            )
+        return {}
+    version = quantization.get("kv_cache_schema_version")
+    if version != 1 or not isinstance(layers, Mapping):
+        raise ScaleFormatError(
+            f"quantization: found kv_cache_schema_version {version!r} and a "
+            f"{type(layers).__name__} layer map; expected version 1 and a mapping of layer "
+            "names to {'quant_algo': ...}. Fix: upgrade kvquant, or re-export the checkpoint."
+        )
+    out = {}
+    for name, entry in layers.items():
+        algo = entry.get("quant_algo") if isinstance(entry, Mapping) else entry
+        out[str(name)] = _algo(algo, f"kv_cache_quantized_layers[{name!r}]")
+    return out
