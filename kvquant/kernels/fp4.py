@@ -1,7 +1,7 @@
 """Pure-PyTorch 4-bit KV codes: e2m1 values, NVFP4 and MXFP4 block scales, the paged layout.
 
 e2m1 (OCP FP4): sign bit ``0x8``, magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6``; two codes per
-uint8, element ``2i`` in the low nibble (ModelOpt's and OCP MX's order). NVFP4: blocks of 16
+uint8, element ``2i`` in the low nibble (ModelOpt's order). NVFP4: blocks of 16
 along head_dim, an e4m3fn block scale and an fp32 global scale ``g`` (kvquant's canonical
 meaning: ``x = (e2m1 * block_scale) * g``, ``g = amax / (6 * 448)``). MXFP4: blocks of 32, an
 e8m0 exponent code ``E`` (``x = e2m1 * 2^(E - 127)``). Pages ``[num_pages, page_size, Hkv,
