@@ -14,6 +14,11 @@ for d in tests/gpu tests/kernels; do [ -d "$d" ] && dirs+=("$d"); done
 timeout "${KERNEL_TIMEOUT:-200}" python3 -m pytest -q -rfE -m gpu -n 8 "${dirs[@]}" \
   -p no:cacheprovider 2>&1 | tail -n 80 > "$OUT/gpu_tests.log"
 tail -n 3 "$OUT/gpu_tests.log"
+# the 4-bit kernels' tests run on the GPU when there is one (not marked gpu: they run on CPU too)
+fp4=(tests/kernels/test_fp4_codec.py tests/kernels/test_fp4_triton.py tests/kernels/test_write_fp4.py)
+timeout "${FP4_TIMEOUT:-120}" python3 -m pytest -q -rfE -n 4 "${fp4[@]}" -p no:cacheprovider \
+  2>&1 | tail -n 40 > "$OUT/gpu_tests_fp4.log"
+tail -n 2 "$OUT/gpu_tests_fp4.log"
 timeout "${HF_TIMEOUT:-240}" python3 -m pytest -q -rfE -m gpu -n 4 tests/hf -p no:cacheprovider \
   2>&1 | tail -n 150 > "$OUT/gpu_tests_hf.log"
 tail -n 3 "$OUT/gpu_tests_hf.log"
