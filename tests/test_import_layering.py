@@ -33,6 +33,7 @@ TIERS: dict[str, int] = {
     "kvquant.log": 0,
     "kvquant.types": 0,
     "kvquant.choices": 0,
+    "kvquant.schemes": 0,
     "kvquant.kernels": 1,
     "kvquant.cache": 2,
     "kvquant.registry": 3,

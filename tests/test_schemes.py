@@ -1,0 +1,200 @@
+"""Scale schemes (kvquant.schemes): checked once when built, moved and flattened without checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvquant.errors import KVQuantError, ScaleFormatError
+from kvquant.kernels import hadamard
+from kvquant.schemes import (
+    ORTHONORMAL_TOL,
+    GroupScales,
+    KTransformScales,
+    PerHeadScales,
+    PerTensorScales,
+    Scheme,
+    scheme_class,
+    scheme_names,
+)
+
+H, D = 2, 16
+
+
+def _kt(**change: object) -> KTransformScales:
+    args: dict[str, object] = {
+        "k_scale": torch.full((H,), 0.1),
+        "v_scale": torch.full((H,), 0.2),
+        "k_offset": torch.zeros(H, D),
+        "k_rotation": hadamard(D),
+        "first_tokens": 1,
+    }
+    args.update(change)
+    return KTransformScales(**args)  # type: ignore[arg-type]
+
+
+REFUSED: list[tuple[str, Callable[[], Scheme], str]] = [
+    (
+        "per-tensor bf16",
+        lambda: PerTensorScales(torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(0.1)),
+        "k_scale has dtype torch.bfloat16; expected torch.float32",
+    ),
+    (
+        "per-tensor shape",
+        lambda: PerTensorScales(torch.tensor(0.1), torch.ones(3)),
+        r"v_scale has shape (3,); expected ()",
+    ),
+    (
+        "per-tensor not a tensor",
+        lambda: PerTensorScales(0.1, torch.tensor(0.1)),  # type: ignore[arg-type]
+        "k_scale is a float; expected an fp32 tensor",
+    ),
+    (
+        "per-tensor zero",
+        lambda: PerTensorScales(torch.tensor(0.0), torch.tensor(0.1)),
+        "k_scale element 0 is 0.0",
+    ),
+    (
+        "per-tensor nan",
+        lambda: PerTensorScales(torch.tensor(0.1), torch.tensor(float("nan"))),
+        "v_scale element 0 is nan",
+    ),
+    (
+        "per-tensor huge",
+        lambda: PerTensorScales(torch.tensor(1e31), torch.tensor(0.1)),
+        "element 0 is",
+    ),
+    (
+        "per-head heads differ",
+        lambda: PerHeadScales(torch.ones(3), torch.ones(2)),
+        r"v_scale has shape (2,); expected (3,)",
+    ),
+    (
+        "per-head scalar",
+        lambda: PerHeadScales(torch.tensor(1.0), torch.tensor(1.0)),
+        "k_scale has shape (); expected (num_kv_heads,)",
+    ),
+    (
+        "per-head negative",
+        lambda: PerHeadScales(torch.tensor([1.0, -1.0]), torch.ones(2)),
+        "k_scale element 1 is -1.0",
+    ),
+    (
+        "group not dividing",
+        lambda: GroupScales(head_dim=32, group_size=24),
+        "group_size=24 does not divide head_dim 32",
+    ),
+    ("group zero", lambda: GroupScales(head_dim=32, group_size=0), "group_size=0 does not divide"),
+    ("group head_dim", lambda: GroupScales(head_dim=0, group_size=8), "head_dim is 0"),
+    (
+        "k-transform rotation not orthonormal",
+        lambda: _kt(k_rotation=hadamard(D) * 1.01),
+        "k_rotation is not orthonormal",
+    ),
+    (
+        "k-transform rotation shape",
+        lambda: _kt(k_rotation=torch.eye(D)[:8]),
+        "k_rotation has shape (8, 16)",
+    ),
+    (
+        "k-transform rotation inf",
+        lambda: _kt(k_rotation=torch.full((D, D), float("inf"))),
+        "non-finite",
+    ),
+    (
+        "k-transform offset shape",
+        lambda: _kt(k_offset=torch.zeros(H, 8)),
+        r"k_offset has shape (2, 8); expected (2, 16)",
+    ),
+    (
+        "k-transform offset nan",
+        lambda: _kt(k_offset=torch.full((H, D), float("nan"))),
+        "k_offset holds a non-finite value",
+    ),
+    (
+        "k-transform offset fp16",
+        lambda: _kt(k_offset=torch.zeros(H, D).half()),
+        "k_offset has dtype torch.float16",
+    ),
+    (
+        "k-transform scales differ",
+        lambda: _kt(v_scale=torch.tensor(0.1)),
+        "expected both () or both",
+    ),
+    ("k-transform first_tokens", lambda: _kt(first_tokens=2000), "first_tokens is 2000"),
+    ("k-transform first_tokens bool", lambda: _kt(first_tokens=True), "first_tokens is True"),
+]
+
+
+@pytest.mark.parametrize(("label", "build", "message"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_construction_refuses_with_found_expected_fix(
+    label: str, build: Callable[[], Scheme], message: str
+) -> None:
+    with pytest.raises(ScaleFormatError) as info:
+        build()
+    text = str(info.value)
+    assert message in text
+    assert "expected" in text and "Fix:" in text
+    assert isinstance(info.value, KVQuantError) and isinstance(info.value, ValueError)
+
+
+def test_scheme_keeps_its_own_copies() -> None:
+    """The caller changing its tensor afterwards cannot change a checked scheme."""
+    k = torch.tensor(0.1)
+    s = PerTensorScales(k, torch.tensor(0.2))
+    k.fill_(0.0)
+    assert float(s.k_scale) == pytest.approx(0.1)
+    rotation = hadamard(D)
+    kt = _kt(k_rotation=rotation)
+    rotation.fill_(float("nan"))
+    assert bool(torch.isfinite(kt.k_rotation).all())  # type: ignore[arg-type]
+
+
+def test_to_moves_without_checking_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = _kt()
+    import kvquant.schemes as schemes
+
+    def boom(*args: object) -> None:
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(schemes, "_check_scale_values", boom)
+    moved = s.to("cpu")
+    assert type(moved) is KTransformScales and moved is not s
+    assert torch.equal(moved.k_offset, s.k_offset)  # type: ignore[arg-type]
+    assert moved.first_tokens == 1
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        PerTensorScales(torch.tensor(0.1), torch.tensor(0.2)),
+        PerHeadScales(torch.full((H,), 0.1), torch.full((H,), 0.2)),
+        GroupScales(head_dim=D, group_size=8),
+        KTransformScales(torch.full((H,), 0.1), torch.full((H,), 0.2), None, hadamard(D)),
+        KTransformScales(torch.full((H,), 0.1), torch.full((H,), 0.2), torch.zeros(H, D), None, 3),
+    ],
+    ids=lambda s: s.name,
+)
+def test_flatten_round_trips(scheme: Scheme) -> None:
+    back = Scheme.unflatten(*scheme.flatten())
+    assert type(back) is type(scheme)
+    assert back.kernel_view().group_size == scheme.kernel_view().group_size
+    assert back.dims() == scheme.dims() and back.first_tokens == scheme.first_tokens
+    for a, b in zip(back.kernel_view(), scheme.kernel_view(), strict=True):
+        assert (a is None) == (b is None)
+
+
+def test_derived_flags_and_words() -> None:
+    kt = _kt(k_offset=None)
+    assert kt.has_rotation and not kt.has_offset and kt.dims() == (H, D)
+    g = GroupScales.for_head_dim(80)
+    assert (g.group_size, g.n_groups, g.dynamic) == (16, 5, True)
+    assert GroupScales.for_head_dim(128).group_size == 64
+    assert not PerHeadScales(torch.ones(H), torch.ones(H)).dynamic
+    assert scheme_names() == ("per-tensor", "per-head", "fp32-group", "k-transform")
+    assert scheme_class("per-head") is PerHeadScales
+    with pytest.raises(ScaleFormatError, match="scale scheme 'per-token' is unknown"):
+        scheme_class("per-token")
+    assert ORTHONORMAL_TOL == 1e-4
