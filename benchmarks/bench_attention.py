@@ -49,6 +49,16 @@ import triton.testing
 from kvquant.kernels import group_scale_storage, hadamard, page_storage, paged_attention_reference
 from kvquant.kernels.attention.launch import paged_attention_triton
 from kvquant.kernels.attention.tuning import choose_config
+from kvquant.schemes import (
+    FirstTokens,
+    GroupScales,
+    KTransformScales,
+    Mask,
+    Pages,
+    PerHeadScales,
+    PerTensorScales,
+    Scheme,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -173,25 +183,43 @@ class Problem:
         return 2 * self.bsz * self.ctx * self.hkv * self.d * elem
 
 
+KT_KEYS = ("k_offset", "k_rotation", "first_k", "first_v", "first_lens")
+_MASK_KEYS = ("causal", "window", "softcap", "kv_start", "q_lens", "sinks")
+
+
+def kernel_inputs(f: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
+    """One format's tensors as the kernels take them: ``pages``, ``scheme``, ``mask``, ``first``.
+
+    Pops the mask's keys from ``kw`` (the rest are the launcher's own: ``out``, ``num_splits``,
+    ``config``).
+    """
+    d = f["k_pages"].shape[-1]
+    kg = f.get("k_group_scales")
+    pages = Pages(f["k_pages"], f["v_pages"], kg, f.get("v_group_scales"))
+    scheme: Scheme
+    if kg is not None:
+        scheme = GroupScales(head_dim=d, group_size=d // kg.shape[-1])
+    elif any(k in f for k in KT_KEYS):
+        scheme = KTransformScales(
+            f["k_scale"], f["v_scale"], f.get("k_offset"), f.get("k_rotation"),
+            int(f["first_k"].shape[1]) if "first_k" in f else 0,
+        )  # fmt: skip
+    elif f["k_scale"].dim():
+        scheme = PerHeadScales(f["k_scale"], f["v_scale"])
+    else:
+        scheme = PerTensorScales(f["k_scale"], f["v_scale"])
+    first = FirstTokens(f["first_k"], f["first_v"], f["first_lens"]) if "first_k" in f else None
+    mask = Mask(**{k: kw.pop(k) for k in _MASK_KEYS if k in kw})
+    return {"pages": pages, "scheme": scheme, "mask": mask, "first": first}
+
+
 def run_kvquant(p: Problem, f: dict[str, Any], q: torch.Tensor, **kw: Any) -> torch.Tensor:
     """Call the Triton launcher with one format's tensors."""
+    x = kernel_inputs(f, kw)
     return paged_attention_triton(
-        q,
-        f["k_pages"],
-        f["v_pages"],
-        p.block_tables,
-        p.seq_lens,
-        sm_scale=p.sm_scale,
-        k_scale=f.get("k_scale"),
-        v_scale=f.get("v_scale"),
-        k_group_scales=f.get("k_group_scales"),
-        v_group_scales=f.get("v_group_scales"),
-        **{k: f[k] for k in KT_KEYS if k in f},
-        **kw,
-    )
-
-
-KT_KEYS = ("k_offset", "k_rotation", "first_k", "first_v", "first_lens")
+        q, x["pages"], p.block_tables, p.seq_lens, x["scheme"], sm_scale=p.sm_scale,
+        mask=x["mask"], first=x["first"], **kw,
+    )  # fmt: skip
 
 
 def check(p: Problem, f: dict[str, Any], q: torch.Tensor, **kw: Any) -> float:
@@ -215,20 +243,11 @@ def check(p: Problem, f: dict[str, Any], q: torch.Tensor, **kw: Any) -> float:
         for k, v in f.items()
     }
     sub.update({k: f[k][sel] for k in ("first_k", "first_v", "first_lens") if k in f})
+    x = kernel_inputs(sub, {"causal": kw.get("causal", True)})
     ref = paged_attention_reference(
-        q[sel].float(),
-        sub["k_pages"],
-        sub["v_pages"],
-        sub_bt,
-        p.seq_lens[sel],
-        p.sm_scale,
-        k_scale=sub.get("k_scale"),
-        v_scale=sub.get("v_scale"),
-        k_group_scales=sub.get("k_group_scales"),
-        v_group_scales=sub.get("v_group_scales"),
-        causal=kw.get("causal", True),
-        **{k: sub[k] for k in KT_KEYS if k in sub},
-    )
+        q[sel].float(), x["pages"], sub_bt, p.seq_lens[sel], x["scheme"], sm_scale=p.sm_scale,
+        mask=x["mask"], first=x["first"],
+    )  # fmt: skip
     got = out[sel].float()
     return float((got - ref).norm() / ref.norm())
 
@@ -506,30 +525,16 @@ def run_write(results: dict[str, Any]) -> None:
     # overwrite the last slot of each sequence (a valid slot of its last page)
     last_page = p.block_tables[:, -1].long()
     slots = (last_page * p.page + p.page - 1).view(32, 1)
+    w = kernel_inputs(f, {})
     try:
-        t_w = bench(
-            lambda: write_kv(
-                key,
-                val,
-                f["k_pages"],
-                f["v_pages"],
-                slots,
-                k_scale=f["k_scale"],
-                v_scale=f["v_scale"],
-            )
-        )
+        t_w = bench(lambda: write_kv(key, val, w["pages"], slots, w["scheme"]))
     except Exception as exc:
         results["write"] = {"error": f"{type(exc).__name__}: {exc}"}
         return
     t_d = bench(lambda: run_kvquant(p, f, p.q))
     results["write"] = {"write_ms": t_w, "decode_ms": t_d, "write_over_decode": t_w / t_d}
     try:
-        g_w = bench_graph(
-            lambda: write_kv(
-                key, val, f["k_pages"], f["v_pages"], slots, k_scale=f["k_scale"],
-                v_scale=f["v_scale"],
-            )
-        )  # fmt: skip
+        g_w = bench_graph(lambda: write_kv(key, val, w["pages"], slots, w["scheme"]))
         g_d = bench_graph(lambda: run_kvquant(p, f, p.q))
         results["write"].update(
             {"graph_write_ms": g_w, "graph_decode_ms": g_d, "graph_write_over_decode": g_w / g_d}

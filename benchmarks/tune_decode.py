@@ -123,11 +123,15 @@ def load_module(path: Path) -> Any:
 
 
 def launch(mod: Any, p: ba.Problem, f: dict[str, Any], **kw: Any) -> torch.Tensor:
-    """One call of ``mod.paged_attention_triton`` on problem ``p`` in format ``f``."""
+    """One call of ``mod.paged_attention_triton`` on problem ``p`` in format ``f``.
+
+    The baseline module must take the kernels' objects (``Pages``, a scheme, ``Mask``): a
+    launcher from before kvquant.schemes does not.
+    """
+    x = ba.kernel_inputs(f, kw)
     return mod.paged_attention_triton(
-        p.q, f["k_pages"], f["v_pages"], p.block_tables, p.seq_lens, sm_scale=p.sm_scale,
-        k_scale=f.get("k_scale"), v_scale=f.get("v_scale"),
-        k_group_scales=f.get("k_group_scales"), v_group_scales=f.get("v_group_scales"), **kw,
+        p.q, x["pages"], p.block_tables, p.seq_lens, x["scheme"], sm_scale=p.sm_scale,
+        mask=x["mask"], first=x["first"], **kw,
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from kvquant.errors import ScaleFormatError
 from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = [
+    "CAUSAL",
     "ORTHONORMAL_TOL",
     "SCALE_MAX",
     "SCALE_MIN",
@@ -113,6 +114,18 @@ def _check_scale_values(scheme: str, label: str, scale: torch.Tensor) -> None:
             f"dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}] (amax / 448): a "
             "zero, negative, NaN, infinite or subnormal scale stores or reads garbage. "
             f"{_SCALE_FIX}",
+        )
+
+
+def _check_finite(scheme: str, label: str, host: torch.Tensor) -> None:
+    flat = host.reshape(-1)
+    ok = torch.isfinite(flat)
+    if not bool(ok.all()):
+        index = int((~ok).nonzero()[0, 0])
+        raise _fail(
+            scheme,
+            f"{label} element {index} is {float(flat[index])!r}; expected finite values. "
+            f"{_TRANSFORM_FIX}",
         )
 
 
@@ -409,11 +422,7 @@ class KTransformScales(Scheme):
                 )  # fmt: skip
             d = int(r.shape[0])
             host = _host(r)
-            if not bool(torch.isfinite(host).all()):
-                raise _fail(
-                    owner,
-                    f"k_rotation holds a non-finite value; expected finite values. {_TRANSFORM_FIX}",
-                )
+            _check_finite(owner, "k_rotation", host)
             err = float((host @ host.T - torch.eye(d)).abs().max())
             if err > ORTHONORMAL_TOL:
                 raise _fail(
@@ -425,19 +434,19 @@ class KTransformScales(Scheme):
             object.__setattr__(self, "k_rotation", _own(r))
         if offset is not None:
             c = _tensor(owner, "k_offset", offset, "[num_kv_heads, head_dim]", _TRANSFORM_FIX)
-            heads = k.shape[0] if k.dim() else (c.shape[0] if c.dim() == 2 else -1)
-            want = (heads, d if d is not None else (c.shape[1] if c.dim() == 2 else -1))
-            if c.dim() != 2 or tuple(c.shape) != want:
+            heads = str(k.shape[0]) if k.dim() else "num_kv_heads"
+            want = f"({heads}, {'head_dim' if d is None else d})"
+            if (
+                c.dim() != 2
+                or (k.dim() and c.shape[0] != k.shape[0])
+                or d not in (None, c.shape[1])
+            ):
                 raise _fail(
                     owner,
                     f"k_offset has shape {tuple(c.shape)}; expected {want} (one offset per KV "
                     f"head and channel, rotated frame). {_TRANSFORM_FIX}",
                 )
-            if not bool(torch.isfinite(_host(c)).all()):
-                raise _fail(
-                    owner,
-                    f"k_offset holds a non-finite value; expected finite values. {_TRANSFORM_FIX}",
-                )
+            _check_finite(owner, "k_offset", _host(c))
             object.__setattr__(self, "k_offset", _own(c))
 
     @property
@@ -510,6 +519,10 @@ class Mask:
     kv_start: torch.Tensor | None = None
     q_lens: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+
+
+CAUSAL = Mask()
+"""The default mask: causal, no window, no softcap, no padding, every query valid, no sinks."""
 
 
 @dataclass(frozen=True)

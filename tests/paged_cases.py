@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from kernel_calls import attention as call_attention
+from kernel_calls import write as call_write
 
 from kvquant.kernels import (
     group_scale_storage,
@@ -53,15 +55,20 @@ class PagedCase:
         """Keyword arguments shared by the reference and the Triton launcher."""
         return {"sm_scale": self.sm_scale, **self.scales, **self.options}
 
-    def reference(self) -> torch.Tensor:
-        """fp32 attention over the dequantized cache ``[B, Lq, Hq, D]``."""
-        return paged_attention_reference(
+    def reference(self, unchecked: bool = False) -> torch.Tensor:
+        """fp32 attention over the dequantized cache ``[B, Lq, Hq, D]``.
+
+        ``unchecked``: the scheme holds the scales as given (:func:`kernel_calls.split`).
+        """
+        return call_attention(
+            paged_attention_reference,
             self.query.float(),
             self.k_pages,
             self.v_pages,
             self.block_tables,
             self.seq_lens,
             **self.kwargs(),
+            unchecked=unchecked,
         )
 
 
@@ -194,8 +201,16 @@ def build_case(
         scales["v_scale"] = (value.abs().amax() / limit).reshape(())
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
-    write_kv_reference(
-        key, value, k_pages, v_pages, slots, **scales, k_offset=offset, k_rotation=rotation
+    call_write(
+        write_kv_reference,
+        key,
+        value,
+        k_pages,
+        v_pages,
+        slots,
+        **scales,
+        k_offset=offset,
+        k_rotation=rotation,
     )
     if first_lens is not None:
         starts = kv_start if kv_start is not None else [0] * bsz

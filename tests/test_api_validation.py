@@ -24,6 +24,7 @@ from kvquant.kernels import (
     write_kv,
 )
 from kvquant.kernels import validate as kval
+from kvquant.schemes import KTransformScales, Mask, Pages, PerHeadScales, PerTensorScales
 
 HKV, D, PS, PAGES = 2, 16, 4, 4
 BAD_SCALES = [0.0, float("nan"), -0.5, float("inf"), 1e-40, 1e31]
@@ -52,49 +53,34 @@ def _refused(err: type[KVQuantError], call: Callable[[], Any], match: str | None
 
 @pytest.mark.parametrize("bad", BAD_SCALES)
 def test_bad_static_scales_are_refused_where_they_enter(bad: float) -> None:
-    gen = torch.Generator().manual_seed(0)
-    kp, vp = _pages(gen)
-    before = kp.view(torch.uint8).clone()
+    """A bad static scale is refused where it enters: the scheme's construction, or the storage."""
     good, wrong = torch.tensor(0.1), torch.tensor(bad)
-    key = torch.randn(1, 2, HKV, D, generator=gen)
-    slots = torch.tensor([[0, 1]])
-    for backend in ("torch", "triton"):
-        _refused(
-            KernelInputError,
-            lambda b=backend: write_kv(
-                key, key, kp, vp, slots, k_scale=wrong, v_scale=good, backend=b
-            ),
-            "k_scale element 0",
-        )
-    assert torch.equal(kp.view(torch.uint8), before)  # nothing was written
-    q = torch.randn(1, 1, 2 * HKV, D, generator=gen)
-    bt, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
-    _refused(
-        KernelInputError,
-        lambda: paged_attention(
-            q, kp, vp, bt, lens, sm_scale=0.25, k_scale=good, v_scale=wrong, backend="torch"
-        ),
-        "v_scale element 0",
-    )
+    heads, wrong_heads = torch.full((HKV,), 0.1), torch.tensor([0.1, bad])
+    found_expected_fix = r"k_scale element 0 is .*; expected finite .*\. Fix: "
+    _refused(ScaleFormatError, lambda: PerTensorScales(wrong, good), found_expected_fix)
+    _refused(ScaleFormatError, lambda: PerTensorScales(good, wrong), "v_scale element 0")
+    _refused(ScaleFormatError, lambda: PerHeadScales(wrong_heads, heads), "k_scale element 1")
+    _refused(ScaleFormatError, lambda: PerHeadScales(heads, wrong_heads), "v_scale element 1")
+    _refused(ScaleFormatError, lambda: KTransformScales(wrong_heads, heads), "k_scale element 1")
     per_head = torch.tensor([0.1, bad])
     _refused(ScaleFormatError, lambda: _storage(granularity="per-head", k_scale=torch.ones(2),
                                                 v_scale=per_head))  # fmt: skip
 
 
-def test_scale_values_are_read_once_per_tensor_state() -> None:
+def test_scale_values_are_read_once_when_the_scheme_is_built() -> None:
+    """The scheme checks its scales once and keeps its own copy: a later in-place change of the
+    caller's tensor reaches neither the scheme nor the pages; a scheme built from it is refused."""
     gen = torch.Generator().manual_seed(1)
     kp, vp = _pages(gen)
     scale = torch.tensor([0.1, 0.2])
+    scheme = PerHeadScales(scale, scale)
     key = torch.randn(1, 1, HKV, D, generator=gen)
-    write_kv(key, key, kp, vp, torch.tensor([[0]]), k_scale=scale, v_scale=scale, backend="torch")
-    remembered = [r for r in kval._scale_values_ok.values() if r() is scale]
-    assert len(remembered) == 1  # checked once, remembered for this tensor
-    scale[1] = 0.0  # written in place: the next call reads the values again
-    _refused(
-        KernelInputError,
-        lambda: write_kv(key, key, kp, vp, torch.tensor([[1]]), k_scale=scale, v_scale=scale),
-        "element 1 is 0.0",
-    )
+    write_kv(key, key, Pages(kp, vp), torch.tensor([[0]]), scheme, backend="torch")
+    scale[1] = 0.0  # written in place after the scheme was built
+    assert scheme.k_scale.tolist() == pytest.approx([0.1, 0.2])
+    write_kv(key, key, Pages(kp, vp), torch.tensor([[1]]), scheme, backend="torch")
+    assert torch.equal(kp[0, 1].view(torch.uint8), kp[0, 0].view(torch.uint8))
+    _refused(ScaleFormatError, lambda: PerHeadScales(scale, scale), "element 1 is 0.0")
 
 
 def test_scale_bounds_are_the_registrys() -> None:
@@ -111,7 +97,7 @@ def test_softcap_must_be_finite_and_positive(softcap: Any) -> None:
     q = torch.randn(1, 1, 2 * HKV, D, generator=gen)
     bt, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     call = lambda: paged_attention(  # noqa: E731
-        q, kp, vp, bt, lens, sm_scale=0.25, k_scale=s, v_scale=s, softcap=softcap
+        q, Pages(kp, vp), bt, lens, PerTensorScales(s, s), sm_scale=0.25, mask=Mask(softcap=softcap)
     )
     _refused(KernelInputError, call, "softcap")
 
@@ -126,14 +112,16 @@ def test_masked_out_slots_never_reach_the_output(backend: str, mask: str, q_len:
     bt = torch.tensor([[2, 0]], dtype=torch.int32)
     lens = torch.tensor([7], dtype=torch.int32)
     q = torch.randn(1, q_len, 2 * HKV, D, generator=gen)
-    opts: dict[str, Any] = (
-        {"kv_start": torch.tensor([2], dtype=torch.int32)} if mask == "kv_start" else {"window": 3}
+    masked = (
+        Mask(kv_start=torch.tensor([2], dtype=torch.int32))
+        if mask == "kv_start"
+        else Mask(window=3)
     )
-    s = torch.tensor(0.5)
+    scheme = PerTensorScales(torch.tensor(0.5), torch.tensor(0.5))
 
     def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return paged_attention(
-            q, k, v, bt, lens, sm_scale=0.25, k_scale=s, v_scale=s, backend=backend, **opts
+            q, Pages(k, v), bt, lens, scheme, sm_scale=0.25, mask=masked, backend=backend
         )
 
     clean_k, clean_v = kp.clone(), vp.clone()
@@ -159,14 +147,12 @@ def test_reference_masked_slot_without_the_public_wrapper() -> None:
     s = torch.tensor(0.5)
     out = paged_attention_reference(
         torch.randn(1, 2, 2 * HKV, D, generator=gen),
-        kp,
-        vp,
+        Pages(kp, vp),
         torch.tensor([[0, 1]], dtype=torch.int32),
         torch.tensor([6], dtype=torch.int32),
-        0.25,
-        k_scale=s,
-        v_scale=s,
-        kv_start=torch.tensor([1], dtype=torch.int32),
+        PerTensorScales(s, s),
+        sm_scale=0.25,
+        mask=Mask(kv_start=torch.tensor([1], dtype=torch.int32)),
     )
     assert torch.isfinite(out).all()
 
@@ -240,17 +226,17 @@ def test_compute_slot_mapping_checks_its_arguments() -> None:
 def test_paged_attention_refuses_an_out_whose_elements_alias() -> None:
     gen = torch.Generator().manual_seed(6)
     kp, vp = _pages(gen)
-    s = torch.tensor(0.1)
+    scheme = PerTensorScales(torch.tensor(0.1), torch.tensor(0.1))
     q = torch.randn(1, 1, 2 * HKV, D, generator=gen)
     bt, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
     out = torch.zeros(1, 1, 1, D).expand(1, 1, 2 * HKV, D)
     _refused(
         KernelInputError,
-        lambda: paged_attention(q, kp, vp, bt, lens, sm_scale=0.25, k_scale=s, v_scale=s, out=out),
+        lambda: paged_attention(q, Pages(kp, vp), bt, lens, scheme, sm_scale=0.25, out=out),
         "share memory",
     )
     fine = torch.empty(2 * HKV, D).t().t()[None, None]  # any strides without aliasing are fine
-    paged_attention(q, kp, vp, bt, lens, sm_scale=0.25, k_scale=s, v_scale=s, out=fine)
+    paged_attention(q, Pages(kp, vp), bt, lens, scheme, sm_scale=0.25, out=fine)
     assert torch.isfinite(fine).all()
 
 

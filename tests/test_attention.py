@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kernel_calls import attention as call_attention
 from numerics import assert_close_rel, error_report
 from paged_cases import build_case
 
@@ -233,7 +234,8 @@ def test_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> No
     case = build_case(**case_kw, seed=len(case_kw["lens"]) * 7 + case_kw["hq"])
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    got = paged_attention_triton(
+    got = call_attention(
+        paged_attention_triton,
         case.query,
         case.k_pages,
         case.v_pages,
@@ -264,7 +266,7 @@ def test_dequantized_group_tiles_beyond_fp16_range_give_non_finite_output(
     v_amax = case.scales["v_group_scales"].nan_to_num(0.0).max() * 448
     assert float(v_amax) > 4094  # stored V values beyond the limit
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, config=config,
     )  # fmt: skip
@@ -282,11 +284,11 @@ def test_score_scale_of_any_sign(lq: int, sm_scale: float) -> None:
     case = build_case([50, 70], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", seed=11)
     case.sm_scale = sm_scale
     case.scales["k_scale"][1] *= -1.0
-    ref = case.reference()
+    ref = case.reference(unchecked=True)  # a negative scale: no scheme admits it
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, num_splits=2 if lq == 1 else None,
+        **case.kwargs(), out=out, num_splits=2 if lq == 1 else None, unchecked=True,
     )  # fmt: skip
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"lq={lq} sm_scale={sm_scale}")
 
@@ -303,7 +305,7 @@ def test_nan_group_scale_of_a_visible_slot_reaches_the_output(which: str) -> Non
     ref = case.reference()
     assert bool(torch.isnan(ref[1, :, :4]).all()) and not bool(torch.isnan(ref[0]).any())
     out = torch.zeros(case.query.shape, dtype=case.query.dtype)
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, num_splits=2,
     )  # fmt: skip
@@ -315,7 +317,7 @@ def test_output_with_hf_strides_and_zero_rows() -> None:
     """Non-contiguous ``out``; invalid query rows and key-less rows come out as zeros."""
     case = build_case([30, 0], hq=8, hkv=2, d=64, lq=3, q_lens=[2, 3])
     out = torch.full((2, 8, 3, 64), float("nan"), dtype=torch.float16).transpose(1, 2)
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out,
     )  # fmt: skip

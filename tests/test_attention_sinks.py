@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import attention as call_attention
+from kernel_calls import write as call_write
 from numerics import assert_close_rel
 
 from kvquant.errors import KernelInputError
@@ -32,7 +34,9 @@ def _cache(groups: bool, device: str = "cpu") -> dict[str, Any]:
     else:
         s = torch.tensor(0.02, device=device)
         scales = {"k_scale": s, "v_scale": s}
-    write_kv(k, v, kp, vp, slots, backend="torch" if device == "cpu" else "auto", **scales)
+    call_write(
+        write_kv, k, v, kp, vp, slots, backend="torch" if device == "cpu" else "auto", **scales
+    )
     return {"k_pages": kp, "v_pages": vp, **scales}
 
 
@@ -66,9 +70,9 @@ def test_reference_sinks_equal_dense_softmax_with_a_sink_column(q_len: int, grou
     sinks = torch.randn(HQ, generator=gen) * 2
     start = torch.tensor([2], dtype=torch.int32)
     kw = dict(sm_scale=0.25, kv_start=start, backend="torch", **c)
-    got = paged_attention(q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw)
+    got = call_attention(paged_attention, q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw)
     torch.testing.assert_close(got, _dense(q, c, sinks, 2), rtol=1e-5, atol=1e-6)
-    without = paged_attention(q, block_tables=BT, seq_lens=LENS, **kw)
+    without = call_attention(paged_attention, q, block_tables=BT, seq_lens=LENS, **kw)
     assert (got - without).abs().max() > 1e-2  # the sinks take weight away from the keys
 
 
@@ -89,8 +93,12 @@ def test_triton_sinks_match_the_reference(q_len: int, groups: bool, opts: dict[s
     q = torch.randn(1, q_len, HQ, D, generator=gen)
     sinks = torch.randn(HQ, generator=gen) * 2
     kw: dict[str, Any] = dict(sm_scale=0.25, kv_start=torch.tensor([2], dtype=torch.int32), **c)
-    ref = paged_attention(q, block_tables=BT, seq_lens=LENS, sinks=sinks, backend="torch", **kw)
-    got = paged_attention_triton(q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw, **opts)
+    ref = call_attention(
+        paged_attention, q, block_tables=BT, seq_lens=LENS, sinks=sinks, backend="torch", **kw
+    )
+    got = call_attention(
+        paged_attention_triton, q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw, **opts
+    )
     assert_close_rel(got, ref, rel_tol=5e-3, name=f"sinks q_len={q_len} groups={groups} {opts}")
 
 
@@ -108,7 +116,9 @@ def test_bad_sinks_are_refused(sinks: torch.Tensor) -> None:
     c = _cache(False)
     q = torch.randn(1, 1, HQ, D)
     with pytest.raises(KernelInputError, match="sinks"):
-        paged_attention(q, block_tables=BT, seq_lens=LENS, sm_scale=0.25, sinks=sinks, **c)
+        call_attention(
+            paged_attention, q, block_tables=BT, seq_lens=LENS, sm_scale=0.25, sinks=sinks, **c
+        )
 
 
 @pytest.mark.gpu
@@ -121,6 +131,6 @@ def test_triton_sinks_on_cuda(q_len: int) -> None:
     kw: dict[str, Any] = dict(
         block_tables=BT.cuda(), seq_lens=LENS.cuda(), sm_scale=0.25, sinks=sinks, **c
     )
-    got = paged_attention(q, backend="triton", **kw)
-    ref = paged_attention(q, backend="torch", **kw)
+    got = call_attention(paged_attention, q, backend="triton", **kw)
+    ref = call_attention(paged_attention, q, backend="torch", **kw)
     assert_close_rel(got, ref, rel_tol=5e-3, name=f"cuda sinks q_len={q_len}")

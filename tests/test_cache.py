@@ -9,6 +9,8 @@ import torch
 
 from kvquant.cache import PageAllocator, PagedLayerStorage, total_memory_bytes
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError, ScaleFormatError
+from kvquant.kernels import hadamard
+from kvquant.schemes import KTransformScales, PerHeadScales, scheme_class
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or interpreted on CPU
 
@@ -318,6 +320,39 @@ def test_storage_constructor_errors() -> None:
         v_scale=torch.tensor(2.0),
     )  # fmt: skip
     assert c.k_scale is not None and c.k_scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize("granularity", ["per-head", "k-transform"])
+def test_bf16_scales_are_converted_to_fp32_before_the_scheme(granularity: str) -> None:
+    """Checkpoints ship bf16 scales: the storage converts them (the schemes take fp32 only), and
+    writes and attends exactly (a rotation of 16 channels is exact in bf16) like a storage given the same values in fp32."""
+    gen = torch.Generator().manual_seed(3)
+    scales = {"k_scale": torch.tensor([0.02, 0.05]), "v_scale": torch.tensor([0.03, 0.01])}
+    if granularity == "k-transform":
+        scales.update(k_offset=torch.randn(2, 16, generator=gen), k_rotation=hadamard(16))
+    exact = {k: v.to(torch.bfloat16).float() for k, v in scales.items()}
+    stores = [
+        PagedLayerStorage(2, 16, 2, 16, granularity=granularity, backend="torch", **kw)
+        for kw in (exact, {k: v.to(torch.bfloat16) for k, v in exact.items()})
+    ]
+    assert [type(s.scheme) for s in stores] == [scheme_class(granularity)] * 2
+    scheme = stores[1].scheme
+    assert isinstance(scheme, (PerHeadScales, KTransformScales))
+    assert scheme.k_scale.dtype == scheme.v_scale.dtype == torch.float32
+    if isinstance(scheme, KTransformScales):
+        assert scheme.k_offset is not None and scheme.k_offset.dtype == torch.float32
+        assert scheme.k_rotation is not None and scheme.k_rotation.dtype == torch.float32
+    key, val = torch.randn(2, 1, 5, 2, 16, generator=gen)
+    alloc = PageAllocator(2, 16)
+    slots = alloc.reserve([0], 5)
+    bt, lens = alloc.block_tables([0]), alloc.seq_lens([0])
+    q = torch.randn(1, 5, 4, 16, generator=gen)
+    outs = []
+    for store in stores:
+        store.write(key, val, slots)
+        outs.append(store.attend(q, bt, lens))
+    assert torch.equal(stores[0].k_pages.view(torch.uint8), stores[1].k_pages.view(torch.uint8))
+    assert torch.equal(outs[0], outs[1])
 
 
 # ------------------------------------------------------------ layer storage

@@ -15,6 +15,7 @@ from numerics import assert_close_rel
 from kvquant.cache import PageAllocator, PagedLayerStorage
 from kvquant.errors import CacheUsageError, ScaleFormatError
 from kvquant.kernels import hadamard, paged_attention_reference
+from kvquant.schemes import KTransformScales, Mask
 
 HKV, HQ, D, PAGE = 2, 4, 16, 4
 
@@ -92,14 +93,14 @@ def test_storage_matches_reference_and_fp32_with_left_padding(
             torch.testing.assert_close(store.first_k[b], rot, rtol=1e-6, atol=1e-5)
             assert torch.equal(store.first_v[b], values[b, s : s + first_tokens])
     else:
-        assert store.first_kwargs() == {}
+        assert store.first_buffer() is None
     bt, lens = alloc.block_tables([0, 1]), alloc.seq_lens([0, 1])
     q = torch.randn(bsz, 3, HQ, D, generator=gen)
     got = store.attend(q, bt, lens, kv_start=kv_start)
+    scheme = KTransformScales(store.k_scale, store.v_scale, offset, rotation, first_tokens)
     want = paged_attention_reference(
-        q, store.k_pages, store.v_pages, bt, lens, D**-0.5,
-        k_scale=store.k_scale, v_scale=store.v_scale, kv_start=kv_start,
-        k_offset=offset, k_rotation=rotation, **store.first_kwargs(kv_start),
+        q, store.pages, bt, lens, scheme, sm_scale=D**-0.5, mask=Mask(kv_start=kv_start),
+        first=store.first_buffer(kv_start),
     )  # fmt: skip
     assert torch.equal(got, want)
     assert_close_rel(got, _fp32_attention(q, keys, values, starts), rel_tol=5e-2)
@@ -160,15 +161,16 @@ def test_a_window_that_moves_restarts_or_is_given_up() -> None:
         4 * HKV * D + 2 * (2 * 2 * HKV * D * 4) + 2 * 2 * 4
     )
     # an attention call whose kv_start differs from a row's window reads that row from the pages
-    lens = store.first_kwargs(torch.tensor([5, 4], dtype=torch.int32))["first_lens"]
-    assert lens.tolist() == [1, 0]
-    assert store.first_kwargs()["first_lens"].tolist() == [0, 0]
+    first = store.first_buffer(torch.tensor([5, 4], dtype=torch.int32))
+    assert first is not None and first.lens.tolist() == [1, 0]
+    first = store.first_buffer()
+    assert first is not None and first.lens.tolist() == [0, 0]
     store.reset_first()
-    assert store.first_kwargs() == {} and store.first_window_end() == 0
+    assert store.first_buffer() is None and store.first_window_end() == 0
 
 
 def test_row_groups_fill_the_batchs_side_buffer_like_one_call() -> None:
-    """keep_first / first_kwargs with ``rows``: each group's rows of the batch's buffers."""
+    """keep_first / first_buffer with ``rows``: each group's rows of the batch's buffers."""
     gen = torch.Generator().manual_seed(8)
     keys = _biased_keys(gen, 5, 6)
     values = torch.randn(5, 6, HKV, D, generator=gen)
@@ -179,9 +181,9 @@ def test_row_groups_fill_the_batchs_side_buffer_like_one_call() -> None:
     split = _storage(offset, k_scale, hadamard(D), first_tokens=2)
     for r0, r1 in ((0, 2), (2, 4), (4, 5)):
         split.keep_first(keys[r0:r1], values[r0:r1], 0, starts[r0:r1], rows=(r0, r1), batch=5)
-        got = split.first_kwargs(starts[r0:r1], rows=(r0, r1))
-        assert got["first_k"].shape[0] == r1 - r0
-        assert got["first_lens"].tolist() == split.first_lens[r0:r1].tolist()
+        got = split.first_buffer(starts[r0:r1], rows=(r0, r1))
+        assert got is not None and got.k.shape[0] == r1 - r0 and got.v.shape[0] == r1 - r0
+        assert got.lens.tolist() == split.first_lens[r0:r1].tolist()
     for name in ("first_k", "first_v", "first_lens", "first_start"):
         assert torch.equal(getattr(split, name), getattr(whole, name)), name
     assert whole.first_start is not None and whole.first_start.tolist() == [0, 3, 1, 7, 2]

@@ -3,7 +3,8 @@
 The torch reference is checked against exact algebra (attention with the transform equals
 fp32 attention over the model-frame keys it dequantizes to) and against the unquantized
 model (FP8 tolerance; the transform beats plain per-head scales on biased K). The public
-entry points refuse malformed transform arguments with ``KernelInputError``. The Triton
+schemes refuse a malformed transform when built (``ScaleFormatError``); the entry points refuse
+per-call tensors that do not fit (``KernelInputError``). The Triton
 kernels (interpreter) are compared with the reference: write codes as in test_write.py,
 attention within 5e-3 over NaN-poisoned outputs and pages.
 """
@@ -14,13 +15,16 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import attention as call_attention
+from kernel_calls import write as call_write
 from numerics import assert_close_rel
 from paged_cases import PagedCase, build_case
 
-from kvquant.errors import KernelInputError, KVQuantError
+from kvquant.errors import KernelInputError, KVQuantError, ScaleFormatError
 from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
 from kvquant.kernels.attention.launch import paged_attention_triton
 from kvquant.kernels.fp8 import dequantize_pages, gather_kv
+from kvquant.schemes import FirstTokens, GroupScales, KTransformScales, Mask, Pages, Scheme
 
 REL_TOL = 5e-3
 
@@ -116,7 +120,7 @@ def test_write_reference_stores_the_transformed_key(transform: str) -> None:
     vs = torch.full((hkv,), 0.01)
     kp, vp = page_storage(2, 16, hkv, d)
     slots = torch.arange(12)[None]
-    write_kv(key, key, kp, vp, slots, k_scale=ks, v_scale=vs, k_offset=off, k_rotation=rot,
+    call_write(write_kv, key, key, kp, vp, slots, k_scale=ks, v_scale=vs, k_offset=off, k_rotation=rot,
              backend="torch")  # fmt: skip
     want = (stored / ks[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(kp.view(-1, hkv, d)[:12].view(torch.uint8), want[0].view(torch.uint8))
@@ -176,12 +180,34 @@ def _kt_case(**kw: Any) -> PagedCase:
     )  # fmt: skip
 
 
-def _attend(case: PagedCase, **changes: Any) -> torch.Tensor:
-    kw = {**case.kwargs(), **changes}
+def _attend(case: PagedCase, scheme: Scheme, first: FirstTokens | None) -> torch.Tensor:
+    """``paged_attention`` (torch) of the case's query and pages with ``scheme`` and ``first``."""
+    pages = Pages(case.k_pages, case.v_pages, case.scales.get("k_group_scales"),
+                  case.scales.get("v_group_scales"))  # fmt: skip
+    mask = Mask(**{k: case.options[k] for k in ("causal", "softcap", "window", "kv_start")
+                   if k in case.options})  # fmt: skip
     return paged_attention(
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        backend="torch", **kw,
+        case.query, pages, case.block_tables, case.seq_lens, scheme, sm_scale=case.sm_scale,
+        mask=mask, first=first, backend="torch",
     )  # fmt: skip
+
+
+def _kt_scheme(case: PagedCase, **changes: Any) -> KTransformScales:
+    """The case's K transform as a scheme, with ``changes`` to its tensors."""
+    parts: dict[str, Any] = {
+        "k_scale": case.scales["k_scale"],
+        "v_scale": case.scales["v_scale"],
+        "k_offset": case.options["k_offset"],
+        "k_rotation": case.options["k_rotation"],
+        "first_tokens": case.options["first_k"].shape[1],
+        **changes,
+    }
+    return KTransformScales(**parts)
+
+
+def _kt_first(case: PagedCase, **changes: Any) -> FirstTokens:
+    parts = {k: case.options[f"first_{k}"] for k in ("k", "v", "lens")}
+    return FirstTokens(**{**parts, **changes})
 
 
 @pytest.mark.parametrize(
@@ -189,50 +215,78 @@ def _attend(case: PagedCase, **changes: Any) -> torch.Tensor:
     [
         ({"k_offset": torch.zeros(2, 8)}, r"k_offset has shape \(2, 8\); expected \(2, 16\)"),
         ({"k_offset": torch.zeros(2, 16, dtype=torch.float16)}, "k_offset has dtype"),
-        ({"k_rotation": torch.eye(8)}, r"k_rotation has shape \(8, 8\); expected \(16, 16\)"),
+        ({"k_rotation": torch.eye(8)}, r"k_offset has shape \(2, 16\); expected \(2, 8\)"),
         ({"k_rotation": torch.eye(16, dtype=torch.float64)}, "k_rotation has dtype"),
         ({"k_offset": torch.full((2, 16), float("nan"))}, "k_offset element 0 .* expected finite"),
         ({"k_rotation": torch.eye(16) * float("inf")}, "k_rotation element 0 .* expected finite"),
-        ({"first_v": None}, "first_v is None but the other first-token arguments"),
-        ({"first_k": None, "first_lens": None}, "first_k, first_lens is None"),
-        ({"first_k": torch.zeros(2, 2, 2, 8)}, "first_k has shape"),
-        ({"first_v": torch.zeros(2, 3, 2, 16)}, "first_v has shape"),
-        ({"first_k": torch.zeros(2, 2, 2, 16, dtype=torch.float64)}, "first_k has dtype"),
-        ({"first_lens": torch.tensor([1, 1])}, "first_lens has dtype torch.int64"),
-        ({"first_lens": torch.tensor([3, 0], dtype=torch.int32)}, r"first_lens\[0\] is 3"),
-        ({"first_lens": torch.tensor([0, -1], dtype=torch.int32)}, r"first_lens\[1\] is -1"),
     ],
 )
-def test_attention_refuses_malformed_transform(changes: dict[str, Any], match: str) -> None:
+def test_malformed_transform_is_refused_when_the_scheme_is_built(
+    changes: dict[str, Any], match: str
+) -> None:
     case = _kt_case()
+    with pytest.raises(ScaleFormatError, match=match) as info:
+        _kt_scheme(case, **changes)
+    assert isinstance(info.value, ValueError) and "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "scheme_changes, first_changes, match",
+    [
+        (
+            {"k_rotation": torch.eye(8), "k_offset": None},
+            {},
+            r"k_rotation has shape \(8, 8\); expected \(16, 16\)",
+        ),
+        (
+            {"k_rotation": None, "k_offset": torch.zeros(2, 8)},
+            {},
+            r"k_offset has shape \(2, 8\); expected \(2, 16\)",
+        ),
+        ({}, {"v": None}, "first_v is None but the other first-token arguments"),
+        ({}, {"k": None, "lens": None}, "first_k, first_lens is None"),
+        ({}, {"k": torch.zeros(2, 2, 2, 8)}, "first_k has shape"),
+        ({}, {"v": torch.zeros(2, 3, 2, 16)}, "first_v has shape"),
+        ({}, {"k": torch.zeros(2, 2, 2, 16, dtype=torch.float64)}, "first_k has dtype"),
+        ({}, {"lens": torch.tensor([1, 1])}, "first_lens has dtype torch.int64"),
+        ({}, {"lens": torch.tensor([3, 0], dtype=torch.int32)}, r"first_lens\[0\] is 3"),
+        ({}, {"lens": torch.tensor([0, -1], dtype=torch.int32)}, r"first_lens\[1\] is -1"),
+    ],
+)
+def test_attention_refuses_a_transform_or_side_buffer_that_does_not_fit(
+    scheme_changes: dict[str, Any], first_changes: dict[str, Any], match: str
+) -> None:
+    """A well-formed scheme for other pages, or a malformed side buffer: refused per call."""
+    case = _kt_case()
+    scheme, first = _kt_scheme(case, **scheme_changes), _kt_first(case, **first_changes)
     with pytest.raises(KernelInputError, match=match) as info:
-        _attend(case, **changes)
+        _attend(case, scheme, first)
     assert isinstance(info.value, ValueError) and "Fix:" in str(info.value)
 
 
 def test_first_lens_beyond_the_cached_tokens_is_refused() -> None:
     case = _kt_case(kv_start=[0, 8])  # row 1: 9 tokens, 8 of them padding: one first token max
-    _attend(case)
+    scheme = _kt_scheme(case)
+    _attend(case, scheme, _kt_first(case))
+    too_many = _kt_first(case, lens=torch.tensor([1, 2], dtype=torch.int32))
     with pytest.raises(KernelInputError, match=r"first_lens\[1\] is 2.*seq_lens\[1\] - kv_start"):
-        _attend(case, first_lens=torch.tensor([1, 2], dtype=torch.int32))
+        _attend(case, scheme, too_many)
 
 
 def test_transform_with_group_scales_is_refused() -> None:
+    """A K transform needs static scales (refused when built without); beside group scales in
+    the Pages, or a side buffer beside a GroupScales scheme, the kernel refuses the mix."""
     case = build_case([20], hq=4, hkv=2, d=16, granularity="fp32-group", group_size=8)
-    for extra, what in (
-        ({"k_offset": torch.zeros(2, 16)}, "K transform"),
-        ({"k_rotation": hadamard(16)}, "K transform"),
-        (
-            {
-                "first_k": torch.zeros(1, 1, 2, 16),
-                "first_v": torch.zeros(1, 1, 2, 16),
-                "first_lens": torch.ones(1, dtype=torch.int32),
-            },
-            "first-token buffers",
-        ),
-    ):
-        with pytest.raises(KernelInputError, match=f"{what}.*fp32 group scales"):
-            _attend(case, **extra)
+    with pytest.raises(ScaleFormatError, match="k_scale is a NoneType; expected an fp32 tensor"):
+        KTransformScales(None, None, torch.zeros(2, 16))  # type: ignore[arg-type]
+    transform = KTransformScales(torch.full((2,), 0.1), torch.full((2,), 0.1), torch.zeros(2, 16))
+    with pytest.raises(KernelInputError, match=r"'k-transform' scheme and Pages\.k_scales"):
+        _attend(case, transform, None)
+    first = FirstTokens(
+        torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 2, 16), torch.ones(1, dtype=torch.int32)
+    )
+    with pytest.raises(KernelInputError, match=r"first-token buffers.*fp32 group scales"):
+        _attend(case, GroupScales(head_dim=16, group_size=8), first)
 
 
 def test_write_refuses_malformed_transform() -> None:
@@ -240,20 +294,18 @@ def test_write_refuses_malformed_transform() -> None:
     key = torch.randn(1, 3, 2, 16)
     slots = torch.arange(3)[None]
     ks = torch.tensor(0.01)
-    static = {"k_scale": ks, "v_scale": ks}
     before = kp.clone()
-    bad: list[tuple[dict[str, Any], str]] = [
-        ({**static, "k_offset": torch.zeros(16)}, r"k_offset has shape \(16,\)"),
-        ({**static, "k_rotation": torch.eye(4)}, r"k_rotation has shape \(4, 4\)"),
-        ({**static, "k_offset": torch.full((2, 16), float("inf"))}, "expected finite"),
-    ]
-    for kw, match in bad:
-        with pytest.raises(KernelInputError, match=match):
-            write_kv(key, key, kp, vp, slots, **kw, backend="torch")
+    with pytest.raises(ScaleFormatError, match=r"k_offset has shape \(16,\)"):
+        KTransformScales(ks, ks, k_offset=torch.zeros(16))
+    with pytest.raises(ScaleFormatError, match="expected finite"):
+        KTransformScales(ks, ks, k_offset=torch.full((2, 16), float("inf")))
+    with pytest.raises(KernelInputError, match=r"k_rotation has shape \(4, 4\)"):
+        write_kv(key, key, Pages(kp, vp), slots, KTransformScales(ks, ks, k_rotation=torch.eye(4)),
+                 backend="torch")  # fmt: skip
     gs = torch.ones(2, 16, 2, 2)
-    with pytest.raises(KVQuantError, match=r"K transform.*fp32 group scales"):
-        write_kv(key, key, kp, vp, slots, k_group_scales=gs, v_group_scales=gs.clone(),
-                 k_offset=torch.zeros(2, 16), backend="torch")  # fmt: skip
+    with pytest.raises(KVQuantError, match=r"'k-transform' scheme and Pages\.k_scales"):
+        write_kv(key, key, Pages(kp, vp, gs, gs.clone()), slots,
+                 KTransformScales(ks, ks, torch.zeros(2, 16)), backend="torch")  # fmt: skip
     assert torch.equal(kp.view(torch.uint8), before.view(torch.uint8))  # nothing written
 
 
@@ -318,7 +370,7 @@ KT_CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 
 def _triton(case: PagedCase, **extra: Any) -> torch.Tensor:
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    got = paged_attention_triton(
+    got = call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, **extra,
     )  # fmt: skip
@@ -356,7 +408,8 @@ def test_triton_transform_score_scale_of_any_sign(
     case.sm_scale = sm_scale
     case.scales["k_scale"][1] *= -1.0
     extra: dict[str, Any] = {"num_splits": 2} if lq == 1 else {}
-    assert_close_rel(_triton(case, **extra, config=first), case.reference(), rel_tol=REL_TOL)
+    got = _triton(case, **extra, config=first, unchecked=True)  # no scheme admits the sign
+    assert_close_rel(got, case.reference(unchecked=True), rel_tol=REL_TOL)
 
 
 @pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
@@ -390,14 +443,14 @@ def test_nan_first_key_reaches_only_rows_that_see_it(first: dict[str, str]) -> N
 def test_public_api_dispatches_transform_to_triton() -> None:
     """``paged_attention(backend="triton")`` passes the transform through (and checks layout)."""
     case = _kt_case()
-    got = paged_attention(
+    got = call_attention(paged_attention,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), backend="triton",
     )  # fmt: skip
     assert_close_rel(got, case.reference(), rel_tol=REL_TOL)
     strided = case.options["first_k"].transpose(0, 1).contiguous().transpose(0, 1)
     with pytest.raises(KernelInputError, match=r"first_k has strides .* needs it contiguous"):
-        paged_attention(
+        call_attention(paged_attention,
             case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
             **{**case.kwargs(), "first_k": strided}, backend="triton",
         )  # fmt: skip
@@ -436,7 +489,8 @@ def test_triton_rotation_variants_match_reference(rot: dict[str, str], lq: int) 
     else:
         extra = {"config": {**rot, "BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}
     query = case.query.clone()
-    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL, name=str(rot))
+    got = _triton(case, **extra, unchecked=True)  # a negative scale: no scheme admits it
+    assert_close_rel(got, case.reference(unchecked=True), rel_tol=REL_TOL, name=str(rot))
     assert torch.equal(case.query, query)  # the caller's query is never rotated in place
 
 
@@ -467,7 +521,8 @@ def test_triton_latency_variants_match_reference(
         extra: dict[str, Any] = {"num_splits": splits, "config": opts}
     else:
         extra = {"config": {**opts, "BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}
-    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL, name=str(opts))
+    got = _triton(case, **extra, unchecked=True)  # a negative scale: no scheme admits it
+    assert_close_rel(got, case.reference(unchecked=True), rel_tol=REL_TOL, name=str(opts))
 
 
 @pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import attention as call_attention
+from kernel_calls import write as call_write
 from paged_cases import build_case
 
 from kvquant import kernels
@@ -85,7 +87,7 @@ def _variants(launches: list[Launch], declared: bool = True) -> dict[str, int]:
 
 def test_every_launched_kernel_declares_its_specialisation(launches: list[Launch]) -> None:
     case = build_case([40], hq=2, hkv=1, d=16)
-    kernels.paged_attention(case.query, case.k_pages, case.v_pages, case.block_tables,
+    call_attention(kernels.paged_attention, case.query, case.k_pages, case.v_pages, case.block_tables,
                             case.seq_lens, backend="triton", **case.kwargs())  # fmt: skip
     assert {name for name, _ in launches} <= set(specialize.OPTIONS)
 
@@ -98,7 +100,7 @@ def test_decode_over_a_growing_context_compiles_a_variant_per_split_mode_and_mer
     for n in (40, 230, 490, 700, 950, 1000, 1100):
         case = build_case([n], hq=2, hkv=1, d=16, seed=n)
         out = torch.full_like(case.query, float("nan"))
-        kernels.paged_attention(case.query, case.k_pages, case.v_pages, case.block_tables,
+        call_attention(kernels.paged_attention, case.query, case.k_pages, case.v_pages, case.block_tables,
                                 case.seq_lens, out=out, backend="triton", **case.kwargs())  # fmt: skip
         torch.testing.assert_close(out.float(), case.reference(), atol=2e-3, rtol=2e-3)
     tiles = {b["SPLITS_P2"] for name, b in launches if name == "reduce_kernel"}
@@ -119,7 +121,9 @@ def test_writes_of_any_length_compile_one_prefill_and_one_decode_variant(
         key = torch.randn(1, n, 1, 16, dtype=torch.float16)
         value = torch.randn(1, n, 1, 16, dtype=torch.float16)
         slots = torch.arange(n, dtype=torch.int64).view(1, n)
-        kernels.write_kv(key, value, k_pages, v_pages, slots, backend="triton", **case.scales)
+        call_write(
+            kernels.write_kv, key, value, k_pages, v_pages, slots, backend="triton", **case.scales
+        )
     control = _variants(launches, declared=False)
     assert control["write_kv_kernel"] > 2, control
     assert _variants(launches) == {"write_kv_kernel": 2}

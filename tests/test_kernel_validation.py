@@ -17,12 +17,15 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import attention as call_attention
+from kernel_calls import write as call_write
 from numerics import assert_close_rel
 
-from kvquant.errors import BackendError, KernelInputError, KVQuantError
+from kvquant.errors import BackendError, KernelInputError, KVQuantError, ScaleFormatError
 from kvquant.kernels import backend as backend_mod
 from kvquant.kernels import paged_attention, paged_attention_reference, write_kv, write_kv_reference
 from kvquant.kernels.backend import resolve_backend
+from kvquant.schemes import Pages
 
 P, PAGE, H, D = 4, 16, 2, 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or interpreted on CPU
@@ -93,8 +96,8 @@ WRITE_CASES: list[
         "v_scale has shape (3,)",
         _write_args,
     ),
-    ("scale missing", lambda a: a.update(v_scale=None), "v_scale is None", _write_args),
-    ("no scales", lambda a: a.update(k_scale=None, v_scale=None), "no scales", _write_args),
+    ("scale missing", lambda a: a.update(v_scale=None), "v_scale is a NoneType", _write_args),
+    ("no scales", lambda a: None, "scheme is a NoneType; expected a kvquant.schemes", _write_args),
     (
         "both modes",
         lambda a: a.update(
@@ -226,6 +229,10 @@ WRITE_CASES: list[
 ]
 
 
+# refused when the scheme is built (kvquant.schemes), before the call: ScaleFormatError
+SCHEME_REFUSALS = {"scale dtype", "scale shape", "scale missing"}
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(
     ("label", "change", "message", "base"), WRITE_CASES, ids=[c[0] for c in WRITE_CASES]
@@ -235,29 +242,34 @@ def test_write_rejects(
 ) -> None:
     a = _bad_write(change, base)
     snap = _snapshot(a)
-    with pytest.raises(KernelInputError) as info:
-        write_kv(**a, backend=backend)
+    scheme_error = label in SCHEME_REFUSALS
+    with pytest.raises(ScaleFormatError if scheme_error else KernelInputError) as info:
+        if label == "no scales":  # no scheme at all
+            pages = Pages(a["k_pages"], a["v_pages"])
+            write_kv(a["key"], a["value"], pages, a["slot_mapping"], None, backend=backend)  # type: ignore[arg-type]
+        else:
+            call_write(write_kv, **a, backend=backend)
     text = str(info.value)
     assert message in text
     assert "Fix:" in text or "expected" in text
-    assert text.startswith("write_kv: ")
+    assert text.startswith("per-") if scheme_error else text.startswith("write_kv: ")
     _unchanged(a, snap)
 
 
 def test_scale_message_names_the_fix() -> None:
     a = _write_args()
     a["k_scale"] = a["k_scale"].to(torch.bfloat16)
-    with pytest.raises(KernelInputError, match=r"Fix: normalise scales with kvquant.registry"):
-        write_kv(**a)
+    with pytest.raises(ScaleFormatError, match=r"Fix: normalise scales with kvquant.registry"):
+        call_write(write_kv, **a)
 
 
 def test_kernel_input_error_is_value_error() -> None:
     a = _write_args()
     a["key"] = a["key"].double()
     with pytest.raises(ValueError):
-        write_kv(**a)
+        call_write(write_kv, **a)
     with pytest.raises(KVQuantError):
-        write_kv(**a)
+        call_write(write_kv, **a)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -269,8 +281,8 @@ def test_write_accepts_mixed_dtypes_and_strides(backend: str) -> None:
     a["slot_mapping"] = torch.tensor([[5, 9, 2], [1, 0, 3]]).t().contiguous().t()
     a = _to_dev(a)
     b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
-    write_kv(**a, backend=backend)
-    write_kv_reference(**b)
+    call_write(write_kv, **a, backend=backend)
+    call_write(write_kv_reference, **b)
     written = a["slot_mapping"].reshape(-1)
     got = a["v_pages"].reshape(P * PAGE, H, D)[written].float()
     want = b["v_pages"].reshape(P * PAGE, H, D)[written].float()
@@ -286,7 +298,7 @@ def test_scalar_scale_on_other_device_rejected() -> None:
     a = _write_args()
     a["k_scale"] = a["k_scale"].cuda()
     with pytest.raises(KernelInputError, match="k_scale is on cuda"):
-        write_kv(**a)
+        call_write(write_kv, **a)
 
 
 # --------------------------------------------------------------- attention
@@ -362,7 +374,11 @@ ATTN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         lambda a: a.update(k_group_scales=torch.ones(P, PAGE, H, 2)),
         "both static scales and group scales",
     ),
-    ("scale shape", lambda a: a.update(k_scale=torch.ones(4)), "k_scale has shape (4,)"),
+    (
+        "scale shape",
+        lambda a: a.update(k_scale=torch.ones(4), v_scale=torch.ones(4)),
+        "k_scale has shape (4,)",
+    ),
 ]
 
 
@@ -371,7 +387,7 @@ def test_attention_rejects(label: str, change: Callable, message: str) -> None:
     a = _attn_args()
     change(a)
     with pytest.raises(KernelInputError) as info:
-        paged_attention(**a, backend="torch")
+        call_attention(paged_attention, **a, backend="torch")
     assert message in str(info.value)
     assert str(info.value).startswith("paged_attention: ")
 
@@ -384,8 +400,8 @@ def test_attention_triton_limits() -> None:
     a["query"] = torch.randn(2, 2, 4, 24, dtype=torch.float16)
     a = _to_dev(a)
     with pytest.raises(KernelInputError, match="head_dim 24 is not a power of two"):
-        paged_attention(**a, backend="triton")
-    paged_attention(**a, backend="torch")  # the reference has no such limit
+        call_attention(paged_attention, **a, backend="triton")
+    call_attention(paged_attention, **a, backend="torch")  # the reference has no such limit
 
 
 def test_attention_triton_needs_contiguous_groups() -> None:
@@ -396,12 +412,12 @@ def test_attention_triton_needs_contiguous_groups() -> None:
     a["v_group_scales"] = torch.rand(P, PAGE, H, 2)
     a = _to_dev(a)
     with pytest.raises(KernelInputError, match=r"k_group_scales has strides .*last dimension"):
-        paged_attention(**a, backend="triton")
-    ref = paged_attention(**a, backend="torch")
+        call_attention(paged_attention, **a, backend="triton")
+    ref = call_attention(paged_attention, **a, backend="torch")
     a["k_group_scales"] = a["k_group_scales"].contiguous()
     # the kernels' tolerance (relative norm, as in test_attention.py): an elementwise bound
     # failed on a few elements for about 1 in 13 random draws
-    assert_close_rel(paged_attention(**a, backend="triton"), ref, rel_tol=5e-3)
+    assert_close_rel(call_attention(paged_attention, **a, backend="triton"), ref, rel_tol=5e-3)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -413,9 +429,9 @@ def test_attention_dispatch_matches_reference(backend: str) -> None:
     a["kv_start"] = torch.tensor([1, 0], dtype=torch.int32)
     a = _to_dev(a)
     out = torch.full((2, 2, 4, D), float("nan"), dtype=torch.float16, device=DEV)
-    got = paged_attention(**a, out=out, backend=backend)
+    got = call_attention(paged_attention, **a, out=out, backend=backend)
     assert got is out
-    ref = paged_attention_reference(**{k: v for k, v in a.items()})
+    ref = call_attention(paged_attention_reference, **{k: v for k, v in a.items()})
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert not got.isnan().any()
 
@@ -447,12 +463,13 @@ def test_triton_on_cpu_without_interpreter_raises() -> None:
         import torch
         from kvquant.errors import BackendError
         from kvquant.kernels import write_kv
+        from kvquant.schemes import Pages, PerTensorScales
         k = torch.zeros(2, 16, 1, 16, dtype=torch.float8_e4m3fn)
         x = torch.ones(1, 1, 1, 16)
         s = torch.tensor(1.0)
         try:
-            write_kv(x, x, k, k.clone(), torch.zeros(1, 1, dtype=torch.int64), k_scale=s, v_scale=s,
-                     backend="triton")
+            write_kv(x, x, Pages(k, k.clone()), torch.zeros(1, 1, dtype=torch.int64),
+                     PerTensorScales(s, s), backend="triton")
         except BackendError as e:
             assert "TRITON_INTERPRET=1" in str(e), str(e)
             assert bool((k.float() == 0).all())
@@ -476,12 +493,13 @@ def test_interpreter_set_too_late_raises() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
         from kvquant.errors import BackendError
         from kvquant.kernels import write_kv
+        from kvquant.schemes import Pages, PerTensorScales
         k = torch.zeros(2, 16, 1, 16, dtype=torch.float8_e4m3fn)
         x = torch.ones(1, 1, 1, 16)
         s = torch.tensor(1.0)
         try:
-            write_kv(x, x, k, k.clone(), torch.zeros(1, 1, dtype=torch.int64), k_scale=s, v_scale=s,
-                     backend="triton")
+            write_kv(x, x, Pages(k, k.clone()), torch.zeros(1, 1, dtype=torch.int64),
+                     PerTensorScales(s, s), backend="triton")
         except BackendError as e:
             assert "before" in str(e), str(e)
             print("OK")
@@ -512,13 +530,13 @@ def test_pages_interleaved_in_one_buffer_are_written_like_separate_pages() -> No
     slots = torch.tensor([[0, 17, 18, 40, 63]])
     scales = {"k_scale": torch.tensor(0.02), "v_scale": torch.tensor(0.03)}
     k_pages, v_pages = _interleaved(0)
-    write_kv(key, value, k_pages, v_pages, slots, backend="torch", **scales)
+    call_write(write_kv, key, value, k_pages, v_pages, slots, backend="torch", **scales)
     ref_k = torch.zeros(P, PAGE, H, D, dtype=torch.float8_e4m3fn)
     ref_v = torch.zeros_like(ref_k)
-    write_kv_reference(key, value, ref_k, ref_v, slots, **scales)
+    call_write(write_kv_reference, key, value, ref_k, ref_v, slots, **scales)
     assert torch.equal(k_pages.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(v_pages.view(torch.uint8), ref_v.view(torch.uint8))
     k_pages, v_pages = _interleaved(1)
     with pytest.raises(KernelInputError, match="k_pages and v_pages share memory"):
-        write_kv(key, value, k_pages, v_pages, slots, backend="torch", **scales)
+        call_write(write_kv, key, value, k_pages, v_pages, slots, backend="torch", **scales)
     assert not bool(k_pages.view(torch.uint8).any())  # nothing written

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_calls import attention as call_attention
 from numerics import assert_close_rel
 from paged_cases import PagedCase, build_case
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -88,7 +89,7 @@ def test_triton_rows_are_nan_or_the_clean_value(which: str, config: dict[str, in
     clean = _case(None).reference()
     out = torch.zeros(case.query.shape, dtype=case.query.dtype)
     extra = {} if config is None else {"config": config}
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, **extra,
     )  # fmt: skip

@@ -101,7 +101,7 @@ REFUSED: list[tuple[str, Callable[[], Scheme], str]] = [
     (
         "k-transform rotation inf",
         lambda: _kt(k_rotation=torch.full((D, D), float("inf"))),
-        "non-finite",
+        "k_rotation element 0 is inf; expected finite",
     ),
     (
         "k-transform offset shape",
@@ -111,7 +111,12 @@ REFUSED: list[tuple[str, Callable[[], Scheme], str]] = [
     (
         "k-transform offset nan",
         lambda: _kt(k_offset=torch.full((H, D), float("nan"))),
-        "k_offset holds a non-finite value",
+        "k_offset element 0 is nan; expected finite",
+    ),
+    (
+        "k-transform offset 1-D",
+        lambda: KTransformScales(torch.tensor(0.1), torch.tensor(0.1), torch.zeros(D)),
+        "k_offset has shape (16,); expected (num_kv_heads, head_dim)",
     ),
     (
         "k-transform offset fp16",

@@ -20,11 +20,7 @@ FILE_DEBT = {}
 FUNCTION_DEBT = {
     "kvquant/checkpoint/files.py::select_shards": 107,
     "kvquant/checkpoint/writer.py::write_checkpoint_copy": 134,
-    "kvquant/kernels/__init__.py::paged_attention": 126,
-    "kvquant/kernels/__init__.py::write_kv": 120,
-    "kvquant/kernels/attention/naive.py::paged_attention_reference": 136,
-    "kvquant/kernels/attention/validate.py::_check_attention_structure": 134,
-    "kvquant/kernels/attention/validate.py::check_attention_inputs": 132,
+    "kvquant/kernels/attention/naive.py::paged_attention_reference": 116,
     "kvquant/kernels/write/launch.py::write_kv_triton": 104,
     "kvquant/testing/synthetic.py::write_checkpoint": 146,
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_calls import write as call_write
 
 from kvquant.kernels import (
     compute_slot_mapping,
@@ -143,8 +144,8 @@ def test_write_matches_reference(backend: str, mode: str, page: int, dtype: torc
     slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
     kw = _make_scales(mode, hkv, d, num_pages, page, DEV)
     kp_ref, vp_ref, kw_ref = kp.clone(), vp.clone(), _clone_scales(kw)
-    write_kv(key, value, kp, vp, slots, backend=backend, **kw)
-    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw_ref)
+    call_write(write_kv, key, value, kp, vp, slots, backend=backend, **kw)
+    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw_ref)
     exact = backend == "torch" or HAS_CUDA
     n_k = assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
     n_v = assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
@@ -168,8 +169,8 @@ def test_write_group_scale_layouts(backend: str, layout: str) -> None:
     kw = _make_scales("group16", hkv, d, num_pages, page, DEV, layout=layout)
     ref = {k: torch.full(v.shape, float("nan"), device=DEV) for k, v in kw.items()}  # contiguous
     kp_ref, vp_ref = kp.clone(), vp.clone()
-    write_kv(key, value, kp, vp, slots, backend=backend, **kw)
-    write_kv_reference(key, value, kp_ref, vp_ref, slots, **ref)
+    call_write(write_kv, key, value, kp, vp, slots, backend=backend, **kw)
+    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **ref)
     exact = backend == "torch" or HAS_CUDA
     assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
     assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
@@ -192,8 +193,8 @@ def test_write_into_cache_layout(backend: str, mode: str) -> None:
     slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
     kw = _make_scales(mode, hkv, d, num_pages, page, DEV)
     kw_ref = _clone_scales(kw)
-    write_kv(key, value, kp, vp, slots, backend=backend, **kw)
-    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw_ref)
+    call_write(write_kv, key, value, kp, vp, slots, backend=backend, **kw)
+    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw_ref)
     exact = backend == "torch" or HAS_CUDA
     assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
     assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
@@ -260,7 +261,7 @@ def test_write_exact_values(backend: str, mode: str, dtype: torch.dtype) -> None
     vp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
     before_k = kp.clone()
     slots = torch.tensor([[5, 40, 17], [0, -1, 33]], device=DEV)
-    write_kv(k_in.to(DEV), v_in.to(DEV), kp, vp, slots, backend=backend, **kw)
+    call_write(write_kv, k_in.to(DEV), v_in.to(DEV), kp, vp, slots, backend=backend, **kw)
     for b in range(bsz):
         for t in range(seq):
             s = int(slots[b, t])
@@ -295,7 +296,9 @@ def test_saturation_and_non_finite(backend: str, dtype: torch.dtype) -> None:
     vp = torch.zeros_like(kp)
     one = torch.tensor(1.0, device=DEV)
     slots = torch.tensor([[3, 4]], device=DEV)
-    write_kv(x.to(DEV), x.to(DEV), kp, vp, slots, k_scale=one, v_scale=one, backend=backend)
+    call_write(
+        write_kv, x.to(DEV), x.to(DEV), kp, vp, slots, k_scale=one, v_scale=one, backend=backend
+    )
     got = kp[0, 3, 0, :6].float().cpu()
     assert got[:2].tolist() == [top, -top]
     assert got[2:5].isnan().all()
@@ -305,8 +308,16 @@ def test_saturation_and_non_finite(backend: str, dtype: torch.dtype) -> None:
     # the other group of the token and the other token are finite.
     gshape = (2, page, hkv, d // 16)
     kg, vg = torch.zeros(gshape, device=DEV), torch.zeros(gshape, device=DEV)
-    write_kv(
-        x.to(DEV), x.to(DEV), kp, vp, slots, k_group_scales=kg, v_group_scales=vg, backend=backend
+    call_write(
+        write_kv,
+        x.to(DEV),
+        x.to(DEV),
+        kp,
+        vp,
+        slots,
+        k_group_scales=kg,
+        v_group_scales=vg,
+        backend=backend,
     )
     assert kg[0, 3, 0, 0].isnan() and kp[0, 3, 0, :16].float().isnan().all()
     assert kg[0, 3, 0, 1].item() == 1.0  # all-zero group
@@ -322,7 +333,8 @@ def test_zero_tokens_and_all_skipped(backend: str) -> None:
     vp = kp.clone()
     before = kp.clone()
     s = torch.tensor(0.1, device=DEV)
-    write_kv(
+    call_write(
+        write_kv,
         torch.randn(2, 0, 2, 32, device=DEV),
         torch.randn(2, 0, 2, 32, device=DEV),
         kp,
@@ -332,7 +344,8 @@ def test_zero_tokens_and_all_skipped(backend: str) -> None:
         v_scale=s,
         backend=backend,
     )
-    write_kv(
+    call_write(
+        write_kv,
         torch.randn(1, 3, 2, 32, device=DEV),
         torch.randn(1, 3, 2, 32, device=DEV),
         kp,
@@ -380,8 +393,8 @@ def test_write_triton_bitexact_gpu(mode: str, dtype: torch.dtype, in_dtypes: tup
     slots = _shuffled_slots(bsz, seq, num_pages * page, skip=11).cuda()
     kw = _make_scales(mode, hkv, d, num_pages, page, "cuda")
     kp_ref, vp_ref, kw_ref = kp.clone(), vp.clone(), _clone_scales(kw)
-    write_kv(key, value, kp, vp, slots, backend="auto", **kw)  # auto -> triton on CUDA
-    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw_ref)
+    call_write(write_kv, key, value, kp, vp, slots, backend="auto", **kw)  # auto -> triton on CUDA
+    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw_ref)
     torch.cuda.synchronize()
     assert_codes_match(kp, kp_ref, exact=True, what="k_pages")
     assert_codes_match(vp, vp_ref, exact=True, what="v_pages")
@@ -398,7 +411,9 @@ def test_write_triton_skips_out_of_range_slots_gpu() -> None:
     vp = big[n:].view(2, 16, 2, 64)  # V right after K: a K store past the end would land in V
     s = torch.tensor(1.0, device="cuda")
     x = torch.ones(1, 2, 2, 64, device="cuda")
-    write_kv(x, x, kp, vp, torch.tensor([[31, 32]], device="cuda"), k_scale=s, v_scale=s)
+    call_write(
+        write_kv, x, x, kp, vp, torch.tensor([[31, 32]], device="cuda"), k_scale=s, v_scale=s
+    )
     torch.cuda.synchronize()
     assert (kp[1, 15].float() == 1).all() and (vp[1, 15].float() == 1).all()
     assert int((big.float() != 0).sum()) == 2 * 2 * 64
@@ -430,8 +445,12 @@ def test_write_k_transform_matches_reference(
     kw = {"k_scale": torch.rand(hkv, device=DEV) * 0.05 + 0.02, "v_scale": torch.tensor(0.02)}
     kw["v_scale"] = kw["v_scale"].to(DEV)
     kp_ref, vp_ref = kp.clone(), vp.clone()
-    write_kv(key, value, kp, vp, slots, **kw, k_offset=off, k_rotation=rot, backend=backend)
-    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw, k_offset=off, k_rotation=rot)
+    call_write(
+        write_kv, key, value, kp, vp, slots, **kw, k_offset=off, k_rotation=rot, backend=backend
+    )
+    call_write(
+        write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw, k_offset=off, k_rotation=rot
+    )
     # CPU interpreter: its fp8-cast bug; a rotation may also round one ulp apart where numpy's
     # and torch's fp32 matmuls sum in different orders
     exact = backend == "torch" or (HAS_CUDA and rot is None)

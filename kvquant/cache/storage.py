@@ -18,6 +18,7 @@ from kvquant.kernels import (
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.fp8 import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES, SCALE_MAX, SCALE_MIN
+from kvquant.schemes import FirstTokens, Mask, Pages, Scheme
 from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = [
@@ -391,13 +392,21 @@ class PagedLayerStorage:
             f"D={self.head_dim}, {self.granularity}{g}, {self.kv_dtype}, {self.device})"
         )
 
-    def scale_kwargs(self) -> dict[str, torch.Tensor]:
-        """The scale keyword arguments of the kernels: static ``k_scale`` / ``v_scale`` or group scales."""
-        if self.k_group_scales is not None and self.v_group_scales is not None:
-            return {"k_group_scales": self.k_group_scales, "v_group_scales": self.v_group_scales}
-        if self.k_scale is None or self.v_scale is None:  # pragma: no cover - set in __init__
-            raise CacheUsageError(f"{self.name}: the storage has no scales")
-        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+    @property
+    def scheme(self) -> Scheme:
+        """The layer's scale scheme (its tensors on the storage's device, checked at construction)."""
+        tensors = [self.k_scale, self.v_scale]
+        if self.group_size is not None:
+            return Scheme.unflatten(self.granularity, [self.head_dim, self.group_size], [])
+        if self.k_offset is not None:
+            tensors += [self.k_offset, self.k_rotation]
+            return Scheme.unflatten(self.granularity, [self.first_tokens], tensors)
+        return Scheme.unflatten(self.granularity, [], tensors)
+
+    @property
+    def pages(self) -> Pages:
+        """The pages (and group scales) as the kernels take them."""
+        return Pages(self.k_pages, self.v_pages, self.k_group_scales, self.v_group_scales)
 
     # ------------------------------------------------------------- kernels
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -411,24 +420,7 @@ class PagedLayerStorage:
             slot_mapping: int64 ``[B, L]`` (e.g. from :meth:`PageAllocator.reserve`);
                 negative slots are skipped.
         """
-        write_kv(
-            key,
-            value,
-            self.k_pages,
-            self.v_pages,
-            slot_mapping,
-            backend=self.backend,
-            **self.scale_kwargs(),
-            **self._transform_kwargs(),
-        )
-
-    def _transform_kwargs(self) -> dict[str, torch.Tensor]:
-        if self.k_offset is None:
-            return {}
-        out = {"k_offset": self.k_offset}
-        if self.k_rotation is not None:
-            out["k_rotation"] = self.k_rotation
-        return out
+        write_kv(key, value, self.pages, slot_mapping, self.scheme, backend=self.backend)
 
     def attend(
         self,
@@ -438,7 +430,9 @@ class PagedLayerStorage:
         *,
         sm_scale: float | None = None,
         rows: tuple[int, int] | None = None,
-        **options: Any,
+        out: torch.Tensor | None = None,
+        first: FirstTokens | None = None,
+        **mask: Any,
     ) -> torch.Tensor:
         """Attention of ``query`` over the pages (:func:`kvquant.kernels.paged_attention`).
 
@@ -449,32 +443,29 @@ class PagedLayerStorage:
             sm_scale: softmax scale; default ``head_dim ** -0.5``.
             rows: ``(r0, r1)``: the call's ``B`` rows are rows ``r0 .. r1 - 1`` of the
                 side buffer of first tokens (a row group of a larger batch); None: all.
-            **options: ``q_lens``, ``kv_start``, ``causal``, ``softcap``,
-                ``window``, ``out`` (see :func:`~kvquant.kernels.paged_attention`).
-                With a K transform the offset and rotation are added, and the
-                side buffer of first tokens once :meth:`keep_first` filled it
+            out: optional ``[B, Lq, Hq, D]`` output.
+            first: first tokens of the call's rows (a caller's own side buffer), or None:
+                with a K transform, the storage's side buffer once :meth:`keep_first` filled it
                 (for the rows whose ``first_start`` is the call's ``kv_start``).
+            **mask: the :class:`~kvquant.schemes.Mask` fields (``q_lens``, ``kv_start``,
+                ``causal``, ``softcap``, ``window``, ``sinks``).
 
         Returns:
             ``[B, Lq, Hq, D]`` in the query dtype.
         """
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
-        kwargs: dict[str, Any] = {
-            "backend": self.backend,
-            **self.scale_kwargs(),
-            **self._transform_kwargs(),
-            **self.first_kwargs(options.get("kv_start"), rows),
-            **options,
-        }
+        if first is None:
+            first = self.first_buffer(mask.get("kv_start"), rows)
         return paged_attention(
-            query, self.k_pages, self.v_pages, block_tables, seq_lens, sm_scale=scale, **kwargs
-        )
+            query, self.pages, block_tables, seq_lens, self.scheme, sm_scale=scale,
+            mask=Mask(**mask), first=first, out=out, backend=self.backend,
+        )  # fmt: skip
 
     # ------------------------------------------------------ first tokens
-    def first_kwargs(
+    def first_buffer(
         self, kv_start: torch.Tensor | None = None, rows: tuple[int, int] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """``first_k`` / ``first_v`` / ``first_lens`` for the kernels, once the side buffer exists.
+    ) -> FirstTokens | None:
+        """The side buffer as the kernels take it (:class:`~kvquant.schemes.FirstTokens`), or None.
 
         Args:
             kv_start: int ``[B]`` the attention call's first visible key per row
@@ -487,13 +478,13 @@ class PagedLayerStorage:
         """
         fk, fv, fl, fs = self.first_k, self.first_v, self.first_lens, self.first_start
         if fk is None or fv is None or fl is None or fs is None:
-            return {}
+            return None
         if rows is not None:
             r0, r1 = rows
             fk, fv, fl, fs = fk[r0:r1], fv[r0:r1], fl[r0:r1], fs[r0:r1]
         starts = torch.zeros_like(fs) if kv_start is None else kv_start.to(fs.device, fs.dtype)
         lens = torch.where(starts == fs, fl, torch.zeros_like(fl))
-        return {"first_k": fk, "first_v": fv, "first_lens": lens}
+        return FirstTokens(fk, fv, lens)
 
     def keep_first(
         self,
@@ -610,6 +601,14 @@ class PagedLayerStorage:
         """Drop the side buffer (a new batch fills a new one)."""
         self.first_k = self.first_v = self.first_lens = self.first_start = None
 
+    def _transform(self) -> dict[str, torch.Tensor]:
+        if self.k_offset is None:
+            return {}
+        out = {"k_offset": self.k_offset}
+        if self.k_rotation is not None:
+            out["k_rotation"] = self.k_rotation
+        return out
+
     # ------------------------------------------------------ copies and views
     def dense(
         self, block_tables: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
@@ -660,7 +659,7 @@ class PagedLayerStorage:
         )  # fmt: skip
         out = []
         for pages, static, groups, transform in (
-            (self.k_pages, self.k_scale, self.k_group_scales, self._transform_kwargs()),
+            (self.k_pages, self.k_scale, self.k_group_scales, self._transform()),
             (self.v_pages, self.v_scale, self.v_group_scales, {}),
         ):
             full = dequantize_pages(

@@ -4,20 +4,19 @@
 queries over those pages. Both validate every argument before anything runs, then dispatch to
 a backend (:mod:`kvquant.kernels.backend`): ``"triton"``, ``"torch"`` (the pure-PyTorch
 references :func:`write_kv_reference` and :func:`paged_attention_reference`) or ``"auto"``
-(Triton on CUDA, the reference on CPU). Each op is a folder, ``kvquant.kernels.attention`` and
+(Triton on CUDA, the reference on CPU). Both take the pages as a :class:`~kvquant.schemes.Pages`
+and the scale scheme as a :mod:`kvquant.schemes` value (checked when it was built); attention
+takes a :class:`~kvquant.schemes.Mask`. Each op is a folder, ``kvquant.kernels.attention`` and
 ``kvquant.kernels.write`` (kernel, launch, naive reference, validate); this package imports
-only torch (Triton at the first Triton dispatch), never transformers. The static K transform
-(``k_offset``, ``k_rotation``, :func:`hadamard`; ``first_k``/``first_v``/``first_lens`` for
-the first tokens) is described with each function. Layout: pages ``[num_pages, page_size,
-Hkv, D]`` FP8, slot ``= page * page_size + offset``, int32 block tables ``[B, max_pages]`` and
-sequence lengths ``[B]``; the design: docs/dev/kernels.md.
+only torch (Triton at the first Triton dispatch), never transformers. Layout: pages
+``[num_pages, page_size, Hkv, D]`` FP8, slot ``= page * page_size + offset``, int32 block
+tables ``[B, max_pages]`` and sequence lengths ``[B]``; the design: docs/dev/kernels.md.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -29,6 +28,7 @@ from kvquant.kernels.fp8 import hadamard
 from kvquant.kernels.validate import check_slot_mapping_inputs
 from kvquant.kernels.write.naive import write_kv_reference
 from kvquant.kernels.write.validate import check_write_inputs
+from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
 
 __all__ = [
     "compute_slot_mapping",
@@ -65,16 +65,10 @@ def _require_interpreter_for_cpu(device: torch.device, interpreted: bool, op: st
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    pages: Pages,
     slot_mapping: torch.Tensor,
+    scheme: Scheme,
     *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_group_scales: torch.Tensor | None = None,
-    v_group_scales: torch.Tensor | None = None,
-    k_offset: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Quantize new K/V tokens to FP8 and store them into their page slots (in place).
@@ -82,12 +76,13 @@ def write_kv(
     Each value is divided by its scale, clamped to the FP8 format's finite
     range (±448 for e4m3fn, ±57344 for e5m2) and rounded to nearest even.
     Non-finite inputs are stored as NaN, so a bad activation shows up in the
-    attention output instead of being clipped. With group scales, the scale
-    of each (token, KV head, group of ``G`` elements) is ``amax / fp8_max``,
-    1.0 for an all-zero group, NaN for a group holding a non-finite value,
-    and is stored beside the token's slot. With a K transform (static scales only) K is
-    rotated and offset first: ``fp8((key @ k_rotation - k_offset) / k_scale)``, clamped and
-    NaN-marked as above (a non-finite transformed value is stored as NaN); V is unchanged.
+    attention output instead of being clipped. With a :class:`~kvquant.schemes.GroupScales`
+    scheme, the scale of each (token, KV head, group of ``G`` elements) is ``amax / fp8_max``,
+    1.0 for an all-zero group, NaN for a group holding a non-finite value, and is stored
+    beside the token's slot (``pages.k_scales`` / ``pages.v_scales``). With a
+    :class:`~kvquant.schemes.KTransformScales` scheme K is rotated and offset first:
+    ``fp8((key @ k_rotation - k_offset) / k_scale)``, clamped and NaN-marked as above; V is
+    unchanged.
 
     Every argument is validated before anything is written: a call that
     raises leaves the pages and group scales as they were.
@@ -96,25 +91,16 @@ def write_kv(
         key: ``[B, L, Hkv, D]`` float32, float16 or bfloat16, any strides.
         value: ``[B, L, Hkv, D]`` float32, float16 or bfloat16 (may differ
             from ``key``), any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` ``float8_e4m3fn`` or
-            ``float8_e5m2``, any strides with no two elements sharing memory
-            (e.g. from :func:`page_storage`); written in place.
-        v_pages: like ``k_pages`` (same dtype); written in place.
+        pages: ``k`` and ``v``: ``[num_pages, page_size, Hkv, D]`` ``float8_e4m3fn`` or
+            ``float8_e5m2`` (one dtype), any strides with no two elements sharing memory
+            (e.g. from :func:`page_storage`), written in place; for a dynamic scheme
+            ``k_scales`` and ``v_scales``: fp32 ``[num_pages, page_size, Hkv, D // G]``, last
+            dimension contiguous (e.g. from :func:`group_scale_storage`), written in place.
         slot_mapping: int64 ``[B, L]``: slot ``page * page_size + offset`` of
             each new token, negative to skip the token. Slots must be
             distinct (duplicates store one of the tokens, unspecified which).
-        k_scale: fp32 ``[]`` (per-tensor) or ``[Hkv]`` (per-head) static K
-            scale; give it with ``v_scale``, or give group scales instead.
-        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, last
-            dimension contiguous, no two elements sharing memory (e.g. from
-            :func:`group_scale_storage`), written in place (dynamic
-            ``fp32-group`` format); give it with ``v_group_scales``.
-        v_group_scales: like ``k_group_scales``.
-        k_offset: fp32 ``[Hkv, D]`` finite K offset in the rotated frame (``k-transform``),
-            or None (zeros); needs static scales.
-        k_rotation: fp32 ``[D, D]`` orthonormal K rotation (e.g. :func:`hadamard`), or None
-            (identity); needs static scales.
+        scheme: the pages' scale scheme (:mod:`kvquant.schemes`), its tensors on the pages'
+            device.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
@@ -126,62 +112,26 @@ def write_kv(
     Example:
         >>> import torch
         >>> from kvquant.kernels import write_kv
-        >>> k_pages = torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn)
-        >>> v_pages = torch.zeros_like(k_pages)
+        >>> from kvquant.schemes import Pages, PerTensorScales
+        >>> pages = Pages(*page_storage(4, 16, 2, 64))
         >>> key = torch.randn(1, 3, 2, 64)
         >>> slots = torch.tensor([[16, 17, 18]])  # page 1, offsets 0..2
-        >>> write_kv(key, key, k_pages, v_pages, slots,
-        ...          k_scale=torch.tensor(0.01), v_scale=torch.tensor(0.01), backend="torch")
-        >>> bool((k_pages[1, :3].float() != 0).any())
+        >>> scheme = PerTensorScales(torch.tensor(0.01), torch.tensor(0.01))
+        >>> write_kv(key, key, pages, slots, scheme, backend="torch")
+        >>> bool((pages.k[1, :3].float() != 0).any())
         True
     """
-    check_write_inputs(
-        key,
-        value,
-        k_pages,
-        v_pages,
-        slot_mapping,
-        k_scale,
-        v_scale,
-        k_group_scales,
-        v_group_scales,
-        k_offset=k_offset,
-        k_rotation=k_rotation,
-    )
-    chosen = resolve_backend(backend, k_pages.device, "write_kv")
+    check_write_inputs(key, value, pages, slot_mapping, scheme)
+    chosen = resolve_backend(backend, pages.k.device, "write_kv")
     if key.numel() == 0:
         return
     if chosen == "torch":
-        write_kv_reference(
-            key,
-            value,
-            k_pages,
-            v_pages,
-            slot_mapping,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            k_group_scales=k_group_scales,
-            v_group_scales=v_group_scales,
-            k_offset=k_offset,
-            k_rotation=k_rotation,
-        )
+        write_kv_reference(key, value, pages, slot_mapping, scheme)
         return
     write_triton = _triton_module("write.launch")
-    if k_pages.device.type != "cuda":
-        _require_interpreter_for_cpu(k_pages.device, write_triton.is_interpreted(), "write_kv")
-    write_triton.write_kv_triton(
-        key,
-        value,
-        k_pages,
-        v_pages,
-        slot_mapping,
-        k_scale,
-        v_scale,
-        k_group_scales,
-        v_group_scales,
-        k_offset,
-        k_rotation,
-    )
+    if pages.k.device.type != "cuda":
+        _require_interpreter_for_cpu(pages.k.device, write_triton.is_interpreted(), "write_kv")
+    write_triton.write_kv_triton(key, value, pages, slot_mapping, scheme)
 
 
 def page_storage(
@@ -255,8 +205,8 @@ def group_scale_storage(
 
 
 def _check_triton_attention_limits(
-    geo: AttentionGeometry, block_tables: torch.Tensor, k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None, transform: list[tuple[str, torch.Tensor | None]],
+    geo: AttentionGeometry, block_tables: torch.Tensor, pages: Pages, scheme: Scheme,
+    first: FirstTokens | None,
 ) -> None:  # fmt: skip
     """Restrictions of the Triton attention kernel beyond the common contract."""
     d = geo.head_dim
@@ -274,14 +224,16 @@ def _check_triton_attention_limits(
                 f"group_size {geo.group_size}); the Triton attention kernel needs a power of "
                 f"two. Fix: choose a power-of-two group_size, or pass backend='torch'."
             )
-    for name, gs in (("k_group_scales", k_group_scales), ("v_group_scales", v_group_scales)):
+    for name, gs in (("k_group_scales", pages.k_scales), ("v_group_scales", pages.v_scales)):
         if gs is not None and gs.shape[-1] > 1 and gs.stride(-1) != 1:
             raise KernelInputError(
                 f"paged_attention: {name} has strides {gs.stride()}; the Triton kernel needs "
                 "its last dimension (the groups of one head) contiguous. Fix: allocate it with "
                 "kvquant.kernels.group_scale_storage, or pass backend='torch'."
             )
-    for name, x in transform:
+    # the scheme's own tensors are contiguous copies (kvquant.schemes)
+    for name, x in (("first_k", None if first is None else first.k),
+                    ("first_v", None if first is None else first.v)):  # fmt: skip
         if x is not None and not x.is_contiguous():
             raise KernelInputError(
                 f"paged_attention: {name} has strides {x.stride()} for shape {tuple(x.shape)}; "
@@ -298,81 +250,49 @@ def _check_triton_attention_limits(
 
 def paged_attention(
     query: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    pages: Pages,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    scheme: Scheme,
     *,
     sm_scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_group_scales: torch.Tensor | None = None,
-    v_group_scales: torch.Tensor | None = None,
-    q_lens: torch.Tensor | None = None,
-    kv_start: torch.Tensor | None = None,
-    causal: bool = True,
-    softcap: float = 0.0,
-    window: int = 0,
+    mask: Mask = CAUSAL,
+    first: FirstTokens | None = None,
     out: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    k_offset: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
-    first_k: torch.Tensor | None = None,
-    first_v: torch.Tensor | None = None,
-    first_lens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 KV cache.
 
-    The ``Lq`` query tokens of sequence ``b`` are its newest ``q_lens[b]``
+    The ``Lq`` query tokens of sequence ``b`` are its newest ``mask.q_lens[b]``
     tokens, whose K/V are already written (:func:`write_kv`): query ``i`` sits
     at position ``seq_lens[b] - q_lens[b] + i``. Key ``j`` is visible when
     ``kv_start[b] <= j < seq_lens[b]``, ``j <= position`` (if ``causal``) and
     ``j > position - window`` (if ``window > 0``). Rows of padding queries,
     and rows that see no key, are zeros; a slot no query of the call sees
-    never reaches the output, whatever it holds. Static scales must be finite
-    and in ``[SCALE_MIN, SCALE_MAX]`` (:mod:`kvquant.kernels.validate`). Semantics:
+    never reaches the output, whatever it holds. Semantics:
     :func:`kvquant.kernels.paged_attention_reference`.
 
     Args:
         query: ``[B, Lq, Hq, D]`` float16, bfloat16 or float32, any strides
             (HF's ``[B, Hq, Lq, D]`` tensor ``.transpose(1, 2)`` is fine);
             ``Hq`` a multiple of ``Hkv``.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides (fastest
-            from :func:`page_storage`).
-        v_pages: like ``k_pages``.
+        pages: FP8 ``k`` / ``v`` ``[num_pages, page_size, Hkv, D]``, any strides (fastest
+            from :func:`page_storage`), and for a dynamic scheme fp32 ``k_scales`` /
+            ``v_scales`` ``[num_pages, page_size, Hkv, D // G]`` (the Triton backend needs
+            their last dimension contiguous).
         block_tables: int32 ``[B, max_pages]``.
         seq_lens: int32 ``[B]``, tokens in the cache including the new ones.
+        scheme: the pages' scale scheme (:mod:`kvquant.schemes`), its tensors on the pages'
+            device; a K transform rotates the query alike inside the kernel.
         sm_scale: softmax scale applied to ``q·k``.
-        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale (with ``v_scale``).
-        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` (with
-            ``v_group_scales``), instead of static scales; the Triton backend
-            needs the last dimension contiguous.
-        v_group_scales: like ``k_group_scales``.
-        q_lens: int32 ``[B]`` valid query tokens per sequence (default ``Lq``).
-        kv_start: int32 ``[B]`` first visible key (left padding; default 0).
-        causal: mask keys after each query's position.
-        softcap: if > 0 (finite), scores become ``softcap * tanh(scores / softcap)``;
-            0 disables it.
-        window: if > 0, each query sees only the last ``window`` positions.
+        mask: :class:`~kvquant.schemes.Mask`: ``causal``, ``window``, ``softcap``,
+            ``kv_start``, ``q_lens``, ``sinks`` (default :data:`~kvquant.schemes.CAUSAL`).
+        first: the k-transform's first tokens (:class:`~kvquant.schemes.FirstTokens`), or
+            None: keys ``kv_start[b]`` .. ``kv_start[b] + first.lens[b] - 1`` are attended from
+            ``first.k[b]`` / ``first.v[b]`` (same masks) instead of their slots, which are
+            never read. The Triton backend needs ``first.k`` and ``first.v`` contiguous.
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype, any strides
             with no two elements sharing memory.
-        sinks: fp32 ``[Hq]`` learned attention-sink logits (gpt-oss), contiguous and
-            finite, or None: each head's softmax denominator gets ``exp(sinks[h])``.
-        k_offset: fp32 ``[Hkv, D]`` K offset the pages were written with (``k-transform``),
-            or None: the logical key is ``code * k_scale + k_offset``; static scales only.
-        k_rotation: fp32 ``[D, D]`` K rotation the pages were written with, or None: the
-            query is rotated alike (``query @ k_rotation``) inside the kernel.
-        first_k: ``[B, NF, Hkv, D]`` float16/bfloat16/float32 keys of the first tokens in
-            the rotated frame (``k @ k_rotation``, no offset), or None; with ``first_v``
-            and ``first_lens``, static scales only.
-        first_v: ``[B, NF, Hkv, D]`` their values, as the model produced them.
-        first_lens: int32 ``[B]``, ``0..NF``: keys ``kv_start[b]`` ..
-            ``kv_start[b] + first_lens[b] - 1`` are attended from ``first_k[b]`` /
-            ``first_v[b]`` (same masks) instead of their slots, which are never read.
-            The Triton backend needs ``k_offset``, ``k_rotation``, ``first_k`` and
-            ``first_v`` contiguous.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -382,45 +302,25 @@ def paged_attention(
         KernelInputError: a malformed argument.
         BackendError: the requested backend cannot run here.
     """
-    options: dict[str, Any] = {
-        "k_scale": k_scale,
-        "v_scale": v_scale,
-        "k_group_scales": k_group_scales,
-        "v_group_scales": v_group_scales,
-        "q_lens": q_lens,
-        "kv_start": kv_start,
-        "causal": causal,
-        "softcap": softcap,
-        "window": window,
-        "out": out,
-        "sinks": sinks,
-        "k_offset": k_offset,
-        "k_rotation": k_rotation,
-        "first_k": first_k,
-        "first_v": first_v,
-        "first_lens": first_lens,
-    }
     geo = check_attention_inputs(
-        query, k_pages, v_pages, block_tables, seq_lens, sm_scale=sm_scale, **options
-    )
-    options.update(sm_scale=float(sm_scale), softcap=float(softcap), window=int(window))
-    chosen = resolve_backend(backend, k_pages.device, "paged_attention")
+        query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask, first=first,
+        out=out,
+    )  # fmt: skip
+    chosen = resolve_backend(backend, pages.k.device, "paged_attention")
+    sm = float(sm_scale)
     if chosen == "torch":
-        return paged_attention_reference(query, k_pages, v_pages, block_tables, seq_lens, **options)
-    transform = [
-        ("k_offset", k_offset),
-        ("k_rotation", k_rotation),
-        ("first_k", first_k),
-        ("first_v", first_v),
-    ]
-    _check_triton_attention_limits(geo, block_tables, k_group_scales, v_group_scales, transform)
+        return paged_attention_reference(
+            query, pages, block_tables, seq_lens, scheme, sm_scale=sm, mask=mask, first=first,
+            out=out,
+        )  # fmt: skip
+    _check_triton_attention_limits(geo, block_tables, pages, scheme, first)
     attention_triton = _triton_module("attention.launch")
-    if k_pages.device.type != "cuda":
+    if pages.k.device.type != "cuda":
         _require_interpreter_for_cpu(
-            k_pages.device, attention_triton.is_interpreted(), "paged_attention"
+            pages.k.device, attention_triton.is_interpreted(), "paged_attention"
         )
     return attention_triton.paged_attention_triton(
-        query, k_pages, v_pages, block_tables, seq_lens, **options
+        query, pages, block_tables, seq_lens, scheme, sm_scale=sm, mask=mask, first=first, out=out
     )
 
 

@@ -3,9 +3,10 @@
 Every check raises :class:`~kvquant.errors.KernelInputError` naming the tensor, what was found,
 what was expected and how to fix it; nothing here copies, casts or makes a tensor contiguous.
 Metadata checks never synchronise the GPU; checks of tensor values run on CPU tensors, or
-everywhere with ``KVQUANT_CHECK_VALUES=1`` (:func:`value_checks_enabled`). Static scales
-must be finite and in ``[SCALE_MIN, SCALE_MAX]``, read once per tensor and version. Passing
-metadata checks are remembered per signature (:func:`remembered`; :func:`clear_check_memo`).
+everywhere with ``KVQUANT_CHECK_VALUES=1`` (:func:`value_checks_enabled`). A scheme's own
+values were checked when it was built (:mod:`kvquant.schemes`); here its tensors are checked
+against the call's pages. Passing metadata checks are remembered per signature
+(:func:`remembered`; :func:`clear_check_memo`).
 The op-specific checks: :mod:`kvquant.kernels.write.validate`,
 :mod:`kvquant.kernels.attention.validate`; the contract in full: docs/dev/kernels.md.
 """
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvquant.errors import KernelInputError
+from kvquant.schemes import SCALE_MAX, SCALE_MIN, KernelView, Pages, Scheme
 
 __all__ = [
     "FP8_DTYPES",
@@ -27,13 +29,14 @@ __all__ = [
     "MEMO_MAX",
     "SCALE_MAX",
     "SCALE_MIN",
-    "check_finite_values",
-    "check_scale_values",
+    "check_scheme_tensors",
+    "check_sink_values",
     "check_slot_mapping_inputs",
     "clear_check_memo",
     "memo_size",
     "new_check_memo",
     "remembered",
+    "unpack",
     "value_checks_enabled",
 ]
 
@@ -42,13 +45,6 @@ FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes accepted for new K/V and for queries."""
-
-SCALE_MIN = 2.0**-117
-"""Smallest static scale accepted (the registry's ``MIN_SCALE``: 1/scale and the smallest
-code times scale stay normal fp32 numbers)."""
-
-SCALE_MAX = 2.0**100
-"""Largest static scale accepted (the registry's ``MAX_SCALE``)."""
 
 _SCALE_FIX = (
     "Fix: normalise scales with kvquant.registry (it returns fp32 [] or [num_kv_heads] "
@@ -202,7 +198,7 @@ def _check_static_scale(
     check_device(op, name, s, device, "k_pages")
 
 
-_scale_values_ok: dict[tuple[object, ...], weakref.ref[torch.Tensor]] = {}
+_sinks_ok: dict[tuple[object, ...], weakref.ref[torch.Tensor]] = {}
 
 
 def _version(x: torch.Tensor) -> int:
@@ -212,152 +208,95 @@ def _version(x: torch.Tensor) -> int:
         return -1
 
 
-def check_scale_values(op: str, name: str, scale: torch.Tensor, *, sinks: bool = False) -> None:
-    """Refuse a static scale holding a value outside ``[SCALE_MIN, SCALE_MAX]`` (or NaN).
+def check_sink_values(op: str, name: str, sinks: torch.Tensor) -> None:
+    """Refuse attention-sink logits holding a non-finite value.
 
     The values are read once per tensor object and version (a GPU syncs once);
     later calls with the same, unmodified tensor skip the read.
 
-    Args:
-        op: the entry point, for the message.
-        name: the argument, for the message.
-        scale: the tensor.
-        sinks: check attention-sink logits instead: any finite value.
-
-    Raises:
-        KernelInputError: naming the first bad element, its value and the range.
-    """
-    key = (id(scale), scale.data_ptr(), _version(scale), scale.device, tuple(scale.shape), sinks)
-    seen = _scale_values_ok.get(key)
-    if seen is not None and seen() is scale:
-        return
-    flat = scale.detach().reshape(-1)
-    ok = torch.isfinite(flat)
-    if not sinks:
-        ok &= (flat >= SCALE_MIN) & (flat <= SCALE_MAX)
-    if not bool(ok.all()):
-        index = int((~ok).nonzero()[0, 0])
-        if sinks:
-            raise fail(
-                f"{op}: {name} element {index} is {float(flat[index])!r}; expected finite "
-                "attention-sink logits. Fix: pass the model's sinks (module.sinks) as fp32."
-            )
-        raise fail(
-            f"{op}: {name} element {index} is {float(flat[index])!r}; expected finite "
-            f"dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}] (amax / 448): a "
-            f"zero, negative, NaN, infinite or subnormal scale stores or reads garbage. "
-            f"{_SCALE_FIX}"
-        )
-    if len(_scale_values_ok) >= MEMO_MAX:
-        _scale_values_ok.clear()
-    _scale_values_ok[key] = weakref.ref(scale)
-
-
-_finite_ok: dict[tuple[object, ...], weakref.ref[torch.Tensor]] = {}
-
-
-def check_finite_values(op: str, name: str, x: torch.Tensor, fix: str) -> None:
-    """Refuse a tensor holding a non-finite value (read once per tensor object and version).
-
-    Args:
-        op: the entry point, for the message.
-        name: the argument, for the message.
-        x: the tensor (e.g. ``k_offset``, ``k_rotation``).
-        fix: the message's fix.
-
     Raises:
         KernelInputError: naming the first bad element and its value.
     """
-    key = (id(x), x.data_ptr(), _version(x), x.device, tuple(x.shape))
-    seen = _finite_ok.get(key)
-    if seen is not None and seen() is x:
+    key = (id(sinks), sinks.data_ptr(), _version(sinks), sinks.device, tuple(sinks.shape))
+    seen = _sinks_ok.get(key)
+    if seen is not None and seen() is sinks:
         return
-    flat = x.detach().reshape(-1)
+    flat = sinks.detach().reshape(-1)
     ok = torch.isfinite(flat)
     if not bool(ok.all()):
         index = int((~ok).nonzero()[0, 0])
         raise fail(
-            f"{op}: {name} element {index} (of shape {tuple(x.shape)}) is "
-            f"{float(flat[index])!r}; expected finite values. Fix: {fix}"
+            f"{op}: {name} element {index} is {float(flat[index])!r}; expected finite "
+            "attention-sink logits. Fix: pass the model's sinks (module.sinks) as fp32."
         )
-    if len(_finite_ok) >= MEMO_MAX:
-        _finite_ok.clear()
-    _finite_ok[key] = weakref.ref(x)
+    if len(_sinks_ok) >= MEMO_MAX:
+        _sinks_ok.clear()
+    _sinks_ok[key] = weakref.ref(sinks)
 
 
-_TRANSFORM_FIX = (
-    "build k_offset [num_kv_heads, head_dim] and k_rotation [head_dim, head_dim] as fp32 "
-    "tensors on the cache's device (kvquant.kernels.hadamard(head_dim) for the rotation)."
-)
+def unpack(op: str, pages: object, scheme: object) -> tuple[Pages, KernelView]:
+    """The call's :class:`~kvquant.schemes.Pages` and what the kernels read from its scheme.
 
-
-def check_k_transform(
-    op: str,
-    k_offset: object,
-    k_rotation: object,
-    group_size: int | None,
-    hkv: int,
-    d: int,
-    device: torch.device,
-) -> None:
-    """Structure of the static K transform: fp32 offset ``[Hkv, D]``, rotation ``[D, D]``."""
-    if k_offset is None and k_rotation is None:
-        return
-    if group_size is not None:
+    Raises:
+        KernelInputError: ``pages`` or ``scheme`` is not one; a static scheme with group
+            scales beside the pages, or a dynamic one without them.
+    """
+    if not isinstance(pages, Pages):
         raise fail(
-            f"{op}: a K transform (k_offset / k_rotation) was given with fp32 group scales; "
-            "expected static k_scale and v_scale (per-tensor or per-head): the k-transform "
-            "format offsets K before a fixed scale. Fix: pass k_scale and v_scale, or drop "
-            "k_offset and k_rotation."
+            f"{op}: pages is a {type(pages).__name__}; expected kvquant.schemes.Pages. "
+            "Fix: pass Pages(k_pages, v_pages) (and the group scales of a GroupScales scheme)."
         )
-    for name, x, shape, what in (
-        ("k_offset", k_offset, (hkv, d), "one offset per KV head and channel, rotated frame"),
-        ("k_rotation", k_rotation, (d, d), "an orthonormal [head_dim, head_dim] rotation"),
-    ):
-        if x is None:
-            continue
-        t = require_tensor(op, name, x)
-        check_dtype(op, name, t, (torch.float32,), _TRANSFORM_FIX)
-        check_shape(op, name, t, shape, what)
-        check_device(op, name, t, device, "k_pages")
+    if not isinstance(scheme, Scheme):
+        raise fail(
+            f"{op}: scheme is a {type(scheme).__name__}; expected a kvquant.schemes scheme "
+            "(PerTensorScales, PerHeadScales, GroupScales, KTransformScales). Fix: build one "
+            "(kvquant.registry resolves the model's)."
+        )
+    view = scheme.kernel_view()
+    groups = (pages.k_scales is not None, pages.v_scales is not None)
+    if scheme.dynamic and not all(groups):
+        missing = "v_group_scales" if groups[0] else "k_group_scales"
+        raise fail(
+            f"{op}: {missing} (Pages.{missing[0]}_scales) is None but the scheme is "
+            f"{scheme.name!r}, whose scales are stored beside the pages; expected both. Fix: "
+            "allocate them with kvquant.kernels.group_scale_storage."
+        )
+    if not scheme.dynamic and any(groups):
+        raise fail(
+            f"{op}: both static scales and group scales were given (a {scheme.name!r} scheme "
+            "and Pages.k_scales / v_scales); expected one kind. Fix: drop the group scales "
+            "from Pages, or pass a GroupScales scheme."
+        )
+    return pages, view
 
 
-def check_scales(
+def check_scheme_tensors(
     op: str,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
-    num_pages: int,
-    page_size: int,
-    hkv: int,
-    d: int,
+    pages: Pages,
+    view: KernelView,
+    geometry: tuple[int, int, int, int],
     device: torch.device,
     group_scales_written: bool,
 ) -> int | None:
-    """Check that exactly one scale mode is given; return G for group scales, else None."""
-    static = (k_scale is not None, v_scale is not None)
-    group = (k_group_scales is not None, v_group_scales is not None)
-    mode_fix = (
-        "Fix: pass k_scale and v_scale (static per-tensor / per-head scales) or "
-        "k_group_scales and v_group_scales (dynamic fp32-group scales), not a mix."
-    )
-    if any(static) and any(group):
-        raise fail(f"{op}: both static scales and group scales were given. {mode_fix}")
-    if not any(static) and not any(group):
-        raise fail(f"{op}: no scales were given. {mode_fix}")
-    if any(static):
-        if not all(static):
-            missing = "v_scale" if k_scale is not None else "k_scale"
-            raise fail(f"{op}: {missing} is None but its partner is given. {mode_fix}")
-        _check_static_scale(op, "k_scale", require_tensor(op, "k_scale", k_scale), hkv, device)
-        _check_static_scale(op, "v_scale", require_tensor(op, "v_scale", v_scale), hkv, device)
+    """The scheme's tensors (and group scales) against the pages: shapes, device; G or None.
+
+    Dtypes and values were checked when the scheme was built; here only what depends on the
+    call: the pages' ``Hkv`` and ``D``, their device, the group scales' layout.
+    """
+    num_pages, page_size, hkv, d = geometry
+    if view.group_size is None:
+        for name, s in (("k_scale", view.k_scale), ("v_scale", view.v_scale)):
+            _check_static_scale(op, name, require_tensor(op, name, s), hkv, device)
+        for name, x, shape, what in (
+            ("k_offset", view.k_offset, (hkv, d), "one offset per KV head and channel"),
+            ("k_rotation", view.k_rotation, (d, d), "an orthonormal [head_dim, head_dim] rotation"),
+        ):
+            if x is not None:
+                check_shape(op, name, x, shape, f"{what}, for the pages' Hkv and D")
+                check_device(op, name, x, device, "k_pages")
         return None
-    if not all(group):
-        missing = "v_group_scales" if k_group_scales is not None else "k_group_scales"
-        raise fail(f"{op}: {missing} is None but its partner is given. {mode_fix}")
-    kg = require_tensor(op, "k_group_scales", k_group_scales)
-    vg = require_tensor(op, "v_group_scales", v_group_scales)
+    kg = require_tensor(op, "k_group_scales", pages.k_scales)
+    vg = require_tensor(op, "v_group_scales", pages.v_scales)
     layout = "[num_pages, page_size, num_kv_heads, head_dim // group_size]"
     check_ndim(op, "k_group_scales", kg, 4, layout)
     n_groups = kg.shape[-1]
@@ -366,6 +305,12 @@ def check_scales(
             f"{op}: k_group_scales has {n_groups} groups per head in its last dim, which does "
             f"not divide head_dim {d}; expected head_dim // group_size with group_size dividing "
             f"{d}. Fix: choose a group_size that divides the head dim."
+        )
+    if n_groups * view.group_size != d:
+        raise fail(
+            f"{op}: k_group_scales has {n_groups} groups per head but the scheme's group_size "
+            f"{view.group_size} makes {d // view.group_size} of head_dim {d}; expected the "
+            "same. Fix: allocate the group scales for the scheme's group_size."
         )
     expected = (num_pages, page_size, hkv, n_groups)
     for name, g in (("k_group_scales", kg), ("v_group_scales", vg)):
@@ -378,7 +323,7 @@ def check_scales(
             _check_written_layout(
                 op, name, g, helper="group_scale_storage", last_dim_contiguous=True
             )
-    return d // n_groups
+    return view.group_size
 
 
 def check_pages(
@@ -486,13 +431,6 @@ def clear_check_memo() -> None:
     """Forget every remembered signature: the next calls run every structural check."""
     for memo in _MEMOS.values():
         memo.clear()
-
-
-def check_transform_values(op: str, k_offset: object, k_rotation: object) -> None:
-    """Finite ``k_offset`` / ``k_rotation`` (structure already checked; values read once)."""
-    for name, x in (("k_offset", k_offset), ("k_rotation", k_rotation)):
-        if isinstance(x, torch.Tensor):
-            check_finite_values(op, name, x, _TRANSFORM_FIX)
 
 
 def check_slot_mapping_inputs(block_tables: object, positions: object, page_size: object) -> None:

@@ -21,6 +21,7 @@ from kvquant.calibrate.fp8 import fake_quantize_static, hadamard_matrix, k_trans
 from kvquant.errors import CalibrationError
 from kvquant.kernels import paged_attention_reference, write_kv_reference
 from kvquant.kernels.fp8 import dequantize_pages
+from kvquant.schemes import FirstTokens, KTransformScales, Pages
 
 pytest.importorskip("transformers")
 
@@ -57,10 +58,9 @@ def test_simulation_equals_the_reference_kernels(rotate: bool, first: int) -> No
     q_sim, k_sim, v_sim = cand.simulate(0, query, key, value)
 
     k_pages, v_pages, slots, table = _paged(key.transpose(1, 2), value.transpose(1, 2), 8)
-    write_kv_reference(
-        key.transpose(1, 2), value.transpose(1, 2), k_pages, v_pages, slots, k_scale, v_scale,
-        k_offset=offset, k_rotation=rot,
-    )  # fmt: skip
+    scheme = KTransformScales(k_scale, v_scale, k_offset=offset, k_rotation=rot, first_tokens=first)
+    pages = Pages(k_pages, v_pages)
+    write_kv_reference(key.transpose(1, 2), value.transpose(1, 2), pages, slots, scheme)
     stored = k_pages.view(-1, hkv, d)[slots[0]].float() * k_scale[None, :, None]
     expect_k = (stored + offset).transpose(0, 1)[None]
     if first:
@@ -81,17 +81,17 @@ def test_simulation_equals_the_reference_kernels(rotate: bool, first: int) -> No
         q_sim, k_sim.repeat_interleave(group, 1), v_sim.repeat_interleave(group, 1),
         is_causal=True, scale=scaling,
     )  # fmt: skip
-    firsts: dict[str, Any] = {}
+    firsts = None
     if first:
         kr = (key @ rot) if rot is not None else key
-        firsts = {
-            "first_k": kr[:, :, :first].transpose(1, 2).contiguous(),
-            "first_v": value[:, :, :first].transpose(1, 2).contiguous(),
-            "first_lens": torch.tensor([first], dtype=torch.int32),
-        }
+        firsts = FirstTokens(
+            kr[:, :, :first].transpose(1, 2).contiguous(),
+            value[:, :, :first].transpose(1, 2).contiguous(),
+            torch.tensor([first], dtype=torch.int32),
+        )
     ref = paged_attention_reference(
-        query.transpose(1, 2), k_pages, v_pages, table, torch.tensor([t], dtype=torch.int32),
-        scaling, k_scale, v_scale, k_offset=offset, k_rotation=rot, **firsts,
+        query.transpose(1, 2), pages, table, torch.tensor([t], dtype=torch.int32), scheme,
+        sm_scale=scaling, first=firsts,
     )  # fmt: skip
     out = ref.transpose(1, 2)
     assert torch.isfinite(out).all()

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import attention as call_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numerics import assert_close_rel
@@ -33,7 +34,7 @@ def _run(case_kw: dict[str, Any], **extra: Any) -> None:
     case = build_case(**case_kw, device="cuda", seed=sum(case_kw["lens"]) % 1000)
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, **extra,
     )  # fmt: skip
@@ -121,7 +122,7 @@ def test_nan_code_in_a_visible_slot_reaches_the_output(
     # a NaN key spoils whole rows; a NaN value only its column
     assert bool(torch.isnan(ref[1, :, :4]).any(-1).all()) and not bool(torch.isnan(ref[0]).any())
     out = torch.zeros(case.query.shape, dtype=case.query.dtype, device="cuda")
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, num_splits=splits,
     )  # fmt: skip
@@ -150,7 +151,7 @@ def test_dequantized_tiles_beyond_fp16_range_give_non_finite_output(
     case = build_case([300], hq=4, hkv=1, d=64, lq=lq, granularity="fp32-group", group_size=32,
                       value_gain=1e4, device="cuda", seed=3)  # fmt: skip
     out = torch.zeros(case.query.shape, dtype=case.query.dtype, device="cuda")
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, config=config,
     )  # fmt: skip
@@ -173,7 +174,7 @@ def test_pdl_launches_inside_a_cuda_graph() -> None:
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
 
     def call() -> None:
-        paged_attention_triton(
+        call_attention(paged_attention_triton,
             case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
             **case.kwargs(), out=out, num_splits=4,
         )  # fmt: skip

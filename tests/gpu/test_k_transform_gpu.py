@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import attention as call_attention
+from kernel_calls import write as call_write
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numerics import assert_close_rel
@@ -55,8 +57,8 @@ def test_write_codes_match_reference(transform: str, hkv: int, d: int) -> None:
     kp, vp = page_storage(num_pages, page, hkv, d, device="cuda")
     kp_ref, vp_ref = kp.clone(), vp.clone()
     kw: dict[str, Any] = dict(k_scale=ks, v_scale=vs, k_offset=off, k_rotation=rot)
-    write_kv(key, value, kp, vp, slots, backend="triton", **kw)
-    write_kv_reference(key, value, kp_ref, vp_ref, slots, **kw)
+    call_write(write_kv, key, value, kp, vp, slots, backend="triton", **kw)
+    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw)
     torch.cuda.synchronize()
     assert torch.equal(vp.view(torch.uint8), vp_ref.view(torch.uint8))
     steps = _code_steps(kp, kp_ref)
@@ -97,7 +99,7 @@ def test_attention_matches_reference(
     )  # fmt: skip
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, **extra,
     )  # fmt: skip
@@ -124,7 +126,7 @@ def test_rotation_variants_match_reference(rot: dict[str, Any], case_i: int) -> 
     )  # fmt: skip
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
-    paged_attention_triton(
+    call_attention(paged_attention_triton,
         case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
         **case.kwargs(), out=out, **{**extra, "config": {**extra.get("config", {}), **rot}},
     )  # fmt: skip
@@ -143,7 +145,7 @@ def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, Any]) -> None:
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
 
     def call() -> None:
-        paged_attention_triton(
+        call_attention(paged_attention_triton,
             case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
             **case.kwargs(), out=out, num_splits=4, config=rot,
         )  # fmt: skip

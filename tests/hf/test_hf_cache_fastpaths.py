@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import write as call_write
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import CacheCapacityError
@@ -155,9 +156,18 @@ def test_triton_write_on_a_device_that_is_not_current() -> None:
         return [pages, pages.clone(), groups, groups.clone()]
 
     got, want = fresh(), fresh()
-    write_kv(key, value, got[0], got[1], slots, k_group_scales=got[2], v_group_scales=got[3])
-    write_kv_reference(
-        key, value, want[0], want[1], slots, k_group_scales=want[2], v_group_scales=want[3]
+    call_write(
+        write_kv, key, value, got[0], got[1], slots, k_group_scales=got[2], v_group_scales=got[3]
+    )
+    call_write(
+        write_kv_reference,
+        key,
+        value,
+        want[0],
+        want[1],
+        slots,
+        k_group_scales=want[2],
+        v_group_scales=want[3],
     )
     for g, w in zip(got, want, strict=True):
         assert torch.equal(

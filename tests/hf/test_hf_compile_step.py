@@ -21,6 +21,9 @@ import transformers
 from hf_steps import cache_kwarg, min_cosine, step_logits
 from hf_steps import generate_exactly as _generate
 from hf_tiny import ALL_BUILDERS, build, prompt
+from kernel_calls import attention as call_attention
+from kernel_calls import split
+from kernel_calls import write as call_write
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import BackendError, OptionError, OptionTypeError, UnsupportedModelError
@@ -369,34 +372,41 @@ def test_step_ops_equal_the_reference_kernels_and_pass_opcheck(fmt: str) -> None
     transform = {"k_offset": x["k_offset"], "k_rotation": x["k_rotation"]}
     want_k, want_v = x["k_pages"].clone(), x["v_pages"].clone()
     want_scales = {n: (None if t is None else t.clone()) for n, t in scales.items()}
-    write_kv_reference(
+    call_write(write_kv_reference,
         x["key"].transpose(1, 2), x["value"].transpose(1, 2), want_k, want_v, x["slots"],
         **want_scales, **transform,
     )  # fmt: skip
+    _, scheme = split(
+        {k: v for k, v in {**scales, **transform}.items() if v is not None},
+        x["k_pages"],
+        x["v_pages"],
+    )
+    name, ints, tensors = scheme.flatten()
+    groups = (x["k_group_scales"], x["v_group_scales"])
     write_args = (
-        x["key"], x["value"], x["k_pages"], x["v_pages"], x["slots"], *scales.values(),
-        *transform.values(), "torch",
+        x["key"], x["value"], x["k_pages"], x["v_pages"], *groups, x["slots"], name, ints,
+        tensors, "torch",
     )  # fmt: skip
     torch.ops.kvquant.step_write(*write_args)
     assert torch.equal(x["k_pages"].view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(x["v_pages"].view(torch.uint8), want_v.view(torch.uint8))
-    for name, t in scales.items():
+    for name_, t in scales.items():
         if t is not None:
-            assert torch.equal(t, want_scales[name])  # fp32-group: the new token's scales
+            assert torch.equal(t, want_scales[name_])  # fp32-group: the new token's scales
     first: dict[str, Any] = {}
     if x["first_k"] is not None:
         # the storage's rule: a row whose first tokens were kept for another start reads pages
         lens = torch.where(x["kv_start"] == x["first_start"], x["first_lens"], 0).to(torch.int32)
         first = {"first_k": x["first_k"], "first_v": x["first_v"], "first_lens": lens}
-    want = paged_attention_reference(
+    want = call_attention(paged_attention_reference,
         x["query"].transpose(1, 2), x["k_pages"], x["v_pages"], x["block_table"], x["lens"],
         0.25, kv_start=x["kv_start"], causal=True,
         sinks=None if x["sinks"] is None else x["sinks"].float(),
         **scales, **transform, **first,
     )  # fmt: skip
     attn_args = (
-        x["query"], x["k_pages"], x["v_pages"], x["block_table"], x["lens"], x["kv_start"],
-        *scales.values(), *transform.values(), x["first_k"], x["first_v"], x["first_lens"],
+        x["query"], x["k_pages"], x["v_pages"], *groups, x["block_table"], x["lens"],
+        x["kv_start"], name, ints, tensors, x["first_k"], x["first_v"], x["first_lens"],
         x["first_start"], x["sinks"], 0.25, 0.0, 0, "torch",
     )  # fmt: skip
     got = torch.ops.kvquant.step_attention(*attn_args)

@@ -3,11 +3,11 @@
 ``kvquant::step_write`` stores the new token's K/V at the static step's slots;
 ``kvquant::step_attention`` attends the query over the pages and returns the
 output. They take only tensors and plain scalars (one :func:`layer_step`
-dictionary per layer, passed as the keyword :data:`STEP_KWARG`), so dynamo
-traces each compiled decoder layer as one graph, without a graph break, and
-inductor calls them as extern kernels. Their real implementations call
-:func:`kvquant.kernels.write_kv` and :func:`kvquant.kernels.paged_attention`;
-their fake ones only give the output's shape.
+dictionary per layer, passed as the keyword :data:`STEP_KWARG`; the scale scheme flattened by
+:meth:`kvquant.schemes.Scheme.flatten`), so dynamo traces each compiled decoder layer as one
+graph, without a graph break, and inductor calls them as extern kernels. Their real
+implementations unflatten the scheme and call :func:`kvquant.kernels.write_kv` and
+:func:`kvquant.kernels.paged_attention`; their fake ones only give the output's shape.
 
 Design (why custom ops, what is dynamic): docs/dev/decode-steps.md.
 """
@@ -24,6 +24,7 @@ from kvquant.cache import StaticStep
 from kvquant.errors import CacheUsageError
 from kvquant.integrations.hf.cache_layer import KVQuantLayer
 from kvquant.kernels import paged_attention, write_kv
+from kvquant.schemes import FirstTokens, Mask, Pages, Scheme
 
 __all__ = ["STEP_KWARG", "layer_step", "step_attention", "step_attention_call", "step_write"]
 
@@ -39,32 +40,26 @@ def step_write(
     value: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    slots: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
     k_group_scales: torch.Tensor | None,
     v_group_scales: torch.Tensor | None,
-    k_offset: torch.Tensor | None,
-    k_rotation: torch.Tensor | None,
+    slots: torch.Tensor,
+    scheme_name: str,
+    scheme_ints: list[int],
+    scheme_tensors: list[torch.Tensor | None],
     backend: str,
 ) -> None:
     """Store the step's new K/V ``[B, Hkv, 1, D]`` (the attention module's layout) at ``slots``.
 
-    :func:`kvquant.kernels.write_kv` on ``key.transpose(1, 2)`` and
-    ``value.transpose(1, 2)``; the other arguments are write_kv's.
+    :func:`kvquant.kernels.write_kv` on ``key.transpose(1, 2)`` and ``value.transpose(1, 2)``;
+    the pages and group scales are the :class:`~kvquant.schemes.Pages`, the ``scheme_*``
+    arguments the layer's flattened scheme (:meth:`~kvquant.schemes.Scheme.flatten`).
     """
     write_kv(
         key.transpose(1, 2),
         value.transpose(1, 2),
-        k_pages,
-        v_pages,
+        Pages(k_pages, v_pages, k_group_scales, v_group_scales),
         slots,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_group_scales=k_group_scales,
-        v_group_scales=v_group_scales,
-        k_offset=k_offset,
-        k_rotation=k_rotation,
+        Scheme.unflatten(scheme_name, scheme_ints, scheme_tensors),
         backend=backend,
     )
 
@@ -105,15 +100,14 @@ def step_attention(
     query: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
+    k_group_scales: torch.Tensor | None,
+    v_group_scales: torch.Tensor | None,
     block_table: torch.Tensor,
     lens: torch.Tensor,
     kv_start: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
-    k_offset: torch.Tensor | None,
-    k_rotation: torch.Tensor | None,
+    scheme_name: str,
+    scheme_ints: list[int],
+    scheme_tensors: list[torch.Tensor | None],
     first_k: torch.Tensor | None,
     first_v: torch.Tensor | None,
     first_lens: torch.Tensor | None,
@@ -127,15 +121,15 @@ def step_attention(
     """Causal attention of ``query [B, Hq, Lq, D]`` over the pages: a new ``[B, Lq, Hq, D]`` tensor.
 
     :func:`kvquant.kernels.paged_attention` with ``block_table`` / ``lens`` /
-    ``kv_start``. ``first_k`` / ``first_v`` / ``first_lens`` / ``first_start``
-    are the storage's first-token side buffer (``k-transform``): a row whose
+    ``kv_start`` and the layer's flattened scheme. ``first_k`` / ``first_v`` / ``first_lens`` /
+    ``first_start`` are the storage's first-token side buffer (``k-transform``): a row whose
     buffer was filled for another start than ``kv_start`` reads its keys from
-    the pages (as :meth:`~kvquant.cache.PagedLayerStorage.first_kwargs`).
+    the pages (as :meth:`~kvquant.cache.PagedLayerStorage.first_buffer`).
     ``sinks`` are the model's sink logits in any float dtype.
     """
     b, hq, lq, d = query.shape
     out = torch.empty((b, lq, hq, d), dtype=query.dtype, device=query.device)
-    first: dict[str, torch.Tensor] = {}
+    first = None
     if first_k is not None and first_v is not None and first_lens is not None:
         if first_start is None:
             raise CacheUsageError(
@@ -147,28 +141,22 @@ def step_attention(
             first_lens,
             torch.zeros_like(first_lens),
         )
-        first = {"first_k": first_k, "first_v": first_v, "first_lens": lens_now}
+        first = FirstTokens(first_k, first_v, lens_now)
+    mask = Mask(
+        causal=True, window=window, softcap=softcap, kv_start=kv_start,
+        sinks=None if sinks is None else _sinks(sinks),
+    )  # fmt: skip
     paged_attention(
         query.transpose(1, 2),
-        k_pages,
-        v_pages,
+        Pages(k_pages, v_pages, k_group_scales, v_group_scales),
         block_table,
         lens,
+        Scheme.unflatten(scheme_name, scheme_ints, scheme_tensors),
         sm_scale=sm_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_group_scales=k_group_scales,
-        v_group_scales=v_group_scales,
-        kv_start=kv_start,
-        causal=True,
-        softcap=softcap,
-        window=window,
+        mask=mask,
+        first=first,
         out=out,
-        sinks=None if sinks is None else _sinks(sinks),
-        k_offset=k_offset,
-        k_rotation=k_rotation,
         backend=backend,
-        **first,
     )
     return out
 
@@ -199,15 +187,15 @@ def layer_step(layer: KVQuantLayer, static: StaticStep) -> dict[str, Any]:
         if pool is not None:
             torch._dynamo.maybe_mark_dynamic(pool, 0)
     torch._dynamo.maybe_mark_dynamic(static.block_table, 1)
+    name, ints, tensors = storage.scheme.flatten()
     return {
         "k_pages": storage.k_pages,
         "v_pages": storage.v_pages,
-        "k_scale": storage.k_scale,
-        "v_scale": storage.v_scale,
         "k_group_scales": storage.k_group_scales,
         "v_group_scales": storage.v_group_scales,
-        "k_offset": storage.k_offset,
-        "k_rotation": storage.k_rotation,
+        "scheme_name": name,
+        "scheme_ints": ints,
+        "scheme_tensors": tensors,
         "first_k": storage.first_k,
         "first_v": storage.first_v,
         "first_lens": storage.first_lens,
@@ -255,28 +243,26 @@ def step_attention_call(
         value,
         step["k_pages"],
         step["v_pages"],
-        step["slots"],
-        step["k_scale"],
-        step["v_scale"],
         step["k_group_scales"],
         step["v_group_scales"],
-        step["k_offset"],
-        step["k_rotation"],
+        step["slots"],
+        step["scheme_name"],
+        step["scheme_ints"],
+        step["scheme_tensors"],
         step["backend"],
     )
     out = torch.ops.kvquant.step_attention(
         query,
         step["k_pages"],
         step["v_pages"],
+        step["k_group_scales"],
+        step["v_group_scales"],
         step["block_table"],
         step["lens"],
         step["kv_start"],
-        step["k_scale"],
-        step["v_scale"],
-        step["k_group_scales"],
-        step["v_group_scales"],
-        step["k_offset"],
-        step["k_rotation"],
+        step["scheme_name"],
+        step["scheme_ints"],
+        step["scheme_tensors"],
         step["first_k"],
         step["first_v"],
         step["first_lens"],

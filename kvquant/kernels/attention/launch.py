@@ -28,6 +28,7 @@ from kvquant.kernels.attention.tuning import (
     is_decode,
     programs_per_sm,
 )
+from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
 
 __all__ = ["CONFIG_KEYS", "is_interpreted", "paged_attention_triton"]
 
@@ -236,42 +237,30 @@ def _merge(
 
 def paged_attention_triton(
     query: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    pages: Pages,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    scheme: Scheme,
     *,
     sm_scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_group_scales: torch.Tensor | None = None,
-    v_group_scales: torch.Tensor | None = None,
-    q_lens: torch.Tensor | None = None,
-    kv_start: torch.Tensor | None = None,
-    causal: bool = True,
-    softcap: float = 0.0,
-    window: int = 0,
+    mask: Mask = CAUSAL,
+    first: FirstTokens | None = None,
     out: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: Mapping[str, Any] | None = None,
-    k_offset: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
-    first_k: torch.Tensor | None = None,
-    first_v: torch.Tensor | None = None,
-    first_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
 
     Semantics are those of :func:`kvquant.kernels.paged_attention_reference`; the arguments
-    are :func:`kvquant.kernels.paged_attention`'s (already validated: static or group scales,
-    ``q_lens``, ``kv_start``, masks, ``out``, ``sinks``, the K transform; ``block_tables``' last
+    are :func:`kvquant.kernels.paged_attention`'s (already validated; ``block_tables``' last
     dimension and the transform's tensors contiguous), plus two overrides for tests and tuning.
+    The scheme, mask and first tokens are unpacked here into the kernel's pointers (None when
+    absent: the kernel derives its presence flags from them) and constexprs.
 
     Args:
         query: ``[B, Lq, Hq, D]`` fp16, bf16 or fp32, any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides; ``v_pages`` likewise
-            (fastest with keys contiguous within a page: :func:`kvquant.kernels.page_storage`).
+        pages: FP8 ``[num_pages, page_size, Hkv, D]`` K and V, any strides (fastest with V
+            keys-contiguous within a page: :func:`kvquant.kernels.page_storage`).
         num_splits: split-KV count override for the decode path (tests, tuning).
         config: overrides of the launch, keys :data:`CONFIG_KEYS`; others are refused.
 
@@ -279,23 +268,25 @@ def paged_attention_triton(
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
     """
     bsz, lq, hq, d = query.shape
+    k_pages, v_pages = pages.k, pages.v
     hkv = k_pages.shape[2]
     if out is None:
         out = torch.empty(bsz, lq, hq, d, dtype=query.dtype, device=query.device)
     if bsz == 0 or lq == 0:
         return out
     config = config or {}
+    view = scheme.kernel_view()
+    group_scales = view.group_size is not None
     opt: dict[str, Any] = dict(
-        sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, k_group_scales=k_group_scales,
-        v_group_scales=v_group_scales, q_lens=q_lens, kv_start=kv_start, causal=causal,
-        softcap=softcap, window=window, sinks=sinks, k_offset=k_offset, k_rotation=k_rotation,
-        first_k=first_k if first_v is not None and first_lens is not None else None,
-        first_v=first_v, first_lens=first_lens,
+        sm_scale=sm_scale, k_scale=view.k_scale, v_scale=view.v_scale,
+        k_group_scales=pages.k_scales if group_scales else None,
+        v_group_scales=pages.v_scales if group_scales else None, q_lens=mask.q_lens,
+        kv_start=mask.kv_start, causal=mask.causal, softcap=mask.softcap, window=mask.window,
+        sinks=mask.sinks, k_offset=view.k_offset, k_rotation=view.k_rotation,
+        first_k=None if first is None else first.k, first_v=None if first is None else first.v,
+        first_lens=None if first is None else first.lens,
     )  # fmt: skip
-    group_scales = k_group_scales is not None and v_group_scales is not None
-    if not group_scales:
-        opt["k_group_scales"] = opt["v_group_scales"] = None
-    ng = k_group_scales.shape[-1] if group_scales and k_group_scales is not None else 1
+    ng = pages.k_scales.shape[-1] if group_scales and pages.k_scales is not None else 1
     tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config)
     n_qblocks = triton.cdiv(lq, tiles.QPB)
     args = _kernel_args(query, k_pages, v_pages, block_tables, seq_lens, out, n_qblocks, opt)
@@ -319,5 +310,5 @@ def paged_attention_triton(
     args[20] = num_splits
     paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
     if split:
-        _merge(args[12], args[13], out, num_splits, sinks, bool(consts["PDL"]))
+        _merge(args[12], args[13], out, num_splits, mask.sinks, bool(consts["PDL"]))
     return out

@@ -3,11 +3,11 @@
 It is also the CPU backend (``backend="torch"``) and works on the kernels' paged layout:
 pages ``[num_pages, page_size, Hkv, D]`` FP8 (one tensor for K, one for V); int32 block
 tables ``[B, max_pages]`` (logical page ``i`` of sequence ``b`` is ``block_tables[b, i]``);
-int32 sequence lengths ``[B]``; static scales fp32 ``[]`` or ``[Hkv]``; group scales fp32
-``[num_pages, page_size, Hkv, D // G]``, written with each token. With the static K transform
-(static scales only) the query is rotated, ``q @ R``, against the logical key ``code * s_k +
-c``, and the first tokens of each sequence may come from a full-precision side buffer
-(``first_k = k @ R``, ``first_v``). No argument validation here.
+int32 sequence lengths ``[B]``; the scale scheme (:mod:`kvquant.schemes`): static scales fp32
+``[]`` or ``[Hkv]``, or group scales fp32 ``[num_pages, page_size, Hkv, D // G]`` written with
+each token. With the K transform the query is rotated, ``q @ R``, against the logical key
+``code * s_k + c``, and the first tokens of each sequence may come from a full-precision side
+buffer (``first.k = k @ R``, ``first.v``). No argument validation here.
 """
 
 from __future__ import annotations
@@ -15,33 +15,22 @@ from __future__ import annotations
 import torch
 
 from kvquant.kernels.fp8 import dequantize_stored, gather_kv
+from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
 
 __all__ = ["paged_attention_reference"]
 
 
 def paged_attention_reference(
     query: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    pages: Pages,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    scheme: Scheme,
+    *,
     sm_scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_group_scales: torch.Tensor | None = None,
-    v_group_scales: torch.Tensor | None = None,
-    q_lens: torch.Tensor | None = None,
-    kv_start: torch.Tensor | None = None,
-    causal: bool = True,
-    softcap: float = 0.0,
-    window: int = 0,
+    mask: Mask = CAUSAL,
+    first: FirstTokens | None = None,
     out: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    k_offset: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
-    first_k: torch.Tensor | None = None,
-    first_v: torch.Tensor | None = None,
-    first_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache, in fp32.
 
@@ -53,34 +42,22 @@ def paged_attention_reference(
 
     Args:
         query: ``[B, Lq, Hq, D]`` fp32, fp16 or bf16; ``Hq`` a multiple of ``Hkv``.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8.
-        v_pages: ``[num_pages, page_size, Hkv, D]`` FP8.
+        pages: FP8 ``[num_pages, page_size, Hkv, D]`` K and V pages (with fp32
+            ``[num_pages, page_size, Hkv, D // G]`` group scales for a dynamic scheme).
         block_tables: int32 ``[B, max_pages]``.
         seq_lens: int32 ``[B]``.
+        scheme: the pages' scale scheme; with a K transform the logical key is
+            ``code * k_scale + k_offset`` and the query is rotated alike (``q @ R``).
         sm_scale: softmax scale applied to ``q·k``.
-        k_scale: fp32 ``[]`` or ``[Hkv]`` static scale, or None with group scales.
-        v_scale: fp32 ``[]`` or ``[Hkv]`` static scale, or None with group scales.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` or None.
-        v_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` or None.
-        q_lens: int32 ``[B]`` valid query tokens per sequence (default ``Lq``).
-        kv_start: int32 ``[B]`` first visible key per sequence (left padding; default 0).
-        causal: mask keys after the query position.
-        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
-        window: if > 0, a query sees only the last ``window`` positions up to itself.
+        mask: ``q_lens`` (default ``Lq``), ``kv_start`` (default 0), ``causal``, ``window``,
+            ``softcap`` (if > 0, scores become ``softcap * tanh(scores / softcap)``) and
+            ``sinks`` (fp32 ``[Hq]``: each head's softmax gets one more term ``exp(sinks[h])``
+            in its denominator, a logit with no value).
+        first: the first tokens' keys (rotated frame, no offset) and values, or None: keys
+            ``kv_start[b] .. kv_start[b] + first.lens[b] - 1`` are taken from ``first.k[b, i]``
+            / ``first.v[b, i]`` instead of the pages (same visibility rules); their slots are
+            never read.
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype.
-        sinks: fp32 ``[Hq]`` learned attention-sink logits (gpt-oss), or None: each
-            head's softmax gets one more term ``exp(sinks[h])`` in its denominator
-            (a logit with no value), so the weights of the keys sum to less than 1.
-        k_offset: fp32 ``[Hkv, D]`` K offset (rotated frame), or None: the logical key is
-            ``code * k_scale + c``.
-        k_rotation: fp32 ``[D, D]`` orthonormal K rotation, or None: the query is rotated
-            alike (``q @ R``) before its scores.
-        first_k: ``[B, NF, Hkv, D]`` float, the first tokens' keys in the rotated frame
-            (``k @ R``, no offset), with ``first_v`` and ``first_lens``, or None.
-        first_v: ``[B, NF, Hkv, D]`` float, their values.
-        first_lens: int32 ``[B]``: keys ``kv_start[b] .. kv_start[b] + first_lens[b] - 1`` are
-            taken from ``first_k[b, i]`` / ``first_v[b, i]`` instead of the pages (same
-            visibility rules); their slots are never read.
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype. Rows of invalid queries, and rows
@@ -88,6 +65,10 @@ def paged_attention_reference(
         (before ``kv_start``, behind every query's window) never reaches the
         output, whatever it holds.
     """
+    view = scheme.kernel_view()
+    q_lens, kv_start, causal = mask.q_lens, mask.kv_start, mask.causal
+    softcap, window, sinks = mask.softcap, mask.window, mask.sinks
+    k_pages, v_pages = pages.k, pages.v
     bsz, lq, hq, d = query.shape
     hkv = k_pages.shape[2]
     group = hq // hkv
@@ -95,7 +76,7 @@ def paged_attention_reference(
     seq_cpu = seq_lens.tolist()
     qlen_cpu = q_lens.tolist() if q_lens is not None else [lq] * bsz
     start_cpu = kv_start.tolist() if kv_start is not None else [0] * bsz
-    first_cpu = first_lens.tolist() if first_lens is not None else [0] * bsz
+    first_cpu = first.lens.tolist() if first is not None else [0] * bsz
     for b in range(bsz):
         n, nq = int(seq_cpu[b]), int(qlen_cpu[b])
         if n == 0 or nq == 0:
@@ -110,22 +91,22 @@ def paged_attention_reference(
                 offset,
             )
             for pages, static, groups, offset in (
-                (k_pages, k_scale, k_group_scales, k_offset),
-                (v_pages, v_scale, v_group_scales, None),
+                (k_pages, view.k_scale, pages.k_scales, view.k_offset),
+                (v_pages, view.v_scale, pages.v_scales, None),
             )
         )  # [n, Hkv, D]
         nf = int(first_cpu[b])
-        if nf and first_k is not None and first_v is not None:
+        if nf and first is not None:
             # the first tokens from the full-precision side buffer, not from their slots
             s0 = int(start_cpu[b])
-            nf = max(0, min(nf, n - s0, first_k.shape[1]))
-            k[s0 : s0 + nf] = first_k[b, :nf].float()
-            v[s0 : s0 + nf] = first_v[b, :nf].float()
+            nf = max(0, min(nf, n - s0, first.k.shape[1]))
+            k[s0 : s0 + nf] = first.k[b, :nf].float()
+            v[s0 : s0 + nf] = first.v[b, :nf].float()
         k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[b, :nq].float()  # [nq, Hq, D]
-        if k_rotation is not None:
-            q = q @ k_rotation.float()
+        if view.k_rotation is not None:
+            q = q @ view.k_rotation.float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)

@@ -1,7 +1,8 @@
 """Argument checks of :func:`kvquant.kernels.paged_attention` (structure, then values).
 
-Built on :mod:`kvquant.kernels.validate` (its helpers, scale checks and signature memo): the
-query, pages, block tables, lengths, masks, sinks and the K transform's side buffer.
+Built on :mod:`kvquant.kernels.validate` (its helpers, scheme checks and signature memo): the
+query, pages, block tables, lengths, the :class:`~kvquant.schemes.Mask`, sinks and the K
+transform's side buffer (:class:`~kvquant.schemes.FirstTokens`).
 """
 
 from __future__ import annotations
@@ -16,21 +17,21 @@ from kvquant.kernels.validate import (
     check_device,
     check_dtype,
     check_index_vector,
-    check_k_transform,
     check_ndim,
     check_pages,
-    check_scale_values,
-    check_scales,
+    check_scheme_tensors,
     check_shape,
-    check_transform_values,
+    check_sink_values,
     fail,
     new_check_memo,
     overlaps,
     remembered,
     require_tensor,
     signature,
+    unpack,
     value_checks_enabled,
 )
+from kvquant.schemes import FirstTokens, KernelView, Mask, Pages, Scheme
 
 __all__ = ["AttentionGeometry", "check_attention_inputs"]
 
@@ -65,37 +66,32 @@ class AttentionGeometry:
 
 
 def _check_first_tokens(
-    op: str,
-    first_k: object,
-    first_v: object,
-    first_lens: object,
-    group_size: int | None,
-    bsz: int,
-    hkv: int,
-    d: int,
-    device: torch.device,
+    op: str, first: object, scheme: Scheme, bsz: int, hkv: int, d: int, device: torch.device
 ) -> None:
-    """Structure of the first-token side buffer: all three or none, static scales."""
-    given = (first_k is not None, first_v is not None, first_lens is not None)
-    if not any(given):
+    """Structure of the first-token side buffer: a FirstTokens, with the k-transform scheme."""
+    if first is None:
         return
-    if not all(given):
-        missing = [
-            n for n, g in zip(("first_k", "first_v", "first_lens"), given, strict=True) if not g
-        ]
+    if not isinstance(first, FirstTokens):
+        raise fail(
+            f"{op}: first is a {type(first).__name__}; expected kvquant.schemes.FirstTokens or "
+            "None. Fix: pass FirstTokens(first_k, first_v, first_lens)."
+        )
+    parts = {"first_k": first.k, "first_v": first.v, "first_lens": first.lens}
+    missing = [name for name, x in parts.items() if x is None]
+    if missing:
         raise fail(
             f"{op}: {', '.join(missing)} is None but the other first-token arguments are "
-            "given; expected first_k, first_v and first_lens together, or none of them. "
-            "Fix: pass all three (first_lens zeros where a row has none), or none."
+            "given; expected FirstTokens(first_k, first_v, first_lens) with all three tensors. "
+            "Fix: pass all three (first_lens zeros where a row has none), or first=None."
         )
-    if group_size is not None:
+    if scheme.kernel_view().group_size is not None:
         raise fail(
             f"{op}: first-token buffers (first_k / first_v) were given with fp32 group "
             "scales; expected static k_scale and v_scale (the k-transform format). Fix: pass "
-            "k_scale and v_scale, or drop first_k, first_v and first_lens."
+            "a KTransformScales scheme, or drop first."
         )
-    fk = require_tensor(op, "first_k", first_k)
-    fv = require_tensor(op, "first_v", first_v)
+    fk = require_tensor(op, "first_k", first.k)
+    fv = require_tensor(op, "first_v", first.v)
     layout = "[batch, n_first, num_kv_heads, head_dim]"
     check_ndim(op, "first_k", fk, 4, layout)
     fix = "keep the first tokens' K (rotated frame) and V in the model dtype."
@@ -106,37 +102,83 @@ def _check_first_tokens(
     check_shape(op, "first_v", fv, (bsz, nf, hkv, d), f"{layout}, the shape of first_k")
     check_device(op, "first_k", fk, device, "k_pages")
     check_device(op, "first_v", fv, device, "k_pages")
-    check_index_vector(op, "first_lens", first_lens, bsz, device)
+    check_index_vector(op, "first_lens", first.lens, bsz, device)
+
+
+def _check_mask(op: str, mask: object, bsz: int, hq: int, device: torch.device) -> None:
+    """The mask's options and tensors."""
+    if not isinstance(mask, Mask):
+        raise fail(
+            f"{op}: mask is a {type(mask).__name__}; expected kvquant.schemes.Mask. "
+            "Fix: pass Mask(causal=..., window=..., softcap=..., kv_start=..., q_lens=...)."
+        )
+    if mask.q_lens is not None:
+        check_index_vector(op, "q_lens", mask.q_lens, bsz, device)
+    if mask.kv_start is not None:
+        check_index_vector(op, "kv_start", mask.kv_start, bsz, device)
+    causal, softcap, window = mask.causal, mask.softcap, mask.window
+    if not isinstance(causal, bool):
+        raise fail(f"{op}: causal is a {type(causal).__name__}; expected a bool.")
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise fail(
+            f"{op}: softcap is {softcap!r}; expected a finite float > 0, or 0 to disable it. "
+            "Fix: pass the model's attn_logit_softcapping or 0.0."
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise fail(
+            f"{op}: window is {window!r}; expected an int >= 0 (0 disables it). "
+            "Fix: pass the model's sliding_window or 0."
+        )
+    if mask.sinks is not None:
+        sk = require_tensor(op, "sinks", mask.sinks)
+        check_dtype(op, "sinks", sk, (torch.float32,), "pass module.sinks.float() (fp32).")
+        check_shape(op, "sinks", sk, (hq,), "one attention-sink logit per query head")
+        check_device(op, "sinks", sk, device, "k_pages")
+        if hq > 1 and sk.stride(0) != 1:
+            raise fail(
+                f"{op}: sinks has stride {sk.stride(0)}; expected a contiguous [{hq}] tensor. "
+                "Fix: pass sinks.contiguous() once, when it is created."
+            )
+
+
+def _check_out(op: str, out: object, q: torch.Tensor, device: torch.device) -> None:
+    o = require_tensor(op, "out", out)
+    check_shape(op, "out", o, tuple(q.shape), "the query's shape")
+    if o.dtype != q.dtype:
+        raise fail(
+            f"{op}: out has dtype {o.dtype}; expected the query dtype {q.dtype}. "
+            "Fix: allocate out like the query (torch.empty_like(query))."
+        )
+    check_device(op, "out", o, device, "k_pages")
+    if overlaps(o):
+        raise fail(
+            f"{op}: out is written in place but has strides {o.stride()} for shape "
+            f"{tuple(o.shape)}, so that elements share memory (an expanded view?); "
+            "expected no two elements sharing memory. Fix: allocate out with "
+            "torch.empty_like(query) or torch.empty(query.shape)."
+        )
 
 
 def _check_attention_structure(
     query: object,
-    k_pages: object,
-    v_pages: object,
+    pages: Pages,
     block_tables: object,
     seq_lens: object,
-    *,
+    scheme: Scheme,
+    view: KernelView,
     sm_scale: object,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
-    q_lens: object,
-    kv_start: object,
-    causal: object,
-    softcap: object,
-    window: object,
+    mask: object,
+    first: object,
     out: object,
-    sinks: object = None,
-    k_offset: object = None,
-    k_rotation: object = None,
-    first_k: object = None,
-    first_v: object = None,
-    first_lens: object = None,
 ) -> AttentionGeometry:
     """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
     op = "paged_attention"
-    kp, _ = check_pages(op, k_pages, v_pages, written=False)
+    kp, _ = check_pages(op, pages.k, pages.v, written=False)
     num_pages, page_size, hkv, d = kp.shape
     device = kp.device
     q = require_tensor(op, "query", query)
@@ -171,25 +213,9 @@ def _check_attention_structure(
         )
     check_device(op, "block_tables", bt, device, "k_pages")
     check_index_vector(op, "seq_lens", seq_lens, bsz, device)
-    if q_lens is not None:
-        check_index_vector(op, "q_lens", q_lens, bsz, device)
-    if kv_start is not None:
-        check_index_vector(op, "kv_start", kv_start, bsz, device)
-    group_size = check_scales(
-        op,
-        k_scale,
-        v_scale,
-        k_group_scales,
-        v_group_scales,
-        num_pages,
-        page_size,
-        hkv,
-        d,
-        device,
-        group_scales_written=False,
-    )
-    check_k_transform(op, k_offset, k_rotation, group_size, hkv, d, device)
-    _check_first_tokens(op, first_k, first_v, first_lens, group_size, bsz, hkv, d, device)
+    geometry = (num_pages, page_size, hkv, d)
+    group_size = check_scheme_tensors(op, pages, view, geometry, device, group_scales_written=False)
+    _check_first_tokens(op, first, scheme, bsz, hkv, d, device)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise fail(
             f"{op}: sm_scale is a {type(sm_scale).__name__}; expected a Python float. "
@@ -199,49 +225,9 @@ def _check_attention_structure(
         raise fail(
             f"{op}: sm_scale is {sm_scale}; expected a finite float. Fix: pass a finite scale."
         )
-    if not isinstance(causal, bool):
-        raise fail(f"{op}: causal is a {type(causal).__name__}; expected a bool.")
-    if (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, (int, float))
-        or not math.isfinite(softcap)
-        or softcap < 0
-    ):
-        raise fail(
-            f"{op}: softcap is {softcap!r}; expected a finite float > 0, or 0 to disable it. "
-            "Fix: pass the model's attn_logit_softcapping or 0.0."
-        )
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise fail(
-            f"{op}: window is {window!r}; expected an int >= 0 (0 disables it). "
-            "Fix: pass the model's sliding_window or 0."
-        )
+    _check_mask(op, mask, bsz, hq, device)
     if out is not None:
-        o = require_tensor(op, "out", out)
-        check_shape(op, "out", o, (bsz, lq, hq, d), "the query's shape")
-        if o.dtype != q.dtype:
-            raise fail(
-                f"{op}: out has dtype {o.dtype}; expected the query dtype {q.dtype}. "
-                "Fix: allocate out like the query (torch.empty_like(query))."
-            )
-        check_device(op, "out", o, device, "k_pages")
-        if overlaps(o):
-            raise fail(
-                f"{op}: out is written in place but has strides {o.stride()} for shape "
-                f"{tuple(o.shape)}, so that elements share memory (an expanded view?); "
-                "expected no two elements sharing memory. Fix: allocate out with "
-                "torch.empty_like(query) or torch.empty(query.shape)."
-            )
-    if sinks is not None:
-        sk = require_tensor(op, "sinks", sinks)
-        check_dtype(op, "sinks", sk, (torch.float32,), "pass module.sinks.float() (fp32).")
-        check_shape(op, "sinks", sk, (hq,), "one attention-sink logit per query head")
-        check_device(op, "sinks", sk, device, "k_pages")
-        if hq > 1 and sk.stride(0) != 1:
-            raise fail(
-                f"{op}: sinks has stride {sk.stride(0)}; expected a contiguous [{hq}] tensor. "
-                "Fix: pass sinks.contiguous() once, when it is created."
-            )
+        _check_out(op, out, q, device)
     return AttentionGeometry(bsz, lq, hq, hkv, d, num_pages, page_size, bt.shape[1], group_size)
 
 
@@ -331,59 +317,35 @@ def _check_attention_values(
 
 def check_attention_inputs(
     query: object,
-    k_pages: object,
-    v_pages: object,
+    pages: object,
     block_tables: object,
     seq_lens: object,
+    scheme: object,
     *,
     sm_scale: object,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
-    q_lens: object,
-    kv_start: object,
-    causal: object,
-    softcap: object,
-    window: object,
-    out: object,
-    sinks: object = None,
-    k_offset: object = None,
-    k_rotation: object = None,
-    first_k: object = None,
-    first_v: object = None,
-    first_lens: object = None,
+    mask: object,
+    first: object = None,
+    out: object = None,
 ) -> AttentionGeometry:
     """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
 
     Dtype, shape, device, stride and option checks are remembered per
     signature of the arguments, like :func:`check_write_inputs` (options by
     type and value); the value checks (lengths and page ids inside the
-    cache, where values are cheap to read) run on every call.
+    cache, where values are cheap to read) run on every call. The scheme's own
+    values were checked when it was built.
 
     Args:
         query: ``[B, Lq, Hq, D]`` fp32/fp16/bf16, any strides, ``Hq % Hkv == 0``.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides.
-        v_pages: like ``k_pages``, same dtype.
+        pages: :class:`~kvquant.schemes.Pages`, FP8 ``[num_pages, page_size, Hkv, D]``.
         block_tables: int32 ``[B, max_pages]``.
         seq_lens: int32 ``[B]``.
+        scheme: a :class:`~kvquant.schemes.Scheme` for the pages' ``Hkv`` and ``D``.
         sm_scale: softmax scale (a finite Python number).
-        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
-        v_scale: fp32 ``[]`` or ``[Hkv]``.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, with ``v_group_scales``.
-        v_group_scales: like ``k_group_scales``.
-        q_lens: int32 ``[B]`` or None.
-        kv_start: int32 ``[B]`` or None.
-        causal: bool.
-        softcap: number >= 0.
-        window: int >= 0.
+        mask: a :class:`~kvquant.schemes.Mask` (int32 ``[B]`` ``q_lens`` / ``kv_start``,
+            fp32 ``[Hq]`` finite ``sinks``).
+        first: a :class:`~kvquant.schemes.FirstTokens` (k-transform only), or None.
         out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
-        sinks: fp32 ``[Hq]`` contiguous, finite, or None.
-        k_offset: fp32 ``[Hkv, D]`` finite, or None; needs static scales.
-        k_rotation: fp32 ``[D, D]`` finite, or None; needs static scales.
-        first_k: ``[B, NF, Hkv, D]`` fp32/fp16/bf16, with ``first_v`` and ``first_lens``.
-        first_v: like ``first_k``.
-        first_lens: int32 ``[B]``, each in ``0..NF`` and at most ``seq_lens - kv_start``.
 
     Returns:
         The call's sizes.
@@ -391,73 +353,48 @@ def check_attention_inputs(
     Raises:
         KernelInputError: any argument is malformed.
     """
-    sig = signature(
-        query,
-        k_pages,
-        v_pages,
-        block_tables,
-        seq_lens,
-        sm_scale,
-        k_scale,
-        v_scale,
-        k_group_scales,
-        v_group_scales,
-        q_lens,
-        kv_start,
-        causal,
-        softcap,
-        window,
-        out,
-        sinks,
-        k_offset,
-        k_rotation,
-        first_k,
-        first_v,
-        first_lens,
-    )
+    op = "paged_attention"
+    bundle, view = unpack(op, pages, scheme)
+    valid_mask = mask if isinstance(mask, Mask) else None
+    fk = fv = fl = None
+    if isinstance(first, FirstTokens):
+        fk, fv, fl = first.k, first.v, first.lens
+    sig = None
+    if valid_mask is not None and (first is None or fk is not None):
+        m = valid_mask
+        sig = signature(
+            query, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, block_tables, seq_lens,
+            sm_scale, view.k_scale, view.v_scale, view.k_offset, view.k_rotation,
+            view.group_size, m.q_lens, m.kv_start, m.causal, m.softcap, m.window, m.sinks, out,
+            fk, fv, fl,
+        )  # fmt: skip
     geo = remembered(
         _ATTENTION_OK,
         sig,
         lambda: _check_attention_structure(
             query,
-            k_pages,
-            v_pages,
+            bundle,
             block_tables,
             seq_lens,
-            sm_scale=sm_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            k_group_scales=k_group_scales,
-            v_group_scales=v_group_scales,
-            q_lens=q_lens,
-            kv_start=kv_start,
-            causal=causal,
-            softcap=softcap,
-            window=window,
-            out=out,
-            sinks=sinks,
-            k_offset=k_offset,
-            k_rotation=k_rotation,
-            first_k=first_k,
-            first_v=first_v,
-            first_lens=first_lens,
+            scheme,  # type: ignore[arg-type]  # unpack checked it
+            view,
+            sm_scale,
+            mask,
+            first,
+            out,
         ),
     )
-    check_transform_values("paged_attention", k_offset, k_rotation)
-    pages: torch.Tensor = k_pages  # type: ignore[assignment]  # checked above
-    if geo.group_size is None:
-        check_scale_values("paged_attention", "k_scale", k_scale)  # type: ignore[arg-type]
-        check_scale_values("paged_attention", "v_scale", v_scale)  # type: ignore[arg-type]
-    if sinks is not None:
-        check_scale_values("paged_attention", "sinks", sinks, sinks=True)  # type: ignore[arg-type]
-    if geo.batch and value_checks_enabled(pages.device):
+    checked: Mask = mask  # type: ignore[assignment]  # checked above
+    if checked.sinks is not None:
+        check_sink_values(op, "sinks", checked.sinks)
+    if geo.batch and value_checks_enabled(bundle.k.device):
         _check_attention_values(
             block_tables,  # type: ignore[arg-type]
             seq_lens,  # type: ignore[arg-type]
-            q_lens,  # type: ignore[arg-type]
-            kv_start,  # type: ignore[arg-type]
+            checked.q_lens,
+            checked.kv_start,
             geo,
-            first_lens,  # type: ignore[arg-type]
-            first_k.shape[1] if isinstance(first_k, torch.Tensor) else 0,
+            fl,
+            fk.shape[1] if fk is not None else 0,
         )
     return geo

@@ -12,7 +12,9 @@ import functools
 import torch
 import triton
 
+from kvquant.errors import KernelInputError
 from kvquant.kernels.write.kernel import write_kv_kernel
+from kvquant.schemes import Pages, Scheme
 
 __all__ = ["is_interpreted", "write_kv_triton"]
 
@@ -59,47 +61,44 @@ def _static_stride(s: torch.Tensor) -> int:
 def write_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    pages: Pages,
     slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
-    k_offset: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
+    scheme: Scheme,
 ) -> None:
     """Launch the fused K/V write (no validation: call :func:`kvquant.kernels.write_kv`).
+
+    The scheme is unpacked here into the kernel's pointers and flags (absent: unread pointers).
 
     Args:
         key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
         value: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, any strides with no two elements
-            sharing memory, written in place.
-        v_pages: like ``k_pages``.
+        pages: FP8 pages ``[num_pages, page_size, Hkv, D]``, any strides with no two
+            elements sharing memory, written in place; group scales (dynamic schemes)
+            ``[num_pages, page_size, Hkv, D // G]``, last dimension contiguous.
         slot_mapping: int64 ``[B, L]``, any strides.
-        k_scale: fp32 ``[]`` or ``[Hkv]`` (static), or None with group scales.
-        v_scale: fp32 ``[]`` or ``[Hkv]`` (static), or None with group scales.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, last dimension
-            contiguous, no two elements sharing memory (any order of the other
-            dimensions), or None.
-        v_group_scales: like ``k_group_scales``.
-        k_offset: fp32 ``[Hkv, D]`` K offset (static scales only), any strides, or None.
-        k_rotation: fp32 ``[D, D]`` K rotation (static scales only), any strides, or None.
+        scheme: the pages' scale scheme (offset and rotation any strides).
     """
     bsz, seq, hkv, d = key.shape
     n_tokens = bsz * seq
     if n_tokens == 0:
         return
+    view = scheme.kernel_view()
+    k_pages, v_pages = pages.k, pages.v
+    k_scale, v_scale, k_offset, k_rotation = (
+        view.k_scale,
+        view.v_scale,
+        view.k_offset,
+        view.k_rotation,
+    )
     num_pages, page_size = k_pages.shape[0], k_pages.shape[1]
-    group = k_group_scales is not None and v_group_scales is not None
-    if k_group_scales is not None and v_group_scales is not None:
-        ng = int(k_group_scales.shape[-1])
+    group = view.group_size is not None
+    if group and pages.k_scales is not None and pages.v_scales is not None:
+        ng = int(pages.k_scales.shape[-1])
         g = d // ng
         ks_arg, vs_arg, sks, svs = k_pages, v_pages, 0, 0
-        kg_arg, vg_arg = k_group_scales, v_group_scales
-        kg_strides = k_group_scales.stride()[:3]
-        vg_strides = v_group_scales.stride()[:3]
+        kg_arg, vg_arg = pages.k_scales, pages.v_scales
+        kg_strides = pages.k_scales.stride()[:3]
+        vg_strides = pages.v_scales.stride()[:3]
     elif k_scale is not None and v_scale is not None:
         ng, g = 1, d
         ks_arg, vs_arg = k_scale, v_scale
@@ -107,7 +106,10 @@ def write_kv_triton(
         kg_arg, vg_arg = k_pages, v_pages
         kg_strides = vg_strides = (0, 0, 0)
     else:
-        raise ValueError("write_kv_triton needs k_scale/v_scale or k_group_scales/v_group_scales")
+        raise KernelInputError(
+            f"write_kv_triton: a {scheme.name!r} scheme without static scales and pages without "
+            "group scales; expected one. Fix: call kvquant.kernels.write_kv (it validates)."
+        )
     rot_arg = k_rotation if k_rotation is not None else k_pages
     off_arg = k_offset if k_offset is not None else k_pages
     rot_strides = k_rotation.stride() if k_rotation is not None else (0, 0)

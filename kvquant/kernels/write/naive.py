@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvquant.errors import KernelInputError
 from kvquant.kernels.fp8 import fp8_max, quantize_fp8, transform_keys
+from kvquant.schemes import Pages, Scheme
 
 __all__ = ["write_kv_reference"]
 
@@ -32,57 +34,53 @@ def _group_scales(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch
 def write_kv_reference(
     key: torch.Tensor,
     value: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    pages: Pages,
     slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    k_group_scales: torch.Tensor | None = None,
-    v_group_scales: torch.Tensor | None = None,
-    k_offset: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
+    scheme: Scheme,
 ) -> None:
     """Quantize new K/V tokens and store them into their page slots (in place).
 
-    With a K transform (``k_offset`` and/or ``k_rotation``, static scales only), K is
-    stored as ``fp8((key @ R - c) / k_scale)``; V is stored as without it.
+    Static schemes divide by their fp32 ``[]`` / ``[Hkv]`` scales; a dynamic one
+    (:class:`~kvquant.schemes.GroupScales`) computes one scale per (token, KV head, group) and
+    stores it in ``pages.k_scales`` / ``pages.v_scales``. With a K transform
+    (:class:`~kvquant.schemes.KTransformScales`) K is stored as ``fp8((key @ R - c) /
+    k_scale)``; V is stored as without it.
 
     Args:
         key: ``[B, L, Hkv, D]`` fp32, fp16 or bf16 (any strides).
         value: ``[B, L, Hkv, D]``, any float dtype (may differ from ``key``).
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, written in place.
-        v_pages: ``[num_pages, page_size, Hkv, D]`` FP8, written in place.
+        pages: FP8 ``[num_pages, page_size, Hkv, D]`` K and V pages (and group scales
+            ``[num_pages, page_size, Hkv, D // G]``), written in place.
         slot_mapping: int64 ``[B, L]``; slot ``page * page_size + offset``; a
             negative slot means "do not store this token".
-        k_scale: fp32 ``[]`` or ``[Hkv]`` static scale (with ``v_scale``).
-        v_scale: fp32 ``[]`` or ``[Hkv]`` static scale.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` written in
-            place (dynamic ``fp32-group`` format, with ``v_group_scales``).
-        v_group_scales: like ``k_group_scales``.
-        k_offset: fp32 ``[Hkv, D]`` K offset (rotated frame), or None (zeros).
-        k_rotation: fp32 ``[D, D]`` orthonormal K rotation, or None (identity).
+        scheme: the pages' scale scheme.
     """
-    _, page_size, hkv, d = k_pages.shape
+    view = scheme.kernel_view()
+    _, page_size, hkv, d = pages.k.shape
     slots = slot_mapping.reshape(-1)
     keep = slots >= 0
     slots = slots[keep]
     page, off = slots // page_size, slots % page_size
-    transformed = k_offset is not None or k_rotation is not None
-    for x, pages, static, groups in (
-        (key, k_pages, k_scale, k_group_scales),
-        (value, v_pages, v_scale, v_group_scales),
+    transformed = view.k_offset is not None or view.k_rotation is not None
+    for x, codes_out, static, groups in (
+        (key, pages.k, view.k_scale, pages.k_scales),
+        (value, pages.v, view.v_scale, pages.v_scales),
     ):
         xs = x.reshape(-1, hkv, d)[keep]
-        if transformed and pages is k_pages:
-            xs = transform_keys(xs, k_offset, k_rotation)
-        if groups is not None:
-            g = d // groups.shape[-1]
-            sc = _group_scales(xs, g, pages.dtype)  # [N, Hkv, D/G]
-            codes = quantize_fp8(xs, sc.repeat_interleave(g, dim=-1), pages.dtype)
+        if transformed and codes_out is pages.k:
+            xs = transform_keys(xs, view.k_offset, view.k_rotation)
+        if view.group_size is not None and groups is not None:
+            g = view.group_size
+            sc = _group_scales(xs, g, codes_out.dtype)  # [N, Hkv, D/G]
+            codes = quantize_fp8(xs, sc.repeat_interleave(g, dim=-1), codes_out.dtype)
             groups[page, off] = sc
-        else:
-            if static is None:
-                raise ValueError("write_kv_reference needs static scales or group scales")
+        elif static is not None:
             sc = static.float().reshape(-1, 1) if static.dim() else static.float()
-            codes = quantize_fp8(xs, sc, pages.dtype)
-        pages[page, off] = codes
+            codes = quantize_fp8(xs, sc, codes_out.dtype)
+        else:
+            raise KernelInputError(
+                f"write_kv_reference: the {scheme.name!r} scheme has no static scales and "
+                "pages has no group scales; expected one or the other. Fix: call "
+                "kvquant.kernels.write_kv, which validates its arguments."
+            )
+        codes_out[page, off] = codes

@@ -16,20 +16,19 @@ from kvquant.kernels.validate import (
     check_device,
     check_disjoint,
     check_dtype,
-    check_k_transform,
     check_ndim,
     check_pages,
-    check_scale_values,
-    check_scales,
+    check_scheme_tensors,
     check_shape,
-    check_transform_values,
     fail,
     new_check_memo,
     remembered,
     require_tensor,
     signature,
+    unpack,
     value_checks_enabled,
 )
+from kvquant.schemes import KernelView, Pages
 
 __all__ = ["WriteGeometry", "check_write_inputs"]
 
@@ -60,21 +59,11 @@ class WriteGeometry:
 
 
 def _check_write_structure(
-    key: object,
-    value: object,
-    k_pages: object,
-    v_pages: object,
-    slot_mapping: object,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
-    k_offset: object = None,
-    k_rotation: object = None,
+    key: object, value: object, pages: Pages, slot_mapping: object, view: KernelView
 ) -> WriteGeometry:
     """Dtype, shape, device and stride checks of :func:`check_write_inputs`."""
     op = "write_kv"
-    kp, _ = check_pages(op, k_pages, v_pages, written=True)
+    kp, _ = check_pages(op, pages.k, pages.v, written=True)
     num_pages, page_size, hkv, d = kp.shape
     device = kp.device
     k = require_tensor(op, "key", key)
@@ -99,23 +88,11 @@ def _check_write_structure(
     )
     check_shape(op, "slot_mapping", sm, (bsz, seq), "[batch, new_tokens] of key")
     check_device(op, "slot_mapping", sm, device, "k_pages")
-    group_size = check_scales(
-        op,
-        k_scale,
-        v_scale,
-        k_group_scales,
-        v_group_scales,
-        num_pages,
-        page_size,
-        hkv,
-        d,
-        device,
-        group_scales_written=True,
-    )
-    check_k_transform(op, k_offset, k_rotation, group_size, hkv, d, device)
-    written = [("k_pages", kp), ("v_pages", v_pages)]
-    if k_group_scales is not None and v_group_scales is not None:
-        written += [("k_group_scales", k_group_scales), ("v_group_scales", v_group_scales)]
+    geometry = (num_pages, page_size, hkv, d)
+    group_size = check_scheme_tensors(op, pages, view, geometry, device, group_scales_written=True)
+    written = [("k_pages", kp), ("v_pages", pages.v)]
+    if pages.k_scales is not None and pages.v_scales is not None:
+        written += [("k_group_scales", pages.k_scales), ("v_group_scales", pages.v_scales)]
     check_disjoint(op, written)
     return WriteGeometry(bsz, seq, num_pages, page_size, hkv, d, group_size)
 
@@ -135,18 +112,7 @@ def _check_write_values(slot_mapping: torch.Tensor, geo: WriteGeometry) -> None:
 
 
 def check_write_inputs(
-    key: object,
-    value: object,
-    k_pages: object,
-    v_pages: object,
-    slot_mapping: object,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_group_scales: torch.Tensor | None,
-    v_group_scales: torch.Tensor | None,
-    *,
-    k_offset: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
+    key: object, value: object, pages: object, slot_mapping: object, scheme: object
 ) -> WriteGeometry:
     """Validate the arguments of :func:`kvquant.kernels.write_kv`.
 
@@ -155,23 +121,19 @@ def check_write_inputs(
     arguments (every shape, stride, dtype and device), so a call with the same
     signature skips them and one that differs in anything they read runs them
     again. The value check (slots inside the cache, where values are cheap to
-    read: see the module docstring) runs on every call.
+    read: see the module docstring) runs on every call. The scheme's own values
+    were checked when it was built.
 
     Args:
         key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
         value: ``[B, L, Hkv, D]`` fp32/fp16/bf16 (may differ from ``key``), any strides.
-        k_pages: ``[num_pages, page_size, Hkv, D]`` FP8, no two elements sharing memory.
-        v_pages: like ``k_pages``, same dtype.
+        pages: :class:`~kvquant.schemes.Pages`: FP8 ``[num_pages, page_size, Hkv, D]``, no
+            two elements sharing memory; group scales (dynamic schemes only)
+            ``[num_pages, page_size, Hkv, D // G]``, last dimension contiguous.
         slot_mapping: int64 ``[B, L]``; negative = skip; otherwise below
             ``num_pages * page_size`` (checked where values are cheap to read,
             see the module docstring).
-        k_scale: fp32 ``[]`` or ``[Hkv]``, with ``v_scale``.
-        v_scale: fp32 ``[]`` or ``[Hkv]``.
-        k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, last dimension
-            contiguous and no two elements sharing memory, with ``v_group_scales``.
-        v_group_scales: like ``k_group_scales``.
-        k_offset: fp32 ``[Hkv, D]`` finite, or None; needs static scales.
-        k_rotation: fp32 ``[D, D]`` finite, or None; needs static scales.
+        scheme: a :class:`~kvquant.schemes.Scheme` for the pages' ``Hkv`` and ``D``.
 
     Returns:
         The call's sizes.
@@ -179,46 +141,20 @@ def check_write_inputs(
     Raises:
         KernelInputError: any argument is malformed.
     """
+    op = "write_kv"
+    bundle, view = unpack(op, pages, scheme)
     sig = signature(
-        key,
-        value,
-        k_pages,
-        v_pages,
-        slot_mapping,
-        k_scale,
-        v_scale,
-        k_group_scales,
-        v_group_scales,
-        k_offset,
-        k_rotation,
-    )
+        key, value, bundle.k, bundle.v, slot_mapping, view.k_scale, view.v_scale,
+        bundle.k_scales, bundle.v_scales, view.k_offset, view.k_rotation, view.group_size,
+    )  # fmt: skip
     if sig is not None:
         # where the written tensors live (they must not overlap): the cache's tensors stay put,
         # so a decode loop still hits the memo
-        sig += tuple(address(x) for x in (k_pages, v_pages, k_group_scales, v_group_scales))
+        sig += tuple(address(x) for x in (bundle.k, bundle.v, bundle.k_scales, bundle.v_scales))
     geo = remembered(
-        _WRITE_OK,
-        sig,
-        lambda: _check_write_structure(
-            key,
-            value,
-            k_pages,
-            v_pages,
-            slot_mapping,
-            k_scale,
-            v_scale,
-            k_group_scales,
-            v_group_scales,
-            k_offset,
-            k_rotation,
-        ),
+        _WRITE_OK, sig, lambda: _check_write_structure(key, value, bundle, slot_mapping, view)
     )
-    check_transform_values("write_kv", k_offset, k_rotation)
     sm: torch.Tensor = slot_mapping  # type: ignore[assignment]  # checked above
-    pages: torch.Tensor = k_pages  # type: ignore[assignment]
-    if geo.group_size is None:
-        check_scale_values("write_kv", "k_scale", k_scale)  # type: ignore[arg-type]
-        check_scale_values("write_kv", "v_scale", v_scale)  # type: ignore[arg-type]
-    if geo.batch and geo.seq and value_checks_enabled(pages.device):
+    if geo.batch and geo.seq and value_checks_enabled(bundle.k.device):
         _check_write_values(sm, geo)
     return geo

@@ -19,6 +19,7 @@ from kvquant.errors import (
 )
 from kvquant.integrations.hf.continuous.layout import BlockLayout
 from kvquant.integrations.hf.continuous.plan import StepPlan, build_plan
+from kvquant.schemes import FirstTokens
 
 __all__ = [
     "LIVE_CACHES",
@@ -233,12 +234,16 @@ class LayerStep:
             options: dict[str, Any] = {}
             if launch.q_lens is not None:
                 options["q_lens"] = launch.q_lens
-            if launch.first_pages is not None and self.storage.first:
+            if (
+                launch.first_pages is not None
+                and launch.first_lens is not None
+                and self.storage.first
+            ):
                 side_k, side_v = self.storage.first[self.layer_idx]
-                options.update(
-                    first_k=side_k.index_select(0, launch.first_pages),
-                    first_v=side_v.index_select(0, launch.first_pages),
-                    first_lens=launch.first_lens,
+                options["first"] = FirstTokens(
+                    side_k.index_select(0, launch.first_pages),
+                    side_v.index_select(0, launch.first_pages),
+                    launch.first_lens,
                 )
             res = storage.attend(
                 q,
