@@ -367,7 +367,8 @@ def simulate_fp8_kv(
     kvquant's write kernels do (same scales, same fp32 division, same clamp),
     so the stored codes are equal; attention then runs in SDPA on the
     dequantized values. ``k-transform`` computes the codes of
-    ``write_kv(k_offset=c, k_rotation=R)`` (``fp8(clamp((k R - c) / s_k))``)
+    ``write_kv`` with ``KTransformScales(s_k, s_v, k_offset=c, k_rotation=R)``
+    (``fp8(clamp((k R - c) / s_k))``)
     and gives SDPA the rotated query ``q R`` and the keys ``k_hat * s_k + c``
     (the first ``first_tokens`` positions: ``k R`` and ``v`` exactly), so the
     scores are ``q R . (k_hat s_k + c)``: the kernels' ``q'.(k_hat s_k) + q'.c``
