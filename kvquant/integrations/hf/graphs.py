@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -40,6 +41,8 @@ __all__ = [
     "GraphStats",
     "compile_unusable_reason",
     "left_padding_starts",
+    "offloaded_weights",
+    "pool_devices",
     "step_left_padding_starts",
 ]
 
@@ -96,6 +99,49 @@ def _without_cache(out: Any, cache: KVQuantCache) -> Any:
     if isinstance(out, tuple):
         return type(out)(_CACHE_MARK if x is cache else x for x in out)
     return type(out)(**{k: (_CACHE_MARK if v is cache else v) for k, v in out.items()})
+
+
+def pool_devices(cache: KVQuantCache) -> set[torch.device]:
+    """The devices ``cache``'s page pools sit on (each layer's where that layer runs)."""
+    return {
+        layer.storage.device
+        for layer in cache.layers
+        if isinstance(layer, KVQuantLayer) and layer.storage is not None
+    }
+
+
+def offloaded_weights(model: nn.Module) -> bool:
+    """Whether accelerate loads some of ``model``'s weights for each forward (``device_map``
+    entries ``"cpu"`` or ``"disk"`` next to a GPU, or ``"disk"``): its hooks' ``offload``."""
+    for mod in model.modules():
+        hook = getattr(mod, "_hf_hook", None)
+        if hook is None:
+            continue
+        if any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,))):
+            return True
+    return False
+
+
+def one_device_reason(model: nn.Module, cache: KVQuantCache, device: torch.device) -> str | None:
+    """Why the decode steps of ``cache`` cannot run as one static step on ``device``, or None.
+
+    The static step (and its CUDA graph) holds one set of step tensors on the input's
+    device: every layer's pages must be there. On CUDA every weight must also stay
+    resident (a graph cannot capture accelerate's loading of offloaded weights).
+    """
+    devices = pool_devices(cache)
+    if devices != {device}:
+        where = ", ".join(sorted(str(d) for d in devices))
+        return (
+            f"its layers keep their pages on several devices or away from the input ({where}; "
+            f"the input ids on {device}), and a decode graph runs on one device"
+        )
+    if device.type == "cuda" and offloaded_weights(model):
+        return (
+            "accelerate loads offloaded weights (device_map 'cpu' or 'disk') during each "
+            "forward, which a CUDA graph cannot capture"
+        )
+    return None
 
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}
@@ -441,6 +487,8 @@ class DecodeGraphRunner:
         self.stats = GraphStats()
         self._logged_cpu = False
         self._logged_fallback = False
+        self._logged_devices = False
+        self._one_device: weakref.WeakSet[KVQuantCache] = weakref.WeakSet()
         self._compile_off = compiled is None
         self._unusable: dict[torch.device, str | None] = {}
         self._warmed: set[tuple[Any, ...]] = set()
@@ -494,7 +542,34 @@ class DecodeGraphRunner:
             if layer.wants_first_tokens():
                 return None  # k-transform: first tokens still arriving (eager steps keep them)
             seq = layer.seq_len
-        return cache if seq > 0 else None
+        if seq <= 0 or not self._on_one_device(cache, ids.device):
+            return None
+        return cache
+
+    def _on_one_device(self, cache: KVQuantCache, device: torch.device) -> bool:
+        """Whether the cache's steps can run as one static step on ``device`` (checked once per
+        cache); if not, ``cuda_graphs=None`` decodes it eagerly from now on (logged once).
+
+        Raises:
+            BackendError: ``cuda_graphs=True`` and they cannot.
+        """
+        if cache in self._one_device:
+            return True
+        reason = one_device_reason(self.model, cache, device)
+        if reason is None:
+            self._one_device.add(cache)
+            return True
+        if cache.cuda_graphs:
+            raise BackendError(
+                f"kvquant: cuda_graphs=True, but the kvquant cache of {type(self.model).__name__} "
+                f"cannot decode in a CUDA graph: {reason}. Nothing was written. Fix: "
+                "kvquant.patch(model, cuda_graphs=None) (such a model decodes eagerly)."
+            )
+        cache.cuda_graphs = False
+        if not self._logged_devices:
+            self._logged_devices = True
+            _logger.info("kvquant: decode steps run eagerly (no CUDA graph): %s.", reason)
+        return False
 
     # ------------------------------------------------------------------ running
 

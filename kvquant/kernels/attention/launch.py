@@ -9,6 +9,7 @@ with programmatic dependent launch on sm_90 and newer. It does no argument valid
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping
@@ -308,7 +309,14 @@ def paged_attention_triton(
         work = torch.empty(rows * (d + 1), dtype=torch.float32, device=query.device)
         args[12], args[13] = work[: rows * d], work[rows * d :]
     args[20] = num_splits
-    paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
-    if split:
-        _merge(args[12], args[13], out, num_splits, mask.sinks, bool(consts["PDL"]))
+    dev = query.device
+    # Triton launches on the current CUDA device: switch only when the tensors are elsewhere
+    # (a layer of a model split over several GPUs).
+    switch = (
+        dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
+    )
+    with torch.cuda.device(dev) if switch else contextlib.nullcontext():
+        paged_attn_kernel[(n_qblocks * num_splits, hkv, bsz)](*args, SPLIT=split, **consts)
+        if split:
+            _merge(args[12], args[13], out, num_splits, mask.sinks, bool(consts["PDL"]))
     return out
