@@ -528,15 +528,15 @@ class KVQuantCache(PoolSizing, Cache):
         self.capacity_version = 0
         # capacity_version of the pools the compiled decode step was captured on (graphs.py)
         self.compiled_capacity: int | None = None
-        self.book = SequenceBook(max(1, len(state.layer_specs)), self.page_size)
+        # under tensor parallelism, this rank's KV heads (kvquant.integrations.hf.sharding)
+        specs = state.layer_specs if state.rank_specs is None else state.rank_specs
+        self.book = SequenceBook(max(1, len(specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         # the last decode step's padding mask (a copy) and its left-padding starts (graphs.py)
         self.decode_mask_memo: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
         self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
-        layers: list[Any] = [
-            KVQuantLayer(self, i, spec) for i, spec in enumerate(state.layer_specs)
-        ]
+        layers: list[Any] = [KVQuantLayer(self, i, spec) for i, spec in enumerate(specs)]
         super().__init__(layers=layers)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> KVQuantCache:

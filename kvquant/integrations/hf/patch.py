@@ -54,6 +54,7 @@ from kvquant.integrations.hf.scale_source import (
     resolve,
     same_specs,
 )
+from kvquant.integrations.hf.sharding import rank_specs
 from kvquant.integrations.hf.state import SCALE_ATTRS, PatchState
 from kvquant.integrations.transformers_quantizer import KVQuantConfig
 from kvquant.kernels.backend import resolve_backend
@@ -194,12 +195,14 @@ def apply_patch(
     """
     _check_graphs(model, opts, sites)
     specs = layer_specs(sites, geometry, model_scales)
+    per_rank = rank_specs(sites, specs)  # tensor parallelism: refused here, before any change
     cfg = text_config(model)
     previous = getattr(cfg, "_attn_implementation", None)
     state = PatchState(
         options=opts,
         sites=sites,
         layer_specs=specs,
+        rank_specs=per_rank,
         model_scales=model_scales,
         raw_scales=raw,
         raw_context=dict(ctx),
@@ -310,8 +313,12 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
         tokens,  # type: ignore[arg-type]
         f"at most {tokens} tokens per forward",
     )
+    shard = ""
+    if state.rank_specs is not None:
+        mine, whole = state.rank_specs[0].num_kv_heads, state.layer_specs[0].num_kv_heads
+        shard = f" (tensor parallel: this rank caches {mine} of the {whole} KV heads of a layer)"
     return (
-        f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers, FP8 KV with "
+        f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers{shard}, FP8 KV with "
         f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
         f"decode graphs: {graphs}; compiled step: {compiled}; prefill row groups: {groups}"
     )

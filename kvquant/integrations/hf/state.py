@@ -42,6 +42,9 @@ class PatchState:
         options: the patch settings.
         sites: the attention modules.
         layer_specs: per layer, what the cache layer needs (scales, granularity).
+        rank_specs: under tensor parallelism, this rank's share of ``layer_specs``
+            (its KV heads and their scales: :mod:`~kvquant.integrations.hf.sharding`),
+            which its caches hold; None otherwise.
         model_scales: the registry's resolved scales (with its report).
         raw_scales: the raw scales they came from (reused when re-patching).
         text_config: the decoder config (its ``_attn_implementation`` is switched).
@@ -71,6 +74,7 @@ class PatchState:
     text_config: Any
     previous_attn: str | None
     model_name: str
+    rank_specs: list[LayerSpec] | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
     saved_attrs: list[tuple[nn.Module, str, Any, str]] = field(default_factory=list)
     graph_runner: DecodeGraphRunner | None = None

@@ -1,0 +1,81 @@
+"""One rank of the tensor-parallel tests (tests/hf/test_hf_tensor_parallel.py), under torchrun.
+
+``python -m torch.distributed.run --nproc_per_node 2 tests/hf/tp_worker.py CASES.pt OUT_DIR``
+loads each case's checkpoint with ``tp_plan="auto"``, patches it with the case's scales,
+runs teacher-forced steps and a greedy ``generate``, and saves what the test compares to
+``OUT_DIR/rank{R}.pt``; a refused patch saves its error instead. Without torchrun it runs
+the same cases in one process (the reference).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from hf_steps import generate_exactly, step_logits
+
+import kvquant.integrations.hf as kvhf
+from kvquant.errors import KVQuantError
+
+
+def run_case(case: dict[str, Any], tensor_parallel: bool) -> dict[str, Any]:
+    """One case: ``path``, ``scales``, ``scale_format``, ``ids``, ``mask``, ``cont``, ``backend``
+    and ``device`` (where the one-process run loads the model; None: the CPU).
+
+    Returns what the test compares, or ``{"error": ...}`` for a kvquant error.
+    """
+    kw: dict[str, Any] = {"tp_plan": "auto"} if tensor_parallel else {}
+    if not tensor_parallel and case.get("device") is not None:
+        kw["device_map"] = case["device"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(case["path"], **kw).eval()
+    try:
+        return _patched_run(model, case)
+    except KVQuantError as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _patched_run(model: Any, case: dict[str, Any]) -> dict[str, Any]:
+    kvhf.patch(
+        model, scales=case["scales"], scale_format=case["scale_format"], backend=case["backend"]
+    )
+    device = next(model.parameters()).device
+    ids, mask, cont = (case[k].to(device) for k in ("ids", "mask", "cont"))
+    logits, cache = step_logits(model, ids, mask, cont)
+    tokens = generate_exactly(model, ids, mask, 8).sequences[:, ids.shape[1] :]
+    layers = []
+    for layer in cache.layers:
+        k, v = layer.dense_kv(torch.float32)
+        layers.append(
+            {
+                "heads": layer.spec.num_kv_heads,
+                "k_scale": None if layer.k_scale is None else layer.k_scale.cpu(),
+                "v_scale": None if layer.v_scale is None else layer.v_scale.cpu(),
+                "k": k.cpu(),
+                "v": v.cpu(),
+            }
+        )
+    # the model's scale buffers (what save_pretrained writes): the whole model's, on every rank
+    attns = [layer.self_attn for layer in model.model.layers]
+    buffers = [
+        a.k_scale.cpu() for a in attns if isinstance(getattr(a, "k_scale", None), torch.Tensor)
+    ]
+    return {"logits": logits.cpu(), "tokens": tokens.cpu(), "layers": layers, "buffers": buffers}
+
+
+def main(cases_file: str, out_dir: str) -> None:
+    cases = torch.load(cases_file, weights_only=False)
+    tensor_parallel = "WORLD_SIZE" in os.environ
+    rank = int(os.environ.get("RANK", 0))
+    results = {name: run_case(case, tensor_parallel) for name, case in cases.items()}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    if tensor_parallel:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
