@@ -21,6 +21,8 @@ import torch
 from hf_steps import calibrate
 from hf_tiny import VOCAB, build, prompt
 
+import kvquant.integrations.hf as kvhf
+
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
@@ -54,6 +56,12 @@ def _cases(tmp: Path, backend: str = "torch", device: str | None = None) -> dict
         )
         for name in ("per-tensor", "per-head", "fp32-group")
     }
+    # the static decode step (what a CUDA graph replays), run eagerly on CPU
+    cases["static-step"] = dict(cases["per-head"], options=dict(cuda_graphs=True))
+    handle = kvhf.patch(model, scales=cases["per-head"]["scales"], scale_format="per-head")
+    model.save_pretrained(tmp / "saved")
+    handle.remove()
+    cases["saved"] = dict(path=str(tmp / "saved"), saved_patched=True, **common)
     cases["three-kv-heads"] = dict(
         path=str(tmp / "three"), scales=None, scale_format="fp32-group", **common
     )
@@ -82,7 +90,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"one": _run(tmp, 1, cpu_only)[0], "ranks": _run(tmp, 2, cpu_only)}
 
 
-@pytest.mark.parametrize("case", ["per-tensor", "per-head", "fp32-group"])
+@pytest.mark.parametrize("case", ["per-tensor", "per-head", "fp32-group", "saved", "static-step"])
 def test_each_rank_caches_its_heads_with_their_scales(runs: dict[str, Any], case: str) -> None:
     one, ranks = runs["one"][case], [r[case] for r in runs["ranks"]]
     for rank, got in enumerate(ranks):
@@ -91,7 +99,7 @@ def test_each_rank_caches_its_heads_with_their_scales(runs: dict[str, Any], case
             heads = slice(rank * part["heads"], (rank + 1) * part["heads"])
             assert part["heads"] * 2 == whole["heads"] == 2
             for name in ("k_scale", "v_scale"):
-                if case == "per-head":  # sliced with the heads
+                if case in ("per-head", "saved", "static-step"):  # sliced with the heads
                     assert torch.equal(part[name], whole[name][heads])
                 elif case == "per-tensor":  # replicated
                     assert torch.equal(part[name], whole[name])
@@ -109,14 +117,16 @@ def test_each_rank_caches_its_heads_with_their_scales(runs: dict[str, Any], case
 def _same_generation(one: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
     for got in ranks:
         assert "error" not in got, got.get("error")
+        assert got["static_steps"] == one["static_steps"]
         assert torch.equal(got["tokens"], one["tokens"])
         # FP8 rounding of K/V computed by sharded projections: within a rounding step
         torch.testing.assert_close(got["logits"], one["logits"], atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["per-tensor", "per-head", "fp32-group"])
+@pytest.mark.parametrize("case", ["per-tensor", "per-head", "fp32-group", "saved", "static-step"])
 def test_two_ranks_generate_the_tokens_of_one_process(runs: dict[str, Any], case: str) -> None:
     _same_generation(runs["one"][case], [r[case] for r in runs["ranks"]])
+    assert (runs["one"][case]["static_steps"] > 0) == (case == "static-step")
 
 
 def test_heads_that_the_ranks_cannot_split_are_refused_with_the_fix(runs: dict[str, Any]) -> None:
@@ -135,6 +145,6 @@ def test_two_gpus_generate_the_tokens_of_one_gpu(tmp_path: Path) -> None:
     torch.save(_cases(tmp_path, backend="auto", device="cuda:0"), tmp_path / "cases.pt")
     one = _run(tmp_path, 1, {})[0]
     ranks = _run(tmp_path, 2, {})
-    for case in ("per-tensor", "per-head", "fp32-group"):
+    for case in ("per-tensor", "per-head", "fp32-group", "saved"):
         _same_generation(one[case], [r[case] for r in ranks])
     assert all("3 KV heads" in r["three-kv-heads"]["error"] for r in ranks)

@@ -1,7 +1,8 @@
 """One rank of the tensor-parallel tests (tests/hf/test_hf_tensor_parallel.py), under torchrun.
 
 ``python -m torch.distributed.run --nproc_per_node 2 tests/hf/tp_worker.py CASES.pt OUT_DIR``
-loads each case's checkpoint with ``tp_plan="auto"``, patches it with the case's scales,
+loads each case's checkpoint with ``tp_plan="auto"``, patches it with the case's scales
+(or loads a saved patched model through kvquant's quantizer),
 runs teacher-forced steps and a greedy ``generate``, and saves what the test compares to
 ``OUT_DIR/rank{R}.pt``; a refused patch saves its error instead. Without torchrun it runs
 the same cases in one process (the reference).
@@ -18,30 +19,40 @@ import torch
 import transformers
 from hf_steps import generate_exactly, step_logits
 
+import kvquant
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import KVQuantError
 
 
 def run_case(case: dict[str, Any], tensor_parallel: bool) -> dict[str, Any]:
-    """One case: ``path``, ``scales``, ``scale_format``, ``ids``, ``mask``, ``cont``, ``backend``
-    and ``device`` (where the one-process run loads the model; None: the CPU).
+    """One case: ``path``, ``scales``, ``scale_format``, ``ids``, ``mask``, ``cont``, ``backend``,
+    ``options`` (more of ``kvquant.patch``'s keywords)
+    and ``device`` (where the one-process run loads the model; None: the CPU); with
+    ``saved_patched`` the folder is loaded with :func:`kvquant.from_pretrained` instead.
 
     Returns what the test compares, or ``{"error": ...}`` for a kvquant error.
     """
     kw: dict[str, Any] = {"tp_plan": "auto"} if tensor_parallel else {}
     if not tensor_parallel and case.get("device") is not None:
         kw["device_map"] = case["device"]
-    model = transformers.AutoModelForCausalLM.from_pretrained(case["path"], **kw).eval()
     try:
+        if case.get("saved_patched"):  # a patched model's save_pretrained: kvquant's quantizer
+            model = kvquant.from_pretrained(case["path"], **kw).eval()
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(case["path"], **kw).eval()
+            kvhf.patch(
+                model,
+                scales=case["scales"],
+                scale_format=case["scale_format"],
+                backend=case["backend"],
+                **case.get("options", {}),
+            )
         return _patched_run(model, case)
     except KVQuantError as err:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
 def _patched_run(model: Any, case: dict[str, Any]) -> dict[str, Any]:
-    kvhf.patch(
-        model, scales=case["scales"], scale_format=case["scale_format"], backend=case["backend"]
-    )
     device = next(model.parameters()).device
     ids, mask, cont = (case[k].to(device) for k in ("ids", "mask", "cont"))
     logits, cache = step_logits(model, ids, mask, cont)
@@ -63,7 +74,14 @@ def _patched_run(model: Any, case: dict[str, Any]) -> dict[str, Any]:
     buffers = [
         a.k_scale.cpu() for a in attns if isinstance(getattr(a, "k_scale", None), torch.Tensor)
     ]
-    return {"logits": logits.cpu(), "tokens": tokens.cpu(), "layers": layers, "buffers": buffers}
+    runner = model._kvquant_state.graph_runner
+    return {
+        "logits": logits.cpu(),
+        "tokens": tokens.cpu(),
+        "layers": layers,
+        "buffers": buffers,
+        "static_steps": 0 if runner is None else runner.stats.static_eager,
+    }
 
 
 def main(cases_file: str, out_dir: str) -> None:

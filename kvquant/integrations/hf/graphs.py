@@ -548,7 +548,8 @@ class DecodeGraphRunner:
 
     def _on_one_device(self, cache: KVQuantCache, device: torch.device) -> bool:
         """Whether the cache's steps can run as one static step on ``device`` (checked once per
-        cache); if not, ``cuda_graphs=None`` decodes it eagerly from now on (logged once).
+        cache); if not, ``cuda_graphs=None`` decodes it eagerly from now on (logged once), as it
+        does under tensor parallelism.
 
         Raises:
             BackendError: ``cuda_graphs=True`` and they cannot.
@@ -556,6 +557,13 @@ class DecodeGraphRunner:
         if cache in self._one_device:
             return True
         reason = one_device_reason(self.model, cache, device)
+        state = getattr(self.model, "_kvquant_state", None)
+        sharded = getattr(state, "rank_specs", None) is not None
+        if reason is None and cache.cuda_graphs is None and sharded:
+            reason = (
+                "under tensor parallelism the default decodes eagerly (a captured step with the "
+                "ranks' collectives is untested; pass cuda_graphs=True to capture it)"
+            )
         if reason is None:
             self._one_device.add(cache)
             return True
