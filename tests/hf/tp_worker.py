@@ -80,7 +80,7 @@ def _patched_run(model: Any, case: dict[str, Any]) -> dict[str, Any]:
         "tokens": tokens.cpu(),
         "layers": layers,
         "buffers": buffers,
-        "static_steps": 0 if runner is None else runner.stats.static_eager,
+        "graph_stats": {} if runner is None else dict(vars(runner.stats)),
     }
 
 
