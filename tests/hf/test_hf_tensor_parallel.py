@@ -58,6 +58,9 @@ def _cases(tmp: Path, backend: str = "torch", device: str | None = None) -> dict
     }
     # the static decode step (what a CUDA graph replays), run eagerly on CPU
     cases["static-step"] = dict(cases["per-head"], options=dict(cuda_graphs=True))
+    # prefill_tokens="auto" from each rank's free memory: rank 0 would split the prompt in
+    # two row groups, rank 1 run it whole (their collectives would not match)
+    cases["row-groups"] = dict(cases["per-head"], free_bytes=[0, 10**12])
     handle = kvhf.patch(model, scales=cases["per-head"]["scales"], scale_format="per-head")
     model.save_pretrained(tmp / "saved")
     handle.remove()
@@ -90,7 +93,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"one": _run(tmp, 1, cpu_only)[0], "ranks": _run(tmp, 2, cpu_only)}
 
 
-@pytest.mark.parametrize("case", ["per-tensor", "per-head", "fp32-group", "saved", "static-step"])
+@pytest.mark.parametrize(
+    "case", ["per-tensor", "per-head", "fp32-group", "saved", "static-step", "row-groups"]
+)
 def test_each_rank_caches_its_heads_with_their_scales(runs: dict[str, Any], case: str) -> None:
     one, ranks = runs["one"][case], [r[case] for r in runs["ranks"]]
     for rank, got in enumerate(ranks):
@@ -99,7 +104,7 @@ def test_each_rank_caches_its_heads_with_their_scales(runs: dict[str, Any], case
             heads = slice(rank * part["heads"], (rank + 1) * part["heads"])
             assert part["heads"] * 2 == whole["heads"] == 2
             for name in ("k_scale", "v_scale"):
-                if case in ("per-head", "saved", "static-step"):  # sliced with the heads
+                if case not in ("per-tensor", "fp32-group"):  # per-head: sliced with the heads
                     assert torch.equal(part[name], whole[name][heads])
                 elif case == "per-tensor":  # replicated
                     assert torch.equal(part[name], whole[name])
@@ -122,12 +127,16 @@ def _same_generation(one: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
         torch.testing.assert_close(got["logits"], one["logits"], atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["per-tensor", "per-head", "fp32-group", "saved", "static-step"])
+@pytest.mark.parametrize(
+    "case", ["per-tensor", "per-head", "fp32-group", "saved", "static-step", "row-groups"]
+)
 def test_two_ranks_generate_the_tokens_of_one_process(runs: dict[str, Any], case: str) -> None:
     _same_generation(runs["one"][case], [r[case] for r in runs["ranks"]])
     for got in (runs["one"][case], *(r[case] for r in runs["ranks"])):
         # cuda_graphs=True: the static decode step (eager on CPU) on every rank
         assert (got["graph_stats"]["static_eager"] > 0) == (case == "static-step")
+        # the prompts' prefill in row groups on every rank, as the smallest bound asks
+        assert (got["row_group_splits"] > 0) == (case == "row-groups")
 
 
 def test_heads_that_the_ranks_cannot_split_are_refused_with_the_fix(runs: dict[str, Any]) -> None:

@@ -21,17 +21,32 @@ from hf_steps import generate_exactly, step_logits
 
 import kvquant
 import kvquant.integrations.hf as kvhf
+import kvquant.integrations.hf.rowgroups as rowgroups
 from kvquant.errors import KVQuantError
 
 
 def run_case(case: dict[str, Any], tensor_parallel: bool) -> dict[str, Any]:
     """One case: ``path``, ``scales``, ``scale_format``, ``ids``, ``mask``, ``cont``, ``backend``,
-    ``options`` (more of ``kvquant.patch``'s keywords)
+    ``options`` (more of ``kvquant.patch``'s keywords), ``free_bytes`` (per rank, the free
+    memory the automatic prefill bound sees)
     and ``device`` (where the one-process run loads the model; None: the CPU); with
     ``saved_patched`` the folder is loaded with :func:`kvquant.from_pretrained` instead.
 
     Returns what the test compares, or ``{"error": ...}`` for a kvquant error.
     """
+    free = case.get("free_bytes")  # per rank: what the row-group bound sees as free memory
+    if free is None:
+        return _run_case(case, tensor_parallel)
+    rank = int(os.environ.get("RANK", 0))
+    saved = rowgroups.device_free_bytes
+    rowgroups.device_free_bytes = lambda device: free[rank]
+    try:
+        return _run_case(case, tensor_parallel)
+    finally:
+        rowgroups.device_free_bytes = saved
+
+
+def _run_case(case: dict[str, Any], tensor_parallel: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {"tp_plan": "auto"} if tensor_parallel else {}
     if not tensor_parallel and case.get("device") is not None:
         kw["device_map"] = case["device"]
@@ -74,13 +89,15 @@ def _patched_run(model: Any, case: dict[str, Any]) -> dict[str, Any]:
     buffers = [
         a.k_scale.cpu() for a in attns if isinstance(getattr(a, "k_scale", None), torch.Tensor)
     ]
-    runner = model._kvquant_state.graph_runner
+    state = model._kvquant_state
+    runner = state.graph_runner
     return {
         "logits": logits.cpu(),
         "tokens": tokens.cpu(),
         "layers": layers,
         "buffers": buffers,
         "graph_stats": {} if runner is None else dict(vars(runner.stats)),
+        "row_group_splits": 0 if state.row_groups is None else state.row_groups.stats.split_calls,
     }
 
 

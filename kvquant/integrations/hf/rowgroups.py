@@ -27,6 +27,8 @@ from transformers.utils import ModelOutput
 from kvquant.cache import device_free_bytes
 from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.marks import STATE_ATTR
+from kvquant.integrations.hf.sharding import ranks_minimum
 
 __all__ = ["AUTO_ACTIVATION_SHARE", "RowGroupForward", "RowGroupStats", "token_activation_bytes"]
 
@@ -159,7 +161,8 @@ class RowGroupForward:
         allocate for the call's tokens, is the room for activations;
         :data:`AUTO_ACTIVATION_SHARE` of it, divided by an estimate of one
         token's activations (:func:`token_activation_bytes`), is the bound. At
-        least one row runs at a time.
+        least one row runs at a time. Under tensor parallelism the bound is the
+        smallest of the ranks' (:func:`~kvquant.integrations.hf.sharding.ranks_minimum`).
         """
         free = device_free_bytes(lead.device)
         if free is None:
@@ -167,7 +170,12 @@ class RowGroupForward:
         bsz, length = int(lead.shape[0]), int(lead.shape[1])
         room = free - cache.bytes_to_hold(bsz, cache.get_seq_length() + length)
         per_token = token_activation_bytes(self.model, kwargs)
-        return max(length, int(max(0, room) * AUTO_ACTIVATION_SHARE) // per_token)
+        bound = max(length, int(max(0, room) * AUTO_ACTIVATION_SHARE) // per_token)
+        state = getattr(self.model, STATE_ATTR, None)
+        if state is not None and state.rank_specs is not None:
+            # tensor parallelism: every rank runs the same groups (each group's collectives)
+            bound = ranks_minimum(bound, state.sites, lead.device)
+        return bound
 
     def _plain_arguments(self, lead: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Whether every argument of the call is one the wrapper knows how to split or share."""

@@ -4,7 +4,8 @@ transformers shards a layer's K/V projections by rows (a ``DTensor`` placed
 ``Shard(0)`` on a one-dimensional mesh), so rank ``r`` of ``W`` computes KV heads
 ``r * H / W`` to ``(r + 1) * H / W - 1``. :func:`rank_specs` gives each rank's
 layer specs those heads: per-head scales and K-transform offsets sliced with
-them, per-tensor scales and the rotation replicated. Design: docs/dev/cache.md.
+them, per-tensor scales and the rotation replicated; :func:`ranks_minimum` makes a
+per-rank choice (the prefill's row groups) the same on every rank. Design: docs/dev/cache.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import LayerSpec
 from kvquant.integrations.hf.models import AttentionSite
 
-__all__ = ["head_shard", "rank_specs"]
+__all__ = ["head_shard", "rank_specs", "ranks_minimum"]
 
 
 def head_shard(module: nn.Module, name: str) -> tuple[int, int, int] | None:
@@ -94,3 +95,22 @@ def rank_specs(sites: list[AttentionSite], specs: list[LayerSpec]) -> list[Layer
         sharded = True
         out.append(_rank_spec(spec, *shard))
     return out if sharded else None
+
+
+def ranks_minimum(value: int, sites: list[AttentionSite], device: torch.device) -> int:
+    """The smallest ``value`` over the ranks the K projections are split over (``value``
+    without tensor parallelism).
+
+    For a choice each rank makes from its own state (its free memory) that changes the
+    collectives the forward runs: every rank must make the same one, and call this.
+    """
+    for site in sites:
+        weight = getattr(getattr(site.module, "k_proj", None), "weight", None)
+        if head_shard(site.module, site.name) is None or weight is None:
+            continue
+        mesh = weight.device_mesh
+        where = device if device.type == mesh.device_type else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.int64, device=where)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=mesh.get_group())
+        return int(t.item())
+    return value
