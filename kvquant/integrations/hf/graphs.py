@@ -42,6 +42,7 @@ __all__ = [
     "compile_unusable_reason",
     "left_padding_starts",
     "offloaded_weights",
+    "one_device_reason",
     "pool_devices",
     "step_left_padding_starts",
 ]
