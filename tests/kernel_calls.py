@@ -24,7 +24,7 @@ from kvquant.schemes import (
     Scheme,
 )
 
-__all__ = ["attention", "make_scheme", "split", "write"]
+__all__ = ["attention", "bound_attention", "make_scheme", "split", "write"]
 
 _SCHEME_KEYS = ("k_scale", "v_scale", "k_group_scales", "v_group_scales", "k_offset", "k_rotation")
 _MASK_KEYS = ("causal", "window", "softcap", "kv_start", "q_lens", "sinks")
@@ -101,6 +101,28 @@ def write(
     """``fn(key, value, pages, slot_mapping, scheme, **rest)`` (``write_kv`` or its reference)."""
     pages, scheme = split(kw, k_pages, v_pages)
     return fn(key, value, pages, slot_mapping, scheme, **kw)
+
+
+def bound_attention(
+    fn: Callable[..., Any],
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    **kw: Any,
+) -> Callable[[], Any]:
+    """:func:`attention`'s call with its objects built now: for a CUDA graph's capture, where a
+    scheme cannot be built (building one reads its scales on the host), only launched."""
+    pages, scheme = split(kw, k_pages, v_pages)
+    mask = Mask(**{k: kw.pop(k) for k in _MASK_KEYS if k in kw})
+    first_parts = [kw.pop(k, None) for k in _FIRST_KEYS]
+    first = None if first_parts[0] is None else FirstTokens(*first_parts)
+    sm_scale = kw.pop("sm_scale")
+    return lambda: fn(
+        query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask, first=first,
+        **kw,
+    )  # fmt: skip
 
 
 def attention(

@@ -30,7 +30,9 @@ def e2m1_value(code):
     m = mag & 1
     normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # 1.m * 2^(e - 1)
     v = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -v, v)
+    # the sign as a bit (a negation compiles to ``0 - v`` on the GPU, which loses ``-0.0``)
+    sign = (code & 8) << 28
+    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from kernel_calls import attention as call_attention
+from kernel_calls import bound_attention
 from kernel_calls import write as call_write
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -144,11 +145,10 @@ def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, Any]) -> None:
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
 
-    def call() -> None:
-        call_attention(paged_attention_triton,
-            case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-            **case.kwargs(), out=out, num_splits=4, config=rot,
-        )  # fmt: skip
+    call = bound_attention(paged_attention_triton,
+        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+        **case.kwargs(), out=out, num_splits=4, config=rot,
+    )  # fmt: skip
 
     call()
     out.fill_(float("nan"))

@@ -182,7 +182,10 @@ def _broken(change: str) -> dict[str, Any]:
         ("not-a-format", "fmt is 'nvfp4'"),
     ],
 )
-def test_a_refused_write_leaves_every_tensor_untouched(change: str, match: str) -> None:
+def test_a_refused_write_leaves_every_tensor_untouched(
+    change: str, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVQUANT_CHECK_VALUES", "1")  # value checks (slots, scales) on a GPU too
     a = _broken(change)
     before = _written(a)
     with pytest.raises(KernelInputError, match=match):
