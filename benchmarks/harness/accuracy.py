@@ -13,6 +13,8 @@ Two ways to put FP8 into the KV path are measured the same way:
   The ``k-transform`` mode (:class:`KTransformScales`) rounds
   ``(k R - c) / s_k`` and hands attention the rotated query ``q R`` with the
   keys ``k_hat * s_k + c`` (``R`` Hadamard or identity), the first tokens exact.
+  The ``dynamic`` mode (:class:`~benchmarks.harness.dynamic.DynamicFormat`) is
+  calibration-free: fp32-group scales, optionally in a fixed Hadamard frame.
 * **kvquant**: any model whose forward already goes through kvquant's cache
   (patched, or loaded with ``KVQuantConfig``); :func:`teacher_forced` then only
   needs a factory for the cache object to pass to ``forward``.
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.dynamic import DynamicFormat, dynamic_kv
 from kvquant.errors import CalibrationError, OptionError, UnsupportedModelError
 
 __all__ = [
@@ -70,7 +73,7 @@ SIMULATED_ATTENTION = "kvquant_sim"
 """Name under which the simulation attention function is registered."""
 
 _SIM_ATTR = "_kvquant_sim"
-_MODES = ("none", "capture", "per-tensor", "per-head", "fp32-group", "k-transform")
+_MODES = ("none", "capture", "per-tensor", "per-head", "fp32-group", "k-transform", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,8 @@ def _simulated_attention(
             value = fake_quantize_kv(value, None, group_size=spec.group_size)
         elif spec.mode == "k-transform":
             query, key, value = _k_transform(spec, layer, query, key, value)
+        elif spec.mode == "dynamic":
+            return _dynamic(spec, module, query, key, value, attention_mask, **kwargs)
         else:
             if not isinstance(spec.scales, CalibratedScales):
                 raise CalibrationError(
@@ -313,10 +318,35 @@ def _k_transform(
     return q.to(query.dtype), k.to(key.dtype), v.to(value.dtype)
 
 
+def _dynamic(
+    spec: _SimSpec,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """SDPA over :func:`~benchmarks.harness.dynamic.dynamic_kv`'s operands, output rotated back."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fmt = spec.scales if spec.scales is not None else DynamicFormat()
+    if not isinstance(fmt, DynamicFormat):
+        raise CalibrationError(
+            f"simulated attention: mode 'dynamic' needs a DynamicFormat; got "
+            f"{type(fmt).__name__}. Fix: pass scales=DynamicFormat(...)."
+        )
+    query, key, value, back = dynamic_kv(fmt, query, key, value)
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if back is not None:
+        out = (out.float() @ back.to(out.device)).to(out.dtype)
+    return out, weights
+
+
 @dataclass
 class _SimSpec:
     mode: str
-    scales: CalibratedScales | KTransformScales | None = None
+    scales: CalibratedScales | KTransformScales | DynamicFormat | None = None
     group_size: int | None = None
     exact_prompt: bool = False
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -345,7 +375,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def simulate_fp8_kv(
     model: torch.nn.Module,
     mode: str,
-    scales: CalibratedScales | KTransformScales | None = None,
+    scales: CalibratedScales | KTransformScales | DynamicFormat | None = None,
     *,
     group_size: int | None = None,
     exact_prompt: bool = False,
@@ -359,9 +389,11 @@ def simulate_fp8_kv(
         model: a transformers causal LM (Llama-style attention modules).
         mode: ``"none"`` (same code path, no rounding), ``"capture"`` (record
             amax, no rounding), ``"per-tensor"``, ``"per-head"``, ``"fp32-group"``
-            or ``"k-transform"``.
+            ``"k-transform"`` or ``"dynamic"``.
         scales: calibrated scales, required by ``"per-tensor"`` and ``"per-head"``
-            (:class:`CalibratedScales`) and ``"k-transform"`` (:class:`KTransformScales`).
+            (:class:`CalibratedScales`) and ``"k-transform"`` (:class:`KTransformScales`);
+            for ``"dynamic"`` a :class:`~benchmarks.harness.dynamic.DynamicFormat`
+            (default: G = 64, no rotation).
 
     Exactness contract: the static modes and ``fp32-group`` round every value as
     kvquant's write kernels do (same scales, same fp32 division, same clamp),
@@ -375,6 +407,10 @@ def simulate_fp8_kv(
     in another summation order (equal within fp32 rounding, not bit for bit).
     The first tokens are the first positions of the key tensor, i.e. of the
     sequence (every window starts at position 0; a cached prefix starts there too).
+    ``dynamic`` rounds ``k R`` and ``v`` (or ``v R``) with fp32-group scales exactly as
+    ``fp32-group`` does (equal codes in the unrotated frame; in the rotated frame the codes
+    of a write that rotates first), gives SDPA ``q R`` and multiplies its output by ``R^T``
+    when V is rotated: the kernels' arithmetic within fp32 rounding.
         group_size: G of ``"fp32-group"`` (default 64 capped at head_dim).
         exact_prompt: leave a call with no cached prefix unrounded, as kvquant does
             (a prompt attends over its own K/V; later calls read every key from
