@@ -22,13 +22,20 @@ rotation (``kvquant calibrate, k-transform``, with its own jitter family) and
 offset only (``kvquant calibrate, k-transform offset-only``), the first token
 of every window attended exactly in both.
 
+Calibration-free formats (``--sections groups,group-jitter,dynamic``): dynamic
+fp32-group scales, alone or with a fixed Hadamard rotation of K (and V), the first
+token at full precision, smaller groups for K (:data:`DYNAMIC`, simulated by
+``simulate_fp8_kv(mode="dynamic")``); ``--eval-files`` evaluates on other texts
+(held-out ones) instead of the pinned evaluation set.
+
 **Scale-jitter control.** Multiplying a set of static scales by 1.01 ... 1.10
 changes neither clipping (the scales only grow) nor the size of FP8's relative
 rounding error; it only moves values on the FP8 grid. The spread of a metric
 over those runs (the unjittered run included) is what the metric moves for no
 reason a format could claim, so a gap between two formats is called resolved
 only when it is larger than the widest of the jitter families' ranges
-(per-tensor, per-head, and the k-transform's scales with its offsets fixed).
+(per-tensor, per-head, the k-transform's scales with its offsets fixed, and
+fp32-group G = 64's dynamic scales, whichever were run).
 """
 
 from __future__ import annotations
@@ -51,17 +58,36 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
 
 from benchmarks.harness import accuracy as A
 from benchmarks.harness import metrics as M
+from benchmarks.harness.dynamic import DynamicFormat
 
 JITTER_FACTORS = (1.0, 1.01, 1.02, 1.05, 1.10)
 """Scale multipliers of the jitter control (1.0 is the calibrated run itself)."""
 
 STATIC = ("per-tensor", "per-head")
 KT = "k-transform"
-FAMILIES = (*STATIC, KT)
+GROUP_FAMILY = "fp32-group"
+FAMILIES = (*STATIC, KT, GROUP_FAMILY)
 CALIBRATED = "per-head kvquant calibrate ({})"
 KT_LABEL = "kvquant calibrate, k-transform"
 KT_OFFSET_LABEL = "kvquant calibrate, k-transform offset-only"
 GROUPS = (64, 32)
+DYNAMIC = (
+    DynamicFormat(rotate_k=True),
+    DynamicFormat(k_group=32, v_group=32, rotate_k=True),
+    DynamicFormat(rotate_k=True, rotate_v=True),
+    DynamicFormat(first_tokens=1),
+    DynamicFormat(rotate_k=True, first_tokens=1),
+    DynamicFormat(k_group=32, v_group=32, rotate_k=True, first_tokens=1),
+    DynamicFormat(k_group=16, v_group=64),
+    DynamicFormat(k_group=16, v_group=64, rotate_k=True),
+)
+"""The calibration-free formats beside plain fp32-group (:mod:`benchmarks.harness.dynamic`)."""
+
+SECTIONS = ("per-tensor", "per-head", "calibrated", "groups", "group-jitter", "dynamic")
+"""Parts of the table ``--sections`` picks: the static families, ``kvquant calibrate``'s
+formats (per-head both objectives, the k-transform family and offset only), fp32-group
+(G = 64 and 32), fp32-group G = 64's scale-jitter family and the calibration-free
+:data:`DYNAMIC`. The default (the first four) is the committed table's."""
 
 
 def _scaled(scales: A.CalibratedScales, factor: float) -> A.CalibratedScales:
@@ -87,12 +113,24 @@ def _calibrate(model: Any, tokenizer: Any, max_tokens: int) -> tuple[A.Calibrate
     return A.CalibratedScales(k_amax=k, v_amax=v, num_tokens=sum(used.values())), used
 
 
-def _windows(tokenizer: Any, length: int, per_text: int) -> tuple[torch.Tensor, tuple[str, ...]]:
-    """Up to ``per_text`` consecutive windows of ``length`` tokens from every evaluation text."""
-    from benchmarks.harness.texts import evaluation_texts
+def _eval_texts(files: Sequence[Path] | None) -> tuple[Any, ...]:
+    """The pinned evaluation texts, or the given files (held-out texts) in the given order."""
+    from benchmarks.harness.texts import Text, evaluation_texts
 
+    if not files:
+        return evaluation_texts()
+    return tuple(
+        Text(name=f"held-out/{i}-{f.name}", path=f, text=f.read_text(encoding="utf-8"))
+        for i, f in enumerate(files)
+    )
+
+
+def _windows(
+    tokenizer: Any, length: int, per_text: int, texts: Sequence[Any]
+) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """Up to ``per_text`` consecutive windows of ``length`` tokens from every evaluation text."""
     rows, names = [], []
-    for text in evaluation_texts():
+    for text in texts:
         n = len(tokenizer(text.text)["input_ids"]) // length
         count = min(per_text, n)
         if count == 0:
@@ -108,10 +146,21 @@ def _windows(tokenizer: Any, length: int, per_text: int) -> tuple[torch.Tensor, 
 def _run(
     model: Any, ids: torch.Tensor, mode: str, scales: Any = None, group: int | None = None
 ) -> tuple[torch.Tensor, float]:
+    """Decoder hidden states of one simulated run, and its wall time."""
     t0 = time.perf_counter()
     with A.simulate_fp8_kv(model, mode, scales, group_size=group):
         hidden = M.decoder_hidden(model, ids)
     return hidden, time.perf_counter() - t0
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the checkout or to the Python installation's prefix, if inside."""
+    for root, shown in ((Path(__file__).resolve().parents[1], ""), (Path(sys.prefix), "$PREFIX/")):
+        try:
+            return shown + path.resolve().relative_to(root.resolve()).as_posix()
+        except ValueError:
+            continue
+    return str(path)
 
 
 def _formats(runs: dict[str, Any]) -> list[str]:
@@ -163,6 +212,83 @@ def _row(metrics: M.RunMetrics) -> dict[str, Any]:
     }
 
 
+def _measure_static(args: argparse.Namespace, bench: _Bench, scales: A.CalibratedScales) -> None:
+    for mode in STATIC:
+        if mode not in args.sections:
+            continue
+        for factor in args.factors:
+            hidden, sec = _run(bench.model, bench.ids, mode, _scaled(scales, factor))
+            label = mode if factor == 1.0 else f"{mode} x{factor:.2f}"
+            bench.record(label, hidden, sec, format=mode, scale_factor=factor)
+
+
+def _measure_calibrated(args: argparse.Namespace, bench: _Bench, tokenizer: Any) -> None:
+    per_head, transforms = _kvquant_calibrated(bench.model, tokenizer)
+    for objective, calibrated in per_head.items():
+        hidden, sec = _run(bench.model, bench.ids, "per-head", calibrated)
+        bench.record(
+            CALIBRATED.format(objective), hidden, sec, format="per-head", objective=objective
+        )
+    for factor in args.factors:
+        hidden, sec = _run(bench.model, bench.ids, KT, transforms[KT_LABEL].scaled(factor))
+        label = KT_LABEL if factor == 1.0 else f"{KT} x{factor:.2f}"
+        bench.record(label, hidden, sec, format=KT, rotation="hadamard", scale_factor=factor)
+    hidden, sec = _run(bench.model, bench.ids, KT, transforms[KT_OFFSET_LABEL])
+    bench.record(KT_OFFSET_LABEL, hidden, sec, format=KT, rotation=None)
+
+
+def _measure_dynamic(args: argparse.Namespace, bench: _Bench) -> None:
+    """fp32-group (G = 64 with its scale-jitter family when asked, G = 32) and :data:`DYNAMIC`."""
+    jitter = "group-jitter" in args.sections
+    if "groups" in args.sections:
+        for g in GROUPS:
+            hidden, sec = _run(bench.model, bench.ids, "fp32-group", group=g)
+            extra = {"scale_factor": 1.0} if jitter and g == GROUPS[0] else {}
+            bench.record(
+                f"fp32-group G={g}", hidden, sec, format=GROUP_FAMILY, group_size=g, **extra
+            )
+    if jitter:
+        for factor in args.factors:
+            if factor == 1.0 and "groups" in args.sections:
+                continue  # the G = 64 row above
+            fmt = DynamicFormat(k_group=GROUPS[0], v_group=GROUPS[0]).scaled(factor)
+            hidden, sec = _run(bench.model, bench.ids, "dynamic", fmt)
+            label = f"fp32-group G={GROUPS[0]}" if factor == 1.0 else f"fp32-group x{factor:.2f}"
+            bench.record(
+                label, hidden, sec, format=GROUP_FAMILY, group_size=GROUPS[0], scale_factor=factor
+            )
+    if "dynamic" in args.sections:
+        for fmt in DYNAMIC:
+            hidden, sec = _run(bench.model, bench.ids, "dynamic", fmt)
+            bench.record(fmt.label, hidden, sec, format="dynamic", dynamic=asdict(fmt))
+
+
+class _Bench:
+    """The evaluation tokens, the reference run and every run recorded so far."""
+
+    def __init__(self, args: argparse.Namespace, model: Any, ids: torch.Tensor, texts: Any):
+        self.args, self.model, self.ids = args, model, ids
+        self.layout = M.BlockLayout(texts, ids.shape[1] - 1, args.block)
+        self.draws = M.bootstrap_draws(self.layout, args.resamples, args.seed)
+        self.ref_hidden, self.ref_seconds = _run(model, ids, "none")
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.boots: dict[str, dict[str, torch.Tensor]] = {}
+
+    def record(self, label: str, hidden: torch.Tensor, seconds: float, **extra: Any) -> None:
+        """Compare one run with the reference, keep its metrics and bootstrap draws, print it."""
+        args = self.args
+        stats = M.compare_hidden(self.model, self.ref_hidden, hidden, self.ids)
+        summary = M.summarize(stats, self.layout, resamples=args.resamples, seed=args.seed)
+        self.boots[label] = M.metric_draws(stats, self.layout, self.draws)
+        self.runs[label] = {**extra, "seconds": round(seconds, 1), **_row(summary)}
+        p = summary.pooled
+        print(
+            f"{label:28s} KL {p.kl_mean:.5f} (p99 {p.kl_p99:.4f})  top-1 {100 * p.top1:.2f} %  "
+            f"ppl {p.ppl_delta_pct:+.2f} %  [{seconds:.0f} s]",
+            flush=True,
+        )
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run every format and the jitter families; return the JSON payload."""
     import transformers
@@ -173,47 +299,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     model, tokenizer = load_smollm2(args.model)
     scales, calib_used = _calibrate(model, tokenizer, args.calibration_tokens)
-    ids, window_texts = _windows(tokenizer, args.window, args.windows_per_text)
-    layout = M.BlockLayout(window_texts, ids.shape[1] - 1, args.block)
-    draws = M.bootstrap_draws(layout, args.resamples, args.seed)
-    ref_hidden, ref_seconds = _run(model, ids, "none")
-
-    runs: dict[str, dict[str, Any]] = {}
-    boots: dict[str, dict[str, torch.Tensor]] = {}
-
-    def record(label: str, hidden: torch.Tensor, seconds: float, **extra: Any) -> None:
-        stats = M.compare_hidden(model, ref_hidden, hidden, ids)
-        summary = M.summarize(stats, layout, resamples=args.resamples, seed=args.seed)
-        boots[label] = M.metric_draws(stats, layout, draws)
-        runs[label] = {**extra, "seconds": round(seconds, 1), **_row(summary)}
-        p = summary.pooled
-        print(
-            f"{label:28s} KL {p.kl_mean:.5f} (p99 {p.kl_p99:.4f})  top-1 {100 * p.top1:.2f} %  "
-            f"ppl {p.ppl_delta_pct:+.2f} %  [{seconds:.0f} s]",
-            flush=True,
-        )
-
-    for mode in STATIC:
-        for factor in JITTER_FACTORS:
-            hidden, sec = _run(model, ids, mode, _scaled(scales, factor))
-            label = mode if factor == 1.0 else f"{mode} x{factor:.2f}"
-            record(label, hidden, sec, format=mode, scale_factor=factor)
-    if args.calibrated:
-        per_head, transforms = _kvquant_calibrated(model, tokenizer)
-        for objective, calibrated in per_head.items():
-            hidden, sec = _run(model, ids, "per-head", calibrated)
-            record(
-                CALIBRATED.format(objective), hidden, sec, format="per-head", objective=objective
-            )
-        for factor in JITTER_FACTORS:
-            hidden, sec = _run(model, ids, KT, transforms[KT_LABEL].scaled(factor))
-            label = KT_LABEL if factor == 1.0 else f"{KT} x{factor:.2f}"
-            record(label, hidden, sec, format=KT, rotation="hadamard", scale_factor=factor)
-        hidden, sec = _run(model, ids, KT, transforms[KT_OFFSET_LABEL])
-        record(KT_OFFSET_LABEL, hidden, sec, format=KT, rotation=None)
-    for g in GROUPS:
-        hidden, sec = _run(model, ids, "fp32-group", group=g)
-        record(f"fp32-group G={g}", hidden, sec, format="fp32-group", group_size=g)
+    texts = _eval_texts(args.eval_files)
+    ids, window_texts = _windows(tokenizer, args.window, args.windows_per_text, texts)
+    bench = _Bench(args, model, ids, window_texts)
+    layout, runs, boots = bench.layout, bench.runs, bench.boots
+    _measure_static(args, bench, scales)
+    if args.calibrated and "calibrated" in args.sections:
+        _measure_calibrated(args, bench, tokenizer)
+    _measure_dynamic(args, bench)
 
     jitter, band, comparisons = jitter_control(runs, boots)
     return {
@@ -237,6 +330,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "evaluation": {
             "window_tokens": args.window,
             "windows": list(window_texts),
+            "texts": {
+                t.name: {
+                    "path": _shown_path(t.path),
+                    "sha256": t.digest,
+                    "tokens": len(tokenizer(t.text)["input_ids"]),
+                }
+                for t in texts
+            },
             "scored_positions": layout.num_positions,
             "positions_per_text": {t: int(layout.text_mask(t).sum()) for t in layout.texts},
         },
@@ -246,12 +347,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "scheme": "blocks resampled with replacement within each text; paired across runs",
         },
+        "sections": list(args.sections),
         "jitter_rule": (
             "a gap is resolved (exceeds_jitter) when |gap| > the widest range (max - min) of the "
-            "jitter families (per-tensor, per-head and, when run, k-transform: scales x 1.00, "
-            "1.01, 1.02, 1.05, 1.10)"
+            "jitter families run (per-tensor, per-head, k-transform, fp32-group G=64: scales x "
+            + ", ".join(f"{f:.2f}" for f in args.factors)
+            + ")"
         ),
-        "reference_seconds": round(ref_seconds, 1),
+        "reference_seconds": round(bench.ref_seconds, 1),
         "runs": runs,
         "jitter": jitter,
         "jitter_band": band,
@@ -409,6 +512,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--sections",
+        default="per-tensor,per-head,calibrated,groups",
+        help="comma-separated parts of the table: per-tensor, per-head, calibrated, groups, "
+        "group-jitter (fp32-group G=64 with its scales jittered), dynamic (the calibration-free "
+        "formats of DYNAMIC); default: the committed table's",
+    )
+    parser.add_argument(
+        "--jitter-factors",
+        default=",".join(str(f) for f in JITTER_FACTORS),
+        help="scale multipliers of every jitter family, the first 1.0",
+    )
+    parser.add_argument(
+        "--eval-files",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="evaluate on these text files (held-out texts) instead of the pinned evaluation set",
+    )
+    parser.add_argument(
         "--no-calibrated",
         dest="calibrated",
         action="store_false",
@@ -416,6 +538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.argv = argv
+    args.sections = tuple(x for x in args.sections.split(",") if x)
+    unknown = set(args.sections) - set(SECTIONS)
+    args.factors = tuple(float(f) for f in args.jitter_factors.split(","))
+    if unknown or not args.factors or args.factors[0] != 1.0:
+        parser.error(
+            f"--sections {sorted(unknown)} unknown (expected some of {SECTIONS}) or "
+            "--jitter-factors not starting with 1.0"
+        )
     if args.from_json:
         payload = json.loads(Path(args.out).read_text(encoding="utf-8"))
     else:

@@ -44,3 +44,28 @@ def test_accuracy_table_small_run(smollm2_dir: Path, tmp_path: Path) -> None:
     # measured on these 252 positions: G=32 0.0046 nats, every static run 0.0068-0.0092
     static = [r["pooled"]["kl_mean"] for r in runs.values() if r["format"] in STATIC]
     assert runs["fp32-group G=32"]["pooled"]["kl_mean"] < min(static)
+
+
+def test_accuracy_table_calibration_free_sections(smollm2_dir: Path, tmp_path: Path) -> None:
+    from benchmarks.accuracy_table import DYNAMIC, main
+
+    text = tmp_path / "held-out.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    out = tmp_path / "table.json"
+    argv = ["--out", str(out), "--model", str(smollm2_dir), "--eval-files", str(text)]
+    argv += ["--window", "64", "--windows-per-text", "2", "--calibration-tokens", "128"]
+    argv += ["--sections", "groups,group-jitter,dynamic", "--jitter-factors", "1.0,1.1"]
+    assert main([*argv, "--resamples", "20"]) == 0
+    payload = json.loads(out.read_text(encoding="utf-8"))
+    assert payload["evaluation"]["scored_positions"] == 2 * 63
+    (entry,) = payload["evaluation"]["texts"].values()
+    assert entry["tokens"] >= 128 and len(entry["sha256"]) == 64
+    runs = payload["runs"]
+    assert len(runs) == 2 + 1 + len(DYNAMIC)  # G=64 and 32, G=64 x1.10, the dynamic formats
+    assert payload["jitter"]["fp32-group"]["factors"] == [1.0, 1.1]
+    assert set(payload["jitter"]) == {"fp32-group"}
+    for fmt in DYNAMIC:
+        run = runs[fmt.label]
+        assert run["format"] == "dynamic" and run["dynamic"]["rotate_k"] == fmt.rotate_k
+        assert 0 < run["pooled"]["kl_mean"] < 1, fmt.label
+    assert len(payload["comparisons"]) == (2 + len(DYNAMIC)) * (1 + len(DYNAMIC)) // 2
