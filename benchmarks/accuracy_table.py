@@ -213,6 +213,7 @@ def _row(metrics: M.RunMetrics) -> dict[str, Any]:
 
 
 def _measure_static(args: argparse.Namespace, bench: _Bench, scales: A.CalibratedScales) -> None:
+    """The per-tensor and per-head jitter families asked for."""
     for mode in STATIC:
         if mode not in args.sections:
             continue
@@ -298,12 +299,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     started = time.perf_counter()
     model, tokenizer = load_smollm2(args.model)
-    scales, calib_used = _calibrate(model, tokenizer, args.calibration_tokens)
+    calib_used: dict[str, int] = {}
     texts = _eval_texts(args.eval_files)
     ids, window_texts = _windows(tokenizer, args.window, args.windows_per_text, texts)
     bench = _Bench(args, model, ids, window_texts)
     layout, runs, boots = bench.layout, bench.runs, bench.boots
-    _measure_static(args, bench, scales)
+    if set(STATIC) & set(args.sections):  # amax of the calibration texts
+        scales, calib_used = _calibrate(model, tokenizer, args.calibration_tokens)
+        _measure_static(args, bench, scales)
     if args.calibrated and "calibrated" in args.sections:
         _measure_calibrated(args, bench, tokenizer)
     _measure_dynamic(args, bench)
