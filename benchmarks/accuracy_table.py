@@ -67,6 +67,10 @@ STATIC = ("per-tensor", "per-head")
 KT = "k-transform"
 GROUP_FAMILY = "fp32-group"
 FAMILIES = (*STATIC, KT, GROUP_FAMILY)
+BAND_FAMILIES = (*STATIC, KT)
+"""The jitter families whose spread is noise. fp32-group's is not: with ``s = amax / 448``
+the largest value of every group is stored exactly (``448 * s``), and any factor above 1
+rounds it, so its scaled runs are systematically worse (measured: reported, not a band)."""
 CALIBRATED = "per-head kvquant calibrate ({})"
 KT_LABEL = "kvquant calibrate, k-transform"
 KT_OFFSET_LABEL = "kvquant calibrate, k-transform offset-only"
@@ -367,20 +371,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def jitter_control(
-    runs: dict[str, dict[str, Any]], boots: dict[str, dict[str, torch.Tensor]]
+    runs: dict[str, dict[str, Any]],
+    boots: dict[str, dict[str, torch.Tensor]] | None,
+    other_band: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, float], list[dict[str, Any]]]:
-    """Spread of every metric over each static jitter family, and every pairwise format gap.
+    """Spread of every metric over each jitter family, and every pairwise format gap.
 
     Args:
         runs: label -> run record (``"format"``, ``"scale_factor"`` for the jitter
             runs, ``"pooled"`` metrics), in run order.
-        boots: label -> :func:`benchmarks.harness.metrics.metric_draws` on shared draws.
+        boots: label -> :func:`benchmarks.harness.metrics.metric_draws` on shared draws,
+            or None (no paired SE).
+        other_band: a band measured in another run on the same tokens, widened into this one.
 
     Returns:
-        ``(jitter, band, comparisons)``: per jitter family the factors and
-        :func:`~benchmarks.harness.metrics.spread` of each metric; per metric the
-        widest of the families' ranges; per pair of formats and metric the
-        gap ``a - b``, its paired bootstrap SE, the band and whether ``|gap|`` exceeds it.
+        ``(jitter, band, comparisons)``: per jitter family the factors, whether it counts
+        in the band (:data:`BAND_FAMILIES`) and :func:`~benchmarks.harness.metrics.spread`
+        of each metric; per metric the widest of the counted families' ranges (NaN when
+        none ran); per pair of formats and metric the gap ``a - b``, its paired bootstrap
+        SE, the band and whether ``|gap|`` exceeds it.
     """
     names = (*M.METRICS, "kl_p99")
     jitter: dict[str, Any] = {}
@@ -390,20 +399,54 @@ def jitter_control(
             continue
         jitter[mode] = {
             "factors": [r["scale_factor"] for r in family],
+            "in_band": mode in BAND_FAMILIES,
             **{m: M.spread([r["pooled"][m] for r in family]) for m in names},
         }
-    band = {m: max(j[m]["range"] for j in jitter.values()) for m in names}
+    counted = [j for j in jitter.values() if j["in_band"]]
+    band = {
+        m: max([j[m]["range"] for j in counted] + ([other_band[m]] if other_band else []))
+        if counted or other_band
+        else float("nan")
+        for m in names
+    }
     comparisons = []
     for a, b in itertools.combinations(_formats(runs), 2):
         row: dict[str, Any] = {"a": a, "b": b}
         for m in names:
             gap = runs[a]["pooled"][m] - runs[b]["pooled"][m]
             entry = {"gap": gap, "jitter_range": band[m], "exceeds_jitter": abs(gap) > band[m]}
-            if m in M.METRICS:
+            if m in M.METRICS and boots is not None:
                 entry["paired_se"] = float((boots[a][m] - boots[b][m]).std())
             row[m] = entry
         comparisons.append(row)
     return jitter, band, comparisons
+
+
+def rejudge(payload: dict[str, Any], other: dict[str, Any] | None, command: str) -> dict[str, Any]:
+    """Recompute the jitter families, the band and the comparisons of a written table.
+
+    The runs and their paired SEs are kept; ``other`` (a table on the same tokens, e.g. the
+    committed one with the static families) widens the band with its own. ``command`` is
+    recorded as ``"rejudged_by"``.
+    """
+    se = {(c["a"], c["b"]): c for c in payload["comparisons"]}
+    other_band = other["jitter_band"] if other else None
+    jitter, band, comparisons = jitter_control(payload["runs"], None, other_band)
+    for row in comparisons:
+        for m in M.METRICS:
+            old = se.get((row["a"], row["b"]), {}).get(m, {})
+            if "paired_se" in old:
+                row[m]["paired_se"] = old["paired_se"]
+    band_source = {k: v for k, v in jitter.items() if v["in_band"]}
+    return {
+        **payload,
+        "jitter": jitter,
+        "jitter_band": band,
+        "jitter_band_from": sorted(band_source)
+        + (["band of " + other["command"]] if other else []),
+        "comparisons": comparisons,
+        "rejudged_by": command,
+    }
 
 
 def plot(payload: dict[str, Any], path: str | Path) -> None:
@@ -534,6 +577,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="evaluate on these text files (held-out texts) instead of the pinned evaluation set",
     )
     parser.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="recompute the jitter band and the comparisons of the --out file (its runs and "
+        "paired SEs kept) and write it back; nothing is measured",
+    )
+    parser.add_argument(
+        "--band-from",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help="with --rejudge: widen the band with this table's (same evaluation tokens)",
+    )
+    parser.add_argument(
         "--no-calibrated",
         dest="calibrated",
         action="store_false",
@@ -549,10 +605,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--sections {sorted(unknown)} unknown (expected some of {SECTIONS}) or "
             "--jitter-factors not starting with 1.0"
         )
-    if args.from_json:
+    if args.from_json or args.rejudge:
         payload = json.loads(Path(args.out).read_text(encoding="utf-8"))
     else:
         payload = measure(args)
+    if args.rejudge:
+        other = json.loads(args.band_from.read_text(encoding="utf-8")) if args.band_from else None
+        payload = rejudge(payload, other, "python -m benchmarks.accuracy_table " + " ".join(argv))
+    if args.rejudge or not args.from_json:
         Path(args.out).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         plot(payload, args.plot)

@@ -69,3 +69,34 @@ def test_accuracy_table_calibration_free_sections(smollm2_dir: Path, tmp_path: P
         assert run["format"] == "dynamic" and run["dynamic"]["rotate_k"] == fmt.rotate_k
         assert 0 < run["pooled"]["kl_mean"] < 1, fmt.label
     assert len(payload["comparisons"]) == (2 + len(DYNAMIC)) * (1 + len(DYNAMIC)) // 2
+
+
+def _pooled(kl: float, top1: float) -> dict[str, object]:
+    return {"pooled": {"kl_mean": kl, "top1": top1, "ppl_delta_pct": 10 * kl, "kl_p99": 5 * kl}}
+
+
+def test_rejudge_keeps_fp32_group_scaling_out_of_the_band() -> None:
+    from benchmarks.accuracy_table import rejudge
+
+    runs = {
+        "per-tensor": {"format": "per-tensor", "scale_factor": 1.0, **_pooled(0.010, 0.95)},
+        "per-tensor x1.10": {"format": "per-tensor", "scale_factor": 1.1, **_pooled(0.011, 0.94)},
+        "fp32-group G=64": {"format": "fp32-group", "scale_factor": 1.0, **_pooled(0.005, 0.96)},
+        "fp32-group x1.10": {"format": "fp32-group", "scale_factor": 1.1, **_pooled(0.009, 0.93)},
+        "dynamic rot-K G=64": {"format": "dynamic", **_pooled(0.0045, 0.965)},
+    }
+    old = [{"a": "per-tensor", "b": "fp32-group G=64", "kl_mean": {"paired_se": 0.0004}}]
+    payload = {"runs": runs, "comparisons": old, "command": "x"}
+    out = rejudge(payload, None, "cmd")
+    assert out["jitter"]["fp32-group"]["in_band"] is False
+    assert out["jitter"]["per-tensor"]["in_band"] is True
+    assert out["jitter_band"]["kl_mean"] == pytest.approx(0.001)  # per-tensor's range only
+    rows = {(c["a"], c["b"]): c for c in out["comparisons"]}
+    assert len(rows) == 3 and out["rejudged_by"] == "cmd"
+    assert rows[("per-tensor", "fp32-group G=64")]["kl_mean"]["paired_se"] == 0.0004
+    assert rows[("per-tensor", "fp32-group G=64")]["kl_mean"]["exceeds_jitter"]
+    assert not rows[("fp32-group G=64", "dynamic rot-K G=64")]["kl_mean"]["exceeds_jitter"]
+    wider = rejudge(
+        payload, {"jitter_band": {m: 1.0 for m in out["jitter_band"]}, "command": "y"}, "c"
+    )
+    assert wider["jitter_band"]["kl_mean"] == 1.0 and wider["jitter_band_from"][-1] == "band of y"
