@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness.dynamic import DynamicFormat, dynamic_kv
+from benchmarks.harness.dynamic import DynamicFormat, dynamic_attention
 from kvquant.errors import CalibrationError, OptionError, UnsupportedModelError
 
 __all__ = [
@@ -280,7 +280,8 @@ def _simulated_attention(
         elif spec.mode == "k-transform":
             query, key, value = _k_transform(spec, layer, query, key, value)
         elif spec.mode == "dynamic":
-            return _dynamic(spec, module, query, key, value, attention_mask, **kwargs)
+            fmt = spec.scales if spec.scales is not None else DynamicFormat()
+            return dynamic_attention(fmt, module, query, key, value, attention_mask, **kwargs)
         else:
             if not isinstance(spec.scales, CalibratedScales):
                 raise CalibrationError(
@@ -316,31 +317,6 @@ def _k_transform(
         v[:, :, :n] = value[:, :, :n].float()
     v = torch.where(torch.isfinite(value), v, torch.nan)
     return q.to(query.dtype), k.to(key.dtype), v.to(value.dtype)
-
-
-def _dynamic(
-    spec: _SimSpec,
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
-    """SDPA over :func:`~benchmarks.harness.dynamic.dynamic_kv`'s operands, output rotated back."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    fmt = spec.scales if spec.scales is not None else DynamicFormat()
-    if not isinstance(fmt, DynamicFormat):
-        raise CalibrationError(
-            f"simulated attention: mode 'dynamic' needs a DynamicFormat; got "
-            f"{type(fmt).__name__}. Fix: pass scales=DynamicFormat(...)."
-        )
-    query, key, value, back = dynamic_kv(fmt, query, key, value)
-    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if back is not None:
-        out = (out.float() @ back.to(out.device)).to(out.dtype)
-    return out, weights
 
 
 @dataclass

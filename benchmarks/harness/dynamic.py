@@ -9,12 +9,13 @@ Test and benchmark harness, not part of the kvquant package. Used by
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from kvquant.errors import OptionError
+from kvquant.errors import CalibrationError, OptionError
 
-__all__ = ["DynamicFormat", "dynamic_kv", "round_groups"]
+__all__ = ["DynamicFormat", "dynamic_attention", "dynamic_kv", "round_groups"]
 
 _FP8 = torch.float8_e4m3fn
 _LIMIT = float(torch.finfo(_FP8).max)
@@ -134,3 +135,31 @@ def dynamic_kv(
     v_hat = torch.where(torch.isfinite(v), v_hat, torch.nan)
     back = rot.T if (fmt.rotate_v and rot is not None) else None
     return q.to(query.dtype), k_hat.to(key.dtype), v_hat.to(value.dtype), back
+
+
+def dynamic_attention(
+    fmt: object,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """SDPA over :func:`dynamic_kv`'s operands, the output rotated back when V is rotated.
+
+    Raises:
+        CalibrationError: ``fmt`` is not a :class:`DynamicFormat`.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(fmt, DynamicFormat):
+        raise CalibrationError(
+            f"simulated attention: mode 'dynamic' needs a DynamicFormat; got "
+            f"{type(fmt).__name__}. Fix: pass scales=DynamicFormat(...)."
+        )
+    query, key, value, back = dynamic_kv(fmt, query, key, value)
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if back is not None:
+        out = (out.float() @ back.to(out.device)).to(out.dtype)
+    return out, weights
