@@ -20,7 +20,6 @@ import contextlib
 import functools
 import logging
 import os
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -489,7 +488,6 @@ class DecodeGraphRunner:
         self._logged_cpu = False
         self._logged_fallback = False
         self._logged_devices = False
-        self._one_device: weakref.WeakSet[KVQuantCache] = weakref.WeakSet()
         self._compile_off = compiled is None
         self._unusable: dict[torch.device, str | None] = {}
         self._warmed: set[tuple[Any, ...]] = set()
@@ -555,7 +553,7 @@ class DecodeGraphRunner:
         Raises:
             BackendError: ``cuda_graphs=True`` and they cannot.
         """
-        if cache in self._one_device:
+        if cache.on_one_device:
             return True
         reason = one_device_reason(self.model, cache, device)
         state = getattr(self.model, "_kvquant_state", None)
@@ -566,7 +564,7 @@ class DecodeGraphRunner:
                 "ranks' collectives is untested; pass cuda_graphs=True to capture it)"
             )
         if reason is None:
-            self._one_device.add(cache)
+            cache.on_one_device = True
             return True
         if cache.cuda_graphs:
             raise BackendError(
