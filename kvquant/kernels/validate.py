@@ -29,6 +29,7 @@ __all__ = [
     "MEMO_MAX",
     "SCALE_MAX",
     "SCALE_MIN",
+    "check_new_tokens",
     "check_scheme_tensors",
     "check_sink_values",
     "check_slot_mapping_inputs",
@@ -59,6 +60,38 @@ def value_checks_enabled(device: torch.device) -> bool:
     would synchronise the GPU on every call).
     """
     return device.type == "cpu" or os.environ.get("KVQUANT_CHECK_VALUES", "0") == "1"
+
+
+def check_new_tokens(
+    op: str,
+    key: object,
+    value: object,
+    slot_mapping: object,
+    pages_shape: tuple[int, ...],
+    device: torch.device,
+) -> tuple[int, int]:
+    """The new K/V ``[B, L, Hkv, D]`` and their int64 ``slot_mapping [B, L]`` of a cache write,
+    against the pages' ``Hkv`` and ``D`` (``pages_shape[2:]``) and device; returns ``(B, L)``."""
+    hkv, d = pages_shape[2], pages_shape[3]
+    k = require_tensor(op, "key", key)
+    v = require_tensor(op, "value", value)
+    layout = "[batch, new_tokens, num_kv_heads, head_dim]"
+    check_ndim(op, "key", k, 4, layout)
+    in_fix = "cast new K/V to float32, float16 or bfloat16."
+    check_dtype(op, "key", k, INPUT_DTYPES, in_fix)
+    check_dtype(op, "value", v, INPUT_DTYPES, in_fix)
+    bsz, seq = k.shape[0], k.shape[1]
+    check_shape(op, "key", k, (bsz, seq, hkv, d), f"{layout} matching the pages' Hkv and D")
+    check_shape(op, "value", v, (bsz, seq, hkv, d), f"{layout}, the shape of key")
+    sm = require_tensor(op, "slot_mapping", slot_mapping)
+    fix = (
+        "build it with kvquant.cache.PageAllocator.reserve or kvquant.kernels.compute_slot_mapping."
+    )
+    check_dtype(op, "slot_mapping", sm, (torch.int64,), fix)
+    check_shape(op, "slot_mapping", sm, (bsz, seq), "[batch, new_tokens] of key")
+    for name, t in (("key", k), ("value", v), ("slot_mapping", sm)):
+        check_device(op, name, t, device, "k_pages")
+    return bsz, seq
 
 
 def fail(msg: str) -> KernelInputError:

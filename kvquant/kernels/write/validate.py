@@ -11,19 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.kernels.validate import (
-    INPUT_DTYPES,
     address,
-    check_device,
     check_disjoint,
-    check_dtype,
-    check_ndim,
+    check_new_tokens,
     check_pages,
     check_scheme_tensors,
-    check_shape,
     fail,
     new_check_memo,
     remembered,
-    require_tensor,
     signature,
     unpack,
     value_checks_enabled,
@@ -66,28 +61,7 @@ def _check_write_structure(
     kp, _ = check_pages(op, pages.k, pages.v, written=True)
     num_pages, page_size, hkv, d = kp.shape
     device = kp.device
-    k = require_tensor(op, "key", key)
-    v = require_tensor(op, "value", value)
-    layout = "[batch, new_tokens, num_kv_heads, head_dim]"
-    check_ndim(op, "key", k, 4, layout)
-    in_fix = "cast new K/V to float32, float16 or bfloat16."
-    check_dtype(op, "key", k, INPUT_DTYPES, in_fix)
-    check_dtype(op, "value", v, INPUT_DTYPES, in_fix)
-    bsz, seq = k.shape[0], k.shape[1]
-    check_shape(op, "key", k, (bsz, seq, hkv, d), f"{layout} matching the pages' Hkv and D")
-    check_shape(op, "value", v, (bsz, seq, hkv, d), f"{layout}, the shape of key")
-    check_device(op, "key", k, device, "k_pages")
-    check_device(op, "value", v, device, "k_pages")
-    sm = require_tensor(op, "slot_mapping", slot_mapping)
-    check_dtype(
-        op,
-        "slot_mapping",
-        sm,
-        (torch.int64,),
-        "build it with kvquant.cache.PageAllocator.reserve or kvquant.kernels.compute_slot_mapping.",
-    )
-    check_shape(op, "slot_mapping", sm, (bsz, seq), "[batch, new_tokens] of key")
-    check_device(op, "slot_mapping", sm, device, "k_pages")
+    bsz, seq = check_new_tokens(op, key, value, slot_mapping, kp.shape, device)
     geometry = (num_pages, page_size, hkv, d)
     group_size = check_scheme_tensors(op, pages, view, geometry, device, group_scales_written=True)
     written = [("k_pages", kp), ("v_pages", pages.v)]

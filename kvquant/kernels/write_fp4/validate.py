@@ -13,13 +13,13 @@ import torch
 
 from kvquant.kernels.fp4 import FP4_FORMATS, Fp4Format
 from kvquant.kernels.validate import (
-    INPUT_DTYPES,
     SCALE_MAX,
     SCALE_MIN,
     check_device,
     check_disjoint,
     check_dtype,
     check_ndim,
+    check_new_tokens,
     check_shape,
     fail,
     overlaps,
@@ -95,28 +95,6 @@ def _check_block_scales(
     return out
 
 
-def _check_new_tokens(
-    shape: tuple[int, ...], device: torch.device, key: object, value: object, slots: object
-) -> tuple[int, int]:
-    _, _, hkv, half = shape
-    k = require_tensor(OP, "key", key)
-    v = require_tensor(OP, "value", value)
-    layout = "[batch, new_tokens, num_kv_heads, head_dim]"
-    check_ndim(OP, "key", k, 4, layout)
-    fix = "cast new K/V to float32, float16 or bfloat16."
-    check_dtype(OP, "key", k, INPUT_DTYPES, fix)
-    check_dtype(OP, "value", v, INPUT_DTYPES, fix)
-    bsz, seq = k.shape[0], k.shape[1]
-    check_shape(OP, "key", k, (bsz, seq, hkv, 2 * half), f"{layout} matching the pages")
-    check_shape(OP, "value", v, (bsz, seq, hkv, 2 * half), f"{layout}, the shape of key")
-    sm = require_tensor(OP, "slot_mapping", slots)
-    check_dtype(OP, "slot_mapping", sm, (torch.int64,), "build slots as int64 [batch, new_tokens].")
-    check_shape(OP, "slot_mapping", sm, (bsz, seq), "[batch, new_tokens] of key")
-    for name, t in (("key", k), ("value", v), ("slot_mapping", sm)):
-        check_device(OP, name, t, device, "k_pages")
-    return bsz, seq
-
-
 def _check_global_scales(
     fmt: Fp4Format, hkv: int, device: torch.device, kg: object, vg: object
 ) -> None:
@@ -175,7 +153,7 @@ def check_write_fp4_inputs(
     written = [("k_pages", kp), ("v_pages", v_pages)]
     written += _check_block_scales(fmt, shape, device, k_block_scales, v_block_scales)
     check_disjoint(OP, written)
-    bsz, seq = _check_new_tokens(shape, device, key, value, slot_mapping)
+    bsz, seq = check_new_tokens(OP, key, value, slot_mapping, (*shape[:3], 2 * shape[3]), device)
     _check_global_scales(fmt, shape[2], device, k_global_scale, v_global_scale)
     num_pages, page_size = shape[0], shape[1]
     sm: torch.Tensor = slot_mapping  # type: ignore[assignment]
