@@ -68,8 +68,9 @@ def test_pool_grows_during_decode_and_keeps_every_token() -> None:
     handle.remove()
 
 
-def test_chunked_prefill_sizes_from_every_chunk() -> None:
-    """Each chunk of a chunked prefill grows the pool as needed: no CacheCapacityError."""
+def test_chunked_prefill_sizes_the_pools_for_the_whole_prompt_at_its_first_chunk() -> None:
+    """A chunked prefill's first chunk sizes the pools for the whole prompt (its mask is a view
+    of the whole prompt's): no chunk grows them, and no more pages than the need and a sixteenth."""
     model = build("llama")
     ids, mask = prompt(batch=2, length=60, pad=(9, 0))
     ref = _generate(model, ids, mask, 4)
@@ -77,10 +78,8 @@ def test_chunked_prefill_sizes_from_every_chunk() -> None:
     out = _generate(model, ids, mask, 4, prefill_chunk_size=16)
     cache = out.past_key_values
     assert cache.get_seq_length() == 63
-    assert cache.capacity_version >= 1  # the first chunk sized the pool: later ones grew it
-    used_pages = 2 * -(-63 // 4)
-    # No more than the larger growth step (a quarter, or MIN_GROWTH_TOKENS) on top of the need.
-    assert cache.allocator.num_pages <= max(used_pages * 5 // 4 + 2, used_pages + 2 * 256 // 4)
+    assert cache.capacity_version == 0  # sized once, at the first chunk
+    assert cache.allocator.num_pages == 2 * -(-(60 + 60 // 16) // 4)
     assert torch.equal(out.sequences[:, :60], ref.sequences[:, :60])
 
 
@@ -165,3 +164,23 @@ def test_failed_growth_keeps_every_page(monkeypatch: pytest.MonkeyPatch) -> None
     assert store.num_pages == 2 and store.k_pages.shape[0] == 2
     after = store.dense(alloc.block_tables([0]), 6)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_prefill_length_hint_reads_only_a_chunk_of_a_longer_mask() -> None:
+    from kvquant.integrations.hf.routing import prefill_length_hint
+
+    full = torch.ones(3, 50, dtype=torch.long)
+    ids = torch.zeros(3, 16, dtype=torch.long)
+    assert prefill_length_hint({"attention_mask": full[:, :16], "input_ids": ids}) == 50
+    assert (
+        prefill_length_hint({"attention_mask": full[:, :32], "inputs_embeds": ids[..., None]}) == 50
+    )
+    assert prefill_length_hint({"attention_mask": full, "input_ids": ids}) is None  # whole prompt
+    one = torch.zeros(3, 1, dtype=torch.long)
+    assert prefill_length_hint({"attention_mask": full[:, :16], "input_ids": one}) is None  # decode
+    assert (
+        prefill_length_hint({"attention_mask": full[:, 10:26], "input_ids": ids}) is None
+    )  # not from column 0
+    assert prefill_length_hint({"attention_mask": full[1:, :16], "input_ids": ids[1:]}) == 50
+    assert prefill_length_hint({"attention_mask": full.t()[:16], "input_ids": ids}) is None
+    assert prefill_length_hint({"attention_mask": None, "input_ids": ids}) is None

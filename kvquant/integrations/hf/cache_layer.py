@@ -517,6 +517,8 @@ class KVQuantCache(PoolSizing, Cache):
         self.backend = opts.backend
         self.cuda_graphs: bool | None = opts.cuda_graphs  # None: auto (CUDA devices only)
         self.decode_graph: Any = None  # kvquant.integrations.hf.graphs.DecodeGraph
+        # tokens per sequence the current forward's prefill will reach, when known (routing.py)
+        self.length_hint: int | None = None
         # the graph runner found every layer's pages on the input's device (graphs.py)
         self.on_one_device = False
         self.fp8_dtype = torch.float8_e4m3fn

@@ -65,6 +65,7 @@ class PoolSizing:
     model_name: str
     capacity_version: int
     decode_graph: Any
+    length_hint: int | None
 
     # ------------------------------------------------------------------ the book's state
 
@@ -122,7 +123,8 @@ class PoolSizing:
             elif self.max_cache_tokens is not None:
                 num_pages = -(-int(self.max_cache_tokens) // self.page_size)
             else:
-                slots = first_tokens + first_tokens // START_HEADROOM
+                tokens = max(first_tokens, self._hinted_tokens(batch_size, device))
+                slots = tokens + tokens // START_HEADROOM
                 num_pages = batch_size * max(1, -(-slots // self.page_size))
             if num_pages < 1:
                 raise CacheUsageError(
@@ -131,6 +133,16 @@ class PoolSizing:
                 )
             alloc = self.book.open(num_pages, batch_size, device)
         return alloc.num_pages, self.page_size
+
+    def _hinted_tokens(self, batch_size: int, device: torch.device) -> int:
+        """The call's :attr:`length_hint`, where the device can hold that many tokens per sequence
+        (:data:`GROWTH_MEMORY_SHARE` of its free memory; unknown off CUDA: taken as given), else 0."""
+        hint = self.length_hint
+        if not hint:
+            return 0
+        free = device_free_bytes(device)
+        need = batch_size * hint * self.slot_bytes()
+        return hint if free is None or need <= free * GROWTH_MEMORY_SHARE else 0
 
     def slots_for(self, layer: KVQuantLayer, batch_size: int, new_tokens: int) -> torch.Tensor:
         """Slot mapping int64 ``[B, new_tokens]`` of positions ``layer.seq_len ...``, reserving pages.
@@ -177,7 +189,9 @@ class PoolSizing:
         extra_pages = book.pages_needed(tokens)
         free = alloc.num_free_pages
         if extra_pages > free and self.growable:
-            self._grow(alloc, -(-tokens // ps))
+            # a chunk of a longer prompt grows the pools for the whole prompt at once
+            hinted = max(tokens, self._hinted_tokens(book.batch_size, alloc.device))
+            self._grow(alloc, -(-hinted // ps))
             free = alloc.num_free_pages
         if extra_pages > free:
             capacity = alloc.num_pages * ps

@@ -33,6 +33,7 @@ __all__ = [
     "grab_cache",
     "kvquant_cache",
     "plain_dynamic",
+    "prefill_length_hint",
     "settle",
     "wants_cache",
 ]
@@ -91,6 +92,31 @@ def cache_argument(kwargs: dict[str, Any]) -> tuple[str | None, Any]:
     None when the call names neither) and the object it passes there."""
     key = next((n for n in ("cache", "past_key_values") if n in kwargs), None)
     return key, (kwargs.get(key) if key else None)
+
+
+def prefill_length_hint(kwargs: dict[str, Any]) -> int | None:
+    """Tokens per sequence a chunked prefill will reach, read from the chunk's padding mask.
+
+    transformers' chunked prefill (``prefill_chunk_size``) gives each chunk the
+    whole prompt's 2D mask sliced to the chunk's end: a view whose rows keep the
+    whole prompt's stride. That stride is the hint (the pools then grow once, at
+    the first chunk, instead of at every chunk); None for a forward of one token,
+    a mask of its own shape, or anything else. Only sizing reads it.
+    """
+    mask = kwargs.get("attention_mask")
+    new = kwargs.get("input_ids")
+    if new is None:
+        new = kwargs.get("inputs_embeds")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(new, torch.Tensor):
+        return None
+    rows, cols = mask.shape
+    row = mask.stride(0)
+    if new.dim() < 2 or new.shape[1] < 2 or rows < 1 or mask.stride(1) != 1 or row <= cols:
+        return None
+    held = mask.untyped_storage().nbytes() // mask.element_size()
+    if mask.storage_offset() + (rows - 1) * row + row > held:
+        return None  # not the rows of one [B, T] mask
+    return int(row)
 
 
 def plain_dynamic(cache: Any) -> bool:
@@ -245,6 +271,7 @@ class Injector(PatchBound):
                 "the model's own attention, which returns the weights)."
             )
         cache = kvquant_cache(current, model)
+        cache.length_hint = prefill_length_hint(kwargs)
         settle(cache)
         cache.rollback_point = cache.get_seq_length()
         if cache is current:
