@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_calls import split
 
 from kvquant.cache import PageAllocator
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError
 from kvquant.kernels import validate
 from kvquant.kernels.attention.validate import check_attention_inputs
 from kvquant.kernels.write.validate import check_write_inputs
+from kvquant.schemes import Mask
 
 # ---------------------------------------------------------------- allocator
 
@@ -125,12 +127,16 @@ def _write_args(**over: Any) -> dict[str, Any]:
     return args
 
 
+def _scales(a: dict[str, Any]) -> dict[str, Any]:
+    keys = ("k_scale", "v_scale", "k_group_scales", "v_group_scales")
+    given = {k: a.pop(k, None) for k in keys}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _check_write(args: dict[str, Any]) -> Any:
-    a = args
-    return check_write_inputs(
-        a["key"], a["value"], a["k_pages"], a["v_pages"], a["slot_mapping"],
-        a["k_scale"], a["v_scale"], a["k_group_scales"], a["v_group_scales"],
-    )  # fmt: skip
+    a = dict(args)
+    pages, scheme = split(_scales(a), a["k_pages"], a["v_pages"])
+    return check_write_inputs(a["key"], a["value"], pages, a["slot_mapping"], scheme)
 
 
 def _attn_args(**over: Any) -> dict[str, Any]:
@@ -159,9 +165,11 @@ def _attn_args(**over: Any) -> dict[str, Any]:
 
 def _check_attn(args: dict[str, Any]) -> Any:
     a = dict(args)
+    pages, scheme = split(_scales(a), a.pop("k_pages"), a.pop("v_pages"))
+    mask = Mask(**{k: a.pop(k) for k in ("causal", "window", "softcap", "kv_start", "q_lens")})
     return check_attention_inputs(
-        a.pop("query"), a.pop("k_pages"), a.pop("v_pages"), a.pop("block_tables"),
-        a.pop("seq_lens"), **a,
+        a.pop("query"), pages, a.pop("block_tables"), a.pop("seq_lens"), scheme,
+        sm_scale=a.pop("sm_scale"), mask=mask, **a,
     )  # fmt: skip
 
 
@@ -264,7 +272,7 @@ def test_attention_memo_hits_and_value_checks_still_run() -> None:
         {"seq_lens": torch.tensor([5, 8])},
         {"kv_start": torch.tensor([0, 0])},
         {"out": torch.empty(2, 1, 4, 16, dtype=torch.float16)},
-        {"k_scale": torch.ones(3)},
+        {"k_scale": torch.ones(3), "v_scale": torch.ones(3)},  # a scheme for 3 KV heads
     ],
 )
 def test_attention_memo_never_skips_a_failing_check(over: dict[str, Any]) -> None:
