@@ -32,7 +32,7 @@ _OPTIONAL = ("triton", "transformers", "safetensors", "gguf", "accelerate", "num
 # examples (or doctest stops finding them), test_doctests_are_found fails.
 _MODULES_WITH_EXAMPLES = (
     "kvquant.cache.allocator",
-    "kvquant.cache.storage",
+    "kvquant.cache.storage.base",
     "kvquant.checkpoint.discovery",
     "kvquant.checkpoint.producers",
     "kvquant.kernels",

@@ -2,7 +2,7 @@
 
 :class:`PageAllocator` (:mod:`.allocator`) hands out pages and turns new tokens into slots,
 block tables and lengths; :class:`SequenceBook` (:mod:`.book`) owns one batch's bookkeeping on
-top of it; :class:`PagedLayerStorage` (:mod:`.storage`) is one layer's FP8 pages with their
+top of it; :class:`PagedLayerStorage` (:mod:`.storage`, a class per scheme) is one layer's FP8 pages with their
 scales and the kernel calls on them; :mod:`.device` measures and releases device memory.
 Layout as in :mod:`kvquant.kernels`; imports torch and the kernels only. Design: ``docs/dev/cache.md``.
 """

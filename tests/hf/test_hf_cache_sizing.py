@@ -147,7 +147,7 @@ def test_auto_cuda_graphs_stay_off_on_cpu() -> None:
 
 def test_failed_growth_keeps_every_page(monkeypatch: pytest.MonkeyPatch) -> None:
     """An allocation that fails while growing raises CacheCapacityError and changes nothing."""
-    import kvquant.cache.storage as kvcache
+    import kvquant.cache.storage.group as kvcache
 
     store = PagedLayerStorage(2, 4, 2, 16, granularity="fp32-group", backend="torch")
     alloc = PageAllocator(2, 4)

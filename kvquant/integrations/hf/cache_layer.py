@@ -89,10 +89,14 @@ class LayerSpec:
 
 
 def _from_storage(attr: str, doc: str) -> Any:
-    """A read-only property: ``attr`` of the layer's storage, None before the first update."""
+    """A read-only property: ``attr`` of the layer's storage, None before the first update.
+
+    None too where the storage's scheme keeps no such tensor (each storage class holds only its
+    scheme's: a static scale, or group scales).
+    """
 
     def get(layer: KVQuantLayer) -> Any:
-        return None if layer.storage is None else getattr(layer.storage, attr)
+        return getattr(layer.storage, attr, None)
 
     return property(get, doc=f"{doc} None before the first update.")
 

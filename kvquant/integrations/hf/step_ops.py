@@ -182,24 +182,26 @@ def layer_step(layer: KVQuantLayer, static: StaticStep) -> dict[str, Any]:
             f"{layer.spec.name}: a compiled decode step reached a kvquant cache layer that holds "
             "nothing yet. Fix: run the prompt through the cache first (generate does)."
         )
-    pools = (storage.k_pages, storage.v_pages, storage.k_group_scales, storage.v_group_scales)
+    pages = storage.pages
+    pools = (pages.k, pages.v, pages.k_scales, pages.v_scales)
     for pool in pools:
         if pool is not None:
             torch._dynamo.maybe_mark_dynamic(pool, 0)
     torch._dynamo.maybe_mark_dynamic(static.block_table, 1)
     name, ints, tensors = storage.scheme.flatten()
+    first_k, first_v, first_lens, first_start = storage.first_tensors()
     return {
-        "k_pages": storage.k_pages,
-        "v_pages": storage.v_pages,
-        "k_group_scales": storage.k_group_scales,
-        "v_group_scales": storage.v_group_scales,
+        "k_pages": pages.k,
+        "v_pages": pages.v,
+        "k_group_scales": pages.k_scales,
+        "v_group_scales": pages.v_scales,
         "scheme_name": name,
         "scheme_ints": ints,
         "scheme_tensors": tensors,
-        "first_k": storage.first_k,
-        "first_v": storage.first_v,
-        "first_lens": storage.first_lens,
-        "first_start": storage.first_start,
+        "first_k": first_k,
+        "first_v": first_v,
+        "first_lens": first_lens,
+        "first_start": first_start,
         "slots": static.slots,
         "block_table": static.block_table,
         "lens": static.lens,

@@ -167,8 +167,9 @@ class BatchingStorage:
             tok, blocks, pos = plan.first_writes
             side_k, side_v = self.first[layer_idx]
             kf = k[0].index_select(0, tok)
-            if storage.k_rotation is not None:
-                kf = kf.float() @ storage.k_rotation
+            rotation = storage.scheme.kernel_view().k_rotation
+            if rotation is not None:
+                kf = kf.float() @ rotation
             side_k[blocks, pos] = kf.to(side_k.dtype)
             side_v[blocks, pos] = v[0].index_select(0, tok).to(side_v.dtype)
         return LayerStep(self, layer_idx, plan)
