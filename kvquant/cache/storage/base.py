@@ -111,6 +111,8 @@ class PagedLayerStorage:
         v_pages: FP8 ``[num_pages, page_size, Hkv, D]``, stored keys-fastest
             (:func:`kvquant.kernels.page_storage`).
         granularity: the scheme's word.
+        first_tokens: first visible tokens per sequence kept at full precision (a
+            side buffer that only the ``k-transform`` keeps; 0 for the others).
         external: whether the pages belong to the caller (``pages=``).
 
     The scheme's own attributes (``k_scale`` / ``v_scale``, ``group_size`` and the
@@ -147,6 +149,8 @@ class PagedLayerStorage:
 
     k_pages: torch.Tensor
     v_pages: torch.Tensor
+    first_tokens: int = 0
+    """First visible tokens per sequence kept at full precision (0 but for the k-transform)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -39,7 +39,6 @@ class KTransformStorage(StaticStorage):
 
     k_offset: torch.Tensor
     k_rotation: torch.Tensor | None
-    first_tokens: int
 
     def _scale_shape(self) -> tuple[int, ...]:
         return (self.num_kv_heads,)
