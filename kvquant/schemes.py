@@ -13,6 +13,7 @@ design: docs/dev/kernels.md (Schemes).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -130,7 +131,7 @@ def _check_finite(scheme: str, label: str, host: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class Scheme:
+class Scheme(abc.ABC):
     """Base of the scale schemes: a frozen value checked once, when built.
 
     Subclasses set ``name`` (the registry's word, for messages, reports and files only) and
@@ -157,9 +158,9 @@ class Scheme:
         """``(Hkv, D)`` the scheme's tensors are built for, None where they do not say."""
         return self.num_kv_heads, None
 
+    @abc.abstractmethod
     def kernel_view(self) -> KernelView:
         """The tensors and group size the kernels read (flags derive from what is None)."""
-        raise NotImplementedError
 
     def to(self: _S, device: torch.device | str) -> _S:
         """A copy with every tensor on ``device`` (not checked again: no host read, no sync).
