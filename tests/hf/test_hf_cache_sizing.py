@@ -68,14 +68,20 @@ def test_pool_grows_during_decode_and_keeps_every_token() -> None:
     handle.remove()
 
 
-def test_chunked_prefill_sizes_the_pools_for_the_whole_prompt_at_its_first_chunk() -> None:
+@pytest.mark.parametrize("prefill_tokens", [None, 16])
+def test_chunked_prefill_sizes_the_pools_for_the_whole_prompt_at_its_first_chunk(
+    prefill_tokens: int | None,
+) -> None:
     """A chunked prefill's first chunk sizes the pools for the whole prompt (its mask is a view
-    of the whole prompt's): no chunk grows them, and no more pages than the need and a sixteenth."""
+    of the whole prompt's): no chunk grows them, and no more pages than the need and a sixteenth.
+    Also when the chunks run in row groups, which reserve the pages before the decoder runs."""
     model = build("llama")
     ids, mask = prompt(batch=2, length=60, pad=(9, 0))
     ref = _generate(model, ids, mask, 4)
-    kvhf.patch(model, backend="torch", page_size=4)
+    handle = kvhf.patch(model, backend="torch", page_size=4, prefill_tokens=prefill_tokens)
     out = _generate(model, ids, mask, 4, prefill_chunk_size=16)
+    if prefill_tokens is not None:
+        assert handle.state.row_groups.stats.split_calls == 4  # every chunk, one row at a time
     cache = out.past_key_values
     assert cache.get_seq_length() == 63
     assert cache.capacity_version == 0  # sized once, at the first chunk

@@ -383,7 +383,9 @@ def test_auto_bound_follows_the_free_memory(monkeypatch: pytest.MonkeyPatch, chu
     length = ids.shape[1] if chunk is None else chunk
     per_token = token_activation_bytes(model, {"logits_to_keep": 1})
     handle = kvhf.patch(model, backend="torch")
-    pages = handle.new_cache().bytes_to_hold(5, length)  # the first prefill call's pages
+    cache = handle.new_cache()
+    cache.length_hint = None if chunk is None else ids.shape[1]  # a chunk sizes for the prompt
+    pages = cache.bytes_to_hold(5, length, ids.device)  # the first prefill call's pages
     # room for two rows' activations once the call's pages are counted
     free = pages + int(2 * length * per_token / AUTO_ACTIVATION_SHARE) + 1
     _free_bytes_for(monkeypatch, free)

@@ -26,6 +26,7 @@ from kvquant.integrations.hf.routing import (
     cache_argument,
     kvquant_cache,
     plain_dynamic,
+    prefill_length_hint,
     settle,
     wants_cache,
 )
@@ -114,6 +115,8 @@ class _RowGroupCache(PatchBound):
         ):
             return None
         cache = kvquant_cache(current, self.model)
+        # the decoder hook sets it too, but the groups' pages are reserved before it runs
+        cache.length_hint = prefill_length_hint(kwargs)
         settle(cache)
         return key or state.raw_context.get("cache_kwarg", "cache"), cache
 

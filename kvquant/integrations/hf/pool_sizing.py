@@ -118,14 +118,7 @@ class PoolSizing:
         """
         alloc = self.book.allocator
         if alloc is None:
-            if self.num_pages_requested is not None:
-                num_pages = int(self.num_pages_requested)
-            elif self.max_cache_tokens is not None:
-                num_pages = -(-int(self.max_cache_tokens) // self.page_size)
-            else:
-                tokens = max(first_tokens, self._hinted_tokens(batch_size, device))
-                slots = tokens + tokens // START_HEADROOM
-                num_pages = batch_size * max(1, -(-slots // self.page_size))
+            num_pages = self._first_pool_pages(batch_size, device, first_tokens)
             if num_pages < 1:
                 raise CacheUsageError(
                     f"the kvquant cache needs at least one page; got num_pages={num_pages}. "
@@ -133,6 +126,22 @@ class PoolSizing:
                 )
             alloc = self.book.open(num_pages, batch_size, device)
         return alloc.num_pages, self.page_size
+
+    def _first_pool_pages(self, batch_size: int, device: torch.device, first_tokens: int) -> int:
+        """Pages of the first pool (:meth:`pool_shape`'s rule) for a first update of
+        ``first_tokens`` tokens per sequence."""
+        if self.num_pages_requested is not None:
+            return int(self.num_pages_requested)
+        if self.max_cache_tokens is not None:
+            return -(-int(self.max_cache_tokens) // self.page_size)
+        tokens = max(first_tokens, self._hinted_tokens(batch_size, device))
+        return batch_size * self._prompt_pages(tokens)
+
+    def _prompt_pages(self, tokens: int) -> int:
+        """Pages per sequence a prefill of ``tokens`` tokens sizes for: the tokens plus
+        :data:`START_HEADROOM` of them (at least one page)."""
+        slots = tokens + tokens // START_HEADROOM
+        return max(1, -(-slots // self.page_size))
 
     def _hinted_tokens(self, batch_size: int, device: torch.device) -> int:
         """The call's :attr:`length_hint`, where the device can hold that many tokens per sequence
@@ -189,9 +198,7 @@ class PoolSizing:
         extra_pages = book.pages_needed(tokens)
         free = alloc.num_free_pages
         if extra_pages > free and self.growable:
-            # a chunk of a longer prompt grows the pools for the whole prompt at once
-            hinted = max(tokens, self._hinted_tokens(book.batch_size, alloc.device))
-            self._grow(alloc, -(-hinted // ps))
+            self._grow(alloc, *self._growth_need(tokens, book.batch_size, alloc.device))
             free = alloc.num_free_pages
         if extra_pages > free:
             capacity = alloc.num_pages * ps
@@ -207,6 +214,23 @@ class PoolSizing:
             book.reserve_through(tokens)
         except CacheCapacityError as err:  # pragma: no cover - pre-checked above
             raise CacheCapacityError(f"kvquant cache of {self.model_name}: {err}") from err
+
+    def _growth_need(
+        self, tokens: int, batch_size: int, device: torch.device
+    ) -> tuple[int, int | None]:
+        """``(pages per sequence, wanted pages per sequence or None)`` of a growth to ``tokens``.
+
+        A chunk of a longer prompt (:attr:`length_hint`) grows the pools for the
+        whole prompt at once, with :meth:`_prompt_pages`' small headroom only: the
+        prefill's remaining chunks need the memory for their activations, and a
+        decode graph's headroom comes later (:meth:`ensure_decode_headroom`).
+        Otherwise the growth takes :meth:`headroom_fraction` (None).
+        """
+        hint = self._hinted_tokens(batch_size, device)
+        if hint > tokens:
+            pages = self._prompt_pages(hint)
+            return pages, pages
+        return -(-tokens // self.page_size), None
 
     def ensure_decode_headroom(self, tokens: int) -> None:
         """Before a decode graph is captured: room for ``tokens`` per sequence and the headroom.
@@ -255,19 +279,26 @@ class PoolSizing:
             total += 2 * per_kv
         return total
 
-    def bytes_to_hold(self, batch: int, tokens: int) -> int:
-        """Bytes the pools must still allocate so that ``batch`` sequences hold ``tokens`` each.
+    def bytes_to_hold(self, batch: int, tokens: int, device: torch.device) -> int:
+        """Bytes the pools will allocate on ``device`` when ``batch`` sequences come to hold
+        ``tokens`` each: the first pool, or the growth, that update makes.
 
-        0 when the layers' pools already hold that many pages (a bounded cache
-        allocates its whole size at the first update, counted here too).
+        The same rules as :meth:`pool_shape` and :meth:`reserve_through`
+        (:attr:`length_hint` included); 0 when the pools already hold the
+        pages. An estimate for the prefill's row groups (a growth's headroom
+        depends on the free memory when it happens).
         """
-        ps = self.page_size
-        need = batch * -(-tokens // ps)
-        if not self.growable and self.allocator is not None:
-            need = max(need, self.allocator.num_pages)
+        alloc = self.allocator
+        if alloc is None:
+            pages = self._first_pool_pages(batch, device, tokens)
+        else:
+            pages = alloc.num_pages
+            if self.book.pages_needed(tokens) > alloc.num_free_pages and self.growable:
+                per_seq, want = self._growth_need(tokens, batch, alloc.device)
+                pages = max(pages, self._growth_target(alloc, per_seq, want)[0])
         storages = [getattr(layer, "storage", None) for layer in self.layers]
         have = min((s.num_pages if s is not None else 0 for s in storages), default=0)
-        return max(0, need - have) * ps * self.slot_bytes()
+        return max(0, pages - have) * self.page_size * self.slot_bytes()
 
     def _page_bytes(self) -> tuple[int, int]:
         """Bytes of one page in every layer together, and in the largest layer (pages and scales)."""
@@ -307,11 +338,13 @@ class PoolSizing:
                 target = max(minimum, min(target, affordable // bsz * bsz))
         return target, minimum
 
-    def _grow(self, alloc: PageAllocator, pages_per_seq: int) -> None:
+    def _grow(
+        self, alloc: PageAllocator, pages_per_seq: int, want_per_seq: int | None = None
+    ) -> None:
         """Enlarge the pool so that every sequence can hold ``pages_per_seq`` pages (or more).
 
-        The new size is the need plus the headroom of :meth:`_growth_target`;
-        if that fails for want of memory, the need alone is tried. The layers'
+        The new size is ``want_per_seq`` pages per sequence, by default the need
+        plus the headroom (both as :meth:`_growth_target` allows); if that fails for want of memory, the need alone is tried. The layers'
         page tensors grow first, one at a time (old and new pools of one layer
         coexist only for its copy); the allocator grows only once all of them
         did, so a failure (out of memory) leaves a cache that still holds every
@@ -320,7 +353,7 @@ class PoolSizing:
         Raises:
             CacheCapacityError: not even the need fits on the device.
         """
-        target, minimum = self._growth_target(alloc, pages_per_seq)
+        target, minimum = self._growth_target(alloc, pages_per_seq, want_per_seq)
         freed = self._page_bytes()[0] * alloc.num_pages
         try:
             self._grow_layers(target)

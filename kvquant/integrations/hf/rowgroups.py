@@ -168,7 +168,7 @@ class RowGroupForward:
         if free is None:
             return None
         bsz, length = int(lead.shape[0]), int(lead.shape[1])
-        room = free - cache.bytes_to_hold(bsz, cache.get_seq_length() + length)
+        room = free - cache.bytes_to_hold(bsz, cache.get_seq_length() + length, lead.device)
         per_token = token_activation_bytes(self.model, kwargs)
         bound = max(length, int(max(0, room) * AUTO_ACTIVATION_SHARE) // per_token)
         state = getattr(self.model, STATE_ATTR, None)
