@@ -1,25 +1,13 @@
-"""Bounded, confined reading of checkpoint files.
+"""Bounded, confined reading of checkpoint files: everything a checkpoint folder holds is
+untrusted input.
 
-Everything a checkpoint folder holds is untrusted input:
-
-* a file is ``stat``-ed before it is opened and must be a regular file (a FIFO
-  or a device named ``config.json`` is refused instead of blocking the reader);
-  symlinks are followed, since the Hugging Face cache is made of them;
-* JSON files are bounded in size, and nesting too deep for the parser is a
-  :class:`~kvquant.errors.CheckpointError`, never a ``RecursionError``;
-* shard names from ``model.safetensors.index.json`` are confined to the
-  checkpoint folder by their *logical* path (no absolute path, no ``..``);
-* safetensors headers are read through ``safetensors.safe_open``, the reader
-  transformers uses, which bounds their size and checks the dtypes, shapes and
-  data offsets;
-* the shards read are the ones transformers reads, in its order: the file
-  ``config.json``'s ``transformers_weights`` names, else ``model.safetensors``,
-  else the index's shards. Other ``*.safetensors`` files are ignored and
-  reported.
-
-A hub id (``"org/name"``) that is not a local path is resolved through the local
-Hugging Face cache only (``huggingface_hub.snapshot_download(...,
-local_files_only=True)``): nothing is downloaded.
+A file is ``stat``-ed before it is opened and must be a regular file (symlinks are followed,
+as the Hugging Face cache is made of them); JSON files are bounded in size and nesting; shard
+names from an index are confined to the folder by their logical path; safetensors headers are
+read through ``safetensors.safe_open``; the shards read are the ones transformers reads, in its
+order, others are ignored and reported. A hub id that is not a local path is resolved through
+the local Hugging Face cache only: nothing is downloaded. The rules one by one:
+``docs/dev/checkpoint.md`` (Reading checkpoint files).
 """
 
 from __future__ import annotations
@@ -546,62 +534,77 @@ def select_shards(root: str | Path, config: Mapping[str, Any] | None = None) -> 
             shard outside the folder or missing, or a malformed header.
     """
     plan = weight_files(root, config)
-    folder = plan.root
     findings: list[Finding] = []
     if plan.index is None:
         (single,) = plan.files
         tensors = read_safetensors_header(single)
     else:
-        index, shard_of, files = plan.index, plan.shard_of, plan.files
-        index_name = str(index.relative_to(folder))
-        missing = [str(f.relative_to(folder)) for f in files if not os.path.lexists(f)]
-        if missing:
-            raise CheckpointError(
-                f"{index} lists shard(s) {missing} that are not in {folder}. "
-                "Fix: download every shard of the checkpoint."
+        tensors = _read_indexed_shards(plan, plan.index, findings)
+    findings += _ignored_file_findings(plan)
+    return ShardSelection(plan.root, plan.files, tensors, tuple(findings))
+
+
+def _read_indexed_shards(
+    plan: WeightFiles, index: Path, findings: list[Finding]
+) -> dict[str, TensorInfo]:
+    """The headers of the shards ``index`` (``plan.index``) lists, each tensor from the shard
+    the index names; what disagrees with the index goes to ``findings``."""
+    folder, shard_of, files = plan.root, plan.shard_of, plan.files
+    index_name = str(index.relative_to(folder))
+    missing = [str(f.relative_to(folder)) for f in files if not os.path.lexists(f)]
+    if missing:
+        raise CheckpointError(
+            f"{index} lists shard(s) {missing} that are not in {folder}. "
+            "Fix: download every shard of the checkpoint."
+        )
+    tensors: dict[str, TensorInfo] = {}
+    unlisted: list[str] = []
+    twice: list[str] = []
+    for file in files:
+        for name, info in read_safetensors_header(file).items():
+            owner = shard_of.get(name)
+            if owner is None:
+                unlisted.append(name)
+            elif owner != file:
+                twice.append(name)
+            else:
+                tensors[name] = info
+    absent = sorted(n for n in shard_of if n not in tensors)
+    if absent:
+        findings.append(
+            Finding(
+                "error",
+                "index-tensor-missing",
+                f"{index_name} places {len(absent)} tensor(s) (e.g. {absent[0]}) in shards "
+                "that do not hold them. Fix: re-download the shards, or re-export the "
+                "checkpoint.",
             )
-        tensors = {}
-        unlisted: list[str] = []
-        twice: list[str] = []
-        for file in files:
-            for name, info in read_safetensors_header(file).items():
-                owner = shard_of.get(name)
-                if owner is None:
-                    unlisted.append(name)
-                elif owner != file:
-                    twice.append(name)
-                else:
-                    tensors[name] = info
-        absent = sorted(n for n in shard_of if n not in tensors)
-        if absent:
-            findings.append(
-                Finding(
-                    "error",
-                    "index-tensor-missing",
-                    f"{index_name} places {len(absent)} tensor(s) (e.g. {absent[0]}) in shards "
-                    "that do not hold them. Fix: re-download the shards, or re-export the "
-                    "checkpoint.",
-                )
+        )
+    if twice:
+        findings.append(
+            Finding(
+                "warning",
+                "tensor-in-two-files",
+                f"{len(twice)} tensor name(s) (e.g. {sorted(twice)[0]}) are held by two "
+                f"shards; the one {index_name} names is used, as transformers does. Fix: "
+                "remove the stale copies.",
             )
-        if twice:
-            findings.append(
-                Finding(
-                    "warning",
-                    "tensor-in-two-files",
-                    f"{len(twice)} tensor name(s) (e.g. {sorted(twice)[0]}) are held by two "
-                    f"shards; the one {index_name} names is used, as transformers does. Fix: "
-                    "remove the stale copies.",
-                )
+        )
+    if unlisted:
+        findings.append(
+            Finding(
+                "warning",
+                "tensor-not-in-index",
+                f"{len(unlisted)} tensor(s) (e.g. {sorted(unlisted)[0]}) are in a shard but "
+                f"not in {index_name}'s weight_map; ignored. Fix: re-export the checkpoint.",
             )
-        if unlisted:
-            findings.append(
-                Finding(
-                    "warning",
-                    "tensor-not-in-index",
-                    f"{len(unlisted)} tensor(s) (e.g. {sorted(unlisted)[0]}) are in a shard but "
-                    f"not in {index_name}'s weight_map; ignored. Fix: re-export the checkpoint.",
-                )
-            )
+        )
+    return tensors
+
+
+def _ignored_file_findings(plan: WeightFiles) -> list[Finding]:
+    """Warnings for the index or ``*.safetensors`` files transformers (and kvquant) ignore."""
+    findings: list[Finding] = []
     if INDEX_NAME in plan.ignored and plan.index is None:
         findings.append(
             Finding(
@@ -629,7 +632,7 @@ def select_shards(root: str | Path, config: Mapping[str, Any] | None = None) -> 
                 "transformers ignores them. Fix: delete stale files from the folder.",
             )
         )
-    return ShardSelection(folder, plan.files, tensors, tuple(findings))
+    return findings
 
 
 def locate_checkpoint(

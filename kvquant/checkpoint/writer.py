@@ -1,34 +1,14 @@
 """Writing a changed copy of a checkpoint, atomically (``kvquant export`` and ``kvquant calibrate``).
 
-:func:`write_checkpoint_copy` copies a checkpoint folder into a new one in which
-only what a :class:`CheckpointEdit` names changes:
-
-* the safetensors shards that lose or receive tensors are re-saved, every other
-  tensor in them byte for byte; the other shards are hard-linked (``link=True``,
-  falling back to a copy) or copied; every other file and folder is copied;
-* the index transformers reads (``model.safetensors.index.json``, or the one
-  ``config.json``'s ``transformers_weights`` names), when the source loads
-  through one: the dropped names gone, the new ones pointing at their shard, a
-  new ``total_size``;
-* ``config.json``'s ``quantization_config`` (under ``text_config`` where the
-  source keeps it there) and ``hf_quant_config.json``;
-* extra files (a JSON-ready dict, text or bytes), e.g. the tool's report.
-
-:func:`kv_scale_tensors` names and shapes the K/V scales of every layer the way
-one producer of :mod:`kvquant.checkpoint.producers` stores them.
-
-The source folder is read by the checkpoint readers' rules
-(:func:`~kvquant.checkpoint.files.scan_folder`): regular files (a symlink to
-one is followed, as in the Hugging Face cache) and real folders inside it; a
-FIFO, device, socket, broken link or linked folder is a
-:class:`~kvquant.errors.CheckpointError` before anything is written.
-
-Everything is written into a temporary folder beside ``out``; the caller's
-``finish`` hook checks it there and may add files; only then is it renamed to
-``out`` (an existing ``out`` is replaced only with ``force``, after the new copy is
-complete). Any failure, an interrupt included, removes the temporary folder: a
-failed write leaves no half checkpoint and never changes the source or an
-existing ``out``.
+:func:`write_checkpoint_copy` copies a checkpoint folder into a new one in which only what a
+:class:`CheckpointEdit` names changes (shards that lose or receive tensors re-saved, the rest
+hard-linked or copied; the index, ``config.json``'s ``quantization_config``,
+``hf_quant_config.json`` and extra files rewritten); :func:`kv_scale_tensors` names and shapes
+the K/V scales of every layer the way one producer stores them. The source folder is read by
+the checkpoint readers' rules (regular files and real folders only). Everything is written into
+a temporary folder beside ``out`` and renamed into place only when complete: a failed write
+leaves no half checkpoint and never changes the source or an existing ``out``. Details:
+``docs/dev/checkpoint.md`` (Writing a checkpoint copy).
 """
 
 from __future__ import annotations
@@ -48,7 +28,13 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint import producers
-from kvquant.checkpoint.files import MAX_INDEX_BYTES, read_json, scan_folder, weight_files
+from kvquant.checkpoint.files import (
+    MAX_INDEX_BYTES,
+    FolderEntry,
+    read_json,
+    scan_folder,
+    weight_files,
+)
 from kvquant.errors import CheckpointError, ExportError, ExportTargetExistsError
 
 __all__ = [
@@ -286,9 +272,6 @@ def write_checkpoint_copy(
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the usual mode
     try:
-        rewritten: list[str] = []
-        linked: list[str] = []
-        copied: list[str] = []
         sizes = {e.rel: e.size for e in entries}
         sizes.update({f.relative_to(src).as_posix(): _file_bytes(f) for f in changed})
         bar = tqdm(
@@ -300,40 +283,12 @@ def write_checkpoint_copy(
             disable=not progress,
         )
         with bar:
-            for entry in entries:
-                target = tmp / entry.rel
-                top = entry.rel.split("/", 1)[0]
-                if entry.is_dir:
-                    target.mkdir()
-                    if top == entry.rel:
-                        copied.append(top)
-                elif _link_or_copy(entry.path, target, link, entry.size) and top == entry.rel:
-                    linked.append(top)
-                elif top == entry.rel:
-                    copied.append(top)
-                bar.update(entry.size)
-            for file in sorted(changed):
-                rel = file.relative_to(src).as_posix()
-                bar.set_postfix_str(f"rewriting {rel}")
-                add = {n: t for n, t in edit.tensors.items() if Path(edit.homes[n]) == file}
-                dst = tmp / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                _rewrite_shard(file, dst, drop_by_file.get(file, set()), add)
-                rewritten.append(rel)
-                bar.update(sizes[rel])
-
+            linked, copied = _copy_entries(entries, tmp, link, bar)
+            rewritten = _rewrite_shards(src, tmp, changed, drop_by_file, edit, sizes, bar)
         if index is not None and index_rel is not None:
             _write_index(src, tmp, index, index_rel, drop_by_file, edit)
             rewritten.append(index_rel)
-        new_config = _new_config(config, edit.quantization_config)
-        _write_file(tmp, "config.json", new_config, strict=False)
-        rewritten.append("config.json")
-        if edit.hf_quant_config is not None:
-            _write_file(tmp, "hf_quant_config.json", edit.hf_quant_config, strict=False)
-            rewritten.append("hf_quant_config.json")
-        for name, content in edit.files.items():
-            _write_file(tmp, name, content)
-            rewritten.append(name)
+        rewritten += _write_metadata(tmp, config, edit)
 
         written = WrittenCheckpoint(tmp, tuple(rewritten), tuple(linked), tuple(copied))
         more = finish(written) if finish is not None else None
@@ -347,6 +302,65 @@ def write_checkpoint_copy(
         _remove_empty(created)
         raise
     return WrittenCheckpoint(out, tuple(rewritten), tuple(linked), tuple(copied))
+
+
+def _copy_entries(
+    entries: Sequence[FolderEntry], tmp: Path, link: bool, bar: Any
+) -> tuple[list[str], list[str]]:
+    """Copy (or hard-link) the unchanged files and folders of the source into ``tmp``;
+    returns the top-level names linked and copied."""
+    linked: list[str] = []
+    copied: list[str] = []
+    for entry in entries:
+        target = tmp / entry.rel
+        top = entry.rel.split("/", 1)[0]
+        if entry.is_dir:
+            target.mkdir()
+            if top == entry.rel:
+                copied.append(top)
+        elif _link_or_copy(entry.path, target, link, entry.size) and top == entry.rel:
+            linked.append(top)
+        elif top == entry.rel:
+            copied.append(top)
+        bar.update(entry.size)
+    return linked, copied
+
+
+def _rewrite_shards(
+    src: Path,
+    tmp: Path,
+    changed: set[Path],
+    drop_by_file: Mapping[Path, set[str]],
+    edit: CheckpointEdit,
+    sizes: Mapping[str, int],
+    bar: Any,
+) -> list[str]:
+    """Re-save the shards that lose or receive tensors into ``tmp``; returns their names."""
+    rewritten: list[str] = []
+    for file in sorted(changed):
+        rel = file.relative_to(src).as_posix()
+        bar.set_postfix_str(f"rewriting {rel}")
+        add = {n: t for n, t in edit.tensors.items() if Path(edit.homes[n]) == file}
+        dst = tmp / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _rewrite_shard(file, dst, drop_by_file.get(file, set()), add)
+        rewritten.append(rel)
+        bar.update(sizes[rel])
+    return rewritten
+
+
+def _write_metadata(tmp: Path, config: Mapping[str, Any], edit: CheckpointEdit) -> list[str]:
+    """Write ``config.json``, ``hf_quant_config.json`` and the edit's extra files into ``tmp``;
+    returns their names."""
+    _write_file(tmp, "config.json", _new_config(config, edit.quantization_config), strict=False)
+    written = ["config.json"]
+    if edit.hf_quant_config is not None:
+        _write_file(tmp, "hf_quant_config.json", edit.hf_quant_config, strict=False)
+        written.append("hf_quant_config.json")
+    for name, content in edit.files.items():
+        _write_file(tmp, name, content)
+        written.append(name)
+    return written
 
 
 def _remove_empty(folders: list[Path]) -> None:
