@@ -97,7 +97,6 @@ class BatchingStorage:
         for i, spec in enumerate(specs):
             views = layout.views(buffer, i, num_blocks)
             pages = {k: v for k, v in views.items() if not k.startswith("first")}
-            group = spec.granularity == "fp32-group"
             rotation = None
             if spec.rotation == "hadamard":
                 rotation = kernels.hadamard(spec.head_dim)
@@ -108,9 +107,9 @@ class BatchingStorage:
                     spec.num_kv_heads,
                     spec.head_dim,
                     granularity=spec.granularity,
-                    group_size=(spec.group_size or spec.head_dim) if group else None,
-                    k_scale=None if group else spec.k_scale,
-                    v_scale=None if group else spec.v_scale,
+                    group_size=spec.group_size,
+                    k_scale=spec.k_scale,
+                    v_scale=spec.v_scale,
                     device=device,
                     backend=backend,
                     name=spec.name,
