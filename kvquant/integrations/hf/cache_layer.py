@@ -16,7 +16,6 @@ Design (update, bookkeeping, padding): docs/dev/cache.md.
 from __future__ import annotations
 
 import copy
-import re
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from kvquant.cache import (
     total_memory_bytes,
 )
 from kvquant.errors import CacheUsageError, UnsupportedModelError
+from kvquant.integrations.hf.compat import POSITIVE_CROP_KEEPS
 from kvquant.integrations.hf.pool_sizing import PoolSizing
 from kvquant.schemes import Scheme
 
@@ -46,13 +46,6 @@ _CPU = torch.device("cpu")
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The K/V dtypes a cache layer accepts (those the write kernels read)."""
-
-POSITIVE_CROP_KEEPS = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2]) < (
-    5,
-    18,
-)
-"""Whether the installed transformers' ``DynamicCache.crop(n)`` takes ``n > 0`` as "keep the
-first ``n``" (5.17, deprecated there); from 5.18 on it refuses a positive ``n``."""
 
 
 @dataclass(frozen=True)

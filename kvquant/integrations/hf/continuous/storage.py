@@ -17,6 +17,7 @@ from kvquant.errors import (
     CacheCapacityError,
     UnsupportedModelError,
 )
+from kvquant.integrations.hf.compat import memory_breakdown
 from kvquant.integrations.hf.continuous.layout import BlockLayout
 from kvquant.integrations.hf.continuous.plan import StepPlan, build_plan
 from kvquant.schemes import FirstTokens
@@ -267,15 +268,7 @@ class LayerStep:
 
 def _memory_breakdown() -> tuple[int, int, int]:
     """``(total, reserved, allocated)`` bytes of the device, as transformers measures them."""
-    try:
-        from transformers.generation.continuous_batching.utils import (
-            get_device_and_memory_breakdown,
-        )
-    except ImportError:  # transformers 5.17 keeps it in requests.py
-        from transformers.generation.continuous_batching.requests import (  # type: ignore[no-redef]
-            get_device_and_memory_breakdown,
-        )
-    _, total, reserved, allocated = get_device_and_memory_breakdown()
+    _, total, reserved, allocated = memory_breakdown()()
     return int(total), int(reserved), int(allocated)
 
 
