@@ -5,7 +5,10 @@ A scheme says how FP8 codes turn back into numbers: :class:`PerTensorScales` and
 group of ``group_size`` channels, computed on write) and :class:`KTransformScales` (static scales
 of K offset and rotated first). A scheme checks its tensors once, when it is built, and never
 again; :meth:`Scheme.to` moves it without checking. Its ``name`` (the registry's word) is only
-for messages, reports and files; :func:`scheme_class` turns a user's word into a class.
+for messages, reports and files; :func:`scheme_class` turns a user's word into a class. What
+the rest of kvquant needs to know about a scheme its class says (:meth:`Scheme.scale_shape`,
+:meth:`Scheme.group_scales`, :meth:`Scheme.slot_bytes`, ``dynamic``, ``transforms_keys``), so
+that a new scheme is a new class, not a new branch elsewhere.
 :class:`Mask` holds what the attention masks, :class:`Pages` the page tensors (and group scales)
 and :class:`FirstTokens` the k-transform's full-precision side buffer. Imports torch only;
 design: docs/dev/kernels.md (Schemes).
