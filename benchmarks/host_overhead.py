@@ -329,7 +329,7 @@ def null_once(model: Any, ids: torch.Tensor, args: argparse.Namespace) -> list[f
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    from kvquant.integrations.hf.routing import cache_kwarg_name
+    from kvquant.integrations.hf.compat import cache_keyword
 
     AttentionInterface.register(STUB_ATTN, _stub_attention)
     AttentionMaskInterface.register(STUB_ATTN, sdpa_mask)
@@ -338,7 +338,7 @@ def null_once(model: Any, ids: torch.Tensor, args: argparse.Namespace) -> list[f
     try:
         clock = Clock(None)
         cache = null_cache()(model.config.num_hidden_layers)
-        generate(model, ids, args.steps, {cache_kwarg_name(model.model): cache}, clock)
+        generate(model, ids, args.steps, {cache_keyword(model.model): cache}, clock)
     finally:
         model.set_attn_implementation(previous)
     return step_times(clock)
@@ -351,7 +351,7 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
     import kvquant.kernels as kernels
     import kvquant.kernels.attention.validate as attention_checks
     import kvquant.kernels.write.validate as write_checks
-    from kvquant.integrations.hf.routing import cache_kwarg_name
+    from kvquant.integrations.hf.compat import cache_keyword
 
     checks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if not args.value_checks:
@@ -359,7 +359,7 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
         for module in (attention_checks, write_checks):
             checks.enter_context(patched(module, "value_checks_enabled", lambda device: False))
     handle = kvquant.patch(model, scales={}, scale_format="fp32-group", page_size=args.page_size)
-    key = cache_kwarg_name(model.model)
+    key = cache_keyword(model.model)
     tokens = args.batch * (args.prompt_len + args.steps + 8)
     try:
         with (

@@ -5,7 +5,10 @@ A scheme says how FP8 codes turn back into numbers: :class:`PerTensorScales` and
 group of ``group_size`` channels, computed on write) and :class:`KTransformScales` (static scales
 of K offset and rotated first). A scheme checks its tensors once, when it is built, and never
 again; :meth:`Scheme.to` moves it without checking. Its ``name`` (the registry's word) is only
-for messages, reports and files; :func:`scheme_class` turns a user's word into a class.
+for messages, reports and files; :func:`scheme_class` turns a user's word into a class. What
+the rest of kvquant needs to know about a scheme its class says (:meth:`Scheme.scale_shape`,
+:meth:`Scheme.group_scales`, :meth:`Scheme.slot_bytes`, ``dynamic``, ``transforms_keys``), so
+that a new scheme is a new class, not a new branch elsewhere.
 :class:`Mask` holds what the attention masks, :class:`Pages` the page tensors (and group scales)
 and :class:`FirstTokens` the k-transform's full-precision side buffer. Imports torch only;
 design: docs/dev/kernels.md (Schemes).
@@ -140,6 +143,8 @@ class Scheme(abc.ABC):
 
     name: ClassVar[str] = ""
     dynamic: ClassVar[bool] = False
+    transforms_keys: ClassVar[bool] = False
+    """Whether K is stored transformed (offset, rotated): the layer needs a K transform."""
     if TYPE_CHECKING:
         first_tokens: ClassVar[int]
         """First visible tokens per sequence kept at full precision (0 but for the k-transform)."""
@@ -148,6 +153,24 @@ class Scheme(abc.ABC):
         super().__init_subclass__(**kwargs)
         if cls.name:
             _CLASSES[cls.name] = cls
+
+    @classmethod
+    def scale_shape(cls, num_kv_heads: int) -> tuple[int, ...] | None:
+        """Shape of the scheme's static K (and V) scale: ``()`` one for the tensor,
+        ``(num_kv_heads,)`` one per KV head, None: no static scale (computed when written)."""
+        return None
+
+    @classmethod
+    def group_scales(cls, head_dim: int, group_size: int | None = None) -> int:
+        """fp32 scales stored beside the pages per token and KV head (0: none)."""
+        return 0
+
+    @classmethod
+    def slot_bytes(cls, num_kv_heads: int, head_dim: int, group_size: int | None = None) -> int:
+        """Bytes one token slot takes in a layer, K and V together: the FP8 codes (one byte per
+        element) and the scales stored per token (:meth:`group_scales`, fp32)."""
+        per_head = head_dim + 4 * cls.group_scales(head_dim, group_size)
+        return 2 * num_kv_heads * per_head
 
     @property
     def num_kv_heads(self) -> int | None:
@@ -249,6 +272,10 @@ class StaticScales(Scheme):
             _check_scale_values(owner, label, s)
         object.__setattr__(self, "k_scale", _own(k))
         object.__setattr__(self, "v_scale", _own(v))
+
+    @classmethod
+    def scale_shape(cls, num_kv_heads: int) -> tuple[int, ...] | None:
+        return (num_kv_heads,) if cls.per_head else ()
 
     def _check_shapes(self, owner: str, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.per_head:
@@ -352,6 +379,11 @@ class GroupScales(Scheme):
                 g //= 2
         return cls(head_dim=head_dim, group_size=g)
 
+    @classmethod
+    def group_scales(cls, head_dim: int, group_size: int | None = None) -> int:
+        """``D // G`` (``group_size`` None: the default of :meth:`for_head_dim`)."""
+        return cls.for_head_dim(head_dim, group_size).n_groups
+
     def dims(self) -> tuple[int | None, int | None]:
         return None, self.head_dim
 
@@ -385,6 +417,12 @@ class KTransformScales(Scheme):
     k_rotation: torch.Tensor | None = None
     first_tokens: int = 0  # type: ignore[misc]  # a field here, 0 on the other schemes
     name: ClassVar[str] = "k-transform"
+    transforms_keys: ClassVar[bool] = True
+
+    @classmethod
+    def scale_shape(cls, num_kv_heads: int) -> tuple[int, ...] | None:
+        """``(num_kv_heads,)``: the registry holds a K transform's scales per head."""
+        return (num_kv_heads,)
 
     def __post_init__(self) -> None:
         owner = "k-transform scales"

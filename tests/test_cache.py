@@ -286,6 +286,25 @@ def test_memory_accounting() -> None:
     assert static[0].k_pages.dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head", "fp32-group", "k-transform"])
+def test_scheme_slot_bytes_are_what_the_storage_allocates_per_slot(granularity: str) -> None:
+    """The pool sizing asks the scheme's class what a slot costs before any storage exists."""
+    h, d, g = 3, 32, 8
+    scheme = scheme_class(granularity)
+    kw: dict[str, object] = {}
+    shape = scheme.scale_shape(h)
+    if shape is not None:
+        kw = {"k_scale": torch.full(shape, 0.5), "v_scale": torch.full(shape, 0.25)}
+    if scheme.transforms_keys:
+        kw |= {"k_offset": torch.zeros(h, d), "k_rotation": hadamard(d)}
+    if scheme.dynamic:
+        kw["group_size"] = g
+    store = PagedLayerStorage(5, 4, h, d, granularity=granularity, backend="torch", **kw)
+    held = store.memory_bytes()
+    per_slot = (held["pages"] + held["group_scales"]) / (5 * 4)
+    assert scheme.slot_bytes(h, d, g if scheme.dynamic else None) == per_slot
+
+
 def test_storage_defaults_and_e5m2() -> None:
     c = PagedLayerStorage(2, 16, 1, 128, granularity="fp32-group", kv_dtype=torch.float8_e5m2)
     assert c.k_group_scales is not None

@@ -203,3 +203,21 @@ def test_derived_flags_and_words() -> None:
     with pytest.raises(ScaleFormatError, match="scale scheme 'per-token' is unknown"):
         scheme_class("per-token")
     assert ORTHONORMAL_TOL == 1e-4
+
+
+def test_class_facts_describe_each_scheme_without_an_instance() -> None:
+    """What the registry, the pool sizing and the checkpoint writers ask a scheme's class."""
+    assert PerTensorScales.scale_shape(3) == () and PerHeadScales.scale_shape(3) == (3,)
+    assert KTransformScales.scale_shape(3) == (3,) and GroupScales.scale_shape(3) is None
+    assert [c.transforms_keys for c in (PerTensorScales, GroupScales, KTransformScales)] == [
+        False,
+        False,
+        True,
+    ]
+    assert GroupScales.group_scales(128, 32) == 4 and GroupScales.group_scales(80) == 5
+    assert PerHeadScales.group_scales(128, 32) == 0
+    # one FP8 byte per element, plus 4 bytes per fp32 group scale; K and V
+    assert PerTensorScales.slot_bytes(2, 128) == KTransformScales.slot_bytes(2, 128) == 512
+    assert GroupScales.slot_bytes(2, 128, 32) == 2 * 2 * (128 + 4 * 4) == 576
+    with pytest.raises(ScaleFormatError, match="does not divide head_dim 128"):
+        GroupScales.slot_bytes(2, 128, 48)

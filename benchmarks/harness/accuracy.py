@@ -504,9 +504,9 @@ def teacher_forced(
     if cache_factory is None:
         hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
     else:
-        from kvquant.integrations.hf.routing import cache_kwarg_name
+        from kvquant.integrations.hf.compat import cache_keyword
 
-        kwargs = {"use_cache": True, cache_kwarg_name(decoder): cache_factory()}
+        kwargs = {"use_cache": True, cache_keyword(decoder): cache_factory()}
         first = decoder(input_ids=ids[:, :1], **kwargs).last_hidden_state
         rest = decoder(input_ids=ids[:, 1:], **kwargs).last_hidden_state
         hidden = torch.cat([first, rest], dim=1)

@@ -32,6 +32,7 @@ from kvquant.export.engines import ENGINES, engine_named
 from kvquant.export.report import ExportReport, LayerExport
 from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
 from kvquant.registry.resolve import ModelScales, analyze_scales, resolve_scales
+from kvquant.schemes import scheme_class
 from kvquant.types import RawScale
 
 __all__ = ["REPORT_FILE", "export_checkpoint", "new_configs", "source_weights", "write_report_copy"]
@@ -248,12 +249,14 @@ def _rewrite_layers(
     new_tensors: dict[str, torch.Tensor] = {}
     homes: dict[str, Path] = {}
     infos = scale_tensor_infos(found.files)
+    scheme = scheme_class(granularity)
     broadcast = False
     for layer_scales in scales.layers:
         layer = layer_scales.layer
         raws = by_layer[layer]
         heads = found.geometry.kv_heads_of(layer)  # models such as Gemma 4 differ per layer
         shape = target.shape(granularity, heads)
+        want = scheme.scale_shape(heads)
         notes.extend([n for n in layer_scales.notes if n not in notes])
         values: dict[str, torch.Tensor] = {}
         ratios: dict[str, float] = {}
@@ -261,9 +264,9 @@ def _rewrite_layers(
             if value is None:  # resolve_scales raised for rejected layers
                 raise ExportError(f"layer {layer} has no usable {kind.upper()} scale.")
             ratios[kind] = 1.0
-            if granularity == "per-tensor" and value.dim() == 1:
+            if want == () and value.dim() == 1:
                 value, ratios[kind] = reduce_to_per_tensor(value)
-            elif granularity == "per-head" and value.dim() == 0:
+            elif want and value.dim() == 0:
                 value = broadcast_to_per_head(value, heads)
                 broadcast = True
             values[kind] = value
@@ -425,12 +428,12 @@ def _verify(tmp: Path, report: ExportReport, source: DiscoveredCheckpoint) -> No
         problems.extend(analysis.problems)
     if found.has_errors:
         problems.extend(f.message for f in found.findings if f.severity == "error")
-    # the k-transform's K/V scales are per-head (its offsets are checked by discovery)
-    expected_gran = (
-        "per-head" if report.granularity in ("per-head", "k-transform") else "per-tensor"
-    )
-    if analysis.ok and analysis.granularity != expected_gran:
-        problems.append(f"re-read as {analysis.granularity}, expected {expected_gran}")
+    # the scales re-read hold one value per tensor or per head, as written (a k-transform's
+    # are per head; its offsets are checked by discovery)
+    heads = source.geometry.num_kv_heads
+    expected = scheme_class(report.granularity).scale_shape(heads)
+    if analysis.ok and analysis.scheme.scale_shape(heads) != expected:
+        problems.append(f"re-read as {analysis.granularity}, expected {report.granularity}")
     written = {r.name: r for r in found.scales}
     for layer in report.layers:
         for name, values in ((layer.k_name, layer.k), (layer.v_name, layer.v)):

@@ -20,6 +20,7 @@ import torch
 
 from kvquant.choices import MissingKV, MissingScales, RopePolicy
 from kvquant.errors import ScaleFormatError
+from kvquant.schemes import scheme_class
 from kvquant.types import Granularity, LayerGeometry, RawOffset, RawScale
 
 __all__ = [
@@ -150,15 +151,14 @@ def canonical_shape(granularity: str, geometry: LayerGeometry) -> tuple[int, ...
         geometry: the model's attention geometry.
 
     Returns:
-        ``()`` for per-tensor, ``(num_kv_heads,)`` for per-head and k-transform
-        (whose scales are per-head), ``None`` for the dynamic fp32-group format
-        (no stored tensor).
+        The named scheme's :meth:`~kvquant.schemes.Scheme.scale_shape`: ``()`` for
+        per-tensor, ``(num_kv_heads,)`` for per-head and k-transform (whose scales are
+        per-head), ``None`` for the dynamic fp32-group format (no stored tensor).
+
+    Raises:
+        ScaleFormatError: a word that names no scheme.
     """
-    if granularity == "per-tensor":
-        return ()
-    if granularity in ("per-head", "k-transform"):
-        return (geometry.num_kv_heads,)
-    return None
+    return scheme_class(granularity).scale_shape(geometry.num_kv_heads)
 
 
 def check_dtype(raw: RawScale) -> str | None:

@@ -29,6 +29,7 @@ from kvquant.registry.formats import (
     ScaleFormat,
 )
 from kvquant.registry.policy import GRANULARITIES, canonical_shape, format_shape
+from kvquant.schemes import scheme_class
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
@@ -128,7 +129,7 @@ def check_format_contract(fmt: ScaleFormat) -> None:
             f"{who} has granularity {granularity!r}; expected one of {GRANULARITIES}. "
             "Fix: set the class attribute granularity to what convert() returns."
         )
-    if bool(fmt.dynamic) != (granularity == "fp32-group"):
+    if bool(fmt.dynamic) != scheme_class(granularity).dynamic:
         raise FormatRegistrationError(
             f"{who} has dynamic={fmt.dynamic!r} with granularity {granularity!r}; dynamic "
             "formats (and only they) have granularity 'fp32-group'. Fix: make the two agree."

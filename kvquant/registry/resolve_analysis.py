@@ -25,8 +25,8 @@ from kvquant.registry.registry import (
 from kvquant.registry.resolve_dynamic import dynamic_layers
 from kvquant.registry.resolve_results import BUILTIN_NAMES, ModelScales
 from kvquant.registry.resolve_static import analyze_static, with_k_transform
+from kvquant.schemes import KTransformScales, Scheme, scheme_class
 from kvquant.types import (
-    Granularity,
     LayerGeometry,
     RawKTransform,
     RawScale,
@@ -157,9 +157,11 @@ def analyze_scales(
     # per tensor; a user format reads every tensor itself. A K transform in the
     # checkpoint makes "auto" resolve to the k-transform target.
     reader = requested if requested is not None and requested.name not in BUILTIN_NAMES else None
-    target: Granularity | None = requested.granularity if requested is not None else None
-    if target is None and k_transform is not None:
-        target = "k-transform"
+    target: type[Scheme] | None = None
+    if requested is not None:
+        target = scheme_class(requested.granularity)
+    elif k_transform is not None:
+        target = KTransformScales
     result = analyze_static(
         raw_scales, geometry, reader, target, requested, group_size, missing_scales,
         missing_kv, rope_policy, registry, recorded,
@@ -213,9 +215,9 @@ def _with_checkpoint_transform(
             'for this model, or patch(model, scale_format="fp32-group") to ignore the transform.'
         )
         return dataclasses.replace(result, problems=(*result.problems, problem))
-    if result.granularity == "k-transform":
+    if result.scheme.transforms_keys:
         return with_k_transform(result, k_transform, geometry)
-    if k_transform is not None and result.granularity != "fp32-group":
+    if k_transform is not None and not result.scheme.dynamic:
         name = requested.name if requested is not None else "auto"
         problem = (
             f"{k_transform.source or 'the checkpoint'} declares a K transform (per-channel K "

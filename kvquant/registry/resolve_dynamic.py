@@ -15,8 +15,8 @@ from kvquant.registry.policy import (
 )
 from kvquant.registry.resolve_reading import record_of
 from kvquant.registry.resolve_results import LayerScales, ModelScales, ScaleRecord
+from kvquant.schemes import GroupScales, PerTensorScales, Scheme
 from kvquant.types import (
-    Granularity,
     LayerGeometry,
     RawScale,
 )
@@ -60,19 +60,17 @@ def dynamic_layers(
                         f'checkpoint scale ignored: scale_format="{name}" computes scales '
                         "while writing the cache",
                         fmt=name,
-                        granularity="fp32-group",
+                        scheme=GroupScales,
                     )
                 )
             else:
                 recs.append(
-                    record_of(
-                        None, layer, kind_lit, "default", why, fmt=name, granularity="fp32-group"
-                    )
+                    record_of(None, layer, kind_lit, "default", why, fmt=name, scheme=GroupScales)
                 )
         layers.append(
             LayerScales(
                 layer=layer,
-                granularity="fp32-group",
+                scheme=GroupScales,
                 k=None,
                 v=None,
                 group_size=size,
@@ -104,7 +102,7 @@ def dynamic_layers(
     notes = [a.note for a in applied]
     return ModelScales(
         geometry=geometry,
-        granularity="fp32-group",
+        scheme=GroupScales,
         group_size=size,
         layers=tuple(layers),
         notes=tuple(notes),
@@ -120,7 +118,7 @@ def no_scales(
     options: dict[str, Any],
     missing_scales: str,
     requested: ScaleFormat | None,
-    target: Granularity | None,
+    target: type[Scheme] | None,
     problems: list[str],
 ) -> ModelScales:
     """Apply ``missing_scales`` when no layer has a checkpoint scale."""
@@ -130,7 +128,7 @@ def no_scales(
             geometry,
             group_size,
             options,
-            "fp32-group",
+            GroupScales.name,
             explicit=False,
             reason=None,
             problems=problems,
@@ -143,21 +141,21 @@ def no_scales(
 def _unit_scales(
     geometry: LayerGeometry,
     options: dict[str, Any],
-    target: Granularity | None,
+    target: type[Scheme] | None,
     problems: list[str],
 ) -> ModelScales:
     """``missing_scales="unit"``: scale 1.0 for every layer (noted as lossy)."""
-    granularity: Granularity = target or "per-tensor"
+    scheme = target or PerTensorScales
     reason = 'no KV scale in the checkpoint; 1.0 used (missing_scales="unit")'
     layers = []
     for layer in range(geometry.num_layers):
-        shape = () if granularity == "per-tensor" else (geometry.kv_heads_of(layer),)
+        shape = scheme.scale_shape(geometry.kv_heads_of(layer)) or ()  # a static target
         k = torch.ones(shape, dtype=torch.float32)
         v = torch.ones(shape, dtype=torch.float32)
         layers.append(
             LayerScales(
                 layer=layer,
-                granularity=granularity,
+                scheme=scheme,
                 k=k,
                 v=v,
                 group_size=None,
@@ -167,7 +165,7 @@ def _unit_scales(
                     "k",
                     "default",
                     reason,
-                    granularity=granularity,
+                    granularity=scheme.name,
                     scale=tuple(float(x) for x in k.reshape(-1)),
                 ),
                 v_record=ScaleRecord(
@@ -175,7 +173,7 @@ def _unit_scales(
                     "v",
                     "default",
                     reason,
-                    granularity=granularity,
+                    granularity=scheme.name,
                     scale=tuple(float(x) for x in v.reshape(-1)),
                 ),
             )
@@ -187,7 +185,7 @@ def _unit_scales(
     )
     return ModelScales(
         geometry=geometry,
-        granularity=granularity,
+        scheme=scheme,
         group_size=None,
         layers=tuple(layers),
         notes=(note,),
@@ -204,7 +202,7 @@ def _rejected_for_no_scales(
     options: dict[str, Any],
     missing_scales: str,
     requested: ScaleFormat | None,
-    target: Granularity | None,
+    target: type[Scheme] | None,
     problems: list[str],
 ) -> ModelScales:
     """No scales where they are needed: every layer rejected, with the fix."""
@@ -224,25 +222,25 @@ def _rejected_for_no_scales(
             '"fp32-group" to compute scales while writing the cache, or '
             'missing_scales="unit" to use 1.0 (lossy).'
         )
-    granularity_out: Granularity = target or "fp32-group"
+    scheme = target or GroupScales
     reason = "no KV scale in the checkpoint"
     layers = [
         LayerScales(
             layer=layer,
-            granularity=granularity_out,
+            scheme=scheme,
             k=None,
             v=None,
             group_size=None,
             source="none",
-            k_record=record_of(None, layer, "k", "reject", reason, granularity=granularity_out),
-            v_record=record_of(None, layer, "v", "reject", reason, granularity=granularity_out),
+            k_record=record_of(None, layer, "k", "reject", reason, scheme=scheme),
+            v_record=record_of(None, layer, "v", "reject", reason, scheme=scheme),
             problems=(problem,),  # every layer lacks its scales
         )
         for layer in range(geometry.num_layers)
     ]
     return ModelScales(
         geometry=geometry,
-        granularity=granularity_out,
+        scheme=scheme,
         group_size=None,
         layers=tuple(layers),
         notes=(),

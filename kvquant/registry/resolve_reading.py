@@ -22,8 +22,8 @@ from kvquant.registry.registry import (
     ScaleFormatRegistry,
 )
 from kvquant.registry.resolve_results import BUILTIN_NAMES, Action, ScaleRecord, dtype_name
+from kvquant.schemes import Scheme
 from kvquant.types import (
-    Granularity,
     LayerGeometry,
     RawScale,
 )
@@ -73,9 +73,10 @@ def record_of(
     reason: str,
     *,
     fmt: str | None = None,
-    granularity: str | None = None,
+    scheme: type[Scheme] | None = None,
     scale: torch.Tensor | None = None,
 ) -> ScaleRecord:
+    granularity = None if scheme is None else scheme.name
     if raw is None:
         return ScaleRecord(layer, kind, action, reason, granularity=granularity)
     stats = _raw_stats(raw)
@@ -147,7 +148,7 @@ def _read_raw(
     raw: RawScale,
     geometry: LayerGeometry,
     reader: ScaleFormat | None,
-    target: Granularity | None,
+    target: type[Scheme] | None,
     registry: ScaleFormatRegistry,
 ) -> RawRead:
     """Pick the format for one raw tensor and normalise it (raises ScaleFormatError)."""
@@ -157,7 +158,7 @@ def _read_raw(
         fmt = reader
     else:
         candidates = list(registry.detect(raw.tensor.shape, geometry))
-        if target == "per-tensor":
+        if target is not None and target.scale_shape(geometry.num_kv_heads) == ():
             by_query_heads = QueryHeadMaxFormat()
             if by_query_heads.recognizes(raw.tensor.shape, geometry):
                 candidates.append(by_query_heads)
@@ -186,7 +187,7 @@ def read_layers(
     by_layer: Mapping[int, list[RawScale]],
     geometry: LayerGeometry,
     reader: ScaleFormat | None,
-    target: Granularity | None,
+    target: type[Scheme] | None,
     registry: ScaleFormatRegistry,
     missing_kv: str,
     events: dict[tuple[Conversion, str], list[int]],

@@ -19,8 +19,8 @@ from kvquant.registry.policy import (
 from kvquant.registry.registry import (
     BUILTIN_FORMATS,
 )
+from kvquant.schemes import Scheme
 from kvquant.types import (
-    Granularity,
     KTransform,
     LayerGeometry,
 )
@@ -123,7 +123,9 @@ class LayerScales:
 
     Attributes:
         layer: decoder layer index.
-        granularity: ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
+        scheme: the layer's scale scheme (:class:`~kvquant.schemes.PerTensorScales`,
+            :class:`~kvquant.schemes.PerHeadScales`, :class:`~kvquant.schemes.GroupScales` or
+            :class:`~kvquant.schemes.KTransformScales`); its word is :attr:`granularity`.
         k: fp32 ``[]`` or ``[num_kv_heads]``; ``None`` for fp32-group or a rejected layer.
         v: same as ``k``, for V.
         group_size: ``G`` for fp32-group, else ``None``.
@@ -138,7 +140,7 @@ class LayerScales:
     """
 
     layer: int
-    granularity: Granularity
+    scheme: type[Scheme]
     k: torch.Tensor | None
     v: torch.Tensor | None
     group_size: int | None
@@ -149,6 +151,11 @@ class LayerScales:
     problems: tuple[str, ...] = ()
     k_offset: torch.Tensor | None = None
     k_offset_tensor: str | None = None
+
+    @property
+    def granularity(self) -> str:
+        """The scheme's word (``"per-tensor"``, ``"per-head"``, ...), for reports and JSON."""
+        return self.scheme.name
 
     @property
     def ok(self) -> bool:
@@ -190,7 +197,7 @@ class ModelScales:
 
     Attributes:
         geometry: the attention geometry they were resolved for.
-        granularity: the granularity every layer uses.
+        scheme: the scale scheme every layer uses; its word is :attr:`granularity`.
         group_size: ``G`` when ``granularity == "fp32-group"``, else ``None``.
         layers: one :class:`LayerScales` per decoder layer, in order.
         notes: model-level summary of conversions and defaults (one line each).
@@ -204,7 +211,7 @@ class ModelScales:
     """
 
     geometry: LayerGeometry
-    granularity: Granularity
+    scheme: type[Scheme]
     group_size: int | None
     layers: tuple[LayerScales, ...]
     notes: tuple[str, ...] = ()
@@ -212,6 +219,11 @@ class ModelScales:
     options: Mapping[str, Any] = field(default_factory=dict)
     conversions: tuple[AppliedConversion, ...] = ()
     k_transform: KTransform | None = None
+
+    @property
+    def granularity(self) -> str:
+        """The scheme's word (``"per-tensor"``, ``"per-head"``, ...), for reports and JSON."""
+        return self.scheme.name
 
     @property
     def ok(self) -> bool:

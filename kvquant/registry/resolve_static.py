@@ -33,9 +33,9 @@ from kvquant.registry.resolve_results import (
     layers_phrase,
     summarise,
 )
+from kvquant.schemes import PerHeadScales, PerTensorScales, Scheme
 from kvquant.types import (
     MAX_FIRST_TOKENS,
-    Granularity,
     KTransform,
     LayerGeometry,
     RawKTransform,
@@ -169,7 +169,7 @@ def analyze_static(
     raw_scales: Sequence[RawScale],
     geometry: LayerGeometry,
     reader: ScaleFormat | None,
-    target: Granularity | None,
+    target: type[Scheme] | None,
     requested: ScaleFormat | None,
     group_size: int | None,
     missing_scales: str,
@@ -202,15 +202,15 @@ def analyze_static(
             "compute scales while writing the cache."
         )
 
-    # The model-wide granularity: requested, or per-head if any layer has per-head scales.
+    # The model-wide scheme: requested, or per-head if any layer has per-head scales.
     if target is None:
-        grans = {
-            read.fmt.granularity
+        per_head = any(
+            read.tensor.dim() == 1
             for layer_pair in reads.reads.values()
             for read in layer_pair
             if read is not None
-        }
-        target = "per-head" if "per-head" in grans else "per-tensor"
+        )
+        target = PerHeadScales if per_head else PerTensorScales
 
     reductions: list[tuple[int, float]] = []
     layers: list[LayerScales] = []
@@ -226,7 +226,7 @@ def analyze_static(
     applied, model_notes = summarise(events, reductions, layers)
     return ModelScales(
         geometry=geometry,
-        granularity=target,
+        scheme=target,
         group_size=None,
         layers=tuple(layers),
         notes=tuple(model_notes),
@@ -264,18 +264,18 @@ def _by_layer(
     return by_layer
 
 
-def _layer_without_scales(layer: int, target: Granularity) -> LayerScales:
+def _layer_without_scales(layer: int, target: type[Scheme]) -> LayerScales:
     """A layer with no scale while other layers have them: rejected."""
     reason = "no KV scale for this layer (other layers have them)"
     return LayerScales(
         layer=layer,
-        granularity=target,
+        scheme=target,
         k=None,
         v=None,
         group_size=None,
         source="none",
-        k_record=record_of(None, layer, "k", "reject", reason, granularity=target),
-        v_record=record_of(None, layer, "v", "reject", reason, granularity=target),
+        k_record=record_of(None, layer, "k", "reject", reason, scheme=target),
+        v_record=record_of(None, layer, "v", "reject", reason, scheme=target),
         problems=(f"layer {layer} has no KV scales",),
     )
 
@@ -291,7 +291,7 @@ def _convert_read(
     layer: int,
     kind: str,
     read: RawRead,
-    target: Granularity,
+    target: type[Scheme],
     geometry: LayerGeometry,
     rope_policy: str,
     events: dict[tuple[Conversion, str], list[int]],
@@ -308,7 +308,8 @@ def _convert_read(
             'query-head scales reduced to per-tensor with max (scale_format="per-tensor")',
             layer,
         )
-    if target == "per-tensor" and tensor.dim() == 1:
+    want = target.scale_shape(geometry.kv_heads_of(layer))
+    if want == () and tensor.dim() == 1:
         tensor, ratio = reduce_to_per_tensor(tensor)
         reductions.append((layer, ratio))
         steps.append(f"reduced per-head to per-tensor with max (max/min {ratio:.3g})")
@@ -318,7 +319,7 @@ def _convert_read(
             'per-head scales reduced to per-tensor with max (scale_format="per-tensor")',
             layer,
         )
-    elif target in ("per-head", "k-transform") and tensor.dim() == 0:
+    elif want and tensor.dim() == 0:
         tensor = broadcast_to_per_head(tensor, geometry.kv_heads_of(layer))
         steps.append("per-tensor broadcast to every KV head (lossless)")
         _event(
@@ -409,7 +410,7 @@ def _accepted_steps(kind: str, side: Any, steps: list[str]) -> list[str]:
 def _finish_layer(
     layer: int,
     reads: LayerReads,
-    target: Granularity,
+    target: type[Scheme],
     geometry: LayerGeometry,
     rope_policy: str,
     events: dict[tuple[Conversion, str], list[int]],
@@ -454,18 +455,18 @@ def _finish_layer(
                     action,
                     reason,
                     fmt=fmt_name,
-                    granularity=target,
+                    scheme=target,
                     scale=finals[kind],
                 )
             )
         else:
             reason = _rejection_reason(layer, kind, side, side_read, other_raw, mine)
             records.append(
-                record_of(side, layer, kind_lit, "reject", reason, fmt=fmt_name, granularity=target)
+                record_of(side, layer, kind_lit, "reject", reason, fmt=fmt_name, scheme=target)
             )
     return LayerScales(
         layer=layer,
-        granularity=target,
+        scheme=target,
         k=finals["k"] if ok else None,
         v=finals["v"] if ok else None,
         group_size=None,

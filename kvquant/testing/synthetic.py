@@ -47,6 +47,8 @@ import torch
 
 from kvquant.checkpoint import producers as conventions
 from kvquant.checkpoint.producers import NO_PRODUCER, PRODUCERS, Producer
+from kvquant.checkpoint.producers.base import stored_scheme
+from kvquant.schemes import PerTensorScales
 
 __all__ = [
     "CONVENTIONS",
@@ -194,7 +196,7 @@ def _kv_scale_tensors(
     drop: set[tuple[int, str]],
 ) -> dict[str, torch.Tensor]:
     values: dict[tuple[int, str], float | torch.Tensor] = dict(
-        default_scale_values(num_layers, num_kv_heads, per_head=granularity == "per-head")
+        default_scale_values(num_layers, num_kv_heads, per_head=stored_scheme(granularity).per_head)
     )
     explicit = dict(scales or {})
     stored_as_given: dict[tuple[int, str], torch.Tensor] = {}
@@ -214,7 +216,7 @@ def _kv_scale_tensors(
                 continue
             if given is None:
                 given = _merged_kv_value(layer, values)
-            out[name] = producer.stored_scale(given, "per-tensor", num_kv_heads, scale_dtype)
+            out[name] = producer.stored_scale(given, PerTensorScales, num_kv_heads, scale_dtype)
         return out
     merged = producer.writes_merged(post_rope=post_rope)
     for layer in range(num_layers):
@@ -496,10 +498,9 @@ def _check_options(
     if convention not in CONVENTIONS:
         raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
     producer = _PRODUCER_OF.get(convention)  # None: NO_PRODUCER
-    if granularity not in ("per-tensor", "per-head"):
-        raise ValueError(f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}")
+    scheme = stored_scheme(granularity)  # ConventionError (a ValueError) for any other word
     per_head = producer is not None and (producer.per_head or producer.stores_k_transform)
-    if granularity == "per-head" and not per_head:
+    if scheme.per_head and not per_head:
         raise ValueError(
             f"granularity='per-head' is a compressed-tensors (attn_head) export; {convention} "
             "writes per-tensor scales (pass explicit tensors in scales= to store other shapes)"

@@ -216,3 +216,21 @@ def test_config_producer_and_whether_its_config_quantizes_weights(
 def test_only_kvquants_own_config_is_a_kvquant_config() -> None:
     assert [p.name for p in cv.PRODUCERS if p.kvquant_config] == ["kvquant"]
     assert cv.reported(cv.NO_PRODUCER) is None
+
+
+def test_written_granularity_is_a_static_scheme() -> None:
+    """A checkpoint's scales are written per tensor or per head; any other word is refused
+    (compressed-tensors' strategy took it for 'tensor')."""
+    from kvquant.checkpoint.producers.base import stored_scheme
+    from kvquant.schemes import PerHeadScales, PerTensorScales
+
+    assert stored_scheme("per-head") is PerHeadScales
+    assert stored_scheme(PerTensorScales) is PerTensorScales
+    assert cv.compressed_tensors_kv_scheme("per-head")["strategy"] == "attn_head"
+    for word in ("fp32-group", "k-transform", "per-token"):
+        with pytest.raises(ConventionError, match=f"got '{word}'. Fix"):
+            cv.compressed_tensors_kv_scheme(word)
+    shape = cv.stored_scale(
+        torch.tensor(0.5), "compressed-tensors", PerHeadScales, 3, torch.float32
+    )
+    assert shape.shape == (3, 1, 1) and bool((shape == 0.5).all())

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kvquant.integrations.hf.routing import cache_kwarg_name as cache_kwarg
+from kvquant.integrations.hf.compat import cache_keyword as cache_kwarg
 
 
 def returned_cache(out: Any) -> Any:

@@ -190,3 +190,30 @@ def test_prefill_length_hint_reads_only_a_chunk_of_a_longer_mask() -> None:
     assert prefill_length_hint({"attention_mask": full[1:, :16], "input_ids": ids[1:]}) == 50
     assert prefill_length_hint({"attention_mask": full.t()[:16], "input_ids": ids}) is None
     assert prefill_length_hint({"attention_mask": None, "input_ids": ids}) is None
+
+
+@pytest.mark.parametrize("scale_format", ["fp32-group", "per-head"])
+def test_slot_bytes_and_headroom_follow_the_layers_schemes(scale_format: str) -> None:
+    """Known before any pool exists, and equal to what the pools then hold per slot."""
+    model = build("llama")
+    cfg = model.config
+    hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    scales = {
+        f"model.layers.{i}.self_attn.{k}_scale": torch.full((hkv, 1, 1), 0.01)
+        for i in range(cfg.num_hidden_layers)
+        for k in "kv"
+    }
+    kvhf.patch(model, scales=scales, scale_format=scale_format, group_size=8, backend="torch")
+    ids, mask = prompt(batch=2, length=6, pad=(1, 0))
+    out = _generate(model, ids, mask, 2)
+    cache = out.past_key_values
+    held = cache.memory_bytes()
+    slots = cache.allocator.num_pages * cache.page_size
+    assert cache.slot_bytes() * slots == held["pages"] + held["group_scales"]
+    fp8_slot = 2 * cfg.num_hidden_layers * hkv * d
+    if scale_format == "fp32-group":  # one fp32 scale per 8 FP8 bytes: (1 + 4 / G) / 2 of bf16
+        assert cache.slot_bytes() == fp8_slot * (1 + 4 / 8)
+        assert cache.headroom_fraction() == pytest.approx(0.9 / ((1 + 4 / 8) / 2) - 1)
+    else:
+        assert cache.slot_bytes() == fp8_slot
+        assert cache.headroom_fraction() == 0.5

@@ -30,7 +30,7 @@ from kvquant.errors import (
     OptionError,
     UnsupportedModelError,
 )
-from kvquant.integrations.hf import continuous
+from kvquant.integrations.hf import compat, continuous
 from kvquant.integrations.hf.continuous import caches as cb_caches
 from kvquant.integrations.hf.continuous import storage as cb_storage
 
@@ -38,7 +38,7 @@ transformers = pytest.importorskip("transformers")
 ContinuousBatchingConfig = transformers.ContinuousBatchingConfig
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 
-FLAVOUR = continuous.flavour()
+FLAVOUR = compat.batching_flavour()
 PAGE_KEY = "page_size" if FLAVOUR == "allocators" else "block_size"
 FORMATS = ("per-tensor", "per-head", "fp32-group", "k-transform")
 LENGTHS = (3, 9, 17, 30, 12)
@@ -388,9 +388,7 @@ def test_num_return_sequences_copies_the_fp8_blocks() -> None:
 
 
 def _cache_kwarg(model: Any) -> str:
-    from kvquant.integrations.hf.routing import cache_kwarg_name
-
-    return "past_key_values" if cache_kwarg_name(model.model) == "past_key_values" else "cache"
+    return "past_key_values" if compat.cache_keyword(model.model) == "past_key_values" else "cache"
 
 
 # ---------------------------------------------------------------------- sizing

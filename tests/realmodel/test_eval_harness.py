@@ -129,14 +129,14 @@ def test_teacher_forced_matches_cross_entropy_of_full_logits() -> None:
 
 
 def test_calibrate_measures_post_rope_cache_contents() -> None:
-    from kvquant.integrations.hf.routing import cache_kwarg_name
+    from kvquant.integrations.hf.compat import cache_keyword
 
     model = _tiny_llama()
     ids = _ids(50)
     scales = E.calibrate(model, ids)
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, use_cache=True, **{cache_kwarg_name(model): cache})
+        model(ids, use_cache=True, **{cache_keyword(model): cache})
     for i, layer in enumerate(cache.layers):
         assert torch.allclose(scales.k_amax[i], layer.keys.abs().amax(dim=(0, 2, 3)), rtol=1e-6)
         assert torch.allclose(scales.v_amax[i], layer.values.abs().amax(dim=(0, 2, 3)), rtol=1e-6)

@@ -47,6 +47,7 @@ from kvquant.checkpoint.producers.modelopt import (
 from kvquant.checkpoint.producers.quark import Quark, QuarkFp8, quark_config
 from kvquant.checkpoint.producers.tensorrt_llm import TensorRTLLM
 from kvquant.errors import ConventionError
+from kvquant.schemes import StaticScales
 
 __all__ = [
     "CONVENTION_SPECS",
@@ -202,13 +203,16 @@ def scale_tensor_name(convention: str, layer: int, kind: str, *, prefix: str = "
     return _writable(convention).tensor_name(layer, kind, prefix=prefix)
 
 
-def stored_scale_shape(convention: str, granularity: str, num_kv_heads: int) -> tuple[int, ...]:
+def stored_scale_shape(
+    convention: str, granularity: str | type[StaticScales], num_kv_heads: int
+) -> tuple[int, ...]:
     """Shape of one KV-scale tensor as the producer stores it.
 
     Args:
         convention: one of :data:`PRODUCER_CONVENTIONS`.
-        granularity: ``"per-tensor"`` or ``"per-head"`` (per-head only where the
-            convention has a per-head strategy: compressed-tensors ``attn_head``).
+        granularity: ``"per-tensor"`` or ``"per-head"``, or its scheme
+            (:func:`~kvquant.checkpoint.producers.base.stored_scheme`); per-head only where
+            the convention has a per-head strategy: compressed-tensors ``attn_head``.
         num_kv_heads: KV heads per layer.
 
     Returns:
@@ -225,7 +229,7 @@ def stored_scale_shape(convention: str, granularity: str, num_kv_heads: int) -> 
 def stored_scale(
     value: float | torch.Tensor,
     convention: str,
-    granularity: str,
+    granularity: str | type[StaticScales],
     num_kv_heads: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
@@ -237,7 +241,7 @@ def stored_scale(
     Args:
         value: a float, or a canonical tensor [] or [Hkv].
         convention: one of :data:`PRODUCER_CONVENTIONS`.
-        granularity: ``"per-tensor"`` or ``"per-head"``.
+        granularity: ``"per-tensor"`` or ``"per-head"``, or its scheme.
         num_kv_heads: KV heads per layer (``Hkv``).
         dtype: the stored dtype.
 

@@ -16,14 +16,43 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvquant.errors import ConventionError
+from kvquant.errors import ConventionError, ScaleFormatError
+from kvquant.schemes import PerHeadScales, PerTensorScales, StaticScales, scheme_class
 from kvquant.types import ScaleKind
 
 if TYPE_CHECKING:
     from kvquant.checkpoint.findings import Finding
     from kvquant.types import RawScale
 
-__all__ = ["OUTPUT_SCALE", "SELF_ATTN", "Naming", "Producer", "ScaleShape"]
+__all__ = ["OUTPUT_SCALE", "SELF_ATTN", "Naming", "Producer", "ScaleShape", "stored_scheme"]
+
+
+def stored_scheme(granularity: str | type[StaticScales]) -> type[StaticScales]:
+    """The static scheme a checkpoint's scales are written at: ``granularity`` as a class.
+
+    Args:
+        granularity: :class:`~kvquant.schemes.PerTensorScales` or
+            :class:`~kvquant.schemes.PerHeadScales`, or its word (``"per-tensor"``,
+            ``"per-head"``).
+
+    Raises:
+        ConventionError: anything else (a dynamic or transformed scheme is not written as
+            one static scale per tensor or head).
+    """
+    if isinstance(granularity, str):
+        try:
+            cls = scheme_class(granularity)
+        except ScaleFormatError:
+            cls = None
+    else:
+        cls = granularity
+    if not (isinstance(cls, type) and issubclass(cls, StaticScales)):
+        words = (PerTensorScales.name, PerHeadScales.name)
+        raise ConventionError(
+            f"granularity must be {words[0]!r} or {words[1]!r}, got {granularity!r}. "
+            "Fix: pass one of those."
+        )
+    return cls
 
 
 @dataclass(frozen=True)
@@ -127,7 +156,8 @@ class Producer:
     @property
     def granularities(self) -> tuple[str, ...]:
         """The granularities it stores: ``"per-tensor"``, and ``"per-head"`` where it can."""
-        return ("per-tensor", "per-head") if self.per_head else ("per-tensor",)
+        schemes = (PerTensorScales, PerHeadScales) if self.per_head else (PerTensorScales,)
+        return tuple(s.name for s in schemes)
 
     # ------------------------------------------------------------------ reading
 
@@ -206,30 +236,33 @@ class Producer:
             )
         return f"{prefix}layers.{layer}.{suffix}"
 
-    def stored_shape(self, granularity: str, num_kv_heads: int) -> tuple[int, ...]:
+    def stored_shape(
+        self, granularity: str | type[StaticScales], num_kv_heads: int
+    ) -> tuple[int, ...]:
         """The stored shape of one scale: ``(Hkv, 1, 1)`` per head, else :attr:`per_tensor_shape`.
+
+        Args:
+            granularity: the static scheme (or its word, :func:`stored_scheme`).
+            num_kv_heads: ``Hkv``.
 
         Raises:
             ConventionError: an unknown granularity, or per-head for a per-tensor-only producer.
         """
-        if granularity == "per-head":
+        scheme = stored_scheme(granularity)
+        if scheme.per_head:
             if not self.per_head:
                 raise ConventionError(
-                    f"{self.name} has no per-head KV-scale strategy; got granularity 'per-head'. "
-                    "Fix: use 'compressed-tensors' (strategy attn_head) or per-tensor scales."
+                    f"{self.name} has no per-head KV-scale strategy; got granularity "
+                    f"{scheme.name!r}. Fix: use 'compressed-tensors' (strategy attn_head) or "
+                    "per-tensor scales."
                 )
             return ScaleShape.PER_HEAD.dims(num_kv_heads)
-        if granularity != "per-tensor":
-            raise ConventionError(
-                f"granularity must be 'per-tensor' or 'per-head', got {granularity!r}. "
-                "Fix: pass one of those."
-            )
         return self.per_tensor_shape.dims(num_kv_heads)
 
     def stored_scale(
         self,
         value: float | torch.Tensor,
-        granularity: str,
+        granularity: str | type[StaticScales],
         num_kv_heads: int,
         dtype: torch.dtype,
     ) -> torch.Tensor:
@@ -243,7 +276,7 @@ class Producer:
             t = value.detach().to(torch.float32).reshape(-1)
         else:
             t = torch.tensor([float(value)], dtype=torch.float32)
-        if granularity == "per-head":
+        if stored_scheme(granularity).per_head:
             if t.numel() == 1:
                 t = t.expand(num_kv_heads)
             return t.reshape(shape).to(dtype).clone()

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint.findings import Finding
-from kvquant.checkpoint.producers.base import OUTPUT_SCALE, SELF_ATTN, Producer, ScaleShape
+from kvquant.checkpoint.producers.base import (
+    OUTPUT_SCALE,
+    SELF_ATTN,
+    Producer,
+    ScaleShape,
+    stored_scheme,
+)
 
 __all__ = [
     "CompressedTensors",
@@ -24,6 +30,11 @@ __all__ = [
 ]
 
 _SCHEME_KEYS = ("num_bits", "type", "strategy", "dynamic", "symmetric")
+
+
+def _strategy(granularity: str) -> str:
+    """compressed-tensors' ``strategy`` of a static scheme: ``attn_head`` per head, else ``tensor``."""
+    return "attn_head" if stored_scheme(granularity).per_head else "tensor"
 
 
 def compressed_tensors_kv_scheme(
@@ -43,7 +54,7 @@ def compressed_tensors_kv_scheme(
     scheme: dict[str, Any] = {
         "num_bits": 8,
         "type": "float",
-        "strategy": "attn_head" if granularity == "per-head" else "tensor",
+        "strategy": _strategy(granularity),
         "dynamic": False,
         "symmetric": True,
         "group_size": None,
@@ -113,7 +124,7 @@ def packaged_kv_scheme(
         built = QuantizationArgs(
             num_bits=8,
             type="float",
-            strategy="attn_head" if granularity == "per-head" else "tensor",
+            strategy=_strategy(granularity),
             dynamic=False,
             symmetric=True,
             observer=observer,

@@ -16,7 +16,6 @@ Design (update, bookkeeping, padding): docs/dev/cache.md.
 from __future__ import annotations
 
 import copy
-import re
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,9 @@ from kvquant.cache import (
     total_memory_bytes,
 )
 from kvquant.errors import CacheUsageError, UnsupportedModelError
+from kvquant.integrations.hf.compat import POSITIVE_CROP_KEEPS
 from kvquant.integrations.hf.pool_sizing import PoolSizing
+from kvquant.schemes import Scheme
 
 __all__ = ["KVQuantCache", "KVQuantLayer", "LayerSpec"]
 
@@ -46,13 +47,6 @@ _CPU = torch.device("cpu")
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The K/V dtypes a cache layer accepts (those the write kernels read)."""
 
-POSITIVE_CROP_KEEPS = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2]) < (
-    5,
-    18,
-)
-"""Whether the installed transformers' ``DynamicCache.crop(n)`` takes ``n > 0`` as "keep the
-first ``n``" (5.17, deprecated there); from 5.18 on it refuses a positive ``n``."""
-
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -62,10 +56,12 @@ class LayerSpec:
         name: the attention module's path (for messages).
         num_kv_heads: KV heads.
         head_dim: elements per head.
-        granularity: ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
-        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for ``fp32-group``.
-        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for ``fp32-group``.
-        group_size: ``G`` of ``fp32-group`` (divides ``head_dim``), else None.
+        scheme: the layer's scale scheme (:class:`~kvquant.schemes.PerTensorScales`,
+            :class:`~kvquant.schemes.PerHeadScales`, :class:`~kvquant.schemes.GroupScales`,
+            :class:`~kvquant.schemes.KTransformScales`); its ``name`` is :attr:`granularity`.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for a dynamic scheme.
+        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for a dynamic scheme.
+        group_size: ``G`` of the group scales (divides ``head_dim``), None for a static scheme.
         k_offset: fp32 ``[Hkv, D]`` per-channel K offset (``k-transform``), else None.
         rotation: ``"hadamard"`` or None (``k-transform``: the K / query rotation).
         first_tokens: first visible tokens per sequence kept at full precision
@@ -78,7 +74,7 @@ class LayerSpec:
     name: str
     num_kv_heads: int
     head_dim: int
-    granularity: str
+    scheme: type[Scheme]
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     group_size: int | None
@@ -86,6 +82,15 @@ class LayerSpec:
     rotation: str | None = None
     first_tokens: int = 0
     kv_reused: bool = False
+
+    @property
+    def granularity(self) -> str:
+        """The scheme's word (for messages and reports)."""
+        return self.scheme.name
+
+    def slot_bytes(self) -> int:
+        """Bytes one token slot takes in this layer, K and V together (pages and scales)."""
+        return self.scheme.slot_bytes(self.num_kv_heads, self.head_dim, self.group_size)
 
 
 def _from_storage(attr: str, doc: str) -> Any:
@@ -237,7 +242,6 @@ class KVQuantLayer(CacheLayerMixin):
             key_states.shape[0], device, first_tokens=key_states.shape[2]
         )
         spec = self.spec
-        group = spec.granularity == "fp32-group"
         rotation = None
         if spec.rotation == "hadamard":  # built on the host: the storage checks it there once
             rotation = kernels.hadamard(spec.head_dim)
@@ -249,9 +253,9 @@ class KVQuantLayer(CacheLayerMixin):
             spec.num_kv_heads,
             spec.head_dim,
             granularity=spec.granularity,
-            group_size=(spec.group_size or spec.head_dim) if group else None,
-            k_scale=None if group else spec.k_scale,
-            v_scale=None if group else spec.v_scale,
+            group_size=spec.group_size,
+            k_scale=spec.k_scale,
+            v_scale=spec.v_scale,
             kv_dtype=self.cache.fp8_dtype,
             device=device,
             backend=self.cache.backend,

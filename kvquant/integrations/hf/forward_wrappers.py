@@ -12,6 +12,7 @@ from kvquant.errors import (
     UnsupportedModelError,
 )
 from kvquant.integrations.hf.cache_layer import KVQuantCache
+from kvquant.integrations.hf.compat import cache_argument
 from kvquant.integrations.hf.graphs import (
     CompiledLayers,
     DecodeGraphRunner,
@@ -23,7 +24,6 @@ from kvquant.integrations.hf.models import (
 from kvquant.integrations.hf.routing import (
     IsActive,
     PatchBound,
-    cache_argument,
     kvquant_cache,
     plain_dynamic,
     prefill_length_hint,

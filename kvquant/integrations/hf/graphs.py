@@ -31,6 +31,7 @@ from kvquant.cache import StaticStep
 from kvquant.errors import BackendError, KVQuantError
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.compat import CACHE_KEYWORDS
 from kvquant.integrations.hf.step_ops import STEP_KWARG, layer_step
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
 
 _logger = logging.getLogger("kvquant")
 
-_CACHE_KWARGS = ("cache", "past_key_values")
 _SCALARS = (bool, int, float, str)
 
 
@@ -236,7 +236,7 @@ def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     key: list[Any] = []
     for name in sorted(kwargs):
         value = kwargs[name]
-        if name == "attention_mask" or name in _CACHE_KWARGS:
+        if name == "attention_mask" or name in CACHE_KEYWORDS:
             continue
         if isinstance(value, torch.Tensor):
             key.append((name, tuple(value.shape), value.dtype, value.device))
@@ -509,7 +509,7 @@ class DecodeGraphRunner:
     def _eligible(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KVQuantCache | None:
         if args or torch.is_grad_enabled() or self.model.training or not self.is_active():
             return None
-        cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
+        cache = next((kwargs[n] for n in CACHE_KEYWORDS if kwargs.get(n) is not None), None)
         if not isinstance(cache, KVQuantCache) or cache.cuda_graphs is False:
             return None
         if cache.patch_id != getattr(getattr(self.model, "_kvquant_state", None), "patch_id", None):
@@ -702,8 +702,8 @@ class DecodeGraphRunner:
             if isinstance(v, torch.Tensor) and name != "attention_mask"
         }
         call = {**kwargs, **inputs, "attention_mask": None}
-        cache_key = next(n for n in _CACHE_KWARGS if call.get(n) is cache)
-        for name in _CACHE_KWARGS:
+        cache_key = next(n for n in CACHE_KEYWORDS if call.get(n) is cache)
+        for name in CACHE_KEYWORDS:
             call.pop(name, None)
         return DecodeGraph(
             key=key, static=static, inputs=inputs, call_kwargs=call, cache_key=cache_key

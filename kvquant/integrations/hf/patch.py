@@ -29,6 +29,7 @@ from kvquant.errors import (
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf import continuous as _continuous
 from kvquant.integrations.hf.cache_layer import ATTN_NAME, KVQuantCache
+from kvquant.integrations.hf.compat import cache_keyword
 from kvquant.integrations.hf.config import PatchOptions, check_option_names
 from kvquant.integrations.hf.forward_wrappers import install_forward_wrappers
 from kvquant.integrations.hf.marks import MISSING, STATE_ATTR
@@ -42,7 +43,6 @@ from kvquant.integrations.hf.models import (
 from kvquant.integrations.hf.routing import (
     Injector,
     Rollback,
-    cache_kwarg_name,
     drop_cache,
     grab_cache,
 )
@@ -210,7 +210,7 @@ def apply_patch(
         previous_attn=previous,
         model_name=type(model).__name__,
     )
-    state.raw_context["cache_kwarg"] = cache_kwarg_name(getattr(model, "base_model", model))
+    state.raw_context["cache_kwarg"] = cache_keyword(getattr(model, "base_model", model))
     _attention.register()
     setattr(model, STATE_ATTR, state)
     try:

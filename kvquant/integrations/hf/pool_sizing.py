@@ -91,16 +91,17 @@ class PoolSizing:
 
         After any growth the pools hold no more bytes than transformers' bf16
         ``DynamicCache`` of the same tokens, plus one page per sequence (the
-        last page, partly filled): FP8 pages plus their group scales take
-        ``(1 + 4 / G) / 2`` of bf16's bytes per token, so the headroom is
-        capped at ``0.9 * 2 / (1 + 4 / G) - 1`` (0 for very small groups).
+        last page, partly filled): a layer's slot takes ``r`` of bf16's bytes
+        per token (its :meth:`~kvquant.schemes.Scheme.slot_bytes`: ``1 / 2`` for
+        FP8 pages with static scales, ``(1 + 4 / G) / 2`` with fp32 group
+        scales), so the headroom is capped at ``0.9 / r - 1`` for the largest
+        ``r`` (0 for very small groups).
         """
         ratio = 0.5  # FP8 / bf16 bytes per element
         for layer in self.layers:
             spec = getattr(layer, "spec", None)
-            if spec is not None and spec.granularity == "fp32-group":
-                group = spec.group_size or spec.head_dim
-                ratio = max(ratio, (1.0 + 4.0 / group) / 2.0)
+            if spec is not None:  # bf16 K and V: 4 bytes per element of one head
+                ratio = max(ratio, spec.slot_bytes() / (4.0 * spec.num_kv_heads * spec.head_dim))
         return max(0.0, min(GROWTH_HEADROOM, 0.9 / ratio - 1.0))
 
     def pool_shape(
@@ -266,18 +267,8 @@ class PoolSizing:
     def slot_bytes(self) -> int:
         """Bytes one token slot of one sequence takes in every layer together (K and V pages and
         their group scales), from the layers' geometry: known before any pool exists."""
-        total = 0
-        for layer in self.layers:
-            spec = getattr(layer, "spec", None)
-            if spec is None:
-                continue
-            per_kv = spec.num_kv_heads * spec.head_dim  # one FP8 byte each
-            if spec.granularity == "fp32-group":
-                per_kv += (
-                    spec.num_kv_heads * (spec.head_dim // (spec.group_size or spec.head_dim)) * 4
-                )
-            total += 2 * per_kv
-        return total
+        specs = (getattr(layer, "spec", None) for layer in self.layers)
+        return sum(spec.slot_bytes() for spec in specs if spec is not None)
 
     def bytes_to_hold(self, batch: int, tokens: int, device: torch.device) -> int:
         """Bytes the pools will allocate on ``device`` when ``batch`` sequences come to hold

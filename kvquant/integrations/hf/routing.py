@@ -4,7 +4,6 @@ hooks, and the rollback of a forward that raises. Rules: ``docs/dev/patch.md``."
 
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 from typing import Any, NoReturn
@@ -19,6 +18,7 @@ from kvquant.errors import (
 from kvquant.integrations.hf import attention as _attention
 from kvquant.integrations.hf import continuous as _continuous
 from kvquant.integrations.hf.cache_layer import KVQuantCache
+from kvquant.integrations.hf.compat import cache_argument, call_cache, unwrap_cache
 from kvquant.integrations.hf.marks import STATE_ATTR
 from kvquant.integrations.hf.state import PatchState
 
@@ -27,8 +27,6 @@ __all__ = [
     "IsActive",
     "PatchBound",
     "Rollback",
-    "cache_argument",
-    "cache_kwarg_name",
     "drop_cache",
     "grab_cache",
     "kvquant_cache",
@@ -42,28 +40,8 @@ __all__ = [
 # ---------------------------------------------------------------------- hooks
 
 
-def cache_kwarg_name(module: nn.Module) -> str:
-    """``"cache"`` (transformers 5.24) or ``"past_key_values"`` (5.17) for ``module.forward``."""
-    params = inspect.signature(type(module).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _unwrap_cache(obj: Any) -> Any:
-    """The real cache behind compressed-tensors' ``QuantizedKVCache`` wrapper (5.17), else ``obj``."""
-    if obj is None or isinstance(obj, KVQuantCache):
-        return obj
-    inner = getattr(obj, "past_key_values", None)
-    if callable(inner) and isinstance(obj, nn.Module):
-        try:
-            return inner()
-        except TypeError:
-            return obj
-    return obj
-
-
 def grab_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    setattr(module, _attention.CACHE_ATTR, _unwrap_cache(cache))
+    setattr(module, _attention.CACHE_ATTR, unwrap_cache(call_cache(kwargs)))
 
 
 def drop_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -85,13 +63,6 @@ def wants_cache(kwargs: dict[str, Any], config: Any) -> bool:
     if use_cache is None:
         use_cache = getattr(config, "use_cache", True)
     return bool(use_cache)
-
-
-def cache_argument(kwargs: dict[str, Any]) -> tuple[str | None, Any]:
-    """The call's cache keyword (``cache`` on transformers 5.24, ``past_key_values`` on 5.17;
-    None when the call names neither) and the object it passes there."""
-    key = next((n for n in ("cache", "past_key_values") if n in kwargs), None)
-    return key, (kwargs.get(key) if key else None)
 
 
 def prefill_length_hint(kwargs: dict[str, Any]) -> int | None:
@@ -386,7 +357,7 @@ class Rollback(PatchBound):
             # (its own forward hook did not run), which would hold the pages alive.
             for site in self.state.sites:
                 setattr(site.module, _attention.CACHE_ATTR, None)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = call_cache(kwargs)
         if not isinstance(cache, KVQuantCache):
             return
         point, cache.rollback_point = cache.rollback_point, None

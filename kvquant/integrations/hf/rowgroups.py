@@ -27,6 +27,7 @@ from transformers.utils import ModelOutput
 from kvquant.cache import device_free_bytes
 from kvquant.errors import UnsupportedModelError
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.compat import CACHE_KEYWORDS
 from kvquant.integrations.hf.marks import STATE_ATTR
 from kvquant.integrations.hf.sharding import ranks_minimum
 
@@ -41,8 +42,6 @@ _BATCH_ARGS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "
 
 _SHARED_ARGS = ("cache_position", "logits_to_keep")
 """Tensor arguments every group takes as they are."""
-
-_CACHE_FIELDS = ("cache", "past_key_values")
 
 
 @dataclass
@@ -352,7 +351,7 @@ class _Joined:
                     shape = (self.batch, *value.shape[1:])
                     self.logits = value.new_empty(shape)
                 self.logits[r0:r1].copy_(value)
-            elif name not in _CACHE_FIELDS or value is not self.cache:
+            elif name not in CACHE_KEYWORDS or value is not self.cache:
                 raise self._refuse(f"returned the field {name!r}")
 
     def output(self) -> Any:

@@ -255,7 +255,6 @@ def layer_specs(
     reused = {s.kv_source for s in sites if s.kv_source is not None}
     specs = []
     for i, (site, ls) in enumerate(zip(sites, layers, strict=True)):
-        gran = str(ls.granularity)
         k = None if ls.k is None else _host_scale(ls.k)
         v = None if ls.v is None else _host_scale(ls.v)
         transform = getattr(model_scales, "k_transform", None)
@@ -265,7 +264,7 @@ def layer_specs(
                 name=site.name,
                 num_kv_heads=geometry.kv_heads_of(i),
                 head_dim=geometry.head_dim_of(i),
-                granularity=gran,
+                scheme=ls.scheme,
                 k_scale=k,
                 v_scale=v,
                 group_size=int(ls.group_size) if ls.group_size else None,

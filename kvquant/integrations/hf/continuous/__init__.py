@@ -9,7 +9,7 @@ How and why: ``docs/dev/continuous-batching.md``. Supported: transformers 5.17 a
 
 from __future__ import annotations
 
-from kvquant.integrations.hf.continuous.caches import flavour, is_batching_cache
+from kvquant.integrations.hf.continuous.caches import is_batching_cache
 from kvquant.integrations.hf.continuous.layout import BATCH_KWARG, BlockLayout, layout_for
 from kvquant.integrations.hf.continuous.plan import StepPlan, build_plan
 from kvquant.integrations.hf.continuous.storage import (
@@ -26,7 +26,6 @@ __all__ = [
     "BlockLayout",
     "StepPlan",
     "build_plan",
-    "flavour",
     "install",
     "is_batching_cache",
     "layout_for",

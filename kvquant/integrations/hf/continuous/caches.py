@@ -3,7 +3,6 @@ allocators) and the factory that stands for transformers' class while a patched 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import threading
@@ -18,6 +17,7 @@ from kvquant.errors import (
     OptionError,
     UnsupportedModelError,
 )
+from kvquant.integrations.hf.compat import batching_flavour
 from kvquant.integrations.hf.continuous.layout import (
     ALIGN,
     BATCH_KWARG,
@@ -34,7 +34,6 @@ from kvquant.integrations.hf.continuous.storage import (
 
 __all__ = [
     "VERSION_MESSAGE",
-    "flavour",
     "install_factory",
     "is_batching_cache",
     "refuse_sliding",
@@ -46,24 +45,6 @@ _logger = logging.getLogger("kvquant")
 
 
 # ---------------------------------------------------------------------- transformers adapters
-
-
-def flavour() -> str | None:
-    """Which continuous-batching code this transformers has: ``"allocators"`` (5.24),
-    ``"groups"`` (5.17), or None (another layout kvquant does not know)."""
-    try:
-        from transformers.generation.continuous_batching import cache as cbc
-    except ImportError:
-        return None
-    params = list(inspect.signature(cbc.PagedAttentionCache.__init__).parameters)
-    known = ["self", "config", "continuous_batching_config", "device", "distributed_helper"]
-    if params == [*known, "dtype", "model_supports_logits_to_keep"] and hasattr(
-        cbc, "ATTN_TYPE_TO_ALLOCATOR"
-    ):
-        return "allocators"
-    if params == [*known, "tp_plan", "dtype"] and hasattr(cbc, "BlockManager"):
-        return "groups"
-    return None
 
 
 _registry: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
@@ -149,7 +130,7 @@ def _refuse_tp(helper: Any) -> None:
 @cache
 def _cache_class() -> type:
     """kvquant's subclass of this transformers' ``PagedAttentionCache``."""
-    kind = flavour()
+    kind = batching_flavour()
     if kind == "allocators":
         return _allocator_cache_class()
     if kind == "groups":

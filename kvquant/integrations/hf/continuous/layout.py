@@ -175,9 +175,7 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
             or layers that share K/V.
     """
     first = specs[0]
-    keys = {
-        (s.num_kv_heads, s.head_dim, s.granularity, s.group_size, s.first_tokens) for s in specs
-    }
+    keys = {(s.num_kv_heads, s.head_dim, s.scheme, s.group_size, s.first_tokens) for s in specs}
     if len(keys) != 1 or any(s.kv_reused for s in specs):
         raise UnsupportedModelError(
             f"{first.name}: kvquant's continuous-batching cache needs every layer to have the same "
@@ -185,14 +183,12 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
             f"this model's layers differ ({len(keys)} kinds). Fix: run generate() per request "
             "(the FP8 cache serves it), or handle.remove() for transformers' own batching."
         )
-    group = first.granularity == "fp32-group"
-    g = (first.group_size or first.head_dim) if group else None
     return BlockLayout(
         num_layers=len(specs),
         page_size=page_size,
         num_kv_heads=first.num_kv_heads,
         head_dim=first.head_dim,
-        n_groups=first.head_dim // g if g else 0,
+        n_groups=first.scheme.group_scales(first.head_dim, first.group_size),
         first_tokens=first.first_tokens,
         side_dtype=dtype
         if dtype in (torch.float32, torch.float16, torch.bfloat16)

@@ -17,6 +17,7 @@ from kvquant.errors import (
     CacheCapacityError,
     UnsupportedModelError,
 )
+from kvquant.integrations.hf.compat import memory_breakdown
 from kvquant.integrations.hf.continuous.layout import BlockLayout
 from kvquant.integrations.hf.continuous.plan import StepPlan, build_plan
 from kvquant.schemes import FirstTokens
@@ -97,7 +98,6 @@ class BatchingStorage:
         for i, spec in enumerate(specs):
             views = layout.views(buffer, i, num_blocks)
             pages = {k: v for k, v in views.items() if not k.startswith("first")}
-            group = spec.granularity == "fp32-group"
             rotation = None
             if spec.rotation == "hadamard":
                 rotation = kernels.hadamard(spec.head_dim)
@@ -108,9 +108,9 @@ class BatchingStorage:
                     spec.num_kv_heads,
                     spec.head_dim,
                     granularity=spec.granularity,
-                    group_size=(spec.group_size or spec.head_dim) if group else None,
-                    k_scale=None if group else spec.k_scale,
-                    v_scale=None if group else spec.v_scale,
+                    group_size=spec.group_size,
+                    k_scale=spec.k_scale,
+                    v_scale=spec.v_scale,
                     device=device,
                     backend=backend,
                     name=spec.name,
@@ -268,15 +268,7 @@ class LayerStep:
 
 def _memory_breakdown() -> tuple[int, int, int]:
     """``(total, reserved, allocated)`` bytes of the device, as transformers measures them."""
-    try:
-        from transformers.generation.continuous_batching.utils import (
-            get_device_and_memory_breakdown,
-        )
-    except ImportError:  # transformers 5.17 keeps it in requests.py
-        from transformers.generation.continuous_batching.requests import (  # type: ignore[no-redef]
-            get_device_and_memory_breakdown,
-        )
-    _, total, reserved, allocated = get_device_and_memory_breakdown()
+    _, total, reserved, allocated = memory_breakdown()()
     return int(total), int(reserved), int(allocated)
 
 

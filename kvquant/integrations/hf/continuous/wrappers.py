@@ -27,9 +27,16 @@ from kvquant.errors import (
     OptionError,
     UnsupportedModelError,
 )
+from kvquant.integrations.hf.compat import (
+    BatchingFlavour,
+    batching_attention_by_name,
+    batching_flavour,
+    batching_page_size,
+    full_attention_groups,
+    swaps_batching_caches_to_cpu,
+)
 from kvquant.integrations.hf.continuous.caches import (
     VERSION_MESSAGE,
-    flavour,
     install_factory,
     is_batching_cache,
     refuse_sliding,
@@ -145,7 +152,7 @@ def _cb_config_of(call: inspect.BoundArguments) -> Any:
     return cfg
 
 
-def check_batching(model: nn.Module, state: Any, cb_config: Any) -> str:
+def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlavour:
     """Refuse, before any thread starts, what kvquant's batching cannot serve; the flavour.
 
     Raises:
@@ -153,16 +160,16 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> str:
             cannot hold, or a model sharded over several devices.
         OptionError: a ContinuousBatchingConfig option kvquant cannot honour.
     """
-    kind = flavour()
+    kind = batching_flavour()
     if kind is None:
         raise UnsupportedModelError(VERSION_MESSAGE)
     specs = list(state.layer_specs)
-    page = getattr(cb_config, "page_size" if kind == "allocators" else "block_size", None)
-    layout_for(specs, int(page or 16), torch.float32)
+    page = batching_page_size(cb_config, kind)
+    layout_for(specs, page or 16, torch.float32)
     from transformers.generation.continuous_batching import cache as cbc
 
     groups: Any = cbc.group_layers_by_attn_type(state.text_config)
-    refuse_sliding(groups if kind == "allocators" else groups[1])
+    refuse_sliding(full_attention_groups(groups, kind))
     if getattr(model, "_device_mesh", None) is not None:
         raise UnsupportedModelError(
             f"{state.model_name}: kvquant's continuous batching runs on one device; the model is "
@@ -182,7 +189,7 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> str:
                 f"{name}: ContinuousBatchingConfig({field_name}=...); kvquant's batching step "
                 f"runs eagerly. Fix: {field_name}=None."
             )
-    if kind == "groups" and cb_config.cpu_offload_space != 0:
+    if swaps_batching_caches_to_cpu(kind) and cb_config.cpu_offload_space != 0:
         raise OptionError(
             f"{name}: ContinuousBatchingConfig(cpu_offload_space={cb_config.cpu_offload_space}); "
             "on transformers 5.17 the CPU swap pool copies caches in the model's dtype, not "
@@ -199,7 +206,7 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> str:
 
 
 @contextmanager
-def _presented(model: nn.Module, kind: str) -> Iterator[str]:
+def _presented(model: nn.Module, kind: BatchingFlavour) -> Iterator[str]:
     """The attention name transformers' manager is built under (module docstring).
 
     5.24 accepts ``paged|eager`` without switching to flash attention, and with it
@@ -209,7 +216,7 @@ def _presented(model: nn.Module, kind: str) -> Iterator[str]:
     """
     config: Any = model.config
     setter: Any = model.set_attn_implementation
-    if kind == "groups":
+    if batching_attention_by_name(kind):
         from transformers import AttentionInterface
 
         AttentionInterface.register(PAGED_NAME, paged_attention_forward)
@@ -245,7 +252,7 @@ class _InitBatching(_Bound):
         install_factory()
         with _presented(self.model, kind) as before:
             manager = original(*args, **kwargs)
-        if kind == "groups" and manager._original_attn_impl is None:
+        if batching_attention_by_name(kind) and manager._original_attn_impl is None:
             manager._original_attn_impl = before  # the manager switches it back when it stops
         resolved = manager.continuous_batching_config
         resolved.use_cuda_graph = (False, False)
