@@ -179,6 +179,26 @@ class PagedLayerStorage:
             )
         return cls
 
+    @staticmethod
+    def token_bytes(
+        granularity: str, num_kv_heads: int, head_dim: int, group_size: int | None = None
+    ) -> int:
+        """Bytes one token of one layer takes in the pools of ``granularity`` (K and V pages and
+        the scales stored per token), known before any pool exists.
+
+        Raises:
+            CacheUsageError: a word no storage class stores.
+        """
+        cls = PagedLayerStorage.class_for(granularity)
+        return cls._token_bytes(granularity, num_kv_heads, head_dim, group_size)
+
+    @classmethod
+    def _token_bytes(
+        cls, granularity: str, num_kv_heads: int, head_dim: int, group_size: int | None
+    ) -> int:
+        """:meth:`token_bytes` of this class's schemes: one FP8 byte per element of K and V."""
+        return 2 * num_kv_heads * head_dim
+
     def __init__(
         self,
         num_pages: int,

@@ -59,6 +59,19 @@ class Fp4Storage(PagedLayerStorage):
     v_scale: torch.Tensor | None
     _scheme: Fp4Scales
 
+    @classmethod
+    def _token_bytes(
+        cls, granularity: str, num_kv_heads: int, head_dim: int, group_size: int | None
+    ) -> int:
+        kind = scheme_class(granularity)
+        total = 0
+        for fmt in (kind.k_format, kind.v_format):  # type: ignore[attr-defined]
+            if fmt is None:  # FP8
+                total += num_kv_heads * head_dim
+            else:  # two codes per byte and one scale byte per block
+                total += num_kv_heads * (head_dim // 2 + head_dim // fmt.block_size)
+        return total
+
     def _configure(self, args: SchemeArgs) -> None:
         self._refuse_transform(args)
         if args.group_size is not None:

@@ -56,6 +56,13 @@ class GroupStorage(PagedLayerStorage):
             )
         self.group_size = g
 
+    @classmethod
+    def _token_bytes(
+        cls, granularity: str, num_kv_heads: int, head_dim: int, group_size: int | None
+    ) -> int:
+        groups = head_dim // (group_size or head_dim)
+        return 2 * num_kv_heads * (head_dim + 4 * groups)  # FP8 codes and fp32 group scales
+
     def _pool_shapes(self, shape: Shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         gshape = (*shape[:3], shape[3] // self.group_size)
         groups = {

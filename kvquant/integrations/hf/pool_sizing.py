@@ -12,6 +12,7 @@ import torch
 
 from kvquant.cache import (
     PageAllocator,
+    PagedLayerStorage,
     SequenceBook,
     device_free_bytes,
     release_cached_blocks,
@@ -50,6 +51,12 @@ activations would split them (chunked prefill then ran out of memory with gigaby
 
 
 _CPU = torch.device("cpu")
+
+
+def _token_bytes(spec: Any) -> int:
+    """Bytes of one token of the layer ``spec`` describes (its pools' K, V and scales)."""
+    group = (spec.group_size or spec.head_dim) if spec.granularity == "fp32-group" else None
+    return PagedLayerStorage.token_bytes(spec.granularity, spec.num_kv_heads, spec.head_dim, group)
 
 
 class PoolSizing:
@@ -93,14 +100,15 @@ class PoolSizing:
         ``DynamicCache`` of the same tokens, plus one page per sequence (the
         last page, partly filled): FP8 pages plus their group scales take
         ``(1 + 4 / G) / 2`` of bf16's bytes per token, so the headroom is
-        capped at ``0.9 * 2 / (1 + 4 / G) - 1`` (0 for very small groups).
+        capped at ``0.9 * 2 / (1 + 4 / G) - 1`` (0 for very small groups);
+        4-bit pages take less than FP8's half, which caps nothing.
         """
-        ratio = 0.5  # FP8 / bf16 bytes per element
+        ratio = 0.5  # FP8 / bf16 bytes per element (the 4-bit formats take less)
         for layer in self.layers:
             spec = getattr(layer, "spec", None)
-            if spec is not None and spec.granularity == "fp32-group":
-                group = spec.group_size or spec.head_dim
-                ratio = max(ratio, (1.0 + 4.0 / group) / 2.0)
+            if spec is not None:
+                bf16 = 4 * spec.num_kv_heads * spec.head_dim
+                ratio = max(ratio, _token_bytes(spec) / bf16)
         return max(0.0, min(GROWTH_HEADROOM, 0.9 / ratio - 1.0))
 
     def pool_shape(
@@ -240,20 +248,11 @@ class PoolSizing:
         self._release_old_pools(freed)
 
     def slot_bytes(self) -> int:
-        """Bytes one token slot of one sequence takes in every layer together (K and V pages and
-        their group scales), from the layers' geometry: known before any pool exists."""
-        total = 0
-        for layer in self.layers:
-            spec = getattr(layer, "spec", None)
-            if spec is None:
-                continue
-            per_kv = spec.num_kv_heads * spec.head_dim  # one FP8 byte each
-            if spec.granularity == "fp32-group":
-                per_kv += (
-                    spec.num_kv_heads * (spec.head_dim // (spec.group_size or spec.head_dim)) * 4
-                )
-            total += 2 * per_kv
-        return total
+        """Bytes one token slot of one sequence takes in every layer together (K and V pages,
+        FP8 or 4-bit, and the scales stored per token), from the layers' geometry: known before
+        any pool exists (:meth:`kvquant.cache.PagedLayerStorage.token_bytes`)."""
+        specs = (getattr(layer, "spec", None) for layer in self.layers)
+        return sum(_token_bytes(spec) for spec in specs if spec is not None)
 
     def bytes_to_hold(self, batch: int, tokens: int) -> int:
         """Bytes the pools must still allocate so that ``batch`` sequences hold ``tokens`` each.

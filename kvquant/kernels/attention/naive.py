@@ -18,9 +18,28 @@ import torch
 
 from kvquant.kernels.fp4 import dequantize_fp4
 from kvquant.kernels.fp8 import dequantize_stored, gather_kv
-from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
+from kvquant.schemes import CAUSAL, FirstTokens, Fp4Format, Mask, Pages, Scheme
 
 __all__ = ["paged_attention_reference"]
+
+
+def _sequence(
+    pages: torch.Tensor,
+    scales: torch.Tensor | None,
+    static: torch.Tensor | None,
+    fmt: Fp4Format | None,
+    offset: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    n: int,
+    b: int,
+) -> torch.Tensor:
+    """fp32 ``[n, Hkv, D]``: sequence ``b``'s first ``n`` tokens of one side, gathered, then
+    dequantized (FP8 ``code * s (+ c)``, or a 4-bit format's codes and block scales)."""
+    codes = gather_kv(pages, block_tables, n, b)
+    gathered = None if scales is None else gather_kv(scales, block_tables, n, b)
+    if fmt is None:
+        return dequantize_stored(codes, static, gathered, offset)
+    return dequantize_fp4(codes, gathered, fmt, static)  # type: ignore[arg-type]  # checked
 
 
 def paged_attention_reference(
@@ -88,22 +107,10 @@ def paged_attention_reference(
         # gather this sequence's tokens first, then dequantize only those (K in the rotated
         # frame: code * s + c)
         k, v = (
-            dequantize_stored(
-                gather_kv(pages, block_tables, n, b),
-                static,
-                None if groups is None else gather_kv(groups, block_tables, n, b),
-                offset,
-            )
-            if fmt is None
-            else dequantize_fp4(
-                gather_kv(pages, block_tables, n, b),
-                gather_kv(groups, block_tables, n, b),  # type: ignore[arg-type]  # checked
-                fmt,
-                static,
-            )
-            for pages, static, groups, offset, fmt in (
-                (k_pages, view.k_scale, pages.k_scales, view.k_offset, view.k_fp4),
-                (v_pages, view.v_scale, pages.v_scales, None, view.v_fp4),
+            _sequence(x, scales, static, fmt, offset, block_tables, n, b)
+            for x, scales, static, fmt, offset in (
+                (k_pages, pages.k_scales, view.k_scale, view.k_fp4, view.k_offset),
+                (v_pages, pages.v_scales, view.v_scale, view.v_fp4, None),
             )
         )  # [n, Hkv, D]
         nf = int(first_cpu[b])
