@@ -62,9 +62,12 @@ class LayerSpec:
         name: the attention module's path (for messages).
         num_kv_heads: KV heads.
         head_dim: elements per head.
-        granularity: ``"per-tensor"``, ``"per-head"`` or ``"fp32-group"``.
-        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for ``fp32-group``.
-        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for ``fp32-group``.
+        granularity: ``"per-tensor"``, ``"per-head"``, ``"fp32-group"``, ``"k-transform"``
+            or a 4-bit format (``"nvfp4"``, ``"mxfp4"``, ``"fp8-k-nvfp4-v"``).
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale (NVFP4's global scale), None for
+            ``fp32-group`` and ``mxfp4``.
+        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale (NVFP4's global scale), None for
+            ``fp32-group`` and ``mxfp4``.
         group_size: ``G`` of ``fp32-group`` (divides ``head_dim``), else None.
         k_offset: fp32 ``[Hkv, D]`` per-channel K offset (``k-transform``), else None.
         rotation: ``"hadamard"`` or None (``k-transform``: the K / query rotation).
