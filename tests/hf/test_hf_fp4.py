@@ -149,3 +149,46 @@ def test_continuous_batching_refuses_4bit_pages() -> None:
     with pytest.raises(UnsupportedModelError, match="4-bit format 'nvfp4'"):
         layout_for(handle.state.layer_specs, 16, torch.float32)
     handle.remove()
+
+
+def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                              do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_format", ["nvfp4", "fp8-k-nvfp4-v"])
+def test_static_decode_step_equals_the_eager_one(kv_format: str) -> None:
+    """cuda_graphs=True on CPU runs the decode steps through the graph runner's static
+    buffers (the path a CUDA graph captures): the same tokens and logits as eager steps."""
+    ids, mask = prompt(batch=2, length=10, pad=(3,))
+    extra = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
+    outs = []
+    for graphs in (False, True):
+        model = _tiny()
+        handle = kvhf.patch(model, backend="torch", kv_format=kv_format, cuda_graphs=graphs,
+                            **extra)  # fmt: skip
+        assert (handle.state.graph_runner is not None) == graphs
+        outs.append(_generate(model, ids, mask))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])
+def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
+    """On CUDA (bf16, Triton, decode graphs and the compiled step on by default): the tokens
+    of eager decoding, and logits close to the torch backend's."""
+    ids, mask = (t.cuda() for t in prompt(batch=2, length=10, pad=(3,)))
+    extra = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
+    outs = []
+    for opts in ({"cuda_graphs": False, "backend": "torch"}, {"cuda_graphs": False}, {}):
+        model = _tiny().to("cuda", torch.bfloat16)
+        kvhf.patch(model, kv_format=kv_format, **opts, **extra)
+        outs.append(_generate(model, ids, mask))
+    for out in outs[1:]:
+        for a, b in zip(out.logits, outs[0].logits, strict=True):
+            assert float((a.float() - b.float()).abs().max()) < 5e-2
+    assert torch.equal(outs[1].sequences, outs[2].sequences)
