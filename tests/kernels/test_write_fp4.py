@@ -84,6 +84,7 @@ def _new_tokens(bsz: int, seq: int, hkv: int, d: int, seed: int) -> tuple[torch.
     value = (torch.randn(bsz, seq, hkv, d, generator=g) * 5).to(torch.bfloat16)
     key[0, 0, 0, :3] = torch.tensor([1e3, -1e5, 7.0])  # past the calibrated range
     key[0, 1, 0, 5] = -1e-9  # rounds to -0.0 in FP8
+    key[0, 1, 0, 6] = -0.0  # stays -0.0 in FP8 (the sign bit, not a comparison)
     key[1, 1, 1, 20] = float("nan")
     value[0, 1, 0, 33] = float("inf")
     key[1, 2, 0] = 0.0  # an all-zero token
