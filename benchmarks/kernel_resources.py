@@ -133,7 +133,7 @@ def compile_decode(
         BLOCK_N=block_n, HEAD_D=d, PAGE=page, TP=math.gcd(page, block_n),
         V_RUNS_DENSE=math.gcd(page, block_n) == page, SCALE_RUNS_DENSE=group_scales,
         FOLD=fold, NG=ng, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill,
-        USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl,
+        USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl, K_FP4=0, V_FP4=0,
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     gs = (page * hkv * ng, ng, page * ng) if group_scales else (0, 0, 0)
@@ -142,7 +142,7 @@ def compile_decode(
         s_q=(hq * d, hq * d, d, 1), s_k=(page * hkv * d, hkv * d, d, 1),
         s_v=(page * hkv * d, 1, d * page, page), s_bt=1024, s_ks=0, s_vs=0,
         # group scales head-major (kvquant.kernels.group_scale_storage)
-        s_kg=gs, s_vg=gs, s_o=(hq * d, hq * d, d, 1),
+        s_kg=gs, s_vg=gs, s_kb=(0, 0, 0), s_vb=(0, 0, 0), s_o=(hq * d, hq * d, d, 1),
         Lq=2048 if prefill else 1, Hq=hq,
     )  # fmt: skip
     options = {"num_warps": warps, "num_stages": 2 if prefill else 3, "launch_pdl": pdl}

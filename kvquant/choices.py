@@ -14,6 +14,7 @@ from typing import TypeVar
 __all__ = [
     "Backend",
     "Choice",
+    "KVFormat",
     "MissingKV",
     "MissingScales",
     "RopePolicy",
@@ -46,6 +47,23 @@ class Backend(Choice):
     """The Triton kernels (on CPU only under ``TRITON_INTERPRET=1``)."""
     TORCH = "torch"
     """The pure-PyTorch reference over the same paged layout (any device)."""
+
+
+class KVFormat(Choice):
+    """How the paged cache stores K and V (``kvquant.patch(model, kv_format=...)``)."""
+
+    FP8 = "fp8"
+    """FP8 (e4m3) K and V with the scales resolved for the model: the checkpoint's static
+    scales, or scales per group of channels computed as tokens are written."""
+    NVFP4 = "nvfp4"
+    """NVFP4 K and V: 4-bit e2m1 values with an FP8 scale per 16 channels computed as tokens
+    are written and a fixed global scale (no calibration): 0.56 bytes per element."""
+    MXFP4 = "mxfp4"
+    """MXFP4 K and V (OCP MX): 4-bit e2m1 values with a power-of-two scale per 32 channels
+    computed as tokens are written: 0.53 bytes per element."""
+    FP8_K_NVFP4_V = "fp8-k-nvfp4-v"
+    """FP8 K with the model's static K scale, NVFP4 V (as :attr:`NVFP4`): needs static K
+    scales (a checkpoint's, or ``missing_scales="unit"``)."""
 
 
 class MissingScales(Choice):

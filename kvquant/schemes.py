@@ -3,7 +3,9 @@
 A scheme says how FP8 codes turn back into numbers: :class:`PerTensorScales` and
 :class:`PerHeadScales` (static fp32 K/V scales), :class:`GroupScales` (dynamic fp32 scales per
 group of ``group_size`` channels, computed on write) and :class:`KTransformScales` (static scales
-of K offset and rotated first). A scheme checks its tensors once, when it is built, and never
+of K offset and rotated first); the 4-bit schemes :class:`Nvfp4Scales`, :class:`Mxfp4Scales` and
+:class:`Fp8KNvfp4VScales` store e2m1 codes with block scales computed on write (K and V each
+in its own format, :class:`Fp4Format`). A scheme checks its tensors once, when it is built, and never
 again; :meth:`Scheme.to` moves it without checking. Its ``name`` (the registry's word) is only
 for messages, reports and files; :func:`scheme_class` turns a user's word into a class. What
 the rest of kvquant needs to know about a scheme its class says (:meth:`Scheme.scale_shape`,
@@ -29,14 +31,23 @@ from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = [
     "CAUSAL",
+    "DYNAMIC_NVFP4_GLOBAL_SCALE",
+    "FP4_FORMATS",
+    "MXFP4",
+    "NVFP4",
     "ORTHONORMAL_TOL",
     "SCALE_MAX",
     "SCALE_MIN",
     "FirstTokens",
+    "Fp4Format",
+    "Fp4Scales",
+    "Fp8KNvfp4VScales",
     "GroupScales",
     "KTransformScales",
     "KernelView",
     "Mask",
+    "Mxfp4Scales",
+    "Nvfp4Scales",
     "Pages",
     "PerHeadScales",
     "PerTensorScales",
@@ -69,14 +80,49 @@ _TRANSFORM_FIX = (
 _S = TypeVar("_S", bound="Scheme")
 
 
+@dataclass(frozen=True)
+class Fp4Format:
+    """One 4-bit KV format: e2m1 values in blocks along head_dim, one scale code per block.
+
+    Attributes:
+        name: ``"nvfp4"`` or ``"mxfp4"``.
+        block_size: elements of head_dim sharing one scale (16 or 32).
+        scale_dtype: dtype of the block-scale tensor (``float8_e4m3fn``; ``uint8`` e8m0 codes).
+        global_scale: whether an fp32 global scale multiplies the block scales (NVFP4).
+        nan_scale_code: the scale byte a block holding a non-finite value stores.
+    """
+
+    name: str
+    block_size: int
+    scale_dtype: torch.dtype
+    global_scale: bool
+    nan_scale_code: int
+
+
+NVFP4 = Fp4Format("nvfp4", 16, torch.float8_e4m3fn, True, 0x7F)
+"""NVIDIA's NVFP4: block 16, e4m3fn block scale, fp32 global scale."""
+
+MXFP4 = Fp4Format("mxfp4", 32, torch.uint8, False, 0xFF)
+"""OCP MXFP4: block 32, e8m0 power-of-two scale (uint8 code ``E``, ``2^(E - 127)``)."""
+
+FP4_FORMATS: tuple[Fp4Format, ...] = (NVFP4, MXFP4)
+"""The 4-bit formats the kernels store."""
+
+
 class KernelView(NamedTuple):
-    """What a kernel reads from a scheme: tensors (None when absent) and the group size."""
+    """What a kernel reads from a scheme: tensors (None when absent) and the group size.
+
+    ``k_fp4`` / ``v_fp4`` name the 4-bit format of K / V pages (None: FP8 pages); a 4-bit
+    side's ``k_scale`` / ``v_scale`` is NVFP4's global scale (None for MXFP4).
+    """
 
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     group_size: int | None
     k_offset: torch.Tensor | None
     k_rotation: torch.Tensor | None
+    k_fp4: Fp4Format | None = None
+    v_fp4: Fp4Format | None = None
 
 
 _CLASSES: dict[str, type[Scheme]] = {}
@@ -107,7 +153,9 @@ def _own(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _check_scale_values(scheme: str, label: str, scale: torch.Tensor) -> None:
+def _check_scale_values(
+    scheme: str, label: str, scale: torch.Tensor, meaning: str = "amax / 448", fix: str = ""
+) -> None:
     flat = _host(scale).reshape(-1)
     ok = torch.isfinite(flat) & (flat >= SCALE_MIN) & (flat <= SCALE_MAX)
     if not bool(ok.all()):
@@ -115,9 +163,9 @@ def _check_scale_values(scheme: str, label: str, scale: torch.Tensor) -> None:
         raise _fail(
             scheme,
             f"{label} element {index} is {float(flat[index])!r}; expected finite "
-            f"dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}] (amax / 448): a "
+            f"dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}] ({meaning}): a "
             "zero, negative, NaN, infinite or subnormal scale stores or reads garbage. "
-            f"{_SCALE_FIX}",
+            f"{fix or _SCALE_FIX}",
         )
 
 
@@ -514,6 +562,187 @@ class KTransformScales(Scheme):
         return KernelView(self.k_scale, self.v_scale, None, self.k_offset, self.k_rotation)
 
 
+_FP4_FIX = (
+    "Fix: pass fp32 global scales of shape [] or [num_kv_heads] (canonical amax / (6 * 448), "
+    "kvquant.registry.fp4.normalize_fp4_global_scale reads a checkpoint's; "
+    "kvquant.schemes.DYNAMIC_NVFP4_GLOBAL_SCALE without calibration)."
+)
+
+DYNAMIC_NVFP4_GLOBAL_SCALE = 1.0
+"""The NVFP4 global scale ``g`` of a calibration-free cache (``kv_format="nvfp4"`` without a
+checkpoint's scales). With ``g = 1`` each block's e4m3 scale is ``amax_block / 6`` itself: block
+maxima from ``6 * 2^-6 = 0.094`` to ``6 * 448 = 2688`` get a normal e4m3 scale (3 mantissa
+bits), smaller ones a subnormal one (coarser, down to ``6 * 2^-9``), larger values saturate at
+2688 (as FP8 values clamp at 448 times their scale). A constant needs no statistics, no device
+sync and no first batch, and every layer, request and decode graph sees the same one."""
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Fp4Scales(Scheme):
+    """Base of the 4-bit schemes: K and V pages each FP8 or 4-bit (:class:`Fp4Format`).
+
+    A 4-bit side stores packed e2m1 codes ``uint8 [num_pages, page_size, Hkv, D // 2]`` and
+    one scale code per block of head_dim, computed when the token is written and kept beside
+    the pages (:class:`Pages` ``k_scales`` / ``v_scales``, ``[num_pages, page_size, Hkv,
+    D // block]``); an FP8 side stores FP8 pages with a static fp32 scale. Subclasses fix the
+    formats (``k_format`` / ``v_format``, None for FP8) and name the scale tensors.
+
+    Attributes:
+        head_dim: ``D``, a multiple of every 4-bit side's block size.
+    """
+
+    head_dim: int
+    k_format: ClassVar[Fp4Format | None] = None
+    v_format: ClassVar[Fp4Format | None] = None
+    dynamic: ClassVar[bool] = True
+    first_tokens: ClassVar[int] = 0
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The K and V multipliers the kernels fold (FP8 scale or NVFP4 global scale)."""
+        return None, None
+
+    def _check(self, labels: tuple[str | None, str | None]) -> None:
+        """Check ``head_dim`` and the scale fields named ``labels`` (K's, V's; None: the side
+        has no scale); keep own copies."""
+        owner = f"{self.name} scales"
+        d = self.head_dim
+        blocks = [f.block_size for f in (self.k_format, self.v_format) if f is not None]
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1 or any(d % b for b in blocks):
+            raise _fail(
+                owner,
+                f"head_dim is {d!r}; expected an int, a multiple of the block size "
+                f"{max(blocks)} ({self.name} stores one scale per block of head_dim). Fix: "
+                "pass the layer's head dim, or use an FP8 format for a model whose head_dim the "
+                "block does not divide.",
+            )
+        shapes = []
+        for label in labels:
+            if label is None:
+                continue
+            t = _tensor(owner, label, getattr(self, label), "[] or [num_kv_heads]", _FP4_FIX)
+            if t.dim() > 1 or (t.dim() == 1 and t.shape[0] < 1):
+                raise _fail(
+                    owner, f"{label} has shape {tuple(t.shape)}; expected () (one scale) or "
+                    f"(num_kv_heads,). {_FP4_FIX}"
+                )  # fmt: skip
+            fp8 = label == "k_scale"
+            meaning = "amax / 448" if fp8 else "NVFP4: amax / (6 * 448)"
+            _check_scale_values(owner, label, t, meaning, "" if fp8 else _FP4_FIX)
+            shapes.append(tuple(t.shape))
+            object.__setattr__(self, label, _own(t))
+        if len(set(shapes)) > 1:
+            raise _fail(
+                owner,
+                f"{labels[0]} has shape {shapes[0]} and {labels[1]} {shapes[1]}; expected the "
+                f"same shape (both () or both (num_kv_heads,)). {_FP4_FIX}",
+            )
+
+    @classmethod
+    def slot_bytes(cls, num_kv_heads: int, head_dim: int, group_size: int | None = None) -> int:
+        """Bytes one token slot takes in a layer, K and V together: a 4-bit side's packed codes
+        (half a byte per element) and one scale byte per block, an FP8 side's byte per element."""
+
+        def side(fmt: Fp4Format | None) -> int:
+            return head_dim if fmt is None else head_dim // 2 + head_dim // fmt.block_size
+
+        return num_kv_heads * (side(cls.k_format) + side(cls.v_format))
+
+    @property
+    def num_kv_heads(self) -> int | None:
+        return next((int(t.shape[0]) for t in self._scales() if t is not None and t.dim()), None)
+
+    def dims(self) -> tuple[int | None, int | None]:
+        return self.num_kv_heads, self.head_dim
+
+    def kernel_view(self) -> KernelView:
+        k, v = self._scales()
+        return KernelView(k, v, None, None, None, self.k_format, self.v_format)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Nvfp4Scales(Fp4Scales):
+    """NVFP4 K and V: e2m1 codes, an e4m3 scale per block of 16 (on write), an fp32 global scale.
+
+    A value is ``(e2m1 * block_scale) * g``; the block scale is
+    ``e4m3(min(amax_block / (6 * g), 448))`` (docs/dev/fp4-formats.md).
+
+    Attributes:
+        head_dim: ``D``, a multiple of 16.
+        k_global_scale: fp32 ``[]`` or ``[Hkv]``, finite, in ``[SCALE_MIN, SCALE_MAX]``: K's
+            ``g`` (canonical ``amax / (6 * 448)``; :data:`DYNAMIC_NVFP4_GLOBAL_SCALE` without
+            calibration).
+        v_global_scale: like ``k_global_scale``, the same shape.
+
+    Example:
+        >>> import torch
+        >>> s = Nvfp4Scales(128, torch.tensor(1.0), torch.tensor(1.0))
+        >>> s.name, s.kernel_view().v_fp4.block_size
+        ('nvfp4', 16)
+    """
+
+    k_global_scale: torch.Tensor | None = None
+    v_global_scale: torch.Tensor | None = None
+    name: ClassVar[str] = "nvfp4"
+    k_format: ClassVar[Fp4Format | None] = NVFP4
+    v_format: ClassVar[Fp4Format | None] = NVFP4
+
+    def __post_init__(self) -> None:
+        self._check(("k_global_scale", "v_global_scale"))
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_global_scale, self.v_global_scale
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Mxfp4Scales(Fp4Scales):
+    """MXFP4 K and V (OCP MX): e2m1 codes and an e8m0 power-of-two scale per block of 32.
+
+    Fully dynamic: every scale is computed when a token is written, none is stored beforehand.
+
+    Attributes:
+        head_dim: ``D``, a multiple of 32.
+
+    Example:
+        >>> Mxfp4Scales(64).kernel_view().k_fp4.name
+        'mxfp4'
+    """
+
+    name: ClassVar[str] = "mxfp4"
+    k_format: ClassVar[Fp4Format | None] = MXFP4
+    v_format: ClassVar[Fp4Format | None] = MXFP4
+
+    def __post_init__(self) -> None:
+        self._check((None, None))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Fp8KNvfp4VScales(Fp4Scales):
+    """FP8 K with a static scale and NVFP4 V (ModelOpt's ``FP8_K_NVFP4_V``).
+
+    Attributes:
+        head_dim: ``D``, a multiple of 16.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static FP8 K scale (``amax / 448``).
+        v_global_scale: fp32, the shape of ``k_scale``: V's NVFP4 global scale ``g``.
+
+    Example:
+        >>> import torch
+        >>> s = Fp8KNvfp4VScales(64, torch.tensor(0.02), torch.tensor(1.0))
+        >>> s.kernel_view().k_fp4 is None, s.kernel_view().v_fp4.name
+        (True, 'nvfp4')
+    """
+
+    k_scale: torch.Tensor | None = None
+    v_global_scale: torch.Tensor | None = None
+    name: ClassVar[str] = "fp8-k-nvfp4-v"
+    v_format: ClassVar[Fp4Format | None] = NVFP4
+
+    def __post_init__(self) -> None:
+        self._check(("k_scale", "v_global_scale"))
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_scale, self.v_global_scale
+
+
 def scheme_names() -> tuple[str, ...]:
     """The words naming the schemes (``"per-tensor"``, ``"per-head"``, ...), in definition order."""
     return tuple(_CLASSES)
@@ -566,14 +795,18 @@ CAUSAL = Mask()
 
 @dataclass(frozen=True)
 class Pages:
-    """One layer's FP8 pages, and their group scales for a dynamic scheme (checked per call).
+    """One layer's pages, and their group or block scales for a dynamic scheme (checked per call).
 
     Attributes:
         k: FP8 ``[num_pages, page_size, Hkv, D]`` keys, any strides (fastest from
-            :func:`kvquant.kernels.page_storage`).
-        v: like ``k`` (same dtype).
+            :func:`kvquant.kernels.page_storage`); for a 4-bit K (:class:`Fp4Scales`) packed
+            e2m1 codes ``uint8 [num_pages, page_size, Hkv, D // 2]``, last dimension
+            contiguous (:func:`kvquant.kernels.fp4.fp4_page_storage`).
+        v: like ``k`` (same dtype for FP8 K and V).
         k_scales: fp32 ``[num_pages, page_size, Hkv, D // G]`` group scales of K
-            (:class:`GroupScales`; from :func:`kvquant.kernels.group_scale_storage`), or None.
+            (:class:`GroupScales`; from :func:`kvquant.kernels.group_scale_storage`), the
+            block scales of a 4-bit K (``[num_pages, page_size, Hkv, D // block]`` in the
+            format's ``scale_dtype``, last dimension contiguous), or None.
         v_scales: like ``k_scales`` for V.
     """
 

@@ -10,9 +10,14 @@ import torch
 from kvquant.errors import KVQuantError, ScaleFormatError
 from kvquant.kernels import hadamard
 from kvquant.schemes import (
+    MXFP4,
+    NVFP4,
     ORTHONORMAL_TOL,
+    Fp8KNvfp4VScales,
     GroupScales,
     KTransformScales,
+    Mxfp4Scales,
+    Nvfp4Scales,
     PerHeadScales,
     PerTensorScales,
     Scheme,
@@ -179,6 +184,9 @@ def test_to_moves_without_checking_again(monkeypatch: pytest.MonkeyPatch) -> Non
         GroupScales(head_dim=D, group_size=8),
         KTransformScales(torch.full((H,), 0.1), torch.full((H,), 0.2), None, hadamard(D)),
         KTransformScales(torch.full((H,), 0.1), torch.full((H,), 0.2), torch.zeros(H, D), None, 3),
+        Nvfp4Scales(D, torch.full((H,), 0.1), torch.full((H,), 0.2)),
+        Mxfp4Scales(64),
+        Fp8KNvfp4VScales(D, torch.tensor(0.1), torch.tensor(1.0)),
     ],
     ids=lambda s: s.name,
 )
@@ -198,7 +206,9 @@ def test_derived_flags_and_words() -> None:
     assert (g.group_size, g.n_groups, g.dynamic) == (16, 5, True)
     assert GroupScales.for_head_dim(128).group_size == 64
     assert not PerHeadScales(torch.ones(H), torch.ones(H)).dynamic
-    assert scheme_names() == ("per-tensor", "per-head", "fp32-group", "k-transform")
+    assert scheme_names() == (
+        "per-tensor", "per-head", "fp32-group", "k-transform", "nvfp4", "mxfp4", "fp8-k-nvfp4-v",
+    )  # fmt: skip
     assert scheme_class("per-head") is PerHeadScales
     with pytest.raises(ScaleFormatError, match="scale scheme 'per-token' is unknown"):
         scheme_class("per-token")
@@ -221,3 +231,46 @@ def test_class_facts_describe_each_scheme_without_an_instance() -> None:
     assert GroupScales.slot_bytes(2, 128, 32) == 2 * 2 * (128 + 4 * 4) == 576
     with pytest.raises(ScaleFormatError, match="does not divide head_dim 128"):
         GroupScales.slot_bytes(2, 128, 48)
+    # 4-bit: half a byte per element and one scale byte per block; FP8 K beside NVFP4 V
+    assert Nvfp4Scales.slot_bytes(2, 128) == 2 * 2 * (64 + 128 // 16) == 288
+    assert Mxfp4Scales.slot_bytes(2, 128) == 2 * 2 * (64 + 128 // 32) == 272
+    assert Fp8KNvfp4VScales.slot_bytes(2, 128) == 2 * (128 + 64 + 8) == 400
+    assert Nvfp4Scales.scale_shape(3) is None and not Nvfp4Scales.transforms_keys
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: Mxfp4Scales(48), "head_dim is 48; expected an int, a multiple of the block size 32"),
+        (lambda: Nvfp4Scales(24, torch.tensor(1.0), torch.tensor(1.0)), "block size 16"),
+        (lambda: Nvfp4Scales(D, torch.tensor(1.0), None), "v_global_scale is a NoneType"),
+        (lambda: Nvfp4Scales(D, torch.tensor(0.0), torch.tensor(1.0)),
+         r"k_global_scale element 0 is 0.0; expected .* \(NVFP4: amax / \(6 \* 448\)\)"),
+        (lambda: Nvfp4Scales(D, torch.tensor(1.0), torch.tensor(float("inf"))), "element 0 is inf"),
+        (lambda: Nvfp4Scales(D, torch.ones(H), torch.tensor(1.0)), "expected the same shape"),
+        (lambda: Nvfp4Scales(D, torch.ones(H, 1), torch.ones(H, 1)), r"has shape \(2, 1\)"),
+        (lambda: Nvfp4Scales(D, torch.ones(H).half(), torch.ones(H)), "dtype torch.float16"),
+        (lambda: Fp8KNvfp4VScales(D, torch.tensor(-1.0), torch.tensor(1.0)),
+         r"k_scale element 0 is -1.0; expected .* \(amax / 448\)"),
+    ],
+)  # fmt: skip
+def test_4bit_schemes_refuse_bad_input_once_at_construction(
+    build: Callable[[], Scheme], match: str
+) -> None:
+    with pytest.raises(ScaleFormatError, match=match) as info:
+        build()
+    assert isinstance(info.value, ValueError) and "Fix:" in str(info.value)
+
+
+def test_4bit_schemes_describe_each_side() -> None:
+    s = Fp8KNvfp4VScales(D, torch.full((H,), 0.1), torch.full((H,), 2.0))
+    view = s.kernel_view()
+    assert (view.k_fp4, view.v_fp4, view.group_size) == (None, NVFP4, None)
+    assert s.dims() == (H, D) and s.dynamic and s.first_tokens == 0
+    assert Mxfp4Scales(64).kernel_view()[:2] == (None, None)
+    assert Mxfp4Scales(64).kernel_view().k_fp4 is MXFP4 and Mxfp4Scales(64).dims() == (None, 64)
+    g = torch.tensor(1.0)
+    nv = Nvfp4Scales(D, g, g)
+    g.fill_(5.0)  # the scheme keeps its own copy
+    assert float(nv.k_global_scale) == 1.0  # type: ignore[arg-type]
+    assert scheme_class("fp8-k-nvfp4-v") is Fp8KNvfp4VScales

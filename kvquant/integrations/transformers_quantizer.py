@@ -92,6 +92,10 @@ class KVQuantConfig(QuantizationConfigMixin):
             Default ``"auto"``: on a CUDA device, chosen per call from the
             memory the device can still hand out (a call that fits runs whole);
             elsewhere calls run whole. None: no limit.
+        kv_format: how the cache stores K and V (:class:`~kvquant.choices.KVFormat`):
+            ``"fp8"`` (default: FP8 with the resolved scales), ``"nvfp4"`` or ``"mxfp4"``
+            (4-bit, scales computed as tokens are written, no calibration), or
+            ``"fp8-k-nvfp4-v"`` (FP8 K with the model's static K scales, NVFP4 V).
         **saved: keys of a saved config that are not options (``quant_method``).
 
     Raises:
@@ -119,6 +123,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         cuda_graphs: bool | None = None,
         compile_step: bool | None = None,
         prefill_tokens: int | str | None = "auto",
+        kv_format: str = "fp8",
         **saved: Any,
     ) -> None:
         from kvquant.integrations.hf.config import (
@@ -142,6 +147,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.cuda_graphs = cuda_graphs
         self.compile_step = compile_step
         self.prefill_tokens = prefill_tokens
+        self.kv_format = kv_format
         self.options()  # checks every value
 
     def options(self, source: str = "") -> PatchOptions:

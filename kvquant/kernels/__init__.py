@@ -28,7 +28,8 @@ from kvquant.kernels.fp8 import hadamard
 from kvquant.kernels.validate import check_slot_mapping_inputs
 from kvquant.kernels.write.naive import write_kv_reference
 from kvquant.kernels.write.validate import check_write_inputs
-from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
+from kvquant.kernels.write_fp4 import write_fp4
+from kvquant.schemes import CAUSAL, FirstTokens, Fp4Scales, Mask, Pages, Scheme
 
 __all__ = [
     "compute_slot_mapping",
@@ -82,7 +83,9 @@ def write_kv(
     beside the token's slot (``pages.k_scales`` / ``pages.v_scales``). With a
     :class:`~kvquant.schemes.KTransformScales` scheme K is rotated and offset first:
     ``fp8((key @ k_rotation - k_offset) / k_scale)``, clamped and NaN-marked as above; V is
-    unchanged.
+    unchanged. With a 4-bit scheme (:class:`~kvquant.schemes.Fp4Scales`: NVFP4, MXFP4, FP8 K
+    with NVFP4 V) a 4-bit side stores e2m1 codes and one block scale per block of head_dim,
+    computed from the token (:func:`kvquant.kernels.write_fp4.write_fp4`).
 
     Every argument is validated before anything is written: a call that
     raises leaves the pages and group scales as they were.
@@ -121,6 +124,9 @@ def write_kv(
         >>> bool((pages.k[1, :3].float() != 0).any())
         True
     """
+    if isinstance(scheme, Fp4Scales):
+        write_fp4(key, value, pages, slot_mapping, scheme, backend=backend)
+        return
     check_write_inputs(key, value, pages, slot_mapping, scheme)
     chosen = resolve_backend(backend, pages.k.device, "write_kv")
     if key.numel() == 0:

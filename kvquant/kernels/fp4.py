@@ -7,16 +7,16 @@ meaning: ``x = (e2m1 * block_scale) * g``, ``g = amax / (6 * 448)``). MXFP4: blo
 e8m0 exponent code ``E`` (``x = e2m1 * 2^(E - 127)``). Pages ``[num_pages, page_size, Hkv,
 D // 2]`` uint8, block scales ``[num_pages, page_size, Hkv, D // block]``. A block holding a
 non-finite value stores the NaN scale code (dequantizes to NaN, like an FP8 group scale).
-Rounding and saturation rules: docs/dev/fp4-formats.md.
+Rounding and saturation rules: docs/dev/fp4-formats.md. The formats themselves
+(:class:`~kvquant.schemes.Fp4Format`, :data:`NVFP4`, :data:`MXFP4`) live in :mod:`kvquant.schemes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvquant.errors import KernelInputError
+from kvquant.schemes import FP4_FORMATS, MXFP4, NVFP4, Fp4Format
 
 __all__ = [
     "E2M1_MAX",
@@ -43,34 +43,6 @@ E2M1_MAX = 6.0
 
 E4M3_MAX = 448.0
 """Largest e4m3fn value (the NVFP4 block scale's range)."""
-
-
-@dataclass(frozen=True)
-class Fp4Format:
-    """One 4-bit KV format: e2m1 values in blocks along head_dim, one scale code per block.
-
-    Attributes:
-        name: ``"nvfp4"`` or ``"mxfp4"``.
-        block_size: elements of head_dim sharing one scale (16 or 32).
-        scale_dtype: dtype of the block-scale tensor (``float8_e4m3fn``; ``uint8`` e8m0 codes).
-        global_scale: whether an fp32 global scale multiplies the block scales (NVFP4).
-        nan_scale_code: the scale byte a block holding a non-finite value stores.
-    """
-
-    name: str
-    block_size: int
-    scale_dtype: torch.dtype
-    global_scale: bool
-    nan_scale_code: int
-
-
-NVFP4 = Fp4Format("nvfp4", 16, torch.float8_e4m3fn, True, 0x7F)
-"""NVIDIA's NVFP4: block 16, e4m3fn block scale, fp32 global scale."""
-
-MXFP4 = Fp4Format("mxfp4", 32, torch.uint8, False, 0xFF)
-"""OCP MXFP4: block 32, e8m0 power-of-two scale (uint8 code ``E``, ``2^(E - 127)``)."""
-
-FP4_FORMATS: tuple[Fp4Format, ...] = (NVFP4, MXFP4)
 
 # round-to-nearest-even boundaries on |y|: strict where the lower neighbour has an odd code
 # (a tie goes up to the even one), inclusive where it has an even code (a tie stays)

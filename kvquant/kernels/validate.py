@@ -29,6 +29,7 @@ __all__ = [
     "MEMO_MAX",
     "SCALE_MAX",
     "SCALE_MIN",
+    "check_fp4_pages",
     "check_new_tokens",
     "check_scheme_tensors",
     "check_sink_values",
@@ -287,6 +288,21 @@ def unpack(op: str, pages: object, scheme: object) -> tuple[Pages, KernelView]:
         )
     view = scheme.kernel_view()
     groups = (pages.k_scales is not None, pages.v_scales is not None)
+    if view.k_fp4 is not None or view.v_fp4 is not None:
+        for side, fmt, given in (("k", view.k_fp4, groups[0]), ("v", view.v_fp4, groups[1])):
+            if fmt is not None and not given:
+                raise fail(
+                    f"{op}: Pages.{side}_scales is None but the scheme {scheme.name!r} stores "
+                    f"{side.upper()} in {fmt.name}, whose block scales are kept beside the "
+                    "pages; expected them. Fix: allocate pages and block scales with "
+                    "kvquant.kernels.fp4.fp4_page_storage."
+                )
+            if fmt is None and given:
+                raise fail(
+                    f"{op}: Pages.{side}_scales was given but the scheme {scheme.name!r} stores "
+                    f"{side.upper()} in FP8 with a static scale; expected None. Fix: drop it."
+                )
+        return pages, view
     if scheme.dynamic and not all(groups):
         missing = "v_group_scales" if groups[0] else "k_group_scales"
         raise fail(
@@ -357,6 +373,70 @@ def check_scheme_tensors(
                 op, name, g, helper="group_scale_storage", last_dim_contiguous=True
             )
     return view.group_size
+
+
+def check_fp4_pages(
+    op: str,
+    pages: Pages,
+    view: KernelView,
+    head_dim: int,
+    *,
+    written: bool,
+) -> tuple[int, int, int, int]:
+    """The pages, block scales and static scales of a 4-bit scheme (:class:`~kvquant.schemes.
+    Fp4Scales`); returns ``(num_pages, page_size, Hkv, D)``.
+
+    A 4-bit side: uint8 pages ``[P, S, Hkv, D // 2]`` and block scales ``[P, S, Hkv,
+    D // block]`` of the format's dtype, both with their last dimension contiguous (the
+    kernels read rows of bytes); an FP8 side: FP8 pages ``[P, S, Hkv, D]``, any strides. The
+    static scales (FP8 scale or NVFP4 global scale) are ``[]`` or ``[Hkv]``.
+    """
+    alloc = "allocate them with kvquant.kernels.fp4.fp4_page_storage (PagedLayerStorage does)."
+    layout = "[num_pages, page_size, num_kv_heads, head_dim (// 2)]"
+    kp = require_tensor(op, "k_pages", pages.k)
+    check_ndim(op, "k_pages", kp, 4, layout)
+    geometry: tuple[int, int, int] = (kp.shape[0], kp.shape[1], kp.shape[2])
+    device = kp.device
+    sides = (
+        ("k", pages.k, pages.k_scales, view.k_fp4, view.k_scale),
+        ("v", pages.v, pages.v_scales, view.v_fp4, view.v_scale),
+    )
+    for side, x, blocks, fmt, static in sides:
+        name = f"{side}_pages"
+        t = require_tensor(op, name, x)
+        check_ndim(op, name, t, 4, layout)
+        check_device(op, name, t, device, "k_pages")
+        if fmt is None:
+            check_dtype(op, name, t, FP8_DTYPES, "allocate FP8 pages with page_storage.")
+            want: tuple[int, ...] = (*geometry, head_dim)
+            check_shape(op, name, t, want, "the pages' geometry and the scheme's head_dim")
+            if written:
+                _check_written_layout(op, name, t, helper="page_storage", last_dim_contiguous=False)
+        else:
+            check_dtype(op, name, t, (torch.uint8,), f"{alloc} (two e2m1 codes per byte)")
+            want = (*geometry, head_dim // 2)
+            check_shape(op, name, t, want, "two e2m1 codes per byte, for the scheme's head_dim")
+            bname = f"{side}_block_scales"
+            b = require_tensor(op, bname, blocks)
+            check_dtype(op, bname, b, (fmt.scale_dtype,), f"{alloc} ({fmt.name})")
+            check_shape(op, bname, b, (*geometry, head_dim // fmt.block_size),
+                        f"one {fmt.name} scale per block of {fmt.block_size}")  # fmt: skip
+            check_device(op, bname, b, device, "k_pages")
+            for label, u in ((name, t), (bname, b)):
+                if written:
+                    _check_written_layout(
+                        op, label, u, helper="fp4.fp4_page_storage", last_dim_contiguous=True
+                    )
+                elif u.shape[-1] > 1 and u.stride(-1) != 1:
+                    raise fail(
+                        f"{op}: {label} has strides {u.stride()} for shape {tuple(u.shape)}; "
+                        f"expected its last dimension contiguous (the kernels read each "
+                        f"token's bytes as one row). Fix: {alloc}"
+                    )
+        if static is not None:
+            label = f"{side}_scale" if fmt is None else f"{side}_global_scale"
+            _check_static_scale(op, label, static, geometry[2], device)
+    return (*geometry, head_dim)
 
 
 def check_pages(

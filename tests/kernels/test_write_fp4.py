@@ -1,10 +1,11 @@
 """The 4-bit cache write: Triton (interpreted on CPU) and torch backends against the reference.
 
 The kernel computes every code with integer and compare operations, so it must match the
-reference byte for byte (pages and block scales) on every backend: fresh random data with
-values past the calibrated range and non-finite values, shuffled and skipped slots, strided
-inputs. Slots that are not written must keep their poison (random bytes, NaN scale codes);
-a refused call must leave every written tensor as it was.
+reference byte for byte (pages and block scales; an FP8 K side too) on every backend: fresh
+random data with values past the calibrated range and non-finite values, shuffled and skipped
+slots, strided inputs. Slots that are not written must keep their poison (random bytes, NaN
+scale codes); a refused call must leave every written tensor as it was. ``write_kv`` routes a
+4-bit scheme to the same write.
 """
 
 from __future__ import annotations
@@ -15,43 +16,65 @@ import pytest
 import torch
 
 from kvquant.errors import BackendError, KernelInputError
+from kvquant.kernels import page_storage, write_kv
 from kvquant.kernels.fp4 import (
-    MXFP4,
-    NVFP4,
     Fp4Format,
     dequantize_fp4,
     fp4_page_storage,
 )
 from kvquant.kernels.write_fp4 import write_fp4
 from kvquant.kernels.write_fp4.naive import write_fp4_reference
+from kvquant.schemes import (
+    Fp4Scales,
+    Fp8KNvfp4VScales,
+    Mxfp4Scales,
+    Nvfp4Scales,
+    Pages,
+    PerTensorScales,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = [NVFP4, MXFP4]
 
 
-def _poisoned(fmt: Fp4Format, num_pages: int, page: int, hkv: int, d: int) -> dict[str, Any]:
-    """Pages of random bytes and block scales of the NaN code (untouched slots are detectable)."""
-    out: dict[str, Any] = {}
-    for side in ("k", "v"):
-        pages, scales = fp4_page_storage(num_pages, page, hkv, d, fmt, device=DEV)
-        pages.copy_(torch.randint(0, 256, pages.shape, dtype=torch.uint8))
-        scales.view(torch.uint8).fill_(fmt.nan_scale_code)
-        out[f"{side}_pages"], out[f"{side}_block_scales"] = pages, scales
-    return out
-
-
-def _globals(fmt: Fp4Format, hkv: int, per_head: bool) -> dict[str, Any]:
-    if not fmt.global_scale:
-        return {}
+def _scheme(kind: str, hkv: int, d: int, per_head: bool) -> Fp4Scales:
     if per_head:
-        return {
-            "k_global_scale": torch.rand(hkv, device=DEV) * 0.004 + 0.001,
-            "v_global_scale": torch.rand(hkv, device=DEV) * 0.004 + 0.001,
-        }
-    return {
-        "k_global_scale": torch.tensor(4.0 / 2688, device=DEV),
-        "v_global_scale": torch.tensor(9.0 / 2688, device=DEV),
-    }
+        k = torch.rand(hkv, device=DEV) * 0.004 + 0.001
+        v = torch.rand(hkv, device=DEV) * 0.004 + 0.001
+    else:
+        k, v = torch.tensor(4.0 / 2688, device=DEV), torch.tensor(9.0 / 2688, device=DEV)
+    if kind == "nvfp4":
+        return Nvfp4Scales(d, k, v)
+    if kind == "mxfp4":
+        return Mxfp4Scales(d)
+    return Fp8KNvfp4VScales(d, k * 6, v)  # FP8 K: amax / 448 for |K| up to ~10
+
+
+def _side(fmt: Fp4Format | None, num_pages: int, page: int, hkv: int, d: int) -> tuple[Any, Any]:
+    """Pages of random bytes and block scales of the NaN code (untouched slots are detectable)."""
+    if fmt is None:  # FP8 K, the cache's layout
+        pages = page_storage(num_pages, page, hkv, d, device=DEV)[0]
+        pages.view(torch.uint8).copy_(torch.randint(0, 256, pages.shape, dtype=torch.uint8))
+        return pages, None
+    pages, scales = fp4_page_storage(num_pages, page, hkv, d, fmt, device=DEV)
+    pages.copy_(torch.randint(0, 256, pages.shape, dtype=torch.uint8))
+    scales.view(torch.uint8).fill_(fmt.nan_scale_code)
+    return pages, scales
+
+
+def _pages(scheme: Fp4Scales, num_pages: int, page: int, hkv: int) -> Pages:
+    d = scheme.head_dim
+    kp, ks = _side(scheme.k_format, num_pages, page, hkv, d)
+    vp, vs = _side(scheme.v_format, num_pages, page, hkv, d)
+    return Pages(kp, vp, ks, vs)
+
+
+def _clone(p: Pages) -> Pages:
+    return Pages(*(None if x is None else x.clone() for x in (p.k, p.v, p.k_scales, p.v_scales)))
+
+
+def _bytes(p: Pages) -> dict[str, torch.Tensor]:
+    named = {"k": p.k, "v": p.v, "k_scales": p.k_scales, "v_scales": p.v_scales}
+    return {n: x.view(torch.uint8).clone() for n, x in named.items() if x is not None}
 
 
 def _new_tokens(bsz: int, seq: int, hkv: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -60,6 +83,8 @@ def _new_tokens(bsz: int, seq: int, hkv: int, d: int, seed: int) -> tuple[torch.
     key = key.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous
     value = (torch.randn(bsz, seq, hkv, d, generator=g) * 5).to(torch.bfloat16)
     key[0, 0, 0, :3] = torch.tensor([1e3, -1e5, 7.0])  # past the calibrated range
+    key[0, 1, 0, 5] = -1e-9  # rounds to -0.0 in FP8
+    key[0, 1, 0, 6] = -0.0  # stays -0.0 in FP8 (the sign bit, not a comparison)
     key[1, 1, 1, 20] = float("nan")
     value[0, 1, 0, 33] = float("inf")
     key[1, 2, 0] = 0.0  # an all-zero token
@@ -73,97 +98,100 @@ def _slots(bsz: int, seq: int, num_slots: int, seed: int) -> torch.Tensor:
     return slots.to(DEV)
 
 
-def _written(args: dict[str, Any]) -> dict[str, torch.Tensor]:
-    names = ("k_pages", "v_pages", "k_block_scales", "v_block_scales")
-    return {n: args[n].view(torch.uint8).clone() for n in names}
+KINDS = [
+    ("nvfp4", False),
+    ("nvfp4", True),
+    ("mxfp4", False),
+    ("fp8-k-nvfp4-v", False),
+    ("fp8-k-nvfp4-v", True),
+]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize(
-    ("fmt", "per_head"),
-    [(NVFP4, False), (NVFP4, True), (MXFP4, False)],
-    ids=["nvfp4-per-tensor", "nvfp4-per-head", "mxfp4"],
+    ("kind", "per_head"), KINDS, ids=[f"{k}-{'per-head' if p else 'per-tensor'}" for k, p in KINDS]
 )
-def test_write_matches_reference_byte_for_byte(
-    fmt: Fp4Format, per_head: bool, backend: str
-) -> None:
+def test_write_matches_reference_byte_for_byte(kind: str, per_head: bool, backend: str) -> None:
     bsz, seq, hkv, d, num_pages, page = 2, 5, 2, 64, 4, 8
-    seed = hash((fmt.name, per_head, backend)) % 2**31
+    seed = hash((kind, per_head, backend)) % 2**31
     key, value = _new_tokens(bsz, seq, hkv, d, seed)
     slots = _slots(bsz, seq, num_pages * page, seed)
-    got = _poisoned(fmt, num_pages, page, hkv, d)
-    want = {k: v.clone() for k, v in got.items()}
-    scales = _globals(fmt, hkv, per_head)
-    write_fp4(key, value, slot_mapping=slots, fmt=fmt, backend=backend, **got, **scales)
-    write_fp4_reference(key, value, slot_mapping=slots, fmt=fmt, **want, **scales)
-    for name in want:
-        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
-    # slots never written keep their poison: random page bytes, NaN scale codes
+    scheme = _scheme(kind, hkv, d, per_head)
+    got = _pages(scheme, num_pages, page, hkv)
+    want = _clone(got)
+    write_kv(key, value, got, slots, scheme, backend=backend)
+    write_fp4_reference(key, value, want, slots, scheme)
+    for name, x in _bytes(want).items():
+        assert torch.equal(_bytes(got)[name], x), name
+    # slots never written keep their poison: NaN scale codes
     written = torch.zeros(num_pages * page, dtype=torch.bool)
     written[slots[slots >= 0].cpu()] = True
     untouched = (~written).reshape(num_pages, page)
-    assert (got["k_block_scales"].view(torch.uint8)[untouched] == fmt.nan_scale_code).all()
-    # the written slots decode close to the input (NaN exactly where a block held a non-finite)
-    flat = slots.reshape(-1).cpu()
+    fmt = scheme.v_format
+    assert fmt is not None and got.v_scales is not None
+    assert (got.v_scales.view(torch.uint8)[untouched.to(DEV)] == fmt.nan_scale_code).all()
+    # NaN exactly where a block of the written V held a non-finite value
+    flat = slots.reshape(-1)
     keep = flat >= 0
     pg, off = flat[keep] // page, flat[keep] % page
-    back = dequantize_fp4(
-        got["k_pages"][pg, off], got["k_block_scales"][pg, off], fmt, scales.get("k_global_scale")
-    )
-    k = key.reshape(-1, hkv, d)[keep.to(DEV)].float()
-    nan_blocks = ~torch.isfinite(k).unflatten(-1, (-1, fmt.block_size)).all(-1)
-    want_nan = nan_blocks.repeat_interleave(fmt.block_size, dim=-1)
-    assert torch.equal(back.isnan(), want_nan)
+    back = dequantize_fp4(got.v[pg, off], got.v_scales[pg, off], fmt, scheme.kernel_view().v_scale)
+    v = value.reshape(-1, hkv, d)[keep].float()
+    nan_blocks = ~torch.isfinite(v).unflatten(-1, (-1, fmt.block_size)).all(-1)
+    assert torch.equal(back.isnan(), nan_blocks.repeat_interleave(fmt.block_size, dim=-1))
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_odd_geometry_and_large_pages(fmt: Fp4Format) -> None:
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])
+def test_odd_geometry_and_large_pages(kind: str) -> None:
     """Three KV heads, a head_dim of three blocks (rows padded to powers of two), one token."""
-    hkv, d = 3, 3 * fmt.block_size
+    hkv = 3
+    d = 3 * (32 if kind == "mxfp4" else 16)
+    scheme = _scheme(kind, hkv, d, per_head=True)
     key, value = (torch.randn(1, 1, hkv, d, device=DEV) * 2 for _ in range(2))
     slots = torch.tensor([[37]], device=DEV)
-    got = _poisoned(fmt, 2, 32, hkv, d)
-    want = {k: v.clone() for k, v in got.items()}
-    scales = _globals(fmt, hkv, per_head=True)
-    write_fp4(key, value, slot_mapping=slots, fmt=fmt, backend="triton", **got, **scales)
-    write_fp4_reference(key, value, slot_mapping=slots, fmt=fmt, **want, **scales)
-    for name in want:
-        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+    got = _pages(scheme, 2, 32, hkv)
+    want = _clone(got)
+    write_fp4(key, value, got, slots, scheme, backend="triton")
+    write_fp4_reference(key, value, want, slots, scheme)
+    for name, x in _bytes(want).items():
+        assert torch.equal(_bytes(got)[name], x), name
 
 
-def _valid_args(fmt: Fp4Format = NVFP4) -> dict[str, Any]:
+def _valid(kind: str = "nvfp4") -> tuple[dict[str, Any], Fp4Scales]:
+    scheme = _scheme(kind, 2, 32, per_head=False)
     key, value = (torch.randn(1, 2, 2, 32, device=DEV) for _ in range(2))
-    args: dict[str, Any] = {"key": key, "value": value, "fmt": fmt}
-    args |= _poisoned(fmt, 2, 4, 2, 32) | _globals(fmt, 2, per_head=False)
+    args = {"key": key, "value": value, "pages": _pages(scheme, 2, 4, 2)}
     args["slot_mapping"] = torch.tensor([[0, 5]], device=DEV)
-    return args
+    return args, scheme
 
 
-def _broken(change: str) -> dict[str, Any]:
-    a = _valid_args()
+def _broken(change: str) -> tuple[dict[str, Any], Any]:
+    a, scheme = _valid()
+    p: Pages = a["pages"]
     if change == "slot-out-of-range":
         a["slot_mapping"] = torch.tensor([[0, 8]], device=DEV)
     elif change == "int32-slots":
         a["slot_mapping"] = a["slot_mapping"].int()
     elif change == "fp8-pages":
-        a["k_pages"] = a["k_pages"].view(torch.float8_e4m3fn)
+        a["pages"] = Pages(p.k.view(torch.float8_e4m3fn), p.v, p.k_scales, p.v_scales)
     elif change == "fp32-block-scales":
-        a["v_block_scales"] = a["v_block_scales"].float()
+        a["pages"] = Pages(p.k, p.v, p.k_scales, torch.ones(2, 4, 2, 2, device=DEV))
+    elif change == "missing-block-scales":
+        a["pages"] = Pages(p.k, p.v, p.k_scales, None)
     elif change == "wrong-head-dim":
         a["key"] = torch.randn(1, 2, 2, 48, device=DEV)
-    elif change == "missing-global-scale":
-        a["k_global_scale"] = None
-    elif change == "zero-global-scale":
-        a["v_global_scale"] = torch.tensor(0.0, device=DEV)
-    elif change == "nan-global-scale":
-        a["k_global_scale"] = torch.tensor([0.1, float("nan")], device=DEV)
-    elif change == "bf16-global-scale":
-        a["k_global_scale"] = a["k_global_scale"].bfloat16()
+    elif change == "scheme-head-dim":
+        scheme = Nvfp4Scales(64, torch.tensor(1.0, device=DEV), torch.tensor(1.0, device=DEV))
+    elif change == "per-head-scale-for-three-heads":
+        g = torch.ones(3, device=DEV)
+        scheme = Nvfp4Scales(32, g, g)
+    elif change == "strided-pages":
+        k = torch.zeros(2, 4, 2, 32, dtype=torch.uint8, device=DEV)[..., ::2]
+        a["pages"] = Pages(k, p.v, p.k_scales, p.v_scales)
     elif change == "shared-memory":
-        a["v_pages"] = a["k_pages"]
-    elif change == "not-a-format":
-        a["fmt"] = "nvfp4"
-    return a
+        a["pages"] = Pages(p.k, p.k, p.k_scales, p.v_scales)
+    elif change == "fp8-scheme":
+        scheme = PerTensorScales(torch.tensor(1.0, device=DEV), torch.tensor(1.0, device=DEV))
+    return a, scheme
 
 
 @pytest.mark.parametrize(
@@ -173,46 +201,57 @@ def _broken(change: str) -> dict[str, Any]:
         ("int32-slots", "slot_mapping has dtype torch.int32"),
         ("fp8-pages", "k_pages has dtype torch.float8_e4m3fn"),
         ("fp32-block-scales", "v_block_scales has dtype torch.float32"),
+        ("missing-block-scales", "Pages.v_scales is None"),
         ("wrong-head-dim", r"key has shape \(1, 2, 2, 48\)"),
-        ("missing-global-scale", "k_global_scale is a NoneType"),
-        ("zero-global-scale", "v_global_scale element 0 is 0.0"),
-        ("nan-global-scale", "k_global_scale element 1 is nan"),
-        ("bf16-global-scale", "k_global_scale has dtype torch.bfloat16"),
+        ("scheme-head-dim", r"k_pages has shape \(2, 4, 2, 16\); expected \(2, 4, 2, 32\)"),
+        ("per-head-scale-for-three-heads", r"k_global_scale has shape \(3,\)"),
+        ("strided-pages", "k_pages is written in place but has strides"),
         ("shared-memory", "share memory"),
-        ("not-a-format", "fmt is 'nvfp4'"),
+        ("fp8-scheme", "expected a 4-bit scheme"),
     ],
 )
 def test_a_refused_write_leaves_every_tensor_untouched(
     change: str, match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVQUANT_CHECK_VALUES", "1")  # value checks (slots, scales) on a GPU too
-    a = _broken(change)
-    before = _written(a)
+    monkeypatch.setenv("KVQUANT_CHECK_VALUES", "1")  # the slot check on a GPU too
+    a, scheme = _broken(change)
+    before = _bytes(a["pages"])
     with pytest.raises(KernelInputError, match=match):
-        write_fp4(**a, backend="torch")
+        write_fp4(**a, scheme=scheme, backend="torch")
     for name, old in before.items():
-        assert torch.equal(a[name].view(torch.uint8), old), name
+        assert torch.equal(_bytes(a["pages"])[name], old), name
 
 
-def test_mxfp4_refuses_a_global_scale_and_odd_blocks() -> None:
-    a = _valid_args(MXFP4)
-    write_fp4(**a, backend="torch")  # valid
-    with pytest.raises(KernelInputError, match="k_global_scale was given for mxfp4"):
-        write_fp4(**a, k_global_scale=torch.tensor(1.0, device=DEV), backend="torch")
-    pages, _ = fp4_page_storage(2, 4, 2, 48, NVFP4)  # head_dim 48: three NVFP4 blocks
-    x = torch.randn(1, 2, 2, 48, device=DEV)
-    scales = torch.zeros(2, 4, 2, 1, dtype=torch.uint8, device=DEV)
-    with pytest.raises(KernelInputError, match="multiple of mxfp4's block size 32"):
-        write_fp4(
-            x, x, pages, pages.clone(), scales, scales.clone(), a["slot_mapping"],
-            fmt=MXFP4, backend="torch",
-        )  # fmt: skip
+def test_write_kv_routes_4bit_schemes_and_refuses_their_pages_for_fp8() -> None:
+    a, scheme = _valid("mxfp4")
+    before = _bytes(a["pages"])
+    write_kv(a["key"], a["value"], a["pages"], a["slot_mapping"], scheme, backend="torch")
+    assert not torch.equal(_bytes(a["pages"])["v"], before["v"])
+    fp8 = PerTensorScales(torch.tensor(1.0, device=DEV), torch.tensor(1.0, device=DEV))
+    with pytest.raises(KernelInputError, match="both static scales and group scales"):
+        write_kv(a["key"], a["value"], a["pages"], a["slot_mapping"], fp8, backend="torch")
 
 
 def test_unknown_backend_is_refused_before_writing() -> None:
-    a = _valid_args()
-    before = _written(a)
+    a, scheme = _valid()
+    before = _bytes(a["pages"])
     with pytest.raises(BackendError, match="backend='cuda' is not a backend"):
-        write_fp4(**a, backend="cuda")
+        write_fp4(**a, scheme=scheme, backend="cuda")
     for name, old in before.items():
-        assert torch.equal(a[name].view(torch.uint8), old), name
+        assert torch.equal(_bytes(a["pages"])[name], old), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])
+def test_gpu_write_matches_reference_at_model_sizes(kind: str) -> None:
+    """Model-sized write on CUDA (8 KV heads, head_dim 128, a 256-token prefill)."""
+    hkv, d = 8, 128
+    scheme = _scheme(kind, hkv, d, per_head=False)
+    key, value = _new_tokens(2, 128, hkv, d, seed=7)
+    slots = _slots(2, 128, 64 * 16, seed=7)
+    got = _pages(scheme, 64, 16, hkv)
+    want = _clone(got)
+    write_fp4(key, value, got, slots, scheme, backend="triton")
+    write_fp4_reference(key, value, want, slots, scheme)
+    for name, x in _bytes(want).items():
+        assert torch.equal(_bytes(got)[name], x), name

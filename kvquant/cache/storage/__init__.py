@@ -1,12 +1,14 @@
 """One layer's FP8 K/V pages: :class:`PagedLayerStorage` (:mod:`.base`) and one subclass per
 scale scheme, which ``PagedLayerStorage(..., granularity=...)`` picks: static per-tensor or
 per-head scales (:mod:`.static`), dynamic ``fp32-group`` scales (:mod:`.group`) and the
-``k-transform`` with its first-token side buffer (:mod:`.k_transform`). Design:
+``k-transform`` with its first-token side buffer (:mod:`.k_transform`), and the 4-bit
+formats (:mod:`.fp4`). Design:
 docs/dev/cache.md."""
 
 from __future__ import annotations
 
 from kvquant.cache.storage.base import PagedLayerStorage, granularities
+from kvquant.cache.storage.fp4 import Fp4Storage, Fp8KNvfp4VStorage
 from kvquant.cache.storage.group import GroupStorage
 from kvquant.cache.storage.k_transform import KTransformStorage
 from kvquant.cache.storage.static import StaticStorage
@@ -15,6 +17,8 @@ from kvquant.schemes import ORTHONORMAL_TOL
 __all__ = [
     "GRANULARITIES",
     "ORTHONORMAL_TOL",
+    "Fp4Storage",
+    "Fp8KNvfp4VStorage",
     "GroupStorage",
     "KTransformStorage",
     "PagedLayerStorage",

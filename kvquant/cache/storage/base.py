@@ -63,8 +63,8 @@ class PagedLayerStorage:
     its first update. The storage knows nothing of sequences: callers pass the
     slot mapping, block tables and sequence lengths that an allocator or a
     :class:`SequenceBook` produced. ``PagedLayerStorage(...)`` builds the class
-    of ``granularity``'s scheme (static, ``fp32-group`` or ``k-transform``
-    storage), which holds that scheme's scales.
+    of ``granularity``'s scheme (static, ``fp32-group``, ``k-transform`` or
+    4-bit storage), which holds that scheme's scales.
 
     Pages are zero-filled and group scales one-filled when allocated (slots not
     yet written dequantize to 0).
@@ -78,7 +78,9 @@ class PagedLayerStorage:
             ``v_scale``), ``"fp32-group"`` (dynamic: one fp32 scale per token,
             KV head and group of ``group_size`` elements, computed on write) or
             ``"k-transform"`` (per-head static scales plus ``k_offset``, an
-            optional ``k_rotation`` and ``first_tokens``).
+            optional ``k_rotation`` and ``first_tokens``), or a 4-bit format:
+            ``"nvfp4"`` (``k_scale`` / ``v_scale`` are the global scales),
+            ``"mxfp4"`` (no scale) or ``"fp8-k-nvfp4-v"`` (FP8 K scale, V global scale).
         group_size: ``G`` for ``fp32-group``; must divide ``head_dim``; default
             ``min(64, head_dim)``, halved until it divides ``head_dim`` (80 -> 16). Must
             be None for static granularities.
@@ -468,13 +470,20 @@ class PagedLayerStorage:
             self.num_pages, self.device,
         )  # fmt: skip
         out = []
-        for pages, a in zip((self.k_pages, self.v_pages), self._dequant_args(ids), strict=True):
-            full = dequantize_pages(
-                pages[ids], a.static, a.groups, k_offset=a.k_offset, k_rotation=a.k_rotation
-            )
+        for full in self._dequantize(ids):
             flat = full.reshape(bsz, used * self.page_size, self.num_kv_heads, self.head_dim)
             out.append(flat[:, :seq_len].to(dtype))
         return out[0], out[1]
+
+    def _dequantize(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K and V of pages ``ids`` ``[N, page_size, Hkv, D]`` (model frame)."""
+        k, v = (
+            dequantize_pages(
+                pages[ids], a.static, a.groups, k_offset=a.k_offset, k_rotation=a.k_rotation
+            )
+            for pages, a in zip((self.k_pages, self.v_pages), self._dequant_args(ids), strict=True)
+        )
+        return k, v
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Page ``dst[i]`` takes the contents of page ``src[i]`` (pages and group scales).
@@ -546,8 +555,10 @@ class PagedLayerStorage:
         bf16 ``DynamicCache``): the whole pool, written or not.
 
         Returns:
-            ``pages`` (FP8 K and V pages), ``group_scales`` (fp32, ``fp32-group``
-            only), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``),
+            ``pages`` (FP8 or packed 4-bit K and V pages), ``group_scales`` (the scales
+            stored per token beside the pages: fp32 groups of ``fp32-group``, a 4-bit
+            format's block scales), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``, a
+            4-bit format's global scales),
             ``k_transform`` (``k-transform`` only: offset, rotation and the
             first-token side buffer) and ``total`` (their sum).
         """

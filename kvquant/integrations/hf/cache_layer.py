@@ -56,11 +56,14 @@ class LayerSpec:
         name: the attention module's path (for messages).
         num_kv_heads: KV heads.
         head_dim: elements per head.
-        scheme: the layer's scale scheme (:class:`~kvquant.schemes.PerTensorScales`,
+        scheme: the layer's scale scheme class (:class:`~kvquant.schemes.PerTensorScales`,
             :class:`~kvquant.schemes.PerHeadScales`, :class:`~kvquant.schemes.GroupScales`,
-            :class:`~kvquant.schemes.KTransformScales`); its ``name`` is :attr:`granularity`.
-        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale, None for a dynamic scheme.
-        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale, None for a dynamic scheme.
+            :class:`~kvquant.schemes.KTransformScales`, or a 4-bit one: ``Nvfp4Scales``,
+            ``Mxfp4Scales``, ``Fp8KNvfp4VScales``); its ``name`` is :attr:`granularity`.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static K scale (NVFP4's global scale), None for a
+            dynamic scheme without one.
+        v_scale: fp32 ``[]`` or ``[Hkv]`` static V scale (NVFP4's global scale), None for a
+            dynamic scheme without one.
         group_size: ``G`` of the group scales (divides ``head_dim``), None for a static scheme.
         k_offset: fp32 ``[Hkv, D]`` per-channel K offset (``k-transform``), else None.
         rotation: ``"hadamard"`` or None (``k-transform``: the K / query rotation).

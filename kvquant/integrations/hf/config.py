@@ -17,7 +17,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvquant.cache import MAX_PAGE_SIZE
-from kvquant.choices import Backend, MissingKV, MissingScales, RopePolicy, coerce_choice
+from kvquant.choices import (
+    Backend,
+    KVFormat,
+    MissingKV,
+    MissingScales,
+    RopePolicy,
+    coerce_choice,
+    parse_choice,
+)
 from kvquant.errors import OptionError, OptionTypeError
 from kvquant.kernels.backend import BACKENDS
 from kvquant.registry.options import ResolveOptions
@@ -51,6 +59,7 @@ class PatchOptions:
         compile_step: None (auto), True or False.
         prefill_tokens: the most tokens one prefill forward processes: ``"auto"``,
             an int or None.
+        kv_format: how K and V are stored (:class:`~kvquant.choices.KVFormat`).
         source: a description of where the scales came from (not an option).
     """
 
@@ -66,6 +75,7 @@ class PatchOptions:
     cuda_graphs: bool | None
     compile_step: bool | None
     prefill_tokens: int | str | None
+    kv_format: str = "fp8"
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -75,6 +85,7 @@ class PatchOptions:
             ("missing_scales", MissingScales),
             ("missing_kv", MissingKV),
             ("rope_policy", RopePolicy),
+            ("kv_format", KVFormat),
         ):
             object.__setattr__(self, name, coerce_choice(kind, getattr(self, name)))
 
@@ -178,6 +189,25 @@ def check_options(opts: PatchOptions, owner: str = "KVQuantConfig") -> None:
             "only in the decode-graph step. Fix: pass cuda_graphs=None (or True) with "
             "compile_step=True, or compile_step=None."
         )
+    fmt = parse_choice(KVFormat, opts.kv_format)
+    if fmt is None:
+        raise OptionError(
+            f"{owner}: kv_format={opts.kv_format!r}; expected one of {KVFormat.values()}. "
+            "Fix: pass kv_format='fp8' (the default) or a 4-bit format such as 'nvfp4'."
+        )
+    if fmt in (KVFormat.NVFP4, KVFormat.MXFP4):
+        if opts.group_size is not None:
+            raise OptionError(
+                f"{owner}: group_size={opts.group_size} with kv_format={fmt.value!r}, whose "
+                "scale blocks are fixed (16 channels for nvfp4, 32 for mxfp4). Fix: drop "
+                "group_size (it sizes the FP8 fp32-group format)."
+            )
+        if opts.scale_format != "auto":
+            raise OptionError(
+                f"{owner}: scale_format={opts.scale_format!r} with kv_format={fmt.value!r}, "
+                "which computes its scales as tokens are written and reads none. Fix: drop "
+                "scale_format, or pass kv_format='fp8'."
+            )
     if opts.backend not in BACKENDS:
         raise OptionError(
             f"{owner}: backend={opts.backend!r}; expected one of {BACKENDS}. "

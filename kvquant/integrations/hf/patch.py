@@ -21,6 +21,7 @@ from torch import nn
 
 from kvquant.cache import release_library_workspaces
 from kvquant.checkpoint.producers import NO_PRODUCER
+from kvquant.choices import KVFormat
 from kvquant.errors import (
     OptionError,
     OptionTypeError,
@@ -194,7 +195,7 @@ def apply_patch(
         OptionError: ``cuda_graphs=True`` for a model whose layers share K/V.
     """
     _check_graphs(model, opts, sites)
-    specs = layer_specs(sites, geometry, model_scales)
+    specs = layer_specs(sites, geometry, model_scales, opts.kv_format)
     per_rank = rank_specs(sites, specs)  # tensor parallelism: refused here, before any change
     cfg = text_config(model)
     previous = getattr(cfg, "_attn_implementation", None)
@@ -317,9 +318,13 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     if state.rank_specs is not None:
         mine, whole = state.rank_specs[0].num_kv_heads, state.layer_specs[0].num_kv_heads
         shard = f" (tensor parallel: this rank caches {mine} of the {whole} KV heads of a layer)"
+    kv = f"FP8 KV with {grans} scales (from {source})"
+    if opts.kv_format != KVFormat.FP8:
+        kv = f"{opts.kv_format} KV (scales computed on write"
+        kv += "; K scales from " + source + ")" if opts.kv_format == KVFormat.FP8_K_NVFP4_V else ")"
     return (
-        f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers{shard}, FP8 KV with "
-        f"{grans} scales (from {source}); backend {backend}; cache: {sizing}; "
+        f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers{shard}, {kv}; "
+        f"backend {backend}; cache: {sizing}; "
         f"decode graphs: {graphs}; compiled step: {compiled}; prefill row groups: {groups}"
     )
 
@@ -433,7 +438,9 @@ def patch(
         if (
             existing.handle is not None
             and opts == existing.options
-            and same_specs(existing.layer_specs, layer_specs(sites, geometry, model_scales))
+            and same_specs(
+                existing.layer_specs, layer_specs(sites, geometry, model_scales, opts.kv_format)
+            )
         ):
             return _reuse(model, existing.handle)  # the same scales again (mapping or folder)
         _unpatch(model, existing)

@@ -97,7 +97,7 @@ class PoolSizing:
         scales), so the headroom is capped at ``0.9 / r - 1`` for the largest
         ``r`` (0 for very small groups).
         """
-        ratio = 0.5  # FP8 / bf16 bytes per element
+        ratio = 0.5  # FP8 / bf16 bytes per element (the 4-bit formats take less)
         for layer in self.layers:
             spec = getattr(layer, "spec", None)
             if spec is not None:  # bf16 K and V: 4 bytes per element of one head

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvquant.choices import KVFormat
 from kvquant.errors import (
+    OptionError,
     OptionTypeError,
     ScaleFormatError,
     UnsupportedModelError,
@@ -22,10 +24,18 @@ from kvquant.integrations.hf.config import PatchOptions
 from kvquant.integrations.hf.models import (
     AttentionSite,
 )
+from kvquant.schemes import (
+    DYNAMIC_NVFP4_GLOBAL_SCALE,
+    Fp8KNvfp4VScales,
+    Mxfp4Scales,
+    Nvfp4Scales,
+    StaticScales,
+)
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
     "checkpoint_scales",
+    "fp4_spec",
     "gather_raw_scales",
     "is_dynamic",
     "layer_specs",
@@ -244,6 +254,62 @@ def _host_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def layer_specs(
+    sites: list[AttentionSite],
+    geometry: LayerGeometry,
+    model_scales: Any,
+    kv_format: str = KVFormat.FP8,
+) -> list[LayerSpec]:
+    """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
+
+    A 4-bit ``kv_format`` replaces each layer's FP8 format (:func:`fp4_spec`).
+
+    Raises:
+        UnsupportedModelError: the registry resolved another number of layers.
+        OptionError: ``fp8-k-nvfp4-v`` for a layer without static K scales.
+    """
+    specs = _fp8_specs(sites, geometry, model_scales)
+    if kv_format == KVFormat.FP8:
+        return specs
+    return [fp4_spec(spec, kv_format) for spec in specs]
+
+
+def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
+    """``spec`` stored in a 4-bit ``kv_format`` (calibration-free).
+
+    ``nvfp4``: global scales :data:`~kvquant.schemes.DYNAMIC_NVFP4_GLOBAL_SCALE` (fixed, so no
+    statistic, sync or first batch decides them); ``mxfp4``: no scale; ``fp8-k-nvfp4-v``: the
+    layer's static K scale and V's fixed global scale, of the K scale's shape.
+
+    Raises:
+        OptionError: a head_dim the format's block does not divide; ``fp8-k-nvfp4-v`` for a
+            layer whose resolved format has no static K scale (dynamic ``fp32-group``, or the
+            ``k-transform``).
+    """
+    block = 32 if kv_format == KVFormat.MXFP4 else 16
+    if spec.head_dim % block:
+        raise OptionError(
+            f"{spec.name}: kv_format={str(kv_format)!r} stores one scale per block of {block} "
+            f"channels, but the layer's head_dim is {spec.head_dim}. Fix: kv_format='nvfp4' "
+            "(blocks of 16) or 'fp8' for this model."
+        )
+    plain = replace(spec, group_size=None, k_offset=None, rotation=None, first_tokens=0)
+    if kv_format == KVFormat.MXFP4:
+        return replace(plain, scheme=Mxfp4Scales, k_scale=None, v_scale=None)
+    if kv_format == KVFormat.NVFP4:
+        g = _host_scale(torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE))
+        return replace(plain, scheme=Nvfp4Scales, k_scale=g, v_scale=g.clone())
+    if not issubclass(spec.scheme, StaticScales) or spec.k_scale is None:
+        raise OptionError(
+            f"{spec.name}: kv_format='fp8-k-nvfp4-v' stores K in FP8 with a static K scale, but "
+            f"the layer's scales resolved to {spec.granularity!r} (no static K scale). Fix: "
+            "pass the checkpoint's FP8 KV scales (scales=...), missing_scales='unit' for K "
+            "within FP8's range, or kv_format='nvfp4' (no calibration)."
+        )
+    g = _host_scale(torch.full_like(spec.k_scale, DYNAMIC_NVFP4_GLOBAL_SCALE))
+    return replace(plain, scheme=Fp8KNvfp4VScales, v_scale=g)
+
+
+def _fp8_specs(
     sites: list[AttentionSite], geometry: LayerGeometry, model_scales: Any
 ) -> list[LayerSpec]:
     layers = list(model_scales.layers)

@@ -3,8 +3,8 @@
 :func:`load_fp4_tile` gathers the packed e2m1 bytes and block scales of ``BLOCK_N`` (token,
 KV head) rows of NVFP4 or MXFP4 pages (:mod:`kvquant.kernels.fp4`'s layout, last dimensions
 contiguous) and returns fp32 values, ``(e2m1 * block_scale) * g`` or ``e2m1 * 2^(E - 127)``;
-masked rows read as zeros. Not wired into ``paged_attention`` yet: what the wiring needs is in
-docs/dev/fp4-formats.md.
+masked rows read as zeros. The attention kernel's ``_load_kv`` calls it for a 4-bit side
+(:mod:`kvquant.kernels.attention.tile`; docs/dev/fp4-formats.md, "How it is wired").
 """
 
 import triton

@@ -129,6 +129,10 @@ def paged_attn_kernel(
     fv_ptr,
     flen_ptr,
     n_first_max,
+    kb_ptr,
+    vb_ptr,
+    s_kb,
+    s_vb,
     GROUP: tl.constexpr,
     QPB: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -147,6 +151,8 @@ def paged_attn_kernel(
     USE_WHILE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    K_FP4: tl.constexpr,
+    V_FP4: tl.constexpr,
 ):
     """Program (query block x split, KV head, sequence): attention of its rows over its keys.
 
@@ -154,7 +160,10 @@ def paged_attn_kernel(
     (page, slot, head, dim), ``s_kg``, ``s_vg`` (page, slot, head). The pointers ``qlen_ptr``,
     ``start_ptr``, ``ks_ptr``/``vs_ptr`` (static scales) or ``kg_ptr``/``vg_ptr`` (group
     scales), ``sink_ptr``, ``rot_ptr``, ``off_ptr`` and ``fk_ptr``/``fv_ptr``/``flen_ptr``
-    (first tokens) are ``None`` when absent.
+    (first tokens) are ``None`` when absent. ``K_FP4`` / ``V_FP4`` (0 FP8, 1 NVFP4, 2 MXFP4)
+    pick each side's page format: a 4-bit side's packed pages and block scales ``kb_ptr`` /
+    ``vb_ptr`` (strides ``s_kb``, ``s_vb``: page, slot, head) are dequantized in registers,
+    NVFP4's global scale folded as a static scale (``ks_ptr`` / ``vs_ptr``; MXFP4 passes ones).
     """
     HAS_QLEN: tl.constexpr = qlen_ptr is not None
     HAS_START: tl.constexpr = start_ptr is not None
@@ -314,6 +323,14 @@ def paged_attn_kernel(
     else:  # never read
         kg_base = k_base
         vg_base = v_base
+    if K_FP4 != 0:
+        kb_base = kb_ptr + kvh * s_kb[2]
+    else:  # never read
+        kb_base = k_base
+    if V_FP4 != 0:
+        vb_base = vb_ptr + kvh * s_vb[2]
+    else:  # never read
+        vb_base = v_base
 
     m_i = tl.full([RB], float("-inf"), tl.float32)
     l_i = tl.zeros([RB], tl.float32)
@@ -334,26 +351,29 @@ def paged_attn_kernel(
         while n0 < head_hi:
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
-                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
+                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg, kb_base, vb_base, s_kb,
+                s_vb,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
+                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE, K_FP4, V_FP4,
             )  # fmt: skip
             n0 += BLOCK_N
         n0 = int_lo
         while n0 < mid:
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
-                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
+                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg, kb_base, vb_base, s_kb,
+                s_vb,
                 False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
+                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE, K_FP4, V_FP4,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < s_hi:
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
-                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
+                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg, kb_base, vb_base, s_kb,
+                s_vb,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
+                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE, K_FP4, V_FP4,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -361,25 +381,28 @@ def paged_attn_kernel(
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
-                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
+                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg, kb_base, vb_base, s_kb,
+                s_vb,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
+                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE, K_FP4, V_FP4,
             )  # fmt: skip
         for n0 in tl.range(int_lo, mid, BLOCK_N, num_stages=LOOP_STAGES):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
-                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
+                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg, kb_base, vb_base, s_kb,
+                s_vb,
                 False, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
+                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE, K_FP4, V_FP4,
             )  # fmt: skip
         for n0 in tl.range(mid, s_hi, BLOCK_N, num_stages=1):
             n0 = tl.multiple_of(n0, BLOCK_N)
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, n0, lo, s_hi, pos, window, qk_scale, softcap, qcs,
-                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
+                bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg, kb_base, vb_base, s_kb,
+                s_vb,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, GROUP_SCALES, FOLD, NG, OFF_IN_TILE,
-                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
+                RB, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE, K_FP4, V_FP4,
             )  # fmt: skip
 
     if PDL:

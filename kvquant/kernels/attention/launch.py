@@ -69,6 +69,16 @@ def _supports_pdl(device: torch.device) -> bool:
 
 _KERNEL_USE: dict[tuple[Any, ...], tuple[int, int, int]] = {}
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """fp32 ``1.0`` on ``device`` (MXFP4's static multiplier), allocated once per device."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
 
 def _device_limits(device: torch.device) -> dict[str, int]:
     """Registers, shared memory and threads per SM (keywords of :func:`programs_per_sm`)."""
@@ -154,6 +164,7 @@ def _kernel_args(
     """
     kg, vg = opt["k_group_scales"], opt["v_group_scales"]
     ks, vs = (opt["k_scale"], opt["v_scale"]) if kg is None else (None, None)
+    kb, vb = opt["k_block_scales"], opt["v_block_scales"]
     first_k = opt["first_k"]
     return [
         query, k_pages, v_pages, block_tables, seq_lens, opt["q_lens"], opt["kv_start"],
@@ -169,6 +180,8 @@ def _kernel_args(
         first_k, opt["first_v"] if first_k is not None else None,
         opt["first_lens"] if first_k is not None else None,
         first_k.shape[1] if first_k is not None else 0,
+        kb, vb, kb.stride()[:3] if kb is not None else (0, 0, 0),
+        vb.stride()[:3] if vb is not None else (0, 0, 0),
     ]  # fmt: skip
 
 
@@ -214,6 +227,8 @@ def _constexprs(
         "USE_WHILE": bool(config.get("USE_WHILE", _INTERPRETED)),
         "LOOP_STAGES": tiles.LOOP_STAGES,
         "PDL": pdl,
+        "K_FP4": opt["k_fp4"],
+        "V_FP4": opt["v_fp4"],
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
         "launch_pdl": pdl,
@@ -261,7 +276,8 @@ def paged_attention_triton(
     Args:
         query: ``[B, Lq, Hq, D]`` fp16, bf16 or fp32, any strides.
         pages: FP8 ``[num_pages, page_size, Hkv, D]`` K and V, any strides (fastest with V
-            keys-contiguous within a page: :func:`kvquant.kernels.page_storage`).
+            keys-contiguous within a page: :func:`kvquant.kernels.page_storage`); a 4-bit
+            side packed ``[num_pages, page_size, Hkv, D // 2]`` with its block scales.
         num_splits: split-KV count override for the decode path (tests, tuning).
         config: overrides of the launch, keys :data:`CONFIG_KEYS`; others are refused.
 
@@ -278,8 +294,19 @@ def paged_attention_triton(
     config = config or {}
     view = scheme.kernel_view()
     group_scales = view.group_size is not None
+    # a 4-bit side: its block scales as uint8 codes, NVFP4's global scale folded as a static
+    # scale, MXFP4's (none) as one
+    k_fp4, v_fp4 = (
+        0 if f is None else 1 if f.global_scale else 2 for f in (view.k_fp4, view.v_fp4)
+    )
+    k_scale, v_scale = (
+        _one(query.device) if f == 2 else s
+        for f, s in ((k_fp4, view.k_scale), (v_fp4, view.v_scale))
+    )
     opt: dict[str, Any] = dict(
-        sm_scale=sm_scale, k_scale=view.k_scale, v_scale=view.v_scale,
+        sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, k_fp4=k_fp4, v_fp4=v_fp4,
+        k_block_scales=pages.k_scales.view(torch.uint8) if k_fp4 else None,  # type: ignore[union-attr]
+        v_block_scales=pages.v_scales.view(torch.uint8) if v_fp4 else None,  # type: ignore[union-attr]
         k_group_scales=pages.k_scales if group_scales else None,
         v_group_scales=pages.v_scales if group_scales else None, q_lens=mask.q_lens,
         kv_start=mask.kv_start, causal=mask.causal, softcap=mask.softcap, window=mask.window,

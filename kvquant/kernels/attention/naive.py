@@ -5,7 +5,9 @@ pages ``[num_pages, page_size, Hkv, D]`` FP8 (one tensor for K, one for V); int3
 tables ``[B, max_pages]`` (logical page ``i`` of sequence ``b`` is ``block_tables[b, i]``);
 int32 sequence lengths ``[B]``; the scale scheme (:mod:`kvquant.schemes`): static scales fp32
 ``[]`` or ``[Hkv]``, or group scales fp32 ``[num_pages, page_size, Hkv, D // G]`` written with
-each token. With the K transform the query is rotated, ``q @ R``, against the logical key
+each token. A 4-bit side (:class:`~kvquant.schemes.Fp4Scales`) stores packed e2m1 codes
+``uint8 [num_pages, page_size, Hkv, D // 2]`` with block scales beside them, dequantized by
+:func:`kvquant.kernels.fp4.dequantize_fp4`. With the K transform the query is rotated, ``q @ R``, against the logical key
 ``code * s_k + c``, and the first tokens of each sequence may come from a full-precision side
 buffer (``first.k = k @ R``, ``first.v``). No argument validation here.
 """
@@ -14,10 +16,30 @@ from __future__ import annotations
 
 import torch
 
+from kvquant.kernels.fp4 import dequantize_fp4
 from kvquant.kernels.fp8 import dequantize_stored, gather_kv
-from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
+from kvquant.schemes import CAUSAL, FirstTokens, Fp4Format, Mask, Pages, Scheme
 
 __all__ = ["paged_attention_reference"]
+
+
+def _sequence(
+    pages: torch.Tensor,
+    scales: torch.Tensor | None,
+    static: torch.Tensor | None,
+    fmt: Fp4Format | None,
+    offset: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    n: int,
+    b: int,
+) -> torch.Tensor:
+    """fp32 ``[n, Hkv, D]``: sequence ``b``'s first ``n`` tokens of one side, gathered, then
+    dequantized (FP8 ``code * s (+ c)``, or a 4-bit format's codes and block scales)."""
+    codes = gather_kv(pages, block_tables, n, b)
+    gathered = None if scales is None else gather_kv(scales, block_tables, n, b)
+    if fmt is None:
+        return dequantize_stored(codes, static, gathered, offset)
+    return dequantize_fp4(codes, gathered, fmt, static)  # type: ignore[arg-type]  # checked
 
 
 def paged_attention_reference(
@@ -43,7 +65,8 @@ def paged_attention_reference(
     Args:
         query: ``[B, Lq, Hq, D]`` fp32, fp16 or bf16; ``Hq`` a multiple of ``Hkv``.
         pages: FP8 ``[num_pages, page_size, Hkv, D]`` K and V pages (with fp32
-            ``[num_pages, page_size, Hkv, D // G]`` group scales for a dynamic scheme).
+            ``[num_pages, page_size, Hkv, D // G]`` group scales for a dynamic scheme); a
+            4-bit side: uint8 ``[num_pages, page_size, Hkv, D // 2]`` and its block scales.
         block_tables: int32 ``[B, max_pages]``.
         seq_lens: int32 ``[B]``.
         scheme: the pages' scale scheme; with a K transform the logical key is
@@ -84,15 +107,10 @@ def paged_attention_reference(
         # gather this sequence's tokens first, then dequantize only those (K in the rotated
         # frame: code * s + c)
         k, v = (
-            dequantize_stored(
-                gather_kv(pages, block_tables, n, b),
-                static,
-                None if groups is None else gather_kv(groups, block_tables, n, b),
-                offset,
-            )
-            for pages, static, groups, offset in (
-                (k_pages, view.k_scale, pages.k_scales, view.k_offset),
-                (v_pages, view.v_scale, pages.v_scales, None),
+            _sequence(x, scales, static, fmt, offset, block_tables, n, b)
+            for x, scales, static, fmt, offset in (
+                (k_pages, pages.k_scales, view.k_scale, view.k_fp4, view.k_offset),
+                (v_pages, pages.v_scales, view.v_scale, view.v_fp4, None),
             )
         )  # [n, Hkv, D]
         nf = int(first_cpu[b])

@@ -1,13 +1,16 @@
 """``@triton.jit`` tile helpers of the paged-attention kernel: gather, dequantize, one step.
 
 :func:`attn_tile` is one online-softmax step over ``BLOCK_N`` keys: :func:`_load_kv`
-gathers the FP8 K/V tiles (runs of ``TP`` keys inside one page) and their group scales,
+gathers the FP8 K/V tiles (runs of ``TP`` keys inside one page) and their group scales (a
+4-bit side: its codes and block scales, dequantized in registers by ``load_fp4_tile``),
 :func:`_qk` and :func:`_pv` are the two tensor-core products with the scales folded or
 dequantized. The design (run loads, folding, masks) is described in docs/dev/kernels.md.
 """
 
 import triton
 import triton.language as tl
+
+from kvquant.kernels.attention.fp4_tile import load_fp4_tile
 
 __all__ = ["attn_tile"]
 
@@ -36,6 +39,10 @@ def _load_kv(
     s_v,
     s_kg,
     s_vg,
+    kb_base,
+    vb_base,
+    s_kb,
+    s_vb,
     MASKED: tl.constexpr,
     GROUP_SCALES: tl.constexpr,
     FOLD: tl.constexpr,
@@ -46,6 +53,8 @@ def _load_kv(
     TP: tl.constexpr,
     V_RUNS_DENSE: tl.constexpr,
     SCALE_RUNS_DENSE: tl.constexpr,
+    K_FP4: tl.constexpr,
+    V_FP4: tl.constexpr,
 ):
     """Gather the raw FP8 tiles ``[BLOCK_N, D]`` of keys ``n0 + i`` and their group scales.
 
@@ -55,12 +64,17 @@ def _load_kv(
     tiles load only keys in ``[lo, limit)``. Returns ``(k, v, ks, vs)``. With dequantized
     group scales ``v`` is transposed, ``[D, BLOCK_N]``, and ``ks`` is ``[BLOCK_N, NG]``; the
     other group scales are ``[NG, BLOCK_N]``; without group scales they are placeholders.
+    A 4-bit side (``K_FP4`` / ``V_FP4``: 1 NVFP4, 2 MXFP4) is gathered key by key from its
+    packed pages and block scales and returned dequantized in fp32 (:func:`load_fp4_tile`,
+    NVFP4 without its global scale), ``[BLOCK_N, D]``.
     """
     # strides: K/V (page, slot, head, dim), group scales (page, slot, head)
     s_kp, s_kt, s_kd = s_k[0], s_k[1], s_k[3]
     s_vp, s_vt, s_vd = s_v[0], s_v[1], s_v[3]
     s_kgp, s_kgt, s_vgp, s_vgt = s_kg[0], s_kg[1], s_vg[0], s_vg[1]
     NP: tl.constexpr = BLOCK_N // TP
+    K_BLOCK: tl.constexpr = 16 if K_FP4 == 1 else 32  # NVFP4's, MXFP4's block size
+    V_BLOCK: tl.constexpr = 16 if V_FP4 == 1 else 32
     offs_d = tl.arange(0, HEAD_D)
     offs_t = tl.arange(0, TP)
     run = n0 + tl.arange(0, NP) * TP  # first key of each run [NP]
@@ -75,7 +89,16 @@ def _load_kv(
     # Masked tiles load whole runs (a mask constant along both axes keeps the copies wide);
     # the scores of keys outside [lo, limit) are masked later, and their V rows are zeroed by
     # the caller, since stale slots may hold NaN codes and 0 * NaN would reach the output.
-    k = tl.reshape(_load(k_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
+    if K_FP4 != 0:
+        key_page = tl.reshape(tl.broadcast_to(page[:, None], [NP, TP]), [BLOCK_N])
+        key_tok = tl.reshape(tok[:, None] + offs_t[None, :], [BLOCK_N])
+        key_run_ok = tl.reshape(tl.broadcast_to(run_ok[:, None], [NP, TP]), [BLOCK_N])
+        k = load_fp4_tile(
+            k_base, kb_base, key_page * s_kp + key_tok * s_kt, key_page * s_kb[0] + key_tok * s_kb[1],
+            key_run_ok, 1.0, HEAD_D, K_BLOCK, K_FP4 == 1,
+        )  # fmt: skip
+    else:
+        k = tl.reshape(_load(k_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
     if GROUP_SCALES and not FOLD:
         # dequantized tiles: V transposed, [D, BLOCK_N], gathered as [NP, D, TP], so that the
         # fp16 operand of P @ V keeps keys contiguous in shared memory (K-major)
@@ -91,6 +114,14 @@ def _load_kv(
             v = _load(v_base + v_off + (offs_d * s_vd)[None, :, None], run_ok[:, None, None],
                       0.0, MASKED)  # fmt: skip
         v = tl.reshape(tl.permute(v, (1, 0, 2)), [HEAD_D, BLOCK_N])
+    elif V_FP4 != 0:
+        key_page = tl.reshape(tl.broadcast_to(page[:, None], [NP, TP]), [BLOCK_N])
+        key_tok = tl.reshape(tok[:, None] + offs_t[None, :], [BLOCK_N])
+        key_run_ok = tl.reshape(tl.broadcast_to(run_ok[:, None], [NP, TP]), [BLOCK_N])
+        v = load_fp4_tile(
+            v_base, vb_base, key_page * s_vp + key_tok * s_vt, key_page * s_vb[0] + key_tok * s_vb[1],
+            key_run_ok, 1.0, HEAD_D, V_BLOCK, V_FP4 == 1,
+        )  # fmt: skip
     else:
         v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, :, None]
         v_ptrs = v_base + v_off + (offs_d * s_vd)[None, None, :]
@@ -243,6 +274,10 @@ def attn_tile(
     s_v,
     s_kg,
     s_vg,
+    kb_base,
+    vb_base,
+    s_kb,
+    s_vb,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -258,6 +293,8 @@ def attn_tile(
     TP: tl.constexpr,
     V_RUNS_DENSE: tl.constexpr,
     SCALE_RUNS_DENSE: tl.constexpr,
+    K_FP4: tl.constexpr,
+    V_FP4: tl.constexpr,
 ):
     """Online-softmax step over keys ``[n0, n0 + BLOCK_N)``; returns (acc, m, l).
 
@@ -268,8 +305,9 @@ def attn_tile(
     with softcap; without, it shifts the whole online softmax instead).
     """
     k, v, ks, vs = _load_kv(
-        n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg,
-        MASKED, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D, PAGE, TP, V_RUNS_DENSE, SCALE_RUNS_DENSE,
+        n0, lo, s_hi, bt_row, k_base, v_base, kg_base, vg_base, s_k, s_v, s_kg, s_vg, kb_base,
+        vb_base, s_kb, s_vb, MASKED, GROUP_SCALES, FOLD, NG, BLOCK_N, HEAD_D, PAGE, TP,
+        V_RUNS_DENSE, SCALE_RUNS_DENSE, K_FP4, V_FP4,
     )  # fmt: skip
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)

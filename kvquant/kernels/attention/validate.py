@@ -16,6 +16,7 @@ from kvquant.kernels.validate import (
     INPUT_DTYPES,
     check_device,
     check_dtype,
+    check_fp4_pages,
     check_index_vector,
     check_ndim,
     check_pages,
@@ -31,7 +32,7 @@ from kvquant.kernels.validate import (
     unpack,
     value_checks_enabled,
 )
-from kvquant.schemes import FirstTokens, KernelView, Mask, Pages, Scheme
+from kvquant.schemes import FirstTokens, Fp4Format, KernelView, Mask, Pages, Scheme
 
 __all__ = ["AttentionGeometry", "check_attention_inputs"]
 
@@ -65,6 +66,11 @@ class AttentionGeometry:
     group_size: int | None
 
 
+def _fp4_code(fmt: Fp4Format | None) -> int:
+    """0 for FP8 pages, else the 4-bit format's block size (a signature's part)."""
+    return 0 if fmt is None else fmt.block_size
+
+
 def _check_first_tokens(
     op: str, first: object, scheme: Scheme, bsz: int, hkv: int, d: int, device: torch.device
 ) -> None:
@@ -84,7 +90,13 @@ def _check_first_tokens(
             "given; expected FirstTokens(first_k, first_v, first_lens) with all three tensors. "
             "Fix: pass all three (first_lens zeros where a row has none), or first=None."
         )
-    if scheme.kernel_view().group_size is not None:
+    view = scheme.kernel_view()
+    if view.k_fp4 is not None or view.v_fp4 is not None:
+        raise fail(
+            f"{op}: first-token buffers (first_k / first_v) were given with the 4-bit scheme "
+            f"{scheme.name!r}; expected the k-transform format's static scales. Fix: drop first."
+        )
+    if view.group_size is not None:
         raise fail(
             f"{op}: first-token buffers (first_k / first_v) were given with fp32 group "
             "scales; expected static k_scale and v_scale (the k-transform format). Fix: pass "
@@ -178,8 +190,16 @@ def _check_attention_structure(
 ) -> AttentionGeometry:
     """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
     op = "paged_attention"
-    kp, _ = check_pages(op, pages.k, pages.v, written=False)
-    num_pages, page_size, hkv, d = kp.shape
+    fp4 = view.k_fp4 is not None or view.v_fp4 is not None
+    if fp4:
+        d_scheme = scheme.dims()[1]
+        num_pages, page_size, hkv, d = check_fp4_pages(
+            op, pages, view, d_scheme if d_scheme is not None else 0, written=False
+        )
+        kp = pages.k
+    else:
+        kp, _ = check_pages(op, pages.k, pages.v, written=False)
+        num_pages, page_size, hkv, d = kp.shape
     device = kp.device
     q = require_tensor(op, "query", query)
     layout = "[batch, q_len, num_heads, head_dim] (HF's [B, H, L, D] .transpose(1, 2) is fine)"
@@ -214,7 +234,11 @@ def _check_attention_structure(
     check_device(op, "block_tables", bt, device, "k_pages")
     check_index_vector(op, "seq_lens", seq_lens, bsz, device)
     geometry = (num_pages, page_size, hkv, d)
-    group_size = check_scheme_tensors(op, pages, view, geometry, device, group_scales_written=False)
+    group_size = None
+    if not fp4:
+        group_size = check_scheme_tensors(
+            op, pages, view, geometry, device, group_scales_written=False
+        )
     _check_first_tokens(op, first, scheme, bsz, hkv, d, device)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise fail(
@@ -355,6 +379,7 @@ def check_attention_inputs(
     """
     op = "paged_attention"
     bundle, view = unpack(op, pages, scheme)
+    head_dim = scheme.dims()[1] if isinstance(scheme, Scheme) else None
     valid_mask = mask if isinstance(mask, Mask) else None
     fk = fv = fl = None
     if isinstance(first, FirstTokens):
@@ -366,7 +391,7 @@ def check_attention_inputs(
             query, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, block_tables, seq_lens,
             sm_scale, view.k_scale, view.v_scale, view.k_offset, view.k_rotation,
             view.group_size, m.q_lens, m.kv_start, m.causal, m.softcap, m.window, m.sinks, out,
-            fk, fv, fl,
+            fk, fv, fl, _fp4_code(view.k_fp4), _fp4_code(view.v_fp4), head_dim,
         )  # fmt: skip
     geo = remembered(
         _ATTENTION_OK,

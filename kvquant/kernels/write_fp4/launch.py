@@ -1,7 +1,8 @@
 """Launcher of the 4-bit cache-write kernel (:mod:`kvquant.kernels.write_fp4.kernel`).
 
-:func:`write_fp4_triton` picks the tile and launches; negative slots are skipped. Arguments are
-validated by :func:`kvquant.kernels.write_fp4.write_fp4`.
+:func:`write_fp4_triton` unpacks the scheme into the kernel's pointers and per-side formats,
+picks the tile and launches; negative slots are skipped. Arguments are validated by
+:func:`kvquant.kernels.write_fp4.write_fp4`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import contextlib
 import torch
 import triton
 
-from kvquant.kernels.fp4 import Fp4Format
+from kvquant.errors import KernelInputError
 from kvquant.kernels.write_fp4.kernel import write_fp4_kernel
+from kvquant.kernels.write_fp4.validate import fp4_code
+from kvquant.schemes import Pages, Scheme
 
 __all__ = ["is_interpreted", "write_fp4_triton"]
 
@@ -40,37 +43,42 @@ def _head_stride(g: torch.Tensor | None) -> int:
 def write_fp4_triton(
     key: torch.Tensor,
     value: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    k_block_scales: torch.Tensor,
-    v_block_scales: torch.Tensor,
+    pages: Pages,
     slot_mapping: torch.Tensor,
-    fmt: Fp4Format,
-    k_global_scale: torch.Tensor | None = None,
-    v_global_scale: torch.Tensor | None = None,
+    scheme: Scheme,
 ) -> None:
     """Launch the fused 4-bit K/V write (no validation: call ``write_fp4``); arguments as there."""
     bsz, seq, hkv, d = key.shape
     n_tokens = bsz * seq
     if n_tokens == 0:
         return
-    num_pages, page_size = k_pages.shape[0], k_pages.shape[1]
+    view = scheme.kernel_view()
+    fmt = view.k_fp4 if view.k_fp4 is not None else view.v_fp4
+    if fmt is None:
+        raise KernelInputError(
+            f"write_fp4_triton: the {scheme.name!r} scheme stores FP8 K and V. Fix: call "
+            "kvquant.kernels.write_kv, which validates its arguments and picks the write."
+        )
+    kp, vp = pages.k.view(torch.uint8), pages.v.view(torch.uint8)
+    num_pages, page_size = kp.shape[0], kp.shape[1]
     nb = d // fmt.block_size
     block_nb, block_r, block_t = _tile(hkv, nb, fmt.block_size)
-    ks, vs = k_block_scales.view(torch.uint8), v_block_scales.view(torch.uint8)
-    kg = k_global_scale if k_global_scale is not None else ks
-    vg = v_global_scale if v_global_scale is not None else vs
+    # an FP8 side has no block scales: its pages stand in (never read or written)
+    ks = pages.k_scales.view(torch.uint8) if pages.k_scales is not None else kp
+    vs = pages.v_scales.view(torch.uint8) if pages.v_scales is not None else vp
+    kg = view.k_scale if view.k_scale is not None else ks
+    vg = view.v_scale if view.v_scale is not None else vs
     dev = key.device
     switch = (
         dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
     )
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
         write_fp4_kernel[(triton.cdiv(n_tokens, block_t),)](
-            key, value, k_pages, v_pages, ks, vs, slot_mapping, kg, vg,
+            key, value, kp, vp, ks, vs, slot_mapping, kg, vg,
             n_tokens, seq, num_pages * page_size, page_size,
             *key.stride(), *value.stride(), *slot_mapping.stride(),
-            *k_pages.stride()[:3], *v_pages.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
-            _head_stride(k_global_scale), _head_stride(v_global_scale),
+            *kp.stride(), *vp.stride(), *ks.stride()[:3], *vs.stride()[:3],
+            _head_stride(view.k_scale), _head_stride(view.v_scale),
             HKV=hkv, NB=nb, BLOCK=fmt.block_size, BLOCK_T=block_t, BLOCK_NB=block_nb,
-            BLOCK_R=block_r, NVFP4=fmt.global_scale, num_warps=4,
+            BLOCK_R=block_r, K_FMT=fp4_code(view, "k"), V_FMT=fp4_code(view, "v"), num_warps=4,
         )  # fmt: skip

@@ -14,6 +14,7 @@ import torch
 from kvquant.errors import (
     UnsupportedModelError,
 )
+from kvquant.schemes import Fp4Scales
 
 __all__ = [
     "ALIGN",
@@ -182,6 +183,12 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
             "KV heads, head dim and scale format, and no layer attending over another's K/V; "
             f"this model's layers differ ({len(keys)} kinds). Fix: run generate() per request "
             "(the FP8 cache serves it), or handle.remove() for transformers' own batching."
+        )
+    if issubclass(first.scheme, Fp4Scales):
+        raise UnsupportedModelError(
+            f"{first.name}: kvquant's continuous-batching cache lays out FP8 pages; the model "
+            f"is patched with the 4-bit format {first.granularity!r}. Fix: run generate() per "
+            "request (the 4-bit cache serves it), or patch with kv_format='fp8' for batching."
         )
     return BlockLayout(
         num_layers=len(specs),

@@ -1,0 +1,163 @@
+"""Storage of the 4-bit schemes: packed e2m1 pages with block scales computed on write
+(:class:`Fp4Storage`: ``nvfp4``, ``mxfp4``), and FP8 K beside NVFP4 V
+(:class:`Fp8KNvfp4VStorage`: ``fp8-k-nvfp4-v``). The layout: :mod:`kvquant.kernels.fp4`."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from kvquant.cache.storage.base import DequantArgs, PagedLayerStorage, SchemeArgs, Shape, nbytes
+from kvquant.errors import CacheUsageError, ScaleFormatError
+from kvquant.kernels import page_storage
+from kvquant.kernels.fp4 import dequantize_fp4, fp4_page_storage
+from kvquant.kernels.fp8 import dequantize_pages
+from kvquant.schemes import (
+    Fp4Format,
+    Fp4Scales,
+    Fp8KNvfp4VScales,
+    Mxfp4Scales,
+    Nvfp4Scales,
+    Pages,
+    Scheme,
+    scheme_class,
+)
+
+__all__ = ["Fp4Storage", "Fp8KNvfp4VStorage"]
+
+
+def _fp32(x: Any) -> Any:
+    """A floating tensor as fp32 on the host (the scheme checks its values there), else ``x``."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().to(device="cpu", dtype=torch.float32)
+    return x
+
+
+class Fp4Storage(PagedLayerStorage):
+    """Packed 4-bit K and V pages with their block scales (``nvfp4``, ``mxfp4``).
+
+    Pages are zero-filled and block scales zero (slots not yet written dequantize to 0).
+
+    Attributes:
+        k_pages: uint8 ``[num_pages, page_size, Hkv, D // 2]`` (two e2m1 codes per byte).
+        v_pages: like ``k_pages``.
+        k_block_scales: ``[num_pages, page_size, Hkv, D // block]`` in the format's scale dtype.
+        v_block_scales: like ``k_block_scales``.
+        k_scale: NVFP4's fp32 global scale of K (``[]`` or ``[Hkv]``) on the device, else None.
+        v_scale: like ``k_scale`` for V.
+    """
+
+    schemes: ClassVar[tuple[type[Scheme], ...]] = (Nvfp4Scales, Mxfp4Scales)
+    pool_names: ClassVar[tuple[str, ...]] = (
+        "k_pages", "v_pages", "k_block_scales", "v_block_scales",
+    )  # fmt: skip
+
+    k_block_scales: torch.Tensor
+    v_block_scales: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    _scheme: Fp4Scales
+
+    def _configure(self, args: SchemeArgs) -> None:
+        self._refuse_transform(args)
+        if args.group_size is not None:
+            raise CacheUsageError(
+                f"{self.name}: group_size={args.group_size} was given with granularity="
+                f"{self.granularity!r}, whose block size is fixed. Fix: drop group_size."
+            )
+        if self.kv_dtype != torch.float8_e4m3fn:
+            raise CacheUsageError(
+                f"{self.name}: kv_dtype={self.kv_dtype} with granularity={self.granularity!r}; "
+                "the 4-bit formats' FP8 parts are e4m3fn. Fix: pass kv_dtype="
+                "torch.float8_e4m3fn (the default)."
+            )
+        kind = scheme_class(self.granularity)
+        k, v = _fp32(args.k_scale), _fp32(args.v_scale)
+        try:
+            if kind is Mxfp4Scales:
+                if k is not None or v is not None:
+                    k_name, v_name = args.scale_names
+                    raise ScaleFormatError(
+                        f"{k_name}/{v_name} were given; mxfp4 computes every scale on write. "
+                        "Fix: drop them."
+                    )
+                scheme: Fp4Scales = Mxfp4Scales(self.head_dim)
+            elif kind is Nvfp4Scales:
+                scheme = Nvfp4Scales(self.head_dim, k, v)
+            else:
+                scheme = Fp8KNvfp4VScales(self.head_dim, k, v)
+        except ScaleFormatError as err:
+            raise ScaleFormatError(f"{self.name}: {err}") from err
+        self._scheme = scheme.to(self.device)
+        view = self._scheme.kernel_view()
+        self.k_scale, self.v_scale = view.k_scale, view.v_scale
+
+    def _formats(self) -> tuple[Fp4Format | None, Fp4Format | None]:
+        return self._scheme.k_format, self._scheme.v_format
+
+    def _pool_shapes(self, shape: Shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for side, fmt in zip("kv", self._formats(), strict=True):
+            if fmt is None:
+                out[f"{side}_pages"] = (shape, self.kv_dtype)
+                continue
+            out[f"{side}_pages"] = ((*shape[:3], shape[3] // 2), torch.uint8)
+            out[f"{side}_block_scales"] = ((*shape[:3], shape[3] // fmt.block_size),
+                                           fmt.scale_dtype)  # fmt: skip
+        return out
+
+    def _new_pools(self, shape: Shape) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for side, fmt in zip("kv", self._formats(), strict=True):
+            if fmt is None:  # FP8 K: the cache's K layout (head dim fastest)
+                out[f"{side}_pages"] = page_storage(
+                    *shape, dtype=self.kv_dtype, device=self.device
+                )[0]
+                continue
+            pages, scales = fp4_page_storage(*shape, fmt, device=self.device)
+            out[f"{side}_pages"], out[f"{side}_block_scales"] = pages, scales
+        return out
+
+    @property
+    def scheme(self) -> Scheme:
+        return self._scheme
+
+    @property
+    def pages(self) -> Pages:
+        return Pages(
+            self.k_pages, self.v_pages, getattr(self, "k_block_scales", None), self.v_block_scales
+        )
+
+    def _dequant_args(self, ids: torch.Tensor) -> tuple[DequantArgs, DequantArgs]:
+        return DequantArgs(static=self.k_scale), DequantArgs(static=self.v_scale)
+
+    def _dequantize(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for side, fmt, g in zip("kv", self._formats(), (self.k_scale, self.v_scale), strict=True):
+            pages = getattr(self, f"{side}_pages")[ids]
+            if fmt is None:
+                out.append(dequantize_pages(pages, g, None))
+            else:
+                scales = getattr(self, f"{side}_block_scales")[ids]
+                out.append(dequantize_fp4(pages, scales, fmt, g))
+        return out[0], out[1]
+
+    def _scale_bytes(self) -> dict[str, int]:
+        blocks = nbytes(getattr(self, "k_block_scales", None), self.v_block_scales)
+        return {"group_scales": blocks, "static_scales": nbytes(self.k_scale, self.v_scale)}
+
+
+class Fp8KNvfp4VStorage(Fp4Storage):
+    """FP8 K pages with a static scale beside NVFP4 V pages (``fp8-k-nvfp4-v``).
+
+    Attributes:
+        k_pages: FP8 ``[num_pages, page_size, Hkv, D]`` (head dim fastest).
+        v_pages: uint8 ``[num_pages, page_size, Hkv, D // 2]``.
+        v_block_scales: e4m3 ``[num_pages, page_size, Hkv, D // 16]``.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static FP8 K scale, on the device.
+        v_scale: V's NVFP4 global scale, the shape of ``k_scale``.
+    """
+
+    schemes: ClassVar[tuple[type[Scheme], ...]] = (Fp8KNvfp4VScales,)
+    pool_names: ClassVar[tuple[str, ...]] = ("k_pages", "v_pages", "v_block_scales")

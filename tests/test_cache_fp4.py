@@ -1,0 +1,157 @@
+"""PagedLayerStorage over 4-bit pages (nvfp4, mxfp4, fp8-k-nvfp4-v): the class the granularity
+picks, write/attend/dense against the kernels' references, growth, page copies, accounting,
+and the constructor's refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvquant.cache import PageAllocator, PagedLayerStorage
+from kvquant.cache.storage import Fp4Storage, Fp8KNvfp4VStorage
+from kvquant.errors import CacheUsageError, ScaleFormatError
+from kvquant.kernels import paged_attention
+from kvquant.kernels.fp4 import dequantize_fp4
+from kvquant.kernels.fp8 import dequantize_pages
+from kvquant.schemes import Mask
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+H, D, PAGE = 2, 64, 8
+
+SCALES: dict[str, dict[str, Any]] = {
+    "nvfp4": {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)},
+    "mxfp4": {},
+    "fp8-k-nvfp4-v": {"k_scale": torch.full((H,), 0.02), "v_scale": torch.full((H,), 0.5)},
+}
+
+
+def _storage(gran: str, num_pages: int = 6, backend: str = "torch", **kw: Any) -> Any:
+    return PagedLayerStorage(num_pages, PAGE, H, D, granularity=gran, device=DEV,
+                             backend=backend, **(SCALES[gran] | kw))  # fmt: skip
+
+
+def _fill(store: Any, alloc: PageAllocator, ids: list[int], n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(len(ids), n, H, D, generator=g).to(DEV)
+    v = torch.randn(len(ids), n, H, D, generator=g).to(DEV)
+    store.write(k, v, alloc.reserve(ids, n))
+    return torch.stack([k, v])
+
+
+def _dense_reference(store: Any, bt: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The tokens dequantized straight from the pools, page by page (not through dense())."""
+    out = []
+    for side in "kv":
+        pages = getattr(store, f"{side}_pages")[bt[0].long()]
+        g = getattr(store, f"{side}_scale")
+        if pages.dtype == torch.uint8:
+            fmt = getattr(store.scheme, f"{side}_format")
+            full = dequantize_fp4(
+                pages, getattr(store, f"{side}_block_scales")[bt[0].long()], fmt, g
+            )
+        else:
+            full = dequantize_pages(pages, g, None)
+        out.append(full.reshape(1, -1, H, D)[:, :n])
+    return tuple(out)
+
+
+@pytest.mark.parametrize(
+    ("gran", "cls"),
+    [("nvfp4", Fp4Storage), ("mxfp4", Fp4Storage), ("fp8-k-nvfp4-v", Fp8KNvfp4VStorage)],
+)
+def test_write_attend_dense_grow_and_copy(gran: str, cls: type) -> None:
+    store = _storage(gran)
+    assert type(store) is cls
+    alloc = PageAllocator(num_pages=6, page_size=PAGE)
+    kv = _fill(store, alloc, ["a"], 13, seed=1)
+    bt, lens = alloc.block_tables(["a"]), alloc.seq_lens(["a"])
+    bt_dev, lens_dev = bt.to(DEV), lens.to(DEV)
+    dense = store.dense(bt_dev, 13)
+    want = _dense_reference(store, bt_dev, 13)
+    for got, ref, orig in zip(dense, want, kv, strict=True):
+        assert torch.equal(got, ref)
+        # 4-bit (or FP8) of the written tokens: close, not exact (measured 0.03..0.13)
+        assert float((got - orig).norm() / orig.norm()) < 0.2
+    q = torch.randn(1, 13, 2 * H, D, device=DEV)
+    out = store.attend(q, bt_dev, lens_dev)
+    ref = paged_attention(q, store.pages, bt_dev, lens_dev, store.scheme, sm_scale=D**-0.5,
+                          mask=Mask(), backend="torch")  # fmt: skip
+    assert torch.equal(out, ref)
+    # growth keeps every page (pages and block scales), new pages read as zeros
+    store.grow(9)
+    assert store.num_pages == 9 and store.v_pages.shape[0] == 9
+    for a, b in zip(store.dense(bt_dev, 13), dense, strict=True):
+        assert torch.equal(a, b)
+    assert not store.v_pages[6:].any()
+    # a page copy moves codes and block scales together
+    src, dst = bt[:1, 0].to(DEV), torch.tensor([8], device=DEV)
+    store.copy_pages(src, dst)
+    moved = store.dense(torch.tensor([[8]], dtype=torch.int32, device=DEV), PAGE)
+    for a, b in zip(moved, dense, strict=True):
+        assert torch.equal(a[0], b[0, :PAGE])
+
+
+def test_triton_storage_matches_torch_storage() -> None:
+    ref, tri = _storage("nvfp4"), _storage("nvfp4", backend="triton")
+    alloc = PageAllocator(num_pages=6, page_size=PAGE)
+    slots = alloc.reserve(["a", "b"], [11, 5])
+    k, v = (torch.randn(2, 11, H, D, device=DEV) for _ in range(2))
+    ref.write(k, v, slots)
+    tri.write(k, v, slots)
+    for name in Fp4Storage.pool_names:
+        assert torch.equal(
+            getattr(ref, name).view(torch.uint8), getattr(tri, name).view(torch.uint8)
+        )
+    bt, lens = alloc.block_tables(["a", "b"]).to(DEV), alloc.seq_lens(["a", "b"]).to(DEV)
+    q = torch.randn(2, 1, 2 * H, D, device=DEV)
+    a, b = ref.attend(q, bt, lens), tri.attend(q, bt, lens)
+    assert float((a - b).norm() / a.norm()) < 5e-3
+
+
+def test_memory_bytes_count_4bit_pages_and_block_scales() -> None:
+    # per token and KV head: D / 2 code bytes, D / 16 e4m3 (nvfp4) or D / 32 e8m0 (mxfp4) scales
+    slots = 6 * PAGE * H
+    nv = _storage("nvfp4").memory_bytes()
+    assert nv == {"pages": 2 * slots * D // 2, "group_scales": 2 * slots * D // 16,
+                  "static_scales": 8, "k_transform": 0, "total": 2 * slots * 36 + 8}  # fmt: skip
+    mx = _storage("mxfp4").memory_bytes()
+    assert (mx["pages"], mx["group_scales"], mx["static_scales"]) == (slots * D, slots * 4, 0)
+    mixed = _storage("fp8-k-nvfp4-v").memory_bytes()
+    assert (mixed["pages"], mixed["group_scales"]) == (slots * D + slots * D // 2, slots * 4)
+    assert mixed["static_scales"] == 2 * H * 4
+
+
+@pytest.mark.parametrize(
+    ("gran", "kw", "err", "match"),
+    [
+        ("nvfp4", {"k_scale": None}, ScaleFormatError, "L: nvfp4 scales: k_global_scale is a NoneType"),
+        ("nvfp4", {"v_scale": torch.tensor(0.0)}, ScaleFormatError, "v_global_scale element 0"),
+        ("mxfp4", {"k_scale": torch.tensor(1.0)}, ScaleFormatError, "mxfp4 computes every scale"),
+        ("nvfp4", {"group_size": 16}, CacheUsageError, "group_size=16 was given"),
+        ("nvfp4", {"kv_dtype": torch.float8_e5m2}, CacheUsageError, "e4m3fn"),
+        ("fp8-k-nvfp4-v", {"k_offset": torch.zeros(H, D)}, CacheUsageError, "k-transform"),
+    ],
+)  # fmt: skip
+def test_constructor_refuses_with_the_owner(
+    gran: str, kw: dict[str, Any], err: type[Exception], match: str
+) -> None:
+    with pytest.raises(err, match=match):
+        _storage(gran, name="L", **kw)
+
+
+def test_head_dim_must_hold_whole_blocks() -> None:
+    with pytest.raises(ScaleFormatError, match="head_dim is 48; expected an int, a multiple of"):
+        PagedLayerStorage(2, PAGE, H, 48, granularity="mxfp4")
+
+
+def test_bf16_global_scales_become_fp32_and_caller_pages_are_adopted() -> None:
+    store = _storage("nvfp4", k_scale=torch.tensor(0.5, dtype=torch.bfloat16))
+    assert store.k_scale.dtype == torch.float32 and float(store.k_scale) == 0.5
+    own = _storage("mxfp4")
+    pools = {n: getattr(own, n) for n in Fp4Storage.pool_names}
+    adopted = _storage("mxfp4", pages=pools)
+    assert adopted.external and adopted.v_block_scales is pools["v_block_scales"]
+    with pytest.raises(CacheUsageError, match="expected"):
+        _storage("mxfp4", pages={"k_pages": pools["k_pages"], "v_pages": pools["v_pages"]})
