@@ -1,0 +1,169 @@
+"""Decode attention over 4-bit pages against FP8 per-tensor pages, on one GPU.
+
+For each shape (32 query / 8 KV heads, head_dim 128 by default) the same random bf16 K/V are
+written through ``kvquant.kernels.write_kv`` into shuffled pages of each format: ``fp8``
+(per-tensor static scales), ``nvfp4`` (global scale amax / 2688), ``mxfp4`` and
+``fp8-k-nvfp4-v``. Each format's Triton decode is first checked against the pure-PyTorch
+reference over the same pages (NaN-filled output), then timed: the median of
+``triton.testing.do_bench`` (eager, L2 flushed) and of a CUDA-graph replay. The JSON gives the
+time, the bytes read (pages, block scales, block table) per second, and each format's time
+and bytes as a fraction of FP8's.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out fp4_decode.json [--shapes 32x16384,16x8192]
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvquant.kernels import page_storage, paged_attention, write_kv
+from kvquant.kernels.fp4 import fp4_page_storage
+from kvquant.schemes import (
+    Fp8KNvfp4VScales,
+    Mxfp4Scales,
+    Nvfp4Scales,
+    Pages,
+    PerTensorScales,
+    Scheme,
+)
+
+FORMATS = ("fp8", "nvfp4", "mxfp4", "fp8-k-nvfp4-v")
+REL_TOL = 2e-2  # bf16 queries and output against the fp32 reference
+
+
+def _scheme(name: str, d: int, k_amax: torch.Tensor, v_amax: torch.Tensor) -> Scheme:
+    if name == "fp8":
+        return PerTensorScales(k_amax / 448, v_amax / 448)
+    if name == "nvfp4":
+        return Nvfp4Scales(d, k_amax / 2688, v_amax / 2688)
+    if name == "mxfp4":
+        return Mxfp4Scales(d)
+    return Fp8KNvfp4VScales(d, k_amax / 448, v_amax / 2688)
+
+
+def _pages(scheme: Scheme, num_pages: int, page: int, hkv: int, d: int, dev: str) -> Pages:
+    view = scheme.kernel_view()
+    k8, v8 = page_storage(num_pages, page, hkv, d, device=dev)
+    sides: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for fmt, fp8_pages in ((view.k_fp4, k8), (view.v_fp4, v8)):
+        if fmt is None:
+            sides.append((fp8_pages, None))
+        else:
+            sides.append(fp4_page_storage(num_pages, page, hkv, d, fmt, device=dev))
+    (kp, ks), (vp, vs) = sides
+    return Pages(kp, vp, ks, vs)
+
+
+def _read_bytes(pages: Pages, used_pages: int, num_pages: int, table: torch.Tensor) -> int:
+    """Bytes of the pages (and block scales) the sequences use, and of the block table."""
+    total = table.numel() * table.element_size()
+    for t in (pages.k, pages.v, pages.k_scales, pages.v_scales):
+        if t is not None:
+            total += t.numel() * t.element_size() * used_pages // num_pages
+    return total
+
+
+def run_shape(
+    bsz: int, ctx: int, hq: int, hkv: int, d: int, page: int, dev: str, smoke: bool
+) -> dict[str, Any]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    per_seq = -(-ctx // page)
+    num_pages = bsz * per_seq + 1
+    perm = torch.randperm(num_pages, generator=gen)[: bsz * per_seq]
+    table = perm.view(bsz, per_seq).to(torch.int32).to(dev)
+    pos = torch.arange(ctx)
+    slots = (table.long().cpu()[:, pos // page] * page + pos % page).to(dev)
+    gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1).to(dev)
+    key = (torch.randn(bsz, ctx, hkv, d, generator=gen).to(dev) * gain).to(torch.bfloat16)
+    value = (torch.randn(bsz, ctx, hkv, d, generator=gen).to(dev) * gain.flip(2)).to(torch.bfloat16)
+    k_amax, v_amax = key.float().abs().amax(), value.float().abs().amax()
+    qdtype = torch.bfloat16 if dev == "cuda" else torch.float16  # interpreter: no bf16 tl.dot
+    query = torch.randn(bsz, 1, hq, d, generator=gen).to(dev).to(qdtype)
+    seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
+    sm = d**-0.5
+    row: dict[str, Any] = {"B": bsz, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "page": page}
+    for name in FORMATS:
+        scheme = _scheme(name, d, k_amax, v_amax).to(dev)
+        pages = _pages(scheme, num_pages, page, hkv, d, dev)
+        for b0 in range(0, bsz, 4):  # a few sequences per write: bounded temporaries
+            b1 = min(bsz, b0 + 4)
+            write_kv(key[b0:b1], value[b0:b1], pages, slots[b0:b1], scheme, backend="triton")
+        out = torch.full_like(query, float("nan"))
+
+        def call(pages: Pages = pages, scheme: Scheme = scheme, out: torch.Tensor = out) -> Any:
+            return paged_attention(
+                query, pages, table, seq_lens, scheme, sm_scale=sm, out=out, backend="triton"
+            )
+
+        call()
+        ref = paged_attention(query, pages, table, seq_lens, scheme, sm_scale=sm, backend="torch")
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        if not err <= REL_TOL:  # NaN fails too
+            raise SystemExit(f"{name} B{bsz}x{ctx}: relative error {err} against the reference")
+        nbytes = _read_bytes(pages, bsz * per_seq, num_pages, table)
+        entry: dict[str, Any] = {"rel_err": err, "bytes": nbytes}
+        if not smoke:
+            import triton.testing
+
+            ms = float(triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"))
+            graph_ms = float(triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median"))
+            entry |= {"ms": ms, "graph_ms": graph_ms, "TBps": nbytes / ms / 1e9}
+        row[name] = entry
+        del pages, out, ref
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    base = row["fp8"]
+    for name in FORMATS[1:]:
+        row[name]["bytes_x_fp8"] = row[name]["bytes"] / base["bytes"]
+        if "ms" in base:
+            row[name]["ms_x_fp8"] = row[name]["ms"] / base["ms"]
+            row[name]["graph_ms_x_fp8"] = row[name]["graph_ms"] / base["graph_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shapes", default="32x16384,16x8192", help="comma list of BxCTX")
+    ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
+    args = ap.parse_args(argv)
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
+    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.smoke:
+        hq, hkv, d, shapes = 4, 2, 32, [(2, 40)]
+    result: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/bench_fp4_decode.py", *(argv or sys.argv[1:])]),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None,
+        },
+        "rows": [],
+    }
+    for bsz, ctx in shapes:
+        row = run_shape(bsz, ctx, hq, hkv, d, args.page, dev, args.smoke)
+        result["rows"].append(row)
+        args.out.write_text(json.dumps(result, indent=1))
+        brief = {
+            n: {k: round(v, 4) for k, v in row[n].items() if k.endswith(("ms", "_x_fp8", "TBps"))}
+            for n in FORMATS
+        }
+        print(f"B{bsz} x {ctx}: {json.dumps(brief)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
