@@ -37,6 +37,9 @@ Arms:
 * ``kvquant-fp32-group``: ``kvquant.patch(model)``, nothing else: without
   scales the default is the dynamic ``fp32-group`` format;
 * ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``;
+* ``kvquant-nvfp4`` and ``kvquant-mxfp4`` (opt-in, ``--arms`` / ``--capacity-arms``):
+  ``kvquant.patch(model, kv_format="nvfp4")`` (or ``"mxfp4"``): 4-bit pages, block scales
+  computed as tokens are written, nothing else;
 * ``kvquant-rowgroups`` (opt-in, ``--arms`` / ``--capacity-arms``): the
   ``kvquant`` arm with a fixed ``prefill_tokens=16384`` in place of the default
   ``"auto"`` (which chooses the bound per call from the free memory).
@@ -97,9 +100,16 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
 SWEEP_BATCHES = (1, 4, 16, 32, 64)
 SWEEP_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 SWEEP_ARMS = ("default", "kvquant")
-CAPACITY_ARMS = ("default", "kvquant", "kvquant-fp32-group", "kvquant-rowgroups")
+CAPACITY_ARMS = (
+    "default",
+    "kvquant",
+    "kvquant-fp32-group",
+    "kvquant-rowgroups",
+    "kvquant-nvfp4",
+    "kvquant-mxfp4",
+)
 DEFAULT_CAPACITY_ARMS = ("default", "kvquant", "kvquant-fp32-group")
-OPT_IN_ARMS = ("kvquant-rowgroups",)
+OPT_IN_ARMS = ("kvquant-rowgroups", "kvquant-nvfp4", "kvquant-mxfp4")
 """Arms a shape runs only when ``--arms`` names them."""
 ROWGROUP_TOKENS = 16384
 """``prefill_tokens`` of the ``kvquant-rowgroups`` arm."""
@@ -357,6 +367,8 @@ class Arm:
             self.handle = kvquant.patch(self.model, **kw)
         elif self.name == "kvquant-eager":
             self.handle = kvquant.patch(self.model, scales=self.scales, cuda_graphs=False, **kw)
+        elif self.name in ("kvquant-nvfp4", "kvquant-mxfp4"):
+            self.handle = kvquant.patch(self.model, kv_format=self.name.split("-")[1], **kw)
         elif self.name == "kvquant-rowgroups":
             self.handle = kvquant.patch(
                 self.model, scales=self.scales, prefill_tokens=ROWGROUP_TOKENS, **kw
