@@ -48,10 +48,11 @@ def _rows_nan(out: torch.Tensor) -> list[int]:
 def _sdpa_math(case: PagedCase) -> torch.Tensor:
     """SDPA's math kernel on the dequantized K/V of sequence 0 with the causal boolean mask."""
     n = int(case.seq_lens[0])
+    p = case.pages
     k, v = (
-        dequantize_pages(gather_kv(pages, case.block_tables, n, 0), None,
+        dequantize_pages(gather_kv(codes, case.block_tables, n, 0), None,
                          gather_kv(scales, case.block_tables, n, 0))
-        for pages, scales in ((case.pages.k, case.pages.k_scales), (case.pages.v, case.pages.v_scales))
+        for codes, scales in ((p.k, p.k_scales), (p.v, p.v_scales))
     )  # fmt: skip
     q = case.query[0].float().transpose(0, 1)  # [Hq, Lq, D]
     k, v = (t.transpose(0, 1).repeat_interleave(4, dim=0) for t in (k, v))  # [Hq, n, D]

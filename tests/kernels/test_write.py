@@ -130,8 +130,8 @@ def _group_scales_in(
 
 def _clone(pages: Pages) -> Pages:
     """A copy of the pages and their group scales (same strides)."""
-    return Pages(*(None if t is None else t.clone() for t in (pages.k, pages.v, pages.k_scales,
-                                                               pages.v_scales)))  # fmt: skip
+    tensors = (pages.k, pages.v, pages.k_scales, pages.v_scales)
+    return Pages(*(None if t is None else t.clone() for t in tensors))
 
 
 def _assert_same_group_scales(got: Pages, want: Pages) -> None:
