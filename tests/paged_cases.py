@@ -17,12 +17,11 @@ codes, since the attention must never read them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kernel_calls import attention as call_attention
-from kernel_calls import write as call_write
 
 from kvquant.kernels import (
     group_scale_storage,
@@ -32,44 +31,63 @@ from kvquant.kernels import (
     write_kv_reference,
 )
 from kvquant.kernels.fp8 import fp8_max
+from kvquant.schemes import (
+    CAUSAL,
+    FirstTokens,
+    GroupScales,
+    KTransformScales,
+    Mask,
+    Pages,
+    PerHeadScales,
+    PerTensorScales,
+    Scheme,
+)
 
-__all__ = ["PagedCase", "build_case"]
+__all__ = ["PagedCase", "build_case", "negate_k_scale"]
 
 
 @dataclass
 class PagedCase:
-    """One attention problem: the query and every keyword of ``paged_attention``."""
+    """One attention problem: the query and the objects ``paged_attention`` takes."""
 
     query: torch.Tensor
-    k_pages: torch.Tensor
-    v_pages: torch.Tensor
+    pages: Pages
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    scheme: Scheme
     sm_scale: float
-    scales: dict[str, torch.Tensor]
-    options: dict[str, Any] = field(default_factory=dict)
+    mask: Mask = CAUSAL
+    first: FirstTokens | None = None
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
 
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments shared by the reference and the Triton launcher."""
-        return {"sm_scale": self.sm_scale, **self.scales, **self.options}
+    def attend(self, fn: Callable[..., torch.Tensor], **kw: Any) -> torch.Tensor:
+        """``fn(query, pages, block_tables, seq_lens, scheme, sm_scale=, mask=, first=, **kw)``:
+        ``paged_attention``, its reference or its Triton launcher on the case (``kw`` may
+        replace the case's ``sm_scale``, ``mask`` or ``first``)."""
+        options = {"sm_scale": self.sm_scale, "mask": self.mask, "first": self.first, **kw}
+        return fn(self.query, self.pages, self.block_tables, self.seq_lens, self.scheme, **options)
 
-    def reference(self, unchecked: bool = False) -> torch.Tensor:
-        """fp32 attention over the dequantized cache ``[B, Lq, Hq, D]``.
+    def reference(self) -> torch.Tensor:
+        """fp32 attention over the dequantized cache ``[B, Lq, Hq, D]``."""
+        return paged_attention_reference(
+            self.query.float(), self.pages, self.block_tables, self.seq_lens, self.scheme,
+            sm_scale=self.sm_scale, mask=self.mask, first=self.first,
+        )  # fmt: skip
 
-        ``unchecked``: the scheme holds the scales as given (:func:`kernel_calls.split`).
-        """
-        return call_attention(
-            paged_attention_reference,
-            self.query.float(),
-            self.k_pages,
-            self.v_pages,
-            self.block_tables,
-            self.seq_lens,
-            **self.kwargs(),
-            unchecked=unchecked,
-        )
+
+def negate_k_scale(scheme: Scheme, head: int) -> Scheme:
+    """``scheme`` (static, per-head) with KV head ``head``'s K scale negated, not checked.
+
+    No scheme admits a negative scale when built; the kernels take the scale's sign as given
+    (:meth:`Scheme.unflatten` does not check again).
+    """
+    name, ints, tensors = scheme.flatten()
+    k_scale = tensors[0]
+    assert k_scale is not None and k_scale.dim() == 1, scheme
+    k_scale = k_scale.clone()
+    k_scale[head] *= -1.0
+    return Scheme.unflatten(name, ints, [k_scale, *tensors[1:]])
 
 
 def build_case(
@@ -152,7 +170,6 @@ def build_case(
     head_gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1)
     key = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain * value_gain
     value = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain.flip(2) * value_gain
-    options: dict[str, Any] = {"causal": causal, "softcap": softcap, "window": window}
     rotation = offset = None
     if k_transform is not None:
         # a few near-constant channels of large magnitude (the RoPE bias), per KV head
@@ -162,11 +179,9 @@ def build_case(
         key = key * 0.5 + bias
         if k_transform in ("rotation", "both"):
             rotation = hadamard(d)
-            options["k_rotation"] = rotation
         rotated = key if rotation is None else key @ rotation
         if k_transform in ("offset", "both"):
             offset = rotated[:, 1:].mean(dim=(0, 1))  # [Hkv, D], rotated frame
-            options["k_offset"] = offset
         elif k_transform not in ("rotation", "biased"):
             raise ValueError(f"unknown k_transform {k_transform!r}")
     nan_code = torch.full((num_pages, page, hkv, d), float("nan")).to(fp8)
@@ -176,15 +191,18 @@ def build_case(
         k_pages, v_pages = page_storage(num_pages, page, hkv, d, dtype=fp8)
         k_pages.copy_(nan_code)
         v_pages.copy_(nan_code)
-    scales: dict[str, torch.Tensor] = {}
+    group_scales: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
+    scheme: Scheme
     limit = fp8_max(fp8)
     if granularity == "fp32-group":
-        for name in ("k_group_scales", "v_group_scales"):
-            if contiguous_pages:
-                gs = torch.empty(num_pages, page, hkv, d // group_size)
-            else:  # the cache's (head-major) layout
-                gs = group_scale_storage(num_pages, page, hkv, d // group_size)
-            scales[name] = gs.fill_(float("nan"))
+        if k_transform not in (None, "biased"):
+            raise ValueError("a K transform needs static scales, not fp32-group")
+        if contiguous_pages:
+            k_gs, v_gs = (torch.empty(num_pages, page, hkv, d // group_size) for _ in "kv")
+        else:  # the cache's (head-major) layout
+            k_gs, v_gs = (group_scale_storage(num_pages, page, hkv, d // group_size) for _ in "kv")
+        group_scales = (k_gs.fill_(float("nan")), v_gs.fill_(float("nan")))
+        scheme = GroupScales(head_dim=d, group_size=group_size)
     elif k_transform not in (None, "biased"):  # static scales of the stored (transformed) K
         stored = key if rotation is None else key @ rotation
         stored = stored if offset is None else stored - offset
@@ -192,26 +210,19 @@ def build_case(
         v_amax = value.abs().amax(dim=(0, 1, 3))
         if granularity == "per-tensor":
             k_amax, v_amax = k_amax.amax().reshape(()), v_amax.amax().reshape(())
-        scales["k_scale"], scales["v_scale"] = k_amax / limit, v_amax / limit
+        scheme = KTransformScales(k_amax / limit, v_amax / limit, offset, rotation, n_first)
     elif granularity == "per-head":
-        scales["k_scale"] = key.abs().amax(dim=(0, 1, 3)) / limit
-        scales["v_scale"] = value.abs().amax(dim=(0, 1, 3)) / limit
+        scheme = PerHeadScales(
+            key.abs().amax(dim=(0, 1, 3)) / limit, value.abs().amax(dim=(0, 1, 3)) / limit
+        )
     elif granularity == "per-tensor":
-        scales["k_scale"] = (key.abs().amax() / limit).reshape(())
-        scales["v_scale"] = (value.abs().amax() / limit).reshape(())
+        scheme = PerTensorScales(
+            (key.abs().amax() / limit).reshape(()), (value.abs().amax() / limit).reshape(())
+        )
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
-    call_write(
-        write_kv_reference,
-        key,
-        value,
-        k_pages,
-        v_pages,
-        slots,
-        **scales,
-        k_offset=offset,
-        k_rotation=rotation,
-    )
+    write_kv_reference(key, value, Pages(k_pages, v_pages, *group_scales), slots, scheme)
+    first = None
     if first_lens is not None:
         starts = kv_start if kv_start is not None else [0] * bsz
         first_k = torch.full((bsz, n_first, hkv, d), float("nan"))
@@ -220,9 +231,11 @@ def build_case(
         for b, (s0, nf) in enumerate(zip(starts, first_lens, strict=True)):
             first_k[b, :nf] = rotated[b, s0 : s0 + nf]
             first_v[b, :nf] = value[b, s0 : s0 + nf]
-        options["first_k"] = first_k.to(first_dtype)
-        options["first_v"] = first_v.to(first_dtype)
-        options["first_lens"] = torch.tensor(first_lens, dtype=torch.int32)
+        first = FirstTokens(
+            first_k.to(device=device, dtype=first_dtype),
+            first_v.to(device=device, dtype=first_dtype),
+            torch.tensor(first_lens, dtype=torch.int32, device=device),
+        )
         # the first tokens' slots were written, but the attention must never read them
         for b, (s0, nf) in enumerate(zip(starts, first_lens, strict=True)):
             for pos in range(s0, s0 + nf):
@@ -234,19 +247,20 @@ def build_case(
         query = torch.randn(bsz, hq, lq, d, generator=gen).to(qdtype).transpose(1, 2)
     else:
         query = torch.randn(bsz, lq, hq, d, generator=gen).to(qdtype)
-    if q_lens is not None:
-        options["q_lens"] = torch.tensor(q_lens, dtype=torch.int32, device=device)
-    if kv_start is not None:
-        options["kv_start"] = torch.tensor(kv_start, dtype=torch.int32, device=device)
+
+    def index(values: list[int] | None) -> torch.Tensor | None:
+        return None if values is None else torch.tensor(values, dtype=torch.int32, device=device)
+
+    mask = Mask(causal, window, softcap, kv_start=index(kv_start), q_lens=index(q_lens))
     return PagedCase(
         query=query.to(device),
-        k_pages=k_pages.to(device),
-        v_pages=v_pages.to(device),
+        pages=Pages(*(x.to(device) for x in (k_pages, v_pages, *group_scales) if x is not None)),
         block_tables=block_tables.to(device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        scheme=scheme.to(device),
         sm_scale=d**-0.5,
-        scales={k: v.to(device) for k, v in scales.items()},
-        options={k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()},
+        mask=mask,
+        first=first,
         key=key.to(device),
         value=value.to(device),
     )

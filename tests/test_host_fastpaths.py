@@ -7,20 +7,20 @@ kernel validators (:mod:`kvquant.kernels.validate`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
 
 import pytest
 import torch
-from kernel_calls import split
 
 from kvquant.cache import PageAllocator
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError
 from kvquant.kernels import validate
 from kvquant.kernels.attention.validate import check_attention_inputs
 from kvquant.kernels.write.validate import check_write_inputs
-from kvquant.schemes import Mask
+from kvquant.schemes import CAUSAL, GroupScales, Mask, Pages, PerHeadScales, PerTensorScales
 
 # ---------------------------------------------------------------- allocator
 
@@ -111,52 +111,39 @@ def test_block_tables_follow_reservations_free_and_reset() -> None:
 
 
 def _write_args(**over: Any) -> dict[str, Any]:
+    """``write_kv``'s arguments (group scales of 8 channels), with ``over`` replacing some."""
     pages = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
     args: dict[str, Any] = dict(
         key=torch.randn(2, 3, 2, 16),
         value=torch.randn(2, 3, 2, 16),
-        k_pages=pages,
-        v_pages=torch.zeros_like(pages),
+        pages=Pages(pages, torch.zeros_like(pages), torch.ones(4, 4, 2, 2), torch.ones(4, 4, 2, 2)),
         slot_mapping=torch.tensor([[0, 1, 2], [4, 5, -1]]),
-        k_scale=None,
-        v_scale=None,
-        k_group_scales=torch.ones(4, 4, 2, 2),
-        v_group_scales=torch.ones(4, 4, 2, 2),
+        scheme=GroupScales(head_dim=16, group_size=8),
     )
     args.update(over)
     return args
 
 
-def _scales(a: dict[str, Any]) -> dict[str, Any]:
-    keys = ("k_scale", "v_scale", "k_group_scales", "v_group_scales")
-    given = {k: a.pop(k, None) for k in keys}
-    return {k: v for k, v in given.items() if v is not None}
+def _fresh_pages(**changes: Any) -> Pages:
+    """New pages and group scales of ``_write_args``, with ``changes``."""
+    return dataclasses.replace(_write_args()["pages"], **changes)
 
 
 def _check_write(args: dict[str, Any]) -> Any:
-    a = dict(args)
-    pages, scheme = split(_scales(a), a["k_pages"], a["v_pages"])
-    return check_write_inputs(a["key"], a["value"], pages, a["slot_mapping"], scheme)
+    return check_write_inputs(**args)
 
 
 def _attn_args(**over: Any) -> dict[str, Any]:
+    """``paged_attention``'s arguments (per-tensor scales), with ``over`` replacing some."""
     pages = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
     args: dict[str, Any] = dict(
         query=torch.randn(2, 4, 1, 16).transpose(1, 2),
-        k_pages=pages,
-        v_pages=torch.zeros_like(pages),
+        pages=Pages(pages, torch.zeros_like(pages)),
         block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
         seq_lens=torch.tensor([5, 8], dtype=torch.int32),
+        scheme=PerTensorScales(torch.tensor(0.5), torch.tensor(0.5)),
         sm_scale=0.25,
-        k_scale=torch.tensor(0.5),
-        v_scale=torch.tensor(0.5),
-        k_group_scales=None,
-        v_group_scales=None,
-        q_lens=None,
-        kv_start=None,
-        causal=True,
-        softcap=0.0,
-        window=0,
+        mask=CAUSAL,
         out=None,
     )
     args.update(over)
@@ -164,13 +151,7 @@ def _attn_args(**over: Any) -> dict[str, Any]:
 
 
 def _check_attn(args: dict[str, Any]) -> Any:
-    a = dict(args)
-    pages, scheme = split(_scales(a), a.pop("k_pages"), a.pop("v_pages"))
-    mask = Mask(**{k: a.pop(k) for k in ("causal", "window", "softcap", "kv_start", "q_lens")})
-    return check_attention_inputs(
-        a.pop("query"), pages, a.pop("block_tables"), a.pop("seq_lens"), scheme,
-        sm_scale=a.pop("sm_scale"), mask=mask, **a,
-    )  # fmt: skip
+    return check_attention_inputs(**args)
 
 
 @pytest.fixture(autouse=True)
@@ -185,8 +166,7 @@ def test_write_memo_hits_and_returns_the_same_geometry() -> None:
     first = _check_write(args)
     assert validate.memo_size("write") == 1
     # a decode step: new K/V and slots, the same cache tensors
-    written = {k: args[k] for k in ("k_pages", "v_pages", "k_group_scales", "v_group_scales")}
-    again = _check_write(_write_args(**written))
+    again = _check_write(_write_args(pages=args["pages"]))
     assert again == first and validate.memo_size("write") == 1
     # other cache tensors of the same shapes: checked again (they must not overlap)
     assert _check_write(_write_args()) == first and validate.memo_size("write") == 2
@@ -210,18 +190,19 @@ def test_write_memo_hits_and_returns_the_same_geometry() -> None:
 def test_write_memo_never_skips_a_failing_structural_check(change: str) -> None:
     good = _write_args()
     _check_write(good)  # remembered
-    pages = good["k_pages"]
+    pages = good["pages"].k
     bad: dict[str, Any] = {
         "key_dtype": {"key": good["key"].to(torch.float64)},
         "key_shape": {"key": torch.randn(2, 3, 2, 8)},
         "slot_dtype": {"slot_mapping": good["slot_mapping"].to(torch.int32)},
         "slot_shape": {"slot_mapping": good["slot_mapping"][:, :2]},
-        "pages_strides": {"k_pages": pages[:1].expand(4, 4, 2, 16)},  # slots share memory
-        "pages_dtype": {"v_pages": torch.zeros(4, 4, 2, 16, dtype=torch.float8_e5m2)},
-        "group_shape": {"v_group_scales": torch.ones(4, 4, 2, 4)},
-        "group_strides": {"k_group_scales": torch.ones(4, 4, 2, 4)[..., ::2]},
+        # slots share memory
+        "pages_strides": {"pages": _fresh_pages(k=pages[:1].expand(4, 4, 2, 16))},
+        "pages_dtype": {"pages": _fresh_pages(v=torch.zeros(4, 4, 2, 16, dtype=torch.float8_e5m2))},
+        "group_shape": {"pages": _fresh_pages(v_scales=torch.ones(4, 4, 2, 4))},
+        "group_strides": {"pages": _fresh_pages(k_scales=torch.ones(4, 4, 2, 4)[..., ::2])},
         "slot_device": {"slot_mapping": good["slot_mapping"].to("meta")},
-        "scale_mix": {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)},
+        "scale_mix": {"scheme": PerTensorScales(torch.tensor(1.0), torch.tensor(1.0))},
     }[change]
     with pytest.raises(KernelInputError):
         _check_write(_write_args(**bad))
@@ -231,7 +212,7 @@ def test_write_memo_never_skips_a_failing_structural_check(change: str) -> None:
 def test_write_memo_sees_in_place_metadata_changes_of_the_same_tensor() -> None:
     args = _write_args()
     _check_write(args)
-    args["k_pages"].as_strided_((4, 4, 2, 16), (0, 32, 16, 1))  # same object: pages overlap
+    args["pages"].k.as_strided_((4, 4, 2, 16), (0, 32, 16, 1))  # same object: pages overlap
     with pytest.raises(KernelInputError):
         _check_write(args)
 
@@ -251,7 +232,7 @@ def test_attention_memo_hits_and_value_checks_still_run() -> None:
     with pytest.raises(KernelInputError, match="page ids"):
         _check_attn(_attn_args(block_tables=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)))
     with pytest.raises(KernelInputError, match="kv_start"):
-        _check_attn(_attn_args(kv_start=torch.tensor([0, 9], dtype=torch.int32)))
+        _check_attn(_attn_args(mask=Mask(kv_start=torch.tensor([0, 9], dtype=torch.int32))))
 
 
 @pytest.mark.parametrize(
@@ -260,24 +241,24 @@ def test_attention_memo_hits_and_value_checks_still_run() -> None:
         {"sm_scale": math.nan},
         {"sm_scale": math.inf},
         {"sm_scale": torch.tensor(0.25)},
-        {"causal": 1},
-        {"window": True},
-        {"window": 1.0},
-        {"window": -1},
-        {"softcap": -1.0},
-        {"softcap": True},
+        {"mask": Mask(causal=1)},  # type: ignore[arg-type]
+        {"mask": Mask(window=True)},
+        {"mask": Mask(window=1.0)},  # type: ignore[arg-type]
+        {"mask": Mask(window=-1)},
+        {"mask": Mask(softcap=-1.0)},
+        {"mask": Mask(softcap=True)},
         {"query": torch.randn(2, 1, 4, 16, dtype=torch.float64)},
         {"query": torch.randn(2, 1, 3, 16)},
         {"block_tables": torch.tensor([[0, 1], [2, 3]])},
         {"seq_lens": torch.tensor([5, 8])},
-        {"kv_start": torch.tensor([0, 0])},
+        {"mask": Mask(kv_start=torch.tensor([0, 0]))},
         {"out": torch.empty(2, 1, 4, 16, dtype=torch.float16)},
-        {"k_scale": torch.ones(3), "v_scale": torch.ones(3)},  # a scheme for 3 KV heads
+        {"scheme": PerHeadScales(torch.ones(3), torch.ones(3))},  # a scheme for 3 KV heads
     ],
 )
 def test_attention_memo_never_skips_a_failing_check(over: dict[str, Any]) -> None:
     _check_attn(_attn_args())
-    _check_attn(_attn_args(window=3, softcap=2.0, causal=False))  # other options: remembered too
+    _check_attn(_attn_args(mask=Mask(causal=False, window=3, softcap=2.0)))  # remembered too
     with pytest.raises(KernelInputError):
         _check_attn(_attn_args(**over))
 
@@ -287,7 +268,7 @@ def test_memo_is_bounded_and_stays_correct() -> None:
         _check_attn(_attn_args(sm_scale=1.0 / n))
     assert validate.memo_size("attention") <= validate.MEMO_MAX
     with pytest.raises(KernelInputError):
-        _check_attn(_attn_args(window=-1))
+        _check_attn(_attn_args(mask=Mask(window=-1)))
 
 
 def test_signature_declines_uncacheable_arguments() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_calls import attention as call_attention
 from numerics import assert_close_rel
 from paged_cases import PagedCase, build_case
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,7 +36,7 @@ def _case(which: str | None) -> PagedCase:
     case = build_case(LENS, hq=4, hkv=1, d=64, lq=LQ, granularity="fp32-group", seed=5)
     if which is not None:
         page = int(case.block_tables[0, POISONED // PAGE])
-        case.scales[f"{which}_group_scales"][page, POISONED % PAGE, 0, 0] = float("nan")
+        getattr(case.pages, f"{which}_scales")[page, POISONED % PAGE, 0, 0] = float("nan")
     return case
 
 
@@ -49,10 +48,11 @@ def _rows_nan(out: torch.Tensor) -> list[int]:
 def _sdpa_math(case: PagedCase) -> torch.Tensor:
     """SDPA's math kernel on the dequantized K/V of sequence 0 with the causal boolean mask."""
     n = int(case.seq_lens[0])
+    p = case.pages
     k, v = (
-        dequantize_pages(gather_kv(pages, case.block_tables, n, 0), None,
-                         gather_kv(case.scales[f"{w}_group_scales"], case.block_tables, n, 0))
-        for pages, w in ((case.k_pages, "k"), (case.v_pages, "v"))
+        dequantize_pages(gather_kv(codes, case.block_tables, n, 0), None,
+                         gather_kv(scales, case.block_tables, n, 0))
+        for codes, scales in ((p.k, p.k_scales), (p.v, p.v_scales))
     )  # fmt: skip
     q = case.query[0].float().transpose(0, 1)  # [Hq, Lq, D]
     k, v = (t.transpose(0, 1).repeat_interleave(4, dim=0) for t in (k, v))  # [Hq, n, D]
@@ -89,10 +89,7 @@ def test_triton_rows_are_nan_or_the_clean_value(which: str, config: dict[str, in
     clean = _case(None).reference()
     out = torch.zeros(case.query.shape, dtype=case.query.dtype)
     extra = {} if config is None else {"config": config}
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, **extra,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, **extra)
     seen = list(range(POISONED - (LENS[0] - LQ), LQ))
     rows = _rows_nan(out)
     assert set(seen) <= set(rows)  # every row that sees the key is NaN

@@ -2,7 +2,7 @@
 
 :func:`write_checkpoint` writes a tiny Llama-architecture checkpoint folder whose KV scales are
 named, shaped, typed and configured the way a given producer exports them (the conventions
-table and the test hooks: :mod:`kvquant.testing.synthetic`); :func:`producer_checkpoint` does
+and the test hooks: docs/dev/checkpoint.md, "Synthetic checkpoints"); :func:`producer_checkpoint` does
 so for a registered producer; :data:`CATALOGUE` lists odd checkpoints, each with the outcome
 kvquant's doors must give it (:mod:`kvquant.testing.catalogue`).
 """

@@ -1,37 +1,15 @@
 """Synthetic producer checkpoints for tests, demos and benchmarks.
 
-:func:`write_checkpoint` writes a tiny Llama-architecture checkpoint folder
-(``config.json`` loadable by transformers' ``LlamaForCausalLM``, optional random
-weights, safetensors shards) carrying KV scales named, shaped, typed and
-configured the way a given producer exports them:
-
-================================  =============================================  ===============
-convention                        scale tensors (layer ``N``)                    shape, dtype
-================================  =============================================  ===============
-``"compressed-tensors"``          ``model.layers.N.self_attn.k_scale``/``v_scale``  ``(1,)`` or ``(Hkv,1,1)``, bf16
-``"modelopt"``                    ``self_attn.k_proj.k_scale``/``v_proj.v_scale``  ``()``, fp32
-``"quark"``                       ``self_attn.k_proj.output_scale``/``v_proj``    ``()``, bf16
-``"quark-fp8"``                   ``self_attn.k_scale``/``v_scale`` (Quark config)  ``()``, bf16
-``"legacy-kv_scale"``             ``self_attn.kv_scale``                          ``()``, fp32
-``"kvquant-k-transform"``         ``self_attn.k_scale``/``v_scale``, ``k_offset``   ``(Hkv,)``, ``(Hkv, D)``, fp32
-                                  and ``kvquant_kv_transform.json``
-``"none"``                        no KV scales, no quantization_config            —
-================================  =============================================  ===============
-
-Test hooks: ``scales`` overrides any value (a float keeps the producer's
-shape/dtype; a tensor is stored exactly as given — NaN, wrong shape, int dtype,
-...), ``drop`` removes particular tensors, ``extra_tensors`` adds arbitrary ones
-(zero points, ``q_scale``, ...), ``quant_config_updates`` edits the producer's
-``quantization_config``.
+:func:`write_checkpoint` writes a tiny Llama checkpoint whose KV scales are named, shaped, typed
+and configured as one producer exports them (docs/dev/checkpoint.md, "Synthetic checkpoints").
 
 Example:
     >>> import tempfile, torch
     >>> from kvquant.testing.checkpoints import write_checkpoint
     >>> with tempfile.TemporaryDirectory() as d:
-    ...     path = write_checkpoint(
-    ...         d, convention="compressed-tensors", weights="none",
-    ...         drop=[(1, "v")], scales={(0, "k"): torch.tensor([float("nan")])},
-    ...     )
+    ...     nan = {(0, "k"): torch.tensor([float("nan")])}
+    ...     path = write_checkpoint(d, convention="compressed-tensors", weights="none",
+    ...                             drop=[(1, "v")], scales=nan)
     ...     sorted(p.name for p in path.iterdir())
     ['config.json', 'model.safetensors']
 """
@@ -358,54 +336,39 @@ def write_checkpoint(
 ) -> Path:
     """Write a tiny Llama checkpoint whose KV scales follow one producer's convention.
 
-    The folder gets ``config.json`` (a transformers ``LlamaConfig``, plus the
-    producer's ``quantization_config``), ``hf_quant_config.json`` for ModelOpt,
-    and ``model.safetensors`` (or ``shards`` files plus
-    ``model.safetensors.index.json``) holding the weights and the scales.
-
-    Default scale values are :func:`default_scale_values` (K ``0.02·(l+1)``, V
-    ``0.01·(l+1)``), shaped and typed like the producer: compressed-tensors
-    ``(1,)`` (``granularity="per-tensor"``) or ``(Hkv,1,1)`` (``"per-head"``),
-    bf16; ModelOpt ``()`` fp32; Quark ``()`` bf16 holding ``max(K, V)`` in both
-    unless ``post_rope=True``; legacy ``kv_scale`` ``()`` fp32 holding ``max(K, V)``.
+    The folder gets ``config.json`` (a ``LlamaConfig`` and the producer's ``quantization_config``),
+    ``hf_quant_config.json`` for ModelOpt, and ``model.safetensors`` (or ``shards`` files and the
+    index). Each convention's tensors: docs/dev/checkpoint.md ("Synthetic checkpoints").
 
     Args:
         path: the folder to write (created; existing files of the same names are replaced).
         convention: one of :data:`CONVENTIONS`.
-        granularity: ``"per-head"`` writes compressed-tensors ``attn_head`` scales
-            ``(Hkv,1,1)``; other conventions are per-tensor only.
+        granularity: ``"per-head"``: compressed-tensors ``attn_head`` scales (that one only).
         num_layers: decoder layers.
         num_heads: query heads.
         num_kv_heads: KV heads.
         head_dim: elements per head.
         hidden_size: model width; default ``num_heads * head_dim``.
         vocab_size: vocabulary size of the random model.
-        scale_dtype: dtype of the stored scales; default the producer's
-            (bf16 for compressed-tensors and Quark, fp32 for ModelOpt and legacy).
-        scales: explicit values keyed ``(layer, "k"|"v"|"kv")``. A float is
-            shaped, typed and merged like the producer would; a tensor is stored
-            exactly as given, with no merging (use it to corrupt: NaN, zero,
-            shape ``(num_heads,)``, int dtype, ...).
+        scale_dtype: dtype of the stored scales; default the producer's.
+        scales: values keyed ``(layer, "k"|"v"|"kv")`` (default :func:`default_scale_values`).
+            A float is shaped, typed and merged as the producer would; a tensor is stored
+            exactly as given, unmerged (to corrupt: NaN, zero, shape ``(num_heads,)``, int...).
         drop: ``(layer, kind)`` pairs whose tensor is left out (e.g. ``[(1, "v")]``).
         extra_tensors: more tensors to store by name (zero points, ``q_scale``, ...).
-        weights: ``"tiny-random"`` writes a random bf16 ``LlamaForCausalLM``;
-            ``"none"`` writes the scales only (fast; not loadable as a model).
+        weights: ``"tiny-random"``: a random bf16 ``LlamaForCausalLM``; ``"none"``: the
+            scales only (fast; not loadable as a model).
         shards: number of safetensors files (``> 1`` also writes the index).
-        fp8_weights: ModelOpt only: store every decoder Linear weight as
-            float8_e4m3fn with ``weight_scale`` / ``input_scale`` (the FP8-weight export).
+        fp8_weights: ModelOpt only: FP8 decoder Linear weights (``weight_scale``, ``input_scale``).
         post_rope: Quark only: ``kv_cache_post_rope: true`` (separate, post-RoPE K and V).
-        quant_config_updates: keys merged into ``quantization_config`` (e.g.
-            ``{"kv_cache_scheme": {...}}``).
+        quant_config_updates: keys merged into ``quantization_config``.
         multimodal: nest the Llama config under ``text_config`` (a Llava-style config).
-        seed: seed of the random weights.
-        k_offsets: ``"kvquant-k-transform"`` only: per-layer K offsets stored
-            exactly as given (default :func:`default_k_offsets`); ``drop``
-            takes ``(layer, "k_offset")`` too.
+        seed: seed of the random weights (and of the default K offsets).
+        k_offsets: ``"kvquant-k-transform"`` only: per-layer K offsets stored as given
+            (default :func:`default_k_offsets`); ``drop`` takes ``(layer, "k_offset")`` too.
         kv_transform: ``"kvquant-k-transform"`` only: entries merged into
-            ``kvquant_kv_transform.json`` (default: rotation ``"hadamard"``,
-            first_tokens 1, this geometry).
-        kv_transform_file: ``"kvquant-k-transform"`` only: write the settings
-            file (False: offsets without it).
+            ``kvquant_kv_transform.json`` (default: rotation ``"hadamard"``, first_tokens 1).
+        kv_transform_file: ``"kvquant-k-transform"`` only: False writes offsets without that file.
 
     Returns:
         The checkpoint folder.
@@ -419,63 +382,93 @@ def write_checkpoint(
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     hidden = hidden_size if hidden_size is not None else num_heads * head_dim
+    geometry = (num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size)
     dtype = scale_dtype or (producer.default_dtype if producer is not None else torch.float32)
-    config = _llama_config_dict(
-        num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=False
-    )
-    tensors: dict[str, torch.Tensor] = {}
-    if weights == "tiny-random":
-        tensors.update(_random_weights(config, seed, fp8_weights))
-    if convention == K_TRANSFORM:
-        tensors.update(
-            _k_transform_tensors(
-                num_layers, num_kv_heads, head_dim, scales, k_offsets, set(drop), seed
-            )
-        )
-    elif producer is not None:
-        tensors.update(
-            _kv_scale_tensors(
-                producer, granularity, num_layers, num_kv_heads, dtype, post_rope, scales,
-                set(drop),
-            )
-        )  # fmt: skip
-    elif scales:
-        raise ValueError(
-            "write_checkpoint(convention='none') stores no KV scales; pass a producer "
-            "convention to write scales, or extra_tensors for arbitrary tensors"
-        )
-    if extra_tensors:
-        tensors.update({k: v.detach().clone() for k, v in extra_tensors.items()})
-    if not tensors:
-        # safetensors needs at least one tensor for a valid file
+    text_config = _llama_config_dict(*geometry, multimodal=False)
+    tensors = _random_weights(text_config, seed, fp8_weights) if weights == "tiny-random" else {}
+    tensors.update(
+        _scale_tensors(convention, producer, granularity, num_layers, num_kv_heads, head_dim,
+                       dtype, post_rope, scales, set(drop), k_offsets, seed)
+    )  # fmt: skip
+    tensors.update({k: v.detach().clone() for k, v in (extra_tensors or {}).items()})
+    if not tensors:  # safetensors needs at least one tensor for a valid file
         tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-
-    if multimodal:
-        config = _llama_config_dict(
-            num_layers, num_heads, num_kv_heads, head_dim, hidden, vocab_size, multimodal=True
-        )
-    qcfg, hf_quant = (None, None)
-    if producer is not None and convention != K_TRANSFORM:
-        qcfg, hf_quant = producer.configs(
-            granularity=granularity, fp8_weights=fp8_weights, post_rope=post_rope, scale_dtype=dtype
-        )
-    if quant_config_updates:
-        qcfg = dict(qcfg or {})
-        qcfg.update(quant_config_updates)
+    config = _llama_config_dict(*geometry, multimodal=True) if multimodal else text_config
+    qcfg, hf_quant = _quant_configs(
+        convention, producer, granularity, fp8_weights, post_rope, dtype, quant_config_updates
+    )
     if qcfg is not None:
         config["quantization_config"] = qcfg
     settings = None
     if convention == K_TRANSFORM and kv_transform_file:
-        settings = conventions.kv_transform_config(
-            rotation="hadamard",
-            first_tokens=1,
-            head_dim=head_dim,
-            num_kv_heads=num_kv_heads,
-            num_layers=num_layers,
-        )
-        settings.update(kv_transform or {})
+        settings = _kv_transform_settings(num_layers, num_kv_heads, head_dim, kv_transform)
     _write_folder(root, config, tensors, shards, hf_quant, settings)
     return root
+
+
+def _scale_tensors(
+    convention: str,
+    producer: Producer | None,
+    granularity: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale_dtype: torch.dtype,
+    post_rope: bool,
+    scales: Mapping[tuple[int, str], float | torch.Tensor] | None,
+    drop: set[tuple[int, str]],
+    k_offsets: Mapping[int, torch.Tensor] | None,
+    seed: int,
+) -> dict[str, torch.Tensor]:
+    """The KV-scale (and K-offset) tensors of ``convention``; none for ``"none"``."""
+    if convention == K_TRANSFORM:
+        return _k_transform_tensors(
+            num_layers, num_kv_heads, head_dim, scales, k_offsets, drop, seed
+        )
+    if producer is not None:
+        return _kv_scale_tensors(
+            producer, granularity, num_layers, num_kv_heads, scale_dtype, post_rope, scales, drop
+        )
+    if scales:
+        raise ValueError(
+            "write_checkpoint(convention='none') stores no KV scales; pass a producer "
+            "convention to write scales, or extra_tensors for arbitrary tensors"
+        )
+    return {}
+
+
+def _kv_transform_settings(
+    num_layers: int, num_kv_heads: int, head_dim: int, updates: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """``kvquant_kv_transform.json``: a Hadamard rotation, one first token, ``updates`` merged."""
+    settings = conventions.kv_transform_config(
+        rotation="hadamard", first_tokens=1, head_dim=head_dim, num_kv_heads=num_kv_heads,
+        num_layers=num_layers,
+    )  # fmt: skip
+    settings.update(updates or {})
+    return settings
+
+
+def _quant_configs(
+    convention: str,
+    producer: Producer | None,
+    granularity: str,
+    fp8_weights: bool,
+    post_rope: bool,
+    scale_dtype: torch.dtype,
+    updates: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``(quantization_config, hf_quant_config.json)`` of the producer, ``updates`` merged."""
+    qcfg, hf_quant = None, None
+    if producer is not None and convention != K_TRANSFORM:
+        qcfg, hf_quant = producer.configs(
+            granularity=granularity, fp8_weights=fp8_weights, post_rope=post_rope,
+            scale_dtype=scale_dtype,
+        )  # fmt: skip
+    if updates:
+        qcfg = dict(qcfg or {})
+        qcfg.update(updates)
+    return qcfg, hf_quant
 
 
 _OPTION_TEXT = {

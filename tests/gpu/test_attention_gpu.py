@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_calls import attention as call_attention
-from kernel_calls import bound_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numerics import assert_close_rel
@@ -35,10 +33,7 @@ def _run(case_kw: dict[str, Any], **extra: Any) -> None:
     case = build_case(**case_kw, device="cuda", seed=sum(case_kw["lens"]) % 1000)
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, **extra,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, **extra)
     torch.cuda.synchronize()
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{case_kw} {extra}")
 
@@ -116,17 +111,14 @@ def test_nan_code_in_a_visible_slot_reaches_the_output(
     """A NaN FP8 code that a row attends to makes that row NaN, exactly as in the reference."""
     case = build_case([300, 300], hq=8, hkv=2, d=64, granularity=gran, group_size=g,
                       device="cuda", seed=11)  # fmt: skip
-    pages = case.k_pages if which == "k" else case.v_pages
+    pages = case.pages.k if which == "k" else case.pages.v
     page = int(case.block_tables[1, 5])  # sequence 1, position 5 * 16 + 3
     pages[page, 3, 0, 7] = float("nan")
     ref = case.reference()
     # a NaN key spoils whole rows; a NaN value only its column
     assert bool(torch.isnan(ref[1, :, :4]).any(-1).all()) and not bool(torch.isnan(ref[0]).any())
     out = torch.zeros(case.query.shape, dtype=case.query.dtype, device="cuda")
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, num_splits=splits,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, num_splits=splits)
     torch.cuda.synchronize()
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     assert_close_rel(out[0], ref[0], rel_tol=REL_TOL)
@@ -152,10 +144,7 @@ def test_dequantized_tiles_beyond_fp16_range_give_non_finite_output(
     case = build_case([300], hq=4, hkv=1, d=64, lq=lq, granularity="fp32-group", group_size=32,
                       value_gain=1e4, device="cuda", seed=3)  # fmt: skip
     out = torch.zeros(case.query.shape, dtype=case.query.dtype, device="cuda")
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, config=config,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, config=config)
     assert not bool(torch.isfinite(out).all())
 
 
@@ -174,10 +163,8 @@ def test_pdl_launches_inside_a_cuda_graph() -> None:
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
 
-    call = bound_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, num_splits=4,
-    )  # fmt: skip
+    def call() -> None:  # the case's objects are built: nothing read on the host
+        case.attend(paged_attention_triton, out=out, num_splits=4)
 
     call()  # compile outside the capture
     out.fill_(float("nan"))

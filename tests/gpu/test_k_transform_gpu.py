@@ -16,9 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_calls import attention as call_attention
-from kernel_calls import bound_attention
-from kernel_calls import write as call_write
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numerics import assert_close_rel
@@ -26,6 +23,7 @@ from paged_cases import build_case
 
 from kvquant.kernels import hadamard, page_storage, write_kv, write_kv_reference
 from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.schemes import KTransformScales, Pages
 
 pytestmark = pytest.mark.gpu
 REL_TOL = 5e-3
@@ -57,9 +55,9 @@ def test_write_codes_match_reference(transform: str, hkv: int, d: int) -> None:
     slots = torch.randperm(num_pages * page, generator=gen)[: bsz * seq].view(bsz, seq).cuda()
     kp, vp = page_storage(num_pages, page, hkv, d, device="cuda")
     kp_ref, vp_ref = kp.clone(), vp.clone()
-    kw: dict[str, Any] = dict(k_scale=ks, v_scale=vs, k_offset=off, k_rotation=rot)
-    call_write(write_kv, key, value, kp, vp, slots, backend="triton", **kw)
-    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw)
+    scheme = KTransformScales(ks, vs, off, rot)
+    write_kv(key, value, Pages(kp, vp), slots, scheme, backend="triton")
+    write_kv_reference(key, value, Pages(kp_ref, vp_ref), slots, scheme)
     torch.cuda.synchronize()
     assert torch.equal(vp.view(torch.uint8), vp_ref.view(torch.uint8))
     steps = _code_steps(kp, kp_ref)
@@ -100,10 +98,7 @@ def test_attention_matches_reference(
     )  # fmt: skip
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, **extra,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, **extra)
     torch.cuda.synchronize()
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{transform} {case_kw} {extra}")
 
@@ -127,10 +122,8 @@ def test_rotation_variants_match_reference(rot: dict[str, Any], case_i: int) -> 
     )  # fmt: skip
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, **{**extra, "config": {**extra.get("config", {}), **rot}},
-    )  # fmt: skip
+    config = {**extra.get("config", {}), **rot}
+    case.attend(paged_attention_triton, out=out, **{**extra, "config": config})
     torch.cuda.synchronize()
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"{rot} {case_kw}")
 
@@ -145,10 +138,8 @@ def test_rotation_variants_inside_a_cuda_graph(rot: dict[str, Any]) -> None:
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device="cuda")
 
-    call = bound_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, num_splits=4, config=rot,
-    )  # fmt: skip
+    def call() -> None:  # the case's objects are built: nothing read on the host
+        case.attend(paged_attention_triton, out=out, num_splits=4, config=rot)
 
     call()
     out.fill_(float("nan"))

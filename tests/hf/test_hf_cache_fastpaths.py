@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_calls import write as call_write
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import CacheCapacityError
 from kvquant.integrations.hf.cache_layer import KVQuantCache
 from kvquant.kernels import compute_slot_mapping
+from kvquant.schemes import GroupScales, Pages
 
 HKV, D = 2, 16  # tiny Llama: 2 KV heads, head_dim 64 / 4
 
@@ -156,19 +156,9 @@ def test_triton_write_on_a_device_that_is_not_current() -> None:
         return [pages, pages.clone(), groups, groups.clone()]
 
     got, want = fresh(), fresh()
-    call_write(
-        write_kv, key, value, got[0], got[1], slots, k_group_scales=got[2], v_group_scales=got[3]
-    )
-    call_write(
-        write_kv_reference,
-        key,
-        value,
-        want[0],
-        want[1],
-        slots,
-        k_group_scales=want[2],
-        v_group_scales=want[3],
-    )
+    scheme = GroupScales(head_dim=16, group_size=16)
+    write_kv(key, value, Pages(*got), slots, scheme)
+    write_kv_reference(key, value, Pages(*want), slots, scheme)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(
             g.view(torch.uint8) if g.dtype != torch.float32 else g.nan_to_num(7.0),

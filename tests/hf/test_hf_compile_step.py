@@ -21,14 +21,12 @@ import transformers
 from hf_steps import cache_kwarg, min_cosine, step_logits
 from hf_steps import generate_exactly as _generate
 from hf_tiny import ALL_BUILDERS, build, prompt
-from kernel_calls import attention as call_attention
-from kernel_calls import split
-from kernel_calls import write as call_write
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import BackendError, OptionError, OptionTypeError, UnsupportedModelError
 from kvquant.integrations.hf import graphs
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
+from kvquant.schemes import FirstTokens, GroupScales, KTransformScales, Mask, Pages, PerHeadScales
 
 
 class CountingBackend:
@@ -349,9 +347,11 @@ def _op_inputs(fmt: str, seed: int) -> dict[str, Any]:
     if fmt == "fp32-group":
         x["k_group_scales"] = torch.rand(pages, ps, hkv, 2, generator=g) / 100 + 1e-3
         x["v_group_scales"] = torch.rand(pages, ps, hkv, 2, generator=g) / 100 + 1e-3
+        x["scheme"] = GroupScales(head_dim=d, group_size=d // 2)
     else:
         x["k_scale"] = torch.rand(hkv, generator=g) / 100 + 1e-3
         x["v_scale"] = torch.rand(hkv, generator=g) / 100 + 1e-3
+        x["scheme"] = PerHeadScales(x["k_scale"], x["v_scale"])
     if fmt == "k-transform":
         from kvquant.kernels import hadamard
 
@@ -360,6 +360,7 @@ def _op_inputs(fmt: str, seed: int) -> dict[str, Any]:
         x["first_lens"] = torch.tensor([2, 1], dtype=torch.int32)
         x["first_start"] = torch.tensor([2, 1], dtype=torch.int32)  # row 1's start moved: unused
         x["sinks"] = rand(hq).to(torch.bfloat16)
+        x["scheme"] = KTransformScales(x["k_scale"], x["v_scale"], x["k_offset"], x["k_rotation"])
     return x
 
 
@@ -368,41 +369,33 @@ def test_step_ops_equal_the_reference_kernels_and_pass_opcheck(fmt: str) -> None
     from kvquant.kernels import paged_attention_reference, write_kv_reference
 
     x = _op_inputs(fmt, seed=len(fmt))
-    scales = {n: x[n] for n in ("k_scale", "v_scale", "k_group_scales", "v_group_scales")}
-    transform = {"k_offset": x["k_offset"], "k_rotation": x["k_rotation"]}
-    want_k, want_v = x["k_pages"].clone(), x["v_pages"].clone()
-    want_scales = {n: (None if t is None else t.clone()) for n, t in scales.items()}
-    call_write(write_kv_reference,
-        x["key"].transpose(1, 2), x["value"].transpose(1, 2), want_k, want_v, x["slots"],
-        **want_scales, **transform,
-    )  # fmt: skip
-    _, scheme = split(
-        {k: v for k, v in {**scales, **transform}.items() if v is not None},
-        x["k_pages"],
-        x["v_pages"],
+    scheme = x["scheme"]
+    groups = (x["k_group_scales"], x["v_group_scales"])
+    pages = Pages(x["k_pages"], x["v_pages"], *groups)
+    want = Pages(*(None if t is None else t.clone() for t in (pages.k, pages.v, *groups)))
+    write_kv_reference(
+        x["key"].transpose(1, 2), x["value"].transpose(1, 2), want, x["slots"], scheme
     )
     name, ints, tensors = scheme.flatten()
-    groups = (x["k_group_scales"], x["v_group_scales"])
     write_args = (
         x["key"], x["value"], x["k_pages"], x["v_pages"], *groups, x["slots"], name, ints,
         tensors, "torch",
     )  # fmt: skip
     torch.ops.kvquant.step_write(*write_args)
-    assert torch.equal(x["k_pages"].view(torch.uint8), want_k.view(torch.uint8))
-    assert torch.equal(x["v_pages"].view(torch.uint8), want_v.view(torch.uint8))
-    for name_, t in scales.items():
-        if t is not None:
-            assert torch.equal(t, want_scales[name_])  # fp32-group: the new token's scales
-    first: dict[str, Any] = {}
+    assert torch.equal(x["k_pages"].view(torch.uint8), want.k.view(torch.uint8))
+    assert torch.equal(x["v_pages"].view(torch.uint8), want.v.view(torch.uint8))
+    for got_scales, want_scales in zip(groups, (want.k_scales, want.v_scales), strict=True):
+        if got_scales is not None:  # fp32-group: the new token's scales
+            assert torch.equal(got_scales, want_scales)
+    first = None
     if x["first_k"] is not None:
         # the storage's rule: a row whose first tokens were kept for another start reads pages
         lens = torch.where(x["kv_start"] == x["first_start"], x["first_lens"], 0).to(torch.int32)
-        first = {"first_k": x["first_k"], "first_v": x["first_v"], "first_lens": lens}
-    want = call_attention(paged_attention_reference,
-        x["query"].transpose(1, 2), x["k_pages"], x["v_pages"], x["block_table"], x["lens"],
-        0.25, kv_start=x["kv_start"], causal=True,
-        sinks=None if x["sinks"] is None else x["sinks"].float(),
-        **scales, **transform, **first,
+        first = FirstTokens(x["first_k"], x["first_v"], lens)
+    sinks = None if x["sinks"] is None else x["sinks"].float()
+    expected = paged_attention_reference(
+        x["query"].transpose(1, 2), pages, x["block_table"], x["lens"], scheme, sm_scale=0.25,
+        mask=Mask(causal=True, kv_start=x["kv_start"], sinks=sinks), first=first,
     )  # fmt: skip
     attn_args = (
         x["query"], x["k_pages"], x["v_pages"], *groups, x["block_table"], x["lens"],
@@ -411,7 +404,7 @@ def test_step_ops_equal_the_reference_kernels_and_pass_opcheck(fmt: str) -> None
     )  # fmt: skip
     got = torch.ops.kvquant.step_attention(*attn_args)
     assert got.shape == (2, 1, 4, 16) and got.is_contiguous() and torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
     torch.library.opcheck(torch.ops.kvquant.step_write.default, write_args, test_utils=_OPCHECKS)
     torch.library.opcheck(torch.ops.kvquant.step_attention.default, attn_args, test_utils=_OPCHECKS)
 

@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kernel_calls import attention as call_attention
 from numerics import assert_close_rel, error_report
-from paged_cases import build_case
+from paged_cases import build_case, negate_k_scale
 
 from kvquant.kernels.attention.launch import paged_attention_triton
 from kvquant.kernels.attention.tuning import (
@@ -234,17 +233,7 @@ def test_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> No
     case = build_case(**case_kw, seed=len(case_kw["lens"]) * 7 + case_kw["hq"])
     ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    got = call_attention(
-        paged_attention_triton,
-        case.query,
-        case.k_pages,
-        case.v_pages,
-        case.block_tables,
-        case.seq_lens,
-        **case.kwargs(),
-        out=out,
-        **extra,
-    )
+    got = case.attend(paged_attention_triton, out=out, **extra)
     assert got is out
     assert out.dtype == case.query.dtype
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=str(case_kw))
@@ -263,13 +252,11 @@ def test_dequantized_group_tiles_beyond_fp16_range_give_non_finite_output(
         [90], hq=4, hkv=1, d=64, lq=lq, granularity="fp32-group", group_size=32,
         value_gain=1e4, seed=3,
     )  # fmt: skip
-    v_amax = case.scales["v_group_scales"].nan_to_num(0.0).max() * 448
+    assert case.pages.v_scales is not None
+    v_amax = case.pages.v_scales.nan_to_num(0.0).max() * 448
     assert float(v_amax) > 4094  # stored V values beyond the limit
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, config=config,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, config=config)
     assert not bool(torch.isfinite(out).all())
 
 
@@ -283,13 +270,10 @@ def test_score_scale_of_any_sign(lq: int, sm_scale: float) -> None:
     """
     case = build_case([50, 70], hq=8, hkv=2, d=64, lq=lq, granularity="per-head", seed=11)
     case.sm_scale = sm_scale
-    case.scales["k_scale"][1] *= -1.0
-    ref = case.reference(unchecked=True)  # a negative scale: no scheme admits it
+    case.scheme = negate_k_scale(case.scheme, 1)
+    ref = case.reference()
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, num_splits=2 if lq == 1 else None, unchecked=True,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, num_splits=2 if lq == 1 else None)
     assert_close_rel(out, ref, rel_tol=REL_TOL, name=f"lq={lq} sm_scale={sm_scale}")
 
 
@@ -301,14 +285,11 @@ def test_nan_group_scale_of_a_visible_slot_reaches_the_output(which: str) -> Non
     """
     case = build_case([40, 40], hq=8, hkv=2, d=64, granularity="fp32-group", seed=5)
     page = int(case.block_tables[1, 1])  # sequence 1, position 16 + 3: visible to its query
-    case.scales[f"{which}_group_scales"][page, 3, 0, 0] = float("nan")
+    getattr(case.pages, f"{which}_scales")[page, 3, 0, 0] = float("nan")
     ref = case.reference()
     assert bool(torch.isnan(ref[1, :, :4]).all()) and not bool(torch.isnan(ref[0]).any())
     out = torch.zeros(case.query.shape, dtype=case.query.dtype)
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, num_splits=2,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out, num_splits=2)
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     assert_close_rel(out[0], ref[0], rel_tol=REL_TOL)
 
@@ -317,10 +298,7 @@ def test_output_with_hf_strides_and_zero_rows() -> None:
     """Non-contiguous ``out``; invalid query rows and key-less rows come out as zeros."""
     case = build_case([30, 0], hq=8, hkv=2, d=64, lq=3, q_lens=[2, 3])
     out = torch.full((2, 8, 3, 64), float("nan"), dtype=torch.float16).transpose(1, 2)
-    call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out,
-    )  # fmt: skip
+    case.attend(paged_attention_triton, out=out)
     assert_close_rel(out, case.reference(), rel_tol=REL_TOL)
     assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2]))  # q_lens[0] = 2
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # empty sequence

@@ -11,20 +11,19 @@ attention within 5e-3 over NaN-poisoned outputs and pages.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
-from kernel_calls import attention as call_attention
-from kernel_calls import write as call_write
 from numerics import assert_close_rel
-from paged_cases import PagedCase, build_case
+from paged_cases import PagedCase, build_case, negate_k_scale
 
 from kvquant.errors import KernelInputError, KVQuantError, ScaleFormatError
 from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
 from kvquant.kernels.attention.launch import paged_attention_triton
 from kvquant.kernels.fp8 import dequantize_pages, gather_kv
-from kvquant.schemes import FirstTokens, GroupScales, KTransformScales, Mask, Pages, Scheme
+from kvquant.schemes import FirstTokens, GroupScales, KTransformScales, Pages, Scheme
 
 REL_TOL = 5e-3
 
@@ -52,33 +51,32 @@ def _model_frame_attention(case: PagedCase) -> torch.Tensor:
     First tokens come from the side buffer rotated back (``first_k @ R^T``). No transform
     algebra here: if the reference's rotated-frame scores differ, this catches it.
     """
-    opts = case.options
-    rot, off = opts.get("k_rotation"), opts.get("k_offset")
+    view = case.scheme.kernel_view()
+    rot, off = view.k_rotation, view.k_offset
     bsz, lq, hq, d = case.query.shape
-    hkv = case.k_pages.shape[2]
+    hkv = case.pages.k.shape[2]
     group = hq // hkv
     out = torch.zeros(bsz, lq, hq, d)
-    starts = opts["kv_start"].tolist() if "kv_start" in opts else [0] * bsz
-    firsts = opts["first_lens"].tolist() if "first_lens" in opts else [0] * bsz
+    kv_start, first = case.mask.kv_start, case.first
+    starts = kv_start.tolist() if kv_start is not None else [0] * bsz
+    firsts = first.lens.tolist() if first is not None else [0] * bsz
     for b in range(bsz):
         n = int(case.seq_lens[b])
         if n == 0:
             continue
         k = dequantize_pages(
-            gather_kv(case.k_pages, case.block_tables, n, b),
-            case.scales["k_scale"],
+            gather_kv(case.pages.k, case.block_tables, n, b),
+            view.k_scale,
             None,
             k_offset=off,
             k_rotation=rot,
         )
-        v = dequantize_pages(
-            gather_kv(case.v_pages, case.block_tables, n, b), case.scales["v_scale"], None
-        )
+        v = dequantize_pages(gather_kv(case.pages.v, case.block_tables, n, b), view.v_scale, None)
         s0, nf = starts[b], firsts[b]
-        if nf:
-            fk = opts["first_k"][b, :nf].float()
+        if first is not None and nf:
+            fk = first.k[b, :nf].float()
             k[s0 : s0 + nf] = fk if rot is None else fk @ rot.T
-            v[s0 : s0 + nf] = opts["first_v"][b, :nf].float()
+            v[s0 : s0 + nf] = first.v[b, :nf].float()
         pos_q = torch.arange(n - lq, n)[:, None]
         pos_k = torch.arange(n)[None, :]
         mask = (pos_k >= s0) & (pos_k <= pos_q)
@@ -120,8 +118,7 @@ def test_write_reference_stores_the_transformed_key(transform: str) -> None:
     vs = torch.full((hkv,), 0.01)
     kp, vp = page_storage(2, 16, hkv, d)
     slots = torch.arange(12)[None]
-    call_write(write_kv, key, key, kp, vp, slots, k_scale=ks, v_scale=vs, k_offset=off, k_rotation=rot,
-             backend="torch")  # fmt: skip
+    write_kv(key, key, Pages(kp, vp), slots, KTransformScales(ks, vs, off, rot), backend="torch")
     want = (stored / ks[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(kp.view(-1, hkv, d)[:12].view(torch.uint8), want[0].view(torch.uint8))
     plain_v = (key / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)  # V untouched
@@ -182,32 +179,29 @@ def _kt_case(**kw: Any) -> PagedCase:
 
 def _attend(case: PagedCase, scheme: Scheme, first: FirstTokens | None) -> torch.Tensor:
     """``paged_attention`` (torch) of the case's query and pages with ``scheme`` and ``first``."""
-    pages = Pages(case.k_pages, case.v_pages, case.scales.get("k_group_scales"),
-                  case.scales.get("v_group_scales"))  # fmt: skip
-    mask = Mask(**{k: case.options[k] for k in ("causal", "softcap", "window", "kv_start")
-                   if k in case.options})  # fmt: skip
     return paged_attention(
-        case.query, pages, case.block_tables, case.seq_lens, scheme, sm_scale=case.sm_scale,
-        mask=mask, first=first, backend="torch",
+        case.query, case.pages, case.block_tables, case.seq_lens, scheme,
+        sm_scale=case.sm_scale, mask=case.mask, first=first, backend="torch",
     )  # fmt: skip
 
 
 def _kt_scheme(case: PagedCase, **changes: Any) -> KTransformScales:
     """The case's K transform as a scheme, with ``changes`` to its tensors."""
+    assert isinstance(case.scheme, KTransformScales) and case.first is not None
     parts: dict[str, Any] = {
-        "k_scale": case.scales["k_scale"],
-        "v_scale": case.scales["v_scale"],
-        "k_offset": case.options["k_offset"],
-        "k_rotation": case.options["k_rotation"],
-        "first_tokens": case.options["first_k"].shape[1],
+        "k_scale": case.scheme.k_scale,
+        "v_scale": case.scheme.v_scale,
+        "k_offset": case.scheme.k_offset,
+        "k_rotation": case.scheme.k_rotation,
+        "first_tokens": case.first.k.shape[1],
         **changes,
     }
     return KTransformScales(**parts)
 
 
 def _kt_first(case: PagedCase, **changes: Any) -> FirstTokens:
-    parts = {k: case.options[f"first_{k}"] for k in ("k", "v", "lens")}
-    return FirstTokens(**{**parts, **changes})
+    assert case.first is not None
+    return dataclasses.replace(case.first, **changes)
 
 
 @pytest.mark.parametrize(
@@ -370,10 +364,7 @@ KT_CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 
 def _triton(case: PagedCase, **extra: Any) -> torch.Tensor:
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
-    got = call_attention(paged_attention_triton,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), out=out, **extra,
-    )  # fmt: skip
+    got = case.attend(paged_attention_triton, out=out, **extra)
     assert got is out
     return out
 
@@ -406,10 +397,10 @@ def test_triton_transform_score_scale_of_any_sign(
         first_lens=[1, 2], n_first=2, seed=11,
     )  # fmt: skip
     case.sm_scale = sm_scale
-    case.scales["k_scale"][1] *= -1.0
+    case.scheme = negate_k_scale(case.scheme, 1)  # no scheme admits the sign
     extra: dict[str, Any] = {"num_splits": 2} if lq == 1 else {}
-    got = _triton(case, **extra, config=first, unchecked=True)  # no scheme admits the sign
-    assert_close_rel(got, case.reference(unchecked=True), rel_tol=REL_TOL)
+    got = _triton(case, **extra, config=first)
+    assert_close_rel(got, case.reference(), rel_tol=REL_TOL)
 
 
 @pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
@@ -419,7 +410,7 @@ def test_triton_learned_sinks_with_transform(first: dict[str, str]) -> None:
         [64, 100], hq=8, hkv=2, d=64, granularity="per-head", k_transform="both",
         first_lens=[1, 1], n_first=1, seed=4,
     )  # fmt: skip
-    case.options["sinks"] = torch.linspace(-2.0, 6.0, 8)
+    case.mask = dataclasses.replace(case.mask, sinks=torch.linspace(-2.0, 6.0, 8))
     ref = case.reference()
     for splits in (1, 3):
         assert_close_rel(_triton(case, num_splits=splits, config=first), ref, rel_tol=REL_TOL)
@@ -432,7 +423,8 @@ def test_nan_first_key_reaches_only_rows_that_see_it(first: dict[str, str]) -> N
         [30, 30], hq=4, hkv=2, d=64, granularity="per-head", k_transform="both",
         first_lens=[1, 1], n_first=2, seed=9,
     )  # fmt: skip
-    case.options["first_k"][0, 0, 1, 5] = float("nan")  # row 0, KV head 1
+    assert case.first is not None
+    case.first.k[0, 0, 1, 5] = float("nan")  # row 0, KV head 1
     ref = case.reference()
     assert bool(ref[0, :, 2:].isnan().all()) and bool(ref[0, :, :2].isfinite().all())
     got = _triton(case, num_splits=2, config=first)
@@ -443,17 +435,12 @@ def test_nan_first_key_reaches_only_rows_that_see_it(first: dict[str, str]) -> N
 def test_public_api_dispatches_transform_to_triton() -> None:
     """``paged_attention(backend="triton")`` passes the transform through (and checks layout)."""
     case = _kt_case()
-    got = call_attention(paged_attention,
-        case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-        **case.kwargs(), backend="triton",
-    )  # fmt: skip
+    got = case.attend(paged_attention, backend="triton")
     assert_close_rel(got, case.reference(), rel_tol=REL_TOL)
-    strided = case.options["first_k"].transpose(0, 1).contiguous().transpose(0, 1)
+    assert case.first is not None
+    strided = _kt_first(case, k=case.first.k.transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(KernelInputError, match=r"first_k has strides .* needs it contiguous"):
-        call_attention(paged_attention,
-            case.query, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
-            **{**case.kwargs(), "first_k": strided}, backend="triton",
-        )  # fmt: skip
+        case.attend(paged_attention, first=strided, backend="triton")
 
 
 @pytest.mark.parametrize("first", FIRST_WHERE, ids=FIRST_IDS)
@@ -463,7 +450,8 @@ def test_nan_first_value_no_query_sees_never_reaches_the_output(first: dict[str,
         [90, 90], hq=4, hkv=2, d=64, granularity="per-head", k_transform="offset",
         first_lens=[1, 1], n_first=1, window=30, seed=8,
     )  # fmt: skip
-    case.options["first_v"][0, 0] = float("nan")
+    assert case.first is not None
+    case.first.v[0, 0] = float("nan")
     ref = case.reference()
     assert bool(ref.isfinite().all())
     assert_close_rel(_triton(case, num_splits=2, config=first), ref, rel_tol=REL_TOL)
@@ -483,14 +471,14 @@ def test_triton_rotation_variants_match_reference(rot: dict[str, str], lq: int) 
         first_lens=[1, 2], n_first=2, kv_start=[0, 5], qdtype=torch.bfloat16,
         first_dtype=torch.bfloat16, seed=lq + len(rot),
     )  # fmt: skip
-    case.scales["k_scale"][1] *= -1.0
+    case.scheme = negate_k_scale(case.scheme, 1)  # a negative scale: no scheme admits it
     if lq == 1:
         extra: dict[str, Any] = {"num_splits": 2, "config": rot}
     else:
         extra = {"config": {**rot, "BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}
     query = case.query.clone()
-    got = _triton(case, **extra, unchecked=True)  # a negative scale: no scheme admits it
-    assert_close_rel(got, case.reference(unchecked=True), rel_tol=REL_TOL, name=str(rot))
+    got = _triton(case, **extra)
+    assert_close_rel(got, case.reference(), rel_tol=REL_TOL, name=str(rot))
     assert torch.equal(case.query, query)  # the caller's query is never rotated in place
 
 
@@ -516,13 +504,13 @@ def test_triton_latency_variants_match_reference(
         first_lens=[1, 3, 0], n_first=3, kv_start=[0, 5, 2], qdtype=torch.bfloat16,
         first_dtype=torch.bfloat16, seed=lq + splits + len(opts),
     )  # fmt: skip
-    case.scales["k_scale"][1] *= -1.0
+    case.scheme = negate_k_scale(case.scheme, 1)  # a negative scale: no scheme admits it
     if lq == 1:
         extra: dict[str, Any] = {"num_splits": splits, "config": opts}
     else:
         extra = {"config": {**opts, "BLOCK_M": 32, "QPB": 8, "BLOCK_N": 16}}
-    got = _triton(case, **extra, unchecked=True)  # a negative scale: no scheme admits it
-    assert_close_rel(got, case.reference(unchecked=True), rel_tol=REL_TOL, name=str(opts))
+    got = _triton(case, **extra)
+    assert_close_rel(got, case.reference(), rel_tol=REL_TOL, name=str(opts))
 
 
 @pytest.mark.parametrize("opts", LATENCY_VARIANTS, ids=LATENCY_IDS)

@@ -6,51 +6,50 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_calls import attention as call_attention
-from kernel_calls import write as call_write
 from numerics import assert_close_rel
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
 from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.schemes import GroupScales, Mask, Pages, PerTensorScales, Scheme
 
 HKV, HQ, D, PS, PAGES, T = 2, 4, 16, 4, 8, 13
 BT = torch.tensor([[3, 0, 5, 1]], dtype=torch.int32)  # shuffled pages, partial last page
 LENS = torch.tensor([T], dtype=torch.int32)
 
 
-def _cache(groups: bool, device: str = "cpu") -> dict[str, Any]:
-    """K/V of ``T`` random tokens written into shuffled pages; the scale arguments of the call."""
+def _cache(groups: bool, device: str = "cpu") -> tuple[Pages, Scheme]:
+    """K/V of ``T`` random tokens written into shuffled pages; the pages and their scheme."""
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(1, T, HKV, D, generator=gen).to(device) for _ in range(2))
     kp, vp = page_storage(PAGES, PS, HKV, D, device=device)
     pos = torch.arange(T)
     slots = (BT[0].long()[pos // PS] * PS + pos % PS)[None].to(device)
+    scheme: Scheme
     if groups:
-        scales: dict[str, Any] = {
-            "k_group_scales": group_scale_storage(PAGES, PS, HKV, 2, device=device),
-            "v_group_scales": group_scale_storage(PAGES, PS, HKV, 2, device=device),
-        }
+        kg, vg = (group_scale_storage(PAGES, PS, HKV, 2, device=device) for _ in "kv")
+        pages, scheme = Pages(kp, vp, kg, vg), GroupScales(head_dim=D, group_size=D // 2)
     else:
         s = torch.tensor(0.02, device=device)
-        scales = {"k_scale": s, "v_scale": s}
-    call_write(
-        write_kv, k, v, kp, vp, slots, backend="torch" if device == "cpu" else "auto", **scales
-    )
-    return {"k_pages": kp, "v_pages": vp, **scales}
+        pages, scheme = Pages(kp, vp), PerTensorScales(s, s)
+    write_kv(k, v, pages, slots, scheme, backend="torch" if device == "cpu" else "auto")
+    return pages, scheme
 
 
-def _dense(q: torch.Tensor, c: dict[str, Any], sinks: torch.Tensor, start: int) -> torch.Tensor:
+def _dense(
+    q: torch.Tensor, pages: Pages, scheme: Scheme, sinks: torch.Tensor, start: int
+) -> torch.Tensor:
     """Softmax over [scores, sink] with the sink's column dropped, on the dequantized K/V."""
     from kvquant.kernels.fp8 import dequantize_pages
 
     ids = BT[0].long()
+    view = scheme.kernel_view()
     kv = []
-    for pages, static, groups in (
-        (c["k_pages"], c.get("k_scale"), c.get("k_group_scales")),
-        (c["v_pages"], c.get("v_scale"), c.get("v_group_scales")),
+    for codes, static, groups in (
+        (pages.k, view.k_scale, pages.k_scales),
+        (pages.v, view.v_scale, pages.v_scales),
     ):
-        full = dequantize_pages(pages[ids], static, None if groups is None else groups[ids])
+        full = dequantize_pages(codes[ids], static, None if groups is None else groups[ids])
         kv.append(full.reshape(-1, HKV, D)[:T].repeat_interleave(HQ // HKV, dim=1))
     lq = q.shape[1]
     scores = torch.einsum("qhd,khd->hqk", q[0].float(), kv[0]) * 0.25
@@ -64,15 +63,16 @@ def _dense(q: torch.Tensor, c: dict[str, Any], sinks: torch.Tensor, start: int) 
 @pytest.mark.parametrize("groups", [False, True])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_reference_sinks_equal_dense_softmax_with_a_sink_column(q_len: int, groups: bool) -> None:
-    c = _cache(groups)
+    pages, scheme = _cache(groups)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, q_len, HQ, D, generator=gen)
     sinks = torch.randn(HQ, generator=gen) * 2
     start = torch.tensor([2], dtype=torch.int32)
-    kw = dict(sm_scale=0.25, kv_start=start, backend="torch", **c)
-    got = call_attention(paged_attention, q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw)
-    torch.testing.assert_close(got, _dense(q, c, sinks, 2), rtol=1e-5, atol=1e-6)
-    without = call_attention(paged_attention, q, block_tables=BT, seq_lens=LENS, **kw)
+    got = paged_attention(q, pages, BT, LENS, scheme, sm_scale=0.25,
+                          mask=Mask(kv_start=start, sinks=sinks), backend="torch")  # fmt: skip
+    torch.testing.assert_close(got, _dense(q, pages, scheme, sinks, 2), rtol=1e-5, atol=1e-6)
+    without = paged_attention(q, pages, BT, LENS, scheme, sm_scale=0.25,
+                              mask=Mask(kv_start=start), backend="torch")  # fmt: skip
     assert (got - without).abs().max() > 1e-2  # the sinks take weight away from the keys
 
 
@@ -88,17 +88,13 @@ def test_reference_sinks_equal_dense_softmax_with_a_sink_column(q_len: int, grou
     ],
 )
 def test_triton_sinks_match_the_reference(q_len: int, groups: bool, opts: dict[str, Any]) -> None:
-    c = _cache(groups)
+    pages, scheme = _cache(groups)
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, q_len, HQ, D, generator=gen)
     sinks = torch.randn(HQ, generator=gen) * 2
-    kw: dict[str, Any] = dict(sm_scale=0.25, kv_start=torch.tensor([2], dtype=torch.int32), **c)
-    ref = call_attention(
-        paged_attention, q, block_tables=BT, seq_lens=LENS, sinks=sinks, backend="torch", **kw
-    )
-    got = call_attention(
-        paged_attention_triton, q, block_tables=BT, seq_lens=LENS, sinks=sinks, **kw, **opts
-    )
+    mask = Mask(kv_start=torch.tensor([2], dtype=torch.int32), sinks=sinks)
+    ref = paged_attention(q, pages, BT, LENS, scheme, sm_scale=0.25, mask=mask, backend="torch")
+    got = paged_attention_triton(q, pages, BT, LENS, scheme, sm_scale=0.25, mask=mask, **opts)
     assert_close_rel(got, ref, rel_tol=5e-3, name=f"sinks q_len={q_len} groups={groups} {opts}")
 
 
@@ -113,24 +109,20 @@ def test_triton_sinks_match_the_reference(q_len: int, groups: bool, opts: dict[s
     ],
 )
 def test_bad_sinks_are_refused(sinks: torch.Tensor) -> None:
-    c = _cache(False)
+    pages, scheme = _cache(False)
     q = torch.randn(1, 1, HQ, D)
     with pytest.raises(KernelInputError, match="sinks"):
-        call_attention(
-            paged_attention, q, block_tables=BT, seq_lens=LENS, sm_scale=0.25, sinks=sinks, **c
-        )
+        paged_attention(q, pages, BT, LENS, scheme, sm_scale=0.25, mask=Mask(sinks=sinks))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_triton_sinks_on_cuda(q_len: int) -> None:
-    c = _cache(True, "cuda")
+    pages, scheme = _cache(True, "cuda")
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, q_len, HQ, D, generator=gen).cuda()
     sinks = (torch.randn(HQ, generator=gen) * 2).cuda()
-    kw: dict[str, Any] = dict(
-        block_tables=BT.cuda(), seq_lens=LENS.cuda(), sm_scale=0.25, sinks=sinks, **c
-    )
-    got = call_attention(paged_attention, q, backend="triton", **kw)
-    ref = call_attention(paged_attention, q, backend="torch", **kw)
+    args = (q, pages, BT.cuda(), LENS.cuda(), scheme)
+    got = paged_attention(*args, sm_scale=0.25, mask=Mask(sinks=sinks), backend="triton")
+    ref = paged_attention(*args, sm_scale=0.25, mask=Mask(sinks=sinks), backend="torch")
     assert_close_rel(got, ref, rel_tol=5e-3, name=f"cuda sinks q_len={q_len}")

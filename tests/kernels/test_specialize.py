@@ -19,12 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_calls import attention as call_attention
-from kernel_calls import write as call_write
 from paged_cases import build_case
 
 from kvquant import kernels
 from kvquant.kernels import specialize
+from kvquant.schemes import Pages
 
 triton = pytest.importorskip("triton")
 interpreter = pytest.importorskip("triton.runtime.interpreter")
@@ -87,8 +86,7 @@ def _variants(launches: list[Launch], declared: bool = True) -> dict[str, int]:
 
 def test_every_launched_kernel_declares_its_specialisation(launches: list[Launch]) -> None:
     case = build_case([40], hq=2, hkv=1, d=16)
-    call_attention(kernels.paged_attention, case.query, case.k_pages, case.v_pages, case.block_tables,
-                            case.seq_lens, backend="triton", **case.kwargs())  # fmt: skip
+    case.attend(kernels.paged_attention, backend="triton")
     assert {name for name, _ in launches} <= set(specialize.OPTIONS)
 
 
@@ -100,8 +98,7 @@ def test_decode_over_a_growing_context_compiles_a_variant_per_split_mode_and_mer
     for n in (40, 230, 490, 700, 950, 1000, 1100):
         case = build_case([n], hq=2, hkv=1, d=16, seed=n)
         out = torch.full_like(case.query, float("nan"))
-        call_attention(kernels.paged_attention, case.query, case.k_pages, case.v_pages, case.block_tables,
-                                case.seq_lens, out=out, backend="triton", **case.kwargs())  # fmt: skip
+        case.attend(kernels.paged_attention, out=out, backend="triton")
         torch.testing.assert_close(out.float(), case.reference(), atol=2e-3, rtol=2e-3)
     tiles = {b["SPLITS_P2"] for name, b in launches if name == "reduce_kernel"}
     control = _variants(launches, declared=False)
@@ -115,15 +112,12 @@ def test_writes_of_any_length_compile_one_prefill_and_one_decode_variant(
     launches: list[Launch],
 ) -> None:
     case = build_case([64], hq=2, hkv=1, d=16)
-    k_pages = torch.zeros_like(case.k_pages)
-    v_pages = torch.zeros_like(case.v_pages)
+    pages = Pages(torch.zeros_like(case.pages.k), torch.zeros_like(case.pages.v))
     for n in (1, 7, 16, 33, 48, 1):
         key = torch.randn(1, n, 1, 16, dtype=torch.float16)
         value = torch.randn(1, n, 1, 16, dtype=torch.float16)
         slots = torch.arange(n, dtype=torch.int64).view(1, n)
-        call_write(
-            kernels.write_kv, key, value, k_pages, v_pages, slots, backend="triton", **case.scales
-        )
+        kernels.write_kv(key, value, pages, slots, case.scheme, backend="triton")
     control = _variants(launches, declared=False)
     assert control["write_kv_kernel"] > 2, control
     assert _variants(launches) == {"write_kv_kernel": 2}

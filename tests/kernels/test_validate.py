@@ -7,6 +7,7 @@ before and after each failing call.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -17,22 +18,28 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_calls import attention as call_attention
-from kernel_calls import write as call_write
 from numerics import assert_close_rel
 
 from kvquant.errors import BackendError, KernelInputError, KVQuantError, ScaleFormatError
 from kvquant.kernels import backend as backend_mod
 from kvquant.kernels import paged_attention, paged_attention_reference, write_kv, write_kv_reference
 from kvquant.kernels.backend import resolve_backend
-from kvquant.schemes import Pages
+from kvquant.schemes import GroupScales, Mask, Pages, PerHeadScales, PerTensorScales, Scheme
 
 P, PAGE, H, D = 4, 16, 2, 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or interpreted on CPU
 
 
 def _to_dev(a: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    """The arguments on ``DEV``: tensors, the Pages' tensors and the scheme's."""
+
+    def move(v: Any) -> Any:
+        if isinstance(v, Pages):
+            tensors = (v.k, v.v, v.k_scales, v.v_scales)
+            return Pages(*(None if t is None else t.to(DEV) for t in tensors))
+        return v.to(DEV) if isinstance(v, torch.Tensor | Scheme) else v
+
+    return {k: move(v) for k, v in a.items()}
 
 
 def _pages(dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
@@ -40,37 +47,46 @@ def _pages(dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
 
 
 def _write_args() -> dict[str, Any]:
+    """``write_kv``'s arguments: per-head scales."""
     return {
         "key": torch.randn(2, 3, H, D),
         "value": torch.randn(2, 3, H, D, dtype=torch.bfloat16),
-        "k_pages": _pages(),
-        "v_pages": _pages(),
+        "pages": Pages(_pages(), _pages()),
         "slot_mapping": torch.tensor([[0, 1, 2], [17, -1, 40]]),
-        "k_scale": torch.tensor(0.1),
-        "v_scale": torch.tensor([0.1, 0.2]),
+        "scheme": PerHeadScales(torch.tensor([0.1, 0.1]), torch.tensor([0.1, 0.2])),
     }
 
 
 def _group_args(g: int = 16) -> dict[str, Any]:
+    """``write_kv``'s arguments: group scales of ``g`` channels."""
     a = _write_args()
-    del a["k_scale"], a["v_scale"]
-    a["k_group_scales"] = torch.rand(P, PAGE, H, D // g)
-    a["v_group_scales"] = torch.rand(P, PAGE, H, D // g)
+    a["pages"] = _with_pages(
+        a, k_scales=torch.rand(P, PAGE, H, D // g), v_scales=torch.rand(P, PAGE, H, D // g)
+    )
+    a["scheme"] = GroupScales(head_dim=D, group_size=g)
     return a
 
 
+def _with_pages(a: dict[str, Any], **changes: Any) -> Pages:
+    """``a``'s Pages with ``changes`` (``k``, ``v``, ``k_scales``, ``v_scales``)."""
+    return dataclasses.replace(a["pages"], **changes)
+
+
 def _snapshot(a: dict[str, Any]) -> dict[str, torch.Tensor]:
-    names = ("k_pages", "v_pages", "k_group_scales", "v_group_scales")
-    return {n: a[n].clone() for n in names if isinstance(a.get(n), torch.Tensor)}
+    pages = a["pages"]
+    names = ("k", "v", "k_scales", "v_scales")
+    return {
+        n: getattr(pages, n).clone() for n in names if isinstance(getattr(pages, n), torch.Tensor)
+    }
 
 
 def _unchanged(a: dict[str, Any], snap: dict[str, torch.Tensor]) -> None:
     for n, before in snap.items():
-        now = a[n]
+        now = getattr(a["pages"], n)
         same = torch.equal(
             now.contiguous().view(torch.uint8), before.contiguous().view(torch.uint8)
         )
-        assert same, f"{n} was modified"
+        assert same, f"Pages.{n} was modified"
 
 
 def _bad_write(
@@ -85,23 +101,17 @@ WRITE_CASES: list[
     tuple[str, Callable[[dict[str, Any]], None], str, Callable[[], dict[str, Any]]]
 ] = [
     (
-        "scale dtype",
-        lambda a: a.update(k_scale=torch.tensor(0.1, dtype=torch.bfloat16)),
-        "k_scale has dtype torch.bfloat16; expected torch.float32",
+        "no scales",
+        lambda a: a.update(scheme=None),
+        "scheme is a NoneType; expected a kvquant.schemes",
         _write_args,
     ),
-    (
-        "scale shape",
-        lambda a: a.update(v_scale=torch.ones(3)),
-        "v_scale has shape (3,)",
-        _write_args,
-    ),
-    ("scale missing", lambda a: a.update(v_scale=None), "v_scale is a NoneType", _write_args),
-    ("no scales", lambda a: None, "scheme is a NoneType; expected a kvquant.schemes", _write_args),
     (
         "both modes",
         lambda a: a.update(
-            k_group_scales=torch.ones(P, PAGE, H, 2), v_group_scales=torch.ones(P, PAGE, H, 2)
+            pages=_with_pages(
+                a, k_scales=torch.ones(P, PAGE, H, 2), v_scales=torch.ones(P, PAGE, H, 2)
+            )
         ),
         "both static scales and group scales",
         _write_args,
@@ -109,50 +119,58 @@ WRITE_CASES: list[
     (
         "group not dividing",
         lambda a: a.update(
-            k_group_scales=torch.ones(P, PAGE, H, 3), v_group_scales=torch.ones(P, PAGE, H, 3)
+            pages=_with_pages(
+                a, k_scales=torch.ones(P, PAGE, H, 3), v_scales=torch.ones(P, PAGE, H, 3)
+            )
         ),
         "does not divide head_dim 32",
         _group_args,
     ),
     (
         "group shape",
-        lambda a: a.update(v_group_scales=torch.ones(P, PAGE, H, 4)),
+        lambda a: a.update(pages=_with_pages(a, v_scales=torch.ones(P, PAGE, H, 4))),
         "v_group_scales has shape",
         _group_args,
     ),
     (
         "group dtype",
-        lambda a: a.update(k_group_scales=a["k_group_scales"].half()),
+        lambda a: a.update(pages=_with_pages(a, k_scales=a["pages"].k_scales.half())),
         "k_group_scales has dtype torch.float16",
         _group_args,
     ),
     (
         "group last dim strided",
-        lambda a: a.update(k_group_scales=torch.ones(P, PAGE, 2, H).transpose(2, 3)),
+        lambda a: a.update(
+            pages=_with_pages(a, k_scales=torch.ones(P, PAGE, 2, H).transpose(2, 3))
+        ),
         "expected the last dimension contiguous and no two elements sharing memory",
         _group_args,
     ),
     (
         "group overlapping",
-        lambda a: a.update(k_group_scales=torch.ones(P, 1, H, 2).expand(P, PAGE, H, 2)),
+        lambda a: a.update(
+            pages=_with_pages(a, k_scales=torch.ones(P, 1, H, 2).expand(P, PAGE, H, 2))
+        ),
         "k_group_scales is written in place but has strides (4, 0, 2, 1)",
         _group_args,
     ),
     (
         "group scales shared",
-        lambda a: a.update(v_group_scales=a["k_group_scales"]),
+        lambda a: a.update(pages=_with_pages(a, v_scales=a["pages"].k_scales)),
         "k_group_scales and v_group_scales share memory",
         _group_args,
     ),
     (
         "group scales inside pages' memory",
-        lambda a: a.update(k_group_scales=a["v_pages"].view(torch.float32)[..., :2]),
+        lambda a: a.update(
+            pages=_with_pages(a, k_scales=a["pages"].v.view(torch.float32)[..., :2])
+        ),
         "v_pages and k_group_scales share memory",
         _group_args,
     ),
     (
         "pages shared",
-        lambda a: a.update(v_pages=a["k_pages"]),
+        lambda a: a.update(pages=_with_pages(a, v=a["pages"].k)),
         "k_pages and v_pages share memory",
         _write_args,
     ),
@@ -183,26 +201,30 @@ WRITE_CASES: list[
     ),
     (
         "pages dtype",
-        lambda a: a.update(k_pages=a["k_pages"].float()),
+        lambda a: a.update(pages=_with_pages(a, k=a["pages"].k.float())),
         "k_pages has dtype torch.float32",
         _write_args,
     ),
     (
         "pages mixed",
-        lambda a: a.update(v_pages=a["v_pages"].float().to(torch.float8_e5m2)),
+        lambda a: a.update(pages=_with_pages(a, v=a["pages"].v.float().to(torch.float8_e5m2))),
         "v_pages has dtype torch.float8_e5m2 but k_pages",
         _write_args,
     ),
     (
         "pages shape",
-        lambda a: a.update(v_pages=torch.zeros(P, PAGE, H, 16, dtype=torch.float8_e4m3fn)),
+        lambda a: a.update(
+            pages=_with_pages(a, v=torch.zeros(P, PAGE, H, 16, dtype=torch.float8_e4m3fn))
+        ),
         "v_pages has shape",
         _write_args,
     ),
     (
         "pages overlapping",
         lambda a: a.update(
-            k_pages=torch.zeros(P, 1, H, D, dtype=torch.float8_e4m3fn).expand(P, PAGE, H, D)
+            pages=_with_pages(
+                a, k=torch.zeros(P, 1, H, D, dtype=torch.float8_e4m3fn).expand(P, PAGE, H, D)
+            )
         ),
         "so that elements share memory",
         _write_args,
@@ -229,8 +251,38 @@ WRITE_CASES: list[
 ]
 
 
-# refused when the scheme is built (kvquant.schemes), before the call: ScaleFormatError
-SCHEME_REFUSALS = {"scale dtype", "scale shape", "scale missing"}
+# refused when the scheme is built (kvquant.schemes), before any call: ScaleFormatError
+SCHEME_CASES: list[tuple[str, Callable[[], object], str]] = [
+    (
+        "scale dtype",
+        lambda: PerHeadScales(
+            torch.tensor([0.1, 0.1], dtype=torch.bfloat16), torch.tensor([0.1, 0.2])
+        ),
+        "k_scale has dtype torch.bfloat16; expected torch.float32",
+    ),
+    (
+        "scale shape",
+        lambda: PerHeadScales(torch.tensor([0.1, 0.1]), torch.ones(3)),
+        "v_scale has shape (3,)",
+    ),
+    (
+        "scale missing",
+        lambda: PerTensorScales(torch.tensor(0.1), None),  # type: ignore[arg-type]
+        "v_scale is a NoneType",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("label", "build", "message"), SCHEME_CASES, ids=[c[0] for c in SCHEME_CASES]
+)
+def test_scheme_rejects(label: str, build: Callable[[], object], message: str) -> None:
+    with pytest.raises(ScaleFormatError) as info:
+        build()
+    text = str(info.value)
+    assert message in text
+    assert "Fix:" in text or "expected" in text
+    assert text.startswith("per-")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -242,34 +294,27 @@ def test_write_rejects(
 ) -> None:
     a = _bad_write(change, base)
     snap = _snapshot(a)
-    scheme_error = label in SCHEME_REFUSALS
-    with pytest.raises(ScaleFormatError if scheme_error else KernelInputError) as info:
-        if label == "no scales":  # no scheme at all
-            pages = Pages(a["k_pages"], a["v_pages"])
-            write_kv(a["key"], a["value"], pages, a["slot_mapping"], None, backend=backend)  # type: ignore[arg-type]
-        else:
-            call_write(write_kv, **a, backend=backend)
+    with pytest.raises(KernelInputError) as info:
+        write_kv(**a, backend=backend)
     text = str(info.value)
     assert message in text
     assert "Fix:" in text or "expected" in text
-    assert text.startswith("per-") if scheme_error else text.startswith("write_kv: ")
+    assert text.startswith("write_kv: ")
     _unchanged(a, snap)
 
 
 def test_scale_message_names_the_fix() -> None:
-    a = _write_args()
-    a["k_scale"] = a["k_scale"].to(torch.bfloat16)
     with pytest.raises(ScaleFormatError, match=r"Fix: normalise scales with kvquant.registry"):
-        call_write(write_kv, **a)
+        PerTensorScales(torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(0.1))
 
 
 def test_kernel_input_error_is_value_error() -> None:
     a = _write_args()
     a["key"] = a["key"].double()
     with pytest.raises(ValueError):
-        call_write(write_kv, **a)
+        write_kv(**a)
     with pytest.raises(KVQuantError):
-        call_write(write_kv, **a)
+        write_kv(**a)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -277,15 +322,15 @@ def test_write_accepts_mixed_dtypes_and_strides(backend: str) -> None:
     """K fp16 strided, V bf16, pages e5m2, per-head scales: valid (never a 'kv dtype mismatch')."""
     a = _write_args()
     a["key"] = torch.randn(2, H, 3, D, dtype=torch.float16).transpose(1, 2)
-    a["k_pages"], a["v_pages"] = _pages(torch.float8_e5m2), _pages(torch.float8_e5m2)
+    a["pages"] = Pages(_pages(torch.float8_e5m2), _pages(torch.float8_e5m2))
     a["slot_mapping"] = torch.tensor([[5, 9, 2], [1, 0, 3]]).t().contiguous().t()
     a = _to_dev(a)
-    b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
-    call_write(write_kv, **a, backend=backend)
-    call_write(write_kv_reference, **b)
+    ref = Pages(a["pages"].k.clone(), a["pages"].v.clone())
+    write_kv(**a, backend=backend)
+    write_kv_reference(**{**a, "pages": ref})
     written = a["slot_mapping"].reshape(-1)
-    got = a["v_pages"].reshape(P * PAGE, H, D)[written].float()
-    want = b["v_pages"].reshape(P * PAGE, H, D)[written].float()
+    got = a["pages"].v.reshape(P * PAGE, H, D)[written].float()
+    want = ref.v.reshape(P * PAGE, H, D)[written].float()
     # equal, up to the CPU interpreter's cast bugs (one code off, or half the value at a
     # power of two); the exact comparison lives in test_write.py
     assert bool(((got - want).abs() <= want.abs() * 0.5 + 1e-6).all())
@@ -296,26 +341,30 @@ def test_scalar_scale_on_other_device_rejected() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a second device type")
     a = _write_args()
-    a["k_scale"] = a["k_scale"].cuda()
+    a["scheme"] = a["scheme"].to("cuda")
     with pytest.raises(KernelInputError, match="k_scale is on cuda"):
-        call_write(write_kv, **a)
+        write_kv(**a)
 
 
 # --------------------------------------------------------------- attention
 
 
 def _attn_args() -> dict[str, Any]:
-    kp, vp = _pages(), _pages()
+    """``paged_attention``'s arguments: per-head scales, the causal mask."""
     return {
         "query": torch.randn(2, 2, 4, D, dtype=torch.float16),
-        "k_pages": kp,
-        "v_pages": vp,
+        "pages": Pages(_pages(), _pages()),
         "block_tables": torch.tensor([[0, 2], [1, 3]], dtype=torch.int32),
         "seq_lens": torch.tensor([20, 5], dtype=torch.int32),
+        "scheme": PerHeadScales(torch.tensor([0.05, 0.05]), torch.tensor([0.05, 0.02])),
         "sm_scale": D**-0.5,
-        "k_scale": torch.tensor(0.05),
-        "v_scale": torch.tensor([0.05, 0.02]),
+        "mask": Mask(),
     }
+
+
+def _with_mask(a: dict[str, Any], **changes: Any) -> Mask:
+    """``a``'s Mask with ``changes``."""
+    return dataclasses.replace(a["mask"], **changes)
 
 
 ATTN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
@@ -345,12 +394,12 @@ ATTN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ),
     (
         "q_lens",
-        lambda a: a.update(q_lens=torch.tensor([3, 1], dtype=torch.int32)),
+        lambda a: a.update(mask=_with_mask(a, q_lens=torch.tensor([3, 1], dtype=torch.int32))),
         "q_lens[0] is 3",
     ),
     (
         "kv_start",
-        lambda a: a.update(kv_start=torch.tensor([0, 6], dtype=torch.int32)),
+        lambda a: a.update(mask=_with_mask(a, kv_start=torch.tensor([0, 6], dtype=torch.int32))),
         "kv_start[1] is 6",
     ),
     (
@@ -360,9 +409,9 @@ ATTN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ),
     ("sm_scale", lambda a: a.update(sm_scale=torch.tensor(0.1)), "sm_scale is a Tensor"),
     ("sm_scale nan", lambda a: a.update(sm_scale=float("nan")), "expected a finite float"),
-    ("softcap", lambda a: a.update(softcap=-1.0), "softcap is -1.0"),
-    ("window", lambda a: a.update(window=2.5), "window is 2.5"),
-    ("causal", lambda a: a.update(causal=1), "causal is a int"),
+    ("softcap", lambda a: a.update(mask=_with_mask(a, softcap=-1.0)), "softcap is -1.0"),
+    ("window", lambda a: a.update(mask=_with_mask(a, window=2.5)), "window is 2.5"),
+    ("causal", lambda a: a.update(mask=_with_mask(a, causal=1)), "causal is a int"),
     ("out dtype", lambda a: a.update(out=torch.empty(2, 2, 4, D)), "out has dtype torch.float32"),
     (
         "out shape",
@@ -371,12 +420,12 @@ ATTN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ),
     (
         "scales mixed",
-        lambda a: a.update(k_group_scales=torch.ones(P, PAGE, H, 2)),
+        lambda a: a.update(pages=_with_pages(a, k_scales=torch.ones(P, PAGE, H, 2))),
         "both static scales and group scales",
     ),
     (
         "scale shape",
-        lambda a: a.update(k_scale=torch.ones(4), v_scale=torch.ones(4)),
+        lambda a: a.update(scheme=PerHeadScales(torch.ones(4), torch.ones(4))),
         "k_scale has shape (4,)",
     ),
 ]
@@ -387,7 +436,7 @@ def test_attention_rejects(label: str, change: Callable, message: str) -> None:
     a = _attn_args()
     change(a)
     with pytest.raises(KernelInputError) as info:
-        call_attention(paged_attention, **a, backend="torch")
+        paged_attention(**a, backend="torch")
     assert message in str(info.value)
     assert str(info.value).startswith("paged_attention: ")
 
@@ -395,29 +444,29 @@ def test_attention_rejects(label: str, change: Callable, message: str) -> None:
 def test_attention_triton_limits() -> None:
     """Triton-only restrictions (power-of-two head_dim) are reported, not hit inside the kernel."""
     a = _attn_args()
-    a["k_pages"] = torch.zeros(P, PAGE, H, 24, dtype=torch.float8_e4m3fn)
-    a["v_pages"] = torch.zeros(P, PAGE, H, 24, dtype=torch.float8_e4m3fn)
+    a["pages"] = Pages(*(torch.zeros(P, PAGE, H, 24, dtype=torch.float8_e4m3fn) for _ in "kv"))
     a["query"] = torch.randn(2, 2, 4, 24, dtype=torch.float16)
     a = _to_dev(a)
     with pytest.raises(KernelInputError, match="head_dim 24 is not a power of two"):
-        call_attention(paged_attention, **a, backend="triton")
-    call_attention(paged_attention, **a, backend="torch")  # the reference has no such limit
+        paged_attention(**a, backend="triton")
+    paged_attention(**a, backend="torch")  # the reference has no such limit
 
 
 def test_attention_triton_needs_contiguous_groups() -> None:
     """Group scales whose groups are strided would be misread by the kernel: rejected."""
     a = _attn_args()
-    del a["k_scale"], a["v_scale"]
-    a["k_group_scales"] = torch.rand(P, PAGE, 2, H).transpose(2, 3)
-    a["v_group_scales"] = torch.rand(P, PAGE, H, 2)
+    a["scheme"] = GroupScales(head_dim=D, group_size=D // 2)
+    a["pages"] = _with_pages(
+        a, k_scales=torch.rand(P, PAGE, 2, H).transpose(2, 3), v_scales=torch.rand(P, PAGE, H, 2)
+    )
     a = _to_dev(a)
     with pytest.raises(KernelInputError, match=r"k_group_scales has strides .*last dimension"):
-        call_attention(paged_attention, **a, backend="triton")
-    ref = call_attention(paged_attention, **a, backend="torch")
-    a["k_group_scales"] = a["k_group_scales"].contiguous()
+        paged_attention(**a, backend="triton")
+    ref = paged_attention(**a, backend="torch")
+    a["pages"] = _with_pages(a, k_scales=a["pages"].k_scales.contiguous())
     # the kernels' tolerance (relative norm, as in test_attention.py): an elementwise bound
     # failed on a few elements for about 1 in 13 random draws
-    assert_close_rel(call_attention(paged_attention, **a, backend="triton"), ref, rel_tol=5e-3)
+    assert_close_rel(paged_attention(**a, backend="triton"), ref, rel_tol=5e-3)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -425,13 +474,14 @@ def test_attention_dispatch_matches_reference(backend: str) -> None:
     """The entry point returns the reference's result (tiny case; Triton via the interpreter on CPU)."""
     torch.manual_seed(3)
     a = _attn_args()
-    a["q_lens"] = torch.tensor([2, 1], dtype=torch.int32)
-    a["kv_start"] = torch.tensor([1, 0], dtype=torch.int32)
+    q_lens = torch.tensor([2, 1], dtype=torch.int32, device=DEV)
+    kv_start = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
     a = _to_dev(a)
+    a["mask"] = Mask(q_lens=q_lens, kv_start=kv_start)
     out = torch.full((2, 2, 4, D), float("nan"), dtype=torch.float16, device=DEV)
-    got = call_attention(paged_attention, **a, out=out, backend=backend)
+    got = paged_attention(**a, out=out, backend=backend)
     assert got is out
-    ref = call_attention(paged_attention_reference, **{k: v for k, v in a.items()})
+    ref = paged_attention_reference(**a)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert not got.isnan().any()
 
@@ -528,15 +578,15 @@ def test_pages_interleaved_in_one_buffer_are_written_like_separate_pages() -> No
     g = torch.Generator().manual_seed(3)
     key, value = torch.randn(1, 5, H, D, generator=g), torch.randn(1, 5, H, D, generator=g)
     slots = torch.tensor([[0, 17, 18, 40, 63]])
-    scales = {"k_scale": torch.tensor(0.02), "v_scale": torch.tensor(0.03)}
+    scheme = PerTensorScales(torch.tensor(0.02), torch.tensor(0.03))
     k_pages, v_pages = _interleaved(0)
-    call_write(write_kv, key, value, k_pages, v_pages, slots, backend="torch", **scales)
+    write_kv(key, value, Pages(k_pages, v_pages), slots, scheme, backend="torch")
     ref_k = torch.zeros(P, PAGE, H, D, dtype=torch.float8_e4m3fn)
     ref_v = torch.zeros_like(ref_k)
-    call_write(write_kv_reference, key, value, ref_k, ref_v, slots, **scales)
+    write_kv_reference(key, value, Pages(ref_k, ref_v), slots, scheme)
     assert torch.equal(k_pages.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(v_pages.view(torch.uint8), ref_v.view(torch.uint8))
     k_pages, v_pages = _interleaved(1)
     with pytest.raises(KernelInputError, match="k_pages and v_pages share memory"):
-        call_write(write_kv, key, value, k_pages, v_pages, slots, backend="torch", **scales)
+        write_kv(key, value, Pages(k_pages, v_pages), slots, scheme, backend="torch")
     assert not bool(k_pages.view(torch.uint8).any())  # nothing written

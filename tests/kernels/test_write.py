@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_calls import write as call_write
 
 from kvquant.kernels import (
     compute_slot_mapping,
@@ -23,6 +22,14 @@ from kvquant.kernels import (
     write_kv_reference,
 )
 from kvquant.kernels.fp8 import fp8_max
+from kvquant.schemes import (
+    GroupScales,
+    KTransformScales,
+    Pages,
+    PerHeadScales,
+    PerTensorScales,
+    Scheme,
+)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 HAS_CUDA = torch.cuda.is_available()
@@ -93,20 +100,20 @@ def assert_codes_match(got: torch.Tensor, want: torch.Tensor, *, exact: bool, wh
 
 def _make_scales(
     mode: str, hkv: int, d: int, num_pages: int, page: int, device: str, layout: str = "head-major"
-) -> dict:
+) -> tuple[Scheme, tuple[torch.Tensor, ...]]:
+    """The scheme of ``mode`` and its group scales (NaN-filled; none for static scales)."""
     if mode == "per-tensor":
-        return {
-            "k_scale": torch.tensor(0.013, device=device),
-            "v_scale": torch.tensor(0.029, device=device),
-        }
+        scales = torch.tensor(0.013, device=device), torch.tensor(0.029, device=device)
+        return PerTensorScales(*scales), ()
     if mode == "per-head":
         ks = torch.rand(hkv, device=device) * 0.02 + 0.005
-        return {"k_scale": ks, "v_scale": ks.flip(0) * 1.7}
+        return PerHeadScales(ks, ks.flip(0) * 1.7), ()
     g = int(mode.removeprefix("group"))
-    return {
-        name: _group_scales_in(layout, num_pages, page, hkv, d // g, device).fill_(float("nan"))
-        for name in ("k_group_scales", "v_group_scales")
-    }
+    groups = tuple(
+        _group_scales_in(layout, num_pages, page, hkv, d // g, device).fill_(float("nan"))
+        for _ in "kv"
+    )
+    return GroupScales(head_dim=d, group_size=g), groups
 
 
 def _group_scales_in(
@@ -121,8 +128,18 @@ def _group_scales_in(
     return torch.empty(hkv, num_pages, page, ng, device=device).permute(1, 2, 0, 3)
 
 
-def _clone_scales(kw: dict) -> dict:
-    return {k: v.clone() for k, v in kw.items()}
+def _clone(pages: Pages) -> Pages:
+    """A copy of the pages and their group scales (same strides)."""
+    tensors = (pages.k, pages.v, pages.k_scales, pages.v_scales)
+    return Pages(*(None if t is None else t.clone() for t in tensors))
+
+
+def _assert_same_group_scales(got: Pages, want: Pages) -> None:
+    for name in ("k_scales", "v_scales"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert (g is None) == (w is None), name
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
 MODES = ["per-tensor", "per-head", "group16", "group32"]
@@ -142,17 +159,17 @@ def test_write_matches_reference(backend: str, mode: str, page: int, dtype: torc
     kp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
     vp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
     slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
-    kw = _make_scales(mode, hkv, d, num_pages, page, DEV)
-    kp_ref, vp_ref, kw_ref = kp.clone(), vp.clone(), _clone_scales(kw)
-    call_write(write_kv, key, value, kp, vp, slots, backend=backend, **kw)
-    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw_ref)
+    scheme, groups = _make_scales(mode, hkv, d, num_pages, page, DEV)
+    pages = Pages(kp, vp, *groups)
+    ref = _clone(pages)
+    write_kv(key, value, pages, slots, scheme, backend=backend)
+    write_kv_reference(key, value, ref, slots, scheme)
     exact = backend == "torch" or HAS_CUDA
-    n_k = assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
-    n_v = assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
+    n_k = assert_codes_match(kp, ref.k, exact=exact, what="k_pages")
+    n_v = assert_codes_match(vp, ref.v, exact=exact, what="v_pages")
     written = int((slots >= 0).sum()) * hkv * d
     assert n_k + n_v <= 0.1 * 2 * written  # the interpreter bug is rare; wholesale errors are not
-    for name in kw:
-        torch.testing.assert_close(kw[name], kw_ref[name], rtol=0, atol=0, equal_nan=True)
+    _assert_same_group_scales(pages, ref)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -166,17 +183,18 @@ def test_write_group_scale_layouts(backend: str, layout: str) -> None:
     kp = _poisoned_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
     vp = _poisoned_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
     slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
-    kw = _make_scales("group16", hkv, d, num_pages, page, DEV, layout=layout)
-    ref = {k: torch.full(v.shape, float("nan"), device=DEV) for k, v in kw.items()}  # contiguous
-    kp_ref, vp_ref = kp.clone(), vp.clone()
-    call_write(write_kv, key, value, kp, vp, slots, backend=backend, **kw)
-    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **ref)
+    scheme, groups = _make_scales("group16", hkv, d, num_pages, page, DEV, layout=layout)
+    pages = Pages(kp, vp, *groups)
+    ref_groups = (torch.full(g.shape, float("nan"), device=DEV) for g in groups)  # contiguous
+    ref = Pages(kp.clone(), vp.clone(), *ref_groups)
+    write_kv(key, value, pages, slots, scheme, backend=backend)
+    write_kv_reference(key, value, ref, slots, scheme)
     exact = backend == "torch" or HAS_CUDA
-    assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
-    assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
-    for name in kw:
-        assert int(kw[name].isfinite().sum()) == int((slots >= 0).sum()) * hkv * 2
-        torch.testing.assert_close(kw[name], ref[name], rtol=0, atol=0, equal_nan=True)
+    assert_codes_match(kp, ref.k, exact=exact, what="k_pages")
+    assert_codes_match(vp, ref.v, exact=exact, what="v_pages")
+    for g in groups:
+        assert int(g.isfinite().sum()) == int((slots >= 0).sum()) * hkv * 2
+    _assert_same_group_scales(pages, ref)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -191,15 +209,15 @@ def test_write_into_cache_layout(backend: str, mode: str) -> None:
     kp_ref, vp_ref = kp.contiguous(), vp.contiguous()
     assert vp.stride(1) == 1 and not vp.is_contiguous()
     slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
-    kw = _make_scales(mode, hkv, d, num_pages, page, DEV)
-    kw_ref = _clone_scales(kw)
-    call_write(write_kv, key, value, kp, vp, slots, backend=backend, **kw)
-    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw_ref)
+    scheme, groups = _make_scales(mode, hkv, d, num_pages, page, DEV)
+    pages = Pages(kp, vp, *groups)
+    ref = Pages(kp_ref, vp_ref, *(g.clone() for g in groups))
+    write_kv(key, value, pages, slots, scheme, backend=backend)
+    write_kv_reference(key, value, ref, slots, scheme)
     exact = backend == "torch" or HAS_CUDA
     assert_codes_match(kp, kp_ref, exact=exact, what="k_pages")
     assert_codes_match(vp, vp_ref, exact=exact, what="v_pages")
-    for name in kw:
-        torch.testing.assert_close(kw[name], kw_ref[name], rtol=0, atol=0, equal_nan=True)
+    _assert_same_group_scales(pages, ref)
 
 
 def _exact_inputs(
@@ -249,19 +267,20 @@ def test_write_exact_values(backend: str, mode: str, dtype: torch.dtype) -> None
     )
     k_in, k_codes, k_gs = _exact_inputs(bsz, seq, hkv, d, dtype, group, in_dtypes[0])
     v_in, v_codes, v_gs = _exact_inputs(bsz, seq, hkv, d, dtype, group, in_dtypes[1])
-    kw = _make_scales(mode, hkv, d, num_pages, page, "cpu")
-    if group is None:  # power-of-two static scales keep code * scale exact
-        kw = {"k_scale": torch.tensor(0.25), "v_scale": torch.tensor([0.5, 0.125])}
-        if mode == "per-tensor":
-            kw["v_scale"] = torch.tensor(2.0)
-        k_in = (k_in.float() * kw["k_scale"].reshape(-1, 1)).to(k_in.dtype)
-        v_in = (v_in.float() * kw["v_scale"].reshape(-1, 1)).to(v_in.dtype)
-    kw = {k: t.to(DEV) for k, t in kw.items()}
+    scheme, groups = _make_scales(mode, hkv, d, num_pages, page, "cpu")
+    if mode == "per-tensor":  # power-of-two static scales keep code * scale exact
+        scheme = PerTensorScales(torch.tensor(0.25), torch.tensor(2.0))
+    elif mode == "per-head":
+        scheme = PerHeadScales(torch.tensor([0.25, 0.25]), torch.tensor([0.5, 0.125]))
+    if isinstance(scheme, PerTensorScales | PerHeadScales):
+        k_in = (k_in.float() * scheme.k_scale.reshape(-1, 1)).to(k_in.dtype)
+        v_in = (v_in.float() * scheme.v_scale.reshape(-1, 1)).to(v_in.dtype)
     kp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
     vp = _poisoned_pages((num_pages, page, hkv, d), dtype, DEV)
+    pages = Pages(kp, vp, *(g.to(DEV) for g in groups))
     before_k = kp.clone()
     slots = torch.tensor([[5, 40, 17], [0, -1, 33]], device=DEV)
-    call_write(write_kv, k_in.to(DEV), v_in.to(DEV), kp, vp, slots, backend=backend, **kw)
+    write_kv(k_in.to(DEV), v_in.to(DEV), pages, slots, scheme.to(DEV), backend=backend)
     for b in range(bsz):
         for t in range(seq):
             s = int(slots[b, t])
@@ -270,9 +289,9 @@ def test_write_exact_values(backend: str, mode: str, dtype: torch.dtype) -> None
             pg, off = divmod(s, page)
             assert_codes_match(kp[pg, off].cpu(), k_codes[b, t], exact=True, what=f"k slot {s}")
             assert_codes_match(vp[pg, off].cpu(), v_codes[b, t], exact=True, what=f"v slot {s}")
-            if group is not None:
-                assert torch.equal(kw["k_group_scales"][pg, off].cpu(), k_gs[b, t])
-                assert torch.equal(kw["v_group_scales"][pg, off].cpu(), v_gs[b, t])
+            if pages.k_scales is not None and pages.v_scales is not None:
+                assert torch.equal(pages.k_scales[pg, off].cpu(), k_gs[b, t])
+                assert torch.equal(pages.v_scales[pg, off].cpu(), v_gs[b, t])
     untouched = torch.ones(num_pages * page, dtype=torch.bool)
     untouched[slots[slots >= 0].cpu()] = False
     flat_now = kp.view(torch.uint8).reshape(num_pages * page, -1).cpu()
@@ -296,9 +315,7 @@ def test_saturation_and_non_finite(backend: str, dtype: torch.dtype) -> None:
     vp = torch.zeros_like(kp)
     one = torch.tensor(1.0, device=DEV)
     slots = torch.tensor([[3, 4]], device=DEV)
-    call_write(
-        write_kv, x.to(DEV), x.to(DEV), kp, vp, slots, k_scale=one, v_scale=one, backend=backend
-    )
+    write_kv(x.to(DEV), x.to(DEV), Pages(kp, vp), slots, PerTensorScales(one, one), backend=backend)
     got = kp[0, 3, 0, :6].float().cpu()
     assert got[:2].tolist() == [top, -top]
     assert got[2:5].isnan().all()
@@ -308,17 +325,8 @@ def test_saturation_and_non_finite(backend: str, dtype: torch.dtype) -> None:
     # the other group of the token and the other token are finite.
     gshape = (2, page, hkv, d // 16)
     kg, vg = torch.zeros(gshape, device=DEV), torch.zeros(gshape, device=DEV)
-    call_write(
-        write_kv,
-        x.to(DEV),
-        x.to(DEV),
-        kp,
-        vp,
-        slots,
-        k_group_scales=kg,
-        v_group_scales=vg,
-        backend=backend,
-    )
+    groups = GroupScales(head_dim=d, group_size=16)
+    write_kv(x.to(DEV), x.to(DEV), Pages(kp, vp, kg, vg), slots, groups, backend=backend)
     assert kg[0, 3, 0, 0].isnan() and kp[0, 3, 0, :16].float().isnan().all()
     assert kg[0, 3, 0, 1].item() == 1.0  # all-zero group
     assert (kp[0, 3, 0, 16:].float() == 0).all()
@@ -333,26 +341,21 @@ def test_zero_tokens_and_all_skipped(backend: str) -> None:
     vp = kp.clone()
     before = kp.clone()
     s = torch.tensor(0.1, device=DEV)
-    call_write(
-        write_kv,
+    pages, scheme = Pages(kp, vp), PerTensorScales(s, s)
+    write_kv(
         torch.randn(2, 0, 2, 32, device=DEV),
         torch.randn(2, 0, 2, 32, device=DEV),
-        kp,
-        vp,
+        pages,
         torch.zeros(2, 0, dtype=torch.int64, device=DEV),
-        k_scale=s,
-        v_scale=s,
+        scheme,
         backend=backend,
     )
-    call_write(
-        write_kv,
+    write_kv(
         torch.randn(1, 3, 2, 32, device=DEV),
         torch.randn(1, 3, 2, 32, device=DEV),
-        kp,
-        vp,
+        pages,
         torch.full((1, 3), -1, dtype=torch.int64, device=DEV),
-        k_scale=s,
-        v_scale=s,
+        scheme,
         backend=backend,
     )
     assert torch.equal(kp.view(torch.uint8), before.view(torch.uint8))
@@ -391,15 +394,15 @@ def test_write_triton_bitexact_gpu(mode: str, dtype: torch.dtype, in_dtypes: tup
     value[1, 5, 2, 9] = float("nan")
     kp, vp = _poisoned_cache_pages((num_pages, page, hkv, d), dtype, "cuda")
     slots = _shuffled_slots(bsz, seq, num_pages * page, skip=11).cuda()
-    kw = _make_scales(mode, hkv, d, num_pages, page, "cuda")
-    kp_ref, vp_ref, kw_ref = kp.clone(), vp.clone(), _clone_scales(kw)
-    call_write(write_kv, key, value, kp, vp, slots, backend="auto", **kw)  # auto -> triton on CUDA
-    call_write(write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw_ref)
+    scheme, groups = _make_scales(mode, hkv, d, num_pages, page, "cuda")
+    pages = Pages(kp, vp, *groups)
+    ref = _clone(pages)
+    write_kv(key, value, pages, slots, scheme, backend="auto")  # auto -> triton on CUDA
+    write_kv_reference(key, value, ref, slots, scheme)
     torch.cuda.synchronize()
-    assert_codes_match(kp, kp_ref, exact=True, what="k_pages")
-    assert_codes_match(vp, vp_ref, exact=True, what="v_pages")
-    for name in kw:
-        torch.testing.assert_close(kw[name], kw_ref[name], rtol=0, atol=0, equal_nan=True)
+    assert_codes_match(kp, ref.k, exact=True, what="k_pages")
+    assert_codes_match(vp, ref.v, exact=True, what="v_pages")
+    _assert_same_group_scales(pages, ref)
 
 
 @pytest.mark.gpu
@@ -411,9 +414,8 @@ def test_write_triton_skips_out_of_range_slots_gpu() -> None:
     vp = big[n:].view(2, 16, 2, 64)  # V right after K: a K store past the end would land in V
     s = torch.tensor(1.0, device="cuda")
     x = torch.ones(1, 2, 2, 64, device="cuda")
-    call_write(
-        write_kv, x, x, kp, vp, torch.tensor([[31, 32]], device="cuda"), k_scale=s, v_scale=s
-    )
+    slots = torch.tensor([[31, 32]], device="cuda")
+    write_kv(x, x, Pages(kp, vp), slots, PerTensorScales(s, s))
     torch.cuda.synchronize()
     assert (kp[1, 15].float() == 1).all() and (vp[1, 15].float() == 1).all()
     assert int((big.float() != 0).sum()) == 2 * 2 * 64
@@ -442,15 +444,12 @@ def test_write_k_transform_matches_reference(
     kp = _poisoned_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
     vp = _poisoned_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
     slots = _shuffled_slots(bsz, seq, num_pages * page).to(DEV)
-    kw = {"k_scale": torch.rand(hkv, device=DEV) * 0.05 + 0.02, "v_scale": torch.tensor(0.02)}
-    kw["v_scale"] = kw["v_scale"].to(DEV)
+    k_scale = torch.rand(hkv, device=DEV) * 0.05 + 0.02
+    v_scale = torch.full((hkv,), 0.02, device=DEV)
+    scheme = KTransformScales(k_scale, v_scale, off, rot)
     kp_ref, vp_ref = kp.clone(), vp.clone()
-    call_write(
-        write_kv, key, value, kp, vp, slots, **kw, k_offset=off, k_rotation=rot, backend=backend
-    )
-    call_write(
-        write_kv_reference, key, value, kp_ref, vp_ref, slots, **kw, k_offset=off, k_rotation=rot
-    )
+    write_kv(key, value, Pages(kp, vp), slots, scheme, backend=backend)
+    write_kv_reference(key, value, Pages(kp_ref, vp_ref), slots, scheme)
     # CPU interpreter: its fp8-cast bug; a rotation may also round one ulp apart where numpy's
     # and torch's fp32 matmuls sum in different orders
     exact = backend == "torch" or (HAS_CUDA and rot is None)
