@@ -164,12 +164,13 @@ def test_scheme_keeps_its_own_copies() -> None:
 
 def test_to_moves_without_checking_again(monkeypatch: pytest.MonkeyPatch) -> None:
     s = _kt()
-    import kvquant.schemes as schemes
+    import kvquant.schemes.fp8 as fp8
 
     def boom(*args: object) -> None:
         raise AssertionError("checked again")
 
-    monkeypatch.setattr(schemes, "_check_scale_values", boom)
+    monkeypatch.setattr(fp8, "check_scale_values", boom)
+    monkeypatch.setattr(fp8, "check_finite", boom)
     moved = s.to("cpu")
     assert type(moved) is KTransformScales and moved is not s
     assert torch.equal(moved.k_offset, s.k_offset)  # type: ignore[arg-type]

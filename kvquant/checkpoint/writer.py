@@ -250,14 +250,7 @@ def write_checkpoint_copy(
     changed = set(drop_by_file) | {Path(h) for h in edit.homes.values()}
     changed_rel = {f.relative_to(src).as_posix() for f in changed}
     skip = {"config.json", "hf_quant_config.json"} | set(edit.files) | set(edit.skip)
-    scanned, problems = scan_folder(src, skip)
-    if problems:
-        raise CheckpointError(
-            f"{src} cannot be copied: {' '.join(problems[:3])}"
-            f"{f' ({len(problems) - 3} more)' if len(problems) > 3 else ''} Nothing was "
-            "written. Fix: replace it with a regular file (or a real folder), or remove it "
-            "from the checkpoint folder."
-        )
+    scanned = _scan_source(src, skip)
     entries = [e for e in scanned if e.rel not in changed_rel and e.rel != index_rel]
 
     # the parent folders this write creates: a failed write removes them again
@@ -302,6 +295,20 @@ def write_checkpoint_copy(
         _remove_empty(created)
         raise
     return WrittenCheckpoint(out, tuple(rewritten), tuple(linked), tuple(copied))
+
+
+def _scan_source(src: Path, skip: Collection[str]) -> list[FolderEntry]:
+    """The source folder's entries (:func:`scan_folder`), or a CheckpointError naming what
+    is neither a regular file nor a real folder."""
+    scanned, problems = scan_folder(src, skip)
+    if problems:
+        raise CheckpointError(
+            f"{src} cannot be copied: {' '.join(problems[:3])}"
+            f"{f' ({len(problems) - 3} more)' if len(problems) > 3 else ''} Nothing was "
+            "written. Fix: replace it with a regular file (or a real folder), or remove it "
+            "from the checkpoint folder."
+        )
+    return scanned
 
 
 def _copy_entries(

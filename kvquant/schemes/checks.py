@@ -1,0 +1,95 @@
+"""The checks the scheme classes run once, when a scheme is built: fp32 tensors, scale values
+in range, finite transforms; the bounds they check against and the fixes their errors name."""
+
+from __future__ import annotations
+
+import torch
+
+from kvquant.errors import ScaleFormatError
+
+__all__ = [
+    "ORTHONORMAL_TOL",
+    "SCALE_FIX",
+    "SCALE_MAX",
+    "SCALE_MIN",
+    "TRANSFORM_FIX",
+    "check_finite",
+    "check_scale_values",
+    "checked_tensor",
+    "fail",
+    "host_copy",
+    "own_copy",
+]
+
+SCALE_MIN = 2.0**-117
+"""Smallest static scale accepted (the registry's ``MIN_SCALE``: 1/scale and the smallest
+code times scale stay normal fp32 numbers)."""
+
+SCALE_MAX = 2.0**100
+"""Largest static scale accepted (the registry's ``MAX_SCALE``)."""
+
+ORTHONORMAL_TOL = 1e-4
+"""Largest ``|R R^T - I|`` element accepted for a K rotation (checked once, at construction)."""
+
+SCALE_FIX = (
+    "Fix: normalise scales with kvquant.registry (it returns fp32 [] or [num_kv_heads] "
+    "tensors on the cache's device)."
+)
+TRANSFORM_FIX = (
+    "Fix: build k_offset [num_kv_heads, head_dim] and k_rotation [head_dim, head_dim] as fp32 "
+    "tensors (kvquant.kernels.hadamard(head_dim) for the rotation), or pass the K transform "
+    "kvquant.registry resolved for the model."
+)
+
+
+def fail(scheme: str, msg: str) -> ScaleFormatError:
+    return ScaleFormatError(f"{scheme}: {msg}")
+
+
+def checked_tensor(scheme: str, label: str, x: object, want: str, fix: str) -> torch.Tensor:
+    """``x`` as a detached fp32 tensor (refusing anything else), not yet copied."""
+    if not isinstance(x, torch.Tensor):
+        raise fail(
+            scheme, f"{label} is a {type(x).__name__}; expected an fp32 tensor {want}. {fix}"
+        )
+    if x.dtype != torch.float32:
+        raise fail(scheme, f"{label} has dtype {x.dtype}; expected torch.float32 {want}. {fix}")
+    return x.detach()
+
+
+def host_copy(x: torch.Tensor) -> torch.Tensor:
+    """A CPU copy to read values from (the tensor itself when already on the CPU)."""
+    return x if x.device.type == "cpu" else x.cpu()
+
+
+def own_copy(x: torch.Tensor) -> torch.Tensor:
+    """The scheme's own contiguous copy (the caller may change theirs later)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def check_scale_values(
+    scheme: str, label: str, scale: torch.Tensor, meaning: str = "amax / 448", fix: str = ""
+) -> None:
+    flat = host_copy(scale).reshape(-1)
+    ok = torch.isfinite(flat) & (flat >= SCALE_MIN) & (flat <= SCALE_MAX)
+    if not bool(ok.all()):
+        index = int((~ok).nonzero()[0, 0])
+        raise fail(
+            scheme,
+            f"{label} element {index} is {float(flat[index])!r}; expected finite "
+            f"dequantization multipliers in [{SCALE_MIN:.3g}, {SCALE_MAX:.3g}] ({meaning}): a "
+            "zero, negative, NaN, infinite or subnormal scale stores or reads garbage. "
+            f"{fix or SCALE_FIX}",
+        )
+
+
+def check_finite(scheme: str, label: str, host: torch.Tensor) -> None:
+    flat = host.reshape(-1)
+    ok = torch.isfinite(flat)
+    if not bool(ok.all()):
+        index = int((~ok).nonzero()[0, 0])
+        raise fail(
+            scheme,
+            f"{label} element {index} is {float(flat[index])!r}; expected finite values. "
+            f"{TRANSFORM_FIX}",
+        )

@@ -1,0 +1,200 @@
+"""The 4-bit schemes: NVFP4 and MXFP4 K and V, and FP8 K beside NVFP4 V (block scales computed
+when tokens are written; docs/dev/fp4-formats.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvquant.schemes.base import MXFP4, NVFP4, Fp4Format, KernelView, Scheme
+from kvquant.schemes.checks import check_scale_values, checked_tensor, fail, own_copy
+
+__all__ = [
+    "DYNAMIC_NVFP4_GLOBAL_SCALE",
+    "Fp4Scales",
+    "Fp8KNvfp4VScales",
+    "Mxfp4Scales",
+    "Nvfp4Scales",
+]
+
+_FP4_FIX = (
+    "Fix: pass fp32 global scales of shape [] or [num_kv_heads] (canonical amax / (6 * 448), "
+    "kvquant.registry.fp4.normalize_fp4_global_scale reads a checkpoint's; "
+    "kvquant.schemes.DYNAMIC_NVFP4_GLOBAL_SCALE without calibration)."
+)
+
+DYNAMIC_NVFP4_GLOBAL_SCALE = 1.0
+"""The NVFP4 global scale ``g`` of a calibration-free cache (``kv_format="nvfp4"`` without a
+checkpoint's scales). With ``g = 1`` each block's e4m3 scale is ``amax_block / 6`` itself: block
+maxima from ``6 * 2^-6 = 0.094`` to ``6 * 448 = 2688`` get a normal e4m3 scale (3 mantissa
+bits), smaller ones a subnormal one (coarser, down to ``6 * 2^-9``), larger values saturate at
+2688 (as FP8 values clamp at 448 times their scale). A constant needs no statistics, no device
+sync and no first batch, and every layer, request and decode graph sees the same one."""
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Fp4Scales(Scheme):
+    """Base of the 4-bit schemes: K and V pages each FP8 or 4-bit (:class:`Fp4Format`).
+
+    A 4-bit side stores packed e2m1 codes ``uint8 [num_pages, page_size, Hkv, D // 2]`` and
+    one scale code per block of head_dim, computed when the token is written and kept beside
+    the pages (:class:`Pages` ``k_scales`` / ``v_scales``, ``[num_pages, page_size, Hkv,
+    D // block]``); an FP8 side stores FP8 pages with a static fp32 scale. Subclasses fix the
+    formats (``k_format`` / ``v_format``, None for FP8) and name the scale tensors.
+
+    Attributes:
+        head_dim: ``D``, a multiple of every 4-bit side's block size.
+    """
+
+    head_dim: int
+    k_format: ClassVar[Fp4Format | None] = None
+    v_format: ClassVar[Fp4Format | None] = None
+    dynamic: ClassVar[bool] = True
+    first_tokens: ClassVar[int] = 0
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The K and V multipliers the kernels fold (FP8 scale or NVFP4 global scale)."""
+        return None, None
+
+    def _check(self, labels: tuple[str | None, str | None]) -> None:
+        """Check ``head_dim`` and the scale fields named ``labels`` (K's, V's; None: the side
+        has no scale); keep own copies."""
+        owner = f"{self.name} scales"
+        d = self.head_dim
+        blocks = [f.block_size for f in (self.k_format, self.v_format) if f is not None]
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1 or any(d % b for b in blocks):
+            raise fail(
+                owner,
+                f"head_dim is {d!r}; expected an int, a multiple of the block size "
+                f"{max(blocks)} ({self.name} stores one scale per block of head_dim). Fix: "
+                "pass the layer's head dim, or use an FP8 format for a model whose head_dim the "
+                "block does not divide.",
+            )
+        shapes = []
+        for label in labels:
+            if label is None:
+                continue
+            t = checked_tensor(owner, label, getattr(self, label), "[] or [num_kv_heads]", _FP4_FIX)
+            if t.dim() > 1 or (t.dim() == 1 and t.shape[0] < 1):
+                raise fail(
+                    owner, f"{label} has shape {tuple(t.shape)}; expected () (one scale) or "
+                    f"(num_kv_heads,). {_FP4_FIX}"
+                )  # fmt: skip
+            fp8 = label == "k_scale"
+            meaning = "amax / 448" if fp8 else "NVFP4: amax / (6 * 448)"
+            check_scale_values(owner, label, t, meaning, "" if fp8 else _FP4_FIX)
+            shapes.append(tuple(t.shape))
+            object.__setattr__(self, label, own_copy(t))
+        if len(set(shapes)) > 1:
+            raise fail(
+                owner,
+                f"{labels[0]} has shape {shapes[0]} and {labels[1]} {shapes[1]}; expected the "
+                f"same shape (both () or both (num_kv_heads,)). {_FP4_FIX}",
+            )
+
+    @classmethod
+    def slot_bytes(cls, num_kv_heads: int, head_dim: int, group_size: int | None = None) -> int:
+        """Bytes one token slot takes in a layer, K and V together: a 4-bit side's packed codes
+        (half a byte per element) and one scale byte per block, an FP8 side's byte per element."""
+
+        def side(fmt: Fp4Format | None) -> int:
+            return head_dim if fmt is None else head_dim // 2 + head_dim // fmt.block_size
+
+        return num_kv_heads * (side(cls.k_format) + side(cls.v_format))
+
+    @property
+    def num_kv_heads(self) -> int | None:
+        return next((int(t.shape[0]) for t in self._scales() if t is not None and t.dim()), None)
+
+    def dims(self) -> tuple[int | None, int | None]:
+        return self.num_kv_heads, self.head_dim
+
+    def kernel_view(self) -> KernelView:
+        k, v = self._scales()
+        return KernelView(k, v, None, None, None, self.k_format, self.v_format)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Nvfp4Scales(Fp4Scales):
+    """NVFP4 K and V: e2m1 codes, an e4m3 scale per block of 16 (on write), an fp32 global scale.
+
+    A value is ``(e2m1 * block_scale) * g``; the block scale is
+    ``e4m3(min(amax_block / (6 * g), 448))`` (docs/dev/fp4-formats.md).
+
+    Attributes:
+        head_dim: ``D``, a multiple of 16.
+        k_global_scale: fp32 ``[]`` or ``[Hkv]``, finite, in ``[SCALE_MIN, SCALE_MAX]``: K's
+            ``g`` (canonical ``amax / (6 * 448)``; :data:`DYNAMIC_NVFP4_GLOBAL_SCALE` without
+            calibration).
+        v_global_scale: like ``k_global_scale``, the same shape.
+
+    Example:
+        >>> import torch
+        >>> s = Nvfp4Scales(128, torch.tensor(1.0), torch.tensor(1.0))
+        >>> s.name, s.kernel_view().v_fp4.block_size
+        ('nvfp4', 16)
+    """
+
+    k_global_scale: torch.Tensor | None = None
+    v_global_scale: torch.Tensor | None = None
+    name: ClassVar[str] = "nvfp4"
+    k_format: ClassVar[Fp4Format | None] = NVFP4
+    v_format: ClassVar[Fp4Format | None] = NVFP4
+
+    def __post_init__(self) -> None:
+        self._check(("k_global_scale", "v_global_scale"))
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_global_scale, self.v_global_scale
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Mxfp4Scales(Fp4Scales):
+    """MXFP4 K and V (OCP MX): e2m1 codes and an e8m0 power-of-two scale per block of 32.
+
+    Fully dynamic: every scale is computed when a token is written, none is stored beforehand.
+
+    Attributes:
+        head_dim: ``D``, a multiple of 32.
+
+    Example:
+        >>> Mxfp4Scales(64).kernel_view().k_fp4.name
+        'mxfp4'
+    """
+
+    name: ClassVar[str] = "mxfp4"
+    k_format: ClassVar[Fp4Format | None] = MXFP4
+    v_format: ClassVar[Fp4Format | None] = MXFP4
+
+    def __post_init__(self) -> None:
+        self._check((None, None))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Fp8KNvfp4VScales(Fp4Scales):
+    """FP8 K with a static scale and NVFP4 V (ModelOpt's ``FP8_K_NVFP4_V``).
+
+    Attributes:
+        head_dim: ``D``, a multiple of 16.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static FP8 K scale (``amax / 448``).
+        v_global_scale: fp32, the shape of ``k_scale``: V's NVFP4 global scale ``g``.
+
+    Example:
+        >>> import torch
+        >>> s = Fp8KNvfp4VScales(64, torch.tensor(0.02), torch.tensor(1.0))
+        >>> s.kernel_view().k_fp4 is None, s.kernel_view().v_fp4.name
+        (True, 'nvfp4')
+    """
+
+    k_scale: torch.Tensor | None = None
+    v_global_scale: torch.Tensor | None = None
+    name: ClassVar[str] = "fp8-k-nvfp4-v"
+    v_format: ClassVar[Fp4Format | None] = NVFP4
+
+    def __post_init__(self) -> None:
+        self._check(("k_scale", "v_global_scale"))
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_scale, self.v_global_scale
