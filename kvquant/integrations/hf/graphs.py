@@ -39,12 +39,15 @@ __all__ = [
     "DecodeGraph",
     "DecodeGraphRunner",
     "GraphStats",
+    "PaddingCheck",
+    "PaddingMemo",
     "compile_unusable_reason",
     "left_padding_starts",
     "offloaded_weights",
     "one_device_reason",
     "pool_devices",
     "step_left_padding_starts",
+    "step_padding_check",
 ]
 
 _logger = logging.getLogger("kvquant")
@@ -192,38 +195,155 @@ def left_padding_starts(
     return start.to(device)
 
 
+class PaddingMemo:
+    """The left-padding starts of a cache's decode steps, and the device check of each step's mask.
+
+    Built from a mask that passed the full check (:func:`left_padding_starts`).
+    A later step's mask is served by the same starts when it is still pure left
+    padding with those starts: equal to ``pattern`` (row ``b`` is ``starts[b]``
+    zeros, then ones) over its length. :meth:`launch` queues that comparison on
+    the mask's device and a non-blocking copy of its one-bit result to
+    ``flag`` (pinned host memory on CUDA), then records ``event``; :meth:`passed`
+    waits for that event only (not for the stream), so a step launches the check
+    first, does its host bookkeeping, and reads the result just before the replay.
+
+    Attributes:
+        starts: int32 ``[B]`` left-padding starts, on the step's device.
+        pattern: ``[B, width]`` in the mask's dtype, on its device (None: the
+            steps pass no mask, every start is 0).
+        flag: bool ``[]`` on the host, True when the last launched check failed.
+        event: CUDA event recorded after the flag's copy (None off CUDA, where
+            the copy is done when :meth:`launch` returns).
+    """
+
+    def __init__(self, starts: torch.Tensor, mask: torch.Tensor | None, total: int) -> None:
+        self.starts = starts
+        self.pattern: torch.Tensor | None = None
+        self.event: Any = None
+        cuda = mask is not None and mask.device.type == "cuda"
+        self.flag = torch.zeros((), dtype=torch.bool, pin_memory=cuda)
+        if mask is not None:
+            self.pattern = self._pattern(mask, max(2 * total, 64))
+            if cuda:
+                self.event = torch.cuda.Event()
+
+    def _pattern(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+        cols = torch.arange(width, dtype=torch.int32, device=mask.device)
+        return (cols[None, :] >= self.starts.to(mask.device)[:, None]).to(mask.dtype)
+
+    def fits(self, mask: torch.Tensor | None, batch: int, total: int) -> bool:
+        """Whether :meth:`launch` can check ``mask`` (a ``[B, total]`` tensor where the pattern is)."""
+        if mask is None or self.pattern is None:
+            return mask is None and self.pattern is None
+        return (
+            isinstance(mask, torch.Tensor)
+            and tuple(mask.shape) == (batch, total)
+            and mask.device == self.pattern.device
+        )
+
+    def launch(self, mask: torch.Tensor | None, total: int) -> None:
+        """Queue the check of ``mask`` (:meth:`fits`); its result is :meth:`passed`'s."""
+        if mask is None or self.pattern is None:
+            return
+        if total > self.pattern.shape[1]:
+            self.pattern = self._pattern(mask, 2 * total)
+        bad = torch.ne(mask, self.pattern[:, :total]).any()
+        self.flag.copy_(bad, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+
+    def passed(self) -> bool:
+        """Whether the last launched check found the mask pure left padding with :attr:`starts`."""
+        if self.pattern is None:
+            return True
+        if self.event is not None:
+            self.event.synchronize()
+        return not self.flag.item()  # a host tensor: no device sync
+
+
+class PaddingCheck:
+    """A decode step's left-padding starts, pending its mask's device check (:class:`PaddingMemo`).
+
+    Made by :func:`step_padding_check`. Without a memo that fits the mask, the
+    full check (:func:`left_padding_starts`, which copies the mask to the host)
+    runs at once; otherwise :meth:`starts` reads the launched check and, should
+    the mask have failed it, runs the full check then.
+    """
+
+    def __init__(
+        self,
+        cache: KVQuantCache,
+        mask: torch.Tensor | None,
+        total: int,
+        device: torch.device,
+        launched: PaddingMemo | None,
+    ) -> None:
+        self.cache, self.mask, self.total, self.device = cache, mask, total, device
+        self.launched = launched
+        self.result = None if launched is not None else self._full_check()
+
+    @property
+    def refused(self) -> bool:
+        """Whether the full check ran already and found the mask not pure left padding."""
+        return self.launched is None and self.result is None
+
+    def _full_check(self) -> torch.Tensor | None:
+        cache, mask = self.cache, self.mask
+        checked = left_padding_starts(mask, cache.batch_size_, self.total, self.device)
+        cache.decode_mask_memo = None if checked is None else PaddingMemo(checked, mask, self.total)
+        return checked
+
+    def starts(self) -> torch.Tensor | None:
+        """The step's int32 ``[B]`` starts, or None (not pure left padding: the ordinary path)."""
+        memo, self.launched = self.launched, None
+        if memo is not None:
+            self.result = memo.starts if memo.passed() else self._full_check()
+        return self.result
+
+
+def step_padding_check(
+    cache: KVQuantCache, mask: torch.Tensor | None, total: int, device: torch.device
+) -> PaddingCheck:
+    """The :class:`PaddingCheck` of a decode step's mask, launched on the device when it can be.
+
+    ``generate`` grows the mask by a column of ones each step, so the starts of
+    the first decode step (found by the full check) serve every later one; the
+    cache keeps them in its :class:`PaddingMemo` (``decode_mask_memo``), which
+    checks each later mask on its device (two kernels and a one-bit copy to the
+    host, no stream sync). A mask the memo cannot check (another shape or
+    device, no memo yet) takes the full check at once.
+    """
+    memo = cache.decode_mask_memo
+    if isinstance(memo, PaddingMemo) and memo.fits(mask, cache.batch_size_, total):
+        memo.launch(mask, total)
+        return PaddingCheck(cache, mask, total, device, memo)
+    return PaddingCheck(cache, mask, total, device, None)
+
+
 def step_left_padding_starts(
     cache: KVQuantCache, mask: torch.Tensor | None, total: int, device: torch.device
 ) -> torch.Tensor | None:
-    """:func:`left_padding_starts` of a decode step, checked against the previous step's mask.
+    """:func:`left_padding_starts` of a decode step, checked against the cache's memo
+    (:func:`step_padding_check`, read at once): the memo's starts when the mask is still
+    pure left padding with them, else the full check's (None: not pure left padding)."""
+    return step_padding_check(cache, mask, total, device).starts()
 
-    ``generate`` grows the mask by a column of ones each step: when this mask is
-    the previous step's plus such a column (compared on the mask's device, one
-    small reduction), the starts are the previous step's, and the ``[B, total]``
-    copy to the host and its check are skipped. Anything else takes the full
-    check. The previous mask is kept as a copy on the cache, which ends with it.
-    """
-    batch = cache.batch_size_
-    memo = cache.decode_mask_memo
-    if (
-        memo is not None
-        and isinstance(mask, torch.Tensor)
-        and tuple(mask.shape) == (batch, total)
-        and tuple(memo[0].shape) == (batch, total - 1)
-        and mask.device == memo[0].device
-        and mask.dtype == memo[0].dtype
-    ):
-        prev, starts = memo
-        same = (mask[:, :-1] == prev).all() & (mask[:, -1] != 0).all()
-        if bool(same):
-            cache.decode_mask_memo = (mask.detach().clone(), starts)
-            return starts
-    checked = left_padding_starts(mask, batch, total, device)
-    if isinstance(mask, torch.Tensor) and checked is not None:
-        cache.decode_mask_memo = (mask.detach().clone(), checked)
-    else:
-        cache.decode_mask_memo = None
-    return checked
+
+def _first_token_layers(cache: KVQuantCache) -> tuple[KVQuantLayer, ...] | None:
+    """The layers of ``cache`` with a first-token window (``k-transform``), or None while some
+    layer is not a kvquant layer with pages. Kept on the cache once every layer has its pages
+    (a layer keeps its storage for the cache's life), so a decode step does not walk the layers."""
+    found = cache.first_token_layers
+    if found is not None:
+        return found
+    layers = cache.layers
+    if not all(isinstance(layer, KVQuantLayer) and layer.storage is not None for layer in layers):
+        return None
+    found = tuple(
+        layer for layer in cast(list[KVQuantLayer], layers) if layer.spec.first_tokens > 0
+    )
+    cache.first_token_layers = found
+    return found
 
 
 def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -532,16 +652,16 @@ class DecodeGraphRunner:
             return None
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             return None
-        seq = -1
-        for layer in cache.layers:
-            if not isinstance(layer, KVQuantLayer) or layer.storage is None:
-                return None
-            if seq not in (-1, layer.seq_len):
-                return None
-            if layer.wants_first_tokens():
-                return None  # k-transform: first tokens still arriving (eager steps keep them)
-            seq = layer.seq_len
-        if seq <= 0 or not self._on_one_device(cache, ids.device):
+        windows = _first_token_layers(cache)
+        if windows is None:
+            return None
+        lens = cache.book.layer_lens
+        seq = lens[0]
+        if seq <= 0 or lens.count(seq) != len(lens):
+            return None
+        if any(layer.wants_first_tokens() for layer in windows):
+            return None  # k-transform: first tokens still arriving (eager steps keep them)
+        if not self._on_one_device(cache, ids.device):
             return None
         return cache
 
@@ -590,6 +710,10 @@ class DecodeGraphRunner:
             self._unusable[device] = compile_unusable_reason(device)
         return self._unusable[device] is None
 
+    def _replays(self, device: torch.device) -> bool:
+        """Whether a static step on ``device`` is captured and replayed (else it runs eagerly)."""
+        return device.type == "cuda"
+
     def _step(self, cache: KVQuantCache, kwargs: dict[str, Any]) -> Any:
         try:
             return self._try_step(cache, kwargs)
@@ -603,19 +727,23 @@ class DecodeGraphRunner:
         layers = cast(list[KVQuantLayer], cache.layers)  # checked by _eligible
         key = _signature(kwargs)
         device = kwargs["input_ids"].device
-        seq = layers[0].seq_len
-        starts = (
-            None
-            if key is None
-            else step_left_padding_starts(cache, kwargs.get("attention_mask"), seq + 1, device)
-        )
-        if key is None or starts is None:
+        seq = cache.book.layer_lens[0]  # every layer's (checked by _eligible)
+        if key is None:
             self.stats.ordinary += 1
             return self.original(**kwargs)
+        check = step_padding_check(cache, kwargs.get("attention_mask"), seq + 1, device)
+        if check.refused:
+            self.stats.ordinary += 1
+            return self.original(**kwargs)
+        # the mask's device check runs while the host reserves the step's pages
         rec = cache.decode_graph
         if not isinstance(rec, DecodeGraph) or rec.key != key:
             cache.ensure_decode_headroom(seq + 1)  # grows (if it must) before the capture
         cache.reserve_through(seq + 1, layers[0])  # a full cache raises before any write
+        starts = check.starts()
+        if starts is None:  # the mask changed (rare): the ordinary path applies or refuses it
+            self.stats.ordinary += 1
+            return self.original(**kwargs)
         rec = cache.decode_graph
         if not isinstance(rec, DecodeGraph) or rec.key != key:
             rec = self._build(cache, kwargs, key, device)
@@ -624,7 +752,7 @@ class DecodeGraphRunner:
         for name, buf in rec.inputs.items():
             buf.copy_(kwargs[name])
         compiled = self._compiling(device)
-        if device.type == "cuda":
+        if self._replays(device):
             if rec.graph is None:
                 try:
                     self._capture(cache, rec, compiled)
