@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvquant.integrations.hf as kvhf
 from benchmarks.harness.graph_stub import stubbed_replay
-from kvquant.integrations.hf import graphs
+from kvquant.integrations.hf import graphs, padding
 
 _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
@@ -191,7 +191,7 @@ def test_a_changed_mask_on_the_device_check_takes_the_full_check() -> None:
                 **{key: cache},
             )
         memo = cache.decode_mask_memo
-        assert isinstance(memo, graphs.PaddingMemo) and memo.starts.tolist() == [3, 0]
+        assert isinstance(memo, padding.PaddingMemo) and memo.starts.tolist() == [3, 0]
         # row 1 gains a left pad (still pure left padding): new starts from the full check
         moved = torch.cat([grown, torch.ones(2, 1, dtype=grown.dtype)], dim=1)
         moved[1, 0] = 0

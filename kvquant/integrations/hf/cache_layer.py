@@ -547,7 +547,7 @@ class KVQuantCache(PoolSizing, Cache):
         specs = state.layer_specs if state.rank_specs is None else state.rank_specs
         self.book = SequenceBook(max(1, len(specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
-        # the decode steps' left-padding starts and their mask check (graphs.PaddingMemo)
+        # the decode steps' left-padding starts and their mask check (padding.PaddingMemo)
         self.decode_mask_memo: Any = None
         # the layers with a first-token window, once every layer has its pages (graphs.py)
         self.first_token_layers: tuple[KVQuantLayer, ...] | None = None
