@@ -113,8 +113,8 @@ class PaddingMemo:
             self.pattern = self._pattern(mask, 2 * total)
         bad = torch.ne(mask, self.pattern[:, :total]).any()
         self.flag.copy_(bad, non_blocking=self.event is not None)
-        if self.event is not None:
-            self.event.record()
+        if self.event is not None:  # on the stream of the mask's device, which ran the check
+            self.event.record(torch.cuda.current_stream(mask.device))
 
     def passed(self) -> bool:
         """Whether the last launched check found the mask pure left padding with :attr:`starts`."""
