@@ -178,3 +178,48 @@ def test_row_window_refuses_bad_rows_and_nesting() -> None:
         with SequenceBook(1, 4).row_window(0, 1, [0]):
             pass
     assert book.window is None
+
+
+def test_steps_inside_the_last_page_lengthen_the_rows_in_place() -> None:
+    """A reservation that takes no page bumps every row's length (PageAllocator.lengthen) and
+    leaves the tables and version alone; the rows' pages and lengths match reserve_pages'."""
+    book, ref = _book(num_pages=24, batch=3, page=4), PageAllocator(24, 4)
+    alloc = book.allocator
+    assert alloc is not None
+    book.reserve_through(1)
+    ref.reserve_pages([0, 1, 2], 1)
+    for tokens in range(2, 15):
+        version, table = book.version, book.block_table(CPU)
+        book.reserve_through(tokens)
+        ref.reserve_pages([0, 1, 2], 1)
+        assert [alloc.seq_len(r) for r in range(3)] == [tokens] * 3
+        assert [alloc.pages(r) for r in range(3)] == [ref.pages(r) for r in range(3)]
+        if tokens % 4 != 1:  # inside the last page
+            assert book.version == version and book.block_table(CPU) is table
+        assert torch.equal(book.block_table(CPU), alloc.block_tables([0, 1, 2]))
+
+
+def test_lengthen_refuses_rows_it_cannot_serve() -> None:
+    alloc = PageAllocator(num_pages=8, page_size=4)
+    alloc.reserve_pages([0, 1], 3)
+    before = (alloc.seq_len(0), alloc.seq_len(1))
+    for ids, tokens in (([0, 1], 5), ([0, 1], 2), ([0, 7], 4), ([0, 0], 4)):
+        with pytest.raises(CacheUsageError):
+            alloc.lengthen(ids, tokens)
+        assert (alloc.seq_len(0), alloc.seq_len(1)) == before
+    alloc.lengthen((0, 1), 4)
+    assert (alloc.seq_len(0), alloc.seq_len(1)) == (4, 4)
+
+
+def test_load_static_copies_the_same_starts_once() -> None:
+    book = _book(num_pages=24, batch=3, page=4)
+    book.reserve_through(7)
+    st = book.static_step(CPU)
+    starts = torch.tensor([0, 2, 1], dtype=torch.int32)
+    book.load_static(st, 6, starts)
+    st.kv_start.fill_(-1)  # as if a step had overwritten it: the same tensor is not copied again
+    book.load_static(st, 6, starts)
+    assert st.kv_start.tolist() == [-1, -1, -1]
+    other = torch.tensor([1, 0, 0], dtype=torch.int32)
+    book.load_static(st, 6, other)
+    assert st.kv_start.tolist() == [1, 0, 0]
