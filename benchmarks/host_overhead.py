@@ -33,12 +33,6 @@ Usage::
     python benchmarks/host_overhead.py                     # defaults (about 1 min on CPU)
     python benchmarks/host_overhead.py --steps 64 --repeats 3 --json /tmp/host.json
     python benchmarks/host_overhead.py --profile           # + cProfile of kvquant functions
-    python benchmarks/host_overhead.py --graph             # the decode-graph path instead
-
-``--graph`` measures what a GPU decode step that replays a captured graph runs
-on the host: the model patched with ``cuda_graphs=True``, its CPU steps sent
-down the runner's CUDA branch with a stub graph whose replay does nothing
-(``benchmarks/harness/graph_stub.py``); see :func:`graph_arm`.
 """
 
 from __future__ import annotations
@@ -316,7 +310,7 @@ def generate(
 
     model.generate(
         ids,
-        attention_mask=(ids != 0).long(),  # the pad id is 0 (--left-pad)
+        attention_mask=torch.ones_like(ids),
         max_new_tokens=steps + 1,
         min_new_tokens=steps + 1,
         do_sample=False,
@@ -351,13 +345,8 @@ def null_once(model: Any, ids: torch.Tensor, args: argparse.Namespace) -> list[f
 
 
 @contextmanager
-def kvquant_stubbed(
-    model: Any, args: argparse.Namespace, graphs: bool = False
-) -> Iterator[Callable[[], dict[str, Any]]]:
-    """The model patched by kvquant, its compute stubbed; yields a factory of ``generate`` kwargs.
-
-    ``graphs``: patched with ``cuda_graphs=True`` (the decode-graph runner; see :func:`graph_arm`).
-    """
+def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[], dict[str, Any]]]:
+    """The model patched by kvquant, its compute stubbed; yields a factory of ``generate`` kwargs."""
     import kvquant
     import kvquant.kernels as kernels
     import kvquant.kernels.attention.validate as attention_checks
@@ -369,10 +358,7 @@ def kvquant_stubbed(
         checks = contextlib.ExitStack()
         for module in (attention_checks, write_checks):
             checks.enter_context(patched(module, "value_checks_enabled", lambda device: False))
-    options: dict[str, Any] = {"cuda_graphs": True, "compile_step": False} if graphs else {}
-    handle = kvquant.patch(
-        model, scales={}, scale_format="fp32-group", page_size=args.page_size, **options
-    )
+    handle = kvquant.patch(model, scales={}, scale_format="fp32-group", page_size=args.page_size)
     key = cache_keyword(model.model)
     tokens = args.batch * (args.prompt_len + args.steps + 8)
     try:
@@ -425,136 +411,6 @@ def run_arms(
     return null, kvq, meter, counter, prof_text
 
 
-class GraphSteps:
-    """Per replayed decode step of the graph runner: host time before and after the replay,
-    aten operators and host reads of tensor values (the capture steps left out)."""
-
-    def __init__(self) -> None:
-        self.pre_us: list[float] = []
-        self.post_us: list[float] = []
-        self.ops: Counter[str] = Counter()
-        self.reads: Counter[str] = Counter()
-        self.steps = 0
-        self.counting = False
-        self.t_replay = 0.0
-
-    @contextmanager
-    def installed(self, count_ops: bool) -> Iterator[None]:
-        """Wrap the runner's ``__call__`` (and, with ``count_ops``, count ops and reads in it)."""
-        from benchmarks.harness.graph_stub import StubGraph
-        from kvquant.integrations.hf.graphs import DecodeGraphRunner
-
-        me = self
-        call = DecodeGraphRunner.__call__
-        replay = StubGraph.replay
-        ops = OpCounter()
-        reads = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
-        saved = {name: getattr(torch.Tensor, name) for name in reads}
-        flag: list[Any] = [None]
-
-        def timed_replay(graph: Any) -> None:
-            me.t_replay = time.perf_counter()
-            replay(graph)
-
-        def runner_call(runner: Any, *a: Any, **k: Any) -> Any:
-            captures = runner.stats.captures
-            cache = k.get("cache", k.get("past_key_values"))
-            flag[0] = getattr(getattr(cache, "decode_mask_memo", None), "flag", None)
-            ops.counts.clear()
-            reads_before = Counter(me.reads)
-            t0 = time.perf_counter()
-            me.t_replay = 0.0
-            me.counting = count_ops
-            try:
-                if count_ops:
-                    with ops:
-                        out = call(runner, *a, **k)
-                else:
-                    out = call(runner, *a, **k)
-            finally:
-                me.counting = False
-            t1 = time.perf_counter()
-            if runner.stats.captures != captures or not me.t_replay:
-                me.reads = reads_before  # a capture step (or an ordinary one): not counted
-                return out
-            me.steps += 1
-            me.ops.update(ops.counts)
-            if not count_ops:
-                me.pre_us.append((me.t_replay - t0) * 1e6)
-                me.post_us.append((t1 - me.t_replay) * 1e6)
-            return out
-
-        def reader(name: str) -> Any:
-            original = saved[name]
-
-            def read(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
-                if me.counting:
-                    me.reads["mask flag (pinned)" if tensor is flag[0] else name] += 1
-                return original(tensor, *a, **k)
-
-            return read
-
-        DecodeGraphRunner.__call__ = runner_call  # type: ignore[method-assign]
-        StubGraph.replay = timed_replay  # type: ignore[method-assign]
-        for name in reads:
-            setattr(torch.Tensor, name, reader(name))
-        try:
-            yield
-        finally:
-            DecodeGraphRunner.__call__ = call  # type: ignore[method-assign]
-            StubGraph.replay = replay  # type: ignore[method-assign]
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, fn)
-
-
-def graph_arm(model: Any, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
-    """The decode-graph path (``--graph``): the runner's host work per replayed step.
-
-    The model is patched with ``cuda_graphs=True``; its CPU decode steps take the
-    runner's CUDA branch with a stub graph whose replay does nothing
-    (:func:`benchmarks.harness.graph_stub.stubbed_replay`), as a GPU step that
-    replays a captured graph runs no Python of the model. Reported: the
-    ``generate`` step (transformers' loop plus the runner), the runner's host
-    time before the replay (what the GPU waits for after ``generate``'s
-    per-step sync) and after it (the output copy, overlapped with the replay
-    on a GPU), aten operators and host reads of tensor values per step.
-    """
-    from benchmarks.harness.graph_stub import stubbed_replay
-
-    steps = GraphSteps()
-    times: list[float] = []
-    with kvquant_stubbed(model, args, graphs=True) as extra, stubbed_replay(compute=False):
-        generate(model, ids, 2, extra(), Clock(None))  # warm-up
-        with steps.installed(count_ops=False):
-            for _ in range(args.repeats):
-                clock = Clock(None)
-                generate(model, ids, args.steps, extra(), clock)
-                times += step_times(clock)
-        timed = steps.steps
-        with steps.installed(count_ops=True):
-            generate(model, ids, args.steps, extra(), Clock(None))
-    counted = max(steps.steps - timed, 1)
-    return {
-        "graph_step_us_median": statistics.median(times),
-        "graph_runner_pre_replay_us_median": statistics.median(steps.pre_us),
-        "graph_runner_post_replay_us_median": statistics.median(steps.post_us),
-        "graph_aten_ops_per_step": sum(steps.ops.values()) / counted,
-        "graph_aten_ops_per_step_by_op": {op: n / counted for op, n in steps.ops.most_common()},
-        "graph_host_reads_per_step": {k: n / counted for k, n in steps.reads.items()},
-    }
-
-
-def print_graph(res: dict[str, Any]) -> None:
-    print(f"\n{'decode-graph path (replay stubbed)':<40}{'us':>12}")
-    print(f"{'  generate step (median)':<40}{res['graph_step_us_median']:>12.1f}")
-    print(f"{'  runner before the replay':<40}{res['graph_runner_pre_replay_us_median']:>12.1f}")
-    print(f"{'  runner after the replay':<40}{res['graph_runner_post_replay_us_median']:>12.1f}")
-    by_op = ", ".join(f"{op} {n:g}" for op, n in res["graph_aten_ops_per_step_by_op"].items())
-    print(f"{'  aten ops per step':<40}{res['graph_aten_ops_per_step']:>12.1f}   ({by_op})")
-    reads = ", ".join(f"{k} {n:g}" for k, n in res["graph_host_reads_per_step"].items()) or "none"
-    print(f"{'  host reads of tensor values per step':<40}{reads:>12}")
-
-
 def summarize(
     args: argparse.Namespace, null: list[float], kvq: list[float], meter: Meter, counter: OpCounter
 ) -> dict[str, Any]:
@@ -588,7 +444,6 @@ def summarize(
                 "steps",
                 "repeats",
                 "page_size",
-                "left_pad",
                 "threads",
                 "value_checks",
             )
@@ -644,36 +499,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="decode steps per generate")
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls per arm")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument(
-        "--left-pad", type=int, default=0, help="left-pad every other prompt by this many tokens"
-    )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--value-checks", action="store_true", help="keep CPU value checks on")
     ap.add_argument("--profile", action="store_true", help="cProfile kvquant's functions too")
-    ap.add_argument(
-        "--graph",
-        action="store_true",
-        help="measure the decode-graph path instead (cuda_graphs=True, replay stubbed)",
-    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = build_model(args)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, args.vocab, (args.batch, args.prompt_len), generator=gen)
-    for row in range(1, args.batch, 2):  # every other row left-padded
-        ids[row, : min(args.left_pad, args.prompt_len - 1)] = 0
     with torch.inference_mode():
-        if args.graph:
-            res = {
-                "config": {"graph": True, **vars(args), "json": None},
-                **graph_arm(model, ids, args),
-            }
-            print_graph(res)
-            if args.json is not None:
-                args.json.write_text(json.dumps(res, indent=2, default=str) + "\n")
-                print(f"wrote {args.json}")
-            return 0
         null, kvq, meter, counter, prof_text = run_arms(model, ids, args)
     res = summarize(args, null, kvq, meter, counter)
     print_table(res)

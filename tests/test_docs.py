@@ -37,7 +37,7 @@ _MODULES_WITH_EXAMPLES = (
     "kvquant.checkpoint.producers",
     "kvquant.kernels",
     "kvquant.kernels.write_fp4",
-    "kvquant.integrations.hf.padding",
+    "kvquant.integrations.hf.graphs",
     "kvquant.registry.fp4",
     "kvquant.registry.formats",
     "kvquant.registry.options",

@@ -109,7 +109,6 @@ class PageAllocator:
         self._lens: dict[Hashable, int] = {}
         self._version = 0
         self._table_cache: tuple[tuple[Any, ...], torch.Tensor] | None = None
-        self._checked_ids: tuple[Hashable, ...] | None = None
         self.reset()
 
     # ----------------------------------------------------------------- state
@@ -149,8 +148,6 @@ class PageAllocator:
         return seq_id
 
     def _distinct(self, seq_ids: Sequence[Hashable], op: str) -> list[Hashable]:
-        if seq_ids is self._checked_ids:  # the tuple checked last (a batch's rows, every step)
-            return list(seq_ids)
         if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
             raise CacheUsageError(
                 f"PageAllocator.{op}: seq_ids is a {type(seq_ids).__name__}; expected a sequence "
@@ -170,8 +167,6 @@ class PageAllocator:
                     "distinct ids (one row per sequence). Fix: pass each sequence once."
                 )
             seen.add(sid)
-        if isinstance(seq_ids, tuple):  # immutable: the same object holds the same ids
-            self._checked_ids = seq_ids
         return ids
 
     # ------------------------------------------------------------- mutation
@@ -233,31 +228,6 @@ class PageAllocator:
         before = [len(self._pages.get(sid, ())) for sid in ids]
         self._take(ids, counts, "reserve_pages")
         return [self._pages[sid][n:] for sid, n in zip(ids, before, strict=True)]
-
-    def lengthen(self, seq_ids: Sequence[Hashable], tokens: int) -> None:
-        """Let every sequence of ``seq_ids`` hold ``tokens`` tokens in the pages it owns already.
-
-        :meth:`reserve_pages` for rows that grow in lockstep inside their last
-        page (no page changes hands), at a cost that barely grows with the rows.
-
-        Raises:
-            CacheUsageError: a sequence is unknown, would shrink, or lacks the pages
-                (nothing changes).
-        """
-        ids = self._distinct(seq_ids, "lengthen")
-        lens, pages = self._lens, self._pages
-        if not ids:
-            return
-        if not pages.keys() >= set(ids) or (
-            min(map(len, map(pages.__getitem__, ids))) * self.page_size < tokens
-            or max(map(lens.__getitem__, ids)) > tokens
-        ):
-            raise CacheUsageError(
-                f"PageAllocator.lengthen: {len(ids)} sequences to {tokens} tokens, but some are "
-                "unknown, longer already, or lack the pages; nothing changed. Fix: use "
-                "reserve_pages, which takes the pages a sequence needs."
-            )
-        lens.update(dict.fromkeys(ids, tokens))
 
     def _take(self, ids: list[Hashable], counts: list[int], op: str) -> list[int]:
         """Take the pages ``counts`` more tokens need, all or nothing; return the old lengths."""

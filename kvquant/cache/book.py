@@ -50,8 +50,6 @@ class StaticStep:
             each sequence; columns past the book's table are not used yet.
         kv_start: int32 ``[B]``, first visible key (left padding).
         version: the :attr:`SequenceBook.version` of the table copied in (-1: none yet).
-        start_source: the tensor ``kv_start`` was last copied from (its owner never
-            changes it in place: the same tensor again is not copied again).
     """
 
     pos: torch.Tensor
@@ -60,7 +58,6 @@ class StaticStep:
     block_table: torch.Tensor
     kv_start: torch.Tensor
     version: int = field(default=-1)
-    start_source: torch.Tensor | None = field(default=None)
 
     @classmethod
     def allocate(cls, batch: int, pages_per_sequence: int, device: torch.device) -> StaticStep:
@@ -194,26 +191,18 @@ class SequenceBook:
             return
         ps = self.page_size
         old_pages, new_pages = -(-have // ps), -(-tokens // ps)
-        if new_pages == old_pages:
-            # every row has room in its last page (the rows grow in lockstep): no page changes
-            # hands, and the tables stay valid
-            self.require_allocator().lengthen(self._rows, tokens)
-            return
         taken = self.require_allocator().reserve_pages(self._rows, tokens - have)
+        if new_pages == old_pages:
+            return  # no page changed hands: the tables stay valid
         self.version += 1
         self._bases.clear()
         if old_pages == 0 or any(len(t) != new_pages - old_pages for t in taken):
             self._tables.clear()  # rebuilt from the allocator on next use
             return
-        # The rows grow in lockstep: append the new page columns on each device (from pinned
-        # memory to a CUDA device: a copy that does not wait for the device's stream).
+        # The rows grow in lockstep: append the new page columns on each device.
         cols = torch.tensor(taken, dtype=torch.int32)
         for dev, bt in list(self._tables.items()):
-            if dev.type == "cuda":
-                moved = cols.pin_memory().to(dev, non_blocking=True)
-            else:
-                moved = cols.to(dev)
-            self._tables[dev] = torch.cat([bt, moved], dim=1)
+            self._tables[dev] = torch.cat([bt, cols.to(dev)], dim=1)
 
     # ------------------------------------------------------------- row window
     @property
@@ -353,17 +342,13 @@ class SequenceBook:
         return StaticStep.allocate(self.batch_size, max(2, self.pages_per_sequence()), device)
 
     def load_static(self, step: StaticStep, pos: int, kv_start: torch.Tensor) -> None:
-        """Before a static step at ``pos``: its table (copied when :attr:`version` changed) and
-        ``kv_start`` (copied unless it is the tensor copied last, which the caller never changes
-        in place)."""
+        """Before a static step at ``pos``: its table (copied when :attr:`version` changed), start."""
         if step.version != self.version:
             bt = self._table(step.block_table.device)
             step.block_table[:, : bt.shape[1]].copy_(bt)
             step.version = self.version
         step.pos.fill_(pos)
-        if kv_start is not step.start_source:
-            step.kv_start.copy_(kv_start)
-            step.start_source = kv_start
+        step.kv_start.copy_(kv_start)
 
     # ------------------------------------------------------------- whole batch
     def beam_moves(

@@ -19,7 +19,7 @@ from hf_tiny import BUILDERS, build, prompt
 
 import kvquant.integrations.hf as kvhf
 from kvquant.errors import CacheCapacityError, KVQuantError, UnsupportedModelError
-from kvquant.integrations.hf.padding import left_padding_starts, step_left_padding_starts
+from kvquant.integrations.hf.graphs import left_padding_starts, step_left_padding_starts
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))

@@ -547,10 +547,8 @@ class KVQuantCache(PoolSizing, Cache):
         specs = state.layer_specs if state.rank_specs is None else state.rank_specs
         self.book = SequenceBook(max(1, len(specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
-        # the decode steps' left-padding starts and their mask check (padding.PaddingMemo)
-        self.decode_mask_memo: Any = None
-        # the layers with a first-token window, once every layer has its pages (graphs.py)
-        self.first_token_layers: tuple[KVQuantLayer, ...] | None = None
+        # the last decode step's padding mask (a copy) and its left-padding starts (graphs.py)
+        self.decode_mask_memo: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
         self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
         layers: list[Any] = [KVQuantLayer(self, i, spec) for i, spec in enumerate(specs)]

@@ -32,7 +32,6 @@ from kvquant.errors import BackendError, KVQuantError
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
 from kvquant.integrations.hf.compat import CACHE_KEYWORDS
-from kvquant.integrations.hf.padding import step_padding_check
 from kvquant.integrations.hf.step_ops import STEP_KWARG, layer_step
 
 __all__ = [
@@ -41,9 +40,11 @@ __all__ = [
     "DecodeGraphRunner",
     "GraphStats",
     "compile_unusable_reason",
+    "left_padding_starts",
     "offloaded_weights",
     "one_device_reason",
     "pool_devices",
+    "step_left_padding_starts",
 ]
 
 _logger = logging.getLogger("kvquant")
@@ -159,21 +160,70 @@ def _side_stream(device: torch.device) -> Any:
     return stream
 
 
-def _first_token_layers(cache: KVQuantCache) -> tuple[KVQuantLayer, ...] | None:
-    """The layers of ``cache`` with a first-token window (``k-transform``), or None while some
-    layer is not a kvquant layer with pages. Kept on the cache once every layer has its pages
-    (a layer keeps its storage for the cache's life), so a decode step does not walk the layers."""
-    found = cache.first_token_layers
-    if found is not None:
-        return found
-    layers = cache.layers
-    if not all(isinstance(layer, KVQuantLayer) and layer.storage is not None for layer in layers):
+def left_padding_starts(
+    mask: torch.Tensor | None, batch: int, total: int, device: torch.device
+) -> torch.Tensor | None:
+    """Left-padding starts int32 ``[B]`` of a 2D padding mask ``[B, total]``, or None.
+
+    None means the mask is not pure left padding with a real newest token in
+    every row (or has another shape): the step must take the ordinary path,
+    which applies or refuses it. Reads the mask's values: one copy to the host,
+    where the check runs (a handful of GPU launches and a sync cost more than
+    copying a ``[B, total]`` mask at the sizes a decode step has).
+
+    Example:
+        >>> import torch
+        >>> m = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+        >>> left_padding_starts(m, 2, 4, m.device).tolist()
+        [2, 0]
+        >>> left_padding_starts(torch.tensor([[1, 0, 1, 1]]), 1, 4, m.device) is None
+        True
+    """
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.int32, device=device)
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch, total):
         return None
-    found = tuple(
-        layer for layer in cast(list[KVQuantLayer], layers) if layer.spec.first_tokens > 0
-    )
-    cache.first_token_layers = found
-    return found
+    host = mask.to("cpu")
+    real = host if host.dtype == torch.bool else host != 0
+    start = (~real).sum(dim=1, dtype=torch.int32)
+    cols = torch.arange(total, dtype=torch.int32)
+    if not (bool((real == (cols[None, :] >= start[:, None])).all()) and bool(real[:, -1].all())):
+        return None
+    return start.to(device)
+
+
+def step_left_padding_starts(
+    cache: KVQuantCache, mask: torch.Tensor | None, total: int, device: torch.device
+) -> torch.Tensor | None:
+    """:func:`left_padding_starts` of a decode step, checked against the previous step's mask.
+
+    ``generate`` grows the mask by a column of ones each step: when this mask is
+    the previous step's plus such a column (compared on the mask's device, one
+    small reduction), the starts are the previous step's, and the ``[B, total]``
+    copy to the host and its check are skipped. Anything else takes the full
+    check. The previous mask is kept as a copy on the cache, which ends with it.
+    """
+    batch = cache.batch_size_
+    memo = cache.decode_mask_memo
+    if (
+        memo is not None
+        and isinstance(mask, torch.Tensor)
+        and tuple(mask.shape) == (batch, total)
+        and tuple(memo[0].shape) == (batch, total - 1)
+        and mask.device == memo[0].device
+        and mask.dtype == memo[0].dtype
+    ):
+        prev, starts = memo
+        same = (mask[:, :-1] == prev).all() & (mask[:, -1] != 0).all()
+        if bool(same):
+            cache.decode_mask_memo = (mask.detach().clone(), starts)
+            return starts
+    checked = left_padding_starts(mask, batch, total, device)
+    if isinstance(mask, torch.Tensor) and checked is not None:
+        cache.decode_mask_memo = (mask.detach().clone(), checked)
+    else:
+        cache.decode_mask_memo = None
+    return checked
 
 
 def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -482,16 +532,16 @@ class DecodeGraphRunner:
             return None
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             return None
-        windows = _first_token_layers(cache)
-        if windows is None:
-            return None
-        lens = cache.book.layer_lens
-        seq = lens[0]
-        if seq <= 0 or lens.count(seq) != len(lens):
-            return None
-        if any(layer.wants_first_tokens() for layer in windows):
-            return None  # k-transform: first tokens still arriving (eager steps keep them)
-        if not self._on_one_device(cache, ids.device):
+        seq = -1
+        for layer in cache.layers:
+            if not isinstance(layer, KVQuantLayer) or layer.storage is None:
+                return None
+            if seq not in (-1, layer.seq_len):
+                return None
+            if layer.wants_first_tokens():
+                return None  # k-transform: first tokens still arriving (eager steps keep them)
+            seq = layer.seq_len
+        if seq <= 0 or not self._on_one_device(cache, ids.device):
             return None
         return cache
 
@@ -540,10 +590,6 @@ class DecodeGraphRunner:
             self._unusable[device] = compile_unusable_reason(device)
         return self._unusable[device] is None
 
-    def _replays(self, device: torch.device) -> bool:
-        """Whether a static step on ``device`` is captured and replayed (else it runs eagerly)."""
-        return device.type == "cuda"
-
     def _step(self, cache: KVQuantCache, kwargs: dict[str, Any]) -> Any:
         try:
             return self._try_step(cache, kwargs)
@@ -557,23 +603,19 @@ class DecodeGraphRunner:
         layers = cast(list[KVQuantLayer], cache.layers)  # checked by _eligible
         key = _signature(kwargs)
         device = kwargs["input_ids"].device
-        seq = cache.book.layer_lens[0]  # every layer's (checked by _eligible)
-        if key is None:
+        seq = layers[0].seq_len
+        starts = (
+            None
+            if key is None
+            else step_left_padding_starts(cache, kwargs.get("attention_mask"), seq + 1, device)
+        )
+        if key is None or starts is None:
             self.stats.ordinary += 1
             return self.original(**kwargs)
-        check = step_padding_check(cache, kwargs.get("attention_mask"), seq + 1, device)
-        if check.refused:
-            self.stats.ordinary += 1
-            return self.original(**kwargs)
-        # the mask's device check runs while the host reserves the step's pages
         rec = cache.decode_graph
         if not isinstance(rec, DecodeGraph) or rec.key != key:
             cache.ensure_decode_headroom(seq + 1)  # grows (if it must) before the capture
         cache.reserve_through(seq + 1, layers[0])  # a full cache raises before any write
-        starts = check.starts()
-        if starts is None:  # the mask changed (rare): the ordinary path applies or refuses it
-            self.stats.ordinary += 1
-            return self.original(**kwargs)
         rec = cache.decode_graph
         if not isinstance(rec, DecodeGraph) or rec.key != key:
             rec = self._build(cache, kwargs, key, device)
@@ -582,7 +624,7 @@ class DecodeGraphRunner:
         for name, buf in rec.inputs.items():
             buf.copy_(kwargs[name])
         compiled = self._compiling(device)
-        if self._replays(device):
+        if device.type == "cuda":
             if rec.graph is None:
                 try:
                     self._capture(cache, rec, compiled)
