@@ -192,3 +192,18 @@ def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
         for a, b in zip(out.logits, outs[0].logits, strict=True):
             assert float((a.float() - b.float()).abs().max()) < 5e-2
     assert torch.equal(outs[1].sequences, outs[2].sequences)
+
+
+@pytest.mark.gpu
+def test_gpu_patch_warns_that_4bit_is_experimental_on_cuda(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = _tiny().to("cuda", torch.bfloat16)
+    with caplog.at_level("WARNING", logger="kvquant"):
+        handle = kvhf.patch(model, kv_format="nvfp4")
+    handle.remove()
+    assert any("experimental on CUDA" in r.getMessage() for r in caplog.records)
+    with caplog.at_level("WARNING", logger="kvquant"):
+        caplog.clear()
+        kvhf.patch(model).remove()
+    assert not any("experimental" in r.getMessage() for r in caplog.records)

@@ -254,6 +254,14 @@ def apply_patch(
     handle = KVQuantHandle(model, state)
     state.handle = handle
     _logger.info(_decision_line(model, state))
+    param = next(model.parameters(), None)
+    if state.options.kv_format != KVFormat.FP8 and param is not None and param.is_cuda:
+        _logger.warning(
+            "kvquant.patch: kv_format=%r is experimental on CUDA: its decode is slower than "
+            "FP8's and not every GPU test of the 4-bit path passes yet. Fix: kv_format='fp8' "
+            "(the default) for speed.",
+            str(state.options.kv_format),
+        )
     return handle
 
 
