@@ -207,3 +207,21 @@ def test_gpu_patch_warns_that_4bit_is_experimental_on_cuda(
         caplog.clear()
         kvhf.patch(model).remove()
     assert not any("experimental" in r.getMessage() for r in caplog.records)
+
+
+def test_a_head_dim_the_block_does_not_divide_is_refused_per_format() -> None:
+    """The block size comes from the format: 48 channels take NVFP4's blocks of 16, not
+    MXFP4's blocks of 32."""
+    from dataclasses import replace
+
+    from kvquant.integrations.hf.scale_source import fp4_spec
+    from kvquant.schemes import Nvfp4Scales
+
+    handle = kvhf.patch(_tiny(), backend="torch")
+    spec = replace(handle.state.layer_specs[0], head_dim=48)
+    handle.remove()
+    assert fp4_spec(spec, "nvfp4").scheme is Nvfp4Scales
+    with pytest.raises(OptionError, match=r"one scale per block of 32 channels.*head_dim is 48"):
+        fp4_spec(spec, "mxfp4")
+    with pytest.raises(OptionError, match=r"block of 16 channels.*head_dim is 40"):
+        fp4_spec(replace(spec, head_dim=40), "fp8-k-nvfp4-v")

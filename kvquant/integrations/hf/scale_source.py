@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -26,10 +26,11 @@ from kvquant.integrations.hf.models import (
 )
 from kvquant.schemes import (
     DYNAMIC_NVFP4_GLOBAL_SCALE,
-    Fp8KNvfp4VScales,
+    Fp4Scales,
     Mxfp4Scales,
     Nvfp4Scales,
     StaticScales,
+    scheme_class,
 )
 from kvquant.types import LayerGeometry, RawScale
 
@@ -285,7 +286,8 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
             layer whose resolved format has no static K scale (dynamic ``fp32-group``, or the
             ``k-transform``).
     """
-    block = 32 if kv_format == KVFormat.MXFP4 else 16
+    kind = cast(type[Fp4Scales], scheme_class(str(kv_format)))  # KVFormat's words name schemes
+    block = max(f.block_size for f in (kind.k_format, kind.v_format) if f is not None)
     if spec.head_dim % block:
         raise OptionError(
             f"{spec.name}: kv_format={str(kv_format)!r} stores one scale per block of {block} "
@@ -293,11 +295,11 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
             "(blocks of 16) or 'fp8' for this model."
         )
     plain = replace(spec, group_size=None, k_offset=None, rotation=None, first_tokens=0)
-    if kv_format == KVFormat.MXFP4:
-        return replace(plain, scheme=Mxfp4Scales, k_scale=None, v_scale=None)
-    if kv_format == KVFormat.NVFP4:
+    if kind is Mxfp4Scales:
+        return replace(plain, scheme=kind, k_scale=None, v_scale=None)
+    if kind is Nvfp4Scales:
         g = _host_scale(torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE))
-        return replace(plain, scheme=Nvfp4Scales, k_scale=g, v_scale=g.clone())
+        return replace(plain, scheme=kind, k_scale=g, v_scale=g.clone())
     if not issubclass(spec.scheme, StaticScales) or spec.k_scale is None:
         raise OptionError(
             f"{spec.name}: kv_format='fp8-k-nvfp4-v' stores K in FP8 with a static K scale, but "
@@ -306,7 +308,7 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
             "within FP8's range, or kv_format='nvfp4' (no calibration)."
         )
     g = _host_scale(torch.full_like(spec.k_scale, DYNAMIC_NVFP4_GLOBAL_SCALE))
-    return replace(plain, scheme=Fp8KNvfp4VScales, v_scale=g)
+    return replace(plain, scheme=kind, v_scale=g)
 
 
 def _fp8_specs(
