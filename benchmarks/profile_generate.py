@@ -8,10 +8,15 @@ with the most total and cumulative time. At chat shapes a decode step is bound
 by the host, so this is where its time is. With ``--kernels`` the profiled call
 runs under ``torch.profiler`` instead and the table lists the GPU kernels by total
 device time (per decode step: divide by ``--new``), which is where a long-context
-step's time is. Usage (H200)::
+step's time is. With ``--timeline`` it splits each decode step's wall time (from one
+stop-check read of ``generate``, a device-to-host copy, to the next) into the GPU's busy
+time, its idle time before the step's first kernel (the host preparing the step) and the
+idle time between the step's kernels, and lists what the host runs in that first gap and
+the kernels launched outside a CUDA graph. Usage (H200)::
 
     python3 benchmarks/profile_generate.py --batch 1 --prompt 512 --new 64 --out prof.txt
     python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 32 --kernels --out k.txt
+    python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 32 --timeline --out t.txt
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
+import json
 import pstats
+import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -73,6 +83,103 @@ def kernel_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
     return "\n".join(lines)
 
 
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _trace_events(model, ids, mask, new: int, gen_kwargs: dict) -> tuple[float, list[dict]]:
+    """One call under ``torch.profiler``: wall seconds and the Chrome-trace events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    start = time.perf_counter()
+    with profile(activities=acts) as prof:
+        e2e.one_call(model, ids, mask, new, gen_kwargs)
+    wall = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return wall, [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timeline_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: dict) -> str:
+    """Each decode step's wall time split into GPU busy, the idle gap before its first
+    kernel and the idle gaps between its kernels (medians over the steps)."""
+    wall, events = _trace_events(model, ids, mask, new, gen_kwargs)
+    gpu = sorted((e for e in events if e.get("cat") in _GPU_CATS), key=lambda e: e["ts"])
+    runtime = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+    }
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    reads = [e for e in gpu if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]]
+    rows: dict[str, list[float]] = {k: [] for k in ("wall", "busy", "first", "between", "n")}
+    outside: Counter = Counter()
+    host_ops: Counter = Counter()
+    prep: list[float] = []
+    cycles = list(itertools.pairwise(reads))[2:]  # the first cycles: the prefill and capture
+    for r0, r1 in cycles:
+        a, b = r0["ts"] + r0["dur"], r1["ts"] + r1["dur"]
+        step = [e for e in gpu if a <= e["ts"] < b]
+        if not step:
+            continue
+        busy = _union([(e["ts"], min(e["ts"] + e["dur"], b)) for e in step])
+        first = step[0]["ts"] - a
+        rows["wall"].append(b - a)
+        rows["busy"].append(busy)
+        rows["first"].append(first)
+        rows["between"].append(b - a - busy - first)
+        rows["n"].append(len(step))
+        for e in step:
+            call = runtime.get(e.get("args", {}).get("correlation"))
+            if call is not None and call["name"] != "cudaGraphLaunch":
+                outside[e["name"][:90]] += 1
+        # the host between the read's return and the launch of the step's first kernel
+        read_call = runtime.get(r0.get("args", {}).get("correlation"))
+        first_call = runtime.get(step[0].get("args", {}).get("correlation"))
+        if read_call is not None and first_call is not None:
+            h0, h1 = read_call["ts"] + read_call["dur"], first_call["ts"]
+            prep.append(h1 - h0)
+            top: list[tuple[float, float]] = []
+            for e in sorted(cpu_ops, key=lambda e: (e["ts"], -e["dur"])):
+                if h0 <= e["ts"] and e["ts"] + e["dur"] <= h1:
+                    if top and e["ts"] < top[-1][1]:
+                        continue  # inside an op already counted
+                    top.append((e["ts"], e["ts"] + e["dur"]))
+                    host_ops[e["name"]] += e["dur"]
+    steps = max(len(rows["wall"]), 1)
+    lines = [
+        f"=== {arm}: warm-up {warm['wall_s']:.3f} s; profiled call {wall:.3f} s ({new} new); "
+        f"{len(rows['wall'])} decode steps between stop-check reads (medians, us):",
+        f"  step wall {_median(rows['wall']):9.1f}   mean {statistics.fmean(rows['wall'] or [0]):9.1f}",
+        f"  GPU busy  {_median(rows['busy']):9.1f}   in {_median(rows['n']):.0f} kernels and copies",
+        f"  GPU idle before the step's first kernel {_median(rows['first']):9.1f}",
+        f"  GPU idle between the step's kernels     {_median(rows['between']):9.1f}",
+        f"  host from the read's return to the step's first launch {_median(prep):9.1f}",
+        "  kernels launched outside a CUDA graph, per step:",
+    ]
+    lines += [f"    {n / steps:6.2f}  {name}" for name, n in outside.most_common(25)]
+    lines.append("  host operators between the read and the first launch (us per step):")
+    lines += [f"    {us / steps:8.1f}  {name[:90]}" for name, us in host_ops.most_common(25)]
+    cats = Counter(e.get("cat") for e in events)
+    lines.append(f"  trace events by category: {dict(cats.most_common(12))}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -83,6 +190,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kernels", action="store_true", help="GPU kernel table (torch.profiler)")
+    ap.add_argument("--timeline", action="store_true", help="decode step wall/busy/idle split")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = e2e.build_model(args.tiny, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -97,8 +205,10 @@ def main() -> None:
     for arm in args.arms.split(","):
         with e2e.Arm(arm, model, scales, args.backend) as gen_kwargs:
             warm = e2e.one_call(model, ids, mask, args.new, gen_kwargs)
-            if args.kernels:
-                lines.append(kernel_table(arm, warm, model, ids, mask, args.new, gen_kwargs))
+            if args.kernels or args.timeline:
+                table = kernel_table if args.kernels else timeline_table
+                lines.append(table(arm, warm, model, ids, mask, args.new, gen_kwargs))
+                args.out.write_text("\n".join(lines))  # kept if a later arm is cut short
                 continue
             prof = cProfile.Profile()
             start = time.perf_counter()
