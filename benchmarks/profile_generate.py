@@ -12,11 +12,16 @@ step's time is. With ``--timeline`` it splits each decode step's wall time (from
 stop-check read of ``generate``, a device-to-host copy, to the next) into the GPU's busy
 time, its idle time before the step's first kernel (the host preparing the step) and the
 idle time between the step's kernels, and lists what the host runs in that first gap and
-the kernels launched outside a CUDA graph. Usage (H200)::
+the kernels launched outside a CUDA graph. With ``--phases`` (no profiler: timestamps only)
+it times each decode step's host phases: from ``generate``'s stop-check read (the GPU has
+finished the step before) to the model's ``forward``, from there to the CUDA graph's
+``replay`` (the GPU idles through both), the rest of ``forward``, and the wait at the next
+read. Usage (H200)::
 
     python3 benchmarks/profile_generate.py --batch 1 --prompt 512 --new 64 --out prof.txt
     python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 32 --kernels --out k.txt
     python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 32 --timeline --out t.txt
+    python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 64 --phases --out p.txt
 """
 
 from __future__ import annotations
@@ -180,6 +185,69 @@ def timeline_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs:
     return "\n".join(lines)
 
 
+def phases_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: dict) -> str:
+    """Host phases of each decode step, from timestamps (medians over the steps, us)."""
+    marks: list[tuple[str, float]] = []
+    clock = time.perf_counter
+
+    def stamped(fn, before: str, after: str):
+        def wrapper(*args, **kwargs):
+            marks.append((before, clock()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.append((after, clock()))
+
+        return wrapper
+
+    graph_cls = torch.cuda.CUDAGraph
+    replay = graph_cls.replay
+    forward = model.__dict__.get("forward")
+    unfinished = model._has_unfinished_sequences
+    graph_cls.replay = stamped(replay, "replay", "replayed")
+    model.forward = stamped(model.forward, "forward", "returned")
+    model._has_unfinished_sequences = stamped(unfinished, "read", "done")
+    try:
+        e2e.one_call(model, ids, mask, new, gen_kwargs)
+    finally:
+        graph_cls.replay = replay
+        del model._has_unfinished_sequences
+        if forward is None:
+            del model.forward
+        else:
+            model.forward = forward
+    # one step: the read's return, forward, (replay), forward's return, the next read's return
+    steps: dict[str, list[float]] = {
+        k: [] for k in ("step", "to_forward", "to_replay", "after_replay", "to_read", "read")
+    }
+    done = [t for name, t in marks if name == "done"]
+    for a, b in itertools.pairwise(done[2:]):  # skip the prefill and the first (capture) step
+        inside = [(name, t) for name, t in marks if a < t < b]
+        at = {name: t for name, t in reversed(inside)}  # the first time of each mark
+        if not {"forward", "returned", "read"} <= at.keys():
+            continue
+        rep = at.get("replay", at["forward"])
+        steps["step"].append(b - a)
+        steps["to_forward"].append(at["forward"] - a)
+        steps["to_replay"].append(rep - at["forward"])
+        steps["after_replay"].append(at["returned"] - rep)
+        steps["to_read"].append(at["read"] - at["returned"])
+        steps["read"].append(b - at["read"])
+    med = {k: _median(v) * 1e6 for k, v in steps.items()}
+    return "\n".join(
+        [
+            f"=== {arm}: warm-up {warm['wall_s']:.3f} s; {len(steps['step'])} decode steps "
+            "(medians, us)",
+            f"  step (read's return to read's return)        {med['step']:9.1f}",
+            f"  read's return -> forward (generate)          {med['to_forward']:9.1f}",
+            f"  forward -> graph replay (kvquant's runner)   {med['to_replay']:9.1f}",
+            f"  replay -> forward returns                    {med['after_replay']:9.1f}",
+            f"  forward returns -> next read (generate)      {med['to_read']:9.1f}",
+            f"  the read (waits for the GPU)                 {med['read']:9.1f}",
+        ]
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -191,6 +259,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kernels", action="store_true", help="GPU kernel table (torch.profiler)")
     ap.add_argument("--timeline", action="store_true", help="decode step wall/busy/idle split")
+    ap.add_argument("--phases", action="store_true", help="decode step host phases (no profiler)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = e2e.build_model(args.tiny, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -205,8 +274,14 @@ def main() -> None:
     for arm in args.arms.split(","):
         with e2e.Arm(arm, model, scales, args.backend) as gen_kwargs:
             warm = e2e.one_call(model, ids, mask, args.new, gen_kwargs)
-            if args.kernels or args.timeline:
-                table = kernel_table if args.kernels else timeline_table
+            if args.kernels or args.timeline or args.phases:
+                table = (
+                    kernel_table
+                    if args.kernels
+                    else timeline_table
+                    if args.timeline
+                    else phases_table
+                )
                 lines.append(table(arm, warm, model, ids, mask, args.new, gen_kwargs))
                 args.out.write_text("\n".join(lines))  # kept if a later arm is cut short
                 continue

@@ -190,8 +190,13 @@ def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
         model = _tiny().to("cuda", torch.bfloat16)
         kvhf.patch(model, kv_format=kv_format, **opts, **extra)
         outs.append(_generate(model, ids, mask))
+    ref = outs[0]
     for out in outs[1:]:
-        for a, b in zip(out.logits, outs[0].logits, strict=True):
+        # logits over the same prefix: up to the first step whose token differs from the torch
+        # backend's (bf16 rounds differently in the two backends; a near tie may flip a token)
+        same = (out.sequences == ref.sequences).all(dim=0)[ids.shape[1] :]
+        steps = int(same.long().cumprod(0).sum()) + 1
+        for a, b in list(zip(out.logits, ref.logits, strict=True))[:steps]:
             assert float((a.float() - b.float()).abs().max()) < 5e-2
     assert torch.equal(outs[1].sequences, outs[2].sequences)
 
