@@ -181,8 +181,8 @@ def test_static_decode_step_equals_the_eager_one(kv_format: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])
 def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
-    """On CUDA (bf16, Triton, decode graphs and the compiled step on by default): the tokens
-    of eager decoding, and logits close to the torch backend's."""
+    """On CUDA (bf16, Triton, decode graphs and the compiled step on by default): logits
+    close to the torch backend's and to eager decoding's over every common prefix."""
     ids, mask = (t.cuda() for t in prompt(batch=2, length=10, pad=(3,)))
     extra = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
     outs = []
@@ -190,15 +190,14 @@ def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
         model = _tiny().to("cuda", torch.bfloat16)
         kvhf.patch(model, kv_format=kv_format, **opts, **extra)
         outs.append(_generate(model, ids, mask))
-    ref = outs[0]
-    for out in outs[1:]:
-        # logits over the same prefix: up to the first step whose token differs from the torch
-        # backend's (bf16 rounds differently in the two backends; a near tie may flip a token)
+    # logits over the same prefix: up to the first step whose token differs (bf16 rounds
+    # differently in the two backends and in the compiled step; a near tie may flip a token
+    # of this random model)
+    for out, ref in ((outs[1], outs[0]), (outs[2], outs[0]), (outs[2], outs[1])):
         same = (out.sequences == ref.sequences).all(dim=0)[ids.shape[1] :]
         steps = int(same.long().cumprod(0).sum()) + 1
         for a, b in list(zip(out.logits, ref.logits, strict=True))[:steps]:
             assert float((a.float() - b.float()).abs().max()) < 5e-2
-    assert torch.equal(outs[1].sequences, outs[2].sequences)
 
 
 @pytest.mark.gpu
