@@ -17,10 +17,7 @@ FILE, FUNCTION, DOC = 800, 100, 15
 
 FILE_DEBT = {}
 
-FUNCTION_DEBT = {
-    "kvquant/kernels/attention/naive.py::paged_attention_reference": 116,
-    "kvquant/kernels/write/launch.py::write_kv_triton": 104,
-}
+FUNCTION_DEBT: dict[str, int] = {}
 
 DOC_DEBT: dict[str, int] = {}
 
