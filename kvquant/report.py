@@ -23,14 +23,14 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvquant.checkpoint.discovery import DiscoveredCheckpoint, Finding, discover_scales
 from kvquant.checkpoint.files import check_path_argument
 from kvquant.choices import KVFormat, describe_layer_formats, layer_kv_formats
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
-from kvquant.schemes import StaticScales, scheme_class
+from kvquant.schemes import Fp4Scales, StaticScales, scheme_class
 from kvquant.tables import WIDTH, render_table
 from kvquant.types import LayerGeometry
 
@@ -509,7 +509,7 @@ def _format_problems(
     for i, (fmt, ls) in enumerate(zip(formats, scales.layers, strict=False)):
         if fmt == KVFormat.FP8:
             continue
-        kind = scheme_class(str(fmt))
+        kind = cast(type[Fp4Scales], scheme_class(str(fmt)))  # a 4-bit word names one
         block = max(f.block_size for f in (kind.k_format, kind.v_format) if f is not None)
         if geometry.head_dim_of(i) % block:
             problems.append(
