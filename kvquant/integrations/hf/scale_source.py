@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kvquant.choices import KVFormat
+from kvquant.choices import KVFormat, layer_kv_formats
 from kvquant.errors import (
     OptionError,
     OptionTypeError,
@@ -258,20 +258,24 @@ def layer_specs(
     sites: list[AttentionSite],
     geometry: LayerGeometry,
     model_scales: Any,
-    kv_format: str = KVFormat.FP8,
+    kv_format: str | Mapping[int | str, str] = KVFormat.FP8,
 ) -> list[LayerSpec]:
     """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
 
-    A 4-bit ``kv_format`` replaces each layer's FP8 format (:func:`fp4_spec`).
+    A 4-bit format replaces its layer's FP8 format (:func:`fp4_spec`); a per-layer map gives
+    each layer its own (:func:`~kvquant.choices.layer_kv_formats`).
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
-        OptionError: ``fp8-k-nvfp4-v`` for a layer without static K scales.
+        OptionError: a map that does not fit the model's layers; ``fp8-k-nvfp4-v`` for a
+            layer without static K scales.
     """
     specs = _fp8_specs(sites, geometry, model_scales)
-    if kv_format == KVFormat.FP8:
-        return specs
-    return [fp4_spec(spec, kv_format) for spec in specs]
+    formats = layer_kv_formats(kv_format, len(specs), "kvquant.patch")
+    return [
+        spec if fmt == KVFormat.FP8 else fp4_spec(spec, fmt)
+        for spec, fmt in zip(specs, formats, strict=True)
+    ]
 
 
 def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
