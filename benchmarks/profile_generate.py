@@ -16,7 +16,8 @@ the kernels launched outside a CUDA graph. With ``--phases`` (no profiler: times
 it times each decode step's host phases: from ``generate``'s stop-check read (the GPU has
 finished the step before) to the model's ``forward``, from there to the CUDA graph's
 ``replay`` (the GPU idles through both), the rest of ``forward``, and the wait at the next
-read. Usage (H200)::
+read, then lists where a second call synchronizes with the GPU (``torch.cuda``'s sync debug
+mode: each call site and how often per step). Usage (H200)::
 
     python3 benchmarks/profile_generate.py --batch 1 --prompt 512 --new 64 --out prof.txt
     python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 32 --kernels --out k.txt
@@ -235,6 +236,7 @@ def phases_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
         steps["to_read"].append(at["read"] - at["returned"])
         steps["read"].append(b - at["read"])
     med = {k: _median(v) * 1e6 for k, v in steps.items()}
+    syncs = _sync_sites(model, ids, mask, new, gen_kwargs)
     return "\n".join(
         [
             f"=== {arm}: warm-up {warm['wall_s']:.3f} s; {len(steps['step'])} decode steps "
@@ -245,8 +247,38 @@ def phases_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
             f"  replay -> forward returns                    {med['after_replay']:9.1f}",
             f"  forward returns -> next read (generate)      {med['to_read']:9.1f}",
             f"  the read (waits for the GPU)                 {med['read']:9.1f}",
+            "  synchronizing calls per decode step (a second call, sync debug mode), by site:",
         ]
+        + [f"    {n / max(new - 1, 1):6.2f}  {site}" for site, n in syncs.most_common(12)]
     )
+
+
+def _sync_sites(model, ids, mask, new: int, gen_kwargs: dict) -> Counter:
+    """Where one call synchronizes with the GPU: innermost non-torch frames, counted."""
+    import traceback
+    import warnings
+
+    sites: Counter = Counter()
+    if not torch.cuda.is_available():
+        return sites
+
+    def record(*_args, **_kwargs) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        sites[
+            " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+        ] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            e2e.one_call(model, ids, mask, new, gen_kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return sites
 
 
 def main() -> None:
