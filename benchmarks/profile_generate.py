@@ -201,11 +201,24 @@ def phases_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
 
         return wrapper
 
-    graph_cls = torch.cuda.CUDAGraph
-    replay = graph_cls.replay
-    unfinished = model._has_unfinished_sequences
-    graph_cls.replay = stamped(replay, "replay", "replayed")
-    model._has_unfinished_sequences = stamped(unfinished, "read", "done")
+    from transformers.generation.logits_process import LogitsProcessorList
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    classes = [
+        (torch.cuda.CUDAGraph, "replay", "replay", "replayed"),
+        (LogitsProcessorList, "__call__", "logits processors", "logits processed"),
+        (StoppingCriteriaList, "__call__", "stopping criteria", "stopping criteria done"),
+    ]
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in classes]
+    for cls, name, before, after in classes:
+        setattr(cls, name, stamped(getattr(cls, name), before, after))
+    instance = [
+        ("_has_unfinished_sequences", "read", "done"),
+        ("_update_model_kwargs_for_generation", "kwargs update", "kwargs updated"),
+        ("prepare_inputs_for_generation", "inputs prepare", "inputs prepared"),
+    ]
+    for name, before, after in instance:
+        setattr(model, name, stamped(getattr(model, name), before, after))
     # module hooks, not a wrapped ``forward``: kvquant's step runner is the model's ``forward``
     hooks = [
         model.register_forward_pre_hook(lambda *_: marks.append(("forward", clock()))),
@@ -214,18 +227,23 @@ def phases_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
     try:
         e2e.one_call(model, ids, mask, new, gen_kwargs)
     finally:
-        graph_cls.replay = replay
-        del model._has_unfinished_sequences
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+        for name, _, _ in instance:
+            delattr(model, name)
         for hook in hooks:
             hook.remove()
     # one step: the read's return, forward, (replay), forward's return, the next read's return
     steps: dict[str, list[float]] = {
         k: [] for k in ("step", "to_forward", "to_replay", "after_replay", "to_read", "read")
     }
+    offsets: dict[str, list[float]] = {}
     done = [t for name, t in marks if name == "done"]
     for a, b in itertools.pairwise(done[2:]):  # skip the prefill and the first (capture) step
         inside = [(name, t) for name, t in marks if a < t < b]
         at = {name: t for name, t in reversed(inside)}  # the first time of each mark
+        for name, t in at.items():
+            offsets.setdefault(name, []).append(t - a)
         if not {"forward", "returned", "read"} <= at.keys():
             continue
         rep = at.get("replay", at["forward"])
@@ -247,8 +265,13 @@ def phases_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
             f"  replay -> forward returns                    {med['after_replay']:9.1f}",
             f"  forward returns -> next read (generate)      {med['to_read']:9.1f}",
             f"  the read (waits for the GPU)                 {med['read']:9.1f}",
-            "  synchronizing calls per decode step (a second call, sync debug mode), by site:",
+            "  every mark, from the read's return (medians, us):",
         ]
+        + [
+            f"    {_median(v) * 1e6:9.1f}  {name}"
+            for name, v in sorted(offsets.items(), key=lambda kv: _median(kv[1]))
+        ]
+        + ["  synchronizing calls per decode step (a second call, sync debug mode), by site:"]
         + [f"    {n / max(new - 1, 1):6.2f}  {site}" for site, n in syncs.most_common(12)]
     )
 
@@ -263,7 +286,11 @@ def _sync_sites(model, ids, mask, new: int, gen_kwargs: dict) -> Counter:
         return sites
 
     def record(*_args, **_kwargs) -> None:
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if "site-packages/torch/" not in f.filename and "warnings" not in f.filename
+        ]
         sites[
             " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
         ] += 1
