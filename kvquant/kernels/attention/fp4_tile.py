@@ -52,11 +52,14 @@ def load_fp4_tile(
     # 11..9) read as that fp16: the e2m1 value times 2^-14, exactly (code 1 is fp16's subnormal)
     lo = (((byte & 0x8) << 12) | ((byte & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
     hi = (((byte & 0x80) << 8) | ((byte & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-    e2m1 = tl.reshape(tl.join(lo, hi), [n, NB, BLOCK]).to(tl.float32) * 16384.0
+    e2m1 = tl.reshape(tl.join(lo, hi), [n, NB, BLOCK]) * tl.full([1, 1, 1], 16384.0, tl.float16)
     # one block scale per block, decoded once
     sc = tl.load(scales_ptr + scale_row[:, None] + tl.arange(0, NB)[None, :], mask=ok, other=0)
     if NVFP4:
-        v = (e2m1 * e4m3_value(sc.to(tl.int32))[:, :, None]) * g
+        # in fp16, exactly: an e2m1 value (two significant bits, at most 6) times an e4m3 scale
+        # (four, at most 448) has at most six significant bits and lies in [2^-10, 2688]
+        s = e4m3_value(sc.to(tl.int32)).to(tl.float16)
+        v = (e2m1 * s[:, :, None]).to(tl.float32) * g
     else:
-        v = e2m1 * e8m0_value(sc.to(tl.int32))[:, :, None]
+        v = e2m1.to(tl.float32) * e8m0_value(sc.to(tl.int32))[:, :, None]
     return tl.reshape(v, [n, D])
