@@ -12,7 +12,8 @@ The sources of every entry: docs/dev/fp4-formats.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,15 +21,20 @@ import torch
 from kvquant.errors import ConventionError, ScaleFormatError
 from kvquant.kernels.fp4 import E2M1_MAX, E4M3_MAX, NVFP4, Fp4Format
 from kvquant.registry.policy import MAX_SCALE, MIN_SCALE
+from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
     "CONVENTIONS",
     "PRODUCERS",
     "Fp4GlobalScale",
+    "Fp4Layer",
     "Fp4Producer",
     "GlobalScaleConvention",
     "kv_formats_by_layer",
+    "kv_formats_per_layer",
     "normalize_fp4_global_scale",
+    "resolve_fp4_layers",
+    "resolve_fp4_raws",
 ]
 
 
@@ -302,3 +308,158 @@ def kv_formats_by_layer(quantization: Mapping[str, object]) -> dict[str, tuple[s
         algo = entry.get("quant_algo") if isinstance(entry, Mapping) else entry
         out[str(name)] = _algo(algo, f"kv_cache_quantized_layers[{name!r}]")
     return out
+
+
+_LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn$")
+
+
+def kv_formats_per_layer(
+    quantization: Mapping[str, object], num_layers: int
+) -> tuple[tuple[str, str], ...]:
+    """ModelOpt's ``kv_cache_quant_algo`` (and layer map) as one ``(K, V)`` format per layer.
+
+    Args:
+        quantization: ``hf_quant_config.json``'s ``quantization`` (or ``config.json``'s
+            ``quantization_config``, which carries the same keys).
+        num_layers: the model's decoder layers.
+
+    Returns:
+        ``(k, v)`` per layer, ``"fp8"`` / ``"nvfp4"``.
+
+    Raises:
+        ScaleFormatError: an algorithm kvquant does not read (``NVFP4_AFFINE``, ``MXFP4``,
+            ``INT8``, ...), a malformed map, a map entry that is not an attention layer
+            (``model.layers.N.self_attn``) or a layer the map leaves out.
+
+    Example:
+        >>> kv_formats_per_layer({"kv_cache_quant_algo": "FP8_K_NVFP4_V"}, 2)
+        (('fp8', 'nvfp4'), ('fp8', 'nvfp4'))
+    """
+    by_name = kv_formats_by_layer(quantization)
+    if not by_name:
+        algo = quantization.get("kv_cache_quant_algo")
+        return (_algo(algo, "quantization.kv_cache_quant_algo"),) * num_layers
+    out: dict[int, tuple[str, str]] = {}
+    for name, formats in by_name.items():
+        m = _LAYER_MODULE.match(name)
+        if m is None or int(m.group(1)) >= num_layers:
+            raise ScaleFormatError(
+                f"kv_cache_quantized_layers[{name!r}]: found a name that is not an attention "
+                f"layer of this {num_layers}-layer model; expected 'model.layers.N.self_attn' "
+                "with N below the layer count. Fix: use the config written with the weights."
+            )
+        out[int(m.group(1))] = formats
+    missing = [i for i in range(num_layers) if i not in out]
+    if missing:
+        raise ScaleFormatError(
+            f"kv_cache_quantized_layers: found no entry for layer(s) {missing}; expected one "
+            "(quant_algo FP8 or NVFP4) per attention layer: kvquant stores every layer's KV "
+            "cache quantized. Fix: re-export with every layer in the map."
+        )
+    return tuple(out[i] for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class Fp4Layer:
+    """One layer's 4-bit KV formats as a checkpoint declares them, with its NVFP4 global scales.
+
+    Attributes:
+        layer: the decoder layer.
+        k_format: ``"fp8"`` or ``"nvfp4"``.
+        v_format: ``"fp8"`` or ``"nvfp4"``.
+        k: K's canonical global scale (None for an FP8 K: the FP8 scale resolves as usual).
+        v: V's canonical global scale (None for an FP8 V).
+    """
+
+    layer: int
+    k_format: str
+    v_format: str
+    k: Fp4GlobalScale | None
+    v: Fp4GlobalScale | None
+
+    @property
+    def kv_format(self) -> str:
+        """The layer's ``kv_format`` word (``"nvfp4"``, ``"fp8-k-nvfp4-v"`` or ``"fp8"``)."""
+        if self.k_format == self.v_format:
+            return self.k_format
+        return f"{self.k_format}-k-{self.v_format}-v"
+
+
+def resolve_fp4_layers(
+    producer: str,
+    formats: tuple[tuple[str, str], ...],
+    tensors: Mapping[str, object],
+    prefixes: Mapping[int, str],
+    num_kv_heads: Mapping[int, int],
+    *,
+    convention: str | None = None,
+) -> dict[int, Fp4Layer]:
+    """The NVFP4 global scales of every layer a checkpoint stores with a 4-bit side.
+
+    Args:
+        producer: a key of :data:`PRODUCERS`.
+        formats: ``(K, V)`` format per layer (:func:`kv_formats_per_layer`).
+        tensors: the checkpoint's KV-scale tensors by full name.
+        prefixes: each layer's tensor-name prefix (``"model.layers.3"``).
+        num_kv_heads: each layer's KV heads.
+        convention: overrides the producer's (see :func:`normalize_fp4_global_scale`).
+
+    Returns:
+        ``{layer: Fp4Layer}`` for the layers with an NVFP4 side (FP8 layers are left out).
+
+    Raises:
+        ScaleFormatError: a global scale is missing, ambiguous or unusable
+            (:func:`normalize_fp4_global_scale`), or a producer whose convention is not
+            confirmed without ``convention``.
+    """
+    prod = PRODUCERS.get(producer)
+    if prod is not None and not prod.confirmed and convention is None:
+        raise ScaleFormatError(
+            f"the checkpoint's NVFP4 KV global scales were written by {producer}, whose stored "
+            "number was not confirmed in its code; expected a producer with a confirmed "
+            f"convention ({', '.join(p.name for p in PRODUCERS.values() if p.confirmed)}). "
+            "Fix: pass the convention the checkpoint uses (one of "
+            f"{sorted(CONVENTIONS)}) to resolve_fp4_layers(convention=...)."
+        )
+    out: dict[int, Fp4Layer] = {}
+    for layer, (k_fmt, v_fmt) in enumerate(formats):
+        if "nvfp4" not in (k_fmt, v_fmt):
+            continue
+        prefix = prefixes.get(layer, f"model.layers.{layer}")
+        sides = {}
+        for cache, fmt in (("k", k_fmt), ("v", v_fmt)):
+            sides[cache] = (
+                normalize_fp4_global_scale(
+                    producer, tensors, prefix, cache,
+                    num_kv_heads=num_kv_heads[layer], convention=convention,
+                )  # fmt: skip
+                if fmt == "nvfp4"
+                else None
+            )
+        out[layer] = Fp4Layer(layer, k_fmt, v_fmt, sides["k"], sides["v"])
+    return out
+
+
+def resolve_fp4_raws(
+    producer: str,
+    formats: tuple[tuple[str, str], ...],
+    raws: Sequence[RawScale],
+    geometry: LayerGeometry,
+) -> dict[int, Fp4Layer]:
+    """:func:`resolve_fp4_layers` over discovered raw scales, for the model's first layers.
+
+    Args:
+        producer: the checkpoint's producer (discovery's ``producer``).
+        formats: the checkpoint's ``(K, V)`` format per layer (its ``kv_formats``).
+        raws: the raw scales (a model with fewer layers than the checkpoint: its first ones).
+        geometry: the model's geometry (its layer count and KV heads per layer).
+
+    Raises:
+        ScaleFormatError: see :func:`resolve_fp4_layers`.
+    """
+    tensors = {r.name: r.tensor for r in raws}
+    prefixes = {r.layer: r.name.split(".self_attn.")[0] for r in raws if ".self_attn." in r.name}
+    heads = {i: geometry.kv_heads_of(i) for i in range(geometry.num_layers)}
+    return resolve_fp4_layers(
+        producer, tuple(formats[: geometry.num_layers]), tensors, prefixes, heads
+    )

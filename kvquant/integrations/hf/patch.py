@@ -59,6 +59,7 @@ from kvquant.integrations.hf.sharding import rank_specs
 from kvquant.integrations.hf.state import SCALE_ATTRS, PatchState
 from kvquant.integrations.transformers_quantizer import KVQuantConfig
 from kvquant.kernels.backend import resolve_backend
+from kvquant.schemes import Fp4Scales
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
@@ -255,12 +256,13 @@ def apply_patch(
     state.handle = handle
     _logger.info(_decision_line(model, state))
     param = next(model.parameters(), None)
-    if state.options.kv_format != KVFormat.FP8 and param is not None and param.is_cuda:
+    four_bit = any(issubclass(s.scheme, Fp4Scales) for s in state.layer_specs)
+    if four_bit and param is not None and param.is_cuda:
         _logger.warning(
             "kvquant.patch: kv_format=%r is experimental on CUDA: its decode is slower than "
             "FP8's and not every GPU test of the 4-bit path passes yet. Fix: kv_format='fp8' "
             "(the default) for speed.",
-            str(state.options.kv_format),
+            "/".join(sorted({s.granularity for s in state.layer_specs})),
         )
     return handle
 
@@ -327,7 +329,9 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
         mine, whole = state.rank_specs[0].num_kv_heads, state.layer_specs[0].num_kv_heads
         shard = f" (tensor parallel: this rank caches {mine} of the {whole} KV heads of a layer)"
     kv = f"FP8 KV with {grans} scales (from {source})"
-    if opts.kv_format != KVFormat.FP8:
+    if getattr(state.model_scales, "fp4_layers", None):
+        kv = f"{grans} KV with the checkpoint's global scales (from {source})"
+    elif opts.kv_format != KVFormat.FP8:
         kv = f"{opts.kv_format} KV (scales computed on write"
         kv += "; K scales from " + source + ")" if opts.kv_format == KVFormat.FP8_K_NVFP4_V else ")"
     return (

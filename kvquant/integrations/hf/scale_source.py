@@ -24,6 +24,7 @@ from kvquant.integrations.hf.config import PatchOptions
 from kvquant.integrations.hf.models import (
     AttentionSite,
 )
+from kvquant.registry.fp4 import Fp4Layer, resolve_fp4_raws
 from kvquant.schemes import (
     DYNAMIC_NVFP4_GLOBAL_SCALE,
     Fp4Scales,
@@ -35,6 +36,7 @@ from kvquant.schemes import (
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
+    "checkpoint_fp4_specs",
     "checkpoint_scales",
     "fp4_spec",
     "gather_raw_scales",
@@ -262,16 +264,62 @@ def layer_specs(
 ) -> list[LayerSpec]:
     """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
 
-    A 4-bit ``kv_format`` replaces each layer's FP8 format (:func:`fp4_spec`).
+    A 4-bit ``kv_format`` replaces each layer's FP8 format (:func:`fp4_spec`); a checkpoint
+    that declares 4-bit layers gives them its formats and global scales
+    (:func:`checkpoint_fp4_specs`).
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
         OptionError: ``fp8-k-nvfp4-v`` for a layer without static K scales.
     """
     specs = _fp8_specs(sites, geometry, model_scales)
+    declared = getattr(model_scales, "fp4_layers", None)
+    if declared:
+        return checkpoint_fp4_specs(specs, declared, kv_format)
     if kv_format == KVFormat.FP8:
         return specs
     return [fp4_spec(spec, kv_format) for spec in specs]
+
+
+def checkpoint_fp4_specs(
+    specs: list[LayerSpec], declared: Mapping[int, Fp4Layer], kv_format: str
+) -> list[LayerSpec]:
+    """``specs`` in the 4-bit formats a checkpoint declares, with its NVFP4 global scales.
+
+    ``kv_format="fp8"`` (the default) follows the checkpoint layer by layer (its FP8 layers
+    stay FP8); a 4-bit ``kv_format`` must be the one format the checkpoint declares.
+
+    Raises:
+        OptionError: a 4-bit ``kv_format`` other than the checkpoint's, or a head_dim its
+            block does not divide.
+    """
+    formats = {declared[i].kv_format if i in declared else "fp8" for i in range(len(specs))}
+    if kv_format != KVFormat.FP8 and formats != {str(kv_format)}:
+        raise OptionError(
+            f"kv_format={str(kv_format)!r}, but the checkpoint stores its KV cache as "
+            f"{', '.join(sorted(formats))} with its own NVFP4 global scales. Fix: leave "
+            "kv_format unset (the checkpoint's formats, layer by layer)."
+        )
+    out = []
+    for i, spec in enumerate(specs):
+        layer = declared.get(i)
+        if layer is None:
+            out.append(spec)
+            continue
+        kind = cast(type[Fp4Scales], scheme_class(layer.kv_format))
+        plain = fp4_spec(spec, layer.kv_format)  # the block check, the 4-bit scheme
+        v = _host_scale(layer.v.value) if layer.v is not None else None
+        if kind is Nvfp4Scales and layer.k is not None and v is not None:
+            k = _host_scale(layer.k.value)
+            if k.shape != v.shape:  # one per tensor, the other per head: both per head
+                k, v = (_host_scale(t.expand(spec.num_kv_heads)) for t in (k, v))
+            out.append(replace(plain, k_scale=k, v_scale=v))
+        else:  # fp8-k-nvfp4-v: K's static FP8 scale as resolved, V's global scale
+            k = cast(torch.Tensor, plain.k_scale)
+            if v is not None and v.shape != k.shape:
+                k, v = (_host_scale(t.expand(spec.num_kv_heads)) for t in (k, v))
+            out.append(replace(plain, k_scale=k, v_scale=v))
+    return out
 
 
 def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
@@ -374,4 +422,9 @@ def resolve(
 
     discovered = ctx.get("discovered")
     transform = ctx.get("k_transform", getattr(discovered, "k_transform", None))
-    return resolve_scales(raw, geometry, options=opts.resolve_options, k_transform=transform)
+    scales = resolve_scales(raw, geometry, options=opts.resolve_options, k_transform=transform)
+    formats = getattr(discovered, "kv_formats", None)
+    if formats is None:
+        return scales
+    fp4 = resolve_fp4_raws(discovered.producer, formats, raw, geometry)
+    return replace(scales, fp4_layers=fp4)
