@@ -20,13 +20,15 @@ from __future__ import annotations
 import json
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvquant.checkpoint.discovery import DiscoveredCheckpoint, Finding, discover_scales
 from kvquant.checkpoint.files import check_path_argument
+from kvquant.errors import ScaleFormatError
+from kvquant.registry.fp4 import Fp4Layer, resolve_fp4_raws
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
 from kvquant.tables import WIDTH, render_table
@@ -62,6 +64,8 @@ class CheckpointReport:
     findings: tuple[Finding, ...]
     scales: ModelScales
     discovered: DiscoveredCheckpoint | None = field(default=None, repr=False)
+    fp4_layers: Mapping[int, Fp4Layer] = field(default_factory=dict, repr=False)
+    fp4_problems: tuple[str, ...] = ()
 
     @property
     def granularity(self) -> str | None:
@@ -82,7 +86,7 @@ class CheckpointReport:
     def problems(self) -> tuple[str, ...]:
         """Every reason the checkpoint would be rejected (registry problems, error findings)."""
         errors = tuple(f.message for f in self.findings if f.severity == "error")
-        return (*self.scales.problems, *errors)
+        return (*self.scales.problems, *errors, *self.fp4_problems)
 
     @property
     def rejected_layers(self) -> tuple[int, ...]:
@@ -155,6 +159,7 @@ class CheckpointReport:
             "findings": [f.to_dict() for f in self.findings],
             "notes": list(self.notes),
             "problems": list(self.problems),
+            **({"kv_formats": list(self.kv_formats)} if self.kv_formats else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -189,6 +194,7 @@ class CheckpointReport:
         ]
         if prefix:
             lines.append(f"tensors:    {prefix}<tensor> (N: the layer)")
+        lines.extend(self._kv_format_lines())
         groups = _group_rows(self.rows, self.producer, prefix, full=full)
         header: tuple[str, ...] = ("layer" if full else "layers", "kv", "tensor", "stored")
         header += ("value", "format", "action", "why")
@@ -251,6 +257,36 @@ class CheckpointReport:
 
     def __str__(self) -> str:
         return self.render()
+
+    @property
+    def kv_formats(self) -> tuple[dict[str, Any], ...]:
+        """Per layer, the 4-bit KV format a checkpoint declares and its canonical NVFP4 global
+        scales (``amax / (6 * 448)``); empty for an FP8 checkpoint."""
+        formats = self.discovered.kv_formats if self.discovered is not None else None
+        out = []
+        for i, (k, v) in enumerate(formats or ()):
+            layer = self.fp4_layers.get(i)
+            row: dict[str, Any] = {"layer": i, "k": k, "v": v}
+            for side, g in (("k", getattr(layer, "k", None)), ("v", getattr(layer, "v", None))):
+                if g is not None:
+                    row[f"{side}_global_scale"] = [float(x) for x in g.value.reshape(-1)]
+            out.append(row)
+        return tuple(out)
+
+    def _kv_format_lines(self) -> list[str]:
+        lines = []
+        for row in self.kv_formats:
+            sides = []
+            for side in ("k", "v"):
+                g = row.get(f"{side}_global_scale")
+                text = "FP8 (scale below)" if row[side] == "fp8" else "NVFP4"
+                if g is not None:
+                    text += " g=" + "/".join(_fmt_num(x) for x in g)
+                sides.append(f"{side.upper()} {text}")
+            lines.append(f"kv format:  layer {row['layer']}: {', '.join(sides)}")
+        if lines:
+            lines.append("            (an NVFP4 side's row below: its stored global scale)")
+        return lines
 
 
 _OPTION_SPELLING = re.compile(
@@ -466,7 +502,16 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
     check_path_argument(path, "inspect_checkpoint: path")
     found = discover_scales(path)
     scales = analyze_scales(found.scales, found.geometry, k_transform=found.k_transform, **options)
+    fp4: dict[int, Fp4Layer] = {}
+    fp4_problems: tuple[str, ...] = ()
+    if found.kv_formats is not None:
+        try:
+            fp4 = resolve_fp4_raws(found.producer, found.kv_formats, found.scales, found.geometry)
+        except ScaleFormatError as exc:
+            fp4_problems = (str(exc),)
     return CheckpointReport(
+        fp4_layers=fp4,
+        fp4_problems=fp4_problems,
         path=str(found.path),
         producer=found.producer,
         geometry=found.geometry,

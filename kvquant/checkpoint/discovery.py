@@ -564,7 +564,8 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     final = reported(producer)
     scheme = final.kv_scheme(qcfg, cfg.hf_quant) if final is not None else None
     all_findings = _producer_findings(decided, from_folder, producer, raws, qcfg)
-    kv_formats, four_bit, format_findings = _declared_formats(final, cfg, raws)
+    # only a producer its configs name says what a 4-bit tensor stores (not one from names)
+    kv_formats, four_bit, format_findings = _declared_formats(decided, cfg, raws)
     all_findings.extend(format_findings)
     all_findings.extend(scheme_findings(producer, None if four_bit else scheme))
     if not raws:

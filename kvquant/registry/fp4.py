@@ -267,7 +267,9 @@ def _algo(algo: object, where: str) -> tuple[str, str]:
     if algo not in _ALGOS:
         raise ScaleFormatError(
             f"{where}: found KV cache algorithm {algo!r}; expected one of {sorted(_ALGOS)}. "
-            "Fix: export the KV cache as FP8 or NVFP4 (affine NVFP4 and INT8 are not read)."
+            "Fix: export the KV cache as FP8 or NVFP4 (affine NVFP4 and INT8 are not read; "
+            "MXFP4 KV scales are computed when tokens are written, kv_format='mxfp4', never "
+            "read from a checkpoint)."
         )
     return _ALGOS[str(algo)]
 
