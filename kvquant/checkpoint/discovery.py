@@ -452,10 +452,9 @@ def _declared_formats(
     if formats is not None:
         examined = True
         kinds = sorted({"/".join(f) for f in formats})
-        found.append(
-            Finding("info", "kv-scheme-4bit", f"{producer.producer if producer else ''} declares "
-                    f"a 4-bit KV cache: K/V {', '.join(kinds)} (per layer: kvquant doctor).")
-        )  # fmt: skip
+        name = producer.producer if producer is not None else NO_PRODUCER
+        text = f"{name} declares a 4-bit KV cache: K/V {', '.join(kinds)} (per layer: the doctor)."
+        found.append(Finding("info", "kv-scheme-4bit", text))
     strays = [r.name for r in raws if r.name.endswith("_global_scale")]
     if strays and formats is None and not examined:
         found.append(

@@ -428,16 +428,15 @@ def resolve_fp4_layers(
         if "nvfp4" not in (k_fmt, v_fmt):
             continue
         prefix = prefixes.get(layer, f"model.layers.{layer}")
-        sides = {}
+        sides: dict[str, Fp4GlobalScale | None] = {}
         for cache, fmt in (("k", k_fmt), ("v", v_fmt)):
-            sides[cache] = (
-                normalize_fp4_global_scale(
-                    producer, tensors, prefix, cache,
-                    num_kv_heads=num_kv_heads[layer], convention=convention,
-                )  # fmt: skip
-                if fmt == "nvfp4"
-                else None
-            )
+            if fmt != "nvfp4":
+                sides[cache] = None
+                continue
+            sides[cache] = normalize_fp4_global_scale(
+                producer, tensors, prefix, cache, num_kv_heads=num_kv_heads[layer],
+                convention=convention,
+            )  # fmt: skip
         out[layer] = Fp4Layer(layer, k_fmt, v_fmt, sides["k"], sides["v"])
     return out
 

@@ -37,7 +37,9 @@ def test_each_layout_resolves_to_the_canonical_global_scale(tmp_path: Path, layo
             g = getattr(fp4[i], side)
             assert g.value.dtype == torch.float32
             # g = amax / (6 * 448) whichever number the producer stored
-            torch.testing.assert_close(g.implied_amax, torch.tensor(amax[(i, side)]), rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                g.implied_amax, torch.tensor(amax[(i, side)]), rtol=1e-6, atol=0
+            )
 
 
 def test_fp8_k_nvfp4_v_keeps_k_for_the_fp8_scale(tmp_path: Path) -> None:
@@ -65,7 +67,7 @@ def test_doctor_shows_the_format_and_global_scale_per_layer(tmp_path: Path) -> N
 
 def test_export_refuses_a_4bit_checkpoint(tmp_path: Path) -> None:
     src = write_fp4_checkpoint(tmp_path / "src", "modelopt", weights="none")
-    with pytest.raises(ExportError, match="declares a 4-bit KV cache .*no engine loader"):
+    with pytest.raises(ExportError, match=r"declares a 4-bit KV cache .*no engine loader"):
         export_checkpoint(src, tmp_path / "out", engine="vllm")
     assert not (tmp_path / "out").exists()
 

@@ -81,7 +81,9 @@ def _check_storage(cache: KVQuantCache, case: str) -> None:
         for side, fmt in (("k", k_fmt), ("v", v_fmt)):
             want = amax[(i, side)] / (CANONICAL if fmt == "nvfp4" else 448)
             got = getattr(st, f"{side}_scale")
-            torch.testing.assert_close(got.cpu(), torch.full_like(got.cpu(), want), rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                got.cpu(), torch.full_like(got.cpu(), want), rtol=1e-6, atol=0
+            )
 
 
 def _plain(root: Path) -> Any:
@@ -101,7 +103,9 @@ def _plain(root: Path) -> Any:
     return model
 
 
-@pytest.mark.parametrize("case", ["modelopt", "modelopt-mixed", "fp8-k-nvfp4-v", "compressed-tensors"])
+@pytest.mark.parametrize(
+    "case", ["modelopt", "modelopt-mixed", "fp8-k-nvfp4-v", "compressed-tensors"]
+)
 def test_patch_serves_the_checkpoint_formats_with_its_global_scales(
     tmp_path: Path, case: str
 ) -> None:

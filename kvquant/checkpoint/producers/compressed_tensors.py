@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint.findings import Finding
-from kvquant.errors import ScaleFormatError
 from kvquant.checkpoint.producers.base import (
     GLOBAL_SCALE,
     OUTPUT_SCALE,
@@ -22,6 +21,7 @@ from kvquant.checkpoint.producers.base import (
     ScaleShape,
     stored_scheme,
 )
+from kvquant.errors import ScaleFormatError
 
 __all__ = [
     "CompressedTensors",

@@ -424,7 +424,7 @@ def resolve(
     transform = ctx.get("k_transform", getattr(discovered, "k_transform", None))
     scales = resolve_scales(raw, geometry, options=opts.resolve_options, k_transform=transform)
     formats = getattr(discovered, "kv_formats", None)
-    if formats is None:
+    if discovered is None or formats is None:
         return scales
     fp4 = resolve_fp4_raws(discovered.producer, formats, raw, geometry)
     return replace(scales, fp4_layers=fp4)
