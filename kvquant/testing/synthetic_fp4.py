@@ -1,13 +1,9 @@
 """Synthetic 4-bit KV checkpoints: each producer's NVFP4 KV layout (docs/dev/fp4-formats.md).
 
-:func:`write_fp4_checkpoint` writes a tiny Llama checkpoint (:func:`write_checkpoint`) whose KV
-cache is declared and stored the way one producer exports an NVFP4 KV cache:
-
-| layout | global-scale tensors (layer ``N``) | stored | configs |
-|---|---|---|---|
-| ``"modelopt"`` | ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, ``()`` fp32 | ``amax / (6 * 448)`` | ``kv_cache_quant_algo: "NVFP4"``; ``kv_cache_scheme: "NVFP4"`` |
-| ``"modelopt-mixed"`` | as above; an FP8 side stores ``amax / 448`` | per layer | ``"MIXED_PRECISION"`` with ``kv_cache_quantized_layers`` |
-| ``"compressed-tensors"`` | ``self_attn.k_global_scale`` / ``v_global_scale``, ``(1,)`` fp32 | ``(6 * 448) / amax`` | ``kv_cache_scheme`` ``num_bits: 4``, ``tensor_group``, 16 |
+:func:`write_fp4_checkpoint` writes a tiny Llama checkpoint whose KV cache is declared and
+stored as one producer exports NVFP4 KV: ``"modelopt"`` (``k_proj.k_scale`` = ``amax / 2688``,
+``kv_cache_quant_algo: "NVFP4"``), ``"modelopt-mixed"`` (``MIXED_PRECISION``, a layer map; an
+FP8 side stores ``amax / 448``), ``"compressed-tensors"`` (``k_global_scale`` = ``2688 / amax``).
 
 Example:
     >>> import tempfile

@@ -3,6 +3,7 @@ the doctor's per-layer formats, export's refusal, and every unsupported variant 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -121,3 +122,17 @@ def test_a_missing_global_scale_is_refused(tmp_path: Path) -> None:
     report = inspect_checkpoint(root)
     assert not report.ok
     assert any("model.layers.0: found none of" in p for p in report.problems), report.problems
+
+
+def test_kvquant_doctor_prints_the_formats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvquant.cli import main
+
+    root = write_fp4_checkpoint(tmp_path, "compressed-tensors", weights="none")
+    assert main(["doctor", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"kv format:  layer 0: K NVFP4 g={3.0 / 2688:.4g}, V NVFP4 g={2.0 / 2688:.4g}" in out
+    assert main(["doctor", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["kv_formats"]
+    assert [(r["k"], r["v"]) for r in rows] == [("nvfp4", "nvfp4")] * 2

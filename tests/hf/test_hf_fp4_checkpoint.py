@@ -156,3 +156,13 @@ def test_a_4bit_kv_format_must_be_the_checkpoint_one(tmp_path: Path) -> None:
     assert float(handle.state.layer_specs[0].k_scale) == pytest.approx(3.0 / CANONICAL)
     handle.remove()
     del kvhf_model
+
+
+def test_patch_of_a_model_loaded_from_the_folder_reads_it(tmp_path: Path) -> None:
+    root = _checkpoint(tmp_path, "modelopt")  # transformers skips quant_method 'modelopt'
+    model = transformers.LlamaForCausalLM.from_pretrained(str(root), dtype=torch.float32)
+    handle = kvhf.patch(model, backend="torch")
+    specs = handle.state.layer_specs
+    assert [s.granularity for s in specs] == ["nvfp4", "nvfp4"]
+    assert float(specs[1].v_scale) == pytest.approx(4.0 / CANONICAL)
+    handle.remove()

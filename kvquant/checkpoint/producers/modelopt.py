@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint.findings import Finding
+from kvquant.checkpoint.fp4_formats import kv_formats_per_layer
 from kvquant.checkpoint.producers.base import Naming, Producer, ScaleShape
-from kvquant.registry.fp4 import kv_formats_per_layer
 
 __all__ = [
     "ModelOpt",
