@@ -123,6 +123,8 @@ class CheckpointReport:
         errors = sorted({f.code for f in self.findings if f.severity == "error"})
         if errors:
             bits.append("checkpoint errors: " + ", ".join(errors))
+        if self.fp4_problems:
+            bits.append("4-bit global scales unusable")
         if not bits:
             bits.append(f"{len(self.scales.problems)} problem(s)")
         return f"would NOT load: {'; '.join(bits)} ({actions})"
@@ -248,6 +250,7 @@ class CheckpointReport:
                 lines.append(_wrapped(f"[note] {note}", width))
         rejected_rows = {r.reason for r in self.rows if r.action == "reject"}
         extra_problems = [p for p in self.scales.problems if not any(p in x for x in rejected_rows)]
+        extra_problems += self.fp4_problems
         if extra_problems:
             lines.append("")
             lines.append("problems:")

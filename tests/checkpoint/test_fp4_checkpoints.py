@@ -109,7 +109,9 @@ def test_a_bad_global_scale_names_layer_tensor_and_fix(tmp_path: Path) -> None:
         resolve_fp4_raws(found.producer, found.kv_formats, found.scales, found.geometry)
     msg = str(info.value)
     assert "model.layers.1.self_attn.v_proj.v_scale" in msg and "expected" in msg and "Fix:" in msg
-    assert not inspect_checkpoint(found.path).ok
+    report = inspect_checkpoint(found.path)
+    assert not report.ok and "4-bit global scales unusable" in report.summary
+    assert "v_proj.v_scale: element 0 is nan" in report.render(width=400)
 
 
 def test_a_missing_global_scale_is_refused(tmp_path: Path) -> None:
