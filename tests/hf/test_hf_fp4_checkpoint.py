@@ -36,10 +36,11 @@ LAYER_FORMATS = {
 }
 
 
-def _checkpoint(tmp_path: Path, case: str) -> Path:
+def _checkpoint(tmp_path: Path, case: str, **options: Any) -> Path:
     if case == "fp8-k-nvfp4-v":
-        return write_fp4_checkpoint(tmp_path, "modelopt-mixed", layer_formats=LAYER_FORMATS[case])
-    return write_fp4_checkpoint(tmp_path, case)
+        options["layer_formats"] = LAYER_FORMATS[case]
+        return write_fp4_checkpoint(tmp_path, "modelopt-mixed", **options)
+    return write_fp4_checkpoint(tmp_path, case, **options)
 
 
 def _side(x: torch.Tensor, fmt: str, amax: float) -> torch.Tensor:
@@ -103,18 +104,23 @@ def _plain(root: Path) -> Any:
     return model
 
 
-@pytest.mark.parametrize(
-    "case", ["modelopt", "modelopt-mixed", "fp8-k-nvfp4-v", "compressed-tensors"]
-)
+ALL = ("modelopt", "modelopt-mixed", "fp8-k-nvfp4-v", "compressed-tensors")
+# Triton (interpreter) on the layers whose writes use integer codes only: the interpreter's
+# fp32 -> fp8 cast rounds about 2 % of values wrongly, so a pure FP8 layer (modelopt-mixed's
+# layer 0) is off by 0.014 there; the GPU test below runs every layout with Triton
+CASES = [*((c, "torch") for c in ALL), ("modelopt", "triton"), ("fp8-k-nvfp4-v", "triton")]
+
+
+@pytest.mark.parametrize(("case", "backend"), CASES)
 def test_patch_serves_the_checkpoint_formats_with_its_global_scales(
-    tmp_path: Path, case: str
+    tmp_path: Path, case: str, backend: str
 ) -> None:
     root = _checkpoint(tmp_path, case)
     model = _plain(root)
     ids, mask = prompt(batch=2, length=10, pad=(3,))
     cont = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
     plain, _ = step_logits(model, ids, mask, cont)
-    handle = kvhf.patch(model, scales=root, backend="torch", cuda_graphs=False)
+    handle = kvhf.patch(model, scales=root, backend=backend, cuda_graphs=False)
     got, cache = step_logits(model, ids, mask, cont)
     assert isinstance(cache, KVQuantCache)
     _check_storage(cache, case)
@@ -124,9 +130,10 @@ def test_patch_serves_the_checkpoint_formats_with_its_global_scales(
     model.set_attn_implementation("sdpa")
     to_sim = float((got - sim).abs().max())
     to_plain = float((got - plain)[:, 1:].abs().max())
-    # measured: to_sim 9e-8..1.2e-7 (fp32 summation order), to_plain 0.019 (mixed) to 0.030:
+    # measured: to_sim 9e-8..1.2e-7 (torch: fp32 summation order), 5e-5 (triton: fp16 queries
+    # and probabilities), to_plain 0.019 (mixed) to 0.030:
     # the 4-bit error itself; a patch storing the fixed g = 1.0 instead gives to_sim 0.04
-    assert to_sim < 1e-4, to_sim
+    assert to_sim < (1e-4 if backend == "torch" else 5e-3), to_sim
     assert to_plain > 10 * to_sim, (to_plain, to_sim)
 
 
@@ -166,3 +173,23 @@ def test_patch_of_a_model_loaded_from_the_folder_reads_it(tmp_path: Path) -> Non
     assert [s.granularity for s in specs] == ["nvfp4", "nvfp4"]
     assert float(specs[1].v_scale) == pytest.approx(4.0 / CANONICAL)
     handle.remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ALL)
+def test_gpu_triton_serves_the_checkpoint_like_the_torch_reference(
+    tmp_path: Path, case: str
+) -> None:
+    root = _checkpoint(tmp_path, case, head_dim=32)  # the GPU's fp8 tl.dot needs K >= 32
+    ids, mask = prompt(batch=2, length=10, pad=(3,))
+    cont = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for backend in ("torch", "triton"):
+        model = _plain(root).to("cuda")
+        handle = kvhf.patch(model, scales=root, backend=backend, cuda_graphs=False)
+        got, cache = step_logits(model, ids.cuda(), mask.cuda(), cont.cuda())
+        _check_storage(cache, case)
+        outs.append(got.float().cpu())
+        handle.remove()
+    # the CPU test's Triton measurement (fp16 queries and probabilities) is 5e-5
+    assert float((outs[0] - outs[1]).abs().max()) < 5e-3
