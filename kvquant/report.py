@@ -114,6 +114,10 @@ class CheckpointReport:
             gran: str = self.scales.granularity
             if self.scales.group_size:
                 gran += f" (G={self.scales.group_size})"
+            if self.kv_formats:
+                words = sorted({(r["k"], r["v"]) for r in self.kv_formats})
+                gran = "/".join(k if k == v else f"{k}-k-{v}-v" for k, v in words)
+                gran += " (the checkpoint's per-layer formats and global scales)"
             warnings = sum(f.severity == "warning" for f in self.findings)
             warned = f"; {warnings} warning{'s' if warnings != 1 else ''}" if warnings else ""
             return f"would load with {gran} KV scales ({actions}){warned}"

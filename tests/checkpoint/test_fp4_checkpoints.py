@@ -58,6 +58,7 @@ def test_fp8_k_nvfp4_v_keeps_k_for_the_fp8_scale(tmp_path: Path) -> None:
 def test_doctor_shows_the_format_and_global_scale_per_layer(tmp_path: Path) -> None:
     report = inspect_checkpoint(write_fp4_checkpoint(tmp_path, "modelopt-mixed", weights="none"))
     assert report.ok
+    assert report.summary.startswith("would load with fp8/nvfp4 (the checkpoint's per-layer")
     text = report.render()
     assert "kv format:  layer 0: K FP8 (scale below), V FP8 (scale below)" in text
     g = 6.0 / 2688  # layer 1's K amax is 6
@@ -138,3 +139,10 @@ def test_kvquant_doctor_prints_the_formats(
     assert main(["doctor", str(root), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["kv_formats"]
     assert [(r["k"], r["v"]) for r in rows] == [("nvfp4", "nvfp4")] * 2
+
+
+def test_modelopt_config_json_alone_declares_nvfp4(tmp_path: Path) -> None:
+    root = write_fp4_checkpoint(tmp_path, "modelopt", weights="none")
+    (root / "hf_quant_config.json").unlink()  # config.json's kv_cache_scheme: "NVFP4" remains
+    found = discover_scales(root)
+    assert found.kv_formats == (("nvfp4", "nvfp4"),) * 2 and not found.has_errors

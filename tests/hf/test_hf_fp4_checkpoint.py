@@ -193,3 +193,14 @@ def test_gpu_triton_serves_the_checkpoint_like_the_torch_reference(
         handle.remove()
     # the CPU test's Triton measurement (fp16 queries and probabilities) is 5e-5
     assert float((outs[0] - outs[1]).abs().max()) < 5e-3
+
+
+def test_a_per_head_global_scale_beside_a_per_tensor_one(tmp_path: Path) -> None:
+    per_head = {(1, "v"): torch.tensor([4.0, 5.0]) / CANONICAL}  # V per KV head, K per tensor
+    root = write_fp4_checkpoint(tmp_path, "modelopt", scales=per_head)
+    handle = kvhf.patch(_plain(root), scales=root, backend="torch")
+    spec = handle.state.layer_specs[1]
+    torch.testing.assert_close(spec.v_scale, per_head[(1, "v")])
+    torch.testing.assert_close(spec.k_scale, torch.full((2,), 6.0 / CANONICAL))
+    assert handle.state.layer_specs[0].k_scale.shape == ()
+    handle.remove()
