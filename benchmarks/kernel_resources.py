@@ -130,7 +130,7 @@ def compile_decode(
         block_m = 128
     consts: dict[str, Any] = dict(
         GROUP=hq // hkv, QPB=block_m // (hq // hkv) if prefill else 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD_D=d, PAGE=page, TP=math.gcd(page, block_n),
+        BLOCK_N=block_n, HEAD_D=d, PAGE=page,
         V_RUNS_DENSE=math.gcd(page, block_n) == page, SCALE_RUNS_DENSE=group_scales,
         FOLD=fold, NG=ng, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill,
         USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl, K_FP4=0, V_FP4=0,

@@ -8,10 +8,21 @@ with the most total and cumulative time. At chat shapes a decode step is bound
 by the host, so this is where its time is. With ``--kernels`` the profiled call
 runs under ``torch.profiler`` instead and the table lists the GPU kernels by total
 device time (per decode step: divide by ``--new``), which is where a long-context
-step's time is. Usage (H200)::
+step's time is. With ``--timeline`` it splits each decode step's wall time (from one
+stop-check read of ``generate``, a device-to-host copy, to the next) into the GPU's busy
+time, its idle time before the step's first kernel (the host preparing the step) and the
+idle time between the step's kernels, and lists what the host runs in that first gap and
+the kernels launched outside a CUDA graph. With ``--phases`` (no profiler: timestamps only)
+it times each decode step's host phases: from ``generate``'s stop-check read (the GPU has
+finished the step before) to the model's ``forward``, from there to the CUDA graph's
+``replay`` (the GPU idles through both), the rest of ``forward``, and the wait at the next
+read, then lists where a second call synchronizes with the GPU (``torch.cuda``'s sync debug
+mode: each call site and how often per step). Usage (H200)::
 
     python3 benchmarks/profile_generate.py --batch 1 --prompt 512 --new 64 --out prof.txt
     python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 32 --kernels --out k.txt
+    python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 32 --timeline --out t.txt
+    python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 64 --phases --out p.txt
 """
 
 from __future__ import annotations
@@ -19,9 +30,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
+import json
 import pstats
+import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -73,6 +89,225 @@ def kernel_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
     return "\n".join(lines)
 
 
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _trace_events(model, ids, mask, new: int, gen_kwargs: dict) -> tuple[float, list[dict]]:
+    """One call under ``torch.profiler``: wall seconds and the Chrome-trace events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    start = time.perf_counter()
+    with profile(activities=acts) as prof:
+        e2e.one_call(model, ids, mask, new, gen_kwargs)
+    wall = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return wall, [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timeline_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: dict) -> str:
+    """Each decode step's wall time split into GPU busy, the idle gap before its first
+    kernel and the idle gaps between its kernels (medians over the steps)."""
+    wall, events = _trace_events(model, ids, mask, new, gen_kwargs)
+    gpu = sorted((e for e in events if e.get("cat") in _GPU_CATS), key=lambda e: e["ts"])
+    runtime = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+    }
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    reads = [e for e in gpu if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]]
+    rows: dict[str, list[float]] = {k: [] for k in ("wall", "busy", "first", "between", "n")}
+    outside: Counter = Counter()
+    host_ops: Counter = Counter()
+    prep: list[float] = []
+    cycles = list(itertools.pairwise(reads))[2:]  # the first cycles: the prefill and capture
+    for r0, r1 in cycles:
+        a, b = r0["ts"] + r0["dur"], r1["ts"] + r1["dur"]
+        step = [e for e in gpu if a <= e["ts"] < b]
+        if not step:
+            continue
+        busy = _union([(e["ts"], min(e["ts"] + e["dur"], b)) for e in step])
+        first = step[0]["ts"] - a
+        rows["wall"].append(b - a)
+        rows["busy"].append(busy)
+        rows["first"].append(first)
+        rows["between"].append(b - a - busy - first)
+        rows["n"].append(len(step))
+        for e in step:
+            call = runtime.get(e.get("args", {}).get("correlation"))
+            if call is not None and call["name"] != "cudaGraphLaunch":
+                outside[e["name"][:90]] += 1
+        # the host between the read's return and the launch of the step's first kernel
+        read_call = runtime.get(r0.get("args", {}).get("correlation"))
+        first_call = runtime.get(step[0].get("args", {}).get("correlation"))
+        if read_call is not None and first_call is not None:
+            h0, h1 = read_call["ts"] + read_call["dur"], first_call["ts"]
+            prep.append(h1 - h0)
+            top: list[tuple[float, float]] = []
+            for e in sorted(cpu_ops, key=lambda e: (e["ts"], -e["dur"])):
+                if h0 <= e["ts"] and e["ts"] + e["dur"] <= h1:
+                    if top and e["ts"] < top[-1][1]:
+                        continue  # inside an op already counted
+                    top.append((e["ts"], e["ts"] + e["dur"]))
+                    host_ops[e["name"]] += e["dur"]
+    steps = max(len(rows["wall"]), 1)
+    lines = [
+        f"=== {arm}: warm-up {warm['wall_s']:.3f} s; profiled call {wall:.3f} s ({new} new); "
+        f"{len(rows['wall'])} decode steps between stop-check reads (medians, us):",
+        f"  step wall {_median(rows['wall']):9.1f}   mean {statistics.fmean(rows['wall'] or [0]):9.1f}",
+        f"  GPU busy  {_median(rows['busy']):9.1f}   in {_median(rows['n']):.0f} kernels and copies",
+        f"  GPU idle before the step's first kernel {_median(rows['first']):9.1f}",
+        f"  GPU idle between the step's kernels     {_median(rows['between']):9.1f}",
+        f"  host from the read's return to the step's first launch {_median(prep):9.1f}",
+        "  kernels launched outside a CUDA graph, per step:",
+    ]
+    lines += [f"    {n / steps:6.2f}  {name}" for name, n in outside.most_common(25)]
+    lines.append("  host operators between the read and the first launch (us per step):")
+    lines += [f"    {us / steps:8.1f}  {name[:90]}" for name, us in host_ops.most_common(25)]
+    cats = Counter(e.get("cat") for e in events)
+    lines.append(f"  trace events by category: {dict(cats.most_common(12))}")
+    return "\n".join(lines)
+
+
+def phases_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: dict) -> str:
+    """Host phases of each decode step, from timestamps (medians over the steps, us)."""
+    marks: list[tuple[str, float]] = []
+    clock = time.perf_counter
+
+    def stamped(fn, before: str, after: str):
+        def wrapper(*args, **kwargs):
+            marks.append((before, clock()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.append((after, clock()))
+
+        return wrapper
+
+    from transformers.generation.logits_process import LogitsProcessorList
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    classes = [
+        (torch.cuda.CUDAGraph, "replay", "replay", "replayed"),
+        (LogitsProcessorList, "__call__", "logits processors", "logits processed"),
+        (StoppingCriteriaList, "__call__", "stopping criteria", "stopping criteria done"),
+    ]
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in classes]
+    for cls, name, before, after in classes:
+        setattr(cls, name, stamped(getattr(cls, name), before, after))
+    instance = [
+        ("_has_unfinished_sequences", "read", "done"),
+        ("_update_model_kwargs_for_generation", "kwargs update", "kwargs updated"),
+        ("prepare_inputs_for_generation", "inputs prepare", "inputs prepared"),
+    ]
+    for name, before, after in instance:
+        setattr(model, name, stamped(getattr(model, name), before, after))
+    # module hooks, not a wrapped ``forward``: kvquant's step runner is the model's ``forward``
+    hooks = [
+        model.register_forward_pre_hook(lambda *_: marks.append(("forward", clock()))),
+        model.register_forward_hook(lambda *_: marks.append(("returned", clock()))),
+    ]
+    try:
+        e2e.one_call(model, ids, mask, new, gen_kwargs)
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+        for name, _, _ in instance:
+            delattr(model, name)
+        for hook in hooks:
+            hook.remove()
+    # one step: the read's return, forward, (replay), forward's return, the next read's return
+    steps: dict[str, list[float]] = {
+        k: [] for k in ("step", "to_forward", "to_replay", "after_replay", "to_read", "read")
+    }
+    offsets: dict[str, list[float]] = {}
+    done = [t for name, t in marks if name == "done"]
+    for a, b in itertools.pairwise(done[2:]):  # skip the prefill and the first (capture) step
+        inside = [(name, t) for name, t in marks if a < t < b]
+        at = {name: t for name, t in reversed(inside)}  # the first time of each mark
+        for name, t in at.items():
+            offsets.setdefault(name, []).append(t - a)
+        if not {"forward", "returned", "read"} <= at.keys():
+            continue
+        rep = at.get("replay", at["forward"])
+        steps["step"].append(b - a)
+        steps["to_forward"].append(at["forward"] - a)
+        steps["to_replay"].append(rep - at["forward"])
+        steps["after_replay"].append(at["returned"] - rep)
+        steps["to_read"].append(at["read"] - at["returned"])
+        steps["read"].append(b - at["read"])
+    med = {k: _median(v) * 1e6 for k, v in steps.items()}
+    syncs = _sync_sites(model, ids, mask, new, gen_kwargs)
+    return "\n".join(
+        [
+            f"=== {arm}: warm-up {warm['wall_s']:.3f} s; {len(steps['step'])} decode steps "
+            "(medians, us)",
+            f"  step (read's return to read's return)        {med['step']:9.1f}",
+            f"  read's return -> forward (generate)          {med['to_forward']:9.1f}",
+            f"  forward -> graph replay (kvquant's runner)   {med['to_replay']:9.1f}",
+            f"  replay -> forward returns                    {med['after_replay']:9.1f}",
+            f"  forward returns -> next read (generate)      {med['to_read']:9.1f}",
+            f"  the read (waits for the GPU)                 {med['read']:9.1f}",
+            "  every mark, from the read's return (medians, us):",
+        ]
+        + [
+            f"    {_median(v) * 1e6:9.1f}  {name}"
+            for name, v in sorted(offsets.items(), key=lambda kv: _median(kv[1]))
+        ]
+        + ["  synchronizing calls per decode step (a second call, sync debug mode), by site:"]
+        + [f"    {n / max(new - 1, 1):6.2f}  {site}" for site, n in syncs.most_common(12)]
+    )
+
+
+def _sync_sites(model, ids, mask, new: int, gen_kwargs: dict) -> Counter:
+    """Where one call synchronizes with the GPU: innermost non-torch frames, counted."""
+    import traceback
+    import warnings
+
+    sites: Counter = Counter()
+    if not torch.cuda.is_available():
+        return sites
+
+    def record(*_args, **_kwargs) -> None:
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if "site-packages/torch/" not in f.filename and "warnings" not in f.filename
+        ]
+        sites[
+            " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+        ] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            e2e.one_call(model, ids, mask, new, gen_kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return sites
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -83,6 +318,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kernels", action="store_true", help="GPU kernel table (torch.profiler)")
+    ap.add_argument("--timeline", action="store_true", help="decode step wall/busy/idle split")
+    ap.add_argument("--phases", action="store_true", help="decode step host phases (no profiler)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = e2e.build_model(args.tiny, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -97,8 +334,16 @@ def main() -> None:
     for arm in args.arms.split(","):
         with e2e.Arm(arm, model, scales, args.backend) as gen_kwargs:
             warm = e2e.one_call(model, ids, mask, args.new, gen_kwargs)
-            if args.kernels:
-                lines.append(kernel_table(arm, warm, model, ids, mask, args.new, gen_kwargs))
+            if args.kernels or args.timeline or args.phases:
+                table = (
+                    kernel_table
+                    if args.kernels
+                    else timeline_table
+                    if args.timeline
+                    else phases_table
+                )
+                lines.append(table(arm, warm, model, ids, mask, args.new, gen_kwargs))
+                args.out.write_text("\n".join(lines))  # kept if a later arm is cut short
                 continue
             prof = cProfile.Profile()
             start = time.perf_counter()

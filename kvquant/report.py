@@ -23,14 +23,16 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvquant.checkpoint.discovery import DiscoveredCheckpoint, Finding, discover_scales
 from kvquant.checkpoint.files import check_path_argument
+from kvquant.choices import KVFormat, describe_layer_formats, layer_kv_formats
 from kvquant.errors import ScaleFormatError
-from kvquant.registry.fp4 import Fp4Layer, resolve_fp4_raws
+from kvquant.registry.fp4 import Fp4Layer, format_mismatch, resolve_fp4_raws
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
+from kvquant.schemes import Fp4Scales, StaticScales, scheme_class
 from kvquant.tables import WIDTH, render_table
 from kvquant.types import LayerGeometry
 
@@ -55,6 +57,10 @@ class CheckpointReport:
         scales: the registry's analysis (canonical tensors for usable layers,
             model-level notes and problems).
         discovered: discovery's result (config, raw scales, files).
+        layer_formats: each layer's K/V format (:class:`~kvquant.choices.KVFormat`) when
+            a ``kv_format`` was asked for, else empty.
+        format_problems: why a layer cannot store its format (a head_dim its 4-bit block
+            does not divide; ``fp8-k-nvfp4-v`` on a layer without static K scales).
     """
 
     path: str
@@ -64,6 +70,8 @@ class CheckpointReport:
     findings: tuple[Finding, ...]
     scales: ModelScales
     discovered: DiscoveredCheckpoint | None = field(default=None, repr=False)
+    layer_formats: tuple[KVFormat, ...] = ()
+    format_problems: tuple[str, ...] = ()
     fp4_layers: Mapping[int, Fp4Layer] = field(default_factory=dict, repr=False)
     fp4_problems: tuple[str, ...] = ()
 
@@ -86,7 +94,7 @@ class CheckpointReport:
     def problems(self) -> tuple[str, ...]:
         """Every reason the checkpoint would be rejected (registry problems, error findings)."""
         errors = tuple(f.message for f in self.findings if f.severity == "error")
-        return (*self.scales.problems, *errors, *self.fp4_problems)
+        return (*self.scales.problems, *errors, *self.format_problems, *self.fp4_problems)
 
     @property
     def rejected_layers(self) -> tuple[int, ...]:
@@ -114,8 +122,8 @@ class CheckpointReport:
             gran: str = self.scales.granularity
             if self.scales.group_size:
                 gran += f" (G={self.scales.group_size})"
-            if self.kv_formats:
-                words = sorted({(r["k"], r["v"]) for r in self.kv_formats})
+            if self.checkpoint_formats:
+                words = sorted({(r["k"], r["v"]) for r in self.checkpoint_formats})
                 gran = "/".join(k if k == v else f"{k}-k-{v}-v" for k, v in words)
                 gran += " (the checkpoint's per-layer formats and global scales)"
             warnings = sum(f.severity == "warning" for f in self.findings)
@@ -130,7 +138,7 @@ class CheckpointReport:
         if self.fp4_problems:
             bits.append("4-bit global scales unusable")
         if not bits:
-            bits.append(f"{len(self.scales.problems)} problem(s)")
+            bits.append(f"{len(self.problems)} problem(s)")
         return f"would NOT load: {'; '.join(bits)} ({actions})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,12 +168,17 @@ class CheckpointReport:
                 ),
             },
             "options": {k: _jsonable(v) for k, v in self.options.items()},
+            "kv_formats": [str(f) for f in self.layer_formats] or None,
             "rejected_layers": list(self.rejected_layers),
             "rows": [r.to_dict() for r in self.rows],
             "findings": [f.to_dict() for f in self.findings],
             "notes": list(self.notes),
             "problems": list(self.problems),
-            **({"kv_formats": list(self.kv_formats)} if self.kv_formats else {}),
+            **(
+                {"checkpoint_kv_formats": list(self.checkpoint_formats)}
+                if self.checkpoint_formats
+                else {}
+            ),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -198,6 +211,8 @@ class CheckpointReport:
             f"geometry:   {g.num_layers} layers, {g.num_heads} query heads, {g.describe()}",
             f"verdict:    {'OK' if self.ok else 'REJECTED'}: {self.summary}",
         ]
+        if self.layer_formats:
+            lines.append(f"kv format:  {describe_layer_formats(self.layer_formats)}")
         if prefix:
             lines.append(f"tensors:    {prefix}<tensor> (N: the layer)")
         lines.extend(self._kv_format_lines())
@@ -254,7 +269,7 @@ class CheckpointReport:
                 lines.append(_wrapped(f"[note] {note}", width))
         rejected_rows = {r.reason for r in self.rows if r.action == "reject"}
         extra_problems = [p for p in self.scales.problems if not any(p in x for x in rejected_rows)]
-        extra_problems += self.fp4_problems
+        extra_problems += self.format_problems + self.fp4_problems
         if extra_problems:
             lines.append("")
             lines.append("problems:")
@@ -266,7 +281,7 @@ class CheckpointReport:
         return self.render()
 
     @property
-    def kv_formats(self) -> tuple[dict[str, Any], ...]:
+    def checkpoint_formats(self) -> tuple[dict[str, Any], ...]:
         """Per layer, the 4-bit KV format a checkpoint declares and its canonical NVFP4 global
         scales (``amax / (6 * 448)``); empty for an FP8 checkpoint."""
         formats = self.discovered.kv_formats if self.discovered is not None else None
@@ -282,7 +297,7 @@ class CheckpointReport:
 
     def _kv_format_lines(self) -> list[str]:
         lines = []
-        for row in self.kv_formats:
+        for row in self.checkpoint_formats:
             sides = []
             for side in ("k", "v"):
                 g = row.get(f"{side}_global_scale")
@@ -290,7 +305,7 @@ class CheckpointReport:
                 if g is not None:
                     text += " g=" + "/".join(_fmt_num(x) for x in g)
                 sides.append(f"{side.upper()} {text}")
-            lines.append(f"kv format:  layer {row['layer']}: {', '.join(sides)}")
+            lines.append(f"4-bit kv:   layer {row['layer']}: {', '.join(sides)}")
         if lines:
             lines.append("            (an NVFP4 side's row below: its stored global scale)")
         return lines
@@ -472,7 +487,9 @@ def _fmt_num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
+def inspect_checkpoint(
+    path: str | Path, *, kv_format: Any = None, **options: Any
+) -> CheckpointReport:
     """Say what kvquant would do with a checkpoint's KV scales, without loading its weights.
 
     Runs :func:`~kvquant.checkpoint.discovery.discover_scales` (config,
@@ -489,6 +506,10 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
             ``"unit"``), ``missing_kv`` (``"error"``, ``"reuse"``),
             ``group_size``, ``rope_policy`` (``"widen"``, ``"keep"``); or
             ``options=`` a :class:`~kvquant.registry.ResolveOptions` holding them.
+        kv_format: the ``kv_format`` option of :func:`kvquant.patch` (a format word or a
+            per-layer map): the report then gives each layer's format
+            (:attr:`CheckpointReport.layer_formats`) and refuses a layer that cannot store
+            its format. None: not asked (FP8 for every layer).
 
     Returns:
         The :class:`CheckpointReport`; ``report.ok`` says whether kvquant would load it.
@@ -497,6 +518,7 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
         CheckpointError: the path is not a readable checkpoint.
         ScaleFormatError: an option value is not a policy.
         UnknownFormatError: ``scale_format`` names no registered format.
+        OptionError: ``kv_format`` is not a format word, or a map that fits the layers.
 
     Example:
         >>> import tempfile
@@ -516,6 +538,9 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
             fp4 = resolve_fp4_raws(found.producer, found.kv_formats, found.scales, found.geometry)
         except ScaleFormatError as exc:
             fp4_problems = (str(exc),)
+    formats: tuple[KVFormat, ...] = ()
+    if kv_format is not None:
+        formats = layer_kv_formats(kv_format, found.geometry.num_layers, "inspect_checkpoint")
     return CheckpointReport(
         fp4_layers=fp4,
         fp4_problems=fp4_problems,
@@ -526,4 +551,44 @@ def inspect_checkpoint(path: str | Path, **options: Any) -> CheckpointReport:
         findings=found.findings,
         scales=scales,
         discovered=found,
+        layer_formats=formats,
+        format_problems=_format_problems(formats, found.geometry, scales)
+        + _checkpoint_format_problems(formats, fp4),
     )
+
+
+def _checkpoint_format_problems(
+    formats: tuple[KVFormat, ...], declared: Mapping[int, Fp4Layer]
+) -> tuple[str, ...]:
+    """Why an asked ``kv_format`` cannot serve the checkpoint's 4-bit layers."""
+    if not formats or not declared:
+        return ()
+    mismatch = format_mismatch(formats, declared)
+    return () if mismatch is None else (mismatch,)
+
+
+def _format_problems(
+    formats: tuple[KVFormat, ...], geometry: LayerGeometry, scales: ModelScales
+) -> tuple[str, ...]:
+    """Why layers cannot store their ``kv_format`` (what :func:`kvquant.patch` would refuse)."""
+    problems = []
+    for i, (fmt, ls) in enumerate(zip(formats, scales.layers, strict=False)):
+        if fmt == KVFormat.FP8:
+            continue
+        kind = cast(type[Fp4Scales], scheme_class(str(fmt)))  # a 4-bit word names one
+        block = max(f.block_size for f in (kind.k_format, kind.v_format) if f is not None)
+        if geometry.head_dim_of(i) % block:
+            problems.append(
+                f"layer {i}: kv_format {str(fmt)!r} stores one scale per block of {block} "
+                f"channels, but the layer's head_dim is {geometry.head_dim_of(i)}. Fix: "
+                "'nvfp4' (blocks of 16) or 'fp8' for this layer."
+            )
+        if fmt == KVFormat.FP8_K_NVFP4_V and (
+            ls.k is None or not issubclass(ls.scheme, StaticScales)
+        ):
+            problems.append(
+                f"layer {i}: kv_format 'fp8-k-nvfp4-v' stores K in FP8 with a static K scale, "
+                f"but the layer's scales resolve to {ls.granularity!r}. Fix: a checkpoint with "
+                "FP8 KV scales, --missing-scales unit, or 'nvfp4' for this layer."
+            )
+    return tuple(problems)

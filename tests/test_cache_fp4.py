@@ -36,7 +36,7 @@ def _fill(store: Any, alloc: PageAllocator, ids: list[int], n: int, seed: int) -
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(len(ids), n, H, D, generator=g).to(DEV)
     v = torch.randn(len(ids), n, H, D, generator=g).to(DEV)
-    store.write(k, v, alloc.reserve(ids, n))
+    store.write(k, v, alloc.reserve(ids, n).to(DEV))
     return torch.stack([k, v])
 
 
@@ -96,7 +96,7 @@ def test_write_attend_dense_grow_and_copy(gran: str, cls: type) -> None:
 def test_triton_storage_matches_torch_storage() -> None:
     ref, tri = _storage("nvfp4"), _storage("nvfp4", backend="triton")
     alloc = PageAllocator(num_pages=6, page_size=PAGE)
-    slots = alloc.reserve(["a", "b"], [11, 5])
+    slots = alloc.reserve(["a", "b"], [11, 5]).to(DEV)
     k, v = (torch.randn(2, 11, H, D, device=DEV) for _ in range(2))
     ref.write(k, v, slots)
     tri.write(k, v, slots)

@@ -8,6 +8,9 @@ messages read as before. :func:`parse_choice` turns a user's value into a member
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from kvquant.choices import Choice, parse_choice
 
 __all__ = [
@@ -82,6 +85,59 @@ class Convention(Choice):
     """AMD Quark's ``output_scale`` with ``kv_cache_post_rope: true`` (per-tensor)."""
     KVQUANT = "kvquant"
     """kvquant's own: the k-transform's offsets and settings file (k-transform only)."""
+
+    @property
+    def holds_k_transform(self) -> bool:
+        """Whether it stores the k-transform (offsets, settings file), and only it: kvquant's own."""
+        return self is Convention.KVQUANT
+
+    @property
+    def per_head(self) -> bool:
+        """Whether its config has a per-head KV strategy (compressed-tensors' ``attn_head``)."""
+        return self is Convention.COMPRESSED_TENSORS
+
+    @property
+    def scale_names(self) -> str:
+        """The producer whose KV-scale tensor names it writes (kvquant's own: compressed-tensors')."""
+        return str(Convention.COMPRESSED_TENSORS if self is Convention.KVQUANT else self)
+
+    def scale_shape(self, granularity: str, num_kv_heads: int) -> tuple[int, ...]:
+        """Shape of one stored KV-scale tensor: ``(Hkv,)`` in kvquant's own, else the producer's."""
+        if self is Convention.KVQUANT:
+            return (num_kv_heads,)
+        from kvquant.checkpoint import producers
+
+        return producers.stored_scale_shape(str(self), granularity, num_kv_heads)
+
+    def own_config(self, observer: str) -> dict[str, Any] | None:
+        """The KV-only ``quantization_config`` it writes itself, or None (kvquant export's
+        producer writes the configs; kvquant's own writes none).
+
+        Quark's: separate post-RoPE K and V, nothing else quantized, its MSE observer named
+        where the scales came from a clipping search (``observer="mse"``).
+        """
+        if self is not Convention.QUARK:
+            return None
+        from kvquant.checkpoint import producers
+
+        quark = producers.quark_config(post_rope=True)
+        if observer == "mse":
+            for group in ("layer_quant_config", "kv_cache_quant_config"):
+                for entry in quark[group].values():
+                    entry["output_tensors"]["observer_cls"] = "PerTensorMSEObserver"
+        return quark
+
+    def bare_config(self, hf_quant: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The ``quantization_config`` of a copy of unquantized weights that the producer's
+        configs leave without one: ModelOpt's names its producer (from ``hf_quant``), the
+        others write none."""
+        if self is not Convention.MODELOPT:
+            return None
+        from kvquant.checkpoint import producers
+
+        return producers.modelopt_quantization_config(
+            (hf_quant or {}).get("producer", {"name": "modelopt"}), ignore=()
+        )
 
 
 OBJECTIVES: tuple[str, ...] = tuple(m.value for m in Objective)

@@ -160,7 +160,7 @@ def _check_convention(result: CalibrationResult, convention: object) -> Conventi
             f"write_calibrated_checkpoint: convention {convention!r}; expected one of "
             f"{CONVENTIONS}. Fix: pass one of those names."
         )
-    if (result.granularity == Granularity.K_TRANSFORM) != (chosen is Convention.KVQUANT):
+    if (result.granularity == Granularity.K_TRANSFORM) != chosen.holds_k_transform:
         raise CalibrationError(
             f"write_calibrated_checkpoint: a {result.granularity} result in the {chosen} "
             "convention; the k-transform is stored only in kvquant's own convention (k_offset "
@@ -168,7 +168,7 @@ def _check_convention(result: CalibrationResult, convention: object) -> Conventi
             "convention holds only the k-transform. Fix: pass convention='kvquant' for a "
             "k-transform result, a producer convention for per-tensor or per-head scales."
         )
-    if result.granularity == Granularity.PER_HEAD and chosen is not Convention.COMPRESSED_TENSORS:
+    if result.granularity == Granularity.PER_HEAD and not chosen.per_head:
         raise CalibrationError(
             f"write_calibrated_checkpoint: per-head scales cannot be stored in the {chosen} "
             "convention (its config has no per-head KV strategy). Fix: use "
@@ -212,15 +212,9 @@ def _scale_tensors(
     """The scale (and k-transform offset) tensors by name, their shards, the report's layers."""
     from kvquant.export import LayerExport
 
-    if convention is Convention.KVQUANT:
-        shape: tuple[int, ...] = (result.num_kv_heads,)
-    else:
-        shape = producers.stored_scale_shape(
-            str(convention), str(result.granularity), result.num_kv_heads
-        )
+    shape = convention.scale_shape(str(result.granularity), result.num_kv_heads)
     named = kv_scale_tensors(
-        # kvquant's own convention names its scales as compressed-tensors does
-        "compressed-tensors" if convention is Convention.KVQUANT else str(convention),
+        convention.scale_names,
         {i: result.layer_scales(i) for i in range(result.num_layers)},
         shape,
         prefix=prefix,
@@ -283,24 +277,17 @@ def _configs(
     """
     from kvquant.export.write import new_configs as kv_quantization_configs
 
-    if convention is Convention.KVQUANT:
+    if convention.holds_k_transform:
         found, files = _k_transform_files(found, result, weights)
         return found, None, None, files
-    if convention is Convention.QUARK:
-        # KV-only, calibrated after RoPE: separate K and V, nothing else quantized.
-        quark = producers.quark_config(post_rope=True)
-        if result.observer == "mse":
-            for group in ("layer_quant_config", "kv_cache_quant_config"):
-                for entry in quark[group].values():
-                    entry["output_tensors"]["observer_cls"] = "PerTensorMSEObserver"
-        return found, quark, None, {}
+    own = convention.own_config(result.observer)
+    if own is not None:
+        return found, own, None, {}
     qcfg, hf_quant = kv_quantization_configs(
         str(convention), str(result.granularity), found, weights, observer=result.observer
     )
-    if convention is Convention.MODELOPT and qcfg is None and weights is None:
-        qcfg = producers.modelopt_quantization_config(
-            (hf_quant or {}).get("producer", {"name": "modelopt"}), ignore=()
-        )
+    if qcfg is None and weights is None:
+        qcfg = convention.bare_config(hf_quant)
     return found, qcfg, hf_quant, {}
 
 

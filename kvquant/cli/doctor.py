@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 from typing import TextIO
 
+from kvquant.choices import KVFormat
 from kvquant.cli.common import EXIT_USAGE, PATH_HELP, checkpoint_dir, fail, print_json, width
 from kvquant.cli.options import add_option_flags, config_from_args
-from kvquant.errors import KVQuantError
+from kvquant.errors import KVQuantError, OptionError
 
 NAME = "doctor"
 
@@ -45,6 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "distinct decision with its layer ranges)",
     )
     add_option_flags(parser, OPTIONS)
+    parser.add_argument(
+        "--kv-format",
+        dest="kv_format",
+        default=None,
+        metavar="FORMAT|MAP",
+        help="also show each layer's K/V format under kvquant.patch's kv_format: a word ("
+        + ", ".join(KVFormat.values())
+        + ") or a per-layer map 'LAYER=FORMAT,...' with 'default=FORMAT' for the layers not "
+        "listed (negative layers count from the last), e.g. '0=fp8,-1=fp8,default=nvfp4'",
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -54,7 +65,8 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     try:
         options = config_from_args(args, ResolveOptions)
-        report = inspect_checkpoint(checkpoint_dir(args.path), options=options)
+        kv_format = None if args.kv_format is None else kv_format_arg(args.kv_format)
+        report = inspect_checkpoint(checkpoint_dir(args.path), options=options, kv_format=kv_format)
     except KVQuantError as exc:
         # CheckpointError (not a checkpoint) or an option the registry refuses
         return fail(args, exc, EXIT_USAGE, out, err)
@@ -63,3 +75,24 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         print(report.render(full=True if args.full else None, width=width(out), cli=True), file=out)
     return report.exit_code
+
+
+def kv_format_arg(text: str) -> str | dict[str, str]:
+    """``--kv-format``'s text as :func:`kvquant.patch`'s ``kv_format``: a word, or
+    ``'LAYER=FORMAT,...'`` as a map (checked against the checkpoint's layers by the report).
+
+    Raises:
+        OptionError: an entry without ``=``.
+    """
+    if "=" not in text:
+        return text.strip()
+    entries: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, fmt = part.partition("=")
+        if not sep or not key.strip():
+            raise OptionError(
+                f"--kv-format {text!r}: the entry {part!r} is not LAYER=FORMAT. Fix: e.g. "
+                "--kv-format '0=fp8,-1=fp8,default=nvfp4'."
+            )
+        entries[key.strip()] = fmt.strip()
+    return entries

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,10 @@ class KVQuantConfig(QuantizationConfigMixin):
         kv_format: how the cache stores K and V (:class:`~kvquant.choices.KVFormat`):
             ``"fp8"`` (default: FP8 with the resolved scales), ``"nvfp4"`` or ``"mxfp4"``
             (4-bit, scales computed as tokens are written, no calibration), or
-            ``"fp8-k-nvfp4-v"`` (FP8 K with the model's static K scales, NVFP4 V).
+            ``"fp8-k-nvfp4-v"`` (FP8 K with the model's static K scales, NVFP4 V); or a
+            per-layer map of these words, keyed by layer index (negative from the last
+            layer) and ``"default"`` for the layers not listed, e.g. ``{0: "fp8", -1: "fp8",
+            "default": "nvfp4"}`` (saved with string keys, as JSON holds them).
         **saved: keys of a saved config that are not options (``quant_method``).
 
     Raises:
@@ -123,13 +127,14 @@ class KVQuantConfig(QuantizationConfigMixin):
         cuda_graphs: bool | None = None,
         compile_step: bool | None = None,
         prefill_tokens: int | str | None = "auto",
-        kv_format: str = "fp8",
+        kv_format: str | Mapping[int | str, str] = "fp8",
         **saved: Any,
     ) -> None:
         from kvquant.integrations.hf.config import (
             SAVED_KEYS,
             check_config_version,
             check_option_names,
+            coerce_kv_format,
         )
 
         check_option_names({k for k in saved if k not in SAVED_KEYS}, "KVQuantConfig")
@@ -147,7 +152,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.cuda_graphs = cuda_graphs
         self.compile_step = compile_step
         self.prefill_tokens = prefill_tokens
-        self.kv_format = kv_format
+        self.kv_format = coerce_kv_format(kv_format)
         self.options()  # checks every value
 
     def options(self, source: str = "") -> PatchOptions:
@@ -164,9 +169,11 @@ class KVQuantConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready config written to ``config.json`` by ``save_pretrained`` (versioned:
         ``config_version``; a later kvquant reads it, an earlier one refuses it by name)."""
+        from kvquant.choices import kv_format_json
         from kvquant.integrations.hf.config import CONFIG_VERSION, OPTION_NAMES
 
         options = {name: getattr(self, name) for name in OPTION_NAMES}
+        options["kv_format"] = kv_format_json(options["kv_format"])
         return {"quant_method": "kvquant", "config_version": CONFIG_VERSION, **options}
 
     def __repr__(self) -> str:
@@ -222,6 +229,7 @@ class KVQuantizer(HfQuantizer):
         are dropped after loading.
         """
         from kvquant.checkpoint.discovery import discover_scales
+        from kvquant.choices import layer_kv_formats
         from kvquant.integrations.hf.models import (
             check_supported,
             find_attention_sites,
@@ -270,6 +278,7 @@ class KVQuantizer(HfQuantizer):
             offsets = transform.offsets if transform is not None else ()
             source = f"checkpoint {found.path}"
         opts = cfg.options(source)
+        layer_kv_formats(opts.kv_format, len(sites), "KVQuantConfig")  # before the weights load
         self._resolved = (opts, geometry, resolve(raw, geometry, opts, ctx), raw, ctx)
         for r in (*raw, *offsets):
             mod_path, _, attr = r.name.rpartition(".")

@@ -1,4 +1,4 @@
-"""``@triton.jit`` twins of :mod:`kvquant.kernels.fp4`'s codes: e2m1, e4m3 and e8m0, both ways.
+"""``@triton.jit`` twins of :mod:`kvquant.kernels.fp4`'s codes: e2m1 (encode), e4m3 and e8m0.
 
 Every conversion uses integer and compare operations on the fp32 bits, never an fp8 cast (the
 Triton 3.6 interpreter's fp32 -> fp8e4nv cast rounds about 2 % of values wrongly), so the write
@@ -9,7 +9,7 @@ Users: :mod:`kvquant.kernels.write_fp4.kernel`, :mod:`kvquant.kernels.attention.
 import triton
 import triton.language as tl
 
-__all__ = ["e2m1_code", "e2m1_value", "e4m3_code", "e4m3_value", "e8m0_value"]
+__all__ = ["e2m1_code", "e4m3_code", "e4m3_value", "e8m0_value"]
 
 
 @triton.jit
@@ -20,19 +20,6 @@ def e2m1_code(y):
     code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
     code += (a > 5.0).to(tl.int32)
     return tl.where((y < 0.0) & (code > 0), code | 8, code)
-
-
-@triton.jit
-def e2m1_value(code):
-    """fp32 value of e2m1 codes (int32, low four bits): ``0x8`` is ``-0.0``."""
-    mag = code & 7
-    e = mag >> 1
-    m = mag & 1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # 1.m * 2^(e - 1)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-    # the sign as a bit (a negation compiles to ``0 - v`` on the GPU, which loses ``-0.0``)
-    sign = (code & 8) << 28
-    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

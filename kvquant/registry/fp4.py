@@ -31,6 +31,7 @@ __all__ = [
     "Fp4Layer",
     "Fp4Producer",
     "GlobalScaleConvention",
+    "format_mismatch",
     "kv_formats_by_layer",
     "kv_formats_per_layer",
     "normalize_fp4_global_scale",
@@ -363,4 +364,22 @@ def resolve_fp4_raws(
     heads = {i: geometry.kv_heads_of(i) for i in range(geometry.num_layers)}
     return resolve_fp4_layers(
         producer, tuple(formats[: geometry.num_layers]), tensors, prefixes, heads
+    )
+
+
+def format_mismatch(asked: Sequence[str], declared: Mapping[int, Fp4Layer]) -> str | None:
+    """Why a ``kv_format`` per layer cannot serve a checkpoint's 4-bit layers (None: it can).
+
+    All ``"fp8"`` (the default) follows the checkpoint; anything else must be the checkpoint's
+    own format on every layer (its global scales are for those formats only).
+    """
+    own = [declared[i].kv_format if i in declared else "fp8" for i in range(len(asked))]
+    words = [str(f) for f in asked]
+    if set(words) == {"fp8"} or words == own:
+        return None
+    bad = [i for i, (a, o) in enumerate(zip(words, own, strict=True)) if a != o]
+    return (
+        f"kv_format gives layer(s) {bad} {sorted({words[i] for i in bad})}, but the checkpoint "
+        f"stores them as {sorted({own[i] for i in bad})} with its own NVFP4 global scales. "
+        "Fix: leave kv_format unset (the checkpoint's formats, layer by layer)."
     )

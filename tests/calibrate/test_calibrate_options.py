@@ -51,3 +51,36 @@ def test_the_tuples_list_the_members_in_order() -> None:
     assert CONVENTIONS == ("compressed-tensors", "modelopt", "quark", "kvquant")
     assert [g.value for g in Granularity] == ["per-tensor", "per-head", "k-transform"]
     assert is_rotation(None) and is_rotation("hadamard") and not is_rotation("none")
+
+
+def test_each_convention_answers_what_the_writer_asks() -> None:
+    # (holds the k-transform, per-head strategy, scale tensor names, per-tensor and per-head
+    # shapes for 4 KV heads)
+    facts = {
+        Convention.COMPRESSED_TENSORS: (False, True, "compressed-tensors", (1,), (4, 1, 1)),
+        Convention.MODELOPT: (False, False, "modelopt", (), None),
+        Convention.QUARK: (False, False, "quark", (), None),
+        Convention.KVQUANT: (True, False, "compressed-tensors", (4,), (4,)),
+    }
+    for convention, (k_transform, per_head, names, tensor, head) in facts.items():
+        assert (convention.holds_k_transform, convention.per_head) == (k_transform, per_head)
+        assert convention.scale_names == names
+        assert convention.scale_shape("per-tensor", 4) == tensor
+        if head is not None:
+            assert convention.scale_shape("per-head", 4) == head
+    # configs of its own: Quark's (post-RoPE, its MSE observer after a search), none elsewhere
+    assert [c for c in Convention if c.own_config("minmax") is not None] == [Convention.QUARK]
+    quark = Convention.QUARK.own_config("mse")
+    assert quark is not None and quark["kv_cache_post_rope"] is True
+    observers = {
+        entry["output_tensors"]["observer_cls"]
+        for group in ("layer_quant_config", "kv_cache_quant_config")
+        for entry in quark[group].values()
+    }
+    assert observers == {"PerTensorMSEObserver"}
+    assert "MSE" not in json.dumps(Convention.QUARK.own_config("minmax"))
+    # a copy of unquantized weights: ModelOpt's config names its producer, the others none
+    bare = Convention.MODELOPT.bare_config({"producer": {"name": "modelopt", "version": "0.1"}})
+    assert bare is not None and bare["quant_method"] == "modelopt"
+    assert bare["producer"] == {"name": "modelopt", "version": "0.1"}
+    assert [c for c in Convention if c.bare_config(None) is not None] == [Convention.MODELOPT]

@@ -60,10 +60,10 @@ def test_doctor_shows_the_format_and_global_scale_per_layer(tmp_path: Path) -> N
     assert report.ok
     assert report.summary.startswith("would load with fp8/nvfp4 (the checkpoint's per-layer")
     text = report.render()
-    assert "kv format:  layer 0: K FP8 (scale below), V FP8 (scale below)" in text
+    assert "4-bit kv:   layer 0: K FP8 (scale below), V FP8 (scale below)" in text
     g = 6.0 / 2688  # layer 1's K amax is 6
-    assert f"kv format:  layer 1: K NVFP4 g={g:.4g}" in text
-    rows = report.to_dict()["kv_formats"]
+    assert f"4-bit kv:   layer 1: K NVFP4 g={g:.4g}" in text
+    rows = report.to_dict()["checkpoint_kv_formats"]
     assert rows[1]["k"] == "nvfp4" and rows[1]["k_global_scale"] == pytest.approx([g])
 
 
@@ -135,9 +135,9 @@ def test_kvquant_doctor_prints_the_formats(
     root = write_fp4_checkpoint(tmp_path, "compressed-tensors", weights="none")
     assert main(["doctor", str(root)]) == 0
     out = capsys.readouterr().out
-    assert f"kv format:  layer 0: K NVFP4 g={3.0 / 2688:.4g}, V NVFP4 g={2.0 / 2688:.4g}" in out
+    assert f"4-bit kv:   layer 0: K NVFP4 g={3.0 / 2688:.4g}, V NVFP4 g={2.0 / 2688:.4g}" in out
     assert main(["doctor", str(root), "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["kv_formats"]
+    rows = json.loads(capsys.readouterr().out)["checkpoint_kv_formats"]
     assert [(r["k"], r["v"]) for r in rows] == [("nvfp4", "nvfp4")] * 2
 
 
@@ -146,3 +146,12 @@ def test_modelopt_config_json_alone_declares_nvfp4(tmp_path: Path) -> None:
     (root / "hf_quant_config.json").unlink()  # config.json's kv_cache_scheme: "NVFP4" remains
     found = discover_scales(root)
     assert found.kv_formats == (("nvfp4", "nvfp4"),) * 2 and not found.has_errors
+
+
+def test_doctor_with_another_kv_format_says_what_patch_refuses(tmp_path: Path) -> None:
+    root = write_fp4_checkpoint(tmp_path, "modelopt-mixed", weights="none")
+    assert inspect_checkpoint(root, kv_format="fp8").ok  # the default: the checkpoint's formats
+    assert inspect_checkpoint(root, kv_format={0: "fp8", "default": "nvfp4"}).ok
+    report = inspect_checkpoint(root, kv_format="nvfp4")
+    assert not report.ok
+    assert any("kv_format gives layer(s) [0] ['nvfp4']" in p for p in report.problems)

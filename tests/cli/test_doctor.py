@@ -374,3 +374,31 @@ def test_a_healthy_row_of_a_rejected_layer_gives_its_own_reason(tmp_path: Path) 
     assert "not a number" not in k_row.reason and "v_proj.v_scale" not in k_row.reason
     assert "fine on its own" in k_row.reason and "its V scale" in k_row.reason
     assert report.rejected_layers == (1,)
+
+
+def test_doctor_shows_each_layers_kv_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--kv-format takes kvquant.patch's kv_format (a word or LAYER=FORMAT entries) and shows
+    each layer's format; a layer that cannot store its format rejects the checkpoint."""
+    path = _ckpt(tmp_path, convention="modelopt", num_layers=4)  # head_dim 16
+    code, out, _ = _cli(["doctor", str(path)], capsys)
+    assert code == 0 and "kv format:" not in out  # not asked
+    code, out, _ = _cli(["doctor", str(path), "--kv-format", "0=fp8,-1=fp8,default=nvfp4"], capsys)
+    assert code == 0
+    assert "kv format:  fp8: layers 0, 3; nvfp4: layers 1-2\n" in out
+    code, out, _ = _cli(["doctor", str(path), "--kv-format", "mxfp4", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 1 and data["kv_formats"] == ["mxfp4"] * 4
+    assert "layer 0: kv_format 'mxfp4' stores one scale per block of 32" in data["problems"][0]
+    # fp8-k-nvfp4-v keeps the static K scale: refused where the scales resolve to fp32-group
+    dynamic = ["--scale-format", "fp32-group", "--kv-format", "1=fp8-k-nvfp4-v,default=fp8"]
+    code, out, _ = _cli(["doctor", str(path), *dynamic], capsys)
+    assert code == 1 and "layer 1: kv_format 'fp8-k-nvfp4-v' stores K in FP8" in out
+    for bad, why in (("5=fp8", "names layer 5, but the model has 4 layers"),
+                     ("0=fp8", "no format for layers 1-3"), ("0=fp8,nvfp4", "not LAYER=FORMAT"),
+                     ("bf16", "no unquantized layer")):  # fmt: skip
+        code, _, err = _cli(["doctor", str(path), "--kv-format", bad], capsys)
+        assert code == 2 and why in err, err
+    report = inspect_checkpoint(path, kv_format={0: "fp8", "default": "nvfp4"})
+    assert report.ok and report.layer_formats == ("fp8", "nvfp4", "nvfp4", "nvfp4")

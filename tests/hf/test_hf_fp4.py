@@ -46,7 +46,7 @@ def _fake_quant(x: torch.Tensor, fmt: str, k_scale: torch.Tensor | None = None) 
         back = quantize_fp8(t, k_scale, torch.float8_e4m3fn).float() * k_scale
     else:
         f = NVFP4 if fmt == "nvfp4" else MXFP4
-        g = torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE) if f.global_scale else None
+        g = torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE, device=x.device) if f.global_scale else None
         back = dequantize_fp4(*quantize_fp4(t, f, g), f, g)
     return back.transpose(1, 2).to(x.dtype)
 
@@ -74,9 +74,11 @@ FORMATS = {"nvfp4": ("nvfp4", "nvfp4"), "mxfp4": ("mxfp4", "mxfp4"),
 def test_patched_decode_matches_a_quantize_dequantize_simulation(
     kv_format: str, backend: str
 ) -> None:
-    model = _tiny()
-    ids, mask = prompt(batch=2, length=10, pad=(3,))
-    cont = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    # Triton runs on CPU tensors only in its interpreter (set when no GPU is present)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    model = _tiny().to(dev)
+    ids, mask = (t.to(dev) for t in prompt(batch=2, length=10, pad=(3,)))
+    cont = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2)).to(dev)
     plain, _ = step_logits(model, ids, mask, cont)
     # fp8-k-nvfp4-v needs static K scales: unit scales (tiny K is well inside FP8's range)
     extra = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
@@ -88,7 +90,7 @@ def test_patched_decode_matches_a_quantize_dequantize_simulation(
     assert layer.v_pages.dtype == torch.uint8 and layer.v_pages.shape[-1] == 16
     handle.remove()
     k_fmt, v_fmt = FORMATS[kv_format]
-    _register_simulation(k_fmt, v_fmt, torch.tensor(1.0))
+    _register_simulation(k_fmt, v_fmt, torch.tensor(1.0, device=dev))
     model.set_attn_implementation(SIM)
     sim, _ = step_logits(model, ids, mask, cont)
     model.set_attn_implementation("sdpa")
@@ -179,8 +181,8 @@ def test_static_decode_step_equals_the_eager_one(kv_format: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])
 def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
-    """On CUDA (bf16, Triton, decode graphs and the compiled step on by default): the tokens
-    of eager decoding, and logits close to the torch backend's."""
+    """On CUDA (bf16, Triton, decode graphs and the compiled step on by default): logits
+    close to the torch backend's and to eager decoding's over every common prefix."""
     ids, mask = (t.cuda() for t in prompt(batch=2, length=10, pad=(3,)))
     extra = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
     outs = []
@@ -188,10 +190,14 @@ def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
         model = _tiny().to("cuda", torch.bfloat16)
         kvhf.patch(model, kv_format=kv_format, **opts, **extra)
         outs.append(_generate(model, ids, mask))
-    for out in outs[1:]:
-        for a, b in zip(out.logits, outs[0].logits, strict=True):
+    # logits over the same prefix: up to the first step whose token differs (bf16 rounds
+    # differently in the two backends and in the compiled step; a near tie may flip a token
+    # of this random model)
+    for out, ref in ((outs[1], outs[0]), (outs[2], outs[0]), (outs[2], outs[1])):
+        same = (out.sequences == ref.sequences).all(dim=0)[ids.shape[1] :]
+        steps = int(same.long().cumprod(0).sum()) + 1
+        for a, b in list(zip(out.logits, ref.logits, strict=True))[:steps]:
             assert float((a.float() - b.float()).abs().max()) < 5e-2
-    assert torch.equal(outs[1].sequences, outs[2].sequences)
 
 
 @pytest.mark.gpu

@@ -154,7 +154,10 @@ def test_from_pretrained_uses_the_checkpoint_global_scales(tmp_path: Path, case:
 def test_a_4bit_kv_format_must_be_the_checkpoint_one(tmp_path: Path) -> None:
     root = _checkpoint(tmp_path, "modelopt-mixed")
     model = _plain(root)
-    with pytest.raises(OptionError, match="kv_format='nvfp4', but the checkpoint stores"):
+    with pytest.raises(
+        OptionError,
+        match=r"kv_format gives layer\(s\) \[0\] \['nvfp4'\], but the checkpoint stores them as \['fp8'\]",
+    ):
         kvhf.patch(model, scales=root, kv_format="nvfp4")
     assert model.config._attn_implementation == "sdpa"
     handle = kvhf.patch(kvhf_model := _plain(_checkpoint(tmp_path / "u", "modelopt")),

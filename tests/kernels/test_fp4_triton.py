@@ -26,7 +26,7 @@ from kvquant.kernels.fp4 import (
     e8m0_decode,
     quantize_fp4,
 )
-from kvquant.kernels.fp4_triton import e2m1_code, e2m1_value, e4m3_code, e4m3_value, e8m0_value
+from kvquant.kernels.fp4_triton import e2m1_code, e4m3_code, e4m3_value, e8m0_value
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,10 +42,9 @@ def _codes_kernel(x_ptr, e2m1_ptr, e4m3_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _values_kernel(code_ptr, e2m1_ptr, e4m3_ptr, e8m0_ptr, BLOCK: tl.constexpr):
+def _values_kernel(code_ptr, e4m3_ptr, e8m0_ptr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     c = tl.load(code_ptr + i)
-    tl.store(e2m1_ptr + i, e2m1_value(c))
     tl.store(e4m3_ptr + i, e4m3_value(c & 0x7F))
     tl.store(e8m0_ptr + i, e8m0_value(c))
 
@@ -77,10 +76,8 @@ def test_encoders_match_torch_on_sweeps_ties_and_every_e4m3_neighbour() -> None:
 
 def test_decoders_match_torch_for_every_code() -> None:
     codes = torch.arange(256, dtype=torch.int32)
-    e2m1, e4m3, e8m0 = (torch.empty(256, device=DEV) for _ in range(3))
-    _values_kernel[(1,)](codes.to(DEV), e2m1, e4m3, e8m0, BLOCK=256)
-    assert torch.equal(e2m1.cpu(), e2m1_decode(codes.to(torch.uint8)))
-    assert torch.equal(torch.signbit(e2m1.cpu()), torch.signbit(e2m1_decode(codes.to(torch.uint8))))
+    e4m3, e8m0 = (torch.empty(256, device=DEV) for _ in range(2))
+    _values_kernel[(1,)](codes.to(DEV), e4m3, e8m0, BLOCK=256)
     want = (codes & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn).float()
     assert torch.equal(torch.nan_to_num(e4m3.cpu(), 7.0), torch.nan_to_num(want, 7.0))
     assert torch.equal(e4m3.cpu().isnan(), want.isnan())
@@ -133,3 +130,21 @@ def test_tile_matches_the_reference_dequantization(fmt: Fp4Format) -> None:
     assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     assert out.cpu()[:, n_tok:].isnan().all()  # rows past the tokens are never stored
+
+
+def test_tile_decodes_every_byte_to_its_two_e2m1_values() -> None:
+    """Bytes 0..255 (every pair of codes, -0.0 included) under a block scale of 1.0."""
+    d, rows = 64, 8  # 32 bytes per row
+    pages = torch.arange(256, dtype=torch.uint8).reshape(rows, 1, 1, d // 2)
+    scales = torch.full((rows, 1, 1, d // 16), 0x38, dtype=torch.uint8)  # e4m3 1.0
+    out = torch.full((1, rows, d), float("nan"), device=DEV)
+    _tile_kernel[(1,)](
+        pages.to(DEV), scales.to(DEV), torch.arange(rows, dtype=torch.int32, device=DEV),
+        torch.ones(1, device=DEV), out, rows, 1, *pages.stride()[:3], *scales.stride()[:3], 0,
+        D=d, BLOCK=16, BLOCK_N=rows, NVFP4=True,
+    )  # fmt: skip
+    b = torch.arange(256, dtype=torch.uint8)
+    want = torch.stack([e2m1_decode(b & 0xF), e2m1_decode(b >> 4)], dim=-1).reshape(rows, d)
+    got = out.cpu()[0]
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))

@@ -55,6 +55,17 @@ class DequantArgs:
     k_rotation: torch.Tensor | None = None
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (``cuda`` is the current CUDA device)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is not None and b.index is not None):
+        return a == b
+    return (a.index if a.index is not None else torch.cuda.current_device()) == (
+        b.index if b.index is not None else torch.cuda.current_device()
+    )
+
+
 class PagedLayerStorage:
     """One attention layer's FP8 K/V pages and their scales, and the kernel calls on them.
 
@@ -311,7 +322,7 @@ class PagedLayerStorage:
                 not isinstance(t, torch.Tensor)
                 or tuple(t.shape) != wshape
                 or t.dtype != wdtype
-                or t.device != self.device
+                or not _same_device(t.device, self.device)
             ):
                 found = (
                     f"{tuple(t.shape)} {t.dtype} on {t.device}"

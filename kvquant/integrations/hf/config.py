@@ -20,13 +20,14 @@ from kvquant.cache import MAX_PAGE_SIZE
 from kvquant.choices import (
     Backend,
     KVFormat,
+    KVFormatMap,
     MissingKV,
     MissingScales,
     RopePolicy,
+    check_kv_format,
     coerce_choice,
-    parse_choice,
 )
-from kvquant.errors import OptionError, OptionTypeError
+from kvquant.errors import KVQuantError, OptionError, OptionTypeError
 from kvquant.kernels.backend import BACKENDS
 from kvquant.registry.options import ResolveOptions
 
@@ -38,6 +39,7 @@ __all__ = [
     "check_config_version",
     "check_option_names",
     "check_options",
+    "coerce_kv_format",
 ]
 
 
@@ -59,7 +61,9 @@ class PatchOptions:
         compile_step: None (auto), True or False.
         prefill_tokens: the most tokens one prefill forward processes: ``"auto"``,
             an int or None.
-        kv_format: how K and V are stored (:class:`~kvquant.choices.KVFormat`).
+        kv_format: how K and V are stored: a :class:`~kvquant.choices.KVFormat`, or a
+            per-layer map ``{layer index or "default": KVFormat}``
+            (:func:`~kvquant.choices.layer_kv_formats` gives each layer's).
         source: a description of where the scales came from (not an option).
     """
 
@@ -75,7 +79,7 @@ class PatchOptions:
     cuda_graphs: bool | None
     compile_step: bool | None
     prefill_tokens: int | str | None
-    kv_format: str = "fp8"
+    kv_format: str | KVFormatMap = "fp8"
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -85,9 +89,9 @@ class PatchOptions:
             ("missing_scales", MissingScales),
             ("missing_kv", MissingKV),
             ("rope_policy", RopePolicy),
-            ("kv_format", KVFormat),
         ):
             object.__setattr__(self, name, coerce_choice(kind, getattr(self, name)))
+        object.__setattr__(self, "kv_format", coerce_kv_format(self.kv_format))
 
     @property
     def resolve_options(self) -> ResolveOptions:
@@ -110,6 +114,15 @@ saved without one is version 1."""
 
 SAVED_KEYS = frozenset({"quant_method", "config_version"})
 """Keys of a saved config that are not options (``save_pretrained`` writes them)."""
+
+
+def coerce_kv_format(value: Any) -> Any:
+    """``value`` as :func:`~kvquant.choices.check_kv_format` returns it where it accepts it;
+    otherwise unchanged (for :func:`check_options`, which words the error)."""
+    try:
+        return check_kv_format(value, "kv_format")
+    except KVQuantError:
+        return value
 
 
 def check_config_version(saved: Mapping[str, Any], owner: str) -> None:
@@ -189,22 +202,24 @@ def check_options(opts: PatchOptions, owner: str = "KVQuantConfig") -> None:
             "only in the decode-graph step. Fix: pass cuda_graphs=None (or True) with "
             "compile_step=True, or compile_step=None."
         )
-    fmt = parse_choice(KVFormat, opts.kv_format)
-    if fmt is None:
-        raise OptionError(
-            f"{owner}: kv_format={opts.kv_format!r}; expected one of {KVFormat.values()}. "
-            "Fix: pass kv_format='fp8' (the default) or a 4-bit format such as 'nvfp4'."
+    checked = check_kv_format(opts.kv_format, owner)
+    used = set(checked.values()) if isinstance(checked, dict) else {checked}
+    if used <= {KVFormat.NVFP4, KVFormat.MXFP4}:  # no layer reads scales or groups
+        words = "/".join(sorted(str(f) for f in used))
+        given = (
+            f"kv_format={words!r}"
+            if not isinstance(checked, dict)
+            else f"kv_format (every layer {words})"
         )
-    if fmt in (KVFormat.NVFP4, KVFormat.MXFP4):
         if opts.group_size is not None:
             raise OptionError(
-                f"{owner}: group_size={opts.group_size} with kv_format={fmt.value!r}, whose "
+                f"{owner}: group_size={opts.group_size} with {given}, whose "
                 "scale blocks are fixed (16 channels for nvfp4, 32 for mxfp4). Fix: drop "
                 "group_size (it sizes the FP8 fp32-group format)."
             )
         if opts.scale_format != "auto":
             raise OptionError(
-                f"{owner}: scale_format={opts.scale_format!r} with kv_format={fmt.value!r}, "
+                f"{owner}: scale_format={opts.scale_format!r} with {given}, "
                 "which computes its scales as tokens are written and reads none. Fix: drop "
                 "scale_format, or pass kv_format='fp8'."
             )

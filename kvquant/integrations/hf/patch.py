@@ -21,7 +21,7 @@ from torch import nn
 
 from kvquant.cache import release_library_workspaces
 from kvquant.checkpoint.producers import NO_PRODUCER
-from kvquant.choices import KVFormat
+from kvquant.choices import KVFormat, describe_layer_formats, layer_kv_formats
 from kvquant.errors import (
     OptionError,
     OptionTypeError,
@@ -256,13 +256,13 @@ def apply_patch(
     state.handle = handle
     _logger.info(_decision_line(model, state))
     param = next(model.parameters(), None)
-    four_bit = any(issubclass(s.scheme, Fp4Scales) for s in state.layer_specs)
-    if four_bit and param is not None and param.is_cuda:
+    formats = _stored_formats(state)
+    if set(formats) != {KVFormat.FP8} and param is not None and param.is_cuda:
         _logger.warning(
-            "kvquant.patch: kv_format=%r is experimental on CUDA: its decode is slower than "
+            "kvquant.patch: kv_format %s is experimental on CUDA: 4-bit decode is slower than "
             "FP8's and not every GPU test of the 4-bit path passes yet. Fix: kv_format='fp8' "
             "(the default) for speed.",
-            "/".join(sorted({s.granularity for s in state.layer_specs})),
+            describe_layer_formats(formats),
         )
     return handle
 
@@ -291,10 +291,17 @@ def _check_graphs(model: nn.Module, opts: PatchOptions, sites: list[AttentionSit
         )
 
 
+def _stored_formats(state: PatchState) -> tuple[KVFormat, ...]:
+    """Each layer's format as its spec stores it (a checkpoint's 4-bit layers included)."""
+    return tuple(
+        KVFormat(s.granularity) if issubclass(s.scheme, Fp4Scales) else KVFormat.FP8
+        for s in state.layer_specs
+    )
+
+
 def _decision_line(model: nn.Module, state: PatchState) -> str:
     """The one INFO line :func:`patch` logs: what was found, the format, backend, cache sizing."""
     opts = state.options
-    grans = "/".join(sorted({s.granularity for s in state.layer_specs}))
     found = state.raw_context.get("discovered")
     producer = getattr(found, "producer", None)
     source = opts.source or "none"
@@ -328,12 +335,19 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     if state.rank_specs is not None:
         mine, whole = state.rank_specs[0].num_kv_heads, state.layer_specs[0].num_kv_heads
         shard = f" (tensor parallel: this rank caches {mine} of the {whole} KV heads of a layer)"
-    kv = f"FP8 KV with {grans} scales (from {source})"
+    formats = layer_kv_formats(opts.kv_format, len(state.layer_specs), "kvquant.patch")
+    fp8 = [s.granularity for s, f in zip(state.layer_specs, formats, strict=True) if f == "fp8"]
+    kv = f"FP8 KV with {'/'.join(sorted(set(fp8)))} scales (from {source})"
+    if set(formats) != {KVFormat.FP8}:
+        kv = f"KV formats {describe_layer_formats(formats)} (4-bit scales computed on write"
+        if KVFormat.FP8 in formats or KVFormat.FP8_K_NVFP4_V in formats:
+            kv += f"; FP8 scales from {source}"
+        kv += ")"
     if getattr(state.model_scales, "fp4_layers", None):
-        kv = f"{grans} KV with the checkpoint's global scales (from {source})"
-    elif opts.kv_format != KVFormat.FP8:
-        kv = f"{opts.kv_format} KV (scales computed on write"
-        kv += "; K scales from " + source + ")" if opts.kv_format == KVFormat.FP8_K_NVFP4_V else ")"
+        kv = (
+            f"KV formats {describe_layer_formats(_stored_formats(state))} (the checkpoint's "
+            f"NVFP4 global scales; FP8 scales from {source})"
+        )
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers{shard}, {kv}; "
         f"backend {backend}; cache: {sizing}; "
@@ -430,6 +444,7 @@ def patch(
                     "attribute of the model; kvquant installs its scale buffer under that name."
                 )
     opts = _config_of(config, options).options()
+    layer_kv_formats(opts.kv_format, len(sites), "kvquant.patch")  # the map fits the layers
     if opts.backend == "triton":  # fail here, not at the first generate
         param = next(model.parameters(), None)
         resolve_backend(

@@ -3,6 +3,7 @@ the state-dict hook that loads a checkpoint's scales into them in any producer's
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from kvquant.integrations.hf.forward_wrappers import module_device
 from kvquant.integrations.hf.marks import MISSING
 from kvquant.integrations.hf.routing import PatchBound
 from kvquant.integrations.hf.state import PatchState
+from kvquant.schemes import Fp4Scales
 
 __all__ = [
     "ScaleLoad",
@@ -64,6 +66,21 @@ def _canonical_buffers(spec: LayerSpec) -> tuple[tuple[str, torch.Tensor | None]
     return out
 
 
+def _held_specs(state: PatchState) -> list[LayerSpec]:
+    """The layers' specs as their attention modules hold (and save) scales: a 4-bit layer holds
+    the FP8 scales the registry resolved for it (none where they are dynamic), not its storage's
+    fixed NVFP4 global scale, so that a saved model resolves the same scales for every layer
+    again, whatever format each layer stores (the saved config's ``kv_format`` says which)."""
+    held = []
+    for spec, ls in zip(state.layer_specs, state.model_scales.layers, strict=True):
+        if issubclass(spec.scheme, Fp4Scales):
+            k = None if ls.k is None else ls.k.detach().to("cpu", torch.float32)
+            v = None if ls.v is None else ls.v.detach().to("cpu", torch.float32)
+            spec = replace(spec, k_scale=k, v_scale=v, k_offset=None)
+        held.append(spec)
+    return held
+
+
 class ScaleLoad(PatchBound):
     """``load_state_dict`` pre-hook of the model: its kvquant scale buffers keep the patch's values.
 
@@ -86,7 +103,7 @@ class ScaleLoad(PatchBound):
         if not self.active():
             return
         names = {id(m): n for n, m in module.named_modules()}
-        for site, spec in zip(self.state.sites, self.state.layer_specs, strict=True):
+        for site, spec in zip(self.state.sites, _held_specs(self.state), strict=True):
             if id(site.module) not in names:
                 continue
             for attr, value in _canonical_buffers(spec):
@@ -123,7 +140,9 @@ class ScaleLoad(PatchBound):
 
 
 def install_scales(state: PatchState) -> None:
-    for site, spec in zip(state.sites, state.layer_specs, strict=True):
+    """Install each layer's canonical scales as buffers of its attention module (undone through
+    ``state.saved_attrs`` and ``state.handles``)."""
+    for site, spec in zip(state.sites, _held_specs(state), strict=True):
         mod = site.module
         for attr, value in _canonical_buffers(spec):
             prev: Any = MISSING

@@ -4,7 +4,7 @@ through the registry into one :class:`~kvquant.integrations.hf.cache_layer.Layer
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, cast
@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kvquant.choices import KVFormat
+from kvquant.choices import KVFormat, layer_kv_formats
 from kvquant.errors import (
     OptionError,
     OptionTypeError,
@@ -24,7 +24,7 @@ from kvquant.integrations.hf.config import PatchOptions
 from kvquant.integrations.hf.models import (
     AttentionSite,
 )
-from kvquant.registry.fp4 import Fp4Layer, resolve_fp4_raws
+from kvquant.registry.fp4 import Fp4Layer, format_mismatch, resolve_fp4_raws
 from kvquant.schemes import (
     DYNAMIC_NVFP4_GLOBAL_SCALE,
     Fp4Scales,
@@ -260,46 +260,45 @@ def layer_specs(
     sites: list[AttentionSite],
     geometry: LayerGeometry,
     model_scales: Any,
-    kv_format: str = KVFormat.FP8,
+    kv_format: str | Mapping[int | str, str] = KVFormat.FP8,
 ) -> list[LayerSpec]:
     """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
 
-    A 4-bit ``kv_format`` replaces each layer's FP8 format (:func:`fp4_spec`); a checkpoint
-    that declares 4-bit layers gives them its formats and global scales
-    (:func:`checkpoint_fp4_specs`).
+    A 4-bit format replaces its layer's FP8 format (:func:`fp4_spec`); a per-layer map gives
+    each layer its own (:func:`~kvquant.choices.layer_kv_formats`); a checkpoint that declares
+    4-bit layers gives them its formats and global scales (:func:`checkpoint_fp4_specs`).
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
-        OptionError: ``fp8-k-nvfp4-v`` for a layer without static K scales.
+        OptionError: a map that does not fit the model's layers; ``fp8-k-nvfp4-v`` for a
+            layer without static K scales.
     """
     specs = _fp8_specs(sites, geometry, model_scales)
+    formats = layer_kv_formats(kv_format, len(specs), "kvquant.patch")
     declared = getattr(model_scales, "fp4_layers", None)
     if declared:
-        return checkpoint_fp4_specs(specs, declared, kv_format)
-    if kv_format == KVFormat.FP8:
-        return specs
-    return [fp4_spec(spec, kv_format) for spec in specs]
+        return checkpoint_fp4_specs(specs, declared, formats)
+    return [
+        spec if fmt == KVFormat.FP8 else fp4_spec(spec, fmt)
+        for spec, fmt in zip(specs, formats, strict=True)
+    ]
 
 
 def checkpoint_fp4_specs(
-    specs: list[LayerSpec], declared: Mapping[int, Fp4Layer], kv_format: str
+    specs: list[LayerSpec], declared: Mapping[int, Fp4Layer], formats: Sequence[str]
 ) -> list[LayerSpec]:
     """``specs`` in the 4-bit formats a checkpoint declares, with its NVFP4 global scales.
 
-    ``kv_format="fp8"`` (the default) follows the checkpoint layer by layer (its FP8 layers
-    stay FP8); a 4-bit ``kv_format`` must be the one format the checkpoint declares.
+    ``formats`` (each layer's ``kv_format``) all ``"fp8"`` (the default) follows the checkpoint
+    layer by layer (its FP8 layers stay FP8); else they must be the checkpoint's own formats.
 
     Raises:
-        OptionError: a 4-bit ``kv_format`` other than the checkpoint's, or a head_dim its
-            block does not divide.
+        OptionError: formats other than the checkpoint's (:func:`~kvquant.registry.fp4.format_mismatch`),
+            or a head_dim a block does not divide.
     """
-    formats = {declared[i].kv_format if i in declared else "fp8" for i in range(len(specs))}
-    if kv_format != KVFormat.FP8 and formats != {str(kv_format)}:
-        raise OptionError(
-            f"kv_format={str(kv_format)!r}, but the checkpoint stores its KV cache as "
-            f"{', '.join(sorted(formats))} with its own NVFP4 global scales. Fix: leave "
-            "kv_format unset (the checkpoint's formats, layer by layer)."
-        )
+    mismatch = format_mismatch(formats, declared)
+    if mismatch is not None:
+        raise OptionError(f"kvquant.patch: {mismatch}")
     out = []
     for i, spec in enumerate(specs):
         layer = declared.get(i)

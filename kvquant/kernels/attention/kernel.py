@@ -139,7 +139,6 @@ def paged_attn_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
-    TP: tl.constexpr,
     V_RUNS_DENSE: tl.constexpr,
     SCALE_RUNS_DENSE: tl.constexpr,
     FOLD: tl.constexpr,
@@ -172,6 +171,9 @@ def paged_attn_kernel(
     HAS_ROT: tl.constexpr = rot_ptr is not None
     HAS_OFF: tl.constexpr = off_ptr is not None
     HAS_FIRST: tl.constexpr = fk_ptr is not None
+    # keys per run of a tile inside one page: gcd(PAGE, BLOCK_N), BLOCK_N a power of two
+    PAGE_POW2: tl.constexpr = PAGE & -PAGE  # the largest power of two dividing PAGE
+    TP: tl.constexpr = PAGE_POW2 if PAGE_POW2 < BLOCK_N else BLOCK_N
     if PDL:
         gdc_wait()  # programmatic dependent launch: the previous kernel's writes are visible
     pid0 = tl.program_id(0)

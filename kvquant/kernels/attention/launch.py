@@ -198,7 +198,8 @@ def _constexprs(
     page_size, hkv, d = k_pages.shape[1], k_pages.shape[2], query.shape[3]
     kg, vg = opt["k_group_scales"], opt["v_group_scales"]
     ng = kg.shape[-1] if kg is not None else 1
-    # keys per run of a tile that stays inside one page (tiles start at multiples of it)
+    # keys per run of a tile that stays inside one page (the kernel's TP; tiles start at
+    # multiples of it)
     tp = math.gcd(page_size, tiles.BLOCK_N)
     pdl = _supports_pdl(query.device) and bool(config.get("PDL", True))
     return {
@@ -208,7 +209,6 @@ def _constexprs(
         "BLOCK_N": tiles.BLOCK_N,
         "HEAD_D": d,
         "PAGE": page_size,
-        "TP": tp,
         # V stored keys-fastest with runs of whole pages: a run's [D, TP] block is contiguous
         "V_RUNS_DENSE": v_pages.stride(1) == 1 and v_pages.stride(3) == tp,
         # group scales stored head-major: a run's [TP, NG] scales are contiguous. Loaded so

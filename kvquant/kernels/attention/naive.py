@@ -18,7 +18,7 @@ import torch
 
 from kvquant.kernels.fp4 import dequantize_fp4
 from kvquant.kernels.fp8 import dequantize_stored, gather_kv
-from kvquant.schemes import CAUSAL, FirstTokens, Fp4Format, Mask, Pages, Scheme
+from kvquant.schemes import CAUSAL, FirstTokens, Fp4Format, KernelView, Mask, Pages, Scheme
 
 __all__ = ["paged_attention_reference"]
 
@@ -89,61 +89,29 @@ def paged_attention_reference(
         output, whatever it holds.
     """
     view = scheme.kernel_view()
-    q_lens, kv_start, causal = mask.q_lens, mask.kv_start, mask.causal
-    softcap, window, sinks = mask.softcap, mask.window, mask.sinks
-    k_pages, v_pages = pages.k, pages.v
     bsz, lq, hq, d = query.shape
-    hkv = k_pages.shape[2]
-    group = hq // hkv
+    group = hq // pages.k.shape[2]
     result = torch.zeros(bsz, lq, hq, d, dtype=torch.float32, device=query.device)
     seq_cpu = seq_lens.tolist()
-    qlen_cpu = q_lens.tolist() if q_lens is not None else [lq] * bsz
-    start_cpu = kv_start.tolist() if kv_start is not None else [0] * bsz
+    qlen_cpu = mask.q_lens.tolist() if mask.q_lens is not None else [lq] * bsz
+    start_cpu = mask.kv_start.tolist() if mask.kv_start is not None else [0] * bsz
     first_cpu = first.lens.tolist() if first is not None else [0] * bsz
     for b in range(bsz):
         n, nq = int(seq_cpu[b]), int(qlen_cpu[b])
         if n == 0 or nq == 0:
             continue
-        # gather this sequence's tokens first, then dequantize only those (K in the rotated
-        # frame: code * s + c)
-        k, v = (
-            _sequence(x, scales, static, fmt, offset, block_tables, n, b)
-            for x, scales, static, fmt, offset in (
-                (k_pages, pages.k_scales, view.k_scale, view.k_fp4, view.k_offset),
-                (v_pages, pages.v_scales, view.v_scale, view.v_fp4, None),
-            )
-        )  # [n, Hkv, D]
-        nf = int(first_cpu[b])
-        if nf and first is not None:
-            # the first tokens from the full-precision side buffer, not from their slots
-            s0 = int(start_cpu[b])
-            nf = max(0, min(nf, n - s0, first.k.shape[1]))
-            k[s0 : s0 + nf] = first.k[b, :nf].float()
-            v[s0 : s0 + nf] = first.v[b, :nf].float()
+        start = int(start_cpu[b])
+        k, v = _keys_values(pages, view, block_tables, b, n, first, start, int(first_cpu[b]))
         k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[b, :nq].float()  # [nq, Hq, D]
         if view.k_rotation is not None:
             q = q @ view.k_rotation.float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        pos_q = torch.arange(n - nq, n, device=query.device)[:, None]
-        pos_k = torch.arange(n, device=query.device)[None, :]
-        visible = pos_k >= int(start_cpu[b])
-        if causal:
-            visible = visible & (pos_k <= pos_q)
-        if window > 0:
-            visible = visible & (pos_k > pos_q - window)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(scores, dim=-1)
-        else:  # softmax over [scores, sink], the sink's column dropped
-            sink = sinks.float()[:, None, None].expand(-1, nq, 1)
-            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        # A row that sees no key is all -inf (softmax gives NaN): it outputs zeros. A NaN
-        # stored in a visible key or value still propagates to the output.
-        probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)
+        if mask.softcap > 0:
+            scores = mask.softcap * torch.tanh(scores / mask.softcap)
+        visible = _visible(mask, n, nq, start, query.device)
+        probs = _probabilities(scores, visible, mask.sinks)
         # A key no query of the call sees (before kv_start, behind every window) never reaches
         # the output, whatever its slot holds: 0 * NaN would be NaN. (A key that some query of
         # the call sees enters the product; a non-finite value there reaches the rows of
@@ -154,3 +122,62 @@ def paged_attention_reference(
         return result.to(query.dtype)
     out.copy_(result)
     return out
+
+
+def _keys_values(
+    pages: Pages,
+    view: KernelView,
+    block_tables: torch.Tensor,
+    b: int,
+    n: int,
+    first: FirstTokens | None,
+    start: int,
+    nf: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[n, Hkv, D]`` keys (rotated frame: ``code * s + c``) and values of sequence ``b``.
+
+    Gathers this sequence's tokens first, then dequantizes only those; the first tokens
+    (``nf`` keys from key ``start`` on) come from the full-precision side buffer, not from
+    their slots.
+    """
+    k, v = (
+        _sequence(x, scales, static, fmt, offset, block_tables, n, b)
+        for x, scales, static, fmt, offset in (
+            (pages.k, pages.k_scales, view.k_scale, view.k_fp4, view.k_offset),
+            (pages.v, pages.v_scales, view.v_scale, view.v_fp4, None),
+        )
+    )
+    if nf and first is not None:
+        nf = max(0, min(nf, n - start, first.k.shape[1]))
+        k[start : start + nf] = first.k[b, :nf].float()
+        v[start : start + nf] = first.v[b, :nf].float()
+    return k, v
+
+
+def _visible(mask: Mask, n: int, nq: int, start: int, device: torch.device) -> torch.Tensor:
+    """bool ``[nq, n]``: which of a sequence's ``n`` keys each of its ``nq`` newest queries sees."""
+    pos_q = torch.arange(n - nq, n, device=device)[:, None]
+    pos_k = torch.arange(n, device=device)[None, :]
+    visible = pos_k >= start
+    if mask.causal:
+        visible = visible & (pos_k <= pos_q)
+    if mask.window > 0:
+        visible = visible & (pos_k > pos_q - mask.window)
+    return visible
+
+
+def _probabilities(
+    scores: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax ``[Hq, nq, n]`` of the visible ``scores`` (with each head's sink term, if any).
+
+    A row that sees no key is all -inf (softmax gives NaN): it gets zeros. A NaN stored in a
+    visible key or value still propagates to the output.
+    """
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax over [scores, sink], the sink's column dropped
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels.write.kernel import write_kv_kernel
-from kvquant.schemes import Pages, Scheme
+from kvquant.schemes import KernelView, Pages, Scheme
 
 __all__ = ["is_interpreted", "write_kv_triton"]
 
@@ -58,6 +59,51 @@ def _static_stride(s: torch.Tensor) -> int:
     return 0 if s.dim() == 0 else int(s.stride(0))
 
 
+class _ScaleArgs(NamedTuple):
+    """The write kernel's scale arguments: static or group scales (the other side's unread)."""
+
+    ng: int  # groups per head (1 with static scales)
+    pointers: tuple[torch.Tensor, ...]  # K and V static scales, then K and V group scales
+    static_strides: tuple[int, int]
+    group_strides: tuple[int, ...]  # K's (page, slot, head), then V's
+
+
+def _scale_args(pages: Pages, view: KernelView, name: str) -> _ScaleArgs:
+    """Unpack the scheme's static scales, or the pages' group scales, into kernel arguments."""
+    k_scale, v_scale = view.k_scale, view.v_scale
+    if view.group_size is not None and pages.k_scales is not None and pages.v_scales is not None:
+        return _ScaleArgs(
+            int(pages.k_scales.shape[-1]),
+            (pages.k, pages.v, pages.k_scales, pages.v_scales),
+            (0, 0),
+            (*pages.k_scales.stride()[:3], *pages.v_scales.stride()[:3]),
+        )
+    if k_scale is not None and v_scale is not None:
+        return _ScaleArgs(
+            1,
+            (k_scale, v_scale, pages.k, pages.v),
+            (_static_stride(k_scale), _static_stride(v_scale)),
+            (0,) * 6,
+        )
+    raise KernelInputError(
+        f"write_kv_triton: a {name!r} scheme without static scales and pages without "
+        "group scales; expected one. Fix: call kvquant.kernels.write_kv (it validates)."
+    )
+
+
+def _transform_args(
+    view: KernelView, k_pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """The K transform's rotation and offset pointers and strides (absent: unread pointers)."""
+    rot, off = view.k_rotation, view.k_offset
+    return (
+        rot if rot is not None else k_pages,
+        off if off is not None else k_pages,
+        rot.stride() if rot is not None else (0, 0),
+        off.stride() if off is not None else (0, 0),
+    )
+
+
 def write_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -84,36 +130,11 @@ def write_kv_triton(
         return
     view = scheme.kernel_view()
     k_pages, v_pages = pages.k, pages.v
-    k_scale, v_scale, k_offset, k_rotation = (
-        view.k_scale,
-        view.v_scale,
-        view.k_offset,
-        view.k_rotation,
-    )
+    k_rotation = view.k_rotation
     num_pages, page_size = k_pages.shape[0], k_pages.shape[1]
-    group = view.group_size is not None
-    if group and pages.k_scales is not None and pages.v_scales is not None:
-        ng = int(pages.k_scales.shape[-1])
-        g = d // ng
-        ks_arg, vs_arg, sks, svs = k_pages, v_pages, 0, 0
-        kg_arg, vg_arg = pages.k_scales, pages.v_scales
-        kg_strides = pages.k_scales.stride()[:3]
-        vg_strides = pages.v_scales.stride()[:3]
-    elif k_scale is not None and v_scale is not None:
-        ng, g = 1, d
-        ks_arg, vs_arg = k_scale, v_scale
-        sks, svs = _static_stride(k_scale), _static_stride(v_scale)
-        kg_arg, vg_arg = k_pages, v_pages
-        kg_strides = vg_strides = (0, 0, 0)
-    else:
-        raise KernelInputError(
-            f"write_kv_triton: a {scheme.name!r} scheme without static scales and pages without "
-            "group scales; expected one. Fix: call kvquant.kernels.write_kv (it validates)."
-        )
-    rot_arg = k_rotation if k_rotation is not None else k_pages
-    off_arg = k_offset if k_offset is not None else k_pages
-    rot_strides = k_rotation.stride() if k_rotation is not None else (0, 0)
-    off_strides = k_offset.stride() if k_offset is not None else (0, 0)
+    scales = _scale_args(pages, view, scheme.name)
+    ng, g = scales.ng, d // scales.ng
+    rot_arg, off_arg, rot_strides, off_strides = _transform_args(view, k_pages)
     block_ng, block_r, block_g, block_t = _blocks(hkv, g, ng, k_rotation is not None)
     grid = (triton.cdiv(n_tokens, block_t),)
     fp8_max = _FP8_MAX[k_pages.dtype]
@@ -127,10 +148,7 @@ def write_kv_triton(
             k_pages,
             v_pages,
             slot_mapping,
-            ks_arg,
-            vs_arg,
-            kg_arg,
-            vg_arg,
+            *scales.pointers,
             rot_arg,
             off_arg,
             n_tokens,
@@ -139,13 +157,11 @@ def write_kv_triton(
             *key.stride(),
             *value.stride(),
             *slot_mapping.stride(),
-            sks,
-            svs,
+            *scales.static_strides,
             page_size,
             *k_pages.stride(),
             *v_pages.stride(),
-            *kg_strides,
-            *vg_strides,
+            *scales.group_strides,
             *rot_strides,
             *off_strides,
             HKV=hkv,
@@ -156,9 +172,9 @@ def write_kv_triton(
             BLOCK_NG=block_ng,
             BLOCK_R=block_r,
             BLOCK_G=block_g,
-            GROUP=group,
+            GROUP=view.group_size is not None,
             FP8_MAX=fp8_max,
             HAS_ROT=k_rotation is not None,
-            HAS_OFF=k_offset is not None,
+            HAS_OFF=view.k_offset is not None,
             num_warps=4,
         )
