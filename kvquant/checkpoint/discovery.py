@@ -114,7 +114,7 @@ class DiscoveredCheckpoint:
             tensors (as stored) when the folder has both, else ``None``.
         kv_formats: the ``(K, V)`` format of each layer (``"fp8"`` / ``"nvfp4"``) when the
             configs declare a 4-bit KV cache, else ``None``; its NVFP4 global scales are
-            among :attr:`scales`, read by :func:`kvquant.registry.fp4.resolve_fp4_layers`.
+            among :attr:`scales`, read by :func:`kvquant.registry.fp4.resolve_fp4_raws`.
     """
 
     path: Path
@@ -659,6 +659,14 @@ def raw_scales_from_mapping(
     raws = raw_scales_from_state_dict(
         {k: v for k, v in mapping.items() if k != KV_TRANSFORM_FILE}, strict=where
     )
+    global_scales = [r.name for r in raws if r.name.endswith("_global_scale")]
+    if global_scales:
+        raise ScaleFormatError(
+            f"{where}[{global_scales[0]!r}] is an NVFP4 KV global scale; expected FP8 KV scales: "
+            "a mapping has no config saying which producer wrote it, and producers store "
+            "different numbers under that name. Fix: pass the checkpoint folder (scales=path), "
+            "whose config declares the NVFP4 KV cache."
+        )
     if not raws and not allow_none:
         names = sorted(str(n) for n in mapping)
         shown = f"{len(names)} name(s), e.g. {names[:3]}" if names else "an empty mapping"

@@ -155,3 +155,11 @@ def test_doctor_with_another_kv_format_says_what_patch_refuses(tmp_path: Path) -
     report = inspect_checkpoint(root, kv_format="nvfp4")
     assert not report.ok
     assert any("kv_format gives layer(s) [0] ['nvfp4']" in p for p in report.problems)
+
+
+def test_a_mapping_of_global_scales_is_refused() -> None:
+    from kvquant.checkpoint.discovery import raw_scales_from_mapping
+
+    name = "model.layers.0.self_attn.k_global_scale"
+    with pytest.raises(ScaleFormatError, match="is an NVFP4 KV global scale; expected FP8"):
+        raw_scales_from_mapping({name: torch.tensor([900.0])})
