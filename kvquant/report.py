@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -28,6 +28,8 @@ from typing import Any, cast
 from kvquant.checkpoint.discovery import DiscoveredCheckpoint, Finding, discover_scales
 from kvquant.checkpoint.files import check_path_argument
 from kvquant.choices import KVFormat, describe_layer_formats, layer_kv_formats
+from kvquant.errors import ScaleFormatError
+from kvquant.registry.fp4 import Fp4Layer, format_mismatch, resolve_fp4_raws
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
 from kvquant.schemes import Fp4Scales, StaticScales, scheme_class
@@ -70,6 +72,8 @@ class CheckpointReport:
     discovered: DiscoveredCheckpoint | None = field(default=None, repr=False)
     layer_formats: tuple[KVFormat, ...] = ()
     format_problems: tuple[str, ...] = ()
+    fp4_layers: Mapping[int, Fp4Layer] = field(default_factory=dict, repr=False)
+    fp4_problems: tuple[str, ...] = ()
 
     @property
     def granularity(self) -> str | None:
@@ -90,7 +94,7 @@ class CheckpointReport:
     def problems(self) -> tuple[str, ...]:
         """Every reason the checkpoint would be rejected (registry problems, error findings)."""
         errors = tuple(f.message for f in self.findings if f.severity == "error")
-        return (*self.scales.problems, *errors, *self.format_problems)
+        return (*self.scales.problems, *errors, *self.format_problems, *self.fp4_problems)
 
     @property
     def rejected_layers(self) -> tuple[int, ...]:
@@ -118,6 +122,10 @@ class CheckpointReport:
             gran: str = self.scales.granularity
             if self.scales.group_size:
                 gran += f" (G={self.scales.group_size})"
+            if self.checkpoint_formats:
+                words = sorted({(r["k"], r["v"]) for r in self.checkpoint_formats})
+                gran = "/".join(k if k == v else f"{k}-k-{v}-v" for k, v in words)
+                gran += " (the checkpoint's per-layer formats and global scales)"
             warnings = sum(f.severity == "warning" for f in self.findings)
             warned = f"; {warnings} warning{'s' if warnings != 1 else ''}" if warnings else ""
             return f"would load with {gran} KV scales ({actions}){warned}"
@@ -127,6 +135,8 @@ class CheckpointReport:
         errors = sorted({f.code for f in self.findings if f.severity == "error"})
         if errors:
             bits.append("checkpoint errors: " + ", ".join(errors))
+        if self.fp4_problems:
+            bits.append("4-bit global scales unusable")
         if not bits:
             bits.append(f"{len(self.problems)} problem(s)")
         return f"would NOT load: {'; '.join(bits)} ({actions})"
@@ -164,6 +174,11 @@ class CheckpointReport:
             "findings": [f.to_dict() for f in self.findings],
             "notes": list(self.notes),
             "problems": list(self.problems),
+            **(
+                {"checkpoint_kv_formats": list(self.checkpoint_formats)}
+                if self.checkpoint_formats
+                else {}
+            ),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -200,6 +215,7 @@ class CheckpointReport:
             lines.append(f"kv format:  {describe_layer_formats(self.layer_formats)}")
         if prefix:
             lines.append(f"tensors:    {prefix}<tensor> (N: the layer)")
+        lines.extend(self._kv_format_lines())
         groups = _group_rows(self.rows, self.producer, prefix, full=full)
         header: tuple[str, ...] = ("layer" if full else "layers", "kv", "tensor", "stored")
         header += ("value", "format", "action", "why")
@@ -253,7 +269,7 @@ class CheckpointReport:
                 lines.append(_wrapped(f"[note] {note}", width))
         rejected_rows = {r.reason for r in self.rows if r.action == "reject"}
         extra_problems = [p for p in self.scales.problems if not any(p in x for x in rejected_rows)]
-        extra_problems += self.format_problems
+        extra_problems += self.format_problems + self.fp4_problems
         if extra_problems:
             lines.append("")
             lines.append("problems:")
@@ -263,6 +279,36 @@ class CheckpointReport:
 
     def __str__(self) -> str:
         return self.render()
+
+    @property
+    def checkpoint_formats(self) -> tuple[dict[str, Any], ...]:
+        """Per layer, the 4-bit KV format a checkpoint declares and its canonical NVFP4 global
+        scales (``amax / (6 * 448)``); empty for an FP8 checkpoint."""
+        formats = self.discovered.kv_formats if self.discovered is not None else None
+        out = []
+        for i, (k, v) in enumerate(formats or ()):
+            layer = self.fp4_layers.get(i)
+            row: dict[str, Any] = {"layer": i, "k": k, "v": v}
+            for side, g in (("k", getattr(layer, "k", None)), ("v", getattr(layer, "v", None))):
+                if g is not None:
+                    row[f"{side}_global_scale"] = [float(x) for x in g.value.reshape(-1)]
+            out.append(row)
+        return tuple(out)
+
+    def _kv_format_lines(self) -> list[str]:
+        lines = []
+        for row in self.checkpoint_formats:
+            sides = []
+            for side in ("k", "v"):
+                g = row.get(f"{side}_global_scale")
+                text = "FP8 (scale below)" if row[side] == "fp8" else "NVFP4"
+                if g is not None:
+                    text += " g=" + "/".join(_fmt_num(x) for x in g)
+                sides.append(f"{side.upper()} {text}")
+            lines.append(f"4-bit kv:   layer {row['layer']}: {', '.join(sides)}")
+        if lines:
+            lines.append("            (an NVFP4 side's row below: its stored global scale)")
+        return lines
 
 
 _OPTION_SPELLING = re.compile(
@@ -485,10 +531,19 @@ def inspect_checkpoint(
     check_path_argument(path, "inspect_checkpoint: path")
     found = discover_scales(path)
     scales = analyze_scales(found.scales, found.geometry, k_transform=found.k_transform, **options)
+    fp4: dict[int, Fp4Layer] = {}
+    fp4_problems: tuple[str, ...] = ()
+    if found.kv_formats is not None:
+        try:
+            fp4 = resolve_fp4_raws(found.producer, found.kv_formats, found.scales, found.geometry)
+        except ScaleFormatError as exc:
+            fp4_problems = (str(exc),)
     formats: tuple[KVFormat, ...] = ()
     if kv_format is not None:
         formats = layer_kv_formats(kv_format, found.geometry.num_layers, "inspect_checkpoint")
     return CheckpointReport(
+        fp4_layers=fp4,
+        fp4_problems=fp4_problems,
         path=str(found.path),
         producer=found.producer,
         geometry=found.geometry,
@@ -497,8 +552,19 @@ def inspect_checkpoint(
         scales=scales,
         discovered=found,
         layer_formats=formats,
-        format_problems=_format_problems(formats, found.geometry, scales),
+        format_problems=_format_problems(formats, found.geometry, scales)
+        + _checkpoint_format_problems(formats, fp4),
     )
+
+
+def _checkpoint_format_problems(
+    formats: tuple[KVFormat, ...], declared: Mapping[int, Fp4Layer]
+) -> tuple[str, ...]:
+    """Why an asked ``kv_format`` cannot serve the checkpoint's 4-bit layers."""
+    if not formats or not declared:
+        return ()
+    mismatch = format_mismatch(formats, declared)
+    return () if mismatch is None else (mismatch,)
 
 
 def _format_problems(

@@ -47,7 +47,7 @@ from kvquant.checkpoint.producers import (
 )
 from kvquant.checkpoint.producers.kvquant import k_offset_layer, read_k_transform
 from kvquant.checkpoint.scheme import scheme_findings, weight_findings
-from kvquant.errors import CheckpointError
+from kvquant.errors import CheckpointError, ScaleFormatError
 from kvquant.types import LayerGeometry, RawKTransform, RawScale, ScaleKind
 
 __all__ = [
@@ -112,6 +112,9 @@ class DiscoveredCheckpoint:
             dict (keys vary by producer), or ``None``.
         k_transform: kvquant's ``k-transform`` settings and ``k_offset``
             tensors (as stored) when the folder has both, else ``None``.
+        kv_formats: the ``(K, V)`` format of each layer (``"fp8"`` / ``"nvfp4"``) when the
+            configs declare a 4-bit KV cache, else ``None``; its NVFP4 global scales are
+            among :attr:`scales`, read by :func:`kvquant.registry.fp4.resolve_fp4_raws`.
     """
 
     path: Path
@@ -127,6 +130,7 @@ class DiscoveredCheckpoint:
     weight_dtypes: dict[str, int] = field(default_factory=dict)
     kv_scheme: dict[str, Any] | None = None
     k_transform: RawKTransform | None = None
+    kv_formats: tuple[tuple[str, str], ...] | None = None
 
     @property
     def has_errors(self) -> bool:
@@ -427,6 +431,47 @@ def _no_scales_finding(
     ]
 
 
+def _declared_formats(
+    producer: Producer | None,
+    cfg: _Configs,
+    raws: list[RawScale],
+) -> tuple[tuple[tuple[str, str], ...] | None, bool, list[Finding]]:
+    """The 4-bit KV formats the configs declare: ``(formats, examined, findings)``.
+
+    ``examined``: the configs declare a 4-bit KV cache (read, or refused in a finding), so the
+    FP8 scheme checks do not apply.
+    """
+    found: list[Finding] = []
+    formats, examined = None, False
+    if producer is not None:
+        try:
+            formats = producer.kv_formats(cfg.qcfg, cfg.hf_quant, cfg.geometry.num_layers)
+        except ScaleFormatError as exc:
+            found.append(Finding("error", "kv-scheme-unsupported", str(exc)))
+            examined = True
+    if formats is not None:
+        examined = True
+        kinds = sorted({"/".join(f) for f in formats})
+        name = producer.producer if producer is not None else NO_PRODUCER
+        text = f"{name} declares a 4-bit KV cache: K/V {', '.join(kinds)} (per layer: the doctor)."
+        found.append(Finding("info", "kv-scheme-4bit", text))
+    strays = [r.name for r in raws if r.name.endswith("_global_scale")]
+    if strays and formats is None and not examined:
+        found.append(
+            Finding(
+                "error",
+                "nvfp4-global-scale-undeclared",
+                f"{len(strays)} NVFP4 KV global-scale tensor(s) (e.g. {strays[0]}) but no config "
+                "declares an NVFP4 KV cache (compressed-tensors kv_cache_scheme num_bits 4); "
+                "producers store different numbers under this name (compressed-tensors "
+                "(6*448)/amax, auto-round amax/(6*448) by its description), so kvquant cannot "
+                "tell which. Fix: use the config.json written with the weights; a producer "
+                "other than compressed-tensors is not read yet.",
+            )
+        )
+    return formats, examined, found
+
+
 def _folder_findings(
     root: Path, config: Mapping[str, Any], selection: ShardSelection
 ) -> list[Finding]:
@@ -518,7 +563,10 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
     final = reported(producer)
     scheme = final.kv_scheme(qcfg, cfg.hf_quant) if final is not None else None
     all_findings = _producer_findings(decided, from_folder, producer, raws, qcfg)
-    all_findings.extend(scheme_findings(producer, scheme))
+    # only a producer its configs name says what a 4-bit tensor stores (not one from names)
+    kv_formats, four_bit, format_findings = _declared_formats(decided, cfg, raws)
+    all_findings.extend(format_findings)
+    all_findings.extend(scheme_findings(producer, None if four_bit else scheme))
     if not raws:
         all_findings.extend(_no_scales_finding(final, scheme))
     all_findings.extend(_folder_findings(root, cfg.config, selection))
@@ -544,6 +592,7 @@ def discover_scales(path: str | Path, *, revision: str | None = None) -> Discove
         weight_dtypes=dict(weight_dtypes),
         kv_scheme=scheme,
         k_transform=k_transform,
+        kv_formats=kv_formats,
     )
 
 
@@ -610,6 +659,14 @@ def raw_scales_from_mapping(
     raws = raw_scales_from_state_dict(
         {k: v for k, v in mapping.items() if k != KV_TRANSFORM_FILE}, strict=where
     )
+    global_scales = [r.name for r in raws if r.name.endswith("_global_scale")]
+    if global_scales:
+        raise ScaleFormatError(
+            f"{where}[{global_scales[0]!r}] is an NVFP4 KV global scale; expected FP8 KV scales: "
+            "a mapping has no config saying which producer wrote it, and producers store "
+            "different numbers under that name. Fix: pass the checkpoint folder (scales=path), "
+            "whose config declares the NVFP4 KV cache."
+        )
     if not raws and not allow_none:
         names = sorted(str(n) for n in mapping)
         shown = f"{len(names)} name(s), e.g. {names[:3]}" if names else "an empty mapping"

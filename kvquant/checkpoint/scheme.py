@@ -1,7 +1,9 @@
 """Findings about what a checkpoint's configs declare: its KV scheme, and FP8 weights.
 
 Only FP8 (e4m3), symmetric, static ``tensor`` / ``attn_head`` / ``per_tensor``
-KV schemes are served; anything else is an error finding.
+KV schemes are judged here; anything else is an error finding, unless the producer read it
+as a 4-bit declaration (:meth:`~kvquant.checkpoint.producers.Producer.kv_formats`), which
+discovery then passes over.
 """
 
 from __future__ import annotations

@@ -99,6 +99,14 @@ def _refuse_unusable(found: DiscoveredCheckpoint) -> None:
             "calibrate a per-head format for export (`kvquant calibrate MODEL_DIR --format "
             "per-head --out DIR`) and export that checkpoint; serve this one with kvquant.patch()."
         )
+    if found.kv_formats is not None:
+        kinds = sorted({"/".join(f) for f in found.kv_formats})
+        raise ExportError(
+            f"{found.path} declares a 4-bit KV cache (K/V {', '.join(kinds)}); no engine "
+            "loader kvquant exports for (vLLM, SGLang, TensorRT-LLM) was verified to read NVFP4 "
+            "KV global scales, so kvquant does not export them. Fix: serve the checkpoint "
+            "with kvquant.patch(), or hand it to an engine in its producer's own format."
+        )
     errors = [f for f in found.findings if f.severity == "error"]
     if errors:
         listed = "; ".join(f"{f.code}: {f.message}" for f in errors)

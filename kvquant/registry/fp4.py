@@ -6,29 +6,37 @@ numbers under other names; :data:`CONVENTIONS` is the one table of what a stored
 and :data:`PRODUCERS` says which convention and tensor names each producer uses.
 :func:`normalize_fp4_global_scale` turns one layer's tensor into ``g`` or raises
 :class:`~kvquant.errors.ScaleFormatError` naming the layer, tensor, what was found, what was
-expected and the fix; :func:`kv_formats_by_layer` reads a config's per-layer K/V format map.
+expected and the fix; :func:`kv_formats_by_layer` (from :mod:`kvquant.checkpoint.fp4_formats`)
+reads a config's per-layer K/V format map.
 The sources of every entry: docs/dev/fp4-formats.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvquant.checkpoint.fp4_formats import kv_formats_by_layer, kv_formats_per_layer
 from kvquant.errors import ConventionError, ScaleFormatError
 from kvquant.kernels.fp4 import E2M1_MAX, E4M3_MAX, NVFP4, Fp4Format
 from kvquant.registry.policy import MAX_SCALE, MIN_SCALE
+from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
     "CONVENTIONS",
     "PRODUCERS",
     "Fp4GlobalScale",
+    "Fp4Layer",
     "Fp4Producer",
     "GlobalScaleConvention",
+    "format_mismatch",
     "kv_formats_by_layer",
+    "kv_formats_per_layer",
     "normalize_fp4_global_scale",
+    "resolve_fp4_layers",
+    "resolve_fp4_raws",
 ]
 
 
@@ -254,51 +262,124 @@ def normalize_fp4_global_scale(
     return Fp4GlobalScale(g.to(torch.float32), NVFP4, name, conv.name, notes)
 
 
-_ALGOS = {"FP8": ("fp8", "fp8"), "NVFP4": ("nvfp4", "nvfp4"), "FP8_K_NVFP4_V": ("fp8", "nvfp4")}
+@dataclass(frozen=True)
+class Fp4Layer:
+    """One layer's 4-bit KV formats as a checkpoint declares them, with its NVFP4 global scales.
+
+    Attributes:
+        layer: the decoder layer.
+        k_format: ``"fp8"`` or ``"nvfp4"``.
+        v_format: ``"fp8"`` or ``"nvfp4"``.
+        k: K's canonical global scale (None for an FP8 K: the FP8 scale resolves as usual).
+        v: V's canonical global scale (None for an FP8 V).
+    """
+
+    layer: int
+    k_format: str
+    v_format: str
+    k: Fp4GlobalScale | None
+    v: Fp4GlobalScale | None
+
+    @property
+    def kv_format(self) -> str:
+        """The layer's ``kv_format`` word (``"nvfp4"``, ``"fp8-k-nvfp4-v"`` or ``"fp8"``)."""
+        if self.k_format == self.v_format:
+            return self.k_format
+        return f"{self.k_format}-k-{self.v_format}-v"
 
 
-def _algo(algo: object, where: str) -> tuple[str, str]:
-    if algo not in _ALGOS:
-        raise ScaleFormatError(
-            f"{where}: found KV cache algorithm {algo!r}; expected one of {sorted(_ALGOS)}. "
-            "Fix: export the KV cache as FP8 or NVFP4 (affine NVFP4 and INT8 are not read)."
-        )
-    return _ALGOS[str(algo)]
+def resolve_fp4_layers(
+    producer: str,
+    formats: tuple[tuple[str, str], ...],
+    tensors: Mapping[str, object],
+    prefixes: Mapping[int, str],
+    num_kv_heads: Mapping[int, int],
+    *,
+    convention: str | None = None,
+) -> dict[int, Fp4Layer]:
+    """The NVFP4 global scales of every layer a checkpoint stores with a 4-bit side.
 
-
-def kv_formats_by_layer(quantization: Mapping[str, object]) -> dict[str, tuple[str, str]]:
-    """The per-layer ``(K format, V format)`` map of a ModelOpt quantization config.
-
-    Reads ``kv_cache_quant_algo`` and, for ModelOpt's layer-wise KV AutoQuant,
-    ``kv_cache_quantized_layers`` (``{"model.layers.0.self_attn": {"quant_algo": "NVFP4"}}``,
-    ``kv_cache_schema_version`` 1) from ``hf_quant_config.json``'s ``quantization`` (or the
-    ``quantization_config`` of ``config.json``, which carries the same keys).
+    Args:
+        producer: a key of :data:`PRODUCERS`.
+        formats: ``(K, V)`` format per layer (:func:`kv_formats_per_layer`).
+        tensors: the checkpoint's KV-scale tensors by full name.
+        prefixes: each layer's tensor-name prefix (``"model.layers.3"``).
+        num_kv_heads: each layer's KV heads.
+        convention: overrides the producer's (see :func:`normalize_fp4_global_scale`).
 
     Returns:
-        ``{attention module: (k, v)}`` with ``"fp8"`` / ``"nvfp4"``; ``{}`` when the config
-        has no layer map (one model-wide algorithm: read ``kv_cache_quant_algo`` itself).
+        ``{layer: Fp4Layer}`` for the layers with an NVFP4 side (FP8 layers are left out).
 
     Raises:
-        ScaleFormatError: an unknown algorithm or schema version, or a malformed map.
+        ScaleFormatError: a global scale is missing, ambiguous or unusable
+            (:func:`normalize_fp4_global_scale`), or a producer whose convention is not
+            confirmed without ``convention``.
     """
-    layers = quantization.get("kv_cache_quantized_layers")
-    if layers is None:
-        if quantization.get("kv_cache_quant_algo") == "MIXED_PRECISION":
-            raise ScaleFormatError(
-                "quantization: kv_cache_quant_algo is MIXED_PRECISION but there is no "
-                "kv_cache_quantized_layers map; expected one entry per attention layer. Fix: "
-                "re-export the checkpoint with its layer map."
-            )
-        return {}
-    version = quantization.get("kv_cache_schema_version")
-    if version != 1 or not isinstance(layers, Mapping):
+    prod = PRODUCERS.get(producer)
+    if prod is not None and not prod.confirmed and convention is None:
         raise ScaleFormatError(
-            f"quantization: found kv_cache_schema_version {version!r} and a "
-            f"{type(layers).__name__} layer map; expected version 1 and a mapping of layer "
-            "names to {'quant_algo': ...}. Fix: upgrade kvquant, or re-export the checkpoint."
+            f"the checkpoint's NVFP4 KV global scales were written by {producer}, whose stored "
+            "number was not confirmed in its code; expected a producer with a confirmed "
+            f"convention ({', '.join(p.name for p in PRODUCERS.values() if p.confirmed)}). "
+            "Fix: pass the convention the checkpoint uses (one of "
+            f"{sorted(CONVENTIONS)}) to resolve_fp4_layers(convention=...)."
         )
-    out = {}
-    for name, entry in layers.items():
-        algo = entry.get("quant_algo") if isinstance(entry, Mapping) else entry
-        out[str(name)] = _algo(algo, f"kv_cache_quantized_layers[{name!r}]")
+    out: dict[int, Fp4Layer] = {}
+    for layer, (k_fmt, v_fmt) in enumerate(formats):
+        if "nvfp4" not in (k_fmt, v_fmt):
+            continue
+        prefix = prefixes.get(layer, f"model.layers.{layer}")
+        sides: dict[str, Fp4GlobalScale | None] = {}
+        for cache, fmt in (("k", k_fmt), ("v", v_fmt)):
+            if fmt != "nvfp4":
+                sides[cache] = None
+                continue
+            sides[cache] = normalize_fp4_global_scale(
+                producer, tensors, prefix, cache, num_kv_heads=num_kv_heads[layer],
+                convention=convention,
+            )  # fmt: skip
+        out[layer] = Fp4Layer(layer, k_fmt, v_fmt, sides["k"], sides["v"])
     return out
+
+
+def resolve_fp4_raws(
+    producer: str,
+    formats: tuple[tuple[str, str], ...],
+    raws: Sequence[RawScale],
+    geometry: LayerGeometry,
+) -> dict[int, Fp4Layer]:
+    """:func:`resolve_fp4_layers` over discovered raw scales, for the model's first layers.
+
+    Args:
+        producer: the checkpoint's producer (discovery's ``producer``).
+        formats: the checkpoint's ``(K, V)`` format per layer (its ``kv_formats``).
+        raws: the raw scales (a model with fewer layers than the checkpoint: its first ones).
+        geometry: the model's geometry (its layer count and KV heads per layer).
+
+    Raises:
+        ScaleFormatError: see :func:`resolve_fp4_layers`.
+    """
+    tensors = {r.name: r.tensor for r in raws}
+    prefixes = {r.layer: r.name.split(".self_attn.")[0] for r in raws if ".self_attn." in r.name}
+    heads = {i: geometry.kv_heads_of(i) for i in range(geometry.num_layers)}
+    return resolve_fp4_layers(
+        producer, tuple(formats[: geometry.num_layers]), tensors, prefixes, heads
+    )
+
+
+def format_mismatch(asked: Sequence[str], declared: Mapping[int, Fp4Layer]) -> str | None:
+    """Why a ``kv_format`` per layer cannot serve a checkpoint's 4-bit layers (None: it can).
+
+    All ``"fp8"`` (the default) follows the checkpoint; anything else must be the checkpoint's
+    own format on every layer (its global scales are for those formats only).
+    """
+    own = [declared[i].kv_format if i in declared else "fp8" for i in range(len(asked))]
+    words = [str(f) for f in asked]
+    if set(words) == {"fp8"} or words == own:
+        return None
+    bad = [i for i, (a, o) in enumerate(zip(words, own, strict=True)) if a != o]
+    return (
+        f"kv_format gives layer(s) {bad} {sorted({words[i] for i in bad})}, but the checkpoint "
+        f"stores them as {sorted({own[i] for i in bad})} with its own NVFP4 global scales. "
+        "Fix: leave kv_format unset (the checkpoint's formats, layer by layer)."
+    )

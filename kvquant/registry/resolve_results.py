@@ -13,6 +13,7 @@ import torch
 
 from kvquant.errors import ScaleFormatError
 from kvquant.registry.conversions import AppliedConversion, Conversion
+from kvquant.registry.fp4 import Fp4Layer
 from kvquant.registry.policy import (
     format_layers,
 )
@@ -208,6 +209,10 @@ class ModelScales:
             :attr:`notes`.
         k_transform: the rotation and first-token settings when ``granularity``
             is ``"k-transform"`` (the offsets are per layer), else ``None``.
+        fp4_layers: the layers a checkpoint stores with a 4-bit side, with their canonical
+            NVFP4 global scales (:func:`~kvquant.registry.fp4.resolve_fp4_raws`); their
+            entries in :attr:`layers` hold the FP8 reading of the same tensors, which only an
+            FP8 side uses.
     """
 
     geometry: LayerGeometry
@@ -219,6 +224,7 @@ class ModelScales:
     options: Mapping[str, Any] = field(default_factory=dict)
     conversions: tuple[AppliedConversion, ...] = ()
     k_transform: KTransform | None = None
+    fp4_layers: Mapping[int, Fp4Layer] = field(default_factory=dict)
 
     @property
     def granularity(self) -> str:

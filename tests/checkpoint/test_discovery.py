@@ -263,7 +263,7 @@ def test_unsupported_kv_schemes_are_errors(tmp_path: Path) -> None:
     assert "kv-scheme-unsupported" in {f.code for f in found.findings if f.severity == "error"}
     path = write_checkpoint(tmp_path / "n", convention="modelopt", weights="none")
     hq = json.loads((path / "hf_quant_config.json").read_text())
-    hq["quantization"]["kv_cache_quant_algo"] = "NVFP4"
+    hq["quantization"]["kv_cache_quant_algo"] = "NVFP4_AFFINE"  # NVFP4 itself is read
     (path / "hf_quant_config.json").write_text(json.dumps(hq))
     found = discover_scales(path)
     assert "kv-scheme-unsupported" in {f.code for f in found.findings if f.severity == "error"}

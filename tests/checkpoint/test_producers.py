@@ -18,9 +18,10 @@ def test_table_covers_every_convention() -> None:
         assert spec.name == name
         assert spec.naming in cv.NAMINGS
         assert set(spec.suffixes) in ({"k", "v"}, {"kv"})
-    # every naming but TensorRT-LLM's read-only one is written by some producer
+    # every naming but the read-only ones (TensorRT-LLM's, compressed-tensors' NVFP4 global
+    # scales) is written by some producer
     written = {spec.naming for spec in cv.CONVENTION_SPECS.values()}
-    assert set(cv.NAMINGS) - written == {"tensorrt-llm"}
+    assert set(cv.NAMINGS) - written == {"tensorrt-llm", "global_scale"}
 
 
 def test_the_registry_shims_are_gone() -> None:

@@ -65,6 +65,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         b.index if b.index is not None else torch.cuda.current_device()
     )
 
+
 class PagedLayerStorage:
     """One attention layer's FP8 K/V pages and their scales, and the kernel calls on them.
 

@@ -111,7 +111,11 @@ NAMINGS: Mapping[str, Naming] = {
 }
 """Every KV-scale naming kvquant reads, keyed by family."""
 
-_OWNER: Mapping[str, Producer] = {p.naming: p for p in reversed(PRODUCERS) if p.owns_names}
+_OWNER: Mapping[str, Producer] = {
+    # a family no producer owns (compressed-tensors' global scales) belongs to its reader
+    **{n.family: p for p in reversed(PRODUCERS) for n in p.also_reads},
+    **{p.naming: p for p in reversed(PRODUCERS) if p.owns_names},
+}
 """The producer a name of each family is read as when no config names one."""
 
 PRODUCER_CONVENTIONS: tuple[str, ...] = tuple(p.name for p in PRODUCERS if p.writable)

@@ -24,7 +24,15 @@ if TYPE_CHECKING:
     from kvquant.checkpoint.findings import Finding
     from kvquant.types import RawScale
 
-__all__ = ["OUTPUT_SCALE", "SELF_ATTN", "Naming", "Producer", "ScaleShape", "stored_scheme"]
+__all__ = [
+    "GLOBAL_SCALE",
+    "OUTPUT_SCALE",
+    "SELF_ATTN",
+    "Naming",
+    "Producer",
+    "ScaleShape",
+    "stored_scheme",
+]
 
 
 def stored_scheme(granularity: str | type[StaticScales]) -> type[StaticScales]:
@@ -77,6 +85,11 @@ OUTPUT_SCALE = Naming(
     {"k": "self_attn.k_proj.output_scale", "v": "self_attn.v_proj.output_scale"},
 )
 """``k_proj.output_scale`` / ``v_proj.output_scale``: Quark's default, compressed-tensors before 2024-08."""
+
+GLOBAL_SCALE = Naming(
+    "global_scale", {"k": "self_attn.k_global_scale", "v": "self_attn.v_global_scale"}
+)
+"""``self_attn.k_global_scale`` / ``v_global_scale``: compressed-tensors' NVFP4 KV global scales."""
 
 
 class ScaleShape(Enum):
@@ -189,6 +202,21 @@ class Producer:
     ) -> tuple[bool, bool, tuple[str, ...]]:
         """``(pre_rope, merged_kv, notes)`` of a scale of ``family`` read as this producer."""
         return False, False, ()
+
+    def kv_formats(
+        self, qcfg: Mapping[str, Any] | None, hf_quant: Mapping[str, Any] | None, num_layers: int
+    ) -> tuple[tuple[str, str], ...] | None:
+        """The ``(K, V)`` format of each layer when its configs declare a 4-bit KV cache.
+
+        Returns:
+            ``("fp8" | "nvfp4", "fp8" | "nvfp4")`` per layer, or None for an FP8 (or no)
+            declaration, which :func:`~kvquant.checkpoint.scheme.scheme_findings` judges.
+
+        Raises:
+            ScaleFormatError: a 4-bit declaration kvquant does not read (affine NVFP4, MXFP4
+                scales, another group size), naming what was found and expected.
+        """
+        return None
 
     def scale_findings(
         self, raws: Sequence[RawScale], qcfg: Mapping[str, Any] | None

@@ -14,12 +14,14 @@ import torch
 
 from kvquant.checkpoint.findings import Finding
 from kvquant.checkpoint.producers.base import (
+    GLOBAL_SCALE,
     OUTPUT_SCALE,
     SELF_ATTN,
     Producer,
     ScaleShape,
     stored_scheme,
 )
+from kvquant.errors import ScaleFormatError
 
 __all__ = [
     "CompressedTensors",
@@ -30,6 +32,9 @@ __all__ = [
 ]
 
 _SCHEME_KEYS = ("num_bits", "type", "strategy", "dynamic", "symmetric")
+
+_NVFP4_SCHEME = {"type": "float", "strategy": "tensor_group", "group_size": 16}
+"""The ``kv_cache_scheme`` keys of an NVFP4 KV cache (llm-compressor's NVFP4 preset)."""
 
 
 def _strategy(granularity: str) -> str:
@@ -178,7 +183,7 @@ class CompressedTensors(Producer):
 
     name = "compressed-tensors"
     names = SELF_ATTN
-    also_reads = (OUTPUT_SCALE,)
+    also_reads = (OUTPUT_SCALE, GLOBAL_SCALE)
     quant_methods = ("compressed-tensors", "compressed_tensors")
     default_dtype = torch.bfloat16
     per_tensor_shape = ScaleShape.ONE
@@ -191,9 +196,42 @@ class CompressedTensors(Producer):
         scheme = qcfg.get("kv_cache_scheme") if qcfg else None
         return dict(scheme) if isinstance(scheme, Mapping) else None
 
+    def kv_formats(
+        self, qcfg: Mapping[str, Any] | None, hf_quant: Mapping[str, Any] | None, num_layers: int
+    ) -> tuple[tuple[str, str], ...] | None:
+        scheme = qcfg.get("kv_cache_scheme") if qcfg else None
+        if not isinstance(scheme, Mapping) or scheme.get("num_bits") != 4:
+            return None
+        found = {k: scheme.get(k) for k in _NVFP4_SCHEME}
+        scale_dtype = scheme.get("scale_dtype")
+        fp8_scales = scale_dtype is None or "e4m3" in str(scale_dtype).lower()
+        if (
+            found != _NVFP4_SCHEME
+            or not fp8_scales
+            or scheme.get("symmetric") is False
+            or scheme.get("dynamic") is True
+        ):
+            mx = found.get("group_size") == 32 or not fp8_scales
+            raise ScaleFormatError(
+                f"quantization_config.kv_cache_scheme: found num_bits 4 with {found}, "
+                f"scale_dtype {scale_dtype!r}, symmetric {scheme.get('symmetric')!r}, dynamic "
+                f"{scheme.get('dynamic')!r}; expected NVFP4 ({_NVFP4_SCHEME}, e4m3 block "
+                "scales, symmetric, a static global scale: dynamic 'local' or false). "
+                + (
+                    "MXFP4 block scales are computed when tokens are written; kvquant reads "
+                    "no stored MXFP4 KV scales. Fix: serve with kvquant.patch(model, "
+                    "kv_format='mxfp4') on the model without this config, or export NVFP4 KV."
+                    if mx
+                    else "Fix: export the KV cache with llm-compressor's NVFP4 scheme."
+                )
+            )
+        return (("nvfp4", "nvfp4"),) * num_layers
+
     def scale_facts(
         self, family: str, qcfg: Mapping[str, Any] | None
     ) -> tuple[bool, bool, tuple[str, ...]]:
+        if family == GLOBAL_SCALE.family:
+            return False, False, ("NVFP4 global scale, stored as (6*448)/amax",)
         if family == OUTPUT_SCALE.family:
             return False, False, ("pre-2024-08 compressed-tensors naming (k_proj.output_scale)",)
         return False, False, ()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint.findings import Finding
+from kvquant.checkpoint.fp4_formats import kv_formats_per_layer
 from kvquant.checkpoint.producers.base import Naming, Producer, ScaleShape
 
 __all__ = [
@@ -135,6 +136,24 @@ class ModelOpt(Producer):
         if algo and quant is not None:
             return {"kv_cache_quant_algo": quant.get("kv_cache_quant_algo")}
         return None
+
+    def kv_formats(
+        self, qcfg: Mapping[str, Any] | None, hf_quant: Mapping[str, Any] | None, num_layers: int
+    ) -> tuple[tuple[str, str], ...] | None:
+        # hf_quant_config.json's quantization, else config.json's quantization_config (the
+        # same keys), else its kv_cache_scheme string ("NVFP4"; a dict is the FP8 scheme)
+        quant = _quantization(hf_quant)
+        if quant is None or "kv_cache_quant_algo" not in quant:
+            quant = qcfg if qcfg and "kv_cache_quant_algo" in qcfg else None
+        if quant is None:
+            scheme = qcfg.get("kv_cache_scheme") if qcfg else None
+            if not isinstance(scheme, str):
+                return None
+            quant = {"kv_cache_quant_algo": scheme}
+        algo = quant.get("kv_cache_quant_algo")
+        if algo is None or str(algo).upper() == "FP8":
+            return None
+        return kv_formats_per_layer(quant, num_layers)
 
     def weight_finding(self, fp8_tensors: int, quant_algo: Any) -> Finding | None:
         if not fp8_tensors and not str(quant_algo).upper().startswith("FP8"):

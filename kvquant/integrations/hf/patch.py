@@ -59,6 +59,7 @@ from kvquant.integrations.hf.sharding import rank_specs
 from kvquant.integrations.hf.state import SCALE_ATTRS, PatchState
 from kvquant.integrations.transformers_quantizer import KVQuantConfig
 from kvquant.kernels.backend import resolve_backend
+from kvquant.schemes import Fp4Scales
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
@@ -255,7 +256,7 @@ def apply_patch(
     state.handle = handle
     _logger.info(_decision_line(model, state))
     param = next(model.parameters(), None)
-    formats = layer_kv_formats(state.options.kv_format, len(specs), "kvquant.patch")
+    formats = _stored_formats(state)
     if set(formats) != {KVFormat.FP8} and param is not None and param.is_cuda:
         _logger.warning(
             "kvquant.patch: kv_format %s is experimental on CUDA: 4-bit decode is slower than "
@@ -288,6 +289,14 @@ def _check_graphs(model: nn.Module, opts: PatchOptions, sites: list[AttentionSit
             "over another layer's K/V (KV sharing), which kvquant's CUDA-graph decode step does "
             "not serve. Fix: pass cuda_graphs=None (such a model decodes eagerly)."
         )
+
+
+def _stored_formats(state: PatchState) -> tuple[KVFormat, ...]:
+    """Each layer's format as its spec stores it (a checkpoint's 4-bit layers included)."""
+    return tuple(
+        KVFormat(s.granularity) if issubclass(s.scheme, Fp4Scales) else KVFormat.FP8
+        for s in state.layer_specs
+    )
 
 
 def _decision_line(model: nn.Module, state: PatchState) -> str:
@@ -334,6 +343,11 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
         if KVFormat.FP8 in formats or KVFormat.FP8_K_NVFP4_V in formats:
             kv += f"; FP8 scales from {source}"
         kv += ")"
+    if getattr(state.model_scales, "fp4_layers", None):
+        kv = (
+            f"KV formats {describe_layer_formats(_stored_formats(state))} (the checkpoint's "
+            f"NVFP4 global scales; FP8 scales from {source})"
+        )
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers{shard}, {kv}; "
         f"backend {backend}; cache: {sizing}; "

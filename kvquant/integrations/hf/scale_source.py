@@ -4,7 +4,7 @@ through the registry into one :class:`~kvquant.integrations.hf.cache_layer.Layer
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +24,7 @@ from kvquant.integrations.hf.config import PatchOptions
 from kvquant.integrations.hf.models import (
     AttentionSite,
 )
+from kvquant.registry.fp4 import Fp4Layer, format_mismatch, resolve_fp4_raws
 from kvquant.schemes import (
     DYNAMIC_NVFP4_GLOBAL_SCALE,
     Fp4Scales,
@@ -35,6 +36,7 @@ from kvquant.schemes import (
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
+    "checkpoint_fp4_specs",
     "checkpoint_scales",
     "fp4_spec",
     "gather_raw_scales",
@@ -263,7 +265,8 @@ def layer_specs(
     """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
 
     A 4-bit format replaces its layer's FP8 format (:func:`fp4_spec`); a per-layer map gives
-    each layer its own (:func:`~kvquant.choices.layer_kv_formats`).
+    each layer its own (:func:`~kvquant.choices.layer_kv_formats`); a checkpoint that declares
+    4-bit layers gives them its formats and global scales (:func:`checkpoint_fp4_specs`).
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
@@ -272,10 +275,50 @@ def layer_specs(
     """
     specs = _fp8_specs(sites, geometry, model_scales)
     formats = layer_kv_formats(kv_format, len(specs), "kvquant.patch")
+    declared = getattr(model_scales, "fp4_layers", None)
+    if declared:
+        return checkpoint_fp4_specs(specs, declared, formats)
     return [
         spec if fmt == KVFormat.FP8 else fp4_spec(spec, fmt)
         for spec, fmt in zip(specs, formats, strict=True)
     ]
+
+
+def checkpoint_fp4_specs(
+    specs: list[LayerSpec], declared: Mapping[int, Fp4Layer], formats: Sequence[str]
+) -> list[LayerSpec]:
+    """``specs`` in the 4-bit formats a checkpoint declares, with its NVFP4 global scales.
+
+    ``formats`` (each layer's ``kv_format``) all ``"fp8"`` (the default) follows the checkpoint
+    layer by layer (its FP8 layers stay FP8); else they must be the checkpoint's own formats.
+
+    Raises:
+        OptionError: formats other than the checkpoint's (:func:`~kvquant.registry.fp4.format_mismatch`),
+            or a head_dim a block does not divide.
+    """
+    mismatch = format_mismatch(formats, declared)
+    if mismatch is not None:
+        raise OptionError(f"kvquant.patch: {mismatch}")
+    out = []
+    for i, spec in enumerate(specs):
+        layer = declared.get(i)
+        if layer is None:
+            out.append(spec)
+            continue
+        kind = cast(type[Fp4Scales], scheme_class(layer.kv_format))
+        plain = fp4_spec(spec, layer.kv_format)  # the block check, the 4-bit scheme
+        v = _host_scale(layer.v.value) if layer.v is not None else None
+        if kind is Nvfp4Scales and layer.k is not None and v is not None:
+            k = _host_scale(layer.k.value)
+            if k.shape != v.shape:  # one per tensor, the other per head: both per head
+                k, v = (_host_scale(t.expand(spec.num_kv_heads)) for t in (k, v))
+            out.append(replace(plain, k_scale=k, v_scale=v))
+        else:  # fp8-k-nvfp4-v: K's static FP8 scale as resolved, V's global scale
+            k = cast(torch.Tensor, plain.k_scale)
+            if v is not None and v.shape != k.shape:
+                k, v = (_host_scale(t.expand(spec.num_kv_heads)) for t in (k, v))
+            out.append(replace(plain, k_scale=k, v_scale=v))
+    return out
 
 
 def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
@@ -378,4 +421,9 @@ def resolve(
 
     discovered = ctx.get("discovered")
     transform = ctx.get("k_transform", getattr(discovered, "k_transform", None))
-    return resolve_scales(raw, geometry, options=opts.resolve_options, k_transform=transform)
+    scales = resolve_scales(raw, geometry, options=opts.resolve_options, k_transform=transform)
+    formats = getattr(discovered, "kv_formats", None)
+    if discovered is None or formats is None:
+        return scales
+    fp4 = resolve_fp4_raws(discovered.producer, formats, raw, geometry)
+    return replace(scales, fp4_layers=fp4)
