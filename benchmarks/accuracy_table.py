@@ -28,6 +28,10 @@ token at full precision, smaller groups for K (:data:`DYNAMIC`, simulated by
 ``simulate_fp8_kv(mode="dynamic")``); ``--eval-files`` evaluates on other texts
 (held-out ones) instead of the pinned evaluation set.
 
+4-bit formats (``--sections k-transform,fp4``): ``kvquant.patch(model, kv_format=...)``'s
+NVFP4, MXFP4 and FP8 K beside NVFP4 V, plain and with a fixed Hadamard rotation of K (and V)
+(:func:`fp4_formats`, simulated by ``simulate_fp8_kv(mode="fp4")``), beside the k-transform.
+
 **Scale-jitter control.** Multiplying a set of static scales by 1.01 ... 1.10
 changes neither clipping (the scales only grow) nor the size of FP8's relative
 rounding error; it only moves values on the FP8 grid. The spread of a metric
@@ -59,6 +63,7 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
 from benchmarks.harness import accuracy as A
 from benchmarks.harness import metrics as M
 from benchmarks.harness.dynamic import DynamicFormat
+from benchmarks.harness.fp4 import Fp4KV
 
 JITTER_FACTORS = (1.0, 1.01, 1.02, 1.05, 1.10)
 """Scale multipliers of the jitter control (1.0 is the calibrated run itself)."""
@@ -87,11 +92,40 @@ DYNAMIC = (
 )
 """The calibration-free formats beside plain fp32-group (:mod:`benchmarks.harness.dynamic`)."""
 
-SECTIONS = ("per-tensor", "per-head", "calibrated", "groups", "group-jitter", "dynamic")
+SECTIONS = (
+    "per-tensor",
+    "per-head",
+    "calibrated",
+    "groups",
+    "group-jitter",
+    "dynamic",
+    "k-transform",
+    "fp4",
+)
 """Parts of the table ``--sections`` picks: the static families, ``kvquant calibrate``'s
 formats (per-head both objectives, the k-transform family and offset only), fp32-group
-(G = 64 and 32), fp32-group G = 64's scale-jitter family and the calibration-free
-:data:`DYNAMIC`. The default (the first four) is the committed table's."""
+(G = 64 and 32), fp32-group G = 64's scale-jitter family, the calibration-free
+:data:`DYNAMIC`, the k-transform alone (Hadamard, unjittered) and the 4-bit formats
+(:func:`fp4_formats`). The default (the first four) is the committed table's."""
+
+
+def fp4_formats(static: A.CalibratedScales, kt: A.KTransformScales) -> tuple[Fp4KV, ...]:
+    """The 4-bit ``kv_format`` rows: NVFP4 and MXFP4 plain, with a fixed Hadamard rotation of K
+    (and V), and with the keys in the k-transform's frame (rotation and offset); FP8 K beside
+    NVFP4 V with the per-tensor ``amax / 448`` K scale a producer exports, or with the
+    k-transform's keys (V plain or rotated). The k-transform rows are K sides
+    ``kvquant.patch`` does not combine with 4-bit pages today."""
+    return (
+        Fp4KV("nvfp4"),
+        Fp4KV("nvfp4", rotate_k=True),
+        Fp4KV("nvfp4", rotate_k=True, rotate_v=True),
+        Fp4KV("nvfp4", k_transform=kt),
+        Fp4KV("mxfp4"),
+        Fp4KV("mxfp4", rotate_k=True, rotate_v=True),
+        Fp4KV("fp8-k-nvfp4-v", k_scales=static),
+        Fp4KV("fp8-k-nvfp4-v", k_transform=kt),
+        Fp4KV("fp8-k-nvfp4-v", rotate_v=True, k_transform=kt),
+    )
 
 
 def _scaled(scales: A.CalibratedScales, factor: float) -> A.CalibratedScales:
@@ -172,34 +206,44 @@ def _formats(runs: dict[str, Any]) -> list[str]:
     return [k for k, r in runs.items() if r.get("scale_factor", 1.0) == 1.0]
 
 
-def _kvquant_calibrated(
-    model: Any, tokenizer: Any
-) -> tuple[dict[str, A.CalibratedScales], dict[str, A.KTransformScales]]:
-    """Per-head scales (both objectives) and the k-transform (Hadamard, offset only)
-    from ``kvquant.calibrate`` on the calibration texts."""
+def _statistics(model: Any, tokenizer: Any) -> tuple[Any, tuple[str, ...]]:
+    """``kvquant.calibrate.collect_statistics`` on the calibration texts, and their names."""
     from benchmarks.harness.texts import calibration_texts
-    from kvquant.calibrate import (
-        FP8_E4M3_MAX,
-        choose_k_transform,
-        choose_scales,
-        collect_statistics,
-    )
+    from kvquant.calibrate import collect_statistics
 
     texts = calibration_texts()
     stats = collect_statistics(
         model, [t.text for t in texts], tokenizer=tokenizer, objective="attention", progress=False
     )
+    return stats, tuple(t.name for t in texts)
+
+
+def _k_transform(model: Any, tokenizer: Any) -> A.KTransformScales:
+    """The k-transform (Hadamard) of ``kvquant.calibrate`` on the calibration texts."""
+    from kvquant.calibrate import choose_k_transform
+
+    stats, names = _statistics(model, tokenizer)
+    return A.KTransformScales.from_result(
+        choose_k_transform(stats, rotation="hadamard", texts=names)
+    )
+
+
+def _kvquant_calibrated(
+    model: Any, tokenizer: Any
+) -> tuple[dict[str, A.CalibratedScales], dict[str, A.KTransformScales]]:
+    """Per-head scales (both objectives) and the k-transform (Hadamard, offset only)
+    from ``kvquant.calibrate`` on the calibration texts."""
+    from kvquant.calibrate import FP8_E4M3_MAX, choose_k_transform, choose_scales
+
+    stats, names = _statistics(model, tokenizer)
     out = {}
     for objective in ("mse", "attention"):
-        res = choose_scales(
-            stats, "per-head", objective=objective, texts=tuple(t.name for t in texts)
-        )
+        res = choose_scales(stats, "per-head", objective=objective, texts=names)
         out[objective] = A.CalibratedScales(
             k_amax=res.k_scales * FP8_E4M3_MAX,
             v_amax=res.v_scales * FP8_E4M3_MAX,
             num_tokens=res.num_tokens,
         )
-    names = tuple(t.name for t in texts)
     kt = {
         label: A.KTransformScales.from_result(
             choose_k_transform(stats, rotation=rotation, texts=names)
@@ -268,6 +312,30 @@ def _measure_dynamic(args: argparse.Namespace, bench: _Bench) -> None:
             bench.record(fmt.label, hidden, sec, format="dynamic", dynamic=asdict(fmt))
 
 
+def _measure_fp4(
+    args: argparse.Namespace, bench: _Bench, static: A.CalibratedScales | None, tokenizer: Any
+) -> None:
+    """The k-transform alone and the 4-bit formats of :func:`fp4_formats`, when asked."""
+    if not {"k-transform", "fp4"} & set(args.sections):
+        return
+    kt = _k_transform(bench.model, tokenizer)
+    if "k-transform" in args.sections:
+        hidden, sec = _run(bench.model, bench.ids, KT, kt)
+        bench.record(KT_LABEL, hidden, sec, format=KT, rotation="hadamard")
+    if "fp4" in args.sections and static is not None:
+        for fmt in fp4_formats(static, kt):
+            hidden, sec = _run(bench.model, bench.ids, "fp4", fmt)
+            bench.record(
+                fmt.label,
+                hidden,
+                sec,
+                format=fmt.kv_format,
+                rotate_k=fmt.rotate_k,
+                rotate_v=fmt.rotate_v,
+                k_transform=fmt.k_transform is not None,
+            )
+
+
 class _Bench:
     """The evaluation tokens, the reference run and every run recorded so far."""
 
@@ -308,12 +376,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ids, window_texts = _windows(tokenizer, args.window, args.windows_per_text, texts)
     bench = _Bench(args, model, ids, window_texts)
     layout, runs, boots = bench.layout, bench.runs, bench.boots
-    if set(STATIC) & set(args.sections):  # amax of the calibration texts
+    scales = None
+    if {*STATIC, "fp4"} & set(args.sections):  # amax of the calibration texts
         scales, calib_used = _calibrate(model, tokenizer, args.calibration_tokens)
         _measure_static(args, bench, scales)
     if args.calibrated and "calibrated" in args.sections:
         _measure_calibrated(args, bench, tokenizer)
     _measure_dynamic(args, bench)
+    _measure_fp4(args, bench, scales, tokenizer)
 
     jitter, band, comparisons = jitter_control(runs, boots)
     return {
@@ -325,6 +395,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "call of one teacher-forced forward (every position reads every key and value from "
             "FP8, each window's first position included); metrics against the unquantized "
             "model's next-token distribution on the same tokens"
+            + (
+                "; the 4-bit rows (mode fp4) round K/V through kvquant.kernels.fp4.quantize_fp4's "
+                "codes (NVFP4 global scale DYNAMIC_NVFP4_GLOBAL_SCALE, as kv_format= uses), "
+                "rot-K / rot-KV: Hadamard rotation of q and K (and V, output rotated back)"
+                if "fp4" in args.sections
+                else ""
+            )
         ),
         "calibration": {
             "texts": calib_used,

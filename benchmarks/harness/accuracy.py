@@ -15,6 +15,8 @@ Two ways to put FP8 into the KV path are measured the same way:
   keys ``k_hat * s_k + c`` (``R`` Hadamard or identity), the first tokens exact.
   The ``dynamic`` mode (:class:`~benchmarks.harness.dynamic.DynamicFormat`) is
   calibration-free: fp32-group scales, optionally in a fixed Hadamard frame.
+  The ``fp4`` mode (:class:`~benchmarks.harness.fp4.Fp4KV`) rounds through the 4-bit
+  ``kv_format`` codes (NVFP4, MXFP4, FP8 K beside NVFP4 V), optionally rotated too.
 * **kvquant**: any model whose forward already goes through kvquant's cache
   (patched, or loaded with ``KVQuantConfig``); :func:`teacher_forced` then only
   needs a factory for the cache object to pass to ``forward``.
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.dynamic import DynamicFormat, dynamic_attention
+from benchmarks.harness.fp4 import Fp4KV, fp4_attention
 from kvquant.errors import CalibrationError, OptionError, UnsupportedModelError
 
 __all__ = [
@@ -73,7 +76,16 @@ SIMULATED_ATTENTION = "kvquant_sim"
 """Name under which the simulation attention function is registered."""
 
 _SIM_ATTR = "_kvquant_sim"
-_MODES = ("none", "capture", "per-tensor", "per-head", "fp32-group", "k-transform", "dynamic")
+_MODES = (
+    "none",
+    "capture",
+    "per-tensor",
+    "per-head",
+    "fp32-group",
+    "k-transform",
+    "dynamic",
+    "fp4",
+)
 
 
 @dataclass(frozen=True)
@@ -282,6 +294,8 @@ def _simulated_attention(
         elif spec.mode == "dynamic":
             fmt = spec.scales if spec.scales is not None else DynamicFormat()
             return dynamic_attention(fmt, module, query, key, value, attention_mask, **kwargs)
+        elif spec.mode == "fp4":
+            return fp4_attention(spec.scales, module, query, key, value, attention_mask, **kwargs)
         else:
             if not isinstance(spec.scales, CalibratedScales):
                 raise CalibrationError(
@@ -322,7 +336,7 @@ def _k_transform(
 @dataclass
 class _SimSpec:
     mode: str
-    scales: CalibratedScales | KTransformScales | DynamicFormat | None = None
+    scales: CalibratedScales | KTransformScales | DynamicFormat | Fp4KV | None = None
     group_size: int | None = None
     exact_prompt: bool = False
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -351,7 +365,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def simulate_fp8_kv(
     model: torch.nn.Module,
     mode: str,
-    scales: CalibratedScales | KTransformScales | DynamicFormat | None = None,
+    scales: CalibratedScales | KTransformScales | DynamicFormat | Fp4KV | None = None,
     *,
     group_size: int | None = None,
     exact_prompt: bool = False,
@@ -365,11 +379,12 @@ def simulate_fp8_kv(
         model: a transformers causal LM (Llama-style attention modules).
         mode: ``"none"`` (same code path, no rounding), ``"capture"`` (record
             amax, no rounding), ``"per-tensor"``, ``"per-head"``, ``"fp32-group"``
-            ``"k-transform"`` or ``"dynamic"``.
+            ``"k-transform"``, ``"dynamic"`` or ``"fp4"``.
         scales: calibrated scales, required by ``"per-tensor"`` and ``"per-head"``
             (:class:`CalibratedScales`) and ``"k-transform"`` (:class:`KTransformScales`);
             for ``"dynamic"`` a :class:`~benchmarks.harness.dynamic.DynamicFormat`
-            (default: G = 64, no rotation).
+            (default: G = 64, no rotation); for ``"fp4"`` an
+            :class:`~benchmarks.harness.fp4.Fp4KV`.
 
     Exactness contract: the static modes and ``fp32-group`` round every value as
     kvquant's write kernels do (same scales, same fp32 division, same clamp),
@@ -386,7 +401,9 @@ def simulate_fp8_kv(
     ``dynamic`` rounds ``k R`` and ``v`` (or ``v R``) with fp32-group scales exactly as
     ``fp32-group`` does (equal codes in the unrotated frame; in the rotated frame the codes
     of a write that rotates first), gives SDPA ``q R`` and multiplies its output by ``R^T``
-    when V is rotated: the kernels' arithmetic within fp32 rounding.
+    when V is rotated: the kernels' arithmetic within fp32 rounding. ``fp4`` rounds through
+    the codes of kvquant's 4-bit reference quantizer (``quantize_fp4``, the codes the write
+    kernels store) with ``kv_format``'s calibration-free scales (:mod:`benchmarks.harness.fp4`).
         group_size: G of ``"fp32-group"`` (default 64 capped at head_dim).
         exact_prompt: leave a call with no cached prefix unrounded, as kvquant does
             (a prompt attends over its own K/V; later calls read every key from
@@ -405,7 +422,7 @@ def simulate_fp8_kv(
             f"simulate_fp8_kv: mode {mode!r} is unknown; expected one of {_MODES}. "
             "Fix: pass one of those names."
         )
-    if mode in ("per-tensor", "per-head", "k-transform") and scales is None:
+    if mode in ("per-tensor", "per-head", "k-transform", "fp4") and scales is None:
         raise OptionError(
             f"simulate_fp8_kv: mode {mode!r} needs static scales but scales=None. "
             "Fix: pass scales=calibrate(model, calibration_ids)."
