@@ -151,14 +151,27 @@ def dynamic_attention(
     Raises:
         CalibrationError: ``fmt`` is not a :class:`DynamicFormat`.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if not isinstance(fmt, DynamicFormat):
         raise CalibrationError(
             f"simulated attention: mode 'dynamic' needs a DynamicFormat; got "
             f"{type(fmt).__name__}. Fix: pass scales=DynamicFormat(...)."
         )
     query, key, value, back = dynamic_kv(fmt, query, key, value)
+    return sdpa_rotated_back(module, query, key, value, attention_mask, back, **kwargs)
+
+
+def sdpa_rotated_back(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    back: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' SDPA attention, its output times ``back`` (a rotated V's inverse) if given."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if back is not None:
         out = (out.float() @ back.to(out.device)).to(out.dtype)

@@ -179,7 +179,7 @@ def fp4_attention(
     Raises:
         CalibrationError: ``fmt`` is not an :class:`Fp4KV`.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from benchmarks.harness.dynamic import sdpa_rotated_back
 
     if not isinstance(fmt, Fp4KV):
         raise CalibrationError(
@@ -188,7 +188,4 @@ def fp4_attention(
         )
     layer = int(getattr(module, "layer_idx", 0))
     query, key, value, back = fp4_kv(fmt, layer, query, key, value)
-    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if back is not None:
-        out = (out.float() @ back.to(out.device)).to(out.dtype)
-    return out, weights
+    return sdpa_rotated_back(module, query, key, value, attention_mask, back, **kwargs)
