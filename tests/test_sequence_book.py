@@ -51,8 +51,9 @@ def test_reservation_tables_and_slots_follow_the_allocator() -> None:
         n = rng.choice([1, 1, 1, 2, 5])
         version = book.version
         book.reserve_through(start + n)
-        assert book.reserved == start + n
-        assert all(alloc.seq_len(r) == start + n for r in range(3))
+        whole = -(-(start + n) // 4) * 4  # rows reserve whole pages
+        assert book.reserved == whole
+        assert all(alloc.seq_len(r) == whole for r in range(3))
         bt = book.block_table(CPU)
         assert bt.dtype == torch.int32 and torch.equal(bt, alloc.block_tables([0, 1, 2]))
         assert (book.version != version) == (-(-(start + n) // 4) != -(-start // 4))
@@ -74,7 +75,7 @@ def test_capacity_error_changes_nothing() -> None:
     assert book.pages_needed(9) == 3 and book.pages_needed(8) == 0
     with pytest.raises(CacheCapacityError):
         book.reserve_through(9)
-    assert book.reserved == 5 and book.version == version
+    assert book.reserved == 8 and book.version == version
     assert torch.equal(book.block_table(CPU), bt)
     assert book.allocator is not None and book.allocator.num_free_pages == 0
 
@@ -178,3 +179,20 @@ def test_row_window_refuses_bad_rows_and_nesting() -> None:
         with SequenceBook(1, 4).row_window(0, 1, [0]):
             pass
     assert book.window is None
+
+
+def test_token_by_token_reservation_takes_the_allocator_once_per_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode step's reservation inside a row's last page needs no allocator call."""
+    book = _book(num_pages=12, batch=3, page=4)
+    alloc = book.allocator
+    assert alloc is not None
+    calls = []
+    real = alloc.reserve_pages
+    monkeypatch.setattr(alloc, "reserve_pages", lambda *a: calls.append(a) or real(*a))
+    for tokens in range(1, 13):
+        book.reserve_through(tokens)
+        assert book.pages_needed(tokens) == 0 and book.reserved >= tokens
+    assert len(calls) == 3  # pages 1, 2, 3 of each row
+    assert book.block_table(CPU).shape == (3, 3) and alloc.num_used_pages == 9

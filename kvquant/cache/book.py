@@ -132,7 +132,7 @@ class SequenceBook:
         >>> book.slots(0, 5, torch.device("cpu")).tolist()
         [[0, 1, 2, 3, 4], [8, 9, 10, 11, 12]]
         >>> book.block_table(torch.device("cpu")).tolist(), book.reserved
-        ([[0, 1], [2, 3]], 5)
+        ([[0, 1], [2, 3]], 8)
     """
 
     def __init__(self, num_layers: int, page_size: int) -> None:
@@ -166,7 +166,7 @@ class SequenceBook:
     # ------------------------------------------------------------- reservation
     @property
     def reserved(self) -> int:
-        """Token slots reserved per row (0 before the first reservation)."""
+        """Token slots reserved per row (0 before the first reservation): whole pages."""
         return 0 if self.allocator is None else self.allocator._lens.get(0, 0)
 
     def pages_needed(self, tokens: int) -> int:
@@ -183,6 +183,10 @@ class SequenceBook:
     def reserve_through(self, tokens: int) -> None:
         """Reserve pages so that every row holds ``tokens`` slots (no-op if it does).
 
+        Rows reserve whole pages (a page is a row's own once taken): the next
+        tokens up to the page's end need no reservation, so most decode steps
+        skip the allocator's per-row bookkeeping.
+
         Raises:
             CacheCapacityError: too few free pages (nothing changes).
         """
@@ -191,7 +195,7 @@ class SequenceBook:
             return
         ps = self.page_size
         old_pages, new_pages = -(-have // ps), -(-tokens // ps)
-        taken = self.require_allocator().reserve_pages(self._rows, tokens - have)
+        taken = self.require_allocator().reserve_pages(self._rows, new_pages * ps - have)
         if new_pages == old_pages:
             return  # no page changed hands: the tables stay valid
         self.version += 1

@@ -480,6 +480,20 @@ class KVQuantLayer(CacheLayerMixin):
         raise self._unsupported("prefetch() (offloaded caches)")
 
 
+@dataclass
+class DecodeMaskMemo:
+    """The last decode step's padding mask and its left-padding starts (:attr:`KVQuantCache.decode_mask_memo`).
+
+    ``ones[:, :length]`` is a copy of that mask and every later column of ``ones`` is 1, so
+    ``ones[:, :length + 1]`` is what the next step's mask is when ``generate`` grew it by a
+    column of ones: one comparison checks it.
+    """
+
+    ones: torch.Tensor
+    length: int
+    starts: torch.Tensor
+
+
 class KVQuantCache(PoolSizing, Cache):
     """A transformers ``Cache`` storing K/V in FP8 pages, one :class:`KVQuantLayer` per layer.
 
@@ -548,7 +562,7 @@ class KVQuantCache(PoolSizing, Cache):
         self.book = SequenceBook(max(1, len(specs)), self.page_size)
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         # the last decode step's padding mask (a copy) and its left-padding starts (graphs.py)
-        self.decode_mask_memo: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.decode_mask_memo: DecodeMaskMemo | None = None
         self.first_visible_memo: tuple[Any, int, torch.Tensor | None] | None = None
         self.rollback_point: int | None = None  # set by kvquant.patch's hooks during a forward
         layers: list[Any] = [KVQuantLayer(self, i, spec) for i, spec in enumerate(specs)]

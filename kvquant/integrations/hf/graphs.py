@@ -30,7 +30,7 @@ from torch import nn
 from kvquant.cache import StaticStep
 from kvquant.errors import BackendError, KVQuantError
 from kvquant.integrations.hf.attention import STEP_LAYER_ATTR
-from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
+from kvquant.integrations.hf.cache_layer import DecodeMaskMemo, KVQuantCache, KVQuantLayer
 from kvquant.integrations.hf.compat import CACHE_KEYWORDS
 from kvquant.integrations.hf.step_ops import STEP_KWARG, layer_step
 
@@ -192,16 +192,20 @@ def left_padding_starts(
     return start.to(device)
 
 
+MASK_MEMO_SPARE = 256
+"""Columns of ones a :class:`DecodeMaskMemo` keeps past its mask (steps before a full check)."""
+
+
 def step_left_padding_starts(
     cache: KVQuantCache, mask: torch.Tensor | None, total: int, device: torch.device
 ) -> torch.Tensor | None:
     """:func:`left_padding_starts` of a decode step, checked against the previous step's mask.
 
     ``generate`` grows the mask by a column of ones each step: when this mask is
-    the previous step's plus such a column (compared on the mask's device, one
-    small reduction), the starts are the previous step's, and the ``[B, total]``
-    copy to the host and its check are skipped. Anything else takes the full
-    check. The previous mask is kept as a copy on the cache, which ends with it.
+    the previous step's plus such a column (one comparison on the mask's device
+    against :class:`DecodeMaskMemo`'s copy), the starts are the previous step's,
+    and the ``[B, total]`` copy to the host and its check are skipped. Anything
+    else takes the full check. The memo lives on the cache, which ends with it.
     """
     batch = cache.batch_size_
     memo = cache.decode_mask_memo
@@ -209,18 +213,19 @@ def step_left_padding_starts(
         memo is not None
         and isinstance(mask, torch.Tensor)
         and tuple(mask.shape) == (batch, total)
-        and tuple(memo[0].shape) == (batch, total - 1)
-        and mask.device == memo[0].device
-        and mask.dtype == memo[0].dtype
+        and memo.length == total - 1
+        and total <= memo.ones.shape[1]
+        and mask.device == memo.ones.device
+        and mask.dtype == memo.ones.dtype
+        and torch.equal(mask, memo.ones[:, :total])
     ):
-        prev, starts = memo
-        same = (mask[:, :-1] == prev).all() & (mask[:, -1] != 0).all()
-        if bool(same):
-            cache.decode_mask_memo = (mask.detach().clone(), starts)
-            return starts
+        memo.length = total
+        return memo.starts
     checked = left_padding_starts(mask, batch, total, device)
     if isinstance(mask, torch.Tensor) and checked is not None:
-        cache.decode_mask_memo = (mask.detach().clone(), checked)
+        ones = torch.ones((batch, total + MASK_MEMO_SPARE), dtype=mask.dtype, device=mask.device)
+        ones[:, :total].copy_(mask)
+        cache.decode_mask_memo = DecodeMaskMemo(ones, total, checked)
     else:
         cache.decode_mask_memo = None
     return checked
