@@ -134,6 +134,11 @@ def test_static_step_is_the_book_on_the_device() -> None:
     book.load_static(st, 5, starts)
     assert st.version != version
     assert torch.equal(st.block_table[:, :2], book.block_table(CPU))
+    other = torch.tensor([3, 0, 0], dtype=torch.int32)  # another mask's starts: copied in
+    book.load_static(st, 5, other)
+    assert torch.equal(st.kv_start, other)
+    book.load_static(st, 5, starts)
+    assert torch.equal(st.kv_start, starts)
 
 
 def test_row_window_serves_the_windows_rows_from_the_same_lengths() -> None:

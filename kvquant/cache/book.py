@@ -50,6 +50,8 @@ class StaticStep:
             each sequence; columns past the book's table are not used yet.
         kv_start: int32 ``[B]``, first visible key (left padding).
         version: the :attr:`SequenceBook.version` of the table copied in (-1: none yet).
+        start_source: the tensor ``kv_start`` was copied from (the next step that hands
+            the same tensor skips the copy).
     """
 
     pos: torch.Tensor
@@ -58,6 +60,7 @@ class StaticStep:
     block_table: torch.Tensor
     kv_start: torch.Tensor
     version: int = field(default=-1)
+    start_source: torch.Tensor | None = field(default=None)
 
     @classmethod
     def allocate(cls, batch: int, pages_per_sequence: int, device: torch.device) -> StaticStep:
@@ -352,7 +355,9 @@ class SequenceBook:
             step.block_table[:, : bt.shape[1]].copy_(bt)
             step.version = self.version
         step.pos.fill_(pos)
-        step.kv_start.copy_(kv_start)
+        if kv_start is not step.start_source:
+            step.kv_start.copy_(kv_start)
+            step.start_source = kv_start
 
     # ------------------------------------------------------------- whole batch
     def beam_moves(
