@@ -17,8 +17,8 @@ step, hooks included; it is noisy on a loaded machine (a few hundred us), the
 inclusive timers below are the stable figure. In separate runs, kvquant's entry points are wrapped with timers
 (inclusive wall time, per step and per layer call): cache-layer ``update``
 (first layer of the step, which reserves pages, apart from the others),
-``slots_for``, ``write_kv``, the attention function, ``paged_attention`` and
-the two validators; and aten operators run inside kvquant's entry points
+``slots_for``, the storage's write and attend, the attention function and the
+cache's kernel plans (finding or building a plan: the structural checks); and aten operators run inside kvquant's entry points
 are counted (a CPU-side proxy for GPU launch overhead: each non-view op is a
 kernel launch or a copy on CUDA). ``--profile`` adds a cProfile table of
 kvquant's functions.
@@ -239,11 +239,11 @@ TIMED: tuple[tuple[str, str, str], ...] = (
     # label, module, attribute path ("Class.method" or a module global)
     ("slots_for", "kvquant.integrations.hf.cache_layer", "KVQuantCache.slots_for"),
     ("storage.write", "kvquant.cache", "PagedLayerStorage.write"),
-    ("write_kv", "kvquant.cache", "write_kv"),
-    ("check_write_inputs", "kvquant.kernels", "check_write_inputs"),
+    ("plans.write_kv", "kvquant.kernels", "PlanCache.write_kv"),
+    ("write plan (find/build)", "kvquant.kernels", "PlanCache.write_plan"),
     ("storage.attend", "kvquant.cache", "PagedLayerStorage.attend"),
-    ("paged_attention", "kvquant.cache", "paged_attention"),
-    ("check_attention_inputs", "kvquant.kernels", "check_attention_inputs"),
+    ("plans.paged_attention", "kvquant.kernels", "PlanCache.paged_attention"),
+    ("attention plan (find/build)", "kvquant.kernels", "PlanCache.attention_plan"),
 )
 
 
@@ -350,6 +350,7 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
     import kvquant
     import kvquant.kernels as kernels
     import kvquant.kernels.attention.validate as attention_checks
+    import kvquant.kernels.plan as plans
     import kvquant.kernels.write.validate as write_checks
     from kvquant.integrations.hf.compat import cache_keyword
 
@@ -365,6 +366,8 @@ def kvquant_stubbed(model: Any, args: argparse.Namespace) -> Iterator[Callable[[
         with (
             patched(kernels, "write_kv_reference", _write_stub),
             patched(kernels, "paged_attention_reference", _attention_stub),
+            patched(plans, "write_kv_reference", _write_stub),
+            patched(plans, "paged_attention_reference", _attention_stub),
             checks,
         ):
             yield lambda: {key: handle.new_cache(max_cache_tokens=tokens)}

@@ -1,8 +1,8 @@
 """Fast paths that cut host overhead must not change results or skip a failing check.
 
 Covers :meth:`PageAllocator.reserve` (slots from :func:`kvquant.kernels.slot_mapping`
-for ragged counts), :meth:`PageAllocator.reserve_pages`, and the signature memo of the
-kernel validators (:mod:`kvquant.kernels.validate`).
+for ragged counts), :meth:`PageAllocator.reserve_pages`, and the kernel plans that hold
+the structural checks' result (:mod:`kvquant.kernels.plan`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 
 from kvquant.cache import PageAllocator
 from kvquant.errors import CacheCapacityError, CacheUsageError, KernelInputError
-from kvquant.kernels import validate
+from kvquant.kernels import PlanCache, plan_attention, plan_write, validate
 from kvquant.kernels.attention.validate import check_attention_inputs
-from kvquant.kernels.write.validate import check_write_inputs
 from kvquant.schemes import CAUSAL, GroupScales, Mask, Pages, PerHeadScales, PerTensorScales
 
 # ---------------------------------------------------------------- allocator
@@ -107,7 +106,7 @@ def test_block_tables_follow_reservations_free_and_reset() -> None:
     assert alloc.block_tables([5]).tolist() == [[0]]
 
 
-# ---------------------------------------------------------------- validation memo
+# ---------------------------------------------------------------- plans
 
 
 def _write_args(**over: Any) -> dict[str, Any]:
@@ -127,10 +126,6 @@ def _write_args(**over: Any) -> dict[str, Any]:
 def _fresh_pages(**changes: Any) -> Pages:
     """New pages and group scales of ``_write_args``, with ``changes``."""
     return dataclasses.replace(_write_args()["pages"], **changes)
-
-
-def _check_write(args: dict[str, Any]) -> Any:
-    return check_write_inputs(**args)
 
 
 def _attn_args(**over: Any) -> dict[str, Any]:
@@ -154,22 +149,24 @@ def _check_attn(args: dict[str, Any]) -> Any:
     return check_attention_inputs(**args)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_memo() -> Any:
-    validate.clear_check_memo()
-    yield
-    validate.clear_check_memo()
+def _run_attn(plans: PlanCache, args: dict[str, Any]) -> Any:
+    return plans.paged_attention(**args, backend="torch")
 
 
-def test_write_memo_hits_and_returns_the_same_geometry() -> None:
+def test_write_plan_is_reused_for_the_same_pages() -> None:
+    plans = PlanCache()
     args = _write_args()
-    first = _check_write(args)
-    assert validate.memo_size("write") == 1
+    first = plans.write_plan(**args, backend="torch")
+    assert plans.num_write_plans == 1 and first.backend == "torch" and not first.fp4
     # a decode step: new K/V and slots, the same cache tensors
-    again = _check_write(_write_args(pages=args["pages"]))
-    assert again == first and validate.memo_size("write") == 1
+    assert plans.write_plan(**_write_args(pages=args["pages"]), backend="torch") is first
     # other cache tensors of the same shapes: checked again (they must not overlap)
-    assert _check_write(_write_args()) == first and validate.memo_size("write") == 2
+    other = plans.write_plan(**_write_args(), backend="torch")
+    assert other is not first and other.geometry == first.geometry
+    assert plans.num_write_plans == 2
+    first.run(**_write_args(pages=args["pages"]))  # a plan runs calls of its signature
+    with pytest.raises(KernelInputError, match="differ from those the plan was built for"):
+        first.run(**_write_args())  # ... not those into other tensors
 
 
 @pytest.mark.parametrize(
@@ -187,9 +184,10 @@ def test_write_memo_hits_and_returns_the_same_geometry() -> None:
         "scale_mix",
     ],
 )
-def test_write_memo_never_skips_a_failing_structural_check(change: str) -> None:
+def test_write_plans_never_skip_a_failing_structural_check(change: str) -> None:
+    plans = PlanCache()
     good = _write_args()
-    _check_write(good)  # remembered
+    plan = plans.write_plan(**good)
     pages = good["pages"].k
     bad: dict[str, Any] = {
         "key_dtype": {"key": good["key"].to(torch.float64)},
@@ -205,34 +203,44 @@ def test_write_memo_never_skips_a_failing_structural_check(change: str) -> None:
         "scale_mix": {"scheme": PerTensorScales(torch.tensor(1.0), torch.tensor(1.0))},
     }[change]
     with pytest.raises(KernelInputError):
-        _check_write(_write_args(**bad))
-    _check_write(_write_args())  # the good signature still passes
+        plans.write_kv(**_write_args(**bad))
+    with pytest.raises(KernelInputError):
+        plan.run(**_write_args(**bad))
+    plans.write_kv(**_write_args())  # the good signature still passes
 
 
-def test_write_memo_sees_in_place_metadata_changes_of_the_same_tensor() -> None:
+def test_write_plans_see_in_place_metadata_changes_of_the_same_tensor() -> None:
+    plans = PlanCache()
     args = _write_args()
-    _check_write(args)
+    plans.write_kv(**args)
     args["pages"].k.as_strided_((4, 4, 2, 16), (0, 32, 16, 1))  # same object: pages overlap
     with pytest.raises(KernelInputError):
-        _check_write(args)
+        plans.write_kv(**args)
 
 
-def test_write_value_check_still_runs_on_a_memo_hit() -> None:
-    _check_write(_write_args())
-    bad = _write_args(slot_mapping=torch.tensor([[0, 1, 2], [4, 5, 16]]))  # 16 = beyond the cache
-    with pytest.raises(KernelInputError, match="slot 16"):
-        _check_write(bad)
+def test_write_value_check_still_runs_on_a_planned_call() -> None:
+    args = _write_args()
+    plan = plan_write(**args)
+    bad = _write_args(pages=args["pages"], slot_mapping=torch.tensor([[0, 1, 2], [4, 5, 16]]))
+    with pytest.raises(KernelInputError, match="slot 16"):  # 16 = beyond the cache
+        plan.run(**bad)
+    assert not args["pages"].k.float().any()  # nothing written
 
 
-def test_attention_memo_hits_and_value_checks_still_run() -> None:
-    first = _check_attn(_attn_args())
-    assert _check_attn(_attn_args()) == first and validate.memo_size("attention") == 1
+def test_attention_plan_is_shared_and_value_checks_still_run() -> None:
+    plans = PlanCache()
+    plan = plans.attention_plan(**_attn_args())
+    # other pages and query of the same geometry (another layer of the step): the same plan
+    assert plans.attention_plan(**_attn_args()) is plan and plans.num_attention_plans == 1
+    assert plan.geometry == _check_attn(_attn_args()) and plan.launch is None
     with pytest.raises(KernelInputError, match="seq_lens holds"):
-        _check_attn(_attn_args(seq_lens=torch.tensor([5, 9], dtype=torch.int32)))
+        plan.run(**_attn_args(seq_lens=torch.tensor([5, 9], dtype=torch.int32)))
     with pytest.raises(KernelInputError, match="page ids"):
-        _check_attn(_attn_args(block_tables=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)))
+        _run_attn(plans, _attn_args(block_tables=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)))
     with pytest.raises(KernelInputError, match="kv_start"):
-        _check_attn(_attn_args(mask=Mask(kv_start=torch.tensor([0, 9], dtype=torch.int32))))
+        _run_attn(plans, _attn_args(mask=Mask(kv_start=torch.tensor([0, 9], dtype=torch.int32))))
+    with pytest.raises(KernelInputError, match="differ from those the plan was built for"):
+        plan.run(**_attn_args(sm_scale=0.5))
 
 
 @pytest.mark.parametrize(
@@ -256,19 +264,27 @@ def test_attention_memo_hits_and_value_checks_still_run() -> None:
         {"scheme": PerHeadScales(torch.ones(3), torch.ones(3))},  # a scheme for 3 KV heads
     ],
 )
-def test_attention_memo_never_skips_a_failing_check(over: dict[str, Any]) -> None:
-    _check_attn(_attn_args())
-    _check_attn(_attn_args(mask=Mask(causal=False, window=3, softcap=2.0)))  # remembered too
+def test_attention_plans_never_skip_a_failing_check(over: dict[str, Any]) -> None:
+    plans = PlanCache()
+    plan = plans.attention_plan(**_attn_args())
+    plans.attention_plan(**_attn_args(mask=Mask(causal=False, window=3, softcap=2.0)))  # kept too
     with pytest.raises(KernelInputError):
-        _check_attn(_attn_args(**over))
+        _run_attn(plans, _attn_args(**over))
+    with pytest.raises(KernelInputError):
+        plan.run(**_attn_args(**over))
+    with pytest.raises(KernelInputError):
+        plan_attention(**_attn_args(**over))
 
 
-def test_memo_is_bounded_and_stays_correct() -> None:
-    for n in range(1, validate.MEMO_MAX + 10):
-        _check_attn(_attn_args(sm_scale=1.0 / n))
-    assert validate.memo_size("attention") <= validate.MEMO_MAX
+def test_plan_cache_is_bounded_and_stays_correct() -> None:
+    plans = PlanCache(max_plans=8)
+    for n in range(1, 20):
+        _run_attn(plans, _attn_args(sm_scale=1.0 / n))
+        assert plans.num_attention_plans <= 8
     with pytest.raises(KernelInputError):
-        _check_attn(_attn_args(mask=Mask(window=-1)))
+        _run_attn(plans, _attn_args(mask=Mask(window=-1)))
+    plans.clear()
+    assert len(plans) == 0
 
 
 def test_signature_declines_uncacheable_arguments() -> None:

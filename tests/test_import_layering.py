@@ -307,11 +307,16 @@ def test_kernels_public_api() -> None:
     import kvquant.kernels as k
 
     assert sorted(k.__all__) == [
+        "AttentionPlan",
+        "PlanCache",
+        "WritePlan",
         "compute_slot_mapping",
         "group_scale_storage",
         "hadamard",
         "page_storage",
         "paged_attention",
+        "plan_attention",
+        "plan_write",
         "slot_mapping",
         "write_kv",
     ]

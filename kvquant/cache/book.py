@@ -152,6 +152,12 @@ class SequenceBook:
         self._lens_memo: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self.window: tuple[int, int] | None = None
 
+    @property
+    def last_slots(self) -> torch.Tensor | None:
+        """The slot mapping :meth:`slots` built last, which a step's layers share (None: none
+        since the last change of the table)."""
+        return None if self._slot_memo is None else self._slot_memo[1]
+
     def open(self, num_pages: int, batch_size: int, device: torch.device | str) -> PageAllocator:
         """The allocator of ``batch_size`` rows; created with ``num_pages`` on first use."""
         if self.allocator is None:

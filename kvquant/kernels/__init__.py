@@ -1,7 +1,8 @@
 """FP8 paged KV-cache kernels: public entry points.
 
 :func:`write_kv` quantizes new K/V tokens into FP8 pages; :func:`paged_attention` attends new
-queries over those pages. Both validate every argument before anything runs, then dispatch to
+queries over those pages. Both validate every argument before anything runs (a plan,
+:mod:`kvquant.kernels.plan`, holds the structural result and the launch), then dispatch to
 a backend (:mod:`kvquant.kernels.backend`): ``"triton"``, ``"torch"`` (the pure-PyTorch
 references :func:`write_kv_reference` and :func:`paged_attention_reference`) or ``"auto"``
 (Triton on CUDA, the reference on CPU). Both take the pages as a :class:`~kvquant.schemes.Pages`
@@ -15,52 +16,33 @@ tables ``[B, max_pages]`` and sequence lengths ``[B]``; the design: docs/dev/ker
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
 import torch
 
-from kvquant.errors import BackendError, KernelInputError
-from kvquant.kernels.attention.naive import paged_attention_reference
-from kvquant.kernels.attention.validate import AttentionGeometry, check_attention_inputs
-from kvquant.kernels.backend import resolve_backend
+# re-exported for callers of kvquant.kernels.<name> (not in __all__)
+from kvquant.kernels.attention.naive import paged_attention_reference as paged_attention_reference
+from kvquant.kernels.attention.validate import check_attention_inputs as check_attention_inputs
 from kvquant.kernels.fp8 import hadamard
+from kvquant.kernels.plan import AttentionPlan, PlanCache, WritePlan, plan_attention, plan_write
 from kvquant.kernels.validate import check_slot_mapping_inputs
-from kvquant.kernels.write.naive import write_kv_reference
-from kvquant.kernels.write.validate import check_write_inputs
-from kvquant.kernels.write_fp4 import write_fp4
-from kvquant.schemes import CAUSAL, FirstTokens, Fp4Scales, Mask, Pages, Scheme
+from kvquant.kernels.write.naive import write_kv_reference as write_kv_reference
+from kvquant.kernels.write.validate import check_write_inputs as check_write_inputs
+from kvquant.kernels.write_fp4 import write_fp4 as write_fp4
+from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
 
 __all__ = [
+    "AttentionPlan",
+    "PlanCache",
+    "WritePlan",
     "compute_slot_mapping",
     "group_scale_storage",
     "hadamard",
     "page_storage",
     "paged_attention",
+    "plan_attention",
+    "plan_write",
     "slot_mapping",
     "write_kv",
 ]
-
-
-_triton_modules: dict[str, ModuleType] = {}
-
-
-def _triton_module(name: str) -> ModuleType:
-    """``kvquant.kernels.<name>`` (a Triton launcher module), imported on first use."""
-    mod = _triton_modules.get(name)
-    if mod is None:
-        mod = _triton_modules[name] = importlib.import_module(f"kvquant.kernels.{name}")
-    return mod
-
-
-def _require_interpreter_for_cpu(device: torch.device, interpreted: bool, op: str) -> None:
-    if device.type != "cuda" and not interpreted:
-        raise BackendError(
-            f"{op}: backend='triton' on {device} needs the Triton interpreter, but kvquant's "
-            "Triton kernels were imported before TRITON_INTERPRET=1 was set. Fix: set "
-            "TRITON_INTERPRET=1 in the environment before the first kernel call (or start the "
-            "process with it), or pass backend='torch'."
-        )
 
 
 def write_kv(
@@ -124,20 +106,8 @@ def write_kv(
         >>> bool((pages.k[1, :3].float() != 0).any())
         True
     """
-    if isinstance(scheme, Fp4Scales):
-        write_fp4(key, value, pages, slot_mapping, scheme, backend=backend)
-        return
-    check_write_inputs(key, value, pages, slot_mapping, scheme)
-    chosen = resolve_backend(backend, pages.k.device, "write_kv")
-    if key.numel() == 0:
-        return
-    if chosen == "torch":
-        write_kv_reference(key, value, pages, slot_mapping, scheme)
-        return
-    write_triton = _triton_module("write.launch")
-    if pages.k.device.type != "cuda":
-        _require_interpreter_for_cpu(pages.k.device, write_triton.is_interpreted(), "write_kv")
-    write_triton.write_kv_triton(key, value, pages, slot_mapping, scheme)
+    plan = plan_write(key, value, pages, slot_mapping, scheme, backend=backend)
+    plan.execute(key, value, pages, slot_mapping, scheme)
 
 
 def page_storage(
@@ -210,50 +180,6 @@ def group_scale_storage(
     return torch.empty_strided(shape, strides, dtype=torch.float32, device=device).fill_(1.0)
 
 
-def _check_triton_attention_limits(
-    geo: AttentionGeometry, block_tables: torch.Tensor, pages: Pages, scheme: Scheme,
-    first: FirstTokens | None,
-) -> None:  # fmt: skip
-    """Restrictions of the Triton attention kernel beyond the common contract."""
-    d = geo.head_dim
-    fix = "Fix: pass backend='torch' (the reference has no such limit)."
-    if d < 16 or d & (d - 1):
-        raise KernelInputError(
-            f"paged_attention: head_dim {d} is not a power of two >= 16, which the Triton "
-            f"attention kernel needs. {fix}"
-        )
-    if geo.group_size is not None:
-        ng = d // geo.group_size
-        if ng & (ng - 1):
-            raise KernelInputError(
-                f"paged_attention: group scales have {ng} groups per head (head_dim {d}, "
-                f"group_size {geo.group_size}); the Triton attention kernel needs a power of "
-                f"two. Fix: choose a power-of-two group_size, or pass backend='torch'."
-            )
-    for name, gs in (("k_group_scales", pages.k_scales), ("v_group_scales", pages.v_scales)):
-        if gs is not None and gs.shape[-1] > 1 and gs.stride(-1) != 1:
-            raise KernelInputError(
-                f"paged_attention: {name} has strides {gs.stride()}; the Triton kernel needs "
-                "its last dimension (the groups of one head) contiguous. Fix: allocate it with "
-                "kvquant.kernels.group_scale_storage, or pass backend='torch'."
-            )
-    # the scheme's own tensors are contiguous copies (kvquant.schemes)
-    for name, x in (("first_k", None if first is None else first.k),
-                    ("first_v", None if first is None else first.v)):  # fmt: skip
-        if x is not None and not x.is_contiguous():
-            raise KernelInputError(
-                f"paged_attention: {name} has strides {x.stride()} for shape {tuple(x.shape)}; "
-                "the Triton kernel needs it contiguous. Fix: pass it .contiguous() once, when "
-                "it is created (or backend='torch')."
-            )
-    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
-        raise KernelInputError(
-            f"paged_attention: block_tables has strides {block_tables.stride()}; the Triton "
-            "kernel needs its last dimension contiguous. Fix: pass block_tables.contiguous() "
-            "(PageAllocator.block_tables returns a contiguous tensor)."
-        )
-
-
 def paged_attention(
     query: torch.Tensor,
     pages: Pages,
@@ -308,26 +234,11 @@ def paged_attention(
         KernelInputError: a malformed argument.
         BackendError: the requested backend cannot run here.
     """
-    geo = check_attention_inputs(
+    plan = plan_attention(
         query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask, first=first,
-        out=out,
+        out=out, backend=backend,
     )  # fmt: skip
-    chosen = resolve_backend(backend, pages.k.device, "paged_attention")
-    sm = float(sm_scale)
-    if chosen == "torch":
-        return paged_attention_reference(
-            query, pages, block_tables, seq_lens, scheme, sm_scale=sm, mask=mask, first=first,
-            out=out,
-        )  # fmt: skip
-    _check_triton_attention_limits(geo, block_tables, pages, scheme, first)
-    attention_triton = _triton_module("attention.launch")
-    if pages.k.device.type != "cuda":
-        _require_interpreter_for_cpu(
-            pages.k.device, attention_triton.is_interpreted(), "paged_attention"
-        )
-    return attention_triton.paged_attention_triton(
-        query, pages, block_tables, seq_lens, scheme, sm_scale=sm, mask=mask, first=first, out=out
-    )
+    return plan.execute(query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out)
 
 
 def compute_slot_mapping(

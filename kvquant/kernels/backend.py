@@ -28,6 +28,7 @@ from kvquant.errors import BackendError
 __all__ = [
     "BACKENDS",
     "Backend",
+    "forget_auto_choices",
     "interpreter_requested",
     "resolve_backend",
     "triton_available",
@@ -38,6 +39,11 @@ BACKENDS: tuple[str, ...] = Backend.values()
 
 _logger = logging.getLogger("kvquant")
 _logged: set[tuple[str, str, str]] = set()
+
+
+def forget_auto_choices() -> None:
+    """Forget which ``backend="auto"`` choices were logged: the next of each is logged again."""
+    _logged.clear()
 
 
 _triton_found: bool | None = None

@@ -5,8 +5,8 @@ what was expected and how to fix it; nothing here copies, casts or makes a tenso
 Metadata checks never synchronise the GPU; checks of tensor values run on CPU tensors, or
 everywhere with ``KVQUANT_CHECK_VALUES=1`` (:func:`value_checks_enabled`). A scheme's own
 values were checked when it was built (:mod:`kvquant.schemes`); here its tensors are checked
-against the call's pages. Passing metadata checks are remembered per signature
-(:func:`remembered`; :func:`clear_check_memo`).
+against the call's pages. Metadata checks run once per plan (:mod:`kvquant.kernels.plan`,
+which keys plans by :func:`signature`); value checks on every run.
 The op-specific checks: :mod:`kvquant.kernels.write.validate`,
 :mod:`kvquant.kernels.attention.validate`; the contract in full: docs/dev/kernels.md.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +26,6 @@ from kvquant.schemes import SCALE_MAX, SCALE_MIN, KernelView, Pages, Scheme
 __all__ = [
     "FP8_DTYPES",
     "INPUT_DTYPES",
-    "MEMO_MAX",
     "SCALE_MAX",
     "SCALE_MIN",
     "check_fp4_pages",
@@ -34,10 +33,7 @@ __all__ = [
     "check_scheme_tensors",
     "check_sink_values",
     "check_slot_mapping_inputs",
-    "clear_check_memo",
-    "memo_size",
-    "new_check_memo",
-    "remembered",
+    "signature",
     "unpack",
     "value_checks_enabled",
 ]
@@ -233,6 +229,7 @@ def _check_static_scale(
 
 
 _sinks_ok: dict[tuple[object, ...], weakref.ref[torch.Tensor]] = {}
+_SINKS_MAX = 64
 
 
 def _version(x: torch.Tensor) -> int:
@@ -263,7 +260,7 @@ def check_sink_values(op: str, name: str, sinks: torch.Tensor) -> None:
             f"{op}: {name} element {index} is {float(flat[index])!r}; expected finite "
             "attention-sink logits. Fix: pass the model's sinks (module.sinks) as fp32."
         )
-    if len(_sinks_ok) >= MEMO_MAX:
+    if len(_sinks_ok) >= _SINKS_MAX:
         _sinks_ok.clear()
     _sinks_ok[key] = weakref.ref(sinks)
 
@@ -472,34 +469,20 @@ def check_index_vector(
     return t
 
 
-# ------------------------------------------------------------ signature memo
-
-MEMO_MAX = 64
-"""Signatures remembered per checker; a full memo is emptied."""
+# ------------------------------------------------------------ signatures
 
 _STRIDED = torch.strided
-_MEMOS: dict[str, dict[tuple[object, ...], Any]] = {}
-
-
-def new_check_memo(name: str) -> dict[tuple[object, ...], Any]:
-    """The memo of passing signatures of checker ``name``, emptied by :func:`clear_check_memo`."""
-    return _MEMOS.setdefault(name, {})
-
-
-def memo_size(name: str) -> int:
-    """Signatures checker ``name`` (``"write"``, ``"attention"``) remembers now."""
-    return len(_MEMOS.get(name, ()))
 
 
 def signature(*args: object) -> tuple[object, ...] | None:
     """Everything the structural checks read from ``args``, as a hashable key.
 
     A tensor contributes its shape, strides, dtype and device (contiguity
-    follows from shape and strides; :func:`~kvquant.kernels.write.validate.check_write_inputs` adds the addresses
-    of the tensors it writes); None stays None; a bool, int or float
-    (a scalar option) contributes its type and value. Returns None ("do not
-    remember") when an argument is anything else, or a tensor that is not
-    strided (sparse, nested): such calls always run every check.
+    follows from shape and strides; a write's signature adds the addresses of the tensors
+    it writes: :func:`~kvquant.kernels.write.validate.write_signature`); None stays None; a
+    bool, int or float (a scalar option) contributes its type and value. Returns None (no
+    plan can be reused) when an argument is anything else, or a tensor that is not strided
+    (sparse, nested): such calls run every check each time.
     """
     key: list[object] = []
     try:
@@ -521,29 +504,6 @@ def signature(*args: object) -> tuple[object, ...] | None:
 
 def address(x: object) -> int | None:
     return x.data_ptr() if isinstance(x, torch.Tensor) else None
-
-
-_G = TypeVar("_G")
-
-
-def remembered(
-    memo: dict[tuple[object, ...], _G], sig: tuple[object, ...] | None, check: Callable[[], _G]
-) -> _G:
-    """``memo[sig]``, else ``check()`` (which raises on bad input), remembered when it passes."""
-    geo = None if sig is None else memo.get(sig)
-    if geo is None:
-        geo = check()
-        if sig is not None:
-            if len(memo) >= MEMO_MAX:
-                memo.clear()
-            memo[sig] = geo
-    return geo
-
-
-def clear_check_memo() -> None:
-    """Forget every remembered signature: the next calls run every structural check."""
-    for memo in _MEMOS.values():
-        memo.clear()
 
 
 def check_slot_mapping_inputs(block_tables: object, positions: object, page_size: object) -> None:

@@ -28,11 +28,11 @@ def _step(cache: KVQuantCache, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         start = layer.seq_len
         layer.update(k, v)
         assert layer.seq_len == start + k.shape[2]
-        memo = cache.book._slot_memo
-        assert memo is not None  # the slots of this update, shared by the layers
+        shared = cache.book.last_slots
+        assert shared is not None  # the slots of this update, shared by the layers
         if slots is None:
-            slots = memo[1]
-        assert memo[1] is slots
+            slots = shared
+        assert shared is slots
     assert slots is not None
     return slots
 

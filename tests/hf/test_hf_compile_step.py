@@ -531,13 +531,13 @@ def test_sink_logits_are_converted_once_per_layer() -> None:
     so the kernels' value check never reads a new tensor inside a CUDA graph capture."""
     from kvquant.integrations.hf import step_ops
 
-    step_ops._sinks_fp32.clear()
+    before = {id(t) for t in step_ops.converted_sinks()}
     model = build("gpt_oss")
     handle = _patch(model)
     ids, mask = prompt(batch=2, length=9, pad=(3, 0))
     _generate(model, ids, mask, 5)
     assert handle.state.graph_runner.stats.compiled_runs == 4
-    converted = [v[1] for v in step_ops._sinks_fp32.values()]
+    converted = [t for t in step_ops.converted_sinks() if id(t) not in before]
     assert len(converted) == len(model.model.layers)
     for layer in model.model.layers:
         assert any(torch.equal(c, layer.self_attn.sinks.float()) for c in converted)

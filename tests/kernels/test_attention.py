@@ -346,21 +346,14 @@ def test_numerics_helper_flags_errors() -> None:
         assert_close_rel(ref * 1.01, ref)
 
 
-def test_programmatic_dependent_launch_only_on_nvidia_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_programmatic_dependent_launch_only_on_nvidia_sm90() -> None:
     """PDL launches need sm_90+ NVIDIA devices: never on CPU, ROCm or older GPUs."""
     import kvquant.kernels.attention.launch as at
 
-    assert not at._supports_pdl(torch.device("cpu"))
-    monkeypatch.setattr(at, "_INTERPRETED", False)
-    monkeypatch.setattr(at, "_PDL", {})
-    cuda0 = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert not at._supports_pdl(cuda0)  # ROCm reports (9, x) capabilities too
-    monkeypatch.setattr(torch.version, "hip", None)
+    assert not at.supports_pdl(torch.device("cpu"))
+    assert not at.pdl_capable((9, 0), hip=True)  # ROCm reports (9, x) capabilities too
     for cap, expected in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
-        monkeypatch.setattr(at, "_PDL", {})
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx, cap=cap: cap)
-        assert at._supports_pdl(cuda0) is expected
+        assert at.pdl_capable(cap) is expected
 
 
 def test_prefill_tiles_follow_the_rows() -> None:

@@ -498,7 +498,7 @@ def test_resolve_backend() -> None:
 
 
 def test_auto_logs_once(caplog: pytest.LogCaptureFixture) -> None:
-    backend_mod._logged.clear()
+    backend_mod.forget_auto_choices()
     with caplog.at_level(logging.DEBUG, logger="kvquant"):
         resolve_backend("auto", torch.device("cpu"), "write_kv")
         resolve_backend("auto", torch.device("cpu"), "write_kv")

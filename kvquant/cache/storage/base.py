@@ -12,7 +12,7 @@ import torch
 
 from kvquant.cache.allocator import MAX_PAGE_SIZE, MAX_PAGES, page_ids, positive_int
 from kvquant.errors import CacheCapacityError, CacheUsageError
-from kvquant.kernels import page_storage, paged_attention, write_kv
+from kvquant.kernels import PlanCache, page_storage
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.fp8 import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES
@@ -118,6 +118,9 @@ class PagedLayerStorage:
             the logical shapes below (any strides with no two elements sharing
             memory). The storage writes into them in place and never replaces
             them (:meth:`grow` refuses); None: the storage allocates its own.
+        plans: the :class:`~kvquant.kernels.PlanCache` that :meth:`write` and :meth:`attend`
+            find their kernel plans in (a model's cache shares one among its layers, so a
+            step's layers of one geometry share one attention plan); None: the storage's own.
 
     Attributes:
         k_pages: FP8 ``[num_pages, page_size, Hkv, D]``.
@@ -210,8 +213,10 @@ class PagedLayerStorage:
         k_rotation: torch.Tensor | None = None,
         first_tokens: int = 0,
         pages: dict[str, torch.Tensor] | None = None,
+        plans: PlanCache | None = None,
     ) -> None:
         self.name = name
+        self.plans = plans if plans is not None else PlanCache()
         self.num_pages = positive_int("num_pages", num_pages, name, MAX_PAGES)
         self.page_size = positive_int("page_size", page_size, name, MAX_PAGE_SIZE)
         self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads, name)
@@ -346,7 +351,8 @@ class PagedLayerStorage:
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantize new K/V into the pages (:func:`kvquant.kernels.write_kv`).
 
-        All inputs are validated before anything is written.
+        All inputs are validated before anything is written (the structure once per plan,
+        :attr:`plans`).
 
         Args:
             key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
@@ -354,7 +360,7 @@ class PagedLayerStorage:
             slot_mapping: int64 ``[B, L]`` (e.g. from :meth:`PageAllocator.reserve`);
                 negative slots are skipped.
         """
-        write_kv(key, value, self.pages, slot_mapping, self.scheme, backend=self.backend)
+        self.plans.write_kv(key, value, self.pages, slot_mapping, self.scheme, backend=self.backend)
 
     def attend(
         self,
@@ -390,7 +396,7 @@ class PagedLayerStorage:
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         if first is None:
             first = self.first_buffer(mask.get("kv_start"), rows)
-        return paged_attention(
+        return self.plans.paged_attention(
             query, self.pages, block_tables, seq_lens, self.scheme, sm_scale=scale,
             mask=Mask(**mask), first=first, out=out, backend=self.backend,
         )  # fmt: skip

@@ -266,6 +266,7 @@ class KVQuantLayer(CacheLayerMixin):
             k_offset=spec.k_offset,
             k_rotation=rotation,
             first_tokens=spec.first_tokens,
+            plans=self.cache.plans,
         )
         self.is_initialized = True
 
@@ -560,6 +561,9 @@ class KVQuantCache(PoolSizing, Cache):
         # under tensor parallelism, this rank's KV heads (kvquant.integrations.hf.sharding)
         specs = state.layer_specs if state.rank_specs is None else state.rank_specs
         self.book = SequenceBook(max(1, len(specs)), self.page_size)
+        # the kernel plans of every layer's storage: a step's layers of one geometry share one
+        # attention plan (validated and configured once); each layer keeps its write plan
+        self.plans = kernels.PlanCache()
         self.kv_start_memo: tuple[Any, int, torch.Tensor] | None = None
         # the last decode step's padding mask (a copy) and its left-padding starts (graphs.py)
         self.decode_mask_memo: DecodeMaskMemo | None = None

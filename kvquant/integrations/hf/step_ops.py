@@ -26,7 +26,14 @@ from kvquant.integrations.hf.cache_layer import KVQuantLayer
 from kvquant.kernels import paged_attention, write_kv
 from kvquant.schemes import FirstTokens, Mask, Pages, Scheme
 
-__all__ = ["STEP_KWARG", "layer_step", "step_attention", "step_attention_call", "step_write"]
+__all__ = [
+    "STEP_KWARG",
+    "converted_sinks",
+    "layer_step",
+    "step_attention",
+    "step_attention_call",
+    "step_write",
+]
 
 STEP_KWARG = "kvquant_step"
 """Keyword argument of a decoder layer in a compiled decode step: its :func:`layer_step`."""
@@ -71,6 +78,12 @@ def _step_write_fake(*args: Any) -> None:
 
 _sinks_fp32: dict[tuple[object, ...], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 _SINKS_MAX = 256
+
+
+def converted_sinks() -> list[torch.Tensor]:
+    """The fp32 sink logits the ops keep now, one per model sink tensor and version (a diagnostic:
+    a step converts each layer's sinks once, never inside a CUDA graph capture)."""
+    return [converted for _, converted in _sinks_fp32.values()]
 
 
 def _sinks(s_aux: torch.Tensor) -> torch.Tensor:

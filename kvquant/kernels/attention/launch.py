@@ -1,10 +1,11 @@
 """Launcher of the paged-attention Triton kernels (decode and prefill/extend).
 
-:func:`paged_attention_triton` picks the :class:`~kvquant.kernels.attention.tuning.Tiles` and
-the split-KV count (:mod:`kvquant.kernels.attention.tuning`), measures the split kernel's
-residency once per signature, and launches :mod:`kvquant.kernels.attention.kernel`'s kernels,
-with programmatic dependent launch on sm_90 and newer. It does no argument validation:
-:func:`kvquant.kernels.paged_attention` validates before dispatching here.
+:func:`attention_launch` picks the :class:`~kvquant.kernels.attention.tuning.Tiles`, the
+constexprs and the split-KV count (:mod:`kvquant.kernels.attention.tuning`; the split kernel's
+residency measured once per compiled variant): an :class:`AttentionLaunch`, which a plan
+(:mod:`kvquant.kernels.plan`) keeps. :func:`paged_attention_triton` launches
+:mod:`kvquant.kernels.attention.kernel`'s kernels with it, with programmatic dependent launch
+on sm_90 and newer (:func:`supports_pdl`). No argument validation here: plans validate.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +33,15 @@ from kvquant.kernels.attention.tuning import (
 )
 from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
 
-__all__ = ["CONFIG_KEYS", "is_interpreted", "paged_attention_triton"]
+__all__ = [
+    "CONFIG_KEYS",
+    "AttentionLaunch",
+    "attention_launch",
+    "is_interpreted",
+    "paged_attention_triton",
+    "pdl_capable",
+    "supports_pdl",
+]
 
 # Triton reads TRITON_INTERPRET when the kernels are decorated: fixed for this process.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -54,30 +64,37 @@ def is_interpreted() -> bool:
     return isinstance(paged_attn_kernel, InterpretedFunction)
 
 
+def pdl_capable(capability: tuple[int, int], *, hip: bool = False) -> bool:
+    """Whether a GPU of compute ``capability`` takes programmatic dependent launches.
+
+    NVIDIA devices of compute capability 9.0 and newer; never ROCm (which reports (9, x)
+    capabilities too).
+    """
+    return not hip and capability[0] >= 9
+
+
 _PDL: dict[int, bool] = {}
 
 
-def _supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: NVIDIA devices of compute capability 9.0 and newer (cached)."""
-    if _INTERPRETED or device.type != "cuda" or torch.version.hip is not None:
+def supports_pdl(device: torch.device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch (a device fact).
+
+    False on CPU and in the Triton interpreter; on CUDA :func:`pdl_capable` of the device's
+    capability, read once per device index and kept for the process.
+    """
+    if _INTERPRETED or device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL:
-        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+        _PDL[idx] = pdl_capable(
+            torch.cuda.get_device_capability(idx), hip=torch.version.hip is not None
+        )
     return _PDL[idx]
 
 
+# Registers, warps and shared memory of each compiled split-kernel variant: a fact of the
+# compiled binary (and device), kept for the process; plans read it when they are built.
 _KERNEL_USE: dict[tuple[Any, ...], tuple[int, int, int]] = {}
-
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    """fp32 ``1.0`` on ``device`` (MXFP4's static multiplier), allocated once per device."""
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
 
 
 def _device_limits(device: torch.device) -> dict[str, int]:
@@ -201,7 +218,7 @@ def _constexprs(
     # keys per run of a tile that stays inside one page (the kernel's TP; tiles start at
     # multiples of it)
     tp = math.gcd(page_size, tiles.BLOCK_N)
-    pdl = _supports_pdl(query.device) and bool(config.get("PDL", True))
+    pdl = supports_pdl(query.device) and bool(config.get("PDL", True))
     return {
         "GROUP": query.shape[2] // hkv,
         "QPB": tiles.QPB,
@@ -251,6 +268,114 @@ def _merge(
     )  # fmt: skip
 
 
+@dataclass(frozen=True, eq=False)
+class AttentionLaunch:
+    """The Triton launch chosen for one call geometry (kept by an attention plan).
+
+    Attributes:
+        tiles: the kernel's tiles.
+        fold: whether decode folds the group scales into the scores.
+        consts: ``paged_attn_kernel``'s constexprs (but ``SPLIT``) and launch options.
+        n_qblocks: query blocks per (KV head, sequence).
+        num_splits: split-KV count (1: no split).
+        k_fp4: 0 FP8 K, 1 NVFP4 (global scale), 2 MXFP4 (no scale).
+        v_fp4: as ``k_fp4`` for V.
+        one: fp32 ``1.0`` on the device (MXFP4's static multiplier), or None.
+    """
+
+    tiles: Tiles
+    fold: bool
+    consts: Mapping[str, Any]
+    n_qblocks: int
+    num_splits: int
+    k_fp4: int
+    v_fp4: int
+    one: torch.Tensor | None
+
+
+def _fp4_codes(scheme: Scheme) -> tuple[int, int]:
+    """Each side's 4-bit code: 0 FP8, 1 NVFP4 (global scale), 2 MXFP4 (none)."""
+    view = scheme.kernel_view()
+    k_fp4, v_fp4 = (
+        0 if f is None else 1 if f.global_scale else 2 for f in (view.k_fp4, view.v_fp4)
+    )
+    return k_fp4, v_fp4
+
+
+def _options(
+    query: torch.Tensor, pages: Pages, scheme: Scheme, mask: Mask, first: FirstTokens | None,
+    sm_scale: float, k_fp4: int, v_fp4: int, one: torch.Tensor | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The call's tensors and options as the kernel takes them (absent ones None)."""
+    view = scheme.kernel_view()
+    group_scales = view.group_size is not None
+    # a 4-bit side: its block scales as uint8 codes, NVFP4's global scale folded as a static
+    # scale, MXFP4's (none) as one
+    k_scale, v_scale = (
+        one if f == 2 else s for f, s in ((k_fp4, view.k_scale), (v_fp4, view.v_scale))
+    )
+    return dict(
+        sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, k_fp4=k_fp4, v_fp4=v_fp4,
+        k_block_scales=pages.k_scales.view(torch.uint8) if k_fp4 else None,  # type: ignore[union-attr]
+        v_block_scales=pages.v_scales.view(torch.uint8) if v_fp4 else None,  # type: ignore[union-attr]
+        k_group_scales=pages.k_scales if group_scales else None,
+        v_group_scales=pages.v_scales if group_scales else None, q_lens=mask.q_lens,
+        kv_start=mask.kv_start, causal=mask.causal, softcap=mask.softcap, window=mask.window,
+        sinks=mask.sinks, k_offset=view.k_offset, k_rotation=view.k_rotation,
+        first_k=None if first is None else first.k, first_v=None if first is None else first.v,
+        first_lens=None if first is None else first.lens,
+    )  # fmt: skip
+
+
+def attention_launch(
+    query: torch.Tensor,
+    pages: Pages,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scheme: Scheme,
+    *,
+    sm_scale: float,
+    mask: Mask = CAUSAL,
+    first: FirstTokens | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> AttentionLaunch:
+    """The launch of :func:`paged_attention_triton` for these (validated, non-empty) arguments.
+
+    It depends only on what a plan's signature holds (shapes, strides, dtypes, options), so
+    every call of the plan reuses it. ``num_splits`` and ``config``: overrides (tests, tuning).
+    """
+    bsz, lq, hq, _ = query.shape
+    k_pages, v_pages = pages.k, pages.v
+    hkv = k_pages.shape[2]
+    config = config or {}
+    group_scales = scheme.kernel_view().group_size is not None
+    k_fp4, v_fp4 = _fp4_codes(scheme)
+    one = None
+    if 2 in (k_fp4, v_fp4):
+        one = torch.ones((), dtype=torch.float32, device=query.device)
+    opt = _options(query, pages, scheme, mask, first, sm_scale, k_fp4, v_fp4, one)
+    ng = pages.k_scales.shape[-1] if group_scales and pages.k_scales is not None else 1
+    tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config)
+    n_qblocks = triton.cdiv(lq, tiles.QPB)
+    consts = _constexprs(query, k_pages, v_pages, tiles, fold, opt, config)
+    if num_splits is None:
+        num_splits = 1
+        if n_qblocks == 1:  # decode: split the keys to fill the GPU
+            target = out if out is not None else query
+            args = _kernel_args(query, k_pages, v_pages, block_tables, seq_lens, target,
+                                n_qblocks, opt)  # fmt: skip
+            num_splits = choose_num_splits(
+                bsz * hkv,
+                block_tables.shape[1] * k_pages.shape[1],
+                device_sm_count(query.device),
+                programs_per_sm=_decode_residency(args, consts, query.device),
+                block_n=tiles.BLOCK_N,
+            )
+    return AttentionLaunch(tiles, fold, consts, n_qblocks, num_splits, k_fp4, v_fp4, one)
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     pages: Pages,
@@ -264,12 +389,13 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: Mapping[str, Any] | None = None,
+    launch: AttentionLaunch | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
 
     Semantics are those of :func:`kvquant.kernels.paged_attention_reference`; the arguments
     are :func:`kvquant.kernels.paged_attention`'s (already validated; ``block_tables``' last
-    dimension and the transform's tensors contiguous), plus two overrides for tests and tuning.
+    dimension and the transform's tensors contiguous), plus overrides for tests and tuning.
     The scheme, mask and first tokens are unpacked here into the kernel's pointers (None when
     absent: the kernel derives its presence flags from them) and constexprs.
 
@@ -280,6 +406,8 @@ def paged_attention_triton(
             side packed ``[num_pages, page_size, Hkv, D // 2]`` with its block scales.
         num_splits: split-KV count override for the decode path (tests, tuning).
         config: overrides of the launch, keys :data:`CONFIG_KEYS`; others are refused.
+        launch: the launch a plan chose for these arguments' geometry
+            (:func:`attention_launch`); None: chosen here (with the overrides).
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
@@ -291,44 +419,16 @@ def paged_attention_triton(
         out = torch.empty(bsz, lq, hq, d, dtype=query.dtype, device=query.device)
     if bsz == 0 or lq == 0:
         return out
-    config = config or {}
-    view = scheme.kernel_view()
-    group_scales = view.group_size is not None
-    # a 4-bit side: its block scales as uint8 codes, NVFP4's global scale folded as a static
-    # scale, MXFP4's (none) as one
-    k_fp4, v_fp4 = (
-        0 if f is None else 1 if f.global_scale else 2 for f in (view.k_fp4, view.v_fp4)
+    if launch is None:
+        launch = attention_launch(
+            query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
+            first=first, out=out, num_splits=num_splits, config=config,
+        )  # fmt: skip
+    opt = _options(
+        query, pages, scheme, mask, first, sm_scale, launch.k_fp4, launch.v_fp4, launch.one
     )
-    k_scale, v_scale = (
-        _one(query.device) if f == 2 else s
-        for f, s in ((k_fp4, view.k_scale), (v_fp4, view.v_scale))
-    )
-    opt: dict[str, Any] = dict(
-        sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, k_fp4=k_fp4, v_fp4=v_fp4,
-        k_block_scales=pages.k_scales.view(torch.uint8) if k_fp4 else None,  # type: ignore[union-attr]
-        v_block_scales=pages.v_scales.view(torch.uint8) if v_fp4 else None,  # type: ignore[union-attr]
-        k_group_scales=pages.k_scales if group_scales else None,
-        v_group_scales=pages.v_scales if group_scales else None, q_lens=mask.q_lens,
-        kv_start=mask.kv_start, causal=mask.causal, softcap=mask.softcap, window=mask.window,
-        sinks=mask.sinks, k_offset=view.k_offset, k_rotation=view.k_rotation,
-        first_k=None if first is None else first.k, first_v=None if first is None else first.v,
-        first_lens=None if first is None else first.lens,
-    )  # fmt: skip
-    ng = pages.k_scales.shape[-1] if group_scales and pages.k_scales is not None else 1
-    tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config)
-    n_qblocks = triton.cdiv(lq, tiles.QPB)
+    n_qblocks, num_splits, consts = launch.n_qblocks, launch.num_splits, launch.consts
     args = _kernel_args(query, k_pages, v_pages, block_tables, seq_lens, out, n_qblocks, opt)
-    consts = _constexprs(query, k_pages, v_pages, tiles, fold, opt, config)
-    if num_splits is None:
-        num_splits = 1
-        if n_qblocks == 1:  # decode: split the keys to fill the GPU
-            num_splits = choose_num_splits(
-                bsz * hkv,
-                block_tables.shape[1] * k_pages.shape[1],
-                device_sm_count(query.device),
-                programs_per_sm=_decode_residency(args, consts, query.device),
-                block_n=tiles.BLOCK_N,
-            )
     split = num_splits > 1
     if split:
         # one workspace: partial outputs [B, Lq, Hq, S, D], their log2-sum-exp [B, Lq, Hq, S]

@@ -1,14 +1,17 @@
 """Argument checks of :func:`kvquant.kernels.paged_attention` (structure, then values).
 
-Built on :mod:`kvquant.kernels.validate` (its helpers, scheme checks and signature memo): the
+Built on :mod:`kvquant.kernels.validate` (its helpers, scheme checks and signatures): the
 query, pages, block tables, lengths, the :class:`~kvquant.schemes.Mask`, sinks and the K
-transform's side buffer (:class:`~kvquant.schemes.FirstTokens`).
+transform's side buffer (:class:`~kvquant.schemes.FirstTokens`). The structural checks run
+when a plan is built (:func:`kvquant.kernels.plan.plan_attention`), the value checks on
+every run.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -24,9 +27,7 @@ from kvquant.kernels.validate import (
     check_shape,
     check_sink_values,
     fail,
-    new_check_memo,
     overlaps,
-    remembered,
     require_tensor,
     signature,
     unpack,
@@ -34,9 +35,13 @@ from kvquant.kernels.validate import (
 )
 from kvquant.schemes import FirstTokens, Fp4Format, KernelView, Mask, Pages, Scheme
 
-__all__ = ["AttentionGeometry", "check_attention_inputs"]
-
-_ATTENTION_OK: dict[tuple[object, ...], AttentionGeometry] = new_check_memo("attention")
+__all__ = [
+    "AttentionGeometry",
+    "attention_signature",
+    "check_attention_inputs",
+    "check_attention_structure",
+    "check_attention_values",
+]
 
 
 @dataclass(frozen=True)
@@ -339,6 +344,103 @@ def _check_attention_values(
                 )
 
 
+def attention_signature(
+    query: object,
+    pages: object,
+    block_tables: object,
+    seq_lens: object,
+    scheme: object,
+    *,
+    sm_scale: object,
+    mask: object,
+    first: object = None,
+    out: object = None,
+) -> tuple[object, ...] | None:
+    """Everything :func:`check_attention_structure` reads from the arguments, as a hashable key.
+
+    Options count by type and value (:func:`~kvquant.kernels.validate.signature`); None
+    when no plan can be reused for these arguments (an argument of another kind).
+
+    Raises:
+        KernelInputError: ``pages`` or ``scheme`` is not one.
+    """
+    bundle, view = unpack("paged_attention", pages, scheme)
+    if not isinstance(mask, Mask):
+        return None
+    fk = fv = fl = None
+    if isinstance(first, FirstTokens):
+        fk, fv, fl = first.k, first.v, first.lens
+        if fk is None:
+            return None
+    elif first is not None:
+        return None
+    head_dim = scheme.dims()[1]  # type: ignore[attr-defined]  # unpack checked it
+    m = mask
+    return signature(
+        query, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, block_tables, seq_lens,
+        sm_scale, view.k_scale, view.v_scale, view.k_offset, view.k_rotation,
+        view.group_size, m.q_lens, m.kv_start, m.causal, m.softcap, m.window, m.sinks, out,
+        fk, fv, fl, _fp4_code(view.k_fp4), _fp4_code(view.v_fp4), head_dim,
+    )  # fmt: skip
+
+
+def check_attention_structure(
+    query: object,
+    pages: object,
+    block_tables: object,
+    seq_lens: object,
+    scheme: object,
+    *,
+    sm_scale: object,
+    mask: object,
+    first: object = None,
+    out: object = None,
+) -> AttentionGeometry:
+    """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`.
+
+    They read only metadata: a plan runs them once for the arguments' signature.
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    bundle, view = unpack("paged_attention", pages, scheme)
+    return _check_attention_structure(
+        query, bundle, block_tables, seq_lens, scheme,  # type: ignore[arg-type]  # unpack checked it
+        view, sm_scale, mask, first, out,
+    )  # fmt: skip
+
+
+def check_attention_values(
+    pages: Pages,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mask: Mask,
+    first: FirstTokens | None,
+    geo: AttentionGeometry,
+) -> None:
+    """Value checks of :func:`check_attention_inputs`, on arguments that passed the structure.
+
+    The sinks are finite (read once per tensor version); lengths and page ids lie inside the
+    cache where values are cheap to read (:func:`~kvquant.kernels.validate.value_checks_enabled`).
+
+    Raises:
+        KernelInputError: a value is out of range.
+    """
+    if mask.sinks is not None:
+        check_sink_values("paged_attention", "sinks", mask.sinks)
+    if geo.batch and value_checks_enabled(pages.k.device):
+        fk = None if first is None else first.k
+        _check_attention_values(
+            block_tables,
+            seq_lens,
+            mask.q_lens,
+            mask.kv_start,
+            geo,
+            None if first is None else first.lens,
+            fk.shape[1] if fk is not None else 0,
+        )
+
+
 def check_attention_inputs(
     query: object,
     pages: object,
@@ -351,13 +453,13 @@ def check_attention_inputs(
     first: object = None,
     out: object = None,
 ) -> AttentionGeometry:
-    """Validate the arguments of :func:`kvquant.kernels.paged_attention`.
+    """Validate the arguments of :func:`kvquant.kernels.paged_attention` (every check).
 
-    Dtype, shape, device, stride and option checks are remembered per
-    signature of the arguments, like :func:`check_write_inputs` (options by
-    type and value); the value checks (lengths and page ids inside the
-    cache, where values are cheap to read) run on every call. The scheme's own
-    values were checked when it was built.
+    :func:`check_attention_structure` (dtype, shape, device, stride and option checks), then
+    :func:`check_attention_values` (lengths and page ids inside the cache, where values are
+    cheap to read). The scheme's own values were checked when it was built. A plan
+    (:func:`kvquant.kernels.plan.plan_attention`) runs the first part once, the second on
+    every run.
 
     Args:
         query: ``[B, Lq, Hq, D]`` fp32/fp16/bf16, any strides, ``Hq % Hkv == 0``.
@@ -377,49 +479,11 @@ def check_attention_inputs(
     Raises:
         KernelInputError: any argument is malformed.
     """
-    op = "paged_attention"
-    bundle, view = unpack(op, pages, scheme)
-    head_dim = scheme.dims()[1] if isinstance(scheme, Scheme) else None
-    valid_mask = mask if isinstance(mask, Mask) else None
-    fk = fv = fl = None
-    if isinstance(first, FirstTokens):
-        fk, fv, fl = first.k, first.v, first.lens
-    sig = None
-    if valid_mask is not None and (first is None or fk is not None):
-        m = valid_mask
-        sig = signature(
-            query, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, block_tables, seq_lens,
-            sm_scale, view.k_scale, view.v_scale, view.k_offset, view.k_rotation,
-            view.group_size, m.q_lens, m.kv_start, m.causal, m.softcap, m.window, m.sinks, out,
-            fk, fv, fl, _fp4_code(view.k_fp4), _fp4_code(view.v_fp4), head_dim,
-        )  # fmt: skip
-    geo = remembered(
-        _ATTENTION_OK,
-        sig,
-        lambda: _check_attention_structure(
-            query,
-            bundle,
-            block_tables,
-            seq_lens,
-            scheme,  # type: ignore[arg-type]  # unpack checked it
-            view,
-            sm_scale,
-            mask,
-            first,
-            out,
-        ),
-    )
-    checked: Mask = mask  # type: ignore[assignment]  # checked above
-    if checked.sinks is not None:
-        check_sink_values(op, "sinks", checked.sinks)
-    if geo.batch and value_checks_enabled(bundle.k.device):
-        _check_attention_values(
-            block_tables,  # type: ignore[arg-type]
-            seq_lens,  # type: ignore[arg-type]
-            checked.q_lens,
-            checked.kv_start,
-            geo,
-            fl,
-            fk.shape[1] if fk is not None else 0,
-        )
+    geo = check_attention_structure(
+        query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
+        first=first, out=out,
+    )  # fmt: skip
+    checked = cast("tuple[Pages, torch.Tensor, torch.Tensor, Mask, FirstTokens | None]",
+                   (pages, block_tables, seq_lens, mask, first))  # fmt: skip
+    check_attention_values(*checked, geo)
     return geo

@@ -1,7 +1,9 @@
 """Argument checks of :func:`kvquant.kernels.write_kv` (structure, then slot values).
 
-Built on :mod:`kvquant.kernels.validate` (its helpers, scale checks and signature memo):
+Built on :mod:`kvquant.kernels.validate` (its helpers, scale checks and signatures):
 everything here raises :class:`~kvquant.errors.KernelInputError` before anything is written.
+The structural checks run when a plan is built (:func:`kvquant.kernels.plan.plan_write`),
+the slot check on every run.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ from kvquant.kernels.validate import (
     check_pages,
     check_scheme_tensors,
     fail,
-    new_check_memo,
-    remembered,
     signature,
     unpack,
     value_checks_enabled,
 )
 from kvquant.schemes import KernelView, Pages
 
-__all__ = ["WriteGeometry", "check_write_inputs"]
-
-_WRITE_OK: dict[tuple[object, ...], WriteGeometry] = new_check_memo("write")
+__all__ = [
+    "WriteGeometry",
+    "check_write_inputs",
+    "check_write_structure",
+    "check_write_values",
+    "write_signature",
+]
 
 
 @dataclass(frozen=True)
@@ -85,18 +89,59 @@ def _check_write_values(slot_mapping: torch.Tensor, geo: WriteGeometry) -> None:
         )
 
 
+def write_signature(
+    key: object, value: object, pages: object, slot_mapping: object, scheme: object
+) -> tuple[object, ...] | None:
+    """Everything :func:`check_write_structure` reads, with the written tensors' addresses.
+
+    The addresses count because the written tensors must not overlap: the cache's tensors
+    stay put, so a decode loop keeps one plan per layer. None: no plan can be reused.
+
+    Raises:
+        KernelInputError: ``pages`` or ``scheme`` is not one.
+    """
+    bundle, view = unpack("write_kv", pages, scheme)
+    sig = signature(
+        key, value, bundle.k, bundle.v, slot_mapping, view.k_scale, view.v_scale,
+        bundle.k_scales, bundle.v_scales, view.k_offset, view.k_rotation, view.group_size,
+    )  # fmt: skip
+    if sig is None:
+        return None
+    return sig + tuple(address(x) for x in (bundle.k, bundle.v, bundle.k_scales, bundle.v_scales))
+
+
+def check_write_structure(
+    key: object, value: object, pages: object, slot_mapping: object, scheme: object
+) -> WriteGeometry:
+    """Dtype, shape, device and stride checks of :func:`check_write_inputs` (metadata only).
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    bundle, view = unpack("write_kv", pages, scheme)
+    return _check_write_structure(key, value, bundle, slot_mapping, view)
+
+
+def check_write_values(pages: Pages, slot_mapping: torch.Tensor, geo: WriteGeometry) -> None:
+    """The slot check of :func:`check_write_inputs`, where values are cheap to read.
+
+    Raises:
+        KernelInputError: a slot beyond the cache.
+    """
+    if geo.batch and geo.seq and value_checks_enabled(pages.k.device):
+        _check_write_values(slot_mapping, geo)
+
+
 def check_write_inputs(
     key: object, value: object, pages: object, slot_mapping: object, scheme: object
 ) -> WriteGeometry:
-    """Validate the arguments of :func:`kvquant.kernels.write_kv`.
+    """Validate the arguments of :func:`kvquant.kernels.write_kv` (every check).
 
-    The dtype, shape, device and stride checks read only tensor metadata;
-    once they pass, their result is remembered under the signature of the
-    arguments (every shape, stride, dtype and device), so a call with the same
-    signature skips them and one that differs in anything they read runs them
-    again. The value check (slots inside the cache, where values are cheap to
-    read: see the module docstring) runs on every call. The scheme's own values
-    were checked when it was built.
+    :func:`check_write_structure` reads only tensor metadata (a plan,
+    :func:`kvquant.kernels.plan.plan_write`, runs it once for the arguments'
+    :func:`write_signature`); :func:`check_write_values` (slots inside the cache, where
+    values are cheap to read: see :mod:`kvquant.kernels.validate`) runs on every call. The
+    scheme's own values were checked when it was built.
 
     Args:
         key: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
@@ -105,8 +150,7 @@ def check_write_inputs(
             two elements sharing memory; group scales (dynamic schemes only)
             ``[num_pages, page_size, Hkv, D // G]``, last dimension contiguous.
         slot_mapping: int64 ``[B, L]``; negative = skip; otherwise below
-            ``num_pages * page_size`` (checked where values are cheap to read,
-            see the module docstring).
+            ``num_pages * page_size``.
         scheme: a :class:`~kvquant.schemes.Scheme` for the pages' ``Hkv`` and ``D``.
 
     Returns:
@@ -115,20 +159,6 @@ def check_write_inputs(
     Raises:
         KernelInputError: any argument is malformed.
     """
-    op = "write_kv"
-    bundle, view = unpack(op, pages, scheme)
-    sig = signature(
-        key, value, bundle.k, bundle.v, slot_mapping, view.k_scale, view.v_scale,
-        bundle.k_scales, bundle.v_scales, view.k_offset, view.k_rotation, view.group_size,
-    )  # fmt: skip
-    if sig is not None:
-        # where the written tensors live (they must not overlap): the cache's tensors stay put,
-        # so a decode loop still hits the memo
-        sig += tuple(address(x) for x in (bundle.k, bundle.v, bundle.k_scales, bundle.v_scales))
-    geo = remembered(
-        _WRITE_OK, sig, lambda: _check_write_structure(key, value, bundle, slot_mapping, view)
-    )
-    sm: torch.Tensor = slot_mapping  # type: ignore[assignment]  # checked above
-    if geo.batch and geo.seq and value_checks_enabled(bundle.k.device):
-        _check_write_values(sm, geo)
+    geo = check_write_structure(key, value, pages, slot_mapping, scheme)
+    check_write_values(pages, slot_mapping, geo)  # type: ignore[arg-type]  # checked above
     return geo

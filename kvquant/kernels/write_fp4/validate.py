@@ -19,19 +19,22 @@ from kvquant.kernels.validate import (
     check_fp4_pages,
     check_new_tokens,
     fail,
-    new_check_memo,
-    remembered,
     signature,
     unpack,
     value_checks_enabled,
 )
 from kvquant.schemes import Fp4Scales, KernelView, Pages
 
-__all__ = ["Fp4WriteGeometry", "check_write_fp4_inputs", "fp4_code"]
+__all__ = [
+    "Fp4WriteGeometry",
+    "check_write_fp4_inputs",
+    "check_write_fp4_structure",
+    "check_write_fp4_values",
+    "fp4_code",
+    "write_fp4_signature",
+]
 
 OP = "write_fp4"
-
-_WRITE_FP4_OK: dict[tuple[object, ...], Fp4WriteGeometry] = new_check_memo("write_fp4")
 
 
 @dataclass(frozen=True)
@@ -67,40 +70,56 @@ def _check_structure(
     return Fp4WriteGeometry(bsz, seq, num_pages, page_size, hkv, d)
 
 
-def check_write_fp4_inputs(
-    key: object, value: object, pages: object, slot_mapping: object, scheme: object
-) -> Fp4WriteGeometry:
-    """Validate the arguments of :func:`~kvquant.kernels.write_fp4.write_fp4`.
-
-    The metadata checks are remembered per signature of the arguments (with the addresses of
-    the written tensors), as :func:`kvquant.kernels.write.validate.check_write_inputs` does;
-    the slot check runs on every call where values are cheap to read.
-
-    Returns:
-        The call's sizes.
-
-    Raises:
-        KernelInputError: any argument is malformed.
-    """
+def _refuse_fp8(scheme: object) -> None:
     if not isinstance(scheme, Fp4Scales):
         raise fail(
             f"{OP}: scheme is {type(scheme).__name__} ({getattr(scheme, 'name', '?')!r}), which "
             "stores FP8 K and V; expected a 4-bit scheme (Nvfp4Scales, Mxfp4Scales, "
             "Fp8KNvfp4VScales). Fix: call kvquant.kernels.write_kv, which picks the write."
         )
+
+
+def write_fp4_signature(
+    key: object, value: object, pages: object, slot_mapping: object, scheme: object
+) -> tuple[object, ...] | None:
+    """What :func:`check_write_fp4_structure` reads, with the written tensors' addresses.
+
+    Raises:
+        KernelInputError: ``pages`` or ``scheme`` is not one (or not a 4-bit scheme).
+    """
+    _refuse_fp8(scheme)
     bundle, view = unpack(OP, pages, scheme)
-    d = scheme.head_dim
+    d = scheme.head_dim  # type: ignore[attr-defined]  # checked above
     sig = signature(
         key, value, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, slot_mapping,
         view.k_scale, view.v_scale, d, fp4_code(view, "k"), fp4_code(view, "v"),
     )  # fmt: skip
-    if sig is not None:
-        sig += tuple(address(x) for x in (bundle.k, bundle.v, bundle.k_scales, bundle.v_scales))
-    geo = remembered(
-        _WRITE_FP4_OK, sig, lambda: _check_structure(key, value, bundle, slot_mapping, view, d)
-    )
-    sm: torch.Tensor = slot_mapping  # type: ignore[assignment]  # checked above
-    if sm.numel() and value_checks_enabled(bundle.k.device):
+    if sig is None:
+        return None
+    return sig + tuple(address(x) for x in (bundle.k, bundle.v, bundle.k_scales, bundle.v_scales))
+
+
+def check_write_fp4_structure(
+    key: object, value: object, pages: object, slot_mapping: object, scheme: object
+) -> Fp4WriteGeometry:
+    """The metadata checks of :func:`check_write_fp4_inputs` (a plan runs them once).
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    _refuse_fp8(scheme)
+    bundle, view = unpack(OP, pages, scheme)
+    return _check_structure(key, value, bundle, slot_mapping, view, scheme.head_dim)  # type: ignore[attr-defined]
+
+
+def check_write_fp4_values(pages: Pages, slot_mapping: torch.Tensor, geo: Fp4WriteGeometry) -> None:
+    """The slot check of :func:`check_write_fp4_inputs`, where values are cheap to read.
+
+    Raises:
+        KernelInputError: a slot beyond the cache.
+    """
+    sm = slot_mapping
+    if sm.numel() and value_checks_enabled(pages.k.device):
         top = int(sm.max())
         slots = geo.num_pages * geo.page_size
         if top >= slots:
@@ -109,4 +128,23 @@ def check_write_fp4_inputs(
                 f"of {geo.page_size} slots (0..{slots - 1}); negative slots mean 'skip'. Fix: "
                 "reserve slots with kvquant.cache.PageAllocator."
             )
+
+
+def check_write_fp4_inputs(
+    key: object, value: object, pages: object, slot_mapping: object, scheme: object
+) -> Fp4WriteGeometry:
+    """Validate the arguments of :func:`~kvquant.kernels.write_fp4.write_fp4` (every check).
+
+    The metadata checks (:func:`check_write_fp4_structure`, run once per plan by
+    :func:`kvquant.kernels.plan.plan_write`), then the slot check where values are cheap to
+    read (:func:`check_write_fp4_values`, every run).
+
+    Returns:
+        The call's sizes.
+
+    Raises:
+        KernelInputError: any argument is malformed.
+    """
+    geo = check_write_fp4_structure(key, value, pages, slot_mapping, scheme)
+    check_write_fp4_values(pages, slot_mapping, geo)  # type: ignore[arg-type]  # checked above
     return geo

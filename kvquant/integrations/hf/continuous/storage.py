@@ -94,6 +94,7 @@ class BatchingStorage:
         self.layers: list[PagedLayerStorage] = []
         self.first: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.plan: StepPlan | None = None
+        plans = kernels.PlanCache()  # the layers' kernel plans (shared: see PlanCache)
         device = buffer.device
         for i, spec in enumerate(specs):
             views = layout.views(buffer, i, num_blocks)
@@ -118,6 +119,7 @@ class BatchingStorage:
                     k_rotation=rotation,
                     first_tokens=spec.first_tokens,
                     pages=pages,
+                    plans=plans,
                 )
             )
             if layout.first_tokens:
