@@ -418,9 +418,8 @@ def _reason(
     e_ref = ref_errors[layer]
     ratio = f"{e_ref / median:.1f}x" if median > 0 else "n/a"
     rank = sorted(range(len(ref_errors)), key=lambda i: (-ref_errors[i], i)).index(layer) + 1
-    standing = (
-        f"{_pct(e_ref)}, {ratio} the median layer's, {_ordinal(rank)} highest of {len(formats)}"
-    )
+    where = _where(rank, len(formats))
+    standing = f"{_pct(e_ref)}, {ratio} the median layer's, {where}"
     saved = sizes[FP8] - sizes[fmt]
     if fmt == FP8:
         return f"kept FP8: {_NAMES[ref]} would err {standing}"
@@ -429,18 +428,28 @@ def _reason(
         if ref == "nvfp4":
             text += f": NVFP4 K too would err {standing}"
         return text
-    text = f"{_NAMES[fmt]}: errs {_pct(errors[fmt][layer])} (FP8 {_pct(e_fp8)}), saves {saved} B"
+    wider = ""
+    if "fp8-k-nvfp4-v" in errors and fmt != "fp8-k-nvfp4-v":
+        wider = f"FP8 K + NVFP4 V {_pct(errors['fp8-k-nvfp4-v'][layer])}, "
+    text = f"{_NAMES[fmt]}: errs {_pct(errors[fmt][layer])} ({wider}FP8 {_pct(e_fp8)}), saves {saved} B"
     if fmt == ref:
-        text += f"; {ratio} the median layer's, {_ordinal(rank)} highest of {len(formats)}"
+        text += f"; {ratio} the median layer's, {where}"
     elif fmt == "mxfp4" and "nvfp4" in errors:
         extra = sizes["nvfp4"] - sizes[fmt]
         text += f"; NVFP4 would err {_pct(errors['nvfp4'][layer])} for {extra} B more"
     return text
 
 
+def _where(rank: int, count: int) -> str:
+    """``"the highest of 30"``, ``"2nd highest of 30"``, ``"the lowest of 30"``."""
+    if rank == 1:
+        return f"the highest of {count}"
+    if rank == count:
+        return f"the lowest of {count}"
+    return f"{_ordinal(rank)} highest of {count}"
+
+
 def _ordinal(n: int) -> str:
-    if n == 1:
-        return "the"
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
 
