@@ -5,7 +5,8 @@ statistics (:mod:`~kvquant.calibrate.statistics`, :mod:`~kvquant.calibrate.colle
 chooses per-tensor or per-head scales by the expected FP8 error of every clipping
 ratio (:mod:`~kvquant.calibrate.search`) or the k-transform
 (:mod:`~kvquant.calibrate.k_transform`), and measures every candidate format on
-held-out windows (:mod:`~kvquant.calibrate.evaluate`, :mod:`~kvquant.calibrate.report`).
+held-out windows (:mod:`~kvquant.calibrate.evaluate`, :mod:`~kvquant.calibrate.report`);
+given a byte budget, :mod:`~kvquant.calibrate.layer_map` proposes a K/V format per layer.
 :func:`write_calibrated_checkpoint` writes a copy carrying the scales
 (:mod:`~kvquant.calibrate.writing`); :mod:`~kvquant.calibrate.data` reads the text.
 How it works and why: docs/dev/calibration.md. Transformers is imported lazily.
@@ -24,6 +25,7 @@ from kvquant.calibrate.data import (
 from kvquant.calibrate.evaluate import candidate_formats, evaluate_formats
 from kvquant.calibrate.fp8 import FP8_E4M3_MAX
 from kvquant.calibrate.k_transform import choose_k_transform
+from kvquant.calibrate.layer_map import LayerFormat, LayerFormatMap, propose_layer_formats
 from kvquant.calibrate.options import (
     CENTRES,
     CONVENTIONS,
@@ -69,6 +71,8 @@ __all__ = [
     "Granularity",
     "KVStatistics",
     "LayerCalibration",
+    "LayerFormat",
+    "LayerFormatMap",
     "Objective",
     "Rotation",
     "attention_weights",
@@ -82,6 +86,7 @@ __all__ = [
     "expected_mse",
     "load_dataset_samples",
     "load_text_files",
+    "propose_layer_formats",
     "search_ratios",
     "write_calibrated_checkpoint",
 ]

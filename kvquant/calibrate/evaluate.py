@@ -2,7 +2,8 @@
 
 The model runs once more over windows the statistics never saw; in every
 attention layer each :class:`Candidate` (the static formats with the scales the
-search chose, the dynamic fp32 groups, the k-transform variants) is simulated
+search chose, the dynamic fp32 groups, the k-transform variants and, on request, the
+4-bit formats of ``kvquant.patch(model, kv_format=...)``) is simulated
 in torch (:mod:`kvquant.calibrate.fp8`) and its attention output compared with
 the exact one (:class:`FormatEvaluator`), giving a
 :class:`~kvquant.calibrate.report.CalibrationReport`.
@@ -21,6 +22,7 @@ from kvquant.calibrate.collection import observing
 from kvquant.calibrate.fp8 import (
     E4M3_MIN_NORMAL,
     FP8_E4M3_MAX,
+    fake_quantize_fp4,
     fake_quantize_groups,
     fake_quantize_static,
     hadamard_matrix,
@@ -42,7 +44,13 @@ __all__ = [
     "candidate_formats",
     "candidate_of",
     "evaluate_formats",
+    "four_bit_candidates",
 ]
+
+FP8_K_NVFP4_V = "fp8-k-nvfp4-v"
+
+FOUR_BIT_BLOCKS: dict[str, int] = {"nvfp4": 16, "mxfp4": 32, FP8_K_NVFP4_V: 16}
+"""The 4-bit ``kv_format`` words measured on request, and the block head_dim must be a multiple of."""
 
 GROUP_SIZES = (64, 32)
 """Group sizes of the dynamic fp32-group candidates (where they divide head_dim)."""
@@ -61,6 +69,8 @@ class Candidate:
         k_offset: fp32 [L, Hkv, D] (rotated frame) for the k-transform.
         rotation: fp32 [D, D] or None.
         first_tokens: positions of every window attended exactly (k-transform).
+        kv_format: a 4-bit ``kv_format`` word (``"nvfp4"``, ``"mxfp4"``,
+            ``"fp8-k-nvfp4-v"``, whose FP8 K reads ``k_scale``), or None (an FP8 format).
     """
 
     name: str
@@ -71,11 +81,14 @@ class Candidate:
     k_offset: torch.Tensor | None = None
     rotation: torch.Tensor | None = None
     first_tokens: int = 0
+    kv_format: str | None = None
 
     def simulate(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(query, key, value)`` as this format's attention sees them (fp32)."""
+        if self.kv_format is not None:
+            return self._simulate_fp4(layer, query, key, value)
         if self.group_size is not None:
             g = self.group_size
             return query.float(), fake_quantize_groups(key, g), fake_quantize_groups(value, g)
@@ -97,6 +110,21 @@ class Candidate:
         if n:
             v[:, :, :n] = value[:, :, :n].float()
         return q, k, v
+
+    def _simulate_fp4(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A 4-bit format: every position rounded, the first included (as the cache does)."""
+        fmt = str(self.kv_format)
+        if fmt == FP8_K_NVFP4_V:
+            if self.k_scale is None:
+                raise CalibrationError(
+                    f"Candidate {self.name!r}: FP8 K without a static K scale; expected "
+                    "k_scale. Fix: build it with four_bit_candidates()."
+                )
+            k = fake_quantize_static(key, self.k_scale[layer])
+            return query.float(), k, fake_quantize_fp4(value, "nvfp4")
+        return query.float(), fake_quantize_fp4(key, fmt), fake_quantize_fp4(value, fmt)
 
     def stored(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[Any, Any]:
         """``(k / s_k, v / s_v)`` before rounding, at the positions read from FP8 (static only)."""
@@ -294,6 +322,38 @@ def candidate_formats(
     return out, notes
 
 
+def four_bit_candidates(
+    result: CalibrationResult, head_dim: int
+) -> tuple[list[Candidate], list[str]]:
+    """The 4-bit ``kv_format`` words as the cache would store this model's K and V.
+
+    ``nvfp4`` and ``mxfp4`` (K and V 4-bit, block scales computed as tokens are written),
+    ``fp8-k-nvfp4-v`` (K in FP8 with ``result``'s static K scales, V in NVFP4), each where
+    its block divides ``head_dim``; ``fp8-k-nvfp4-v`` not beside the k-transform, whose K
+    scales apply to a transformed K that the 4-bit pages do not store.
+
+    Returns:
+        ``(candidates, notes)``: notes say which were left out and why.
+    """
+    out: list[Candidate] = []
+    notes: list[str] = []
+    for word, block in FOUR_BIT_BLOCKS.items():
+        if head_dim % block:
+            notes.append(
+                f"{word} left out: its {block}-channel blocks do not divide head_dim {head_dim}"
+            )
+        elif word == FP8_K_NVFP4_V and result.granularity == Granularity.K_TRANSFORM:
+            notes.append(
+                f"{word} left out: its FP8 K needs a static K scale, and the k-transform's "
+                "apply to a transformed K (calibrate --format per-tensor or per-head for it)"
+            )
+        elif word == FP8_K_NVFP4_V:
+            out.append(Candidate(word, False, k_scale=result.k_scales, kv_format=word))
+        else:
+            out.append(Candidate(word, False, kv_format=word))
+    return out, notes
+
+
 @torch.no_grad()
 def evaluate_formats(
     model: torch.nn.Module,
@@ -301,6 +361,7 @@ def evaluate_formats(
     held_out: Sequence[torch.Tensor],
     *,
     progress: bool = False,
+    four_bit: bool = False,
 ) -> CalibrationReport:
     """Measure every candidate format (and the written one) on held-out windows.
 
@@ -309,6 +370,8 @@ def evaluate_formats(
         result: the calibration (its statistics give the candidates' scales).
         held_out: int64 [1, T] token windows not used for the statistics.
         progress: show a tqdm bar on stderr.
+        four_bit: also measure the 4-bit ``kv_format`` words (:func:`four_bit_candidates`),
+            which a per-layer format map (:mod:`kvquant.calibrate.layer_map`) chooses among.
 
     Returns:
         The :class:`~kvquant.calibrate.report.CalibrationReport`.
@@ -339,6 +402,10 @@ def evaluate_formats(
         candidates[names.index(chosen.name)] = chosen  # the written one, its own centre
     elif chosen.name not in names:
         candidates.append(chosen)
+    if four_bit:
+        more, why = four_bit_candidates(result, stats.channels.head_dim)
+        candidates += more
+        notes += why
     names = [c.name for c in candidates]
     evaluator = FormatEvaluator(
         tuple(candidates), names.index(chosen.name), stats.num_layers, stats.num_kv_heads

@@ -1,7 +1,8 @@
 """FP8 e4m3 rounding in torch, as kvquant's cache stores K and V: the simulations' arithmetic.
 
 Static scales (``fp8(clamp(x / s, +-448)) * s``), dynamic fp32 groups, the
-k-transform's keys and the Hadamard rotation, each in fp32. The calibration
+k-transform's keys and the Hadamard rotation, each in fp32; and the 4-bit formats' rounding
+(:func:`fake_quantize_fp4`, kvquant's own NVFP4 / MXFP4 codes). The calibration
 report (:mod:`kvquant.calibrate.evaluate`) measures every candidate format with
 these; the statistics and the search use the same constants.
 """
@@ -15,6 +16,7 @@ from kvquant.errors import CalibrationError
 __all__ = [
     "E4M3_MIN_NORMAL",
     "FP8_E4M3_MAX",
+    "fake_quantize_fp4",
     "fake_quantize_groups",
     "fake_quantize_static",
     "hadamard_matrix",
@@ -75,6 +77,31 @@ def fake_quantize_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     s = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
     q = (xg / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * s
     return q.flatten(-2)
+
+
+def fake_quantize_fp4(x: torch.Tensor, which: str) -> torch.Tensor:
+    """``x`` through ``which`` (``"nvfp4"`` or ``"mxfp4"``) 4-bit codes and back, in fp32.
+
+    The codes :func:`kvquant.kernels.fp4.quantize_fp4` writes (which the cache's write kernels
+    match), with the global scale of a calibration-free NVFP4 cache
+    (:data:`kvquant.schemes.DYNAMIC_NVFP4_GLOBAL_SCALE`), which ``kv_format="nvfp4"`` uses.
+
+    Args:
+        x: [B, Hkv, T, D], D a multiple of the format's block (16 NVFP4, 32 MXFP4).
+        which: ``"nvfp4"`` or ``"mxfp4"``.
+    """
+    from kvquant.kernels.fp4 import MXFP4, NVFP4, dequantize_fp4, quantize_fp4
+    from kvquant.schemes import DYNAMIC_NVFP4_GLOBAL_SCALE
+
+    if which not in ("nvfp4", "mxfp4"):
+        raise CalibrationError(
+            f"fake_quantize_fp4: format {which!r}; expected 'nvfp4' or 'mxfp4'. Fix: pass one."
+        )
+    fmt = NVFP4 if which == "nvfp4" else MXFP4
+    g = torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE, device=x.device) if fmt.global_scale else None
+    tokens = x.float().transpose(1, 2)  # [B, T, Hkv, D]: the layout the pages hold
+    packed, scales = quantize_fp4(tokens, fmt, g)
+    return dequantize_fp4(packed, scales, fmt, g).transpose(1, 2)
 
 
 def k_transform_keys(

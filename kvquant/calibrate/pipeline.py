@@ -3,11 +3,13 @@
 The one call behind ``kvquant calibrate``: :func:`~kvquant.calibrate.collection.collect_statistics`
 on all but the last windows, :func:`~kvquant.calibrate.search.choose_scales` or
 :func:`~kvquant.calibrate.k_transform.choose_k_transform`, then
-:func:`~kvquant.calibrate.evaluate.evaluate_formats` on the held-out windows.
+:func:`~kvquant.calibrate.evaluate.evaluate_formats` on the held-out windows and, for a byte
+budget, :func:`~kvquant.calibrate.layer_map.propose_from_report`'s per-layer format map.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch
 from kvquant.calibrate.collection import collect_statistics, token_windows
 from kvquant.calibrate.evaluate import evaluate_formats
 from kvquant.calibrate.k_transform import choose_k_transform
+from kvquant.calibrate.layer_map import check_budget, lowest_budget, propose_from_report
 from kvquant.calibrate.options import (
     FORMATS,
     Centre,
@@ -29,7 +32,7 @@ from kvquant.calibrate.result import CalibrationResult
 from kvquant.calibrate.search import DEFAULT_RATIOS, choose_scales
 from kvquant.errors import CalibrationError
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "check_kv_budget"]
 
 
 def _split_held_out(
@@ -66,6 +69,7 @@ def calibrate(
     first_tokens: int = 1,
     centre: Centre | str = "mean",
     held_out_tokens: int = 512,
+    kv_budget: float | None = None,
 ) -> CalibrationResult:
     """Calibrate static FP8 KV scales by the expected quantization error they cause.
 
@@ -94,12 +98,17 @@ def calibrate(
             full precision, left out of the offsets and scales (0: none).
         centre: k-transform: per-channel offset, ``"mean"`` or ``"midrange"``.
         held_out_tokens: tokens held out for the report (0: no report).
+        kv_budget: also measure the 4-bit ``kv_format`` words on the held-out windows and
+            propose a per-layer format map taking at most this share, in (0, 1], of the KV
+            bytes FP8 takes in every layer (the result's ``layer_map``); None: no map.
 
     Returns:
-        A :class:`CalibrationResult` (scales per layer, canonical fp32, plus the report).
+        A :class:`CalibrationResult` (scales per layer, canonical fp32, plus the report
+        and, with ``kv_budget``, the per-layer format map).
 
     Raises:
-        CalibrationError: bad inputs or options.
+        CalibrationError: bad inputs or options; a ``kv_budget`` outside (0, 1], below what
+            the narrowest 4-bit format takes, or with nothing held out to measure on.
         UnsupportedModelError: the model's attention cannot be observed.
 
     Example:
@@ -114,8 +123,20 @@ def calibrate(
         (torch.Size([2]), torch.float32)
     """
     chosen = _check_options(granularity, rotation, held_out_tokens, window)
+    budget = None if kv_budget is None else check_kv_budget(model, kv_budget, str(chosen))
+    if budget is not None and held_out_tokens == 0:
+        raise CalibrationError(
+            f"calibrate: kv_budget={kv_budget} with held_out_tokens=0; the map is chosen by "
+            "each layer's error measured on held-out tokens. Fix: hold out tokens (e.g. 512)."
+        )
     windows = token_windows(model, texts_or_token_ids, tokenizer, window, max_tokens)
     windows, held_out = _split_held_out(windows, held_out_tokens)
+    if budget is not None and not held_out:
+        raise CalibrationError(
+            f"calibrate: kv_budget={kv_budget} with {len(windows)} sample(s), none of which "
+            "could be held out to measure each layer's error on. Fix: pass two or more samples "
+            "(more text, or a smaller window)."
+        )
     stats = collect_statistics(
         model,
         windows,
@@ -139,7 +160,53 @@ def calibrate(
         result = choose_scales(stats, chosen, **opts)
     if not held_out:
         return result
-    return result.with_report(evaluate_formats(model, result, held_out, progress=progress))
+    report = evaluate_formats(
+        model, result, held_out, progress=progress, four_bit=budget is not None
+    )
+    result = result.with_report(report)
+    if budget is None or stats.channels is None:
+        return result
+    layer_map = propose_from_report(
+        report,
+        budget,
+        num_kv_heads=stats.num_kv_heads,
+        head_dim=stats.channels.head_dim,
+        fp8=str(chosen),
+    )
+    return result.with_layer_map(layer_map)
+
+
+def check_kv_budget(model: torch.nn.Module, budget: object, fp8: str = "per-tensor") -> float:
+    """``budget`` as a float, refused where outside (0, 1] or below what the narrowest 4-bit
+    format takes for the model (where its config names head_dim; the proposal checks again
+    on what was measured), before the model runs.
+
+    Raises:
+        CalibrationError: the budget cannot be met.
+    """
+    value = check_budget(budget)
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None)
+    if not isinstance(head_dim, int):
+        hidden, heads = (
+            getattr(text, "hidden_size", None),
+            getattr(text, "num_attention_heads", None),
+        )
+        if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+            return value
+        head_dim = hidden // heads
+    if head_dim < 1:
+        return value
+    lowest = lowest_budget(head_dim, fp8)
+    if value < lowest * (1 - 1e-12):
+        raise CalibrationError(
+            f"calibrate: kv_budget={value:g}, but the narrowest format for this model's head_dim "
+            f"{head_dim} takes {lowest:.4f} of FP8's KV bytes in every layer; expected a budget "
+            f"from {math.ceil(lowest * 1e4) / 1e4:g} to 1. Fix: pass kv_budget (--kv-budget) "
+            f"{math.ceil(lowest * 1e4) / 1e4:g} or more."
+        )
+    return value
 
 
 def _check_options(

@@ -19,7 +19,11 @@ import torch
 
 from kvquant.calibrate.statistics import NEAR_CONSTANT_RATIO
 
-__all__ = ["HOW", "READERS", "CalibrationReport", "describe"]
+__all__ = ["FOUR_BIT", "HOW", "READERS", "CalibrationReport", "describe"]
+
+FOUR_BIT = frozenset({"nvfp4", "mxfp4", "fp8-k-nvfp4-v"})
+"""The 4-bit ``kv_format`` words a report may hold (measured for a per-layer format map, and
+left out of the FP8 recommendation: they take fewer bytes, a different trade)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +100,8 @@ class CalibrationReport:
         ):
             readers = READERS.get(name, "kvquant")
             if scores[name] >= scores[written] or readers in seen_readers or name == written:
+                continue
+            if name in FOUR_BIT:
                 continue
             seen_readers.add(readers)
             better.append(
@@ -274,6 +280,9 @@ READERS: dict[str, str] = {
     "k-transform (hadamard, first tokens)": "kvquant",
     "k-transform (offset only, first tokens)": "kvquant",
     "k-transform (hadamard, no first tokens)": "kvquant",
+    "nvfp4": "kvquant",
+    "mxfp4": "kvquant",
+    "fp8-k-nvfp4-v": "kvquant",
 }
 """Who loads each candidate format (``kvquant export`` writes per-tensor and per-head for the engines)."""
 
@@ -285,6 +294,9 @@ HOW: dict[str, str] = {
     "k-transform (hadamard, first tokens)": "--format k-transform",
     "k-transform (offset only, first tokens)": "--format k-transform --rotation none",
     "k-transform (hadamard, no first tokens)": "--format k-transform --first-tokens 0",
+    "nvfp4": "kvquant.patch(model, kv_format='nvfp4')",
+    "mxfp4": "kvquant.patch(model, kv_format='mxfp4')",
+    "fp8-k-nvfp4-v": "kvquant.patch(model, kv_format='fp8-k-nvfp4-v')",
 }
 """How to get each candidate format."""
 
@@ -296,6 +308,9 @@ _DESCRIPTIONS = {
     "k-transform (hadamard, first tokens)": "k-transform",
     "k-transform (offset only, first tokens)": "k-transform, no rotation",
     "k-transform (hadamard, no first tokens)": "k-transform, no exact first token",
+    "nvfp4": "NVFP4 (4-bit K and V)",
+    "mxfp4": "MXFP4 (4-bit K and V)",
+    "fp8-k-nvfp4-v": "FP8 K, NVFP4 V",
 }
 
 _COLUMNS = {
@@ -304,6 +319,7 @@ _COLUMNS = {
     "k-transform (hadamard, first tokens)": "kt",
     "k-transform (offset only, first tokens)": "kt-norot",
     "k-transform (hadamard, no first tokens)": "kt-nofirst",
+    "fp8-k-nvfp4-v": "fp8k-nv4v",
 }
 
 

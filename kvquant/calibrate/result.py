@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvquant.calibrate.layer_map import LayerFormatMap
 from kvquant.calibrate.options import Granularity, Objective, Rotation
 from kvquant.calibrate.report import CalibrationReport
 from kvquant.calibrate.statistics import KVStatistics
@@ -75,6 +76,8 @@ class CalibrationResult:
         centre: how the offsets were chosen, ``"mean"`` or ``"midrange"`` (k-transform).
         report: the :class:`~kvquant.calibrate.report.CalibrationReport`
             measured on held-out windows, or None when none was held out.
+        layer_map: the per-layer K/V format map proposed for a byte budget
+            (``calibrate(..., kv_budget=...)``), or None when none was asked for.
     """
 
     granularity: str
@@ -94,6 +97,7 @@ class CalibrationResult:
     first_tokens: int = 0
     centre: str | None = None
     report: CalibrationReport | None = None
+    layer_map: LayerFormatMap | None = None
 
     @property
     def observer(self) -> str:
@@ -155,6 +159,10 @@ class CalibrationResult:
         """A copy carrying ``report``."""
         return replace(self, report=report)
 
+    def with_layer_map(self, layer_map: LayerFormatMap | None) -> CalibrationResult:
+        """A copy carrying ``layer_map``."""
+        return replace(self, layer_map=layer_map)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (scales as lists, statistics left out)."""
         return {
@@ -182,6 +190,7 @@ class CalibrationResult:
                 else {}
             ),
             "report": self.report.to_dict() if self.report is not None else None,
+            **({"kv_format_map": self.layer_map.to_dict()} if self.layer_map is not None else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -267,6 +276,8 @@ class CalibrationResult:
             )
         if self.report is not None:
             lines += ["", self.report.render(full=full, width=width, cli=cli)]
+        if self.layer_map is not None:
+            lines += ["", self.layer_map.render(width=width)]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -4,7 +4,9 @@ Runs the model (``--device``, ``--device-map``, ``--dtype``) over calibration
 data, chooses static FP8 K/V scales by the expected quantization error they
 cause (or the k-transform, ``--format k-transform``), writes a copy of the
 checkpoint carrying them (see :mod:`kvquant.calibrate`) and prints the
-calibration report. Exit code 0 when written, 1 when the model or the requested
+calibration report; with ``--kv-budget X`` it also measures the 4-bit formats and proposes a
+per-layer K/V format map taking at most the share X of FP8's KV bytes (printed, and recorded
+in the copy's ``kvquant-calibration.json``; the copy's config does not apply it). Exit code 0 when written, 1 when the model or the requested
 convention cannot be calibrated (nothing is written), 2 on a usage error (no
 data source, not a checkpoint, no tokenizer, unreadable text, ``--out`` exists).
 """
@@ -76,6 +78,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibration tokens (the last samples) held out to measure every candidate format "
         "for the report (default 512; 0: no measured report); at least one sample is kept to "
         "calibrate on",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        dest="kv_budget",
+        type=float,
+        default=None,
+        metavar="X",
+        help="also measure the 4-bit formats (nvfp4, mxfp4, fp8-k-nvfp4-v) on the held-out "
+        "tokens and propose a per-layer K/V format map taking at most X, in (0, 1], of the KV "
+        "bytes FP8 takes in every layer (e.g. 0.6), with the least summed error; printed with "
+        "why each layer got its format and the kv_format= to pass to kvquant.patch",
     )
     parser.add_argument(
         "--tolerance",
@@ -337,6 +350,10 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return fail(args, exc, EXIT_USAGE, out, err)
     try:
         model = _load_for_calibration(args, path)
+        if args.kv_budget is not None:  # a budget the model's formats cannot meet: usage
+            from kvquant.calibrate.pipeline import check_kv_budget
+
+            check_kv_budget(model, args.kv_budget, args.granularity)
     except KVQuantError as exc:
         return fail(args, exc, EXIT_USAGE, out, err)
     except (OSError, ValueError, KeyError) as exc:
@@ -361,6 +378,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             first_tokens=args.first_tokens,
             centre=args.k_centre,
             held_out_tokens=args.held_out_tokens,
+            kv_budget=args.kv_budget,
         )
         written = write_calibrated_checkpoint(
             path,
@@ -427,6 +445,16 @@ def _check_request(args: argparse.Namespace) -> None:
         raise CalibrationError(
             "both --dataset and --text were given; expected one data source. Fix: drop one of them."
         )
+    if args.kv_budget is not None:
+        from kvquant.calibrate.layer_map import check_budget
+
+        check_budget(args.kv_budget, "--kv-budget")
+        if args.held_out_tokens == 0:
+            raise CalibrationError(
+                "--kv-budget with --held-out-tokens 0; the map is chosen by each layer's "
+                "error measured on held-out tokens. Fix: drop --held-out-tokens (512) or pass "
+                "a token count."
+            )
 
 
 def _print_result(args: argparse.Namespace, result: Any, written: Path, out: TextIO) -> None:
@@ -446,3 +474,10 @@ def _print_result(args: argparse.Namespace, result: Any, written: Path, out: Tex
         f"convention, read by {readers}"
     )
     print("\n" + textwrap.fill(text, width=columns, subsequent_indent="  "), file=out)
+    if result.layer_map is not None:
+        note = (
+            "The per-layer format map is recorded in kvquant-calibration.json but not applied by "
+            "the copy's config: pass kv_format= (above) to kvquant.patch or KVQuantConfig when "
+            "you load it."
+        )
+        print(textwrap.fill(note, width=columns, subsequent_indent="  "), file=out)

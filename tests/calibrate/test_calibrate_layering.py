@@ -14,6 +14,7 @@ ORDER = (
     "fp8",
     "statistics",
     "report",
+    "layer_map",
     "result",
     "search",
     "k_transform",

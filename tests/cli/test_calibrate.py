@@ -219,3 +219,40 @@ def test_cli_json_of_the_report(tiny_kt: Any, tmp_path: Path, capsys: Any) -> No
     assert (
         json.loads((tmp_path / "p" / "kvquant_kv_transform.json").read_text())["first_tokens"] == 0
     )
+
+
+def test_cli_kv_budget_prints_a_per_layer_map(tiny_kt: Any, tmp_path: Path, capsys: Any) -> None:
+    """--kv-budget: the map with its reasons and kv_format= in text and JSON; bad budgets are
+    usage errors (exit 2) before anything is written; the k-transform leaves out FP8 K +
+    NVFP4 V and says why."""
+    from kvquant.choices import layer_kv_formats
+    from kvquant.cli import main
+
+    _, src = tiny_kt
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    argv = ["calibrate", str(src), "--text", str(text), "--max-seq-length", "200"]
+    argv += ["--device", "cpu"]
+    for budget, match in (("0", "expected a number in (0, 1]"), ("1.2", "widest map"),
+                          ("0.5", "head_dim 64 takes 0.5312 of FP8's KV bytes")):  # fmt: skip
+        assert main([*argv, "--out", str(tmp_path / "bad"), "--kv-budget", budget]) == 2
+        assert match in capsys.readouterr().err
+    bad = [*argv, "--out", str(tmp_path / "bad"), "--kv-budget", "0.7", "--held-out-tokens", "0"]
+    assert main(bad) == 2 and "--held-out-tokens 0" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    assert main([*argv, "--out", str(tmp_path / "o"), "--kv-budget", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "Per-layer K/V formats for a budget of 0.8 of FP8's KV bytes" in out
+    assert "kvquant.patch(model, kv_format={" in out and "recorded in kvquant-calibration" in out
+    assert "NVFP4 (4-bit K and V)" in out  # the report measured the 4-bit formats
+    argv += ["--format", "k-transform", "--json", "--kv-budget", "0.6"]
+    assert main([*argv, "--out", str(tmp_path / "j")]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    proposal = payload["kv_format_map"]
+    assert proposal["fp8_scheme"] == "k-transform" and proposal["fraction_of_fp8"] <= 0.6
+    assert proposal["notes"] and proposal["notes"][0].startswith("fp8-k-nvfp4-v left out")
+    formats = layer_kv_formats(proposal["kv_format"], 2, "test")
+    assert list(formats) == [lay["kv_format"] for lay in proposal["layers"]]
+    assert all(lay["reason"] for lay in proposal["layers"])
+    saved = json.loads((tmp_path / "j" / "kvquant-calibration.json").read_text())
+    assert saved["kv_format_map"]["kv_format"] == proposal["kv_format"]
