@@ -553,3 +553,15 @@ def test_small_helpers() -> None:
     assert scalar_out.shape == () and float(scalar_out) == 2.0 and ratio == 4.0
     out = broadcast_to_per_head(torch.tensor(0.5), 3)
     assert out.shape == (3,) and out.is_contiguous() and bool((out == 0.5).all())
+
+
+def test_fp8_granularities_are_the_fp8_scheme_classes() -> None:
+    """Scale formats may produce every FP8 scheme defined (none of the 4-bit ones)."""
+    from kvquant.registry.policy import GRANULARITIES, fp8_granularities
+    from kvquant.schemes import Fp4Scales, scheme_class, scheme_names
+
+    words = fp8_granularities()
+    assert words == GRANULARITIES == ("per-tensor", "per-head", "fp32-group", "k-transform")
+    assert set(scheme_names()) - set(words) == {
+        w for w in scheme_names() if issubclass(scheme_class(w), Fp4Scales)
+    }

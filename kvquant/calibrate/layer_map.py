@@ -307,6 +307,58 @@ def propose_layer_formats(
         ({0: 'fp8', 'default': 'nvfp4'}, 400, "kept FP8: NVFP4 would err 20.00%, 1.6x the median layer's, the highest of 2")
     """
     share = check_budget(budget)
+    names, table = _error_table(errors, bytes_per_token)
+    num_layers = table.shape[0]
+    sizes = [int(bytes_per_token[f]) for f in names]
+    fp8_bytes = num_layers * sizes[0]
+    cap_bytes = share * fp8_bytes
+    least = num_layers * min(sizes)
+    if least > cap_bytes * (1 + 1e-12):
+        narrowest = names[sizes.index(min(sizes))]
+        lowest = least / fp8_bytes
+        raise CalibrationError(
+            f"kv_budget={budget!r} asks for {cap_bytes:.0f} bytes a token, but the narrowest "
+            f"format measured here, {narrowest} in every layer, takes {least} "
+            f"({lowest:.4f} of FP8's {fp8_bytes}); expected a budget from "
+            f"{math.ceil(lowest * 1e4) / 1e4:g} to 1. Fix: pass kv_budget (--kv-budget) "
+            f"{math.ceil(lowest * 1e4) / 1e4:g} or more."
+        )
+    unit = math.gcd(*sizes)
+    units = [s // unit for s in sizes]
+    cap = math.floor(cap_bytes / unit * (1 + 1e-12))
+    chosen = _backtrack(*_least_error(table, units, cap), units)
+    per_format = {f: tuple(float(x) for x in table[:, i]) for i, f in enumerate(names)}
+    formats = [names[j] for j in chosen]
+    layers = tuple(
+        LayerFormat(
+            layer=i,
+            kv_format=formats[i],
+            error=per_format[formats[i]][i],
+            bytes_per_token=sizes[chosen[i]],
+            reason=_reason(i, formats, per_format, dict(zip(names, sizes, strict=True))),
+        )
+        for i in range(num_layers)
+    )
+    return LayerFormatMap(
+        budget=share,
+        fp8_bytes=fp8_bytes,
+        layers=layers,
+        errors=per_format,
+        bytes_per_token=dict(zip(names, sizes, strict=True)),
+        fp8=fp8,
+        notes=tuple(notes),
+    )
+
+
+def _error_table(
+    errors: Mapping[str, Sequence[float]], bytes_per_token: Mapping[str, int]
+) -> tuple[list[str], torch.Tensor]:
+    """The measured words in :data:`LAYER_FORMATS`' order and their errors ``[layers, words]``.
+
+    Raises:
+        CalibrationError: no ``"fp8"`` errors; an unknown word; errors of different lengths
+            or not finite; a word without its bytes per token.
+    """
     names = [f for f in LAYER_FORMATS if f in errors]
     unknown = sorted(set(errors) - set(LAYER_FORMATS))
     if FP8 not in errors or unknown:
@@ -329,52 +381,19 @@ def propose_layer_formats(
             f"propose_layer_formats: no bytes per token for {missing}; expected an int per "
             "measured format. Fix: pass format_bytes(word, num_kv_heads, head_dim) for each."
         )
-    sizes = [int(bytes_per_token[f]) for f in names]
-    fp8_bytes = num_layers * sizes[0]
-    cap_bytes = share * fp8_bytes
-    least = num_layers * min(sizes)
-    if least > cap_bytes * (1 + 1e-12):
-        narrowest = names[sizes.index(min(sizes))]
-        lowest = least / fp8_bytes
-        raise CalibrationError(
-            f"kv_budget={budget!r} asks for {cap_bytes:.0f} bytes a token, but the narrowest "
-            f"format measured here, {narrowest} in every layer, takes {least} "
-            f"({lowest:.4f} of FP8's {fp8_bytes}); expected a budget from "
-            f"{math.ceil(lowest * 1e4) / 1e4:g} to 1. Fix: pass kv_budget (--kv-budget) "
-            f"{math.ceil(lowest * 1e4) / 1e4:g} or more."
-        )
-    unit = math.gcd(*sizes)
-    units = [s // unit for s in sizes]
-    cap = math.floor(cap_bytes / unit * (1 + 1e-12))
-    best, picks = _least_error(table, units, cap)
+    return names, table
+
+
+def _backtrack(best: int, picks: torch.Tensor, units: list[int]) -> list[int]:
+    """Each layer's format index on the least-error path ending at ``best`` units."""
     chosen = []
     c = best
-    for layer in reversed(range(num_layers)):
+    for layer in reversed(range(picks.shape[0])):
         j = int(picks[layer, c])
         chosen.append(j)
         c -= units[j]
     chosen.reverse()
-    per_format = {f: tuple(float(x) for x in table[:, i]) for i, f in enumerate(names)}
-    formats = [names[j] for j in chosen]
-    layers = tuple(
-        LayerFormat(
-            layer=i,
-            kv_format=formats[i],
-            error=per_format[formats[i]][i],
-            bytes_per_token=sizes[chosen[i]],
-            reason=_reason(i, formats, per_format, dict(zip(names, sizes, strict=True))),
-        )
-        for i in range(num_layers)
-    )
-    return LayerFormatMap(
-        budget=share,
-        fp8_bytes=fp8_bytes,
-        layers=layers,
-        errors=per_format,
-        bytes_per_token=dict(zip(names, sizes, strict=True)),
-        fp8=fp8,
-        notes=tuple(notes),
-    )
+    return chosen
 
 
 def _least_error(table: torch.Tensor, units: list[int], cap: int) -> tuple[int, torch.Tensor]:

@@ -30,6 +30,7 @@ from kvquant.calibrate.options import (
 )
 from kvquant.calibrate.result import CalibrationResult
 from kvquant.calibrate.search import DEFAULT_RATIOS, choose_scales
+from kvquant.calibrate.statistics import KVStatistics
 from kvquant.errors import CalibrationError
 
 __all__ = ["calibrate", "check_kv_budget"]
@@ -98,9 +99,8 @@ def calibrate(
             full precision, left out of the offsets and scales (0: none).
         centre: k-transform: per-channel offset, ``"mean"`` or ``"midrange"``.
         held_out_tokens: tokens held out for the report (0: no report).
-        kv_budget: also measure the 4-bit ``kv_format`` words on the held-out windows and
-            propose a per-layer format map taking at most this share, in (0, 1], of the KV
-            bytes FP8 takes in every layer (the result's ``layer_map``); None: no map.
+        kv_budget: also measure the 4-bit formats (held out) and propose a per-layer map taking
+            at most this share, in (0, 1], of FP8's KV bytes (``layer_map``); None: no map.
 
     Returns:
         A :class:`CalibrationResult` (scales per layer, canonical fp32, plus the report
@@ -123,12 +123,7 @@ def calibrate(
         (torch.Size([2]), torch.float32)
     """
     chosen = _check_options(granularity, rotation, held_out_tokens, window)
-    budget = None if kv_budget is None else check_kv_budget(model, kv_budget, str(chosen))
-    if budget is not None and held_out_tokens == 0:
-        raise CalibrationError(
-            f"calibrate: kv_budget={kv_budget} with held_out_tokens=0; the map is chosen by "
-            "each layer's error measured on held-out tokens. Fix: hold out tokens (e.g. 512)."
-        )
+    budget = _check_budget(model, kv_budget, chosen, held_out_tokens)
     windows = token_windows(model, texts_or_token_ids, tokenizer, window, max_tokens)
     windows, held_out = _split_held_out(windows, held_out_tokens)
     if budget is not None and not held_out:
@@ -146,12 +141,9 @@ def calibrate(
         progress=progress,
         first_tokens=first_tokens,
     )
-    opts: dict[str, Any] = {
-        "ratios": ratios,
-        "tolerance": tolerance,
-        "objective": objective,
-        "texts": text_names,
-    }
+    opts: dict[str, Any] = dict(
+        ratios=ratios, tolerance=tolerance, objective=objective, texts=text_names
+    )
     if chosen is Granularity.K_TRANSFORM:
         result = choose_k_transform(
             stats, rotation=rotation, first_tokens=first_tokens > 0, centre=centre, **opts
@@ -160,6 +152,38 @@ def calibrate(
         result = choose_scales(stats, chosen, **opts)
     if not held_out:
         return result
+    return _with_report(model, result, held_out, stats, budget, str(chosen), progress)
+
+
+def _check_budget(
+    model: torch.nn.Module, kv_budget: float | None, chosen: Granularity, held_out_tokens: int
+) -> float | None:
+    """:func:`check_kv_budget` of a ``calibrate`` call (None: no map asked for).
+
+    Raises:
+        CalibrationError: a bad budget, or a budget with no tokens held out.
+    """
+    if kv_budget is None:
+        return None
+    budget = check_kv_budget(model, kv_budget, str(chosen))
+    if held_out_tokens == 0:
+        raise CalibrationError(
+            f"calibrate: kv_budget={kv_budget} with held_out_tokens=0; the map is chosen by "
+            "each layer's error measured on held-out tokens. Fix: hold out tokens (e.g. 512)."
+        )
+    return budget
+
+
+def _with_report(
+    model: torch.nn.Module,
+    result: CalibrationResult,
+    held_out: list[torch.Tensor],
+    stats: KVStatistics,
+    budget: float | None,
+    fp8: str,
+    progress: bool,
+) -> CalibrationResult:
+    """``result`` with the held-out report and, with a ``budget``, the per-layer format map."""
     report = evaluate_formats(
         model, result, held_out, progress=progress, four_bit=budget is not None
     )
@@ -171,7 +195,7 @@ def calibrate(
         budget,
         num_kv_heads=stats.num_kv_heads,
         head_dim=stats.channels.head_dim,
-        fp8=str(chosen),
+        fp8=fp8,
     )
     return result.with_layer_map(layer_map)
 

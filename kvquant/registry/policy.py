@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from kvquant.choices import MissingKV, MissingScales, RopePolicy
 from kvquant.errors import ScaleFormatError
-from kvquant.schemes import scheme_class
+from kvquant.schemes import Fp4Scales, scheme_class, scheme_names
 from kvquant.types import Granularity, LayerGeometry, RawOffset, RawScale
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "format_layers",
     "format_shape",
     "format_shapes",
+    "fp8_granularities",
     "missing_layers",
     "model_group_size",
     "pair_kv",
@@ -61,7 +63,23 @@ MIN_SCALE = 2.0**-117
 MAX_SCALE = 2.0**100
 """Largest accepted scale (see the module docstring)."""
 
-GRANULARITIES: tuple[Granularity, ...] = ("per-tensor", "per-head", "fp32-group", "k-transform")
+
+def fp8_granularities() -> tuple[Granularity, ...]:
+    """The words of the FP8 scale schemes a scale format may produce, in definition order.
+
+    Every scheme class defined so far (:func:`kvquant.schemes.scheme_names`) except the
+    4-bit ones, whose scales come from the 4-bit checkpoint readers: a scheme class added
+    later is accepted without a change here.
+    """
+    return tuple(
+        cast(Granularity, word)
+        for word in scheme_names()
+        if not issubclass(scheme_class(word), Fp4Scales)
+    )
+
+
+GRANULARITIES: tuple[Granularity, ...] = fp8_granularities()
+"""The built-in FP8 scale schemes' words (:func:`fp8_granularities` at import)."""
 
 MAX_OFFSET = 2.0**20
 """Largest accepted ``|k_offset|`` element: K channel means of real models are far below

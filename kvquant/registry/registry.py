@@ -28,7 +28,7 @@ from kvquant.registry.formats import (
     PerTensorFormat,
     ScaleFormat,
 )
-from kvquant.registry.policy import GRANULARITIES, canonical_shape, format_shape
+from kvquant.registry.policy import canonical_shape, format_shape, fp8_granularities
 from kvquant.schemes import scheme_class
 from kvquant.types import LayerGeometry, RawScale
 
@@ -124,9 +124,9 @@ def check_format_contract(fmt: ScaleFormat) -> None:
             "'-_.+', not 'auto'. Fix: set the class attribute name = \"my-format\"."
         )
     granularity = getattr(fmt, "granularity", None)
-    if granularity not in GRANULARITIES:
+    if granularity not in fp8_granularities():
         raise FormatRegistrationError(
-            f"{who} has granularity {granularity!r}; expected one of {GRANULARITIES}. "
+            f"{who} has granularity {granularity!r}; expected one of {fp8_granularities()}. "
             "Fix: set the class attribute granularity to what convert() returns."
         )
     if bool(fmt.dynamic) != scheme_class(granularity).dynamic:
