@@ -96,12 +96,13 @@ def _tile_kernel(
     ok = n < n_tok
     page = tl.load(bt_ptr + n // page_size, mask=ok, other=0).to(tl.int64)
     tok = n % page_size
-    row = page * s_p + tok * s_t + h * s_h
+    row = (page * s_p + tok * s_t + h * s_h) // 4  # int32 words
     srow = page * ss_p + tok * ss_t + h * ss_h
-    g = 1.0
-    if NVFP4:
-        g = tl.load(g_ptr + h * s_g)
-    v = load_fp4_tile(pages_ptr, scales_ptr, row, srow, ok, g, D, BLOCK, NVFP4)
+    v = load_fp4_tile(
+        pages_ptr.to(tl.pointer_type(tl.int32)), scales_ptr, row, srow, ok, D, BLOCK, NVFP4
+    ).to(tl.float32)
+    if NVFP4:  # the tile is e2m1 * e4m3 * 2^-14 (exact): back to the reference's (e2m1 * s) * g
+        v = v * 16384.0 * tl.load(g_ptr + h * s_g)
     d = tl.arange(0, D)
     tl.store(out_ptr + (h * BLOCK_N + n)[:, None] * D + d[None, :], v, mask=ok[:, None])
 

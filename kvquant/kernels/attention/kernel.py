@@ -290,6 +290,11 @@ def paged_attn_kernel(
     else:
         k_mult = tl.load(ks_ptr + kvh * s_ks)
         v_mult = tl.load(vs_ptr + kvh * s_vs)
+        # an NVFP4 side's tiles are e2m1 * e4m3 * 2^-14 (exact in fp16): the 2^14 joins g
+        if K_FP4 == 1:
+            k_mult = k_mult * 16384.0
+        if V_FP4 == 1:
+            v_mult = v_mult * 16384.0
         qk_scale = sm_scale * k_mult
     if not USE_SOFTCAP:
         # the tiles take the exponent's scale in log2 units, made positive: its sign goes into
