@@ -101,9 +101,14 @@ def _tile_kernel(
     v = load_fp4_tile(
         pages_ptr.to(tl.pointer_type(tl.int32)), scales_ptr, row, srow, ok, D, BLOCK, NVFP4
     ).to(tl.float32)
-    if NVFP4:  # the tile is e2m1 * e4m3 * 2^-14 (exact): back to the reference's (e2m1 * s) * g
-        v = v * 16384.0 * tl.load(g_ptr + h * s_g)
+    # the tile is exact over 64 (NVFP4: back to the reference's (e2m1 * s) * g) or 16 (MXFP4),
+    # head_dim element 4j + 2a + b at column 4j + 2b + a
+    if NVFP4:
+        v = v * 64.0 * tl.load(g_ptr + h * s_g)
+    else:
+        v = v * 16.0
     d = tl.arange(0, D)
+    d = (d & -4) | ((d & 1) << 1) | ((d >> 1) & 1)
     tl.store(out_ptr + (h * BLOCK_N + n)[:, None] * D + d[None, :], v, mask=ok[:, None])
 
 
