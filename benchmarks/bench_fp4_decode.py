@@ -142,10 +142,11 @@ def run_shape(
         if name != "fp8" and configs:
             entry["configs"] = {}
             for spec in configs:
+                tiles = _config(spec)
 
                 def call_cfg(
                     pages: Pages = pages, scheme: Scheme = scheme, out: torch.Tensor = out,
-                    cfg: dict[str, int] = _config(spec),
+                    cfg: dict[str, int] = tiles,
                 ) -> Any:  # fmt: skip
                     return paged_attention_triton(
                         query, pages, table, seq_lens, scheme, sm_scale=sm, out=out, config=cfg

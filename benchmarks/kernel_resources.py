@@ -150,7 +150,9 @@ def compile_decode(
         V_RUNS_DENSE=math.gcd(page, block_n) == page and not v_fp4,
         SCALE_RUNS_DENSE=group_scales,
         FOLD=fold, NG=ng, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill,
-        USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl, K_FP4=k_fp4, V_FP4=v_fp4,
+        USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl,
+        # a 4-bit side decoded by inline PTX, as the launcher has it on sm_89 and newer
+        K_FP4=k_fp4 + 4 * (k_fp4 > 0), V_FP4=v_fp4 + 4 * (v_fp4 > 0),
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     gs = (page * hkv * ng, ng, page * ng) if group_scales else (0, 0, 0)

@@ -7,23 +7,19 @@ into its static multiplier (64 for NVFP4, 16 for MXFP4), head_dim permuted withi
 elements; masked rows read as zeros. Each row's codes are loaded as int32 words (eight codes
 each). On the GPU every code becomes an e4m3 byte by a few 32-bit integer operations on the
 word (four codes per operation) and two bytes become an fp16 pair in one conversion
-instruction, then one fp16x2 multiply applies the block scale (inline PTX, sm_89 and newer);
-the interpreter, which runs no inline assembly, computes the same values with portable Triton.
+instruction, then one fp16x2 multiply applies the block scale (inline PTX, sm_89 and newer:
+``PTX``); elsewhere (the interpreter runs no inline assembly) portable Triton computes the same
+values.
 Each block scale is decoded once, to fp16. The attention kernel's ``_load_kv`` calls it for a
 4-bit side (:mod:`kvquant.kernels.attention.tile`; docs/dev/fp4-formats.md, "How it is wired").
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-from kvquant.kernels.fp4_triton import e8m0_value
+from kvquant.kernels.fp4_triton import e4m3_value, e8m0_value
 
 __all__ = ["load_fp4_tile"]
-
-# Triton reads TRITON_INTERPRET when the kernels are decorated: fixed for this process
-_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 # Eight e2m1 codes of an int32 word (element 8j + i in bits 4i..4i+3 of word j: a byte's low
 # nibble is the even element) times an fp16 block scale, as eight fp16 values in the order
@@ -61,20 +57,20 @@ mov.b32 {$6, $7}, r3;
 
 
 @triton.jit
-def _code(w, I: tl.constexpr, s):
-    """Portable: element ``I`` of int32 words times fp16 ``s``, as ``e2m1 * 2^-6 * s`` in fp16.
+def _code(w, ELEM: tl.constexpr, s):
+    """Portable: element ``ELEM`` of int32 words times fp16 ``s``, as ``e2m1 * 2^-6 * s`` in fp16.
 
     The code's bits placed in an fp16 (sign to bit 15, exponent and mantissa to bits 11..9)
     read as ``e2m1 * 2^-14`` exactly; times 256 and ``s``, exactly (the caller's bounds)."""
-    c = w >> (4 * I)
+    c = w >> (4 * ELEM)
     x = ((c & 8) << 12) | ((c & 7) << 9)
     return (x.to(tl.int16).to(tl.float16, bitcast=True) * 256.0) * s
 
 
 @triton.jit
-def _decode(w, s):
+def _decode(w, s, PTX: tl.constexpr):
     """Eight fp16 ``e2m1 * 2^-6 * s`` per int32 word ``w``, elements (0, 2, 1, 3, 4, 6, 5, 7)."""
-    if _PTX:
+    if PTX:
         o = tl.inline_asm_elementwise(
             _DECODE_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, s], dtype=(tl.float16,) * 8,
             is_pure=True, pack=1,
@@ -99,6 +95,7 @@ def load_fp4_tile(
     D: tl.constexpr,
     BLOCK: tl.constexpr,
     NVFP4: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """fp16 ``[BLOCK_N, D]`` values of 4-bit rows over 64 (NVFP4, without ``g``) or 16 (MXFP4),
     head_dim element ``4j + 2a + b`` at column ``4j + 2b + a``.
@@ -113,6 +110,7 @@ def load_fp4_tile(
         D: head_dim.
         BLOCK: 16 (NVFP4) or 32 (MXFP4).
         NVFP4: e4m3 block scales, else e8m0 exponents.
+        PTX: decode by inline PTX (CUDA, compute capability 8.9 and newer).
     """
     n: tl.constexpr = row.shape[0]
     NB: tl.constexpr = D // BLOCK
@@ -123,14 +121,15 @@ def load_fp4_tile(
     # one block scale per block, decoded once, to fp16
     sc = tl.load(scales_ptr + scale_row[:, None] + tl.arange(0, NB)[None, :], mask=ok, other=0)
     if NVFP4:
-        # e4m3 to fp16 is exact (the GPU converts two codes per instruction); the interpreter
-        # reads the NaN codes 0x7F / 0xFF as +-480, hence the explicit NaN there. The products
-        # are exact in fp16: an e2m1 value (two significant bits, 0.5..6) times an e4m3 scale
-        # (four, 2^-9..448) has at most six significant bits and its lowest bit at least 2^-10;
-        # times 2^-6 it lies in [2^-16, 42]
-        s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        if not _PTX:
-            s = tl.where((sc & 0x7F) == 0x7F, float("nan"), s)
+        # e4m3 to fp16 is exact: by the GPU's conversion with PTX, else from the code's bits
+        # (no fp8 type: the interpreter reads the NaN codes as +-480, and GPUs before sm_89
+        # have none). The products are exact in fp16: an e2m1 value (two significant bits,
+        # 0.5..6) times an e4m3 scale (four, 2^-9..448) has at most six significant bits and
+        # its lowest bit at least 2^-10; times 2^-6 it lies in [2^-16, 42]
+        if PTX:
+            s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            s = e4m3_value(sc.to(tl.int32)).to(tl.float16)
     else:
         # 2^(E - 125) in fp16: the products e2m1 * 2^(E - 127) * 2^-4 are exact for
         # E - 127 in [-19, 13] (fp16's subnormals included); above, the scale is clamped to
@@ -139,5 +138,5 @@ def load_fp4_tile(
         e = e8m0_value(sc.to(tl.int32)) * 4.0
         s = tl.where(e > 32768.0, 32768.0, e).to(tl.float16)
     s = tl.broadcast_to(s[:, :, None], [n, NB, WB])
-    v = _decode(tl.reshape(w, [n, NB, WB]), s)  # [n, NB, WB, 2, 2, 2]
+    v = _decode(tl.reshape(w, [n, NB, WB]), s, PTX)  # [n, NB, WB, 2, 2, 2]
     return tl.reshape(v, [n, D])

@@ -160,10 +160,12 @@ def paged_attn_kernel(
     (page, slot, head, dim), ``s_kg``, ``s_vg`` (page, slot, head). The pointers ``qlen_ptr``,
     ``start_ptr``, ``ks_ptr``/``vs_ptr`` (static scales) or ``kg_ptr``/``vg_ptr`` (group
     scales), ``sink_ptr``, ``rot_ptr``, ``off_ptr`` and ``fk_ptr``/``fv_ptr``/``flen_ptr``
-    (first tokens) are ``None`` when absent. ``K_FP4`` / ``V_FP4`` (0 FP8, 1 NVFP4, 2 MXFP4)
-    pick each side's page format: a 4-bit side's packed pages and block scales ``kb_ptr`` /
-    ``vb_ptr`` (strides ``s_kb``, ``s_vb``: page, slot, head) are dequantized in registers,
-    NVFP4's global scale folded as a static scale (``ks_ptr`` / ``vs_ptr``; MXFP4 passes ones).
+    (first tokens) are ``None`` when absent. ``K_FP4`` / ``V_FP4`` (0 FP8, 1 NVFP4, 2 MXFP4,
+    plus 4 where inline PTX decodes) pick each side's page format: a 4-bit side's packed pages
+    and block scales ``kb_ptr`` / ``vb_ptr`` (strides ``s_kb``, ``s_vb``: page, slot, head) are
+    dequantized in registers, NVFP4's global scale folded as a static scale (``ks_ptr`` /
+    ``vs_ptr``; MXFP4 passes ones), with the tiles' constant factor (64 or 16); the query and
+    the output of a 4-bit side follow its tiles' order of head_dim (``d_q``, ``d_o``).
     """
     HAS_QLEN: tl.constexpr = qlen_ptr is not None
     HAS_START: tl.constexpr = start_ptr is not None
@@ -300,9 +302,9 @@ def paged_attn_kernel(
         # a 4-bit side's tiles are its values over 64 (NVFP4, without g) or 16 (MXFP4), exact
         # in fp16 (fp4_tile.load_fp4_tile): the factor joins the static multiplier
         if K_FP4 != 0:
-            k_mult = k_mult * (64.0 if K_FP4 == 1 else 16.0)
+            k_mult = k_mult * (64.0 if K_FP4 % 4 == 1 else 16.0)
         if V_FP4 != 0:
-            v_mult = v_mult * (64.0 if V_FP4 == 1 else 16.0)
+            v_mult = v_mult * (64.0 if V_FP4 % 4 == 1 else 16.0)
         qk_scale = sm_scale * k_mult
     if not USE_SOFTCAP:
         # the tiles take the exponent's scale in log2 units, made positive: its sign goes into
