@@ -238,22 +238,14 @@ def _check_triton_attention_limits(
                 "kvquant.kernels.group_scale_storage, or pass backend='torch'."
             )
     view = scheme.kernel_view()
-    sides = (("k", pages.k, pages.k_scales, view.k_fp4), ("v", pages.v, pages.v_scales, view.v_fp4))
-    for side, x, blocks, fmt in sides:
-        # the kernel reads a 4-bit side's rows as int32 words, and its block scales where a
-        # row's fill words (head_dim // block a multiple of 4)
-        words = [] if fmt is None else [(f"{side}_pages", x)]
-        if fmt is not None and blocks is not None and (d // fmt.block_size) % 4 == 0:
-            words.append((f"{side}_block_scales", blocks))
-        for name, t in words:
-            if t.data_ptr() % 4 or any(st % 4 for st in t.stride()[:3]):
-                raise KernelInputError(
-                    f"paged_attention: 4-bit {name} has strides {t.stride()} at byte address "
-                    f"{t.data_ptr()}; the Triton kernel reads its rows as int32 words, so the "
-                    "address and the strides but the last must be multiples of 4. Fix: allocate "
-                    "the pages with kvquant.kernels.fp4.fp4_page_storage, or pass "
-                    "backend='torch'."
-                )
+    for name, x, fmt in (("k_pages", pages.k, view.k_fp4), ("v_pages", pages.v, view.v_fp4)):
+        if fmt is not None and (x.data_ptr() % 4 or any(st % 4 for st in x.stride()[:3])):
+            raise KernelInputError(
+                f"paged_attention: 4-bit {name} has strides {x.stride()} at byte address "
+                f"{x.data_ptr()}; the Triton kernel reads its rows as int32 words, so the "
+                "address and the strides but the last must be multiples of 4. Fix: allocate "
+                "the pages with kvquant.kernels.fp4.fp4_page_storage, or pass backend='torch'."
+            )
     # the scheme's own tensors are contiguous copies (kvquant.schemes)
     for name, x in (("first_k", None if first is None else first.k),
                     ("first_v", None if first is None else first.v)):  # fmt: skip

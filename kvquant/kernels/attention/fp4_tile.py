@@ -103,11 +103,9 @@ def load_fp4_tile(
     Args:
         words_ptr: the uint8 pages ``[num_pages, page_size, Hkv, D // 2]`` as an int32 pointer
             (offsets and strides of rows multiples of 4 bytes).
-        scales_ptr: block scales ``[num_pages, page_size, Hkv, D // BLOCK]`` as uint8 codes;
-            where ``D // BLOCK`` is a multiple of 4, as an int32 pointer (rows 4-byte aligned).
+        scales_ptr: block scales ``[num_pages, page_size, Hkv, D // BLOCK]`` as uint8 codes.
         row: ``[BLOCK_N]`` offsets of each row's first word (int32 elements).
-        scale_row: ``[BLOCK_N]`` offsets of each row's first block scale (in int32 words where
-            ``D // BLOCK`` is a multiple of 4, else bytes).
+        scale_row: ``[BLOCK_N]`` element offsets of each row's first block scale.
         row_ok: ``[BLOCK_N]`` mask (other rows read as zeros).
         D: head_dim.
         BLOCK: 16 (NVFP4) or 32 (MXFP4).
@@ -120,16 +118,8 @@ def load_fp4_tile(
     ok = row_ok[:, None]
     # a row's D // 8 words, one contiguous load
     w = tl.load(words_ptr + row[:, None] + tl.arange(0, D // 8)[None, :], mask=ok, other=0)
-    # one block scale per block, decoded once, to fp16; a row's scales as int32 words where
-    # they fill them (fewer loads), byte j of word i being block 4i + j
-    if NB % 4 == 0:
-        sw = tl.load(scales_ptr + scale_row[:, None] + tl.arange(0, NB // 4)[None, :], mask=ok,
-                     other=0)  # fmt: skip
-        lo = tl.join(sw & 0xFF, (sw >> 16) & 0xFF)
-        hi = tl.join((sw >> 8) & 0xFF, (sw >> 24) & 0xFF)
-        sc = tl.reshape(tl.join(lo, hi), [n, NB]).to(tl.uint8)
-    else:
-        sc = tl.load(scales_ptr + scale_row[:, None] + tl.arange(0, NB)[None, :], mask=ok, other=0)
+    # one block scale per block, decoded once, to fp16
+    sc = tl.load(scales_ptr + scale_row[:, None] + tl.arange(0, NB)[None, :], mask=ok, other=0)
     if NVFP4:
         # e4m3 to fp16 is exact: by the GPU's conversion with PTX, else from the code's bits
         # (no fp8 type: the interpreter reads the NaN codes as +-480, and GPUs before sm_89

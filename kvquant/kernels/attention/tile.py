@@ -95,14 +95,11 @@ def _load_kv(
         key_tok = tl.reshape(tok[:, None] + offs_t[None, :], [BLOCK_N])
         key_run_ok = tl.reshape(tl.broadcast_to(run_ok[:, None], [NP, TP]), [BLOCK_N])
         # int32 words: the launcher keeps the 4-bit pages' strides and offsets multiples of 4
-        # block scales as int32 words too where a row fills them (D // block a multiple of 4)
-        KW: tl.constexpr = 4 if (HEAD_D // K_BLOCK) % 4 == 0 else 1
         k = load_fp4_tile(
-            k_base.to(tl.pointer_type(tl.int32)),
-            kb_base.to(tl.pointer_type(tl.int32)) if KW == 4 else kb_base,
+            k_base.to(tl.pointer_type(tl.int32)), kb_base,
             key_page * (s_kp // 4) + key_tok * (s_kt // 4),
-            key_page * (s_kb[0] // KW) + key_tok * (s_kb[1] // KW), key_run_ok, HEAD_D, K_BLOCK,
-            K_FP4 % 4 == 1, K_FP4 >= 4,
+            key_page * s_kb[0] + key_tok * s_kb[1], key_run_ok, HEAD_D, K_BLOCK, K_FP4 % 4 == 1,
+            K_FP4 >= 4,
         )  # fmt: skip
     else:
         k = tl.reshape(_load(k_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
@@ -125,13 +122,11 @@ def _load_kv(
         key_page = tl.reshape(tl.broadcast_to(page[:, None], [NP, TP]), [BLOCK_N])
         key_tok = tl.reshape(tok[:, None] + offs_t[None, :], [BLOCK_N])
         key_run_ok = tl.reshape(tl.broadcast_to(run_ok[:, None], [NP, TP]), [BLOCK_N])
-        VW: tl.constexpr = 4 if (HEAD_D // V_BLOCK) % 4 == 0 else 1
         v = load_fp4_tile(
-            v_base.to(tl.pointer_type(tl.int32)),
-            vb_base.to(tl.pointer_type(tl.int32)) if VW == 4 else vb_base,
+            v_base.to(tl.pointer_type(tl.int32)), vb_base,
             key_page * (s_vp // 4) + key_tok * (s_vt // 4),
-            key_page * (s_vb[0] // VW) + key_tok * (s_vb[1] // VW), key_run_ok, HEAD_D, V_BLOCK,
-            V_FP4 % 4 == 1, V_FP4 >= 4,
+            key_page * s_vb[0] + key_tok * s_vb[1], key_run_ok, HEAD_D, V_BLOCK, V_FP4 % 4 == 1,
+            V_FP4 >= 4,
         )  # fmt: skip
     else:
         v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, :, None]
