@@ -117,10 +117,11 @@ def _tile_kernel(
 
 
 @pytest.mark.parametrize("ptx", DECODES, ids=lambda p: "ptx" if p else "portable")
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
-def test_tile_matches_the_reference_dequantization(fmt: Fp4Format, ptx: bool) -> None:
+def test_tile_matches_the_reference_dequantization(fmt: Fp4Format, d: int, ptx: bool) -> None:
     torch.manual_seed(7)
-    num_pages, page, hkv, d, n_tok, block_n = 5, 4, 2, 64, 13, 16
+    num_pages, page, hkv, n_tok, block_n = 5, 4, 2, 13, 16
     x = torch.randn(num_pages, page, hkv, d) * torch.rand(num_pages, page, hkv, 1) * 6
     table = torch.randperm(num_pages)[: (n_tok + page - 1) // page].int()
     x[table[1], 1, 0, 3] = float("nan")  # a NaN block: its scale code reads NaN
