@@ -7,11 +7,15 @@ written through ``kvquant.kernels.write_kv`` into shuffled pages of each format:
 reference over the same pages (NaN-filled output), then timed: the median of
 ``triton.testing.do_bench`` (eager, L2 flushed) and of a CUDA-graph replay. The JSON gives the
 time, the bytes read (pages, block scales, block table) per second, and each format's time
-and bytes as a fraction of FP8's.
+and bytes as a fraction of FP8's. ``--configs`` also times the 4-bit formats under other tile
+configurations (``BLOCK_N,num_warps,LOOP_STAGES`` overrides of the launcher's choice), each
+checked against the reference too, under ``configs`` in each format's entry: candidates
+compared in one run.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out fp4_decode.json [--shapes 32x16384,16x8192]
+    PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --shapes 32x16384 --configs "64,2,3;32,1,6"
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --smoke
 """
 
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 
 from kvquant.kernels import page_storage, paged_attention, write_kv
+from kvquant.kernels.attention.launch import paged_attention_triton
 from kvquant.kernels.fp4 import fp4_page_storage
 from kvquant.schemes import (
     Fp8KNvfp4VScales,
@@ -73,9 +78,33 @@ def _read_bytes(pages: Pages, used_pages: int, num_pages: int, table: torch.Tens
     return total
 
 
+def _config(spec: str) -> dict[str, int]:
+    """``"BLOCK_N,num_warps,LOOP_STAGES"`` as the launcher's ``config=`` overrides."""
+    block_n, warps, stages = (int(x) for x in spec.split(","))
+    return {"BLOCK_N": block_n, "num_warps": warps, "LOOP_STAGES": stages}
+
+
+def _timed(call: Any, smoke: bool, nbytes: int) -> dict[str, float]:
+    if smoke:
+        return {}
+    import triton.testing
+
+    ms = float(triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"))
+    graph_ms = float(triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median"))
+    return {"ms": ms, "graph_ms": graph_ms, "TBps": nbytes / ms / 1e9}
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    if not err <= REL_TOL:  # NaN fails too
+        raise SystemExit(f"{what}: relative error {err} against the reference")
+    return err
+
+
 def run_shape(
-    bsz: int, ctx: int, hq: int, hkv: int, d: int, page: int, dev: str, smoke: bool
-) -> dict[str, Any]:
+    bsz: int, ctx: int, hq: int, hkv: int, d: int, page: int, dev: str, smoke: bool,
+    configs: tuple[str, ...] = (),
+) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator(device="cpu").manual_seed(0)
     per_seq = -(-ctx // page)
     num_pages = bsz * per_seq + 1
@@ -107,17 +136,26 @@ def run_shape(
 
         call()
         ref = paged_attention(query, pages, table, seq_lens, scheme, sm_scale=sm, backend="torch")
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
-        if not err <= REL_TOL:  # NaN fails too
-            raise SystemExit(f"{name} B{bsz}x{ctx}: relative error {err} against the reference")
+        err = _rel_err(out, ref, f"{name} B{bsz}x{ctx}")
         nbytes = _read_bytes(pages, bsz * per_seq, num_pages, table)
-        entry: dict[str, Any] = {"rel_err": err, "bytes": nbytes}
-        if not smoke:
-            import triton.testing
+        entry: dict[str, Any] = {"rel_err": err, "bytes": nbytes, **_timed(call, smoke, nbytes)}
+        if name != "fp8" and configs:
+            entry["configs"] = {}
+            for spec in configs:
+                tiles = _config(spec)
 
-            ms = float(triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"))
-            graph_ms = float(triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median"))
-            entry |= {"ms": ms, "graph_ms": graph_ms, "TBps": nbytes / ms / 1e9}
+                def call_cfg(
+                    pages: Pages = pages, scheme: Scheme = scheme, out: torch.Tensor = out,
+                    cfg: dict[str, int] = tiles,
+                ) -> Any:  # fmt: skip
+                    return paged_attention_triton(
+                        query, pages, table, seq_lens, scheme, sm_scale=sm, out=out, config=cfg
+                    )
+
+                out.fill_(float("nan"))
+                call_cfg()
+                err = _rel_err(out, ref, f"{name} B{bsz}x{ctx} config {spec}")
+                entry["configs"][spec] = {"rel_err": err, **_timed(call_cfg, smoke, nbytes)}
         row[name] = entry
         del pages, out, ref
         if dev == "cuda":
@@ -126,8 +164,9 @@ def run_shape(
     for name in FORMATS[1:]:
         row[name]["bytes_x_fp8"] = row[name]["bytes"] / base["bytes"]
         if "ms" in base:
-            row[name]["ms_x_fp8"] = row[name]["ms"] / base["ms"]
-            row[name]["graph_ms_x_fp8"] = row[name]["graph_ms"] / base["graph_ms"]
+            for entry in (row[name], *row[name].get("configs", {}).values()):
+                entry["ms_x_fp8"] = entry["ms"] / base["ms"]
+                entry["graph_ms_x_fp8"] = entry["graph_ms"] / base["graph_ms"]
     return row
 
 
@@ -138,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="';'-separated BLOCK_N,num_warps,LOOP_STAGES tile overrides also timed for 4-bit",
+    )
     args = ap.parse_args(argv)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
@@ -154,13 +198,17 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     for bsz, ctx in shapes:
-        row = run_shape(bsz, ctx, hq, hkv, d, args.page, dev, args.smoke)
+        configs = tuple(c for c in args.configs.split(";") if c)
+        row = run_shape(bsz, ctx, hq, hkv, d, args.page, dev, args.smoke, configs)
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=1))
         brief = {
             n: {k: round(v, 4) for k, v in row[n].items() if k.endswith(("ms", "_x_fp8", "TBps"))}
             for n in FORMATS
         }
+        for n in FORMATS:
+            for spec, e in row[n].get("configs", {}).items():
+                brief[f"{n} {spec}"] = {k: round(v, 4) for k, v in e.items() if k.endswith("ms")}
         print(f"B{bsz} x {ctx}: {json.dumps(brief)}", flush=True)
     return 0
 

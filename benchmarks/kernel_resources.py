@@ -10,10 +10,14 @@ iteration = one tile; the decode kernel is issue-bound, so this is its cost per 
 Use it to see what a tile configuration or a kernel change does to register pressure,
 pipelining and instruction count before spending GPU time.
 
+The 4-bit formats (``nvfp4``, ``mxfp4``, ``fp8-k-nvfp4-v``) compile with their packed pages
+and uint8 block scales token-major, as ``kvquant.kernels.fp4.fp4_page_storage`` allocates them.
+
 Usage (must run without ``TRITON_INTERPRET``)::
 
     python3 benchmarks/kernel_resources.py                 # default variants
     python3 benchmarks/kernel_resources.py --variant 64,2,6 --variant 64,2,6,group64
+    python3 benchmarks/kernel_resources.py --variant 64,2,6,nvfp4 --variant 64,2,6,mxfp4
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ TRANSFORM_FORMATS = {
     "per-head-kt-off": (False, True, False),
     "per-head-kt-first": (False, False, True),
 }
+# 4-bit formats: (K_FP4, V_FP4), 0 FP8, 1 NVFP4, 2 MXFP4 (per-tensor static scales otherwise)
+FP4_FORMATS = {"nvfp4": (1, 1), "mxfp4": (2, 2), "fp8-k-nvfp4-v": (0, 1)}
 DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "64,2,9"]
 
 
@@ -107,7 +113,8 @@ def compile_decode(
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
-    group_scales, ng = FORMATS["per-tensor" if kt else fmt]
+    k_fp4, v_fp4 = FP4_FORMATS.get(fmt, (0, 0))
+    group_scales, ng = FORMATS["per-tensor" if kt or fmt in FP4_FORMATS else fmt]
     fn = at.paged_attn_kernel
     # the pointers given (the others are None: absent optional tensors)
     pointers = {
@@ -118,6 +125,15 @@ def compile_decode(
         pointers.update(kg_ptr="*fp32", vg_ptr="*fp32")
     else:
         pointers.update(ks_ptr="*fp32", vs_ptr="*fp32")
+    # a 4-bit side: packed uint8 pages [P, S, Hkv, D // 2] and uint8 block scales
+    # [P, S, Hkv, D // block], both token-major (kvquant.kernels.fp4.fp4_page_storage)
+    fp4_strides = {}
+    for side, f in (("k", k_fp4), ("v", v_fp4)):
+        if f:
+            nb = d // (16 if f == 1 else 32)
+            pointers.update({f"{side}_ptr": "*u8", f"{side}b_ptr": "*u8"})
+            fp4_strides[f"s_{side}"] = (page * hkv * d // 2, hkv * d // 2, d // 2, 1)
+            fp4_strides[f"s_{side}b"] = (page * hkv * nb, hkv * nb, nb)
     if has_rot:
         pointers.update(rot_ptr="*fp32")
     if has_off:
@@ -131,9 +147,12 @@ def compile_decode(
     consts: dict[str, Any] = dict(
         GROUP=hq // hkv, QPB=block_m // (hq // hkv) if prefill else 1, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_D=d, PAGE=page,
-        V_RUNS_DENSE=math.gcd(page, block_n) == page, SCALE_RUNS_DENSE=group_scales,
+        V_RUNS_DENSE=math.gcd(page, block_n) == page and not v_fp4,
+        SCALE_RUNS_DENSE=group_scales,
         FOLD=fold, NG=ng, CAUSAL=True, USE_SOFTCAP=False, USE_WINDOW=False, SPLIT=not prefill,
-        USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl, K_FP4=0, V_FP4=0,
+        USE_WHILE=False, LOOP_STAGES=loop_stages, PDL=pdl,
+        # a 4-bit side decoded by inline PTX, as the launcher has it on sm_89 and newer
+        K_FP4=k_fp4 + 4 * (k_fp4 > 0), V_FP4=v_fp4 + 4 * (v_fp4 > 0),
     )  # fmt: skip
     # runtime values of the launch: 1 becomes a constant, multiples of 16 get divisibility 16
     gs = (page * hkv * ng, ng, page * ng) if group_scales else (0, 0, 0)
@@ -145,6 +164,7 @@ def compile_decode(
         s_kg=gs, s_vg=gs, s_kb=(0, 0, 0), s_vb=(0, 0, 0), s_o=(hq * d, hq * d, d, 1),
         Lq=2048 if prefill else 1, Hq=hq,
     )  # fmt: skip
+    values.update(fp4_strides)
     options = {"num_warps": warps, "num_stages": 2 if prefill else 3, "launch_pdl": pdl}
     return _compile_sm90(fn, pointers, consts, values, options)
 
@@ -264,7 +284,7 @@ def main() -> None:
         "--variant",
         action="append",
         help="BLOCK_N,num_warps,LOOP_STAGES[,per-tensor|group64|group128|per-head-kt"
-        "[-rot|-off|-first]] (repeatable)",
+        "[-rot|-off|-first]|nvfp4|mxfp4|fp8-k-nvfp4-v] (repeatable)",
     )
     ap.add_argument("--no-fold", action="store_true", help="dequantize group-scale tiles")
     ap.add_argument(

@@ -156,8 +156,9 @@ class AttentionPlan:
 
 
 def _check_triton_attention_limits(
-    geo: AttentionGeometry, block_tables: torch.Tensor, pages: Pages, first: FirstTokens | None
-) -> None:
+    geo: AttentionGeometry, block_tables: torch.Tensor, pages: Pages, scheme: Scheme,
+    first: FirstTokens | None,
+) -> None:  # fmt: skip
     """Restrictions of the Triton attention kernel beyond the common contract."""
     d = geo.head_dim
     fix = "Fix: pass backend='torch' (the reference has no such limit)."
@@ -180,6 +181,15 @@ def _check_triton_attention_limits(
                 f"paged_attention: {name} has strides {gs.stride()}; the Triton kernel needs "
                 "its last dimension (the groups of one head) contiguous. Fix: allocate it with "
                 "kvquant.kernels.group_scale_storage, or pass backend='torch'."
+            )
+    view = scheme.kernel_view()
+    for side, kv, fmt in (("k_pages", pages.k, view.k_fp4), ("v_pages", pages.v, view.v_fp4)):
+        if fmt is not None and (kv.data_ptr() % 4 or any(st % 4 for st in kv.stride()[:3])):
+            raise KernelInputError(
+                f"paged_attention: 4-bit {side} has strides {kv.stride()} at byte address "
+                f"{kv.data_ptr()}; the Triton kernel reads its rows as int32 words, so the "
+                "address and the strides but the last must be multiples of 4. Fix: allocate "
+                "the pages with kvquant.kernels.fp4.fp4_page_storage, or pass backend='torch'."
             )
     # the scheme's own tensors are contiguous copies (kvquant.schemes)
     for name, x in (("first_k", None if first is None else first.k),
@@ -210,7 +220,7 @@ def _build_attention(
     chosen = resolve_backend(backend, pages.k.device, "paged_attention")
     launch = None
     if chosen == "triton":
-        _check_triton_attention_limits(geo, block_tables, pages, first)
+        _check_triton_attention_limits(geo, block_tables, pages, scheme, first)
         mod = _triton_module("attention.launch")
         _require_interpreter_for_cpu(pages.k.device, mod.is_interpreted(), "paged_attention")
         if geo.batch and geo.q_len:

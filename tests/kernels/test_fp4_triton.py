@@ -29,6 +29,9 @@ from kvquant.kernels.fp4 import (
 from kvquant.kernels.fp4_triton import e2m1_code, e4m3_code, e4m3_value, e8m0_value
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the tile's decodes: portable Triton everywhere, inline PTX on CUDA devices of sm_89 and newer
+PTX_OK = DEV == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+DECODES = [False, True] if PTX_OK else [False]
 
 
 @triton.jit
@@ -90,26 +93,35 @@ def _tile_kernel(
     pages_ptr, scales_ptr, bt_ptr, g_ptr, out_ptr, n_tok, page_size,
     s_p, s_t, s_h, ss_p, ss_t, ss_h, s_g,
     D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NVFP4: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     n = tl.arange(0, BLOCK_N)
     ok = n < n_tok
     page = tl.load(bt_ptr + n // page_size, mask=ok, other=0).to(tl.int64)
     tok = n % page_size
-    row = page * s_p + tok * s_t + h * s_h
+    row = (page * s_p + tok * s_t + h * s_h) // 4  # int32 words
     srow = page * ss_p + tok * ss_t + h * ss_h
-    g = 1.0
+    v = load_fp4_tile(
+        pages_ptr.to(tl.pointer_type(tl.int32)), scales_ptr, row, srow, ok, D, BLOCK, NVFP4, PTX
+    ).to(tl.float32)
+    # the tile is exact over 64 (NVFP4: back to the reference's (e2m1 * s) * g) or 16 (MXFP4),
+    # head_dim element 4j + 2a + b at column 4j + 2b + a
     if NVFP4:
-        g = tl.load(g_ptr + h * s_g)
-    v = load_fp4_tile(pages_ptr, scales_ptr, row, srow, ok, g, D, BLOCK, NVFP4)
+        v = v * 64.0 * tl.load(g_ptr + h * s_g)
+    else:
+        v = v * 16.0
     d = tl.arange(0, D)
+    d = (d & -4) | ((d & 1) << 1) | ((d >> 1) & 1)
     tl.store(out_ptr + (h * BLOCK_N + n)[:, None] * D + d[None, :], v, mask=ok[:, None])
 
 
+@pytest.mark.parametrize("ptx", DECODES, ids=lambda p: "ptx" if p else "portable")
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
-def test_tile_matches_the_reference_dequantization(fmt: Fp4Format) -> None:
+def test_tile_matches_the_reference_dequantization(fmt: Fp4Format, d: int, ptx: bool) -> None:
     torch.manual_seed(7)
-    num_pages, page, hkv, d, n_tok, block_n = 5, 4, 2, 64, 13, 16
+    num_pages, page, hkv, n_tok, block_n = 5, 4, 2, 13, 16
     x = torch.randn(num_pages, page, hkv, d) * torch.rand(num_pages, page, hkv, 1) * 6
     table = torch.randperm(num_pages)[: (n_tok + page - 1) // page].int()
     x[table[1], 1, 0, 3] = float("nan")  # a NaN block: its scale code reads NaN
@@ -121,7 +133,7 @@ def test_tile_matches_the_reference_dequantization(fmt: Fp4Format) -> None:
     _tile_kernel[(hkv,)](
         pages.to(DEV), sc.to(DEV), table.to(DEV), g_arg.to(DEV), out, n_tok, page,
         *pages.stride()[:3], *sc.stride()[:3], g_arg.stride(0) if g is not None else 0,
-        D=d, BLOCK=fmt.block_size, BLOCK_N=block_n, NVFP4=fmt.global_scale,
+        D=d, BLOCK=fmt.block_size, BLOCK_N=block_n, NVFP4=fmt.global_scale, PTX=ptx,
     )  # fmt: skip
     ids = table.long().repeat_interleave(page)[:n_tok]
     offs = torch.arange(n_tok) % page
@@ -132,7 +144,8 @@ def test_tile_matches_the_reference_dequantization(fmt: Fp4Format) -> None:
     assert out.cpu()[:, n_tok:].isnan().all()  # rows past the tokens are never stored
 
 
-def test_tile_decodes_every_byte_to_its_two_e2m1_values() -> None:
+@pytest.mark.parametrize("ptx", DECODES, ids=lambda p: "ptx" if p else "portable")
+def test_tile_decodes_every_byte_to_its_two_e2m1_values(ptx: bool) -> None:
     """Bytes 0..255 (every pair of codes, -0.0 included) under a block scale of 1.0."""
     d, rows = 64, 8  # 32 bytes per row
     pages = torch.arange(256, dtype=torch.uint8).reshape(rows, 1, 1, d // 2)
@@ -141,7 +154,7 @@ def test_tile_decodes_every_byte_to_its_two_e2m1_values() -> None:
     _tile_kernel[(1,)](
         pages.to(DEV), scales.to(DEV), torch.arange(rows, dtype=torch.int32, device=DEV),
         torch.ones(1, device=DEV), out, rows, 1, *pages.stride()[:3], *scales.stride()[:3], 0,
-        D=d, BLOCK=16, BLOCK_N=rows, NVFP4=True,
+        D=d, BLOCK=16, BLOCK_N=rows, NVFP4=True, PTX=ptx,
     )  # fmt: skip
     b = torch.arange(256, dtype=torch.uint8)
     want = torch.stack([e2m1_decode(b & 0xF), e2m1_decode(b >> 4)], dim=-1).reshape(rows, d)

@@ -41,10 +41,11 @@ def _first_tokens(
     fv_row,
     row_stride,
     shift,
+    d_q,
+    d_o,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
-    HEAD_D: tl.constexpr,
 ):
     """Online-softmax steps over the first ``n_first`` keys, from the side buffer, one by one.
 
@@ -53,14 +54,14 @@ def _first_tokens(
     row with the query tile, in the paged tiles' raw units (``q'·k / k_scale``, no offset
     term; ``shift`` is subtracted in log2 units, see the caller), and its value enters the
     accumulator's units (``v / v_scale``). No tensor-core tile: the query keeps the layout it
-    was loaded in, and the key loops their registers.
+    was loaded in, and the key loops their registers. ``d_q`` / ``d_o``: the head-dim element
+    of each column of the query and of the output (the paged tiles' order).
     """
-    offs_d = tl.arange(0, HEAD_D)
     qf = q.to(tl.float32)
     i = 0
     while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
-        fk = tl.load(fk_row + i * row_stride + offs_d).to(tl.float32)
-        fv = tl.load(fv_row + i * row_stride + offs_d).to(tl.float32)
+        fk = tl.load(fk_row + i * row_stride + d_q).to(tl.float32)
+        fv = tl.load(fv_row + i * row_stride + d_o).to(tl.float32)
         s = tl.sum(qf * fk[None, :], 1) / k_div
         s_mult = qk_scale
         if USE_SOFTCAP:
@@ -159,10 +160,12 @@ def paged_attn_kernel(
     (page, slot, head, dim), ``s_kg``, ``s_vg`` (page, slot, head). The pointers ``qlen_ptr``,
     ``start_ptr``, ``ks_ptr``/``vs_ptr`` (static scales) or ``kg_ptr``/``vg_ptr`` (group
     scales), ``sink_ptr``, ``rot_ptr``, ``off_ptr`` and ``fk_ptr``/``fv_ptr``/``flen_ptr``
-    (first tokens) are ``None`` when absent. ``K_FP4`` / ``V_FP4`` (0 FP8, 1 NVFP4, 2 MXFP4)
-    pick each side's page format: a 4-bit side's packed pages and block scales ``kb_ptr`` /
-    ``vb_ptr`` (strides ``s_kb``, ``s_vb``: page, slot, head) are dequantized in registers,
-    NVFP4's global scale folded as a static scale (``ks_ptr`` / ``vs_ptr``; MXFP4 passes ones).
+    (first tokens) are ``None`` when absent. ``K_FP4`` / ``V_FP4`` (0 FP8, 1 NVFP4, 2 MXFP4,
+    plus 4 where inline PTX decodes) pick each side's page format: a 4-bit side's packed pages
+    and block scales ``kb_ptr`` / ``vb_ptr`` (strides ``s_kb``, ``s_vb``: page, slot, head) are
+    dequantized in registers, NVFP4's global scale folded as a static scale (``ks_ptr`` /
+    ``vs_ptr``; MXFP4 passes ones), with the tiles' constant factor (64 or 16); the query and
+    the output of a 4-bit side follow its tiles' order of head_dim (``d_q``, ``d_o``).
     """
     HAS_QLEN: tl.constexpr = qlen_ptr is not None
     HAS_START: tl.constexpr = start_ptr is not None
@@ -203,6 +206,12 @@ def paged_attn_kernel(
     row_valid = row_in & (t < q_len)
     pos = seq_len - q_len + t
     offs_d = tl.arange(0, HEAD_D)
+    # head-dim element of each column of the query (d_q) and of the output (d_o): a 4-bit side's
+    # tile holds element 4j + 2a + b at column 4j + 2b + a (fp4_tile.load_fp4_tile), so the
+    # query of 4-bit K and the output of 4-bit V are loaded and stored in that order
+    d_fp4 = (offs_d & -4) | ((offs_d & 1) << 1) | ((offs_d >> 1) & 1)
+    d_q = d_fp4 if K_FP4 != 0 else offs_d
+    d_o = d_fp4 if V_FP4 != 0 else offs_d
 
     # query tile [BLOCK_M, D]; copy c of a row keeps only group c's columns
     rows_x = tl.arange(0, BLOCK_M)
@@ -212,7 +221,7 @@ def paged_attn_kernel(
     ok_x = ((rows_x % RB) // GROUP < QPB) & (t_x < Lq) & (t_x < q_len)
     in_copy = (offs_d // (HEAD_D // XG))[None, :] == copy_x[:, None]
     q_ptrs = q_ptr + b.to(tl.int64) * s_q[0] + t_x[:, None] * s_q[1] + head_x[:, None] * s_q[2]
-    q_ptrs += offs_d[None, :] * s_q[3]
+    q_ptrs += d_q[None, :] * s_q[3]
     # with a K rotation (static scales: XG = 1, BLOCK_M = RB) the query tile is rotated into
     # the pages' frame in fp32, then cast like any query tile; with an offset c, qc = q'·c
     # per row (raw units)
@@ -227,18 +236,18 @@ def paged_attn_kernel(
         # a loop, so that R's rows are not all hoisted into registers
         for k0 in tl.range(0, HEAD_D, RK, num_stages=1):
             q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_q[3], mask=ok_x[:, None], other=0.0)
-            r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + offs_d[None, :])
+            r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + d_q[None, :])
             q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision="tf32")
         if HAS_OFF:
             # the offset's term from the fp32 rotated query, while it is live (taken from its
             # fp16 copy, it kept ~80 more registers live with tensor-core rotations)
-            off_c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
+            off_c = tl.load(off_ptr + kvh * HEAD_D + d_q)
             qc = tl.sum(q32 * off_c[None, :], 1)
         q = q32.to(tl.float16)
     else:
         q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
         if HAS_OFF:
-            off_c = tl.load(off_ptr + kvh * HEAD_D + offs_d)
+            off_c = tl.load(off_ptr + kvh * HEAD_D + d_q)
             qc = tl.sum(q.to(tl.float32) * off_c[None, :], 1)
     n_first = 0
     if HAS_FIRST:
@@ -290,6 +299,12 @@ def paged_attn_kernel(
     else:
         k_mult = tl.load(ks_ptr + kvh * s_ks)
         v_mult = tl.load(vs_ptr + kvh * s_vs)
+        # a 4-bit side's tiles are its values over 64 (NVFP4, without g) or 16 (MXFP4), exact
+        # in fp16 (fp4_tile.load_fp4_tile): the factor joins the static multiplier
+        if K_FP4 != 0:
+            k_mult = k_mult * (64.0 if K_FP4 % 4 == 1 else 16.0)
+        if V_FP4 != 0:
+            v_mult = v_mult * (64.0 if V_FP4 % 4 == 1 else 16.0)
         qk_scale = sm_scale * k_mult
     if not USE_SOFTCAP:
         # the tiles take the exponent's scale in log2 units, made positive: its sign goes into
@@ -344,7 +359,7 @@ def paged_attn_kernel(
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos,
             p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, shift, CAUSAL, USE_WINDOW, USE_SOFTCAP, HEAD_D,
+            fv_ptr + first_off, row_stride, shift, d_q, d_o, CAUSAL, USE_WINDOW, USE_SOFTCAP,
         )  # fmt: skip
 
     # the three key ranges, the masked ones with MASKED tiles
@@ -425,10 +440,10 @@ def paged_attn_kernel(
         prow = ((b.to(tl.int64) * Lq + t) * Hq + head) * num_splits + split
         lse = tl.where(keep, m_i + shift + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + prow, lse, mask=row_in)
-        tl.store(part_ptr + prow[:, None] * HEAD_D + offs_d[None, :], o, mask=row_in[:, None])
+        tl.store(part_ptr + prow[:, None] * HEAD_D + d_o[None, :], o, mask=row_in[:, None])
     else:
         o_ptrs = out_ptr + b.to(tl.int64) * s_o[0] + t[:, None] * s_o[1] + head[:, None] * s_o[2]
-        o_ptrs += offs_d[None, :] * s_o[3]
+        o_ptrs += d_o[None, :] * s_o[3]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None])
 
 

@@ -92,6 +92,20 @@ def supports_pdl(device: torch.device) -> bool:
     return _PDL[idx]
 
 
+_E4M3: dict[int, bool] = {}
+
+
+def _converts_e4m3(device: torch.device) -> bool:
+    """The GPU converts e4m3 pairs to fp16 in one instruction: NVIDIA devices of compute
+    capability 8.9 and newer (cached); the 4-bit tiles are then decoded by inline PTX."""
+    if _INTERPRETED or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _E4M3:
+        _E4M3[idx] = torch.cuda.get_device_capability(idx) >= (8, 9)
+    return _E4M3[idx]
+
+
 # Registers, warps and shared memory of each compiled split-kernel variant: a fact of the
 # compiled binary (and device), kept for the process; plans read it when they are built.
 _KERNEL_USE: dict[tuple[Any, ...], tuple[int, int, int]] = {}
@@ -219,6 +233,7 @@ def _constexprs(
     # multiples of it)
     tp = math.gcd(page_size, tiles.BLOCK_N)
     pdl = supports_pdl(query.device) and bool(config.get("PDL", True))
+    ptx = _converts_e4m3(query.device)
     return {
         "GROUP": query.shape[2] // hkv,
         "QPB": tiles.QPB,
@@ -244,8 +259,9 @@ def _constexprs(
         "USE_WHILE": bool(config.get("USE_WHILE", _INTERPRETED)),
         "LOOP_STAGES": tiles.LOOP_STAGES,
         "PDL": pdl,
-        "K_FP4": opt["k_fp4"],
-        "V_FP4": opt["v_fp4"],
+        # a 4-bit side's format (1 NVFP4, 2 MXFP4), plus 4 where inline PTX decodes it
+        "K_FP4": opt["k_fp4"] + (4 if opt["k_fp4"] and ptx else 0),
+        "V_FP4": opt["v_fp4"] + (4 if opt["v_fp4"] and ptx else 0),
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
         "launch_pdl": pdl,

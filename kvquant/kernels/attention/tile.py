@@ -64,17 +64,18 @@ def _load_kv(
     tiles load only keys in ``[lo, limit)``. Returns ``(k, v, ks, vs)``. With dequantized
     group scales ``v`` is transposed, ``[D, BLOCK_N]``, and ``ks`` is ``[BLOCK_N, NG]``; the
     other group scales are ``[NG, BLOCK_N]``; without group scales they are placeholders.
-    A 4-bit side (``K_FP4`` / ``V_FP4``: 1 NVFP4, 2 MXFP4) is gathered key by key from its
-    packed pages and block scales and returned dequantized in fp32 (:func:`load_fp4_tile`,
-    NVFP4 without its global scale), ``[BLOCK_N, D]``.
+    A 4-bit side (``K_FP4`` / ``V_FP4``: 1 NVFP4, 2 MXFP4, plus 4 to decode by inline PTX) is
+    gathered key by key from its packed pages and block scales and returned dequantized in fp16
+    over a constant (:func:`load_fp4_tile`: its values over 64, NVFP4 without its global scale,
+    or over 16, MXFP4; head_dim permuted within fours), ``[BLOCK_N, D]``.
     """
     # strides: K/V (page, slot, head, dim), group scales (page, slot, head)
     s_kp, s_kt, s_kd = s_k[0], s_k[1], s_k[3]
     s_vp, s_vt, s_vd = s_v[0], s_v[1], s_v[3]
     s_kgp, s_kgt, s_vgp, s_vgt = s_kg[0], s_kg[1], s_vg[0], s_vg[1]
     NP: tl.constexpr = BLOCK_N // TP
-    K_BLOCK: tl.constexpr = 16 if K_FP4 == 1 else 32  # NVFP4's, MXFP4's block size
-    V_BLOCK: tl.constexpr = 16 if V_FP4 == 1 else 32
+    K_BLOCK: tl.constexpr = 16 if K_FP4 % 4 == 1 else 32  # NVFP4's, MXFP4's block size
+    V_BLOCK: tl.constexpr = 16 if V_FP4 % 4 == 1 else 32
     offs_d = tl.arange(0, HEAD_D)
     offs_t = tl.arange(0, TP)
     run = n0 + tl.arange(0, NP) * TP  # first key of each run [NP]
@@ -93,9 +94,12 @@ def _load_kv(
         key_page = tl.reshape(tl.broadcast_to(page[:, None], [NP, TP]), [BLOCK_N])
         key_tok = tl.reshape(tok[:, None] + offs_t[None, :], [BLOCK_N])
         key_run_ok = tl.reshape(tl.broadcast_to(run_ok[:, None], [NP, TP]), [BLOCK_N])
+        # int32 words: the launcher keeps the 4-bit pages' strides and offsets multiples of 4
         k = load_fp4_tile(
-            k_base, kb_base, key_page * s_kp + key_tok * s_kt, key_page * s_kb[0] + key_tok * s_kb[1],
-            key_run_ok, 1.0, HEAD_D, K_BLOCK, K_FP4 == 1,
+            k_base.to(tl.pointer_type(tl.int32)), kb_base,
+            key_page * (s_kp // 4) + key_tok * (s_kt // 4),
+            key_page * s_kb[0] + key_tok * s_kb[1], key_run_ok, HEAD_D, K_BLOCK, K_FP4 % 4 == 1,
+            K_FP4 >= 4,
         )  # fmt: skip
     else:
         k = tl.reshape(_load(k_ptrs, run_ok[:, None, None], 0.0, MASKED), [BLOCK_N, HEAD_D])
@@ -119,8 +123,10 @@ def _load_kv(
         key_tok = tl.reshape(tok[:, None] + offs_t[None, :], [BLOCK_N])
         key_run_ok = tl.reshape(tl.broadcast_to(run_ok[:, None], [NP, TP]), [BLOCK_N])
         v = load_fp4_tile(
-            v_base, vb_base, key_page * s_vp + key_tok * s_vt, key_page * s_vb[0] + key_tok * s_vb[1],
-            key_run_ok, 1.0, HEAD_D, V_BLOCK, V_FP4 == 1,
+            v_base.to(tl.pointer_type(tl.int32)), vb_base,
+            key_page * (s_vp // 4) + key_tok * (s_vt // 4),
+            key_page * s_vb[0] + key_tok * s_vb[1], key_run_ok, HEAD_D, V_BLOCK, V_FP4 % 4 == 1,
+            V_FP4 >= 4,
         )  # fmt: skip
     else:
         v_off = (page * s_vp + tok * s_vt)[:, None, None] + (offs_t * s_vt)[None, :, None]
