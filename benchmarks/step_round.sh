@@ -6,7 +6,7 @@
 # with FP8 per-tensor and NVFP4 pages (8k prompts, 24 GiB, prefill_chunk_size 2048).
 # Usage (device tool, repo root):  bash benchmarks/step_round.sh
 #   timeouts (s): KERNEL_TIMEOUT, FP4_TIMEOUT, HF_TIMEOUT, PHASES_TIMEOUT, BENCH_TIMEOUT,
-#   E2E_TIMEOUT, CAPACITY_TIMEOUT;
+#   E2E_TIMEOUT, CAPACITY_TIMEOUT; BENCH_CONFIGS: 4-bit tile overrides for bench_fp4_decode.py --configs;
 #   PARTS=tests,hf,phases,bench,e2e,capacity (the default: all) picks parts, to split it over calls;
 #   hf: every GPU test of tests/hf; e2e: the B16 x 8k decode with FP8 and NVFP4 pages
 # Writes under $OUT: env.log, gpu_tests.log, gpu_tests_fp4.log, gpu_tests_hf.log,
@@ -30,7 +30,7 @@ part hf && tail -n 2 "$OUT/gpu_tests_hf.log"
 part phases && timeout "${PHASES_TIMEOUT:-100}" python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 \
   --new 64 --phases --arms kvquant,default --out "$OUT/phases_b16x8k.txt" 2>&1 | grep "^==="
 part bench && timeout "${BENCH_TIMEOUT:-70}" python3 benchmarks/bench_fp4_decode.py --shapes 32x16384 \
-  --out "$OUT/fp4_decode.json" 2>&1 | tail -n 3
+  ${BENCH_CONFIGS:+--configs "$BENCH_CONFIGS"} --out "$OUT/fp4_decode.json" 2>&1 | tail -n 8
 part e2e && timeout "${E2E_TIMEOUT:-130}" python3 benchmarks/e2e_generate.py --shapes b16x8k \
   --arms kvquant,kvquant-nvfp4 --repeats 2 --out "$OUT/e2e_b16x8k.json" 2>&1 | tail -n 4
 part capacity && timeout "${CAPACITY_TIMEOUT:-400}" python3 benchmarks/e2e_generate.py --capacity --budget-gb 24 \
