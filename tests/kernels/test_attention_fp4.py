@@ -212,7 +212,7 @@ def test_4bit_pages_are_checked_against_the_scheme() -> None:
     with pytest.raises(KernelInputError, match="v_block_scales has strides"):
         paged_attention(case.query, strided, *args[2:], case.scheme, sm_scale=0.1)
     # rows at an odd byte offset: the attention kernel reads int32 words
-    odd = torch.zeros(p.k.numel() + 1, dtype=torch.uint8)[1:].view(p.k.shape)
+    odd = torch.zeros(p.k.numel() + 1, dtype=torch.uint8, device=p.k.device)[1:].view(p.k.shape)
     with pytest.raises(KernelInputError, match="reads its rows as int32 words"):
         paged_attention(case.query, Pages(odd, p.v, p.k_scales, p.v_scales), *args[2:],
                         case.scheme, sm_scale=0.1, backend="triton")  # fmt: skip
