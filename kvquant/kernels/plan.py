@@ -13,6 +13,7 @@ has no addresses in its signature, so all layers of one geometry share it).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -417,12 +418,23 @@ class PlanCache:
         self._attention.clear()
         self._write.clear()
 
-    def _keep(
-        self, plans: dict[tuple[object, ...], Any], key: tuple[object, ...], plan: Any
-    ) -> None:
-        if len(plans) >= self.max_plans:
-            plans.clear()
-        plans[key] = plan
+    def _find_or_build(
+        self,
+        plans: dict[tuple[object, ...], Any],
+        sig: tuple[object, ...] | None,
+        backend: str,
+        build: Callable[[], Any],
+    ) -> Any:
+        """The plan kept for ``(sig, backend)``, or ``build()``'s (kept unless ``sig`` is None)."""
+        key = None if sig is None else (sig, backend)
+        plan = None if key is None else plans.get(key)
+        if plan is None:
+            plan = build()
+            if key is not None:
+                if len(plans) >= self.max_plans:
+                    plans.clear()
+                plans[key] = plan
+        return plan
 
     def attention_plan(
         self,
@@ -443,16 +455,13 @@ class PlanCache:
             query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
             first=first, out=out,
         )  # fmt: skip
-        key = None if sig is None else (sig, backend)
-        plan = None if key is None else self._attention.get(key)
-        if plan is None:
-            plan = _build_attention(
+        return self._find_or_build(  # type: ignore[no-any-return]
+            self._attention, sig, backend,
+            lambda: _build_attention(
                 sig, query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out,
                 backend,
-            )  # fmt: skip
-            if key is not None:
-                self._keep(self._attention, key, plan)
-        return plan
+            ),
+        )  # fmt: skip
 
     def paged_attention(
         self,
@@ -489,13 +498,10 @@ class PlanCache:
     ) -> WritePlan:
         """The plan of these arguments' signature: a kept one, or a new one (then kept)."""
         sig = _write_sig(key, value, pages, slot_mapping, scheme)
-        memo_key = None if sig is None else (sig, backend)
-        plan = None if memo_key is None else self._write.get(memo_key)
-        if plan is None:
-            plan = _build_write(sig, key, value, pages, slot_mapping, scheme, backend)
-            if memo_key is not None:
-                self._keep(self._write, memo_key, plan)
-        return plan
+        return self._find_or_build(  # type: ignore[no-any-return]
+            self._write, sig, backend,
+            lambda: _build_write(sig, key, value, pages, slot_mapping, scheme, backend),
+        )  # fmt: skip
 
     def write_kv(
         self,
