@@ -92,13 +92,16 @@ def kernel_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: d
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def _trace_events(model, ids, mask, new: int, gen_kwargs: dict) -> tuple[float, list[dict]]:
-    """One call under ``torch.profiler``: wall seconds and the Chrome-trace events."""
+def _trace_events(
+    model, ids, mask, new: int, gen_kwargs: dict, stack: bool = False
+) -> tuple[float, list[dict]]:
+    """One call under ``torch.profiler``: wall seconds and the Chrome-trace events
+    (with ``stack``, Python functions too)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     start = time.perf_counter()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=stack) as prof:
         e2e.one_call(model, ids, mask, new, gen_kwargs)
     wall = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,10 +124,14 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def timeline_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: dict) -> str:
+def timeline_table(
+    arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: dict, stack: bool = False
+) -> str:
     """Each decode step's wall time split into GPU busy, the idle gap before its first
-    kernel and the idle gaps between its kernels (medians over the steps)."""
-    wall, events = _trace_events(model, ids, mask, new, gen_kwargs)
+    kernel and the idle gaps between its kernels (medians over the steps). With ``stack``
+    (Python functions traced: slower, for attribution only) it also lists the Python
+    functions the host runs between the read's return and the graph's launch."""
+    wall, events = _trace_events(model, ids, mask, new, gen_kwargs, stack)
     gpu = sorted((e for e in events if e.get("cat") in _GPU_CATS), key=lambda e: e["ts"])
     runtime = {
         e["args"].get("correlation"): e
@@ -132,6 +139,12 @@ def timeline_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
     }
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    py_funcs = [e for e in events if e.get("cat") == "python_function"]
+    launches = sorted(
+        (e for e in events if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"]
+    )
+    to_launch: list[float] = []
+    py_time: Counter = Counter()
     reads = [e for e in gpu if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]]
     rows: dict[str, list[float]] = {k: [] for k in ("wall", "busy", "first", "between", "n")}
     outside: Counter = Counter()
@@ -167,6 +180,13 @@ def timeline_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs:
                         continue  # inside an op already counted
                     top.append((e["ts"], e["ts"] + e["dur"]))
                     host_ops[e["name"]] += e["dur"]
+            launch = next((e["ts"] for e in launches if e["ts"] >= h0), None)
+            if launch is not None and launch - h0 < b - a:
+                to_launch.append(launch - h0)
+                for e in py_funcs:
+                    if h0 <= e["ts"] < launch:
+                        # inclusive time inside the gap (nested functions count in each)
+                        py_time[e["name"]] += min(e["ts"] + e["dur"], launch) - e["ts"]
     steps = max(len(rows["wall"]), 1)
     lines = [
         f"=== {arm}: warm-up {warm['wall_s']:.3f} s; profiled call {wall:.3f} s ({new} new); "
@@ -176,11 +196,18 @@ def timeline_table(arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs:
         f"  GPU idle before the step's first kernel {_median(rows['first']):9.1f}",
         f"  GPU idle between the step's kernels     {_median(rows['between']):9.1f}",
         f"  host from the read's return to the step's first launch {_median(prep):9.1f}",
+        f"  host from the read's return to the graph's launch      {_median(to_launch):9.1f}",
         "  kernels launched outside a CUDA graph, per step:",
     ]
     lines += [f"    {n / steps:6.2f}  {name}" for name, n in outside.most_common(25)]
     lines.append("  host operators between the read and the first launch (us per step):")
     lines += [f"    {us / steps:8.1f}  {name[:90]}" for name, us in host_ops.most_common(25)]
+    if stack:
+        lines.append(
+            "  Python functions between the read and the graph's launch "
+            "(inclusive us per step, profiler overhead included):"
+        )
+        lines += [f"    {us / steps:8.1f}  {name[:110]}" for name, us in py_time.most_common(60)]
     cats = Counter(e.get("cat") for e in events)
     lines.append(f"  trace events by category: {dict(cats.most_common(12))}")
     return "\n".join(lines)
@@ -320,6 +347,9 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="GPU kernel table (torch.profiler)")
     ap.add_argument("--timeline", action="store_true", help="decode step wall/busy/idle split")
     ap.add_argument("--phases", action="store_true", help="decode step host phases (no profiler)")
+    ap.add_argument(
+        "--stack", action="store_true", help="with --timeline: the Python functions in the gap"
+    )
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = e2e.build_model(args.tiny, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -342,7 +372,8 @@ def main() -> None:
                     if args.timeline
                     else phases_table
                 )
-                lines.append(table(arm, warm, model, ids, mask, args.new, gen_kwargs))
+                extra = {"stack": args.stack} if table is timeline_table else {}
+                lines.append(table(arm, warm, model, ids, mask, args.new, gen_kwargs, **extra))
                 args.out.write_text("\n".join(lines))  # kept if a later arm is cut short
                 continue
             prof = cProfile.Profile()
