@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -124,6 +125,81 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+_SYNCS = (
+    "cudaMemcpyAsync",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+)
+
+
+def _graph_gaps(events: list[dict], gpu: list[dict], runtime: dict, stack: bool) -> list[str]:
+    """Replayed steps, graph launch to graph launch (medians over the steps, us).
+
+    Per replay after the first two: the graph's GPU span (its first kernel's start to its last
+    kernel's end), the GPU's idle time from the previous graph's end to this one's start
+    (kernels outside the graphs in between count as busy), and the host's critical path: from
+    the return of the wait for the previous graph (the longest synchronizing call between the
+    two launches) to this launch. With ``stack``, the Python functions and operators the host
+    runs on that path, each one's inclusive time clipped to it (nested ones count in each).
+    """
+    launches = sorted(
+        (e for e in events if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"]
+    )
+    by_corr: dict[Any, list[dict]] = {}
+    for e in gpu:
+        by_corr.setdefault(e.get("args", {}).get("correlation"), []).append(e)
+    syncs = sorted(
+        (e for e in runtime.values() if any(e["name"].startswith(n) for n in _SYNCS)),
+        key=lambda e: e["ts"],
+    )
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op")]
+    rows: dict[str, list[float]] = {k: [] for k in ("span", "idle", "path", "wait")}
+    per_step: list[Counter] = []
+    for prev, cur in list(itertools.pairwise(launches))[2:]:
+        pk = by_corr.get(prev.get("args", {}).get("correlation"), [])
+        ck = by_corr.get(cur.get("args", {}).get("correlation"), [])
+        waits = [e for e in syncs if prev["ts"] <= e["ts"] and e["ts"] + e["dur"] <= cur["ts"]]
+        if not pk or not ck or not waits:
+            continue
+        p_end = max(e["ts"] + e["dur"] for e in pk)
+        c_start = min(e["ts"] for e in ck)
+        between = [
+            (max(e["ts"], p_end), min(e["ts"] + e["dur"], c_start))
+            for e in gpu
+            if e["ts"] < c_start and e["ts"] + e["dur"] > p_end
+        ]
+        wait = max(waits, key=lambda e: e["dur"])
+        w0 = wait["ts"] + wait["dur"]
+        rows["span"].append(max(e["ts"] + e["dur"] for e in ck) - c_start)
+        rows["idle"].append(c_start - p_end - _union([iv for iv in between if iv[1] > iv[0]]))
+        rows["path"].append(cur["ts"] - w0)
+        rows["wait"].append(wait["dur"])
+        if stack:
+            step: Counter = Counter()
+            for e in host:
+                if w0 <= e["ts"] < cur["ts"]:
+                    step[e["name"]] += min(e["ts"] + e["dur"], cur["ts"]) - e["ts"]
+            per_step.append(step)
+    lines = [
+        f"  replayed steps, graph launch to graph launch ({len(rows['span'])} steps, medians, us):",
+        f"    the graph's GPU span                                  {_median(rows['span']):9.1f}",
+        f"    GPU idle from the previous graph's end to its start   {_median(rows['idle']):9.1f}",
+        f"    host: the wait for the previous graph                 {_median(rows['wait']):9.1f}",
+        f"    host: from that wait's return to the graph's launch   {_median(rows['path']):9.1f}",
+    ]
+    if stack and per_step:
+        names = set().union(*per_step)
+        med = {n: statistics.median(s.get(n, 0.0) for s in per_step) for n in names}
+        lines.append(
+            "    on that host path, Python functions and operators (median inclusive us per "
+            "step, profiler overhead included):"
+        )
+        for name, us in sorted(med.items(), key=lambda kv: -kv[1])[:70]:
+            lines.append(f"      {us:8.1f}  {name[:110]}")
+    return lines
+
+
 def timeline_table(
     arm: str, warm: dict, model, ids, mask, new: int, gen_kwargs: dict, stack: bool = False
 ) -> str:
@@ -139,12 +215,6 @@ def timeline_table(
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
     }
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
-    py_funcs = [e for e in events if e.get("cat") == "python_function"]
-    launches = sorted(
-        (e for e in events if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"]
-    )
-    to_launch: list[float] = []
-    py_time: Counter = Counter()
     reads = [e for e in gpu if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]]
     rows: dict[str, list[float]] = {k: [] for k in ("wall", "busy", "first", "between", "n")}
     outside: Counter = Counter()
@@ -180,13 +250,6 @@ def timeline_table(
                         continue  # inside an op already counted
                     top.append((e["ts"], e["ts"] + e["dur"]))
                     host_ops[e["name"]] += e["dur"]
-            launch = next((e["ts"] for e in launches if e["ts"] >= h0), None)
-            if launch is not None and launch - h0 < b - a:
-                to_launch.append(launch - h0)
-                for e in py_funcs:
-                    if h0 <= e["ts"] < launch:
-                        # inclusive time inside the gap (nested functions count in each)
-                        py_time[e["name"]] += min(e["ts"] + e["dur"], launch) - e["ts"]
     steps = max(len(rows["wall"]), 1)
     lines = [
         f"=== {arm}: warm-up {warm['wall_s']:.3f} s; profiled call {wall:.3f} s ({new} new); "
@@ -196,18 +259,12 @@ def timeline_table(
         f"  GPU idle before the step's first kernel {_median(rows['first']):9.1f}",
         f"  GPU idle between the step's kernels     {_median(rows['between']):9.1f}",
         f"  host from the read's return to the step's first launch {_median(prep):9.1f}",
-        f"  host from the read's return to the graph's launch      {_median(to_launch):9.1f}",
         "  kernels launched outside a CUDA graph, per step:",
     ]
     lines += [f"    {n / steps:6.2f}  {name}" for name, n in outside.most_common(25)]
     lines.append("  host operators between the read and the first launch (us per step):")
     lines += [f"    {us / steps:8.1f}  {name[:90]}" for name, us in host_ops.most_common(25)]
-    if stack:
-        lines.append(
-            "  Python functions between the read and the graph's launch "
-            "(inclusive us per step, profiler overhead included):"
-        )
-        lines += [f"    {us / steps:8.1f}  {name[:110]}" for name, us in py_time.most_common(60)]
+    lines += _graph_gaps(events, gpu, runtime, stack)
     cats = Counter(e.get("cat") for e in events)
     lines.append(f"  trace events by category: {dict(cats.most_common(12))}")
     return "\n".join(lines)
