@@ -11,7 +11,7 @@ set -u
 OUT=${OUT:-./ab_round_out}
 . "$(dirname "$0")/round_env.sh"
 timeout 150 python3 -m pytest -q -rfE --tb=short --show-capture=no -m gpu tests/hf/test_hf_graphs.py \
-  tests/hf/test_hf_cache_fastpaths.py tests/test_sequence_book.py -p no:cacheprovider \
+  tests/hf/test_hf_cache_fastpaths.py tests/cache/test_book.py -p no:cacheprovider \
   > "$OUT/gpu_tests_graphs.log" 2>&1
 tail -n 3 "$OUT/gpu_tests_graphs.log"
 timeout 100 python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 --new 64 --phases --arms kvquant \

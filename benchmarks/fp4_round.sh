@@ -10,7 +10,7 @@ set -u
 OUT=${OUT:-./fp4_round_out}
 . "$(dirname "$0")/round_env.sh"
 fp4=(tests/kernels/test_write_fp4.py tests/kernels/test_attention_fp4.py tests/kernels/test_fp4_codec.py
-     tests/kernels/test_fp4_triton.py tests/test_cache_fp4.py tests/test_schemes.py tests/hf/test_hf_fp4.py)
+     tests/kernels/test_fp4_triton.py tests/cache/test_storage_fp4.py tests/schemes/test_schemes.py tests/hf/test_hf_fp4.py)
 timeout "${KERNEL_TIMEOUT:-150}" python3 -m pytest -q -rfE -m gpu -n 8 tests/gpu tests/kernels \
   -p no:cacheprovider 2>&1 | tail -n 60 > "$OUT/gpu_tests.log"
 tail -n 2 "$OUT/gpu_tests.log"

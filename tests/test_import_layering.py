@@ -1,4 +1,4 @@
-"""Import layering: one-way tiers, no harness in the package, and nothing initialises CUDA.
+"""Import layering: one-way tiers, no other module's private names, no harness, no CUDA on import.
 
 The tier table (DESIGN.md): ``kernels`` <- ``cache`` <- ``registry``/``checkpoint`` <-
 ``integrations`` <- tools (``report``, ``calibrate``, ``export``, ``demo``, ``testing``) <-
@@ -83,10 +83,18 @@ def _facade_tier() -> int:
     return max(t for t in tiers if t is not None)
 
 
+def _from_base(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` reads from, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join([*anchor, node.module] if node.module else anchor)
+
+
 def _imports(module: str, path: Path) -> list[tuple[int, str, str]]:
     """(line, imported module as resolved, how it was written) for every import statement."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -94,10 +102,7 @@ def _imports(module: str, path: Path) -> list[tuple[int, str, str]]:
                 name = alias.name
                 out.append((node.lineno, FACADE if name == "kvquant" else name, f"import {name}"))
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
+            base = _from_base(module, path, node)
             for alias in node.names:
                 written = f"from {'.' * node.level}{node.module or ''} import {alias.name}"
                 full = f"{base}.{alias.name}"
@@ -138,21 +143,59 @@ def test_tiers_import_only_downward() -> None:
     assert not upward, "imports against the tier table:\n" + "\n".join(upward)
 
 
-def test_no_module_imports_another_modules_private_names() -> None:
-    """A leading underscore means "this module only": a name another module needs is public
-    there (and documented), so moving or changing a private name never breaks a neighbour."""
-    bad = []
-    for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
-                "kvquant"
-            ):
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(module: str, path: Path) -> list[str]:
+    """Another kvquant module's private names this module reaches: ``from kvquant.x import _y``
+    (relative imports too) and ``x._y`` / ``getattr(x, "_y")`` on an imported kvquant module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found, modules = [], {}  # modules: local name -> the kvquant module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "kvquant":
+                    bound = alias.asname or "kvquant"
+                    modules[bound] = alias.name if alias.asname else "kvquant"
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(module, path, node)
+            if base.split(".")[0] != "kvquant":
                 continue
             for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__"):
-                    bad.append(f"{module}:{node.lineno} from {node.module} import {alias.name}")
-    assert not bad, "imports of another module's private names:\n" + "\n".join(bad)
+                if f"{base}.{alias.name}" in MODULES:
+                    modules[alias.asname or alias.name] = f"{base}.{alias.name}"
+                elif _is_private(alias.name) and base != module:
+                    found.append(f"{module}:{node.lineno} from {base} import {alias.name}")
+    for node in ast.walk(tree):
+        owner, name = None, None
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _is_private(node.args[1].value)
+        ):
+            owner, name = node.args[0], node.args[1].value
+        dotted = ast.unparse(owner) if owner is not None else ""
+        head, _, rest = dotted.partition(".")
+        target = f"{modules[head]}.{rest}" if head in modules and rest else modules.get(head)
+        if target in MODULES and target != module:
+            found.append(f"{module}:{node.lineno} {dotted}.{name} (a private name of {target})")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A leading underscore means "this module only": a name another module needs is public
+    there (and documented), so moving or changing a private name never breaks a neighbour.
+    Every ``from kvquant... import _name`` counts, relative ones and package ``__init__``
+    re-exports included, and so does ``module._name`` on an imported kvquant module."""
+    bad = [use for module, path in MODULES.items() for use in _private_uses(module, path)]
+    assert not bad, "uses of another module's private names:\n" + "\n".join(bad)
 
 
 def test_package_init_imports_only_errors_eagerly() -> None:

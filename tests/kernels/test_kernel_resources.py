@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvquant.kernels.attention.tuning import programs_per_sm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_offline_sm90_compile_reports_pipelined_loads_and_pdl() -> None:
