@@ -184,6 +184,10 @@ def run_mode(
         "ttft_p95_s": ttft[min(len(ttft) - 1, math.ceil(0.95 * len(ttft)) - 1)] if ttft else None,
         "max_in_flight": peak_in_flight,
     }
+    if len(results) < len(reqs):
+        # Cut by --timeout: the arm's tokens/s at the end cannot exceed every requested token
+        # over the time already spent (an upper bound, for ratios against a run that was cut).
+        out["output_tokens_per_s_at_most"] = sum(new for _, new in reqs) / wall
     if device.type == "cuda":
         out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     return out
@@ -276,6 +280,11 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "ttft_median_x": (mine["ttft_median_s"] or 0)
                 / max(1e-9, ref["ttft_median_s"] or 0),
             }
+            if "output_tokens_per_s_at_most" in ref and "output_tokens_per_s_at_most" not in mine:
+                # the reference was cut: this ratio holds whatever it would have reached
+                out[key]["tokens_per_s_x_at_least"] = (mine["output_tokens_per_s"] or 0) / max(
+                    1e-9, ref["output_tokens_per_s_at_most"]
+                )
     return out
 
 
