@@ -365,7 +365,7 @@ def _error_table(
         CalibrationError: no ``"fp8"`` errors; an unknown word; errors of different lengths
             or not finite; a word without its bytes per token.
     """
-    names = [f for f in LAYER_FORMATS if f in errors]
+    names: list[str] = [f for f in LAYER_FORMATS if f in errors]
     unknown = sorted(set(errors) - set(LAYER_FORMATS))
     if FP8 not in errors or unknown:
         raise CalibrationError(

@@ -330,7 +330,7 @@ def resolve_fp4_layers(
         # the sides whose format has a global scale (NVFP4's), parsed once
         scaled = {
             c: f is not None and f.global_scale
-            for c, f in zip("kv", map(fp4_format, (k_fmt, v_fmt)))
+            for c, f in zip("kv", map(fp4_format, (k_fmt, v_fmt)), strict=True)
         }
         if not any(scaled.values()):
             continue
