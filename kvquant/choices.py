@@ -74,6 +74,46 @@ class KVFormat(Choice):
     """FP8 K with the model's static K scale, NVFP4 V (as :attr:`NVFP4`): needs static K
     scales (a checkpoint's, or ``missing_scales="unit"``)."""
 
+    @property
+    def sides(self) -> tuple[KVFormat, KVFormat]:
+        """``(K, V)``: how each side is stored, as the format storing both sides so
+        (``FP8_K_NVFP4_V.sides == (FP8, NVFP4)``)."""
+        return _SIDES[self]
+
+    @property
+    def four_bit(self) -> bool:
+        """Whether V (and K but for :attr:`FP8_K_NVFP4_V`) is stored as 4-bit e2m1 codes."""
+        return self.sides[1] is not KVFormat.FP8
+
+    @property
+    def fp8_keys(self) -> bool:
+        """Whether K is stored in FP8 with a static scale (:attr:`FP8`, :attr:`FP8_K_NVFP4_V`)."""
+        return self.sides[0] is KVFormat.FP8
+
+    @property
+    def block_size(self) -> int | None:
+        """Channels of head_dim sharing one 4-bit block scale, a divisor of head_dim (the
+        largest of the 4-bit sides'); None for :attr:`FP8`."""
+        return max((_BLOCKS[s] for s in self.sides if s in _BLOCKS), default=None)
+
+    @property
+    def label(self) -> str:
+        """The format's name in prose: ``"FP8"``, ``"NVFP4"``, ``"FP8 K + NVFP4 V"``."""
+        if self.sides[0] is self.sides[1]:
+            return self.value.upper()
+        return f"{self.sides[0].label} K + {self.sides[1].label} V"
+
+
+_SIDES = {
+    KVFormat.FP8: (KVFormat.FP8, KVFormat.FP8),
+    KVFormat.NVFP4: (KVFormat.NVFP4, KVFormat.NVFP4),
+    KVFormat.MXFP4: (KVFormat.MXFP4, KVFormat.MXFP4),
+    KVFormat.FP8_K_NVFP4_V: (KVFormat.FP8, KVFormat.NVFP4),
+}
+_BLOCKS = {KVFormat.NVFP4: 16, KVFormat.MXFP4: 32}
+"""The 4-bit formats' blocks (:data:`kvquant.schemes.NVFP4`'s and ``MXFP4``'s ``block_size``:
+tests/test_schemes.py checks that they agree)."""
+
 
 class MissingScales(Choice):
     """What resolving does when no layer has a KV scale."""

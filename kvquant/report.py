@@ -23,7 +23,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from kvquant.checkpoint.discovery import DiscoveredCheckpoint, Finding, discover_scales
 from kvquant.checkpoint.files import check_path_argument
@@ -32,7 +32,7 @@ from kvquant.errors import ScaleFormatError
 from kvquant.registry.fp4 import Fp4Layer, format_mismatch, resolve_fp4_raws
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
-from kvquant.schemes import Fp4Scales, StaticScales, scheme_class
+from kvquant.schemes import StaticScales, fp4_format
 from kvquant.tables import WIDTH, render_table
 from kvquant.types import LayerGeometry
 
@@ -301,7 +301,8 @@ class CheckpointReport:
             sides = []
             for side in ("k", "v"):
                 g = row.get(f"{side}_global_scale")
-                text = "FP8 (scale below)" if row[side] == "fp8" else "NVFP4"
+                fmt = fp4_format(row[side])
+                text = "FP8 (scale below)" if fmt is None else fmt.name.upper()
                 if g is not None:
                     text += " g=" + "/".join(_fmt_num(x) for x in g)
                 sides.append(f"{side.upper()} {text}")
@@ -573,19 +574,16 @@ def _format_problems(
     """Why layers cannot store their ``kv_format`` (what :func:`kvquant.patch` would refuse)."""
     problems = []
     for i, (fmt, ls) in enumerate(zip(formats, scales.layers, strict=False)):
-        if fmt == KVFormat.FP8:
+        block = fmt.block_size
+        if block is None:  # FP8
             continue
-        kind = cast(type[Fp4Scales], scheme_class(str(fmt)))  # a 4-bit word names one
-        block = max(f.block_size for f in (kind.k_format, kind.v_format) if f is not None)
         if geometry.head_dim_of(i) % block:
             problems.append(
                 f"layer {i}: kv_format {str(fmt)!r} stores one scale per block of {block} "
                 f"channels, but the layer's head_dim is {geometry.head_dim_of(i)}. Fix: "
                 "'nvfp4' (blocks of 16) or 'fp8' for this layer."
             )
-        if fmt == KVFormat.FP8_K_NVFP4_V and (
-            ls.k is None or not issubclass(ls.scheme, StaticScales)
-        ):
+        if fmt.fp8_keys and (ls.k is None or not issubclass(ls.scheme, StaticScales)):
             problems.append(
                 f"layer {i}: kv_format 'fp8-k-nvfp4-v' stores K in FP8 with a static K scale, "
                 f"but the layer's scales resolve to {ls.granularity!r}. Fix: a checkpoint with "

@@ -35,6 +35,7 @@ from kvquant.calibrate.report import CalibrationReport
 from kvquant.calibrate.result import CalibrationResult
 from kvquant.calibrate.search import DEFAULT_RATIOS, choose_scales
 from kvquant.calibrate.statistics import KVStatistics
+from kvquant.choices import KVFormat, parse_choice
 from kvquant.errors import CalibrationError
 
 __all__ = [
@@ -47,10 +48,9 @@ __all__ = [
     "four_bit_candidates",
 ]
 
-FP8_K_NVFP4_V = "fp8-k-nvfp4-v"
-
-FOUR_BIT_BLOCKS: dict[str, int] = {"nvfp4": 16, "mxfp4": 32, FP8_K_NVFP4_V: 16}
-"""The 4-bit ``kv_format`` words measured on request, and the block head_dim must be a multiple of."""
+FOUR_BIT_FORMATS: tuple[KVFormat, ...] = tuple(f for f in KVFormat if f.four_bit)
+"""The 4-bit ``kv_format`` words measured on request (each says its block, which head_dim must
+be a multiple of)."""
 
 GROUP_SIZES = (64, 32)
 """Group sizes of the dynamic fp32-group candidates (where they divide head_dim)."""
@@ -115,16 +115,20 @@ class Candidate:
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A 4-bit format: every position rounded, the first included (as the cache does)."""
-        fmt = str(self.kv_format)
-        if fmt == FP8_K_NVFP4_V:
+        fmt = parse_choice(KVFormat, self.kv_format)
+        if fmt is None:  # not a format: fake_quantize_fp4 refuses it
+            k_side = v_side = str(self.kv_format)
+        else:
+            k_side, v_side = fmt.sides
+        if fmt is not None and fmt.four_bit and fmt.fp8_keys:
             if self.k_scale is None:
                 raise CalibrationError(
                     f"Candidate {self.name!r}: FP8 K without a static K scale; expected "
                     "k_scale. Fix: build it with four_bit_candidates()."
                 )
             k = fake_quantize_static(key, self.k_scale[layer])
-            return query.float(), k, fake_quantize_fp4(value, "nvfp4")
-        return query.float(), fake_quantize_fp4(key, fmt), fake_quantize_fp4(value, fmt)
+            return query.float(), k, fake_quantize_fp4(value, v_side)
+        return query.float(), fake_quantize_fp4(key, k_side), fake_quantize_fp4(value, v_side)
 
     def stored(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[Any, Any]:
         """``(k / s_k, v / s_v)`` before rounding, at the positions read from FP8 (static only)."""
@@ -337,17 +341,18 @@ def four_bit_candidates(
     """
     out: list[Candidate] = []
     notes: list[str] = []
-    for word, block in FOUR_BIT_BLOCKS.items():
-        if head_dim % block:
+    for fmt in FOUR_BIT_FORMATS:
+        word, block = fmt.value, fmt.block_size
+        if block is None or head_dim % block:
             notes.append(
                 f"{word} left out: its {block}-channel blocks do not divide head_dim {head_dim}"
             )
-        elif word == FP8_K_NVFP4_V and result.granularity == Granularity.K_TRANSFORM:
+        elif fmt.fp8_keys and result.granularity == Granularity.K_TRANSFORM:
             notes.append(
                 f"{word} left out: its FP8 K needs a static K scale, and the k-transform's "
                 "apply to a transformed K (calibrate --format per-tensor or per-head for it)"
             )
-        elif word == FP8_K_NVFP4_V:
+        elif fmt.fp8_keys:
             out.append(Candidate(word, False, k_scale=result.k_scales, kv_format=word))
         else:
             out.append(Candidate(word, False, kv_format=word))

@@ -90,14 +90,14 @@ def fake_quantize_fp4(x: torch.Tensor, which: str) -> torch.Tensor:
         x: [B, Hkv, T, D], D a multiple of the format's block (16 NVFP4, 32 MXFP4).
         which: ``"nvfp4"`` or ``"mxfp4"``.
     """
-    from kvquant.kernels.fp4 import MXFP4, NVFP4, dequantize_fp4, quantize_fp4
-    from kvquant.schemes import DYNAMIC_NVFP4_GLOBAL_SCALE
+    from kvquant.kernels.fp4 import dequantize_fp4, quantize_fp4
+    from kvquant.schemes import DYNAMIC_NVFP4_GLOBAL_SCALE, fp4_format
 
-    if which not in ("nvfp4", "mxfp4"):
+    fmt = fp4_format(which)
+    if fmt is None:
         raise CalibrationError(
             f"fake_quantize_fp4: format {which!r}; expected 'nvfp4' or 'mxfp4'. Fix: pass one."
         )
-    fmt = NVFP4 if which == "nvfp4" else MXFP4
     g = torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE, device=x.device) if fmt.global_scale else None
     tokens = x.float().transpose(1, 2)  # [B, T, Hkv, D]: the layout the pages hold
     packed, scales = quantize_fp4(tokens, fmt, g)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvquant.calibrate.report import CalibrationReport
+from kvquant.choices import KVFormat, parse_choice
 from kvquant.errors import CalibrationError
 
 __all__ = [
@@ -40,19 +41,20 @@ __all__ = [
     "propose_layer_formats",
 ]
 
-FP8 = "fp8"
+FP8 = KVFormat.FP8
 """The widest format: FP8 K and V with the calibrated scales."""
 
-LAYER_FORMATS: tuple[str, ...] = (FP8, "fp8-k-nvfp4-v", "nvfp4", "mxfp4")
+LAYER_FORMATS: tuple[KVFormat, ...] = (FP8, KVFormat.FP8_K_NVFP4_V, KVFormat.NVFP4, KVFormat.MXFP4)
 """The ``kv_format`` words a map chooses among, widest first."""
+
+REFERENCE = KVFormat.NVFP4
+"""The 4-bit format a layer's standing is told against, where it was measured."""
 
 METRIC = (
     "relative attention-output error ||O_fmt - O|| / ||O|| of the layer on held-out "
     "calibration windows, mean over its KV heads; the map minimises the sum over layers"
 )
 """What a layer's error is, in words (the report's metric, per layer)."""
-
-_NAMES = {FP8: "FP8", "fp8-k-nvfp4-v": "FP8 K + NVFP4 V", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
 
 
 def format_bytes(kv_format: str, num_kv_heads: int, head_dim: int, fp8: str = "per-tensor") -> int:
@@ -64,7 +66,8 @@ def format_bytes(kv_format: str, num_kv_heads: int, head_dim: int, fp8: str = "p
     """
     from kvquant.schemes import scheme_class
 
-    word = fp8 if kv_format == FP8 else kv_format
+    fmt = parse_choice(KVFormat, kv_format)
+    word = fp8 if fmt is not None and not fmt.four_bit else kv_format
     return scheme_class(word).slot_bytes(num_kv_heads, head_dim)
 
 
@@ -265,9 +268,12 @@ def check_budget(budget: object, owner: str = "calibrate") -> float:
 def lowest_budget(head_dim: int, fp8: str = "per-tensor") -> float:
     """The least budget a map can meet for a model of ``head_dim``: the narrowest 4-bit format
     whose blocks divide it, in every layer (1.0: none does)."""
-    blocks = {"nvfp4": 16, "mxfp4": 32}
     fp8_bytes = format_bytes(FP8, 1, head_dim, fp8)
-    sizes = [format_bytes(f, 1, head_dim) for f, b in blocks.items() if head_dim % b == 0]
+    sizes = [
+        format_bytes(f, 1, head_dim)
+        for f in LAYER_FORMATS
+        if f.block_size is not None and head_dim % f.block_size == 0
+    ]
     return min([fp8_bytes, *sizes]) / fp8_bytes
 
 
@@ -359,7 +365,7 @@ def _error_table(
         CalibrationError: no ``"fp8"`` errors; an unknown word; errors of different lengths
             or not finite; a word without its bytes per token.
     """
-    names = [f for f in LAYER_FORMATS if f in errors]
+    names: list[str] = [f for f in LAYER_FORMATS if f in errors]
     unknown = sorted(set(errors) - set(LAYER_FORMATS))
     if FP8 not in errors or unknown:
         raise CalibrationError(
@@ -427,11 +433,15 @@ def _reason(
     sizes: Mapping[str, int],
 ) -> str:
     """Why ``layer`` got ``formats[layer]``, against the other layers' errors."""
-    fmt = formats[layer]
+    fmt = KVFormat(formats[layer])
     e_fp8 = errors[FP8][layer]
     if all(f == FP8 for f in formats):
         return "FP8: the budget holds FP8 in every layer"
-    ref = "nvfp4" if "nvfp4" in errors else next(f for f in reversed(LAYER_FORMATS) if f in errors)
+    ref = (
+        REFERENCE
+        if REFERENCE in errors
+        else next(f for f in reversed(LAYER_FORMATS) if f in errors)
+    )
     ref_errors = errors.get(ref, errors[FP8])
     median = statistics.median(ref_errors)
     e_ref = ref_errors[layer]
@@ -440,22 +450,27 @@ def _reason(
     where = _where(rank, len(formats))
     standing = f"{_pct(e_ref)}, {ratio} the median layer's, {where}"
     saved = sizes[FP8] - sizes[fmt]
-    if fmt == FP8:
-        return f"kept FP8: {_NAMES[ref]} would err {standing}"
-    if fmt == "fp8-k-nvfp4-v":
-        text = f"K kept FP8, V in NVFP4 (errs {_pct(errors[fmt][layer])}, saves {saved} B)"
-        if ref == "nvfp4":
-            text += f": NVFP4 K too would err {standing}"
+    if not fmt.four_bit:
+        return f"kept FP8: {KVFormat(ref).label} would err {standing}"
+    if fmt.fp8_keys:
+        v_label = fmt.sides[1].label
+        text = f"K kept FP8, V in {v_label} (errs {_pct(errors[fmt][layer])}, saves {saved} B)"
+        if ref == fmt.sides[1]:
+            text += f": {v_label} K too would err {standing}"
         return text
-    wider = ""
-    if "fp8-k-nvfp4-v" in errors and fmt != "fp8-k-nvfp4-v":
-        wider = f"FP8 K + NVFP4 V {_pct(errors['fp8-k-nvfp4-v'][layer])}, "
-    text = f"{_NAMES[fmt]}: errs {_pct(errors[fmt][layer])} ({wider}FP8 {_pct(e_fp8)}), saves {saved} B"
+    wider = "".join(
+        f"{f.label} {_pct(errors[f][layer])}, "
+        for f in LAYER_FORMATS
+        if f.four_bit and f.fp8_keys and f in errors
+    )
+    text = (
+        f"{fmt.label}: errs {_pct(errors[fmt][layer])} ({wider}FP8 {_pct(e_fp8)}), saves {saved} B"
+    )
     if fmt == ref:
         text += f"; {ratio} the median layer's, {where}"
-    elif fmt == "mxfp4" and "nvfp4" in errors:
-        extra = sizes["nvfp4"] - sizes[fmt]
-        text += f"; NVFP4 would err {_pct(errors['nvfp4'][layer])} for {extra} B more"
+    elif ref == REFERENCE:
+        extra = sizes[ref] - sizes[fmt]
+        text += f"; {ref.label} would err {_pct(errors[ref][layer])} for {extra} B more"
     return text
 
 

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from kvquant.calibrate.statistics import NEAR_CONSTANT_RATIO
+from kvquant.choices import KVFormat
 
 __all__ = ["FOUR_BIT", "HOW", "READERS", "CalibrationReport", "describe"]
 
-FOUR_BIT = frozenset({"nvfp4", "mxfp4", "fp8-k-nvfp4-v"})
+FOUR_BIT = frozenset(f for f in KVFormat if f.four_bit)
 """The 4-bit ``kv_format`` words a report may hold (measured for a per-layer format map, and
 left out of the FP8 recommendation: they take fewer bytes, a different trade)."""
 

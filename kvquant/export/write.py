@@ -28,7 +28,7 @@ from kvquant.checkpoint.writer import (
 )
 from kvquant.errors import ExportError
 from kvquant.export.base import Engine
-from kvquant.export.engines import ENGINES, engine_named
+from kvquant.export.engines import ENGINE_LIST, ENGINES, engine_named
 from kvquant.export.report import ExportReport, LayerExport
 from kvquant.registry.policy import broadcast_to_per_head, reduce_to_per_tensor
 from kvquant.registry.resolve import ModelScales, analyze_scales, resolve_scales
@@ -79,8 +79,10 @@ def _check_request(engine: str, granularity: str) -> Engine:
             f"{', '.join(ENGINES)}."
         )
     if granularity not in target.rules:
-        if granularity not in ("per-tensor", "per-head"):
-            raise ExportError(f"granularity={granularity!r}; expected 'per-tensor' or 'per-head'.")
+        exported = dict.fromkeys(g for e in ENGINE_LIST for g in e.rules)  # the engines' words
+        if granularity not in exported:
+            expected = " or ".join(repr(g) for g in exported)
+            raise ExportError(f"granularity={granularity!r}; expected {expected}.")
         raise ExportError(
             f"{engine} takes per-tensor KV scales only; per-head export is vLLM's "
             "compressed-tensors attn_head path. Fix: drop --per-head (per-head scales are then "

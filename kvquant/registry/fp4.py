@@ -22,6 +22,7 @@ from kvquant.checkpoint.fp4_formats import kv_formats_by_layer, kv_formats_per_l
 from kvquant.errors import ConventionError, ScaleFormatError
 from kvquant.kernels.fp4 import E2M1_MAX, E4M3_MAX, NVFP4, Fp4Format
 from kvquant.registry.policy import MAX_SCALE, MIN_SCALE
+from kvquant.schemes import fp4_format
 from kvquant.types import LayerGeometry, RawScale
 
 __all__ = [
@@ -326,12 +327,17 @@ def resolve_fp4_layers(
         )
     out: dict[int, Fp4Layer] = {}
     for layer, (k_fmt, v_fmt) in enumerate(formats):
-        if "nvfp4" not in (k_fmt, v_fmt):
+        # the sides whose format has a global scale (NVFP4's), parsed once
+        scaled = {
+            c: f is not None and f.global_scale
+            for c, f in zip("kv", map(fp4_format, (k_fmt, v_fmt)), strict=True)
+        }
+        if not any(scaled.values()):
             continue
         prefix = prefixes.get(layer, f"model.layers.{layer}")
         sides: dict[str, Fp4GlobalScale | None] = {}
-        for cache, fmt in (("k", k_fmt), ("v", v_fmt)):
-            if fmt != "nvfp4":
+        for cache in ("k", "v"):
+            if not scaled[cache]:
                 sides[cache] = None
                 continue
             sides[cache] = normalize_fp4_global_scale(

@@ -21,6 +21,7 @@ from kvquant.schemes.base import (
     Fp4Format,
     KernelView,
     Scheme,
+    fp4_format,
     scheme_class,
     scheme_names,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "PerTensorScales",
     "Scheme",
     "StaticScales",
+    "fp4_format",
     "scheme_class",
     "scheme_names",
 ]

@@ -20,6 +20,7 @@ __all__ = [
     "Fp4Format",
     "KernelView",
     "Scheme",
+    "fp4_format",
     "scheme_class",
     "scheme_names",
 ]
@@ -54,6 +55,12 @@ MXFP4 = Fp4Format("mxfp4", 32, torch.uint8, False, 0xFF)
 
 FP4_FORMATS: tuple[Fp4Format, ...] = (NVFP4, MXFP4)
 """The 4-bit formats the kernels store."""
+
+
+def fp4_format(word: str) -> Fp4Format | None:
+    """The 4-bit format a side's word names (``"nvfp4"``, ``"mxfp4"``), None for any other
+    word (``"fp8"``): a caller parses the word once, then asks the format."""
+    return next((f for f in FP4_FORMATS if f.name == word), None)
 
 
 class KernelView(NamedTuple):

@@ -17,18 +17,17 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvquant.schemes import fp4_format
 from kvquant.testing.synthetic import write_checkpoint
 
 __all__ = ["FP4_LAYOUTS", "default_amax", "write_fp4_checkpoint"]
-
-FP4_LAYOUTS = ("modelopt", "modelopt-mixed", "compressed-tensors")
-"""The producer layouts :func:`write_fp4_checkpoint` writes."""
 
 _ALGO = {("fp8", "fp8"): "FP8", ("nvfp4", "nvfp4"): "NVFP4", ("fp8", "nvfp4"): "FP8_K_NVFP4_V"}
 _CANONICAL = 6.0 * 448.0
@@ -70,26 +69,28 @@ def write_fp4_checkpoint(
     Raises:
         ValueError: an unknown layout, or ``layer_formats`` outside ``"modelopt-mixed"``.
     """
-    if layout not in FP4_LAYOUTS:
+    spec = _LAYOUTS.get(layout)
+    if spec is None:
         raise ValueError(f"unknown layout {layout!r}; expected one of {FP4_LAYOUTS}")
-    if layer_formats is not None and layout != "modelopt-mixed":
+    if layer_formats is not None and not spec.mixed:
         raise ValueError("layer_formats is a 'modelopt-mixed' option")
     values = {**default_amax(num_layers), **dict(amax or {})}
-    if layout == "modelopt-mixed":
+    if spec.mixed:
         formats = list(layer_formats or [("fp8", "fp8")] + [("nvfp4", "nvfp4")] * (num_layers - 1))
     else:
         formats = [("nvfp4", "nvfp4")] * num_layers
-    if layout == "compressed-tensors":
-        return _compressed_tensors(path, values, num_layers, options)
+    if spec.write is not None:
+        return spec.write(path, values, num_layers, options)
     stored: dict[tuple[int, str], Any] = {}
     for i, pair in enumerate(formats):
         for kind, fmt in zip(("k", "v"), pair, strict=True):
-            denom = _CANONICAL if fmt == "nvfp4" else 448.0
+            side = fp4_format(fmt)  # NVFP4 stores its global scale, FP8 amax / 448
+            denom = _CANONICAL if side is not None and side.global_scale else 448.0
             stored[(i, kind)] = torch.tensor(values[(i, kind)] / denom, dtype=torch.float32)
     stored.update(options.pop("scales", None) or {})
     algos = {_ALGO[tuple(f)] for f in formats}  # type: ignore[index]
     quant: dict[str, Any]
-    if layout == "modelopt-mixed" and len(algos) > 1:
+    if spec.mixed and len(algos) > 1:
         quant = {
             "kv_cache_quant_algo": "MIXED_PRECISION",
             "kv_cache_quantized_layers": {
@@ -153,3 +154,25 @@ def _compressed_tensors(
         path, convention="compressed-tensors", num_layers=num_layers, drop=drop,
         extra_tensors=extra, quant_config_updates=updates, **options,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One layout :func:`write_fp4_checkpoint` writes."""
+
+    mixed: bool = False
+    """A layer map of FP8 and NVFP4 layers (ModelOpt's ``MIXED_PRECISION``)."""
+    write: (
+        Callable[[str | Path, Mapping[tuple[int, str], float], int, dict[str, Any]], Path] | None
+    ) = None
+    """The producer's own writer (None: ModelOpt's ``hf_quant_config.json`` layout)."""
+
+
+_LAYOUTS: Mapping[str, _Layout] = {
+    "modelopt": _Layout(),
+    "modelopt-mixed": _Layout(mixed=True),
+    "compressed-tensors": _Layout(write=_compressed_tensors),
+}
+
+FP4_LAYOUTS = tuple(_LAYOUTS)
+"""The producer layouts :func:`write_fp4_checkpoint` writes."""

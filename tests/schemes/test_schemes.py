@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kvquant.choices import KVFormat
 from kvquant.errors import KVQuantError, ScaleFormatError
 from kvquant.kernels import hadamard
 from kvquant.schemes import (
@@ -21,6 +22,7 @@ from kvquant.schemes import (
     PerHeadScales,
     PerTensorScales,
     Scheme,
+    fp4_format,
     scheme_class,
     scheme_names,
 )
@@ -275,3 +277,21 @@ def test_4bit_schemes_describe_each_side() -> None:
     g.fill_(5.0)  # the scheme keeps its own copy
     assert float(nv.k_global_scale) == 1.0  # type: ignore[arg-type]
     assert scheme_class("fp8-k-nvfp4-v") is Fp8KNvfp4VScales
+
+
+def test_kv_formats_agree_with_their_schemes() -> None:
+    """KVFormat's properties (kvquant.choices imports no torch) say what the schemes' classes
+    say: each 4-bit word names a scheme whose sides and blocks are the format's."""
+    assert fp4_format("nvfp4") is NVFP4 and fp4_format("mxfp4") is MXFP4
+    assert fp4_format("fp8") is None and fp4_format(KVFormat.NVFP4) is NVFP4
+    assert not KVFormat.FP8.four_bit and KVFormat.FP8.block_size is None
+    for fmt in KVFormat:
+        sides = tuple(fp4_format(s) for s in fmt.sides)
+        assert fmt.fp8_keys == (sides[0] is None) and fmt.four_bit == (sides[1] is not None)
+        if not fmt.four_bit:
+            continue
+        kind = scheme_class(fmt.value)
+        assert (kind.k_format, kind.v_format) == sides  # type: ignore[attr-defined]
+        assert fmt.block_size == max(f.block_size for f in sides if f is not None)
+    labels = [f.label for f in KVFormat]
+    assert labels == ["FP8", "NVFP4", "MXFP4", "FP8 K + NVFP4 V"]

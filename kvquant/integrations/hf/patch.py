@@ -336,11 +336,11 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
         mine, whole = state.rank_specs[0].num_kv_heads, state.layer_specs[0].num_kv_heads
         shard = f" (tensor parallel: this rank caches {mine} of the {whole} KV heads of a layer)"
     formats = layer_kv_formats(opts.kv_format, len(state.layer_specs), "kvquant.patch")
-    fp8 = [s.granularity for s, f in zip(state.layer_specs, formats, strict=True) if f == "fp8"]
+    fp8 = [s.granularity for s, f in zip(state.layer_specs, formats, strict=True) if not f.four_bit]
     kv = f"FP8 KV with {'/'.join(sorted(set(fp8)))} scales (from {source})"
-    if set(formats) != {KVFormat.FP8}:
+    if any(f.four_bit for f in formats):
         kv = f"KV formats {describe_layer_formats(formats)} (4-bit scales computed on write"
-        if KVFormat.FP8 in formats or KVFormat.FP8_K_NVFP4_V in formats:
+        if any(f.fp8_keys for f in formats):
             kv += f"; FP8 scales from {source}"
         kv += ")"
     if getattr(state.model_scales, "fp4_layers", None):

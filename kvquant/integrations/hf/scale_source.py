@@ -279,7 +279,7 @@ def layer_specs(
     if declared:
         return checkpoint_fp4_specs(specs, declared, formats)
     return [
-        spec if fmt == KVFormat.FP8 else fp4_spec(spec, fmt)
+        fp4_spec(spec, fmt) if fmt.four_bit else spec
         for spec, fmt in zip(specs, formats, strict=True)
     ]
 
