@@ -64,12 +64,17 @@ def tiny(seed: int = 0) -> Any:
     return model.eval()
 
 
-def models(fmt: str) -> tuple[Any, Any, Any]:
-    """(patched model, its handle, the same model unpatched); ``fp8-k-nvfp4-v`` takes the unit
-    FP8 K scale (the tiny model's checkpoint has none)."""
-    model, ref = tiny(), tiny()
-    extra = {"missing_scales": "unit"} if fmt == "fp8-k-nvfp4-v" else {}
-    handle = kvhf.patch(model, backend="torch", kv_format=fmt, **extra)
+def models(fmt: str, device: str = "cpu") -> tuple[Any, Any, Any]:
+    """(patched model, its handle, the same model unpatched) on ``device``; ``fp8-k-nvfp4-v``
+    takes the unit FP8 K scale (the tiny model's checkpoint has none). The torch backend on
+    CPU; on CUDA the Triton kernels, and eager decode steps for ``generate``."""
+    model, ref = tiny().to(device), tiny().to(device)
+    extra: dict[str, Any] = {"missing_scales": "unit"} if fmt == "fp8-k-nvfp4-v" else {}
+    if device == "cpu":
+        extra["backend"] = "torch"
+    else:
+        extra["cuda_graphs"] = False
+    handle = kvhf.patch(model, kv_format=fmt, **extra)
     assert all(s.granularity == fmt for s in handle.state.layer_specs)
     return model, handle, ref
 
@@ -449,3 +454,25 @@ def test_layout_for_refuses_layers_of_one_format_but_other_geometries() -> None:
     specs[0] = replace(specs[0], kv_reused=True)
     with pytest.raises(UnsupportedModelError, match=r"later layers attend over the K/V of model"):
         layout_for(specs, 16, torch.float32)
+
+
+# ---------------------------------------------------------------------- GPU (Triton kernels)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
+    """CUDA, Triton kernels: the batch's paged launches over the block views and the lone
+    request's decode steps over its own 4-bit pages run the same kernels (fp32 model)."""
+    model, _, ref = models(fmt, "cuda")
+    reqs = prompts()
+    out = model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
+    assert continuous.live_caches() == []
