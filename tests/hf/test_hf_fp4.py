@@ -18,7 +18,7 @@ from hf_steps import step_logits
 from hf_tiny import _COMMON, VOCAB, prompt
 
 import kvquant.integrations.hf as kvhf
-from kvquant.errors import OptionError, UnsupportedModelError
+from kvquant.errors import OptionError
 from kvquant.integrations.hf.cache_layer import KVQuantCache
 from kvquant.kernels.fp4 import MXFP4, NVFP4, dequantize_fp4, quantize_fp4
 from kvquant.kernels.fp8 import quantize_fp8
@@ -141,16 +141,6 @@ def test_kv_format_options_are_checked_before_any_change() -> None:
     with pytest.raises(OptionError, match="block of 32 channels, but the layer's head_dim is 16"):
         kvhf.patch(small, kv_format="mxfp4")
     assert kvhf.KVQuantConfig(kv_format="nvfp4").to_dict()["kv_format"] == "nvfp4"
-
-
-def test_continuous_batching_refuses_4bit_pages() -> None:
-    from kvquant.integrations.hf.continuous.layout import layout_for
-
-    model = _tiny()
-    handle = kvhf.patch(model, backend="torch", kv_format="nvfp4")
-    with pytest.raises(UnsupportedModelError, match="4-bit format 'nvfp4'"):
-        layout_for(handle.state.layer_specs, 16, torch.float32)
-    handle.remove()
 
 
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:

@@ -1,7 +1,7 @@
-"""Continuous batching on kvquant's FP8 pages: ``generate_batch``, paged ``generate``, the manager.
+"""Continuous batching on kvquant's pages: ``generate_batch``, paged ``generate``, the manager.
 
 Under a :func:`kvquant.patch`, transformers' continuous-batching cache holds kvquant's FP8
-pages (:mod:`.layout`, :mod:`.storage`), each step's plan is built once for every layer
+or 4-bit pages (:mod:`.layout`, :mod:`.storage`), each step's plan is built once for every layer
 (:mod:`.plan`), kvquant's cache classes stand in for transformers' (:mod:`.caches`), and the
 model's entry points raise what the batching thread only logs (:mod:`.wrappers`).
 How and why: ``docs/dev/continuous-batching.md``. Supported: transformers 5.17 and 5.24.

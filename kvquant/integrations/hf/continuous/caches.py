@@ -141,7 +141,7 @@ def _cache_class() -> type:
 VERSION_MESSAGE = (
     "kvquant's continuous batching knows the batching caches of transformers 5.17 and 5.24; "
     "this transformers lays its cache out otherwise. Fix: install transformers 5.17 or 5.24, "
-    "or run generate() per request (kvquant's FP8 cache serves it)."
+    "or run generate() per request (kvquant's cache serves it)."
 )
 
 
@@ -151,7 +151,7 @@ def refuse_sliding(groups: Any) -> None:
         raise UnsupportedModelError(
             f"kvquant's continuous-batching cache serves full-attention layers only; this "
             f"model's layers are {kinds} (sliding-window layers keep a ring of blocks kvquant "
-            "does not manage). Fix: run generate() per request (kvquant's FP8 cache serves "
+            "does not manage). Fix: run generate() per request (kvquant's cache serves "
             "sliding windows there), or handle.remove() for transformers' own batching."
         )
 
@@ -234,7 +234,7 @@ def _allocator_cache_class() -> type:
     block_allocator = _block_allocator_class()
 
     class KVQuantBatchingCache(cbc.PagedAttentionCache):  # type: ignore[misc, valid-type]
-        """transformers 5.24's batching cache over kvquant's FP8 blocks (module docstring)."""
+        """transformers 5.24's batching cache over kvquant's blocks (module docstring)."""
 
         def __init__(
             self,
@@ -279,9 +279,10 @@ def _allocator_cache_class() -> type:
             self.kvq = BatchingStorage(self.cache_tensor, layout, specs, total_blocks, backend)
             LIVE_CACHES.add(self)
             _logger.info(
-                "kvquant: continuous-batching cache of %d FP8 blocks of %d tokens (%d bytes), "
+                "kvquant: continuous-batching cache of %d %s blocks of %d tokens (%d bytes), "
                 "%d tokens per step",
                 self.num_blocks,
+                layout.pages_name,
                 layout.page_size,
                 non_trash,
                 tokens,
@@ -295,7 +296,7 @@ def _allocator_cache_class() -> type:
             layer_idx: int,
             kwargs: dict[str, Any],
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            """Store the layer's new K/V in FP8; hand kvquant's attention the layer's step."""
+            """Store the layer's new K/V in its pages; hand kvquant's attention the layer's step."""
             kwargs[BATCH_KWARG] = self.kvq.write(layer_idx, key_states, value_states)
             return key_states, value_states
 
@@ -303,7 +304,7 @@ def _allocator_cache_class() -> type:
 
 
 _READ_ONLY_MESSAGE = (
-    "kvquant's continuous-batching cache holds FP8 pages that only kvquant's attention reads; "
+    "kvquant's continuous-batching cache holds quantized pages that only kvquant's attention reads; "
     "another attention implementation was switched on while it runs. Fix: leave the attention "
     "implementation as kvquant.patch set it while the manager runs."
 )
@@ -326,7 +327,7 @@ def _group_cache_class() -> type:
             return table[: -(-(past_length + query_length) // self.block_size)]
 
     class KVQuantBatchingCache(cbc.PagedAttentionCache):  # type: ignore[misc, valid-type]
-        """transformers 5.17's batching cache over kvquant's FP8 blocks (module docstring)."""
+        """transformers 5.17's batching cache over kvquant's blocks (module docstring)."""
 
         def __init__(
             self,
@@ -387,9 +388,10 @@ def _group_cache_class() -> type:
             self._block_table_key = None  # type: ignore[assignment]
             LIVE_CACHES.add(self)
             _logger.info(
-                "kvquant: continuous-batching cache of %d FP8 blocks of %d tokens (%d bytes), "
+                "kvquant: continuous-batching cache of %d %s blocks of %d tokens (%d bytes), "
                 "%d tokens per step",
                 blocks,
+                layout.pages_name,
                 self.block_size,
                 total * layout.bytes_per_block,
                 tokens,

@@ -1,5 +1,6 @@
-"""How one block of kvquant's continuous-batching cache is laid out: every layer's FP8 K and V
-pages and, per format, group scales or full-precision first tokens, at aligned offsets.
+"""How one block of kvquant's continuous-batching cache is laid out: every layer's K and V pages
+(FP8, or packed 4-bit codes with their block scales) and, per format, group scales or
+full-precision first tokens, at aligned offsets.
 
 See :mod:`kvquant.integrations.hf.continuous` and the developer docs (``docs/dev/continuous-batching.md``).
 """
@@ -14,7 +15,7 @@ import torch
 from kvquant.errors import (
     UnsupportedModelError,
 )
-from kvquant.schemes import Fp4Scales
+from kvquant.schemes import Fp4Format, Fp4Scales
 
 __all__ = [
     "ALIGN",
@@ -50,14 +51,21 @@ class BlockLayout:
     """Where each layer's pages live inside one block of the batching cache.
 
     A block holds ``page_size`` tokens of every layer. For each layer it holds, in
-    order, each part starting on a multiple of 128 bytes: the FP8 K page
-    ``[page_size, Hkv, D]`` (head dim fastest), the FP8 V page (keys fastest,
-    ``[Hkv, D, page_size]`` in memory), for ``fp32-group`` the fp32 K and V group
-    scales (head-major ``[Hkv, page_size, D // G]``), and for ``k-transform`` the
-    first tokens' keys and values ``[first_tokens, Hkv, D]`` in the model's dtype
-    (meaningful in a request's first block only). These are the layouts of
-    :func:`kvquant.kernels.page_storage` and :func:`kvquant.kernels.group_scale_storage`,
-    with the block size as the page stride.
+    order, each part starting on a multiple of 128 bytes: the K page, the V page,
+    for a 4-bit side its block scales (K's, then V's), for ``fp32-group`` the fp32 K
+    and V group scales (head-major ``[Hkv, page_size, D // G]``), and for
+    ``k-transform`` the first tokens' keys and values ``[first_tokens, Hkv, D]`` in
+    the model's dtype (meaningful in a request's first block only). An FP8 K page is
+    ``[page_size, Hkv, D]`` (head dim fastest), an FP8 V page keys-fastest
+    (``[Hkv, D, page_size]`` in memory); a 4-bit page is the packed e2m1 codes
+    ``uint8 [page_size, Hkv, D // 2]`` and its block scales ``[page_size, Hkv,
+    D // block]`` in the format's one-byte scale dtype, both token-major with the
+    last dimension contiguous. These are the layouts of
+    :func:`kvquant.kernels.page_storage`, :func:`kvquant.kernels.group_scale_storage` and
+    :func:`kvquant.kernels.fp4.fp4_page_storage`, with the block size as the page
+    stride (a multiple of 128 bytes, so the 4-bit rows the kernels read as int32 words
+    stay 4-byte aligned). A 4-bit format's fp32 global scales (NVFP4) are no part of
+    the block: each layer's storage keeps its own, from the patch's scales.
 
     Attributes:
         num_layers: layers in a block.
@@ -67,6 +75,9 @@ class BlockLayout:
         n_groups: ``D // G`` for ``fp32-group``, else 0.
         first_tokens: ``k-transform``'s first tokens kept at full precision, else 0.
         side_dtype: the dtype of those first tokens (the model's).
+        k_fp4: K's 4-bit format (:data:`~kvquant.schemes.NVFP4`,
+            :data:`~kvquant.schemes.MXFP4`), None for FP8 K.
+        v_fp4: like ``k_fp4`` for V.
     """
 
     num_layers: int
@@ -76,18 +87,37 @@ class BlockLayout:
     n_groups: int = 0
     first_tokens: int = 0
     side_dtype: torch.dtype = torch.bfloat16
+    k_fp4: Fp4Format | None = None
+    v_fp4: Fp4Format | None = None
+
+    @property
+    def pages_name(self) -> str:
+        """What the pages hold, for messages: ``FP8``, ``NVFP4``, ``MXFP4``, ``FP8 K + NVFP4 V``."""
+        k, v = (("FP8" if f is None else f.name.upper()) for f in (self.k_fp4, self.v_fp4))
+        return k if k == v else f"{k} K + {v} V"
+
+    def _page_bytes(self, fmt: Fp4Format | None) -> tuple[int, int]:
+        """``(codes, block scales)`` bytes of one side's page (no block scales for FP8)."""
+        slots = self.page_size * self.num_kv_heads
+        if fmt is None:
+            return slots * self.head_dim, 0
+        nb = self.head_dim // fmt.block_size
+        return slots * (self.head_dim // 2), slots * nb * fmt.scale_dtype.itemsize
 
     @property
     def offsets(self) -> dict[str, int]:
         """Byte offset of each part inside one layer's share of a block, and its ``end``."""
-        codes = self.page_size * self.num_kv_heads * self.head_dim
+        k_codes, k_blocks = self._page_bytes(self.k_fp4)
+        v_codes, v_blocks = self._page_bytes(self.v_fp4)
         scales = 4 * self.page_size * self.num_kv_heads * self.n_groups
         side = self.first_tokens * self.num_kv_heads * self.head_dim * self.side_dtype.itemsize
         out: dict[str, int] = {}
         pos = 0
         for name, size in (
-            ("k_pages", codes),
-            ("v_pages", codes),
+            ("k_pages", k_codes),
+            ("v_pages", v_codes),
+            ("k_block_scales", k_blocks),
+            ("v_block_scales", v_blocks),
             ("k_group_scales", scales),
             ("v_group_scales", scales),
             ("first_k", side),
@@ -124,8 +154,11 @@ class BlockLayout:
         """The parts of ``layer`` in every block of ``buffer`` (a flat uint8 tensor), as strided views.
 
         Returns:
-            ``k_pages`` / ``v_pages`` FP8 ``[num_blocks, page_size, Hkv, D]``, and where
-            the layout has them ``k_group_scales`` / ``v_group_scales`` fp32
+            ``k_pages`` / ``v_pages``: FP8 ``[num_blocks, page_size, Hkv, D]``, or for a
+            4-bit side uint8 ``[num_blocks, page_size, Hkv, D // 2]`` with its
+            ``k_block_scales`` / ``v_block_scales`` ``[num_blocks, page_size, Hkv,
+            D // block]`` in the format's scale dtype; where the layout has them
+            ``k_group_scales`` / ``v_group_scales`` fp32
             ``[num_blocks, page_size, Hkv, D // G]`` and ``first_k`` / ``first_v``
             ``[num_blocks, first_tokens, Hkv, D]`` in ``side_dtype``.
         """
@@ -140,14 +173,24 @@ class BlockLayout:
         base = layer * self.bytes_per_page
         off = self.offsets
         codes = buffer.view(torch.float8_e4m3fn)
-        out = {
-            "k_pages": codes.as_strided(
-                (num_blocks, ps, hkv, d), (block, hkv * d, d, 1), base + off["k_pages"]
-            ),
-            "v_pages": codes.as_strided(
-                (num_blocks, ps, hkv, d), (block, 1, d * ps, ps), base + off["v_pages"]
-            ),
-        }
+        out: dict[str, torch.Tensor] = {}
+        for kv, fmt in (("k", self.k_fp4), ("v", self.v_fp4)):
+            name = f"{kv}_pages"
+            if fmt is None:  # FP8: K head dim fastest, V keys fastest (page_storage)
+                strides = (block, hkv * d, d, 1) if kv == "k" else (block, 1, d * ps, ps)
+                out[name] = codes.as_strided((num_blocks, ps, hkv, d), strides, base + off[name])
+                continue
+            # 4-bit: token-major rows of packed codes and of block scales (fp4_page_storage)
+            half, nb = d // 2, d // fmt.block_size
+            out[name] = buffer.view(torch.uint8).as_strided(
+                (num_blocks, ps, hkv, half), (block, hkv * half, half, 1), base + off[name]
+            )
+            isz = fmt.scale_dtype.itemsize
+            out[f"{kv}_block_scales"] = buffer.view(fmt.scale_dtype).as_strided(
+                (num_blocks, ps, hkv, nb),
+                (block // isz, hkv * nb, nb, 1),
+                (base + off[f"{kv}_block_scales"]) // isz,
+            )
         if ng:
             f32 = buffer.view(torch.float32)
             for name in ("k_group_scales", "v_group_scales"):
@@ -171,25 +214,34 @@ class BlockLayout:
 def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLayout:
     """The :class:`BlockLayout` of a patched model's layer specs (checked to be uniform).
 
+    FP8 formats lay out FP8 pages (and their group scales or first tokens); the 4-bit
+    formats (``nvfp4``, ``mxfp4``, ``fp8-k-nvfp4-v``) their packed codes and block scales.
+
     Raises:
-        UnsupportedModelError: layers of different KV heads, head dims or granularities,
-            or layers that share K/V.
+        UnsupportedModelError: layers of different KV heads, head dims or formats (a
+            per-layer map mixing formats among them), or layers that share K/V.
     """
     first = specs[0]
     keys = {(s.num_kv_heads, s.head_dim, s.scheme, s.group_size, s.first_tokens) for s in specs}
     if len(keys) != 1 or any(s.kv_reused for s in specs):
-        raise UnsupportedModelError(
-            f"{first.name}: kvquant's continuous-batching cache needs every layer to have the same "
-            "KV heads, head dim and scale format, and no layer attending over another's K/V; "
-            f"this model's layers differ ({len(keys)} kinds). Fix: run generate() per request "
-            "(the FP8 cache serves it), or handle.remove() for transformers' own batching."
+        kinds = sorted({f"{s.granularity} Hkv={s.num_kv_heads} D={s.head_dim}" for s in specs})
+        reused = [s.name for s in specs if s.kv_reused]
+        found = (
+            [f"its layers differ ({len(keys)} kinds: {'; '.join(kinds)})"] if len(keys) > 1 else []
         )
-    if issubclass(first.scheme, Fp4Scales):
+        found += [f"later layers attend over the K/V of {', '.join(reused)}"] if reused else []
         raise UnsupportedModelError(
-            f"{first.name}: kvquant's continuous-batching cache lays out FP8 pages; the model "
-            f"is patched with the 4-bit format {first.granularity!r}. Fix: run generate() per "
-            "request (the 4-bit cache serves it), or patch with kv_format='fp8' for batching."
+            f"{first.name}: kvquant's continuous-batching cache lays every layer out alike in "
+            f"one block; in this model {' and '.join(found)}. Expected every layer with the "
+            "same KV heads, head dim and KV format (group size and first tokens included), "
+            "none attending over another's K/V. Fix: run generate() per request (kvquant's "
+            "cache serves it), patch every layer with one kv_format, or handle.remove() for "
+            "transformers' own batching."
         )
+    k_fp4: Fp4Format | None = None
+    v_fp4: Fp4Format | None = None
+    if issubclass(first.scheme, Fp4Scales):  # global scales stay with each layer's storage
+        k_fp4, v_fp4 = first.scheme.k_format, first.scheme.v_format
     return BlockLayout(
         num_layers=len(specs),
         page_size=page_size,
@@ -200,4 +252,6 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
         side_dtype=dtype
         if dtype in (torch.float32, torch.float16, torch.bfloat16)
         else torch.float32,
+        k_fp4=k_fp4,
+        v_fp4=v_fp4,
     )

@@ -65,7 +65,8 @@ def release(cache_obj: Any) -> None:
 
 
 class BatchingStorage:
-    """The FP8 pages of one batching cache: one flat buffer, one :class:`PagedLayerStorage` view per layer.
+    """The pages of one batching cache (FP8 or 4-bit): one flat buffer, one :class:`PagedLayerStorage`
+    view per layer.
 
     Args:
         buffer: flat uint8 tensor of ``num_blocks`` blocks of ``layout``.
@@ -143,7 +144,7 @@ class BatchingStorage:
     def write(
         self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> LayerStep:
-        """Store the step's new K/V ``[1, Hkv, T, D]`` of ``layer_idx`` in FP8; the layer's step.
+        """Store the step's new K/V ``[1, Hkv, T, D]`` of ``layer_idx`` in its pages; the layer's step.
 
         Raises:
             BatchingError: no plan for this forward, or one for another number of tokens.
@@ -210,7 +211,7 @@ class LayerStep:
         if dropout and module.training:
             raise UnsupportedModelError(
                 f"layer {self.layer_idx}: attention dropout {dropout} in training mode under "
-                "continuous batching; kvquant's FP8 cache is for inference. Fix: model.eval()."
+                "continuous batching; kvquant's quantized cache is for inference. Fix: model.eval()."
             )
         plan = self.plan
         q4 = query.transpose(1, 2)  # [1, T, Hq, D]
@@ -282,11 +283,12 @@ def plan_blocks(
     logits_to_keep: bool = False,
     page_ids_per_block: int = 1,
 ) -> tuple[int, int]:
-    """``(max_batch_tokens, blocks)`` of a kvquant batching cache: what the budget buys in FP8.
+    """``(max_batch_tokens, blocks)`` of a kvquant batching cache: what the budget buys in its
+    format (FP8, or 4-bit codes and block scales: ``layout.bytes_per_block``).
 
     With ``cb_config.num_blocks`` the budget is that many blocks in the model's
-    ``dtype`` (transformers' bytes for them), and the cache gets the FP8 blocks
-    those bytes hold. Without it, the budget is the device's free memory times
+    ``dtype`` (transformers' bytes for them), and the cache gets the blocks of
+    ``layout`` those bytes hold. Without it, the budget is the device's free memory times
     ``max_memory_percent`` (as transformers measures it), less what a step of
     ``max_batch_tokens`` tokens needs (the larger of the LM head's and the
     attention's activations, and the step's index tensors) and transformers' two
@@ -322,7 +324,7 @@ def plan_blocks(
         source = f"{available} bytes free ({percent:.0%} of the device's free memory)"
     if blocks < 1:
         raise CacheCapacityError(
-            f"kvquant's continuous-batching cache: {source} hold no FP8 block of "
+            f"kvquant's continuous-batching cache: {source} hold no {layout.pages_name} block of "
             f"{layout.page_size} tokens ({per_block} bytes for {layout.num_layers} layers). "
             "Fix: a larger num_blocks or max_memory_percent, a smaller max_batch_tokens or "
             "page size in the ContinuousBatchingConfig, or free device memory."

@@ -76,7 +76,7 @@ def paged_attention_forward(
     """kvquant's attention under transformers 5.17's continuous batching (``"paged|kvquant"``).
 
     transformers 5.17 hands the batching cache to a ``paged|`` attention function,
-    which stores the new K/V itself: this one stores them in FP8 and attends.
+    which stores the new K/V itself: this one stores them in kvquant's pages (FP8 or 4-bit) and attends.
 
     Raises:
         UnsupportedModelError: called without kvquant's batching cache.
@@ -85,7 +85,7 @@ def paged_attention_forward(
     if not is_batching_cache(cache_obj):
         raise UnsupportedModelError(
             f"{PAGED_NAME!r} is kvquant's attention for transformers' continuous batching over "
-            f"its FP8 cache; it got {type(cache_obj).__name__}. Fix: leave the attention "
+            f"its quantized cache; it got {type(cache_obj).__name__}. Fix: leave the attention "
             "implementation to kvquant.patch (it switches it for the batching run only)."
         )
     step = cache_obj.kvq.write(int(getattr(module, "layer_idx", -1)), key, value)
@@ -193,7 +193,7 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
         raise OptionError(
             f"{name}: ContinuousBatchingConfig(cpu_offload_space={cb_config.cpu_offload_space}); "
             "on transformers 5.17 the CPU swap pool copies caches in the model's dtype, not "
-            "kvquant's FP8 blocks. Fix: cpu_offload_space=0 (requests that do not fit are "
+            "kvquant's quantized blocks. Fix: cpu_offload_space=0 (requests that do not fit are "
             "recomputed), or transformers 5.24."
         )
     nf = max(s.first_tokens for s in specs)
@@ -330,7 +330,7 @@ def _fix_for(error: BaseException | None, texts: list[str]) -> str:
             "a smaller max_memory_percent, num_blocks or max_batch_tokens in the "
             "ContinuousBatchingConfig"
         )
-    return "see the error chained below; generate() per request runs the same FP8 cache"
+    return "see the error chained below; generate() per request runs the same quantized cache"
 
 
 def _release_frames(error: BaseException | None) -> None:
@@ -357,7 +357,7 @@ def _failure(failed: dict[str, str], fatal: BaseException | None, output: Any) -
     more = f" ({len(failed)} requests failed)" if len(failed) > 1 else ""
     cause = f" ({type(fatal).__name__}: {fatal})" if fatal is not None and not first else ""
     err = BatchingError(
-        f"continuous batching on kvquant's FP8 cache: {what}{cause}{more}. Fix: "
+        f"continuous batching on kvquant's cache: {what}{cause}{more}. Fix: "
         f"{_fix_for(fatal, list(failed.values()))}."
     )
     err.output = output  # type: ignore[attr-defined]
@@ -398,7 +398,7 @@ class _GenerateBatch(_Bound):
         own = sum(1 for rid in results if "__child#" not in rid)
         if own < len(inputs):
             raise BatchingError(
-                f"continuous batching on kvquant's FP8 cache: {len(inputs) - own} of "
+                f"continuous batching on kvquant's cache: {len(inputs) - own} of "
                 f"{len(inputs)} requests came back without a result (the batching thread "
                 f"stopped). Fix: {_fix_for(None, [])}."
             )
@@ -489,7 +489,7 @@ class BatchingHooks:
             if manager.is_running():
                 _logger.warning(
                     "kvquant: handle.remove() stops a continuous-batching manager still running "
-                    "on kvquant's FP8 cache (its unfinished requests fail)."
+                    "on kvquant's cache (its unfinished requests fail)."
                 )
                 manager.stop(block=True, timeout=10, hard_stop=True)
         kept = model.__dict__.get("_cached_continuous_batching_manager")
@@ -516,7 +516,7 @@ def _hooks_of(state: Any) -> BatchingHooks | None:
 
 
 def install(model: nn.Module, state: Any) -> BatchingHooks:
-    """Make the patched ``model``'s continuous batching run on kvquant's FP8 pages.
+    """Make the patched ``model``'s continuous batching run on kvquant's pages (FP8 or 4-bit).
 
     Called by :func:`kvquant.patch` after its own hooks; what it installs is listed
     in the module docstring. Nothing process-wide changes until the model's first
