@@ -1,9 +1,10 @@
 """The :class:`Producer` base: what every checkpoint producer says about its KV scales.
 
 A subclass (one file each) declares names read and written, how its config is
-detected, its KV scheme, findings, whether its weights are quantized, the
-granularities and stored shapes it supports, and the configs it writes; the
-base holds what is the same for all. Developer notes: ``docs/dev/checkpoint.md``.
+detected, its KV scheme (and findings about its own vocabulary in it), findings, whether
+its weights are quantized, the granularities and stored shapes it supports, and the configs
+it writes; the base holds what is the same for all.
+Developer notes: ``docs/dev/checkpoint.md``.
 """
 
 from __future__ import annotations
@@ -196,6 +197,12 @@ class Producer:
     ) -> dict[str, Any] | None:
         """The KV scheme its configs declare, flattened into one dict (None: none declared)."""
         return None
+
+    def kv_scheme_findings(self, scheme: Mapping[str, Any]) -> list[Finding]:
+        """Findings about its own vocabulary in the :meth:`kv_scheme` it declared (none by
+        default), after the generic FP8 checks of
+        :func:`~kvquant.checkpoint.scheme.scheme_findings`."""
+        return []
 
     def scale_facts(
         self, family: str, qcfg: Mapping[str, Any] | None
