@@ -2,8 +2,8 @@
 
 A subclass (one file each) declares names read and written, how its config is
 detected, its KV scheme (and findings about its own vocabulary in it), findings, whether
-its weights are quantized, the granularities and stored shapes it supports, and the configs
-it writes; the base holds what is the same for all.
+its weights are quantized, the granularities and stored shapes it supports, its 4-bit
+(NVFP4) layout, and the configs it writes; the base holds what is the same for all.
 Developer notes: ``docs/dev/checkpoint.md``.
 """
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvquant.checkpoint.fp4_formats import Fp4Producer
 from kvquant.errors import ConventionError, ScaleFormatError
 from kvquant.schemes import PerHeadScales, PerTensorScales, StaticScales, scheme_class
 from kvquant.types import ScaleKind
@@ -131,6 +132,8 @@ class Producer:
             :class:`~kvquant.KVQuantConfig` (loaded by kvquant's own quantizer).
         write_options: the :func:`~kvquant.testing.checkpoints.write_checkpoint`
             options only this producer takes.
+        fp4: its NVFP4 KV global-scale layout (convention and tensor names), read by
+            :mod:`kvquant.registry.fp4`; None when it writes no 4-bit KV checkpoints.
     """
 
     name: ClassVar[str]
@@ -148,6 +151,7 @@ class Producer:
     hugging_face: ClassVar[bool] = True
     kvquant_config: ClassVar[bool] = False
     write_options: ClassVar[frozenset[str]] = frozenset()
+    fp4: ClassVar[Fp4Producer | None] = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
