@@ -1,7 +1,11 @@
-"""A checkpoint's declared 4-bit KV formats: ModelOpt's ``kv_cache_quant_algo`` and layer map.
+"""A checkpoint's 4-bit KV layout: the global-scale conventions, a producer's declaration of
+its NVFP4 tensors, and ModelOpt's ``kv_cache_quant_algo`` and layer map.
 
-Read by the ModelOpt producer (:meth:`~kvquant.checkpoint.producers.Producer.kv_formats`);
-:mod:`kvquant.registry.fp4` re-exports both functions beside the global-scale conventions.
+:data:`CONVENTIONS` is the one table of what a stored global-scale number means; a producer
+declares its own layout (:class:`Fp4Producer`: convention and tensor names) as its
+:attr:`~kvquant.checkpoint.producers.Producer.fp4` attribute, in its own file. The ModelOpt
+producer reads its format map here (:meth:`~kvquant.checkpoint.producers.Producer.kv_formats`).
+:mod:`kvquant.registry.fp4` re-exports all of it beside the normalization.
 Sources: docs/dev/fp4-formats.md.
 """
 
@@ -9,10 +13,82 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from kvquant.errors import ScaleFormatError
+import torch
 
-__all__ = ["kv_formats_by_layer", "kv_formats_per_layer"]
+from kvquant.errors import ConventionError, ScaleFormatError
+from kvquant.kernels.fp4 import E2M1_MAX, E4M3_MAX
+
+__all__ = [
+    "CONVENTIONS",
+    "Fp4Producer",
+    "GlobalScaleConvention",
+    "kv_formats_by_layer",
+    "kv_formats_per_layer",
+]
+
+
+@dataclass(frozen=True)
+class GlobalScaleConvention:
+    """What a stored global-scale number means: ``g = stored * factor`` or ``factor / stored``.
+
+    Attributes:
+        name: the stored number in terms of the calibrated amax, e.g. ``"amax/448"``.
+        factor: the constant relating it to the canonical ``amax / (6 * 448)``.
+        reciprocal: the stored number is a quantization multiplier (``g = factor / stored``).
+    """
+
+    name: str
+    factor: float
+    reciprocal: bool = False
+
+    def canonical(self, stored: torch.Tensor) -> torch.Tensor:
+        """The canonical ``g`` (float64) of stored values (float64)."""
+        return self.factor / stored if self.reciprocal else stored * self.factor
+
+
+CONVENTIONS: dict[str, GlobalScaleConvention] = {
+    c.name: c
+    for c in (
+        GlobalScaleConvention("amax/(6*448)", 1.0),
+        GlobalScaleConvention("amax/448", 1.0 / E2M1_MAX),
+        GlobalScaleConvention("amax/6", 1.0 / E4M3_MAX),
+        GlobalScaleConvention("(6*448)/amax", 1.0, reciprocal=True),
+    )
+}
+"""The known global-scale conventions, by the number they store."""
+
+
+@dataclass(frozen=True)
+class Fp4Producer:
+    """One producer's 4-bit KV checkpoint layout (a producer's ``fp4`` attribute).
+
+    Attributes:
+        name: the producer (the name discovery reports).
+        convention: a key of :data:`CONVENTIONS`.
+        k_names: K global-scale tensor names, relative to the layer (``model.layers.N``).
+        v_names: the V names.
+        confirmed: whether the convention was read in the producer's code (else from its
+            description only; docs/dev/fp4-formats.md says which).
+
+    Raises:
+        ConventionError: a convention that is not a key of :data:`CONVENTIONS`.
+    """
+
+    name: str
+    convention: str
+    k_names: tuple[str, ...]
+    v_names: tuple[str, ...]
+    confirmed: bool = True
+
+    def __post_init__(self) -> None:
+        if self.convention not in CONVENTIONS:
+            raise ConventionError(
+                f"{self.name}: global-scale convention {self.convention!r} is not known; "
+                f"expected one of {sorted(CONVENTIONS)}. Fix: declare one of those."
+            )
+
 
 _ALGOS = {"FP8": ("fp8", "fp8"), "NVFP4": ("nvfp4", "nvfp4"), "FP8_K_NVFP4_V": ("fp8", "nvfp4")}
 

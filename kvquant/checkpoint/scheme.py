@@ -1,9 +1,10 @@
 """Findings about what a checkpoint's configs declare: its KV scheme, and FP8 weights.
 
-Only FP8 (e4m3), symmetric, static ``tensor`` / ``attn_head`` / ``per_tensor``
-KV schemes are judged here; anything else is an error finding, unless the producer read it
-as a 4-bit declaration (:meth:`~kvquant.checkpoint.producers.Producer.kv_formats`), which
-discovery then passes over.
+Only FP8 (e4m3), symmetric, static ``tensor`` / ``attn_head`` KV schemes are judged here;
+anything else is an error finding, unless the producer read it as a 4-bit declaration
+(:meth:`~kvquant.checkpoint.producers.Producer.kv_formats`), which discovery then passes over.
+A producer judges its own vocabulary (Quark's ``qscheme``: ``per_tensor`` only) in
+:meth:`~kvquant.checkpoint.producers.Producer.kv_scheme_findings`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvquant.checkpoint.findings import Finding
-from kvquant.checkpoint.producers import NO_PRODUCER, Producer
+from kvquant.checkpoint.producers import NO_PRODUCER, Producer, reported
 
 __all__ = ["FP8_DTYPES", "scheme_findings", "weight_findings"]
 
@@ -24,7 +25,8 @@ def scheme_findings(producer: str, scheme: Mapping[str, Any] | None) -> list[Fin
     """Findings about a declared KV scheme (:meth:`~kvquant.checkpoint.producers.Producer.kv_scheme`).
 
     Args:
-        producer: the producer's name, for the messages.
+        producer: the producer's name, for the messages; its own findings follow
+            (:meth:`~kvquant.checkpoint.producers.Producer.kv_scheme_findings`).
         scheme: the flattened scheme, or None (no findings).
     """
     found: list[Finding] = []
@@ -91,16 +93,9 @@ def scheme_findings(producer: str, scheme: Mapping[str, Any] | None) -> list[Fin
         found.append(
             Finding("info", "kv-scheme", f"{producer} kv_cache_scheme strategy={strategy!r}.")
         )
-    qscheme = scheme.get("qscheme")
-    if qscheme is not None and str(qscheme) != "per_tensor":
-        found.append(
-            Finding(
-                "error",
-                "kv-scheme-unsupported",
-                f"the quark KV scheme has qscheme={qscheme!r}; kvquant understands per_tensor "
-                "output scales. Fix: export per_tensor KV scales.",
-            )
-        )
+    owner = reported(producer)
+    if owner is not None:
+        found.extend(owner.kv_scheme_findings(scheme))
     return found
 
 

@@ -3,7 +3,8 @@
 kvquant's canonical NVFP4 global scale is an fp32 dequantization multiplier ``g = amax / (6 *
 448)`` (``x = (e2m1 * block_scale) * g``, :mod:`kvquant.kernels.fp4`). Producers store other
 numbers under other names; :data:`CONVENTIONS` is the one table of what a stored number means
-and :data:`PRODUCERS` says which convention and tensor names each producer uses.
+and each producer declares its convention and tensor names in its own file
+(:attr:`~kvquant.checkpoint.producers.Producer.fp4`; :data:`PRODUCERS` collects them).
 :func:`normalize_fp4_global_scale` turns one layer's tensor into ``g`` or raises
 :class:`~kvquant.errors.ScaleFormatError` naming the layer, tensor, what was found, what was
 expected and the fix; :func:`kv_formats_by_layer` (from :mod:`kvquant.checkpoint.fp4_formats`)
@@ -18,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvquant.checkpoint.fp4_formats import kv_formats_by_layer, kv_formats_per_layer
+from kvquant.checkpoint.fp4_formats import (
+    CONVENTIONS,
+    Fp4Producer,
+    GlobalScaleConvention,
+    kv_formats_by_layer,
+    kv_formats_per_layer,
+)
+from kvquant.checkpoint.producers import fp4_layout, fp4_layouts
 from kvquant.errors import ConventionError, ScaleFormatError
 from kvquant.kernels.fp4 import E2M1_MAX, E4M3_MAX, NVFP4, Fp4Format
 from kvquant.registry.policy import MAX_SCALE, MIN_SCALE
@@ -41,88 +49,11 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class GlobalScaleConvention:
-    """What a stored global-scale number means: ``g = stored * factor`` or ``factor / stored``.
-
-    Attributes:
-        name: the stored number in terms of the calibrated amax, e.g. ``"amax/448"``.
-        factor: the constant relating it to the canonical ``amax / (6 * 448)``.
-        reciprocal: the stored number is a quantization multiplier (``g = factor / stored``).
-    """
-
-    name: str
-    factor: float
-    reciprocal: bool = False
-
-    def canonical(self, stored: torch.Tensor) -> torch.Tensor:
-        """The canonical ``g`` (float64) of stored values (float64)."""
-        return self.factor / stored if self.reciprocal else stored * self.factor
-
-
 _CANONICAL = E2M1_MAX * E4M3_MAX  # 2688
 
-CONVENTIONS: dict[str, GlobalScaleConvention] = {
-    c.name: c
-    for c in (
-        GlobalScaleConvention("amax/(6*448)", 1.0),
-        GlobalScaleConvention("amax/448", 1.0 / E2M1_MAX),
-        GlobalScaleConvention("amax/6", 1.0 / E4M3_MAX),
-        GlobalScaleConvention("(6*448)/amax", 1.0, reciprocal=True),
-    )
-}
-"""The known global-scale conventions, by the number they store."""
-
-
-@dataclass(frozen=True)
-class Fp4Producer:
-    """One producer's 4-bit KV checkpoint layout.
-
-    Attributes:
-        name: the producer.
-        convention: a key of :data:`CONVENTIONS`.
-        k_names: K global-scale tensor names, relative to the layer (``model.layers.N``).
-        v_names: the V names.
-        confirmed: whether the convention was read in the producer's code (else from its
-            description only; docs/dev/fp4-formats.md says which).
-    """
-
-    name: str
-    convention: str
-    k_names: tuple[str, ...]
-    v_names: tuple[str, ...]
-    confirmed: bool = True
-
-
-PRODUCERS: dict[str, Fp4Producer] = {
-    p.name: p
-    for p in (
-        Fp4Producer(
-            "modelopt", "amax/(6*448)", ("self_attn.k_proj.k_scale",), ("self_attn.v_proj.v_scale",)
-        ),
-        Fp4Producer(
-            "compressed-tensors",
-            "(6*448)/amax",
-            ("self_attn.k_global_scale",),
-            ("self_attn.v_global_scale",),
-        ),
-        Fp4Producer(
-            "auto-round",
-            "amax/(6*448)",
-            ("self_attn.k_global_scale",),
-            ("self_attn.v_global_scale",),
-            confirmed=False,
-        ),
-        Fp4Producer(
-            "tensorrt-llm",
-            "amax/448",
-            ("self_attn.k_proj.k_scale",),
-            ("self_attn.v_proj.v_scale",),
-            confirmed=False,
-        ),
-    )
-}
-"""Producers of NVFP4 KV checkpoints: convention and tensor names."""
+PRODUCERS: dict[str, Fp4Producer] = fp4_layouts()
+"""Producers of NVFP4 KV checkpoints: convention and tensor names, by producer, collected from
+what each declares in its own file (:attr:`~kvquant.checkpoint.producers.Producer.fp4`)."""
 
 
 @dataclass(frozen=True)
@@ -150,19 +81,21 @@ class Fp4GlobalScale:
 
 
 def _producer(producer: str, convention: str | None) -> tuple[Fp4Producer, GlobalScaleConvention]:
-    if producer not in PRODUCERS:
+    layout = fp4_layout(producer)
+    if layout is None:
         raise ConventionError(
-            f"4-bit KV producer {producer!r} is not known; expected one of {sorted(PRODUCERS)}. "
-            "Fix: name the producer that wrote the checkpoint, or pass convention= with one of "
-            f"{sorted(CONVENTIONS)} and the producer whose tensor names it uses."
+            f"4-bit KV producer {producer!r} is not known; expected one of "
+            f"{sorted(fp4_layouts())}. Fix: name the producer that wrote the checkpoint, or pass "
+            f"convention= with one of {sorted(CONVENTIONS)} and the producer whose tensor names "
+            "it uses."
         )
-    name = convention if convention is not None else PRODUCERS[producer].convention
+    name = convention if convention is not None else layout.convention
     if name not in CONVENTIONS:
         raise ConventionError(
             f"global-scale convention {name!r} is not known; expected one of "
             f"{sorted(CONVENTIONS)}. Fix: pass the number the checkpoint stores, e.g. 'amax/448'."
         )
-    return PRODUCERS[producer], CONVENTIONS[name]
+    return layout, CONVENTIONS[name]
 
 
 def _find(
@@ -228,7 +161,8 @@ def normalize_fp4_global_scale(
     """One layer's K or V NVFP4 global scale in kvquant's canonical meaning.
 
     Args:
-        producer: a key of :data:`PRODUCERS` (decided from the checkpoint's config).
+        producer: a producer with a 4-bit layout (a key of :data:`PRODUCERS`; decided from
+            the checkpoint's config).
         tensors: the checkpoint's tensors by full name (e.g. ``model.layers.3.self_attn...``).
         layer: the layer's prefix, e.g. ``"model.layers.3"``.
         cache: ``"k"`` or ``"v"``.
@@ -316,12 +250,13 @@ def resolve_fp4_layers(
             (:func:`normalize_fp4_global_scale`), or a producer whose convention is not
             confirmed without ``convention``.
     """
-    prod = PRODUCERS.get(producer)
+    prod = fp4_layout(producer)
     if prod is not None and not prod.confirmed and convention is None:
+        confirmed = ", ".join(p.name for p in fp4_layouts().values() if p.confirmed)
         raise ScaleFormatError(
             f"the checkpoint's NVFP4 KV global scales were written by {producer}, whose stored "
             "number was not confirmed in its code; expected a producer with a confirmed "
-            f"convention ({', '.join(p.name for p in PRODUCERS.values() if p.confirmed)}). "
+            f"convention ({confirmed}). "
             "Fix: pass the convention the checkpoint uses (one of "
             f"{sorted(CONVENTIONS)}) to resolve_fp4_layers(convention=...)."
         )

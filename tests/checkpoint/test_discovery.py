@@ -141,6 +141,31 @@ def test_quark_default_merges_k_and_v(tmp_path: Path) -> None:
     assert "quark-post-rope" in {f.code for f in post.findings}
 
 
+def test_quark_qscheme_other_than_per_tensor_is_refused(tmp_path: Path) -> None:
+    """Quark's own vocabulary (its ``qscheme``) is judged by the Quark producer's hook."""
+    from kvquant.checkpoint.producers import quark_config
+    from kvquant.report import inspect_checkpoint
+
+    kvc = quark_config(post_rope=False)["kv_cache_quant_config"]
+    for entry in kvc.values():
+        entry["output_tensors"]["qscheme"] = "per_channel"
+    path = write_checkpoint(
+        tmp_path / "q",
+        convention="quark",
+        weights="none",
+        quant_config_updates={"kv_cache_quant_config": kvc},
+    )
+    found = discover_scales(path)
+    assert found.producer == "quark" and found.kv_scheme["qscheme"] == "per_channel"
+    (finding,) = [f for f in found.findings if f.code == "kv-scheme-unsupported"]
+    assert finding.severity == "error"
+    assert "qscheme='per_channel'" in finding.message and "Fix:" in finding.message
+    assert not inspect_checkpoint(path).ok
+    plain = discover_scales(write_checkpoint(tmp_path / "p", convention="quark", weights="none"))
+    assert plain.kv_scheme["qscheme"] == "per_tensor"
+    assert "kv-scheme-unsupported" not in {f.code for f in plain.findings}
+
+
 def test_no_scales_is_a_note_not_an_error(tmp_path: Path) -> None:
     found = discover_scales(write_checkpoint(tmp_path / "n", convention="none", weights="none"))
     assert found.producer == "none"

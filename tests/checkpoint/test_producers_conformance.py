@@ -46,6 +46,23 @@ def test_the_registry_names_each_convention_once() -> None:
         )
 
 
+def test_each_4bit_layout_is_declared_by_its_own_producer() -> None:
+    """A producer's NVFP4 layout (``fp4``) names that producer; the 4-bit-only ones are never
+    decided by discovery, and the 4-bit registry reads exactly what the producers declare."""
+    from kvquant.checkpoint.producers import FOUR_BIT_ONLY, fp4_layout
+    from kvquant.registry import fp4
+
+    declared = [p for p in (*PRODUCERS, *FOUR_BIT_ONLY) if p.fp4 is not None]
+    for producer in declared:
+        assert producer.fp4 is not None and producer.fp4.name == producer.producer
+        assert fp4_layout(producer.producer) is producer.fp4
+        assert fp4.PRODUCERS[producer.producer] is producer.fp4
+    assert set(fp4.PRODUCERS) == {p.producer for p in declared}
+    for producer in FOUR_BIT_ONLY:
+        assert producer not in PRODUCERS and reported(producer.producer) is None
+        assert not producer.writable and not producer.owns_names
+
+
 @pytest.mark.parametrize(("producer", "granularity"), CASES)
 def test_write_discover_round_trip(producer: Producer, granularity: str, tmp_path: Path) -> None:
     path = producer_checkpoint(

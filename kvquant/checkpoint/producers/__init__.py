@@ -2,7 +2,8 @@
 
 :data:`PRODUCERS` lists them in the order discovery asks them; writers take the
 conventions of :data:`PRODUCER_CONVENTIONS`; ``tests/checkpoint/test_producers_conformance.py``
-round-trips every registered one. Developer notes: ``docs/dev/checkpoint.md``.
+round-trips every registered one. :data:`FOUR_BIT_ONLY` lists the producers known only for
+their 4-bit layout (discovery never decides them); :func:`fp4_layout` gives any producer's. Developer notes: ``docs/dev/checkpoint.md``.
 
 Example:
     >>> from kvquant.checkpoint.producers import scale_tensor_name, stored_scale
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kvquant.checkpoint.fp4_formats import Fp4Producer
+from kvquant.checkpoint.producers.auto_round import AutoRound
 from kvquant.checkpoint.producers.base import Naming, Producer, ScaleShape
 from kvquant.checkpoint.producers.compressed_tensors import (
     CompressedTensors,
@@ -51,6 +54,7 @@ from kvquant.schemes import StaticScales
 
 __all__ = [
     "CONVENTION_SPECS",
+    "FOUR_BIT_ONLY",
     "KV_TRANSFORM_FILE",
     "KV_TRANSFORM_FORMAT",
     "KV_TRANSFORM_KEYS",
@@ -60,6 +64,7 @@ __all__ = [
     "NO_PRODUCER",
     "PRODUCERS",
     "PRODUCER_CONVENTIONS",
+    "AutoRound",
     "CompressedTensors",
     "KVQuant",
     "LegacyKvScale",
@@ -75,6 +80,8 @@ __all__ = [
     "config_producer",
     "convention_of",
     "detect_producer",
+    "fp4_layout",
+    "fp4_layouts",
     "k_offset_tensor_name",
     "kv_transform_config",
     "modelopt_hf_quant_config",
@@ -100,6 +107,10 @@ PRODUCERS: tuple[Producer, ...] = (
     KVQuant(),
 )
 """Every producer convention kvquant knows, in the order discovery asks them."""
+
+FOUR_BIT_ONLY: tuple[Producer, ...] = (AutoRound(),)
+"""Producers known only for their 4-bit layout (:attr:`Producer.fp4`): discovery never
+decides them, so they are not in :data:`PRODUCERS`."""
 
 NO_PRODUCER = "none"
 """The producer discovery reports for a checkpoint with no KV scales and no producer config."""
@@ -143,6 +154,26 @@ def producer_for(convention: str) -> Producer:
 def reported(name: str) -> Producer | None:
     """The producer discovery reports as ``name`` (None for :data:`NO_PRODUCER` and unknown names)."""
     return next((p for p in PRODUCERS if p.producer == name), None)
+
+
+def fp4_layouts() -> dict[str, Fp4Producer]:
+    """The 4-bit layout each producer declares (:attr:`Producer.fp4`), by reported name.
+
+    Returns:
+        A new dict, in registry order (:data:`PRODUCERS`, then :data:`FOUR_BIT_ONLY`); the
+        producers without 4-bit support are left out.
+    """
+    out: dict[str, Fp4Producer] = {}
+    for p in (*PRODUCERS, *FOUR_BIT_ONLY):
+        if p.fp4 is not None:
+            out.setdefault(p.producer, p.fp4)
+    return out
+
+
+def fp4_layout(name: str) -> Fp4Producer | None:
+    """The 4-bit layout of the producer reported as ``name`` (None: it declares none, or the
+    name is not a producer's)."""
+    return fp4_layouts().get(name)
 
 
 def detect_producer(

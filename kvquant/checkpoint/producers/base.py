@@ -1,9 +1,10 @@
 """The :class:`Producer` base: what every checkpoint producer says about its KV scales.
 
 A subclass (one file each) declares names read and written, how its config is
-detected, its KV scheme, findings, whether its weights are quantized, the
-granularities and stored shapes it supports, and the configs it writes; the
-base holds what is the same for all. Developer notes: ``docs/dev/checkpoint.md``.
+detected, its KV scheme (and findings about its own vocabulary in it), findings, whether
+its weights are quantized, the granularities and stored shapes it supports, its 4-bit
+(NVFP4) layout, and the configs it writes; the base holds what is the same for all.
+Developer notes: ``docs/dev/checkpoint.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvquant.checkpoint.fp4_formats import Fp4Producer
 from kvquant.errors import ConventionError, ScaleFormatError
 from kvquant.schemes import PerHeadScales, PerTensorScales, StaticScales, scheme_class
 from kvquant.types import ScaleKind
@@ -130,6 +132,8 @@ class Producer:
             :class:`~kvquant.KVQuantConfig` (loaded by kvquant's own quantizer).
         write_options: the :func:`~kvquant.testing.checkpoints.write_checkpoint`
             options only this producer takes.
+        fp4: its NVFP4 KV global-scale layout (convention and tensor names), read by
+            :mod:`kvquant.registry.fp4`; None when it writes no 4-bit KV checkpoints.
     """
 
     name: ClassVar[str]
@@ -147,6 +151,7 @@ class Producer:
     hugging_face: ClassVar[bool] = True
     kvquant_config: ClassVar[bool] = False
     write_options: ClassVar[frozenset[str]] = frozenset()
+    fp4: ClassVar[Fp4Producer | None] = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -196,6 +201,12 @@ class Producer:
     ) -> dict[str, Any] | None:
         """The KV scheme its configs declare, flattened into one dict (None: none declared)."""
         return None
+
+    def kv_scheme_findings(self, scheme: Mapping[str, Any]) -> list[Finding]:
+        """Findings about its own vocabulary in the :meth:`kv_scheme` it declared (none by
+        default), after the generic FP8 checks of
+        :func:`~kvquant.checkpoint.scheme.scheme_findings`."""
+        return []
 
     def scale_facts(
         self, family: str, qcfg: Mapping[str, Any] | None

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint.findings import Finding
+from kvquant.checkpoint.fp4_formats import Fp4Producer
 from kvquant.checkpoint.producers.base import (
     GLOBAL_SCALE,
     OUTPUT_SCALE,
@@ -189,6 +190,13 @@ class CompressedTensors(Producer):
     per_tensor_shape = ScaleShape.ONE
     per_head = True
     keeps_weights = True
+    # llm-compressor's NVFP4 KV: k/v_global_scale, fp32 (1,), a quantization multiplier
+    fp4 = Fp4Producer(
+        name,
+        "(6*448)/amax",
+        (GLOBAL_SCALE.suffixes["k"],),
+        (GLOBAL_SCALE.suffixes["v"],),
+    )
 
     def kv_scheme(
         self, qcfg: Mapping[str, Any] | None, hf_quant: Mapping[str, Any] | None

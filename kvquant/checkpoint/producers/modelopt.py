@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvquant.checkpoint.findings import Finding
-from kvquant.checkpoint.fp4_formats import kv_formats_per_layer
+from kvquant.checkpoint.fp4_formats import Fp4Producer, kv_formats_per_layer
 from kvquant.checkpoint.producers.base import Naming, Producer, ScaleShape
 
 __all__ = [
@@ -115,6 +115,8 @@ class ModelOpt(Producer):
     per_tensor_shape = ScaleShape.SCALAR
     keeps_weights = True
     write_options = frozenset({"fp8_weights"})
+    # NVFP4 KV: the FP8 names, fp32 () or [Hkv], holding the dequantization multiplier itself
+    fp4 = Fp4Producer(name, "amax/(6*448)", (names.suffixes["k"],), (names.suffixes["v"],))
 
     def detect_side_config(self, hf_quant: Mapping[str, Any]) -> bool:
         producer = hf_quant.get("producer")

@@ -137,6 +137,19 @@ class Quark(Producer):
         out["kv_cache_post_rope"] = _post_rope(qcfg)
         return out
 
+    def kv_scheme_findings(self, scheme: Mapping[str, Any]) -> list[Finding]:
+        qscheme = scheme.get("qscheme")
+        if qscheme is None or str(qscheme) == "per_tensor":
+            return []
+        return [
+            Finding(
+                "error",
+                "kv-scheme-unsupported",
+                f"the quark KV scheme has qscheme={qscheme!r}; kvquant understands per_tensor "
+                "output scales. Fix: export per_tensor KV scales.",
+            )
+        ]
+
     def scale_facts(
         self, family: str, qcfg: Mapping[str, Any] | None
     ) -> tuple[bool, bool, tuple[str, ...]]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvquant.checkpoint.fp4_formats import Fp4Producer
 from kvquant.checkpoint.producers.base import Naming, Producer, ScaleShape
 
 __all__ = ["TensorRTLLM"]
@@ -25,6 +26,15 @@ class TensorRTLLM(Producer):
     per_tensor_shape = ScaleShape.ONE
     writable = False
     hugging_face = False
+    # NVFP4 KV under ModelOpt's names, read as amax/448 (the number its loader says it
+    # requests): not confirmed, docs/dev/fp4-formats.md
+    fp4 = Fp4Producer(
+        name,
+        "amax/448",
+        ("self_attn.k_proj.k_scale",),
+        ("self_attn.v_proj.v_scale",),
+        confirmed=False,
+    )
 
     def scale_facts(
         self, family: str, qcfg: Mapping[str, Any] | None
