@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from hf_kt import biased_llama, k_transform_scales
-from hf_tiny import VOCAB, build
+from hf_tiny import _COMMON, VOCAB, build
 
 import kvquant.integrations.hf as kvhf
 from kvquant.cache import PagedLayerStorage
@@ -82,13 +82,34 @@ def coarse_k_transform(model: Any) -> dict[str, Any]:
     return scales
 
 
+FOUR_BIT = ("nvfp4", "mxfp4", "fp8-k-nvfp4-v")
+"""The 4-bit formats (their own tests: test_hf_continuous_batching_fp4.py)."""
+
+
+def tiny(seed: int = 0) -> Any:
+    """A tiny random Llama with head_dim 32 (one MXFP4 block, two NVFP4 blocks), fp32, eval."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON, head_dim=32))
+    return model.eval()
+
+
 def models(fmt: str, device: str = "cpu") -> tuple[Any, Any, Any]:
     """(patched model, its handle, the same model unpatched) on ``device``: the torch reference
     backend on CPU; on CUDA the Triton kernels, and eager decode steps for ``generate`` (no
-    decode graph: the batch runs the same kernels eagerly)."""
+    decode graph: the batch runs the same kernels eagerly). The 4-bit formats patch
+    :func:`tiny` with ``kv_format`` (``fp8-k-nvfp4-v`` takes the unit FP8 K scale: the tiny
+    model's checkpoint has none)."""
     opts: dict[str, Any] = (
         {"backend": "torch"} if device == "cpu" else {"backend": "auto", "cuda_graphs": False}
     )
+    if fmt in FOUR_BIT:
+        model, ref = tiny().to(device), tiny().to(device)
+        unit = {"missing_scales": "unit"} if fmt == "fp8-k-nvfp4-v" else {}
+        handle = kvhf.patch(model, kv_format=fmt, **unit, **opts)
+        assert all(s.granularity == fmt for s in handle.state.layer_specs)
+        return model, handle, ref
     if fmt == "k-transform":
         model, ref = biased_llama(), biased_llama()
         scales = coarse_k_transform(model)
@@ -249,8 +270,9 @@ def test_requests_arriving_while_others_decode(fmt: str) -> None:
     assert_fp8_visible(got, [alone(ref, p, max_new_tokens=n) for p, n in budgets.values()])
 
 
-def test_eos_mid_batch_stops_each_request_where_its_generate_stops() -> None:
-    model, _, _ = models("per-head")
+@pytest.mark.parametrize("fmt", ["per-head", "nvfp4"])
+def test_eos_mid_batch_stops_each_request_where_its_generate_stops(fmt: str) -> None:
+    model, _, _ = models(fmt)
     reqs = prompts(seed=11)
     free = tokens([alone(model, ids) for ids in reqs])
     # an id that first appears mid-way in one request and never in another
@@ -270,6 +292,7 @@ def test_eos_mid_batch_stops_each_request_where_its_generate_stops() -> None:
     assert_same(got, [alone(model, ids, eos_token_id=eos) for ids in reqs])
     lengths = [len(t) for t in tokens(got)]
     assert stop in lengths and NEW in lengths  # one stopped mid-way, another ran to the end
+    assert continuous.live_caches() == []
 
 
 def test_sampling_with_a_seed() -> None:

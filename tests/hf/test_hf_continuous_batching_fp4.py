@@ -17,6 +17,7 @@ import pytest
 import torch
 from hf_tiny import _COMMON
 from test_hf_continuous_batching import (
+    FOUR_BIT,
     NEW,
     Run,
     WriteCount,
@@ -27,8 +28,10 @@ from test_hf_continuous_batching import (
     assert_same,
     cb_config,
     gen_config,
+    models,
     prompts,
     run_of,
+    tiny,
     tokens,
 )
 
@@ -52,31 +55,9 @@ from kvquant.schemes import (
 
 transformers = pytest.importorskip("transformers")
 
-FORMATS = ("nvfp4", "mxfp4", "fp8-k-nvfp4-v")
+FORMATS = FOUR_BIT
 SIDES = {"nvfp4": (NVFP4, NVFP4), "mxfp4": (MXFP4, MXFP4), "fp8-k-nvfp4-v": (None, NVFP4)}
 """Each format's K and V page formats (None: FP8)."""
-
-
-def tiny(seed: int = 0) -> Any:
-    """A tiny random Llama with head_dim 32 (one MXFP4 block, two NVFP4 blocks), fp32, eval."""
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON, head_dim=32))
-    return model.eval()
-
-
-def models(fmt: str, device: str = "cpu") -> tuple[Any, Any, Any]:
-    """(patched model, its handle, the same model unpatched) on ``device``; ``fp8-k-nvfp4-v``
-    takes the unit FP8 K scale (the tiny model's checkpoint has none). The torch backend on
-    CPU; on CUDA the Triton kernels, and eager decode steps for ``generate``."""
-    model, ref = tiny().to(device), tiny().to(device)
-    extra: dict[str, Any] = {"missing_scales": "unit"} if fmt == "fp8-k-nvfp4-v" else {}
-    if device == "cpu":
-        extra["backend"] = "torch"
-    else:
-        extra["cuda_graphs"] = False
-    handle = kvhf.patch(model, kv_format=fmt, **extra)
-    assert all(s.granularity == fmt for s in handle.state.layer_specs)
-    return model, handle, ref
 
 
 # ---------------------------------------------------------------------- the batch equals generate
@@ -161,30 +142,6 @@ def test_requests_finishing_early_and_arriving_while_others_decode(fmt: str) -> 
     assert [len(t) for t in tokens(got)] == [16, 5, 11]
     assert_same(got, [alone(model, p, max_new_tokens=n) for p, n in budgets.values()])
     assert_fp8_visible(got, [alone(ref, p, max_new_tokens=n) for p, n in budgets.values()])
-    assert continuous.live_caches() == []
-
-
-def test_eos_mid_batch_stops_each_request_where_its_generate_stops() -> None:
-    model, _, _ = models("nvfp4")
-    reqs = prompts(seed=11)
-    free = tokens([alone(model, ids) for ids in reqs])
-    # an id that first appears mid-way in one request and never in another
-    eos, stop = next(
-        (t, p + 1)
-        for r in free
-        for p, t in enumerate(r)
-        if 3 <= p < NEW - 2 and t not in r[:p] and any(t not in other for other in free)
-    )
-    out = model.generate_batch(
-        reqs,
-        generation_config=gen_config(eos_token_id=eos),
-        continuous_batching_config=cb_config(),
-        warmup=False,
-    )
-    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
-    assert_same(got, [alone(model, ids, eos_token_id=eos) for ids in reqs])
-    lengths = [len(t) for t in tokens(got)]
-    assert stop in lengths and NEW in lengths  # one stopped mid-way, another ran to the end
     assert continuous.live_caches() == []
 
 
