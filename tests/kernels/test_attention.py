@@ -363,3 +363,18 @@ def test_prefill_tiles_follow_the_rows() -> None:
     assert choose_config(2048, 4, 64).BLOCK_M == 128
     assert choose_config(2048, 4, 128, group_dequant=True).BLOCK_M == 128
     assert choose_config(2048, 4, 256).BLOCK_M == 64
+
+
+def test_four_bit_decode_tiles_follow_the_format() -> None:
+    """4-bit decode: 32-key tiles on one warp with an MXFP4 or an FP8 side, 64 keys on 2 warps
+    for NVFP4 on both sides and for FP8 (the H200 sweep of docs/dev/fp4-formats.md)."""
+    tiles = {f: choose_config(1, 4, 128, fp4=f) for f in ((0, 0), (1, 1), (2, 2), (0, 1))}
+    assert [(t.BLOCK_N, t.num_warps) for t in tiles.values()] == [
+        (64, 2),
+        (64, 2),
+        (32, 1),
+        (32, 1),
+    ]
+    assert choose_config(1, 4, 256, fp4=(2, 2)).BLOCK_N == 32
+    assert choose_config(1, 4, 256, fp4=(2, 2)).num_warps == 4  # head_dim 256 keeps its tiles
+    assert choose_config(64, 4, 128, fp4=(2, 2)) == choose_config(64, 4, 128)  # prefill

@@ -153,7 +153,12 @@ def _decode_residency(args: list[Any], consts: dict[str, Any], device: torch.dev
 
 
 def _tiles(
-    query: torch.Tensor, group: int, ng: int, group_scales: bool, config: Mapping[str, Any]
+    query: torch.Tensor,
+    group: int,
+    ng: int,
+    group_scales: bool,
+    config: Mapping[str, Any],
+    fp4: tuple[int, int] = (0, 0),
 ) -> tuple[Tiles, bool]:
     """The launch's tiles and whether decode folds the group scales (``config`` overrides)."""
     lq, d = query.shape[1], query.shape[3]
@@ -173,7 +178,12 @@ def _tiles(
         fold_wanted = triton.next_power_of_2(lq * group) * ng <= FOLD_MAX_ROWS
     fold = group_scales and is_decode(lq, group) and fold_wanted
     tiles = choose_config(
-        lq, group, d, group_dequant=group_scales and not fold, fold_groups=ng if fold else 0
+        lq,
+        group,
+        d,
+        group_dequant=group_scales and not fold,
+        fold_groups=ng if fold else 0,
+        fp4=fp4,
     )
     return tiles.replace(config), fold
 
@@ -373,7 +383,7 @@ def attention_launch(
         one = torch.ones((), dtype=torch.float32, device=query.device)
     opt = _options(query, pages, scheme, mask, first, sm_scale, k_fp4, v_fp4, one)
     ng = pages.k_scales.shape[-1] if group_scales and pages.k_scales is not None else 1
-    tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config)
+    tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config, (k_fp4, v_fp4))
     n_qblocks = triton.cdiv(lq, tiles.QPB)
     consts = _constexprs(query, k_pages, v_pages, tiles, fold, opt, config)
     if num_splits is None:

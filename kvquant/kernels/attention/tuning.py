@@ -68,7 +68,13 @@ def is_decode(lq: int, group: int) -> bool:
 
 
 def choose_config(
-    lq: int, group: int, head_dim: int, *, group_dequant: bool = False, fold_groups: int = 0
+    lq: int,
+    group: int,
+    head_dim: int,
+    *,
+    group_dequant: bool = False,
+    fold_groups: int = 0,
+    fp4: tuple[int, int] = (0, 0),
 ) -> Tiles:
     """Tile configuration for a problem: ``BLOCK_M``, ``QPB``, ``BLOCK_N``, warps, stages.
 
@@ -80,6 +86,7 @@ def choose_config(
             scales the kernel does not fold).
         fold_groups: fp32 group scales per head folded into the scores and probabilities
             (decode; the tile holds that many copies of each query row), or 0.
+        fp4: the K and V sides' 4-bit codes (0 FP8, 1 NVFP4, 2 MXFP4).
 
     Returns:
         The :class:`Tiles`.
@@ -90,6 +97,10 @@ def choose_config(
         # LOOP_STAGES - 3 prefetch buffers; the register-heavy dequantizing variants keep none.
         if head_dim > 128:
             block_n, warps, loop_stages = 32, 4, 3 if group_dequant else 5
+        elif any(fp4) and fp4 != (1, 1):
+            # MXFP4 or FP8 K beside 4-bit V: 32-key tiles on one warp beat the 64-key tiles
+            # on 2 (NVFP4 on both sides: the reverse; docs/dev/fp4-formats.md, decode cost)
+            block_n, warps, loop_stages = 32, 1, 6
         else:
             # 64-key tiles on 2 warps beat 128-key tiles on 4 (docs/dev/kernels.md, tuning)
             block_n, warps, loop_stages = 64, 2, 3 if group_dequant else 6
