@@ -771,10 +771,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + FOUR_BIT)
 def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
-    """CUDA, Triton kernels: the batch's paged launches and the lone request's decode steps run
-    the same kernels on the same pages (fp32 model, so that the projections round alike)."""
+    """CUDA, Triton kernels: the batch's paged launches over the block views and the lone
+    request's decode steps over its own pages (FP8 or 4-bit) run the same kernels (fp32 model,
+    so that the projections round alike); no batching cache outlives the call."""
     model, _, ref = models(fmt, "cuda")
     reqs = prompts()
     out = model.generate_batch(
@@ -783,6 +784,7 @@ def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
     got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
     assert_same(got, [alone(model, ids) for ids in reqs])
     assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
+    assert continuous.live_caches() == []
 
 
 @pytest.mark.gpu

@@ -411,25 +411,3 @@ def test_layout_for_refuses_layers_of_one_format_but_other_geometries() -> None:
     specs[0] = replace(specs[0], kv_reused=True)
     with pytest.raises(UnsupportedModelError, match=r"later layers attend over the K/V of model"):
         layout_for(specs, 16, torch.float32)
-
-
-# ---------------------------------------------------------------------- GPU (Triton kernels)
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
-    """CUDA, Triton kernels: the batch's paged launches over the block views and the lone
-    request's decode steps over its own 4-bit pages run the same kernels (fp32 model)."""
-    model, _, ref = models(fmt, "cuda")
-    reqs = prompts()
-    out = model.generate_batch(
-        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
-    )
-    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
-    assert_same(got, [alone(model, ids) for ids in reqs])
-    assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
-    assert continuous.live_caches() == []
