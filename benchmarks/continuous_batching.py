@@ -225,15 +225,22 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         generation_config=gen, continuous_batching_config=config
     )
     manager.start()
+    cut = False
     try:
         warm = [(prompt[:64], 4) for prompt, _ in reqs[:4]]
         run_mode(manager, warm, "warmup", args, device)
         cache = manager.batch_processor.cache
         row["cache_blocks"] = int(cache.num_blocks)
         row["cache_tokens"] = int(cache.num_blocks) * sizing["page"]
-        row["modes"] = [run_mode(manager, reqs, mode, args, device) for mode in args.modes]
+        row["modes"] = []
+        for mode in args.modes:
+            row["modes"].append(run_mode(manager, reqs, mode, args, device))
+            cut = cut or row["modes"][-1]["finished"] < len(reqs)
     finally:
-        manager.stop(block=True, timeout=30)
+        # A run cut by --timeout fails its unfinished requests: a flushing stop would wait for
+        # them all (its 30 s join, then transformers' thread errors out for want of its batch
+        # processor).
+        manager.stop(block=True, timeout=30, hard_stop=cut)
     return row
 
 
