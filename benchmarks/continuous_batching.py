@@ -20,10 +20,15 @@ its defaults for the arm (pages of 256 tokens; the flash arm may use CUDA graphs
 
 Per arm and mode (JSON): wall time from the first request added to the last
 result; output tokens/s (generated tokens / wall time); time to first token per
-request (its first token's timestamp minus the time it was added): median and
-p95; the most requests in flight (active in the scheduler, sampled every 10 ms);
-peak memory (``torch.cuda.max_memory_allocated`` since the mode began); the
-cache's blocks and token slots.
+request (its first token's timestamp minus the time it was added), median and p95,
+over every request added, finished or not: a run stopped by ``--timeout`` bounds a
+request with no first token yet from below (the stop minus the time it was added),
+and a median or p95 that such a bound could precede is reported as a lower bound
+(``ttft_median_s_at_least``; ``censored_ttft``); ``ttft_finished_only_*`` are the
+figures over finished requests of earlier results. Also the most requests in flight
+(active in the scheduler, sampled every 10 ms); peak memory
+(``torch.cuda.max_memory_allocated`` since the mode began); the cache's blocks and
+token slots.
 
 Arms (one process each, ``--arm`` runs one; without it the script runs each arm
 in a child process and writes one JSON):
@@ -129,12 +134,155 @@ class InFlight:
         return self.peak
 
 
+class FirstTokens:
+    """Every request state transformers' scheduler takes in, kept to read first tokens at the end.
+
+    A request reaches the scheduler through ``add_waiting_request`` when it arrives, and again
+    when it comes back after an eviction: the same state from CPU offloading, or a new one when
+    it is recomputed (a "soft reset": the new state's ``created_time`` and timestamps restart).
+    Each state keeps its token timestamps (``record_timestamps=True``), so a request's first
+    token is the earliest over its states and its creation time the earliest ``created_time``,
+    whether it finished or not. One list append per state taken in, nothing per token.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self.states: dict[str, list[Any]] = {}
+        self.note: str | None = None
+        scheduler: Any = getattr(getattr(manager, "batch_processor", None), "scheduler", None)
+        take = getattr(scheduler, "add_waiting_request", None)
+        if take is None:
+            self.note = (
+                "transformers' scheduler has no add_waiting_request: time to first token "
+                "over finished requests only"
+            )
+            return
+
+        def keep(state: Any) -> Any:
+            self.states.setdefault(state.request_id, []).append(state)
+            return take(state)
+
+        scheduler.add_waiting_request = keep
+
+    def first_token(self, request_id: str) -> tuple[float | None, float | None]:
+        """(creation time, first token's time) of a request; None where not seen."""
+        states = list(self.states.get(request_id, ()))
+        if not states:
+            return None, None
+        created = min(s.created_time for s in states)
+        firsts = [ts[0] for s in states if (ts := s.timestamps)]
+        return created, min(firsts) if firsts else None
+
+
+def order_statistic(
+    observed: list[float], bounds: list[float], k: int
+) -> tuple[float, bool] | None:
+    """The ``k``-th smallest (from 1) of observed values and censored ones, each censored value
+    known only to exceed its bound: ``(value, True)`` when known exactly, else ``(lower bound,
+    False)``; None when there are fewer than ``k`` values.
+
+    Exact when at least ``k`` values are observed and the ``k``-th smallest of them is at most
+    every bound: every censored value is then larger, so the ``k`` smallest are all observed.
+    Otherwise a censored value may or may not come before it; replacing each censored value by
+    its bound lowers every order statistic, so the ``k``-th smallest of values and bounds
+    together is a lower bound.
+    """
+    if not 1 <= k <= len(observed) + len(bounds):
+        return None
+    seen = sorted(observed)
+    if k <= len(seen) and (not bounds or seen[k - 1] <= min(bounds)):
+        return seen[k - 1], True
+    return sorted(seen + list(bounds))[k - 1], False
+
+
+def censored_ttft(observed: list[float], bounds: list[float]) -> dict[str, Any]:
+    """Median and p95 of the time to first token over every request: ``observed`` for those that
+    got a first token, ``bounds`` (stop time minus creation time) for those that had none when
+    the run stopped. ``ttft_median_s`` / ``ttft_p95_s`` where known exactly, else
+    ``ttft_median_s_at_least`` / ``ttft_p95_s_at_least``; the median of an even count is the mean
+    of the two middle values (as ``statistics.median``), the p95 the ``ceil(0.95 n)``-th value.
+    """
+    n = len(observed) + len(bounds)
+    out: dict[str, Any] = {"ttft_requests": n, "first_tokens": len(observed)}
+    if n == 0:
+        return out
+    middle = [(n + 1) // 2] if n % 2 else [n // 2, n // 2 + 1]
+    ranks = {"ttft_median_s": middle, "ttft_p95_s": [max(1, math.ceil(0.95 * n))]}
+    for key, ks in ranks.items():
+        parts = [order_statistic(observed, bounds, k) for k in ks]
+        values = [p for p in parts if p is not None]
+        exact = all(e for _, e in values)
+        out[key if exact else f"{key}_at_least"] = sum(v for v, _ in values) / len(values)
+    return out
+
+
+def ttft_fields(
+    tracker: FirstTokens | None, added: dict[str, float], stop: float, results: dict[str, Any]
+) -> dict[str, Any]:
+    """The mode's time-to-first-token fields: over every request added before ``stop``
+    (:func:`censored_ttft`), and the earlier figures over finished requests only."""
+    finished = sorted(r.timestamps[0] - r.created_time for r in results.values() if r.timestamps)
+    out: dict[str, Any] = {
+        "ttft_finished_only_median_s": statistics.median(finished) if finished else None,
+        "ttft_finished_only_p95_s": finished[
+            min(len(finished) - 1, math.ceil(0.95 * len(finished)) - 1)
+        ]
+        if finished
+        else None,
+    }
+    if tracker is None or tracker.note is not None:
+        out["ttft_note"] = tracker.note if tracker is not None else "no first-token tracker"
+        return out
+    observed, bounds = [], []
+    for rid, added_at in added.items():
+        created, first = tracker.first_token(rid)
+        created = added_at if created is None else created
+        if first is not None:
+            observed.append(first - created)
+        else:
+            bounds.append(stop - created)
+    out.update(censored_ttft(observed, bounds))
+    return out
+
+
+def _submit(
+    manager: Any,
+    ids: list[str],
+    reqs: list[tuple[list[int], int]],
+    mode: str,
+    args: argparse.Namespace,
+    added: dict[str, float],
+) -> threading.Thread | None:
+    """Add the mode's requests (all now, or a feeder thread's Poisson arrivals); ``added`` gets
+    each request's time just after it was added."""
+
+    def add(rid: str, prompt: list[int], new: int) -> None:
+        manager.add_request(prompt, request_id=rid, max_new_tokens=new, record_timestamps=True)
+        added[rid] = time.perf_counter()
+
+    if mode != "stream":
+        for rid, (prompt, new) in zip(ids, reqs, strict=True):
+            add(rid, prompt, new)
+        return None
+    rng = random.Random(args.seed + 1)
+
+    def feed() -> None:
+        for rid, (prompt, new) in zip(ids, reqs, strict=True):
+            time.sleep(rng.expovariate(args.rate))
+            add(rid, prompt, new)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    return feeder
+
+
 def run_mode(
     manager: Any,
     reqs: list[tuple[list[int], int]],
     mode: str,
     args: argparse.Namespace,
     device: torch.device,
+    tracker: FirstTokens | None = None,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """Serve ``reqs`` once (``burst`` or ``stream``); the measurements of the mode."""
     if device.type == "cuda":
@@ -142,46 +290,31 @@ def run_mode(
         torch.cuda.reset_peak_memory_stats()
     ids = [f"{mode}_{i}" for i in range(len(reqs))]
     sampler = InFlight(manager)
+    added: dict[str, float] = {}
     start = time.perf_counter()
-    if mode == "burst":
-        for rid, (prompt, new) in zip(ids, reqs, strict=True):
-            manager.add_request(prompt, request_id=rid, max_new_tokens=new, record_timestamps=True)
-        feeder = None
-    else:
-        rng = random.Random(args.seed + 1)
-
-        def feed() -> None:
-            for rid, (prompt, new) in zip(ids, reqs, strict=True):
-                time.sleep(rng.expovariate(args.rate))
-                manager.add_request(
-                    prompt, request_id=rid, max_new_tokens=new, record_timestamps=True
-                )
-
-        feeder = threading.Thread(target=feed, daemon=True)
-        feeder.start()
+    feeder = _submit(manager, ids, reqs, mode, args, added)
     results: dict[str, Any] = {}
-    deadline = start + args.timeout
+    deadline = start + (args.timeout if timeout is None else timeout)
     while len(results) < len(reqs) and time.perf_counter() < deadline:
         result = manager.get_result(timeout=1.0)
         if result is not None and result.is_finished():
             results[result.request_id] = result
-    wall = time.perf_counter() - start
+    stop = time.perf_counter()
+    ttft = ttft_fields(tracker, dict(added), stop, results)
+    wall = stop - start
     if feeder is not None:
         feeder.join(timeout=5)
     peak_in_flight = sampler.close()
-    failed = [r.request_id for r in results.values() if r.error is not None]
     generated = sum(len(r.generated_tokens) for r in results.values())
-    ttft = sorted(r.timestamps[0] - r.created_time for r in results.values() if r.timestamps)
     out: dict[str, Any] = {
         "mode": mode,
         "requests": len(reqs),
         "finished": len(results),
-        "failed": failed,
+        "failed": [r.request_id for r in results.values() if r.error is not None],
         "wall_s": wall,
         "generated_tokens": generated,
         "output_tokens_per_s": generated / wall if wall > 0 else None,
-        "ttft_median_s": statistics.median(ttft) if ttft else None,
-        "ttft_p95_s": ttft[min(len(ttft) - 1, math.ceil(0.95 * len(ttft)) - 1)] if ttft else None,
+        **ttft,
         "max_in_flight": peak_in_flight,
     }
     if len(results) < len(reqs):
@@ -225,15 +358,23 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         generation_config=gen, continuous_batching_config=config
     )
     manager.start()
+    cut = False
     try:
         warm = [(prompt[:64], 4) for prompt, _ in reqs[:4]]
-        run_mode(manager, warm, "warmup", args, device)
+        run_mode(manager, warm, "warmup", args, device, timeout=max(args.timeout, 60.0))
         cache = manager.batch_processor.cache
         row["cache_blocks"] = int(cache.num_blocks)
         row["cache_tokens"] = int(cache.num_blocks) * sizing["page"]
-        row["modes"] = [run_mode(manager, reqs, mode, args, device) for mode in args.modes]
+        tracker = FirstTokens(manager)  # after the warmup: the batch processor exists
+        row["modes"] = []
+        for mode in args.modes:
+            row["modes"].append(run_mode(manager, reqs, mode, args, device, tracker))
+            cut = cut or row["modes"][-1]["finished"] < len(reqs)
     finally:
-        manager.stop(block=True, timeout=30)
+        # A run cut by --timeout fails its unfinished requests: a flushing stop would wait for
+        # them all (its 30 s join, then transformers' thread errors out for want of its batch
+        # processor).
+        manager.stop(block=True, timeout=30, hard_stop=cut)
     return row
 
 
@@ -262,6 +403,26 @@ def _flash_installed() -> bool:
     return bool(is_flash_attn_2_available())
 
 
+def ttft_ratios(mine: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """Median time to first token of a mode against the reference's, over every request:
+    ``ttft_median_x`` where both are known, ``ttft_median_x_at_most`` where the reference's is
+    only a lower bound, ``ttft_median_x_at_least`` where this mode's is; and
+    ``ttft_finished_only_median_x``, over finished requests (the figure of earlier results)."""
+    out: dict[str, float] = {}
+    a, b = mine.get("ttft_median_s"), ref.get("ttft_median_s")
+    a_low, b_low = mine.get("ttft_median_s_at_least"), ref.get("ttft_median_s_at_least")
+    if a is not None and b is not None:
+        out["ttft_median_x"] = a / max(1e-9, b)
+    elif a is not None and b_low is not None:
+        out["ttft_median_x_at_most"] = a / max(1e-9, b_low)
+    elif a_low is not None and b is not None:
+        out["ttft_median_x_at_least"] = a_low / max(1e-9, b)
+    fa, fb = mine.get("ttft_finished_only_median_s"), ref.get("ttft_finished_only_median_s")
+    if fa is not None and fb is not None:
+        out["ttft_finished_only_median_x"] = fa / max(1e-9, fb)
+    return out
+
+
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """kvquant arms against the bf16 SDPA arm, per mode: the issue's targets as ratios."""
     base = next((r for r in rows if r.get("arm") == "sdpa" and "modes" in r), None)
@@ -277,8 +438,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "in_flight_x": mine["max_in_flight"] / max(1, ref["max_in_flight"]),
                 "tokens_per_s_x": (mine["output_tokens_per_s"] or 0)
                 / max(1e-9, ref["output_tokens_per_s"] or 0),
-                "ttft_median_x": (mine["ttft_median_s"] or 0)
-                / max(1e-9, ref["ttft_median_s"] or 0),
+                **ttft_ratios(mine, ref),
             }
             if "output_tokens_per_s_at_most" in ref and "output_tokens_per_s_at_most" not in mine:
                 # the reference was cut: this ratio holds whatever it would have reached
@@ -358,12 +518,22 @@ def main(argv: list[str] | None = None) -> int:
         for mode in row.get("modes", []):
             print(
                 f"  {row['arm']:>17} {mode['mode']:>6}: {mode['output_tokens_per_s'] or 0:9.1f} tok/s"
-                f"  ttft p50 {mode['ttft_median_s'] or 0:7.3f} s  p95 {mode['ttft_p95_s'] or 0:7.3f} s"
+                f"  ttft p50 {_shown(mode, 'ttft_median_s')} s  p95 {_shown(mode, 'ttft_p95_s')} s"
+                f" ({mode.get('first_tokens', '?')} first tokens)"
                 f"  in flight {mode['max_in_flight']:4d}  peak {mode.get('peak_memory_bytes', 0) / 2**30:6.2f} GiB"
             )
         if "error" in row or "skipped" in row:
             print(f"  {row['arm']:>17}: {row.get('error') or row.get('skipped')}")
     return 0
+
+
+def _shown(mode: dict[str, Any], key: str) -> str:
+    """A figure of a mode for the summary line: ``>=`` before a lower bound."""
+    if mode.get(key) is not None:
+        return f"{mode[key]:7.3f}"
+    if mode.get(f"{key}_at_least") is not None:
+        return f">={mode[f'{key}_at_least']:.3f}".rjust(7)
+    return "      -"
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
