@@ -172,3 +172,45 @@ def test_checkpoint_scales_and_odd_head_dims_are_refused_before_any_change() -> 
     with pytest.raises(OptionError, match=r"power-of-two head_dim >= 16.*head_dim is 24"):
         kvquant.patch(odd, k_rotation="hadamard", backend="torch")
     assert _state(odd) == before
+
+
+def test_static_decode_step_equals_the_ordinary_step() -> None:
+    """``cuda_graphs=True`` on CPU: the graph runner's static step (its flattened scheme holds
+    the rotation) gives the ordinary step's logits bit for bit."""
+    ids, mask = prompt(batch=2, length=12, pad=(3, 0), seed=2)
+    cont = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    got = {}
+    for graphs in (False, True):
+        model = biased_llama()
+        handle = kvhf.patch(
+            model, group_size=32, k_rotation="hadamard", backend="torch", page_size=4,
+            cuda_graphs=graphs,
+        )  # fmt: skip
+        got[graphs], _ = step_logits(model, ids, mask, cont, cache=None)
+        if graphs:
+            assert handle.state.graph_runner.stats.static_eager > 0
+    assert torch.equal(got[True], got[False])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [32, 64])
+def test_cuda_graphs_and_compiled_step_on_gpu(group: int) -> None:
+    """Triton kernels on CUDA: the eager step, the decode graph and the compiled decode graph
+    against simulated rotated rounding (bf16 model)."""
+    ids, mask = prompt(batch=3, length=40, pad=(5, 0, 9))
+    cont = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(5))
+    model = biased_llama().to(device="cuda", dtype=torch.bfloat16)
+    ids, mask, cont = ids.cuda(), mask.cuda(), cont.cuda()
+    want, _ = step_logits(model, ids, mask, cont, cache=None)
+    got = {}
+    for graphs, compiled in ((False, False), (True, False), (True, None)):
+        handle = kvhf.patch(
+            model, group_size=group, k_rotation="hadamard", cuda_graphs=graphs,
+            compile_step=compiled,
+        )  # fmt: skip
+        got[(graphs, compiled)], _ = step_logits(model, ids, mask, cont, cache=None)
+        handle.remove()
+    eager = got[(False, False)]
+    assert min_cosine(eager, want) >= 0.995
+    assert min_cosine(got[(True, False)], eager) >= 0.9999
+    assert min_cosine(got[(True, None)], eager) >= 0.999
