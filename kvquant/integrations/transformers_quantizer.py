@@ -242,7 +242,7 @@ class KVQuantizer(HfQuantizer):
             find_attention_sites,
             model_geometry,
         )
-        from kvquant.integrations.hf.scale_source import checkpoint_scales, resolve
+        from kvquant.integrations.hf.scale_source import checkpoint_scales, layer_specs, resolve
 
         check_supported(model)
         sites = find_attention_sites(model)
@@ -286,7 +286,10 @@ class KVQuantizer(HfQuantizer):
             source = f"checkpoint {found.path}"
         opts = cfg.options(source)
         layer_kv_formats(opts.kv_format, len(sites), "KVQuantConfig")  # before the weights load
-        self._resolved = (opts, geometry, resolve(raw, geometry, opts, ctx), raw, ctx)
+        model_scales = resolve(raw, geometry, opts, ctx)
+        if opts.k_rotation is not None:  # layers it does not fit: refused before the weights load
+            layer_specs(sites, geometry, model_scales, opts.kv_format, opts.k_rotation)
+        self._resolved = (opts, geometry, model_scales, raw, ctx)
         for r in (*raw, *offsets):
             mod_path, _, attr = r.name.rpartition(".")
             mod = _find_module(model, mod_path)

@@ -214,3 +214,18 @@ def test_cuda_graphs_and_compiled_step_on_gpu(group: int) -> None:
     assert min_cosine(eager, want) >= 0.995
     assert min_cosine(got[(True, False)], eager) >= 0.9999
     assert min_cosine(got[(True, None)], eager) >= 0.999
+
+
+def test_from_pretrained_with_the_option_and_a_saved_patched_model(tmp_path: Any) -> None:
+    """The option loads through ``from_pretrained``; a model patched with it saves it in its
+    config, and loading that folder rotates K again."""
+    biased_llama().save_pretrained(tmp_path / "plain")
+    cfg = KVQuantConfig(group_size=32, k_rotation="hadamard", backend="torch")
+    model = kvhf.from_pretrained(tmp_path / "plain", quantization_config=cfg, dtype=torch.float32)
+    assert all(s.rotation == "hadamard" for s in model._kvquant_state.layer_specs)
+    model.save_pretrained(tmp_path / "patched")
+    saved = json.loads((tmp_path / "patched" / "config.json").read_text())
+    assert saved["quantization_config"]["k_rotation"] == "hadamard"
+    again = kvhf.from_pretrained(tmp_path / "patched", dtype=torch.float32)
+    assert again._kvquant_state.options.k_rotation == "hadamard"
+    assert all(s.rotation == "hadamard" for s in again._kvquant_state.layer_specs)
