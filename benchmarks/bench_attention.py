@@ -5,7 +5,8 @@ Measures, in one run (notes §6 protocol):
 * the card's read bandwidth (a large ``sum``) and copy bandwidth;
 * decode: torch SDPA on a contiguous bf16 cache (``enable_gqa``) and kvquant's
   Triton kernel on an FP8 paged cache (shuffled block table) for each format
-  (per-tensor, per-head, fp32-group G=64 and G=128), achieved bandwidth =
+  (per-tensor, per-head, fp32-group G=64, G=128 and G=32, and ``rotk-group32`` /
+  ``rotk-group64``: fp32-group scales of Hadamard-rotated keys), achieved bandwidth =
   (K/V bytes + scale bytes + block-table bytes) / median time;
 * split-count and tile sweeps on a few decode shapes;
 * prefill/extend: chunk C causal over a paged prefix P vs SDPA (bf16, K/V expanded,
@@ -130,9 +131,13 @@ class Problem:
         return logical[self._inv].contiguous()
 
     def fmt(self, name: str) -> dict[str, Any]:
-        """Pages and scales of one format: per-tensor, per-head, per-head-kt, group64, group128."""
+        """Pages and scales of one format: per-tensor, per-head, per-head-kt, groupG (G = 32,
+        64, 128) and rotk-groupG (K rotated by the Hadamard matrix before its groups)."""
         out: dict[str, Any] = {}
         for which, x in (("k", self.k), ("v", self.v)):
+            if name.startswith("rotk-") and which == "k":
+                out["k_rotation"] = rot = hadamard(self.d, device=x.device)
+                x = x.float() @ rot
             if name == "per-head-kt" and which == "k":
                 # the k-transform format: K rotated by the Hadamard matrix, offset by its mean,
                 # per-head scales; the first token of each sequence kept apart in bf16
@@ -155,7 +160,7 @@ class Problem:
                 pages = self.to_pages(quantize(x, s.view(1, 1, -1, 1)))
                 out[f"{which}_scale"] = s.contiguous()
             else:
-                g = int(name.removeprefix("group"))
+                g = group_size(name)
                 xg = x.float().unflatten(-1, (-1, g))
                 amax = xg.abs().amax(-1)
                 s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
@@ -173,14 +178,18 @@ class Problem:
 
     def scale_bytes(self, name: str) -> int:
         """Bytes of scales read per call."""
-        if name.startswith("group"):
-            g = int(name.removeprefix("group"))
-            return 2 * self.bsz * self.ctx * self.hkv * (self.d // g) * 4
+        if "group" in name:
+            return 2 * self.bsz * self.ctx * self.hkv * (self.d // group_size(name)) * 4
         return 0
 
     def payload_bytes(self, elem: int) -> int:
         """K+V bytes read per call."""
         return 2 * self.bsz * self.ctx * self.hkv * self.d * elem
+
+
+def group_size(name: str) -> int:
+    """``G`` of a group format's name (``group64``, ``rotk-group32``)."""
+    return int(name.removeprefix("rotk-").removeprefix("group"))
 
 
 KT_KEYS = ("k_offset", "k_rotation", "first_k", "first_v", "first_lens")
@@ -198,7 +207,7 @@ def kernel_inputs(f: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
     pages = Pages(f["k_pages"], f["v_pages"], kg, f.get("v_group_scales"))
     scheme: Scheme
     if kg is not None:
-        scheme = GroupScales(head_dim=d, group_size=d // kg.shape[-1])
+        scheme = GroupScales(d, d // kg.shape[-1], f.get("k_rotation"))
     elif any(k in f for k in KT_KEYS):
         scheme = KTransformScales(
             f["k_scale"], f["v_scale"], f.get("k_offset"), f.get("k_rotation"),
@@ -321,6 +330,10 @@ def run_decode(
         del p
 
 
+DECODE_FORMATS = ["per-tensor", "per-head", "group64", "group128", "group32", "rotk-group32"]
+EXTRA_FORMATS = ["per-tensor", "group64", "group32", "rotk-group32", "rotk-group64"]
+"""Formats of the extra decode shapes (9/3/64: G=64 is one group per head, as Llama-3.2-1B's)."""
+PREFILL_FORMATS = ["per-tensor", "group64", "group128", "group32", "rotk-group32"]
 SWEEP_SHAPES = [(1, 32768), (8, 16384), (32, 16384), (8, 1024)]
 PREFILL_SHAPES = [(4, 8192, 2048), (8, 2048, 512), (1, 32768, 4096)]
 
@@ -414,7 +427,7 @@ def run_prefill(results: dict[str, Any], deadline: float) -> None:
         row["sdpa_bf16_ms"] = t
         row["sdpa_bf16_TFLOPs"] = flops / t / 1e9
         del k, v
-        for name in ("per-tensor", "group64", "group128"):
+        for name in PREFILL_FORMATS:
             f = p.fmt(name)
             err = check(p, f, p.q)
             t = bench(lambda f=f: run_kvquant(p, f, p.q))
@@ -424,7 +437,7 @@ def run_prefill(results: dict[str, Any], deadline: float) -> None:
                 "rel_err": err,
                 "ratio_vs_sdpa": row["sdpa_bf16_ms"] / t,
                 "config": dataclasses.asdict(
-                    choose_config(chunk, hq // hkv, d, group_dequant=name != "per-tensor")
+                    choose_config(chunk, hq // hkv, d, group_dequant="group" in name)
                 ),
             }
             del f
@@ -640,7 +653,7 @@ def main() -> None:
         save(results, args.out)
         summarize_kt(results)
         return
-    formats = ["per-tensor", "per-head", "group64", "group128"]
+    formats = DECODE_FORMATS
     main_shapes = [(32, 8, 128, b, c) for b in (1, 8, 32, 64) for c in (1024, 4096, 16384, 32768)]
     extra = [(64, 8, 128, b, c) for b in (1, 8, 32) for c in (4096, 16384)]
     extra += [(9, 3, 64, b, c) for b in (1, 8, 32) for c in (4096, 16384)]
@@ -651,7 +664,7 @@ def main() -> None:
         main_shapes = [(32, 8, 128, 2, 256)]
         extra = [(9, 3, 64, 2, 128)]
     run_decode(main_shapes, formats, results, deadline)
-    run_decode(extra, ["per-tensor", "group64"], results, deadline)
+    run_decode(extra, EXTRA_FORMATS, results, deadline)
     save(results, args.out)
     if not SMOKE:
         run_write(results)
@@ -664,7 +677,7 @@ def main() -> None:
     results["best_read_TBps"] = max(
         [results["bandwidth"]["read_sum_TBps"]]
         + [r["sdpa_bf16_TBps"] for r in results["decode"]]
-        + [r[n]["TBps"] for r in results["decode"] for n in formats if n in r]
+        + [r[n]["TBps"] for r in results["decode"] for n in (*formats, *EXTRA_FORMATS) if n in r]
     )
     results["elapsed_s"] = time.time() - start
     save(results, args.out)
@@ -678,14 +691,12 @@ def summarize(results: dict[str, Any]) -> None:
     print(
         f"\nread probe {results['bandwidth']['read_sum_TBps']:.2f} TB/s, best read {best:.2f} TB/s"
     )
-    print(
-        f"{'shape':<22}{'sdpa ms':>9}"
-        + "".join(f"{n:>22}" for n in ("per-tensor", "per-head", "group64", "group128"))
-    )
+    names = list(dict.fromkeys((*DECODE_FORMATS, *EXTRA_FORMATS)))
+    print(f"{'shape':<22}{'sdpa ms':>9}" + "".join(f"{n:>22}" for n in names))
     for r in results["decode"]:
         line = f"{r['hq']}/{r['hkv']}/{r['d']} B{r['B']} {r['ctx'] // 1024}k".ljust(22)
         line += f"{r['sdpa_bf16_ms']:9.4f}"
-        for n in ("per-tensor", "per-head", "group64", "group128"):
+        for n in names:
             if n in r:
                 x = r[n]
                 line += f"  {x['ms']:.4f} {x['TBps']:.2f} {x['speedup_vs_sdpa']:.2f}x".rjust(22)
@@ -694,15 +705,12 @@ def summarize(results: dict[str, Any]) -> None:
         print(line)
     for r in results["prefill"]:
         line = f"prefill B{r['B']} {r['prefix']}+{r['chunk']}: sdpa {r['sdpa_bf16_ms']:.3f} ms {r['sdpa_bf16_TFLOPs']:.0f} TF/s"
-        for n in ("per-tensor", "group64", "group128"):
+        for n in PREFILL_FORMATS:
             if n in r:
                 line += f" | {n} {r[n]['ms']:.3f} ms {r[n]['TFLOPs']:.0f} TF/s {r[n]['ratio_vs_sdpa']:.2f}x err {r[n]['rel_err']:.1e}"
         print(line)
     errs = [
-        r[n]["rel_err"]
-        for r in results["decode"] + results["prefill"]
-        for n in ("per-tensor", "per-head", "group64", "group128")
-        if n in r
+        r[n]["rel_err"] for r in results["decode"] + results["prefill"] for n in names if n in r
     ]
     worst = max(errs) if errs else math.nan
     print(f"worst rel err {worst:.2e} (tolerance {REL_TOL}); skipped: {results['skipped']}")

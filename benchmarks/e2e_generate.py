@@ -40,6 +40,11 @@ Arms:
 * ``kvquant-nvfp4`` and ``kvquant-mxfp4`` (opt-in, ``--arms`` / ``--capacity-arms``):
   ``kvquant.patch(model, kv_format="nvfp4")`` (or ``"mxfp4"``): 4-bit pages, block scales
   computed as tokens are written, nothing else;
+* ``kvquant-g32``, ``kvquant-rotk32`` and ``kvquant-rotk64`` (opt-in, ``--arms`` /
+  ``--capacity-arms``): the ``kvquant-fp32-group`` arm (no scales) with ``group_size=32``,
+  with ``group_size=32, k_rotation="hadamard"`` (Hadamard-rotated keys) and with
+  ``k_rotation="hadamard"`` alone (G=64): the decode cost of smaller groups and of the
+  rotation against today's default (docs/dev/accuracy-history.md);
 * ``kvquant-rowgroups`` (opt-in, ``--arms`` / ``--capacity-arms``): the
   ``kvquant`` arm with a fixed ``prefill_tokens=16384`` in place of the default
   ``"auto"`` (which chooses the bound per call from the free memory).
@@ -62,6 +67,8 @@ Usage (H200; one process per shape keeps the allocators apart)::
     python benchmarks/e2e_generate.py --shapes b16x8k --out b16x8k.json
     python benchmarks/e2e_generate.py --capacity --budget-gb 24 --out capacity.json
     python benchmarks/e2e_generate.py --tiny --out /tmp/e2e_tiny.json   # CPU smoke run
+    python benchmarks/e2e_generate.py --shapes b16x8k --repeats 3 --out rotk.json \
+        --arms kvquant-fp32-group,kvquant-g32,kvquant-rotk32,kvquant-rotk64
 
 ``benchmarks/plot_e2e.py`` draws the docs' plots from the JSON files.
 Works on transformers 5.17 and 5.24 (it passes no cache object).
@@ -107,9 +114,18 @@ CAPACITY_ARMS = (
     "kvquant-rowgroups",
     "kvquant-nvfp4",
     "kvquant-mxfp4",
+    "kvquant-g32",
+    "kvquant-rotk32",
+    "kvquant-rotk64",
 )
 DEFAULT_CAPACITY_ARMS = ("default", "kvquant", "kvquant-fp32-group")
-OPT_IN_ARMS = ("kvquant-rowgroups", "kvquant-nvfp4", "kvquant-mxfp4")
+GROUP_ARMS: dict[str, dict[str, Any]] = {
+    "kvquant-g32": {"group_size": 32},
+    "kvquant-rotk32": {"group_size": 32, "k_rotation": "hadamard"},
+    "kvquant-rotk64": {"k_rotation": "hadamard"},
+}
+"""The fp32-group arms beside ``kvquant-fp32-group`` (no scales): their patch options."""
+OPT_IN_ARMS = ("kvquant-rowgroups", "kvquant-nvfp4", "kvquant-mxfp4", *GROUP_ARMS)
 """Arms a shape runs only when ``--arms`` names them."""
 ROWGROUP_TOKENS = 16384
 """``prefill_tokens`` of the ``kvquant-rowgroups`` arm."""
@@ -365,6 +381,8 @@ class Arm:
             self.handle = kvquant.patch(self.model, scales=self.scales, compile_step=False, **kw)
         elif self.name == "kvquant-fp32-group":
             self.handle = kvquant.patch(self.model, **kw)
+        elif self.name in GROUP_ARMS:
+            self.handle = kvquant.patch(self.model, **GROUP_ARMS[self.name], **kw)
         elif self.name == "kvquant-eager":
             self.handle = kvquant.patch(self.model, scales=self.scales, cuda_graphs=False, **kw)
         elif self.name in ("kvquant-nvfp4", "kvquant-mxfp4"):

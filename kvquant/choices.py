@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_LAYER",
     "Backend",
     "Choice",
+    "KRotation",
     "KVFormat",
     "KVFormatMap",
     "MissingKV",
@@ -113,6 +114,16 @@ _SIDES = {
 _BLOCKS = {KVFormat.NVFP4: 16, KVFormat.MXFP4: 32}
 """The 4-bit formats' blocks (:data:`kvquant.schemes.NVFP4`'s and ``MXFP4``'s ``block_size``:
 tests/test_schemes.py checks that they agree)."""
+
+
+class KRotation(Choice):
+    """A rotation of K before its fp32 group scales (``kvquant.patch(model, k_rotation=...)``;
+    None: K grouped as the model computes it)."""
+
+    HADAMARD = "hadamard"
+    """The normalised Hadamard matrix (:func:`kvquant.kernels.hadamard`; head_dim a power of two
+    >= 16): K is stored as ``fp8(k @ H / s)``, each group's scale the amax of ``k @ H`` over
+    448, and the query is rotated alike, so scores are unchanged but for rounding."""
 
 
 class MissingScales(Choice):

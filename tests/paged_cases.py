@@ -141,7 +141,8 @@ def build_case(
             cache's layouts (:func:`kvquant.kernels.page_storage`,
             :func:`kvquant.kernels.group_scale_storage`).
         k_transform: None, "biased", "offset", "rotation" or "both" (biased K channels,
-            static scales; the same seed gives the same K, V and query for each).
+            static scales; the same seed gives the same K, V and query for each); with
+            "fp32-group" only "biased" or "rotation" (Hadamard-rotated K, group scales).
         first_lens: first tokens per sequence taken from the side buffer, or None.
         n_first: ``NF``, the side buffer's tokens per row (>= every ``first_lens``).
         first_dtype: dtype of ``first_k`` / ``first_v``.
@@ -195,14 +196,14 @@ def build_case(
     scheme: Scheme
     limit = fp8_max(fp8)
     if granularity == "fp32-group":
-        if k_transform not in (None, "biased"):
-            raise ValueError("a K transform needs static scales, not fp32-group")
+        if k_transform not in (None, "biased", "rotation"):
+            raise ValueError("fp32-group scales take a K rotation, not an offset")
         if contiguous_pages:
             k_gs, v_gs = (torch.empty(num_pages, page, hkv, d // group_size) for _ in "kv")
         else:  # the cache's (head-major) layout
             k_gs, v_gs = (group_scale_storage(num_pages, page, hkv, d // group_size) for _ in "kv")
         group_scales = (k_gs.fill_(float("nan")), v_gs.fill_(float("nan")))
-        scheme = GroupScales(head_dim=d, group_size=group_size)
+        scheme = GroupScales(head_dim=d, group_size=group_size, k_rotation=rotation)
     elif k_transform not in (None, "biased"):  # static scales of the stored (transformed) K
         stored = key if rotation is None else key @ rotation
         stored = stored if offset is None else stored - offset

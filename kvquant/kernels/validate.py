@@ -327,19 +327,20 @@ def check_scheme_tensors(
     """The scheme's tensors (and group scales) against the pages: shapes, device; G or None.
 
     Dtypes and values were checked when the scheme was built; here only what depends on the
-    call: the pages' ``Hkv`` and ``D``, their device, the group scales' layout.
+    call: the pages' ``Hkv`` and ``D``, their device, the group scales' layout; a K rotation
+    (the k-transform's, or fp32-group scales') ``[D, D]`` on the pages' device.
     """
     num_pages, page_size, hkv, d = geometry
+    for name, x, shape, what in (
+        ("k_offset", view.k_offset, (hkv, d), "one offset per KV head and channel"),
+        ("k_rotation", view.k_rotation, (d, d), "an orthonormal [head_dim, head_dim] rotation"),
+    ):
+        if x is not None:
+            check_shape(op, name, x, shape, f"{what}, for the pages' Hkv and D")
+            check_device(op, name, x, device, "k_pages")
     if view.group_size is None:
         for name, s in (("k_scale", view.k_scale), ("v_scale", view.v_scale)):
             _check_static_scale(op, name, require_tensor(op, name, s), hkv, device)
-        for name, x, shape, what in (
-            ("k_offset", view.k_offset, (hkv, d), "one offset per KV head and channel"),
-            ("k_rotation", view.k_rotation, (d, d), "an orthonormal [head_dim, head_dim] rotation"),
-        ):
-            if x is not None:
-                check_shape(op, name, x, shape, f"{what}, for the pages' Hkv and D")
-                check_device(op, name, x, device, "k_pages")
         return None
     kg = require_tensor(op, "k_group_scales", pages.k_scales)
     vg = require_tensor(op, "v_group_scales", pages.v_scales)

@@ -25,7 +25,7 @@ from kvquant.schemes.base import (
     scheme_class,
     scheme_names,
 )
-from kvquant.schemes.checks import ORTHONORMAL_TOL, SCALE_MAX, SCALE_MIN
+from kvquant.schemes.checks import MIN_ROTATED_HEAD_DIM, ORTHONORMAL_TOL, SCALE_MAX, SCALE_MIN
 from kvquant.schemes.fp8 import (
     GroupScales,
     KTransformScales,
@@ -49,6 +49,7 @@ __all__ = [
     "CAUSAL",
     "DYNAMIC_NVFP4_GLOBAL_SCALE",
     "FP4_FORMATS",
+    "MIN_ROTATED_HEAD_DIM",
     "MXFP4",
     "NVFP4",
     "ORTHONORMAL_TOL",

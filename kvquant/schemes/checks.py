@@ -8,6 +8,7 @@ import torch
 from kvquant.errors import ScaleFormatError
 
 __all__ = [
+    "MIN_ROTATED_HEAD_DIM",
     "ORTHONORMAL_TOL",
     "SCALE_FIX",
     "SCALE_MAX",
@@ -15,6 +16,7 @@ __all__ = [
     "TRANSFORM_FIX",
     "check_finite",
     "check_scale_values",
+    "checked_rotation",
     "checked_tensor",
     "fail",
     "host_copy",
@@ -30,6 +32,10 @@ SCALE_MAX = 2.0**100
 
 ORTHONORMAL_TOL = 1e-4
 """Largest ``|R R^T - I|`` element accepted for a K rotation (checked once, at construction)."""
+
+MIN_ROTATED_HEAD_DIM = 16
+"""Smallest head_dim of ``fp32-group`` scales with a K rotation (a power of two: the write kernel
+rotates K in slices of 16 channels)."""
 
 SCALE_FIX = (
     "Fix: normalise scales with kvquant.registry (it returns fp32 [] or [num_kv_heads] "
@@ -93,3 +99,26 @@ def check_finite(scheme: str, label: str, host: torch.Tensor) -> None:
             f"{label} element {index} is {float(flat[index])!r}; expected finite values. "
             f"{TRANSFORM_FIX}",
         )
+
+
+def checked_rotation(scheme: str, rotation: object) -> torch.Tensor:
+    """A K rotation ``[D, D]``: fp32, finite, orthonormal within :data:`ORTHONORMAL_TOL`; the
+    scheme's own contiguous copy."""
+    r = checked_tensor(scheme, "k_rotation", rotation, "[head_dim, head_dim]", TRANSFORM_FIX)
+    if r.dim() != 2 or r.shape[0] != r.shape[1]:
+        raise fail(
+            scheme, f"k_rotation has shape {tuple(r.shape)}; expected (head_dim, head_dim). "
+            f"{TRANSFORM_FIX}"
+        )  # fmt: skip
+    d = int(r.shape[0])
+    host = host_copy(r)
+    check_finite(scheme, "k_rotation", host)
+    err = float((host @ host.T - torch.eye(d)).abs().max())
+    if err > ORTHONORMAL_TOL:
+        raise fail(
+            scheme,
+            f"k_rotation is not orthonormal (max |R R^T - I| = {err:.3g}, expected <= "
+            f"{ORTHONORMAL_TOL:g}); the query would not be rotated back exactly. Fix: "
+            "pass kvquant.kernels.hadamard(head_dim), or None.",
+        )
+    return own_copy(r)

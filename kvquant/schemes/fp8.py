@@ -10,11 +10,12 @@ import torch
 
 from kvquant.schemes.base import KernelView, Scheme
 from kvquant.schemes.checks import (
-    ORTHONORMAL_TOL,
+    MIN_ROTATED_HEAD_DIM,
     SCALE_FIX,
     TRANSFORM_FIX,
     check_finite,
     check_scale_values,
+    checked_rotation,
     checked_tensor,
     fail,
     host_copy,
@@ -116,10 +117,16 @@ class GroupScales(Scheme):
 
     Computed when tokens are written (``amax / fp8_max``) and stored beside the pages
     (:class:`Pages` ``k_scales`` / ``v_scales``, ``[num_pages, page_size, Hkv, D // G]``).
+    With ``k_rotation`` K is rotated before it is grouped, ``fp8(k @ R / s)`` with ``s`` the
+    amax of each group of ``k @ R`` over ``fp8_max``, and the attention rotates the query alike
+    (``q @ R``); V is stored as without it.
 
     Attributes:
         head_dim: ``D``.
         group_size: ``G``, dividing ``head_dim``.
+        k_rotation: fp32 ``[D, D]`` orthonormal rotation ``R`` of K (within
+            :data:`ORTHONORMAL_TOL`, e.g. :func:`kvquant.kernels.hadamard`), ``D`` a power of
+            two >= 16; or None (K stored as given).
 
     Example:
         >>> GroupScales(head_dim=128, group_size=64).n_groups
@@ -128,6 +135,7 @@ class GroupScales(Scheme):
 
     head_dim: int
     group_size: int
+    k_rotation: torch.Tensor | None = None
     name: ClassVar[str] = "fp32-group"
     dynamic: ClassVar[bool] = True
     first_tokens: ClassVar[int] = 0
@@ -146,16 +154,36 @@ class GroupScales(Scheme):
                 f"group_size={g!r} does not divide head_dim {d}; expected a positive divisor. Fix: pass a group_size that "
                 f"divides the head dim (e.g. one of {divisors}).",
             )
+        if self.k_rotation is not None:
+            owner = "fp32-group scales"
+            if d < MIN_ROTATED_HEAD_DIM or d & (d - 1):
+                raise fail(
+                    owner,
+                    f"k_rotation was given for head_dim {d}; expected a power-of-two head_dim "
+                    f">= {MIN_ROTATED_HEAD_DIM} (the kernels rotate K in slices of 16 channels "
+                    "and store its groups as power-of-two tiles). Fix: drop k_rotation for this "
+                    "model.",
+                )
+            r = checked_rotation(owner, self.k_rotation)
+            if r.shape[0] != d:
+                raise fail(
+                    owner,
+                    f"k_rotation has shape {tuple(r.shape)}; expected ({d}, {d}) (head_dim "
+                    f"{d}). Fix: pass kvquant.kernels.hadamard({d}), or None.",
+                )
+            object.__setattr__(self, "k_rotation", r)
 
     @classmethod
-    def for_head_dim(cls, head_dim: int, group_size: int | None = None) -> GroupScales:
+    def for_head_dim(
+        cls, head_dim: int, group_size: int | None = None, k_rotation: torch.Tensor | None = None
+    ) -> GroupScales:
         """``group_size`` or the default: ``min(64, head_dim)``, halved until it divides (80 -> 16)."""
         g = group_size
         if g is None:
             g = min(64, head_dim) if isinstance(head_dim, int) and head_dim > 0 else 64
             while head_dim % g:
                 g //= 2
-        return cls(head_dim=head_dim, group_size=g)
+        return cls(head_dim=head_dim, group_size=g, k_rotation=k_rotation)
 
     @classmethod
     def group_scales(cls, head_dim: int, group_size: int | None = None) -> int:
@@ -170,8 +198,13 @@ class GroupScales(Scheme):
         """``D // G``: group scales per token and KV head."""
         return self.head_dim // self.group_size
 
+    @property
+    def has_rotation(self) -> bool:
+        """Whether K is stored rotated (``k_rotation`` given)."""
+        return self.k_rotation is not None
+
     def kernel_view(self) -> KernelView:
-        return KernelView(None, None, self.group_size, None, None)
+        return KernelView(None, None, self.group_size, None, self.k_rotation)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -231,24 +264,9 @@ class KTransformScales(Scheme):
         offset, rotation = self.k_offset, self.k_rotation
         d = None
         if rotation is not None:
-            r = checked_tensor(owner, "k_rotation", rotation, "[head_dim, head_dim]", TRANSFORM_FIX)
-            if r.dim() != 2 or r.shape[0] != r.shape[1]:
-                raise fail(
-                    owner, f"k_rotation has shape {tuple(r.shape)}; expected (head_dim, "
-                    f"head_dim). {TRANSFORM_FIX}"
-                )  # fmt: skip
+            r = checked_rotation(owner, rotation)
             d = int(r.shape[0])
-            host = host_copy(r)
-            check_finite(owner, "k_rotation", host)
-            err = float((host @ host.T - torch.eye(d)).abs().max())
-            if err > ORTHONORMAL_TOL:
-                raise fail(
-                    owner,
-                    f"k_rotation is not orthonormal (max |R R^T - I| = {err:.3g}, expected <= "
-                    f"{ORTHONORMAL_TOL:g}); the query would not be rotated back exactly. Fix: "
-                    "pass kvquant.kernels.hadamard(head_dim), or None.",
-                )
-            object.__setattr__(self, "k_rotation", own_copy(r))
+            object.__setattr__(self, "k_rotation", r)
         if offset is not None:
             c = checked_tensor(owner, "k_offset", offset, "[num_kv_heads, head_dim]", TRANSFORM_FIX)
             heads = str(k.shape[0]) if k.dim() else "num_kv_heads"

@@ -344,10 +344,14 @@ def _op_inputs(fmt: str, seed: int) -> dict[str, Any]:
         k_scale=None, v_scale=None, k_group_scales=None, v_group_scales=None, k_offset=None,
         k_rotation=None, first_k=None, first_v=None, first_lens=None, first_start=None, sinks=None,
     )  # fmt: skip
-    if fmt == "fp32-group":
+    if fmt in ("fp32-group", "rotated-k"):
         x["k_group_scales"] = torch.rand(pages, ps, hkv, 2, generator=g) / 100 + 1e-3
         x["v_group_scales"] = torch.rand(pages, ps, hkv, 2, generator=g) / 100 + 1e-3
-        x["scheme"] = GroupScales(head_dim=d, group_size=d // 2)
+        if fmt == "rotated-k":
+            from kvquant.kernels import hadamard
+
+            x["k_rotation"] = hadamard(d)
+        x["scheme"] = GroupScales(head_dim=d, group_size=d // 2, k_rotation=x["k_rotation"])
     else:
         x["k_scale"] = torch.rand(hkv, generator=g) / 100 + 1e-3
         x["v_scale"] = torch.rand(hkv, generator=g) / 100 + 1e-3
@@ -364,7 +368,7 @@ def _op_inputs(fmt: str, seed: int) -> dict[str, Any]:
     return x
 
 
-@pytest.mark.parametrize("fmt", ["fp32-group", "per-head", "k-transform"])
+@pytest.mark.parametrize("fmt", ["fp32-group", "per-head", "k-transform", "rotated-k"])
 def test_step_ops_equal_the_reference_kernels_and_pass_opcheck(fmt: str) -> None:
     from kvquant.kernels import paged_attention_reference, write_kv_reference
 

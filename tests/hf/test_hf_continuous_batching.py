@@ -40,7 +40,8 @@ from transformers.generation.continuous_batching import continuous_api  # noqa: 
 
 FLAVOUR = compat.batching_flavour()
 PAGE_KEY = "page_size" if FLAVOUR == "allocators" else "block_size"
-FORMATS = ("per-tensor", "per-head", "fp32-group", "k-transform")
+FORMATS = ("per-tensor", "per-head", "fp32-group", "k-transform", "rotated-k")
+"""The FP8 formats; ``rotated-k``: fp32-group scales of Hadamard-rotated keys (``k_rotation``)."""
 LENGTHS = (3, 9, 17, 30, 12)
 NEW = 12
 
@@ -109,6 +110,12 @@ def models(fmt: str, device: str = "cpu") -> tuple[Any, Any, Any]:
         unit = {"missing_scales": "unit"} if fmt == "fp8-k-nvfp4-v" else {}
         handle = kvhf.patch(model, kv_format=fmt, **unit, **opts)
         assert all(s.granularity == fmt for s in handle.state.layer_specs)
+        return model, handle, ref
+    if fmt == "rotated-k":
+        model, ref = tiny().to(device), tiny().to(device)
+        handle = kvhf.patch(model, group_size=16, k_rotation="hadamard", **opts)
+        assert handle.scales.granularity == "fp32-group"
+        assert all(s.rotation == "hadamard" for s in handle.state.layer_specs)
         return model, handle, ref
     if fmt == "k-transform":
         model, ref = biased_llama(), biased_llama()
@@ -736,9 +743,11 @@ def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None
     assert math.isclose(layout.bytes_per_block % 128, 0)
 
 
-def test_the_kernels_read_the_batching_buffer_itself() -> None:
-    """No copy: every layer's FP8 pages are views of the one buffer transformers' cache holds."""
-    model, _, _ = models("fp32-group")
+@pytest.mark.parametrize("fmt", ["fp32-group", "rotated-k"])
+def test_the_kernels_read_the_batching_buffer_itself(fmt: str) -> None:
+    """No copy: every layer's FP8 pages are views of the one buffer transformers' cache holds
+    (and a K rotation reaches every layer's storage)."""
+    model, _, _ = models(fmt)
     manager = model.init_continuous_batching(
         generation_config=gen_config(), continuous_batching_config=cb_config()
     )
@@ -759,6 +768,7 @@ def test_the_kernels_read_the_batching_buffer_itself() -> None:
                 storage.v_group_scales,
             ):
                 assert t.untyped_storage().data_ptr() == base
+            assert (storage.k_rotation is not None) == (fmt == "rotated-k")
         assert buffer.numel() == cache.kvq.layout.bytes_per_block * cache.kvq.layers[0].num_pages
     finally:
         manager.stop(block=True)

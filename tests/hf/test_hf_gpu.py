@@ -14,18 +14,22 @@ import kvquant.integrations.hf as kvhf
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("granularity", ["per-tensor", "per-head", "fp32-group"])
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head", "fp32-group", "rotated-k"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_path_matches_unpatched(family: str, granularity: str, dtype: torch.dtype) -> None:
+    """``rotated-k``: fp32-group scales of Hadamard-rotated keys (``k_rotation="hadamard"``)."""
     model = build(family).to(device="cuda", dtype=dtype)
     ids, mask = prompt(batch=2, length=40, pad=(5, 0))
     ids, mask = ids.cuda(), mask.cuda()
     cont = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(5)).cuda()
     ref, _ = step_logits(model, ids, mask, cont)
-    scales = None if granularity == "fp32-group" else calibrate(model, ids, mask, granularity)
+    dynamic = granularity in ("fp32-group", "rotated-k")
+    scales = None if dynamic else calibrate(model, ids, mask, granularity)
     # compile_step=False: the eager step's kernels (the compiled step: test_hf_compile_gpu.py)
-    opts = dict(scales=scales, scale_format=granularity, compile_step=False)
+    opts: dict[str, Any] = dict(scales=scales, scale_format=granularity, compile_step=False)
+    if granularity == "rotated-k":
+        opts.update(scale_format="fp32-group", k_rotation="hadamard")
     handle = kvhf.patch(model, backend="triton", **opts)
     got, cache = step_logits(model, ids, mask, cont)
     assert cache.layers[0].k_pages.is_cuda

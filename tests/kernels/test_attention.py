@@ -226,7 +226,20 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize("case_kw, extra", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# every fp32-group case again with Hadamard-rotated keys (GroupScales.k_rotation): the write
+# groups K @ R, the kernel rotates the query (each folded row copy keeps its group's columns)
+ROTATED_K_CASES = [
+    (f"{name}-rotated-k", {**kw, "k_transform": "rotation"}, extra)
+    for name, kw, extra in CASES
+    if kw.get("granularity") == "fp32-group"
+]
+
+
+@pytest.mark.parametrize(
+    "case_kw, extra",
+    [c[1:] for c in CASES + ROTATED_K_CASES],
+    ids=[c[0] for c in CASES + ROTATED_K_CASES],
+)
 def test_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]) -> None:
     if extra.get("config", {}).get("USE_WHILE") == 0 and NUMPY_2_4:
         pytest.skip("runtime-bound for loops crash Triton's interpreter under numpy >= 2.4")

@@ -9,7 +9,13 @@ import torch
 from numerics import assert_close_rel
 
 from kvquant.errors import KernelInputError
-from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
+from kvquant.kernels import (
+    group_scale_storage,
+    hadamard,
+    page_storage,
+    paged_attention,
+    write_kv,
+)
 from kvquant.kernels.attention.launch import paged_attention_triton
 from kvquant.schemes import GroupScales, Mask, Pages, PerTensorScales, Scheme
 
@@ -18,8 +24,9 @@ BT = torch.tensor([[3, 0, 5, 1]], dtype=torch.int32)  # shuffled pages, partial 
 LENS = torch.tensor([T], dtype=torch.int32)
 
 
-def _cache(groups: bool, device: str = "cpu") -> tuple[Pages, Scheme]:
-    """K/V of ``T`` random tokens written into shuffled pages; the pages and their scheme."""
+def _cache(groups: bool, device: str = "cpu", rotate: bool = False) -> tuple[Pages, Scheme]:
+    """K/V of ``T`` random tokens written into shuffled pages; the pages and their scheme
+    (``rotate``: group scales of Hadamard-rotated keys)."""
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(1, T, HKV, D, generator=gen).to(device) for _ in range(2))
     kp, vp = page_storage(PAGES, PS, HKV, D, device=device)
@@ -28,7 +35,9 @@ def _cache(groups: bool, device: str = "cpu") -> tuple[Pages, Scheme]:
     scheme: Scheme
     if groups:
         kg, vg = (group_scale_storage(PAGES, PS, HKV, 2, device=device) for _ in "kv")
-        pages, scheme = Pages(kp, vp, kg, vg), GroupScales(head_dim=D, group_size=D // 2)
+        rotation = hadamard(D, device=device) if rotate else None
+        scheme = GroupScales(head_dim=D, group_size=D // 2, k_rotation=rotation)
+        pages = Pages(kp, vp, kg, vg)
     else:
         s = torch.tensor(0.02, device=device)
         pages, scheme = Pages(kp, vp), PerTensorScales(s, s)
@@ -77,25 +86,32 @@ def test_reference_sinks_equal_dense_softmax_with_a_sink_column(q_len: int, grou
 
 
 @pytest.mark.parametrize(
-    ("q_len", "groups", "opts"),
+    ("q_len", "groups", "opts", "rotate"),
     [
-        (1, False, {"num_splits": 1}),
-        (1, False, {"num_splits": 3}),  # the split reduction adds the sink once
-        (1, True, {"num_splits": 2, "config": {"FOLD": True}}),
-        (1, True, {"num_splits": 1, "config": {"FOLD": False}}),
-        (5, False, {}),
-        (5, True, {}),
+        (1, False, {"num_splits": 1}, False),
+        (1, False, {"num_splits": 3}, False),  # the split reduction adds the sink once
+        (1, True, {"num_splits": 2, "config": {"FOLD": True}}, False),
+        (1, True, {"num_splits": 1, "config": {"FOLD": False}}, False),
+        (5, False, {}, False),
+        (5, True, {}, False),
+        # group scales of Hadamard-rotated keys (the query is rotated alike)
+        (1, True, {"num_splits": 2, "config": {"FOLD": True}}, True),
+        (1, True, {"num_splits": 1, "config": {"FOLD": False}}, True),
+        (5, True, {}, True),
     ],
 )
-def test_triton_sinks_match_the_reference(q_len: int, groups: bool, opts: dict[str, Any]) -> None:
-    pages, scheme = _cache(groups)
+def test_triton_sinks_match_the_reference(
+    q_len: int, groups: bool, opts: dict[str, Any], rotate: bool
+) -> None:
+    pages, scheme = _cache(groups, rotate=rotate)
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, q_len, HQ, D, generator=gen)
     sinks = torch.randn(HQ, generator=gen) * 2
     mask = Mask(kv_start=torch.tensor([2], dtype=torch.int32), sinks=sinks)
     ref = paged_attention(q, pages, BT, LENS, scheme, sm_scale=0.25, mask=mask, backend="torch")
     got = paged_attention_triton(q, pages, BT, LENS, scheme, sm_scale=0.25, mask=mask, **opts)
-    assert_close_rel(got, ref, rel_tol=5e-3, name=f"sinks q_len={q_len} groups={groups} {opts}")
+    name = f"sinks q_len={q_len} groups={groups} rotate={rotate} {opts}"
+    assert_close_rel(got, ref, rel_tol=5e-3, name=name)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Storage of the dynamic ``fp32-group`` scheme: one fp32 scale per token, KV head and group of
-``group_size`` channels, computed on write and kept beside the pages (the group-scale pools)."""
+``group_size`` channels, computed on write and kept beside the pages (the group-scale pools),
+of K as given or rotated (``k_rotation``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from kvquant.cache.storage.base import DequantArgs, PagedLayerStorage, SchemeArgs, Shape, nbytes
-from kvquant.errors import CacheUsageError
+from kvquant.errors import CacheUsageError, KVQuantError, ScaleFormatError
 from kvquant.kernels import group_scale_storage
 from kvquant.schemes import GroupScales, Pages, Scheme
 
@@ -16,10 +17,12 @@ __all__ = ["GroupStorage"]
 
 
 class GroupStorage(PagedLayerStorage):
-    """FP8 pages with dynamic fp32 group scales (``fp32-group``).
+    """FP8 pages with dynamic fp32 group scales (``fp32-group``), of K rotated by ``k_rotation``.
 
     Attributes:
         group_size: ``G``.
+        k_rotation: fp32 ``[D, D]`` orthonormal K rotation on the device (K stored as
+            ``fp8(k @ R / s)``, the query rotated alike), or None.
         k_group_scales: fp32 ``[num_pages, page_size, Hkv, D // G]``, one-filled when
             allocated (stored head-major: :func:`kvquant.kernels.group_scale_storage`).
         v_group_scales: like ``k_group_scales``.
@@ -31,12 +34,18 @@ class GroupStorage(PagedLayerStorage):
     )  # fmt: skip
 
     group_size: int
+    k_rotation: torch.Tensor | None
     k_group_scales: torch.Tensor
     v_group_scales: torch.Tensor
 
     def _configure(self, args: SchemeArgs) -> None:
-        self._refuse_transform(args)
         name, head_dim = self.name, self.head_dim
+        if args.k_offset is not None or args.first_tokens:
+            raise CacheUsageError(
+                f"{name}: k_offset / first_tokens were given with granularity='fp32-group', "
+                "whose only K transform is a rotation (k_rotation). Fix: drop them, or pass "
+                "granularity='k-transform' (the format they belong to)."
+            )
         if args.k_scale is not None or args.v_scale is not None:
             k_name, v_name = args.scale_names
             raise CacheUsageError(
@@ -55,6 +64,28 @@ class GroupStorage(PagedLayerStorage):
                 f"Fix: pass a group_size that divides the head dim (e.g. one of {divisors})."
             )
         self.group_size = g
+        self.k_rotation = self._rotation(args.k_rotation)
+
+    def _rotation(self, rotation: torch.Tensor | None) -> torch.Tensor | None:
+        """The K rotation checked once (:class:`~kvquant.schemes.GroupScales`), on the device."""
+        if rotation is None:
+            return None
+        if not isinstance(rotation, torch.Tensor):
+            raise ScaleFormatError(
+                f"{self.name}: k_rotation is a {type(rotation).__name__}; expected an fp32 "
+                f"[{self.head_dim}, {self.head_dim}] tensor. Fix: pass "
+                f"kvquant.kernels.hadamard({self.head_dim}), or None."
+            )
+        host = rotation.detach().to(device="cpu")
+        try:
+            checked = GroupScales(self.head_dim, self.group_size, host).k_rotation
+        except KVQuantError as err:
+            raise ScaleFormatError(f"{self.name}: {err}") from None
+        assert checked is not None
+        if self.device.type == "cpu":
+            return checked
+        # no stream sync from pinned memory (kvquant.patch pins what it passes)
+        return checked.to(device=self.device, non_blocking=True)
 
     def _pool_shapes(self, shape: Shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         gshape = (*shape[:3], shape[3] // self.group_size)
@@ -72,19 +103,22 @@ class GroupStorage(PagedLayerStorage):
 
     @property
     def scheme(self) -> Scheme:
-        return Scheme.unflatten(self.granularity, [self.head_dim, self.group_size], [])
+        return Scheme.unflatten(
+            self.granularity, [self.head_dim, self.group_size], [self.k_rotation]
+        )
 
     @property
     def pages(self) -> Pages:
         return Pages(self.k_pages, self.v_pages, self.k_group_scales, self.v_group_scales)
 
     def _dequant_args(self, ids: torch.Tensor) -> tuple[DequantArgs, DequantArgs]:
-        return DequantArgs(groups=self.k_group_scales[ids]), DequantArgs(
-            groups=self.v_group_scales[ids]
-        )
+        k = DequantArgs(groups=self.k_group_scales[ids], k_rotation=self.k_rotation)
+        return k, DequantArgs(groups=self.v_group_scales[ids])
 
     def _scale_bytes(self) -> dict[str, int]:
-        return {"group_scales": nbytes(self.k_group_scales, self.v_group_scales)}
+        groups = {"group_scales": nbytes(self.k_group_scales, self.v_group_scales)}
+        return groups | {"k_transform": nbytes(self.k_rotation)}
 
     def _describe(self) -> str:
-        return f", G={self.group_size}"
+        rot = ", K rotated" if self.k_rotation is not None else ""
+        return f", G={self.group_size}{rot}"

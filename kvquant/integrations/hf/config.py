@@ -19,6 +19,7 @@ from typing import Any
 from kvquant.cache import MAX_PAGE_SIZE
 from kvquant.choices import (
     Backend,
+    KRotation,
     KVFormat,
     KVFormatMap,
     MissingKV,
@@ -64,6 +65,8 @@ class PatchOptions:
         kv_format: how K and V are stored: a :class:`~kvquant.choices.KVFormat`, or a
             per-layer map ``{layer index or "default": KVFormat}``
             (:func:`~kvquant.choices.layer_kv_formats` gives each layer's).
+        k_rotation: None or ``"hadamard"`` (:class:`~kvquant.choices.KRotation`): K rotated
+            before its dynamic ``fp32-group`` scales.
         source: a description of where the scales came from (not an option).
     """
 
@@ -80,6 +83,7 @@ class PatchOptions:
     compile_step: bool | None
     prefill_tokens: int | str | None
     kv_format: str | KVFormatMap = "fp8"
+    k_rotation: str | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -92,6 +96,8 @@ class PatchOptions:
         ):
             object.__setattr__(self, name, coerce_choice(kind, getattr(self, name)))
         object.__setattr__(self, "kv_format", coerce_kv_format(self.kv_format))
+        if self.k_rotation is not None:
+            object.__setattr__(self, "k_rotation", coerce_choice(KRotation, self.k_rotation))
 
     @property
     def resolve_options(self) -> ResolveOptions:
@@ -217,14 +223,56 @@ def check_options(opts: PatchOptions, owner: str = "KVQuantConfig") -> None:
                 "scale blocks are fixed (16 channels for nvfp4, 32 for mxfp4). Fix: drop "
                 "group_size (it sizes the FP8 fp32-group format)."
             )
+        if opts.k_rotation is not None:
+            raise OptionError(
+                f"{owner}: k_rotation={opts.k_rotation!r} with {given}, which stores K in 4 "
+                "bits without a rotation. Fix: drop k_rotation (it rotates K before the FP8 "
+                "fp32-group format's scales)."
+            )
         if opts.scale_format != "auto":
             raise OptionError(
                 f"{owner}: scale_format={opts.scale_format!r} with {given}, "
                 "which computes its scales as tokens are written and reads none. Fix: drop "
                 "scale_format, or pass kv_format='fp8'."
             )
+    _check_k_rotation(opts, owner)
     if opts.backend not in BACKENDS:
         raise OptionError(
             f"{owner}: backend={opts.backend!r}; expected one of {BACKENDS}. "
             "Fix: pass backend='auto'."
+        )
+
+
+_STATIC_FORMATS = frozenset({"per-tensor", "per-head", "k-transform"})
+"""Built-in scale formats with static scales (a K rotation before group scales does not apply)."""
+
+
+def _check_k_rotation(opts: PatchOptions, owner: str) -> None:
+    """``k_rotation``: None or ``"hadamard"``, and not with a static scale format or scales."""
+    value = opts.k_rotation
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise OptionTypeError(
+            f"{owner}: k_rotation={value!r}; expected None or one of {KRotation.values()}. "
+            "Fix: pass k_rotation='hadamard', or leave it None."
+        )
+    if value not in KRotation.values():
+        raise OptionError(
+            f"{owner}: k_rotation={value!r}; expected None or one of {KRotation.values()}. "
+            "Fix: pass k_rotation='hadamard', or leave it None."
+        )
+    fmt = opts.scale_format
+    if isinstance(fmt, str) and fmt in _STATIC_FORMATS:
+        raise OptionError(
+            f"{owner}: k_rotation={value!r} with scale_format={fmt!r}; the rotation applies to "
+            "the dynamic fp32-group scales only (the k-transform format carries its own "
+            "rotation). Fix: drop k_rotation, or pass scale_format='fp32-group' (or 'auto' for "
+            "a model without scales)."
+        )
+    if opts.missing_scales == "unit":
+        raise OptionError(
+            f"{owner}: k_rotation={value!r} with missing_scales='unit', whose static scales of "
+            "1.0 take no rotation. Fix: drop k_rotation, or pass missing_scales='dynamic' (the "
+            "fp32-group scales it rotates K for)."
         )

@@ -196,7 +196,7 @@ def apply_patch(
         OptionError: ``cuda_graphs=True`` for a model whose layers share K/V.
     """
     _check_graphs(model, opts, sites)
-    specs = layer_specs(sites, geometry, model_scales, opts.kv_format)
+    specs = layer_specs(sites, geometry, model_scales, opts.kv_format, opts.k_rotation)
     per_rank = rank_specs(sites, specs)  # tensor parallelism: refused here, before any change
     cfg = text_config(model)
     previous = getattr(cfg, "_attn_implementation", None)
@@ -338,6 +338,8 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
     formats = layer_kv_formats(opts.kv_format, len(state.layer_specs), "kvquant.patch")
     fp8 = [s.granularity for s, f in zip(state.layer_specs, formats, strict=True) if not f.four_bit]
     kv = f"FP8 KV with {'/'.join(sorted(set(fp8)))} scales (from {source})"
+    if opts.k_rotation is not None:
+        kv += f", K rotated ({opts.k_rotation}) before its groups"
     if any(f.four_bit for f in formats):
         kv = f"KV formats {describe_layer_formats(formats)} (4-bit scales computed on write"
         if any(f.fp8_keys for f in formats):
@@ -466,7 +468,8 @@ def patch(
             existing.handle is not None
             and opts == existing.options
             and same_specs(
-                existing.layer_specs, layer_specs(sites, geometry, model_scales, opts.kv_format)
+                existing.layer_specs,
+                layer_specs(sites, geometry, model_scales, opts.kv_format, opts.k_rotation),
             )
         ):
             return _reuse(model, existing.handle)  # the same scales again (mapping or folder)

@@ -27,7 +27,9 @@ from kvquant.integrations.hf.models import (
 from kvquant.registry.fp4 import Fp4Layer, format_mismatch, resolve_fp4_raws
 from kvquant.schemes import (
     DYNAMIC_NVFP4_GLOBAL_SCALE,
+    MIN_ROTATED_HEAD_DIM,
     Fp4Scales,
+    GroupScales,
     Mxfp4Scales,
     Nvfp4Scales,
     StaticScales,
@@ -261,19 +263,24 @@ def layer_specs(
     geometry: LayerGeometry,
     model_scales: Any,
     kv_format: str | Mapping[int | str, str] = KVFormat.FP8,
+    k_rotation: str | None = None,
 ) -> list[LayerSpec]:
     """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
 
     A 4-bit format replaces its layer's FP8 format (:func:`fp4_spec`); a per-layer map gives
     each layer its own (:func:`~kvquant.choices.layer_kv_formats`); a checkpoint that declares
     4-bit layers gives them its formats and global scales (:func:`checkpoint_fp4_specs`).
+    ``k_rotation`` (``"hadamard"``) rotates K before the ``fp32-group`` layers' scales.
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
         OptionError: a map that does not fit the model's layers; ``fp8-k-nvfp4-v`` for a
-            layer without static K scales.
+            layer without static K scales; ``k_rotation`` for a layer whose scales resolved
+            to a static format, or whose head_dim is not a power of two >= 16.
     """
     specs = _fp8_specs(sites, geometry, model_scales)
+    if k_rotation is not None:
+        specs = [_rotated_spec(spec, str(k_rotation)) for spec in specs]
     formats = layer_kv_formats(kv_format, len(specs), "kvquant.patch")
     declared = getattr(model_scales, "fp4_layers", None)
     if declared:
@@ -356,6 +363,30 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
         )
     g = _host_scale(torch.full_like(spec.k_scale, DYNAMIC_NVFP4_GLOBAL_SCALE))
     return replace(plain, scheme=kind, v_scale=g)
+
+
+def _rotated_spec(spec: LayerSpec, k_rotation: str) -> LayerSpec:
+    """``spec`` of an ``fp32-group`` layer with K rotated before its group scales.
+
+    Raises:
+        OptionError: the layer's scales resolved to a static format, or its head_dim is not a
+            power of two >= 16 (a Hadamard rotation of K in the kernels' 16-channel slices).
+    """
+    if spec.scheme is not GroupScales:
+        raise OptionError(
+            f"{spec.name}: k_rotation={k_rotation!r} rotates K before the dynamic fp32-group "
+            f"scales, but the layer's scales resolved to {spec.granularity!r} (the "
+            "checkpoint's static scales). Fix: drop k_rotation, or pass "
+            "scale_format='fp32-group' to compute scales as tokens are written."
+        )
+    d = spec.head_dim
+    if d < MIN_ROTATED_HEAD_DIM or d & (d - 1):
+        raise OptionError(
+            f"{spec.name}: k_rotation={k_rotation!r} needs a power-of-two head_dim >= "
+            f"{MIN_ROTATED_HEAD_DIM} (the Hadamard matrix), but the layer's head_dim is {d}. "
+            "Fix: drop k_rotation for this model."
+        )
+    return replace(spec, rotation=k_rotation)
 
 
 def _fp8_specs(

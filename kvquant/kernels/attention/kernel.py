@@ -222,9 +222,9 @@ def paged_attn_kernel(
     in_copy = (offs_d // (HEAD_D // XG))[None, :] == copy_x[:, None]
     q_ptrs = q_ptr + b.to(tl.int64) * s_q[0] + t_x[:, None] * s_q[1] + head_x[:, None] * s_q[2]
     q_ptrs += d_q[None, :] * s_q[3]
-    # with a K rotation (static scales: XG = 1, BLOCK_M = RB) the query tile is rotated into
-    # the pages' frame in fp32, then cast like any query tile; with an offset c, qc = q'·c
-    # per row (raw units)
+    # with a K rotation the query tile is rotated into the pages' frame in fp32, then cast like
+    # any query tile (folded group scales: each row copy keeps its group's rotated columns);
+    # with an offset c (static scales), qc = q'·c per row (raw units)
     qc = 0.0
     if HAS_ROT:
         # q @ R over RK-column slices of the query (RK rows of R at a time in registers), one
@@ -238,6 +238,8 @@ def paged_attn_kernel(
             q_k = tl.load(q_rows + (k0 + offs_k)[None, :] * s_q[3], mask=ok_x[:, None], other=0.0)
             r_k = tl.load(rot_ptr + (k0 + offs_k)[:, None] * HEAD_D + d_q[None, :])
             q32 = tl.dot(q_k.to(tl.float32), r_k, q32, input_precision="tf32")
+        if XG > 1:
+            q32 = tl.where(in_copy, q32, 0.0)
         if HAS_OFF:
             # the offset's term from the fp32 rotated query, while it is live (taken from its
             # fp16 copy, it kept ~80 more registers live with tensor-core rotations)

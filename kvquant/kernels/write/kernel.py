@@ -5,7 +5,8 @@ heads, a ``[BLOCK_T, BLOCK_H * BLOCK_NG, BLOCK_G]`` tile (tokens x (head, group)
 elements of a group; one group per head with static scales). Dynamic fp32-group scales are
 computed from the tile (``amax / fp8_max``) and stored beside the slot; the static K
 transform rotates K (one fp32 ``tl.dot``, ``input_precision="ieee"``) and subtracts the
-offset first. Semantics, bit for bit on a GPU: :func:`kvquant.kernels.write_kv_reference`;
+offset first; fp32-group scales with a K rotation rotate whole heads (16-channel slices of K
+times slices of R) before the groups' amax. Semantics, bit for bit on a GPU: :func:`kvquant.kernels.write_kv_reference`;
 launcher: :mod:`kvquant.kernels.write.launch`; details: docs/dev/kernels.md.
 """
 
@@ -48,6 +49,53 @@ def _transform_k(
         c = tl.load(off_ptr + h[:, None] * s_o0 + d * s_o1, mask=rd_ok, other=0.0)  # [R, G]
         x = x - c[None, :, :]
     return x
+
+
+@triton.jit
+def _rotated_heads(
+    k_ptr,
+    rot_ptr,
+    b,
+    pos,
+    t_ok,
+    sk_b,
+    sk_l,
+    sk_h,
+    sk_d,
+    s_r0,
+    s_r1,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """``k @ R`` of the tile's whole heads, as the fp32 ``[T, R, G]`` tile of (head, group) rows.
+
+    A sum over 16-column slices of K (loaded from K) times 16-row slices of R: the whole fp32 R
+    of a wide head does not fit in shared memory (256 x 256 x 4 bytes), and group scales need
+    every channel of a head rotated before any group's amax. Rows ``h * NG + g`` of the
+    ``[T, H * NG, G]`` result are group ``g`` of head ``h`` (``BLOCK_NG * BLOCK_G == BLOCK_D``:
+    a power-of-two ``D``, or one group per head).
+    """
+    hh = tl.arange(0, BLOCK_H)
+    col = tl.arange(0, BLOCK_D)
+    rows = (b * sk_b + pos * sk_l)[:, None, None] + (hh[:, None] * sk_h)[None, :, :]
+    acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_D], tl.float32)
+    for j in tl.static_range(0, BLOCK_D // 16):
+        i = j * 16 + tl.arange(0, 16)
+        xs_ok = t_ok[:, None, None] & ((hh < HKV)[:, None] & (i < D)[None, :])[None, :, :]
+        xs = tl.load(k_ptr + rows + (i * sk_d)[None, None, :], mask=xs_ok, other=0.0)
+        rs_ok = (i < D)[:, None] & (col < D)[None, :]
+        rs = tl.load(rot_ptr + i[:, None] * s_r0 + col[None, :] * s_r1, mask=rs_ok, other=0.0)
+        acc += tl.dot(
+            tl.reshape(xs.to(tl.float32), [BLOCK_T * BLOCK_H, 16]),
+            rs.to(tl.float32),
+            input_precision="ieee",
+        )
+    return tl.reshape(acc, [BLOCK_T, BLOCK_R, BLOCK_G])
 
 
 @triton.jit
@@ -174,22 +222,10 @@ def write_kv_kernel(
     group_mask = t_ok[:, None] & r_ok[None, :]
 
     k_row = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h)[None, :, :]
-    if HAS_ROT and BLOCK_G > 128:
-        # The whole fp32 R of a wide head does not fit in shared memory (256 x 256 x 4 bytes):
-        # x @ R as a sum over 16-column slices of x (loaded from K) times 16-row slices of R.
-        acc = tl.zeros([BLOCK_T * BLOCK_R, BLOCK_G], tl.float32)
-        for j in tl.static_range(0, BLOCK_G // 16):
-            i = j * 16 + tl.arange(0, 16)
-            xs_ok = t_ok[:, None, None] & (r_ok[:, None] & (i < D)[None, :])[None, :, :]
-            xs = tl.load(k_ptr + k_row + (i * sk_d)[None, None, :], mask=xs_ok, other=0.0)
-            rs_ok = (i < D)[:, None] & (e < D)[None, :]
-            rs = tl.load(rot_ptr + i[:, None] * s_r0 + e[None, :] * s_r1, mask=rs_ok, other=0.0)
-            acc += tl.dot(
-                tl.reshape(xs.to(tl.float32), [BLOCK_T * BLOCK_R, 16]),
-                rs.to(tl.float32),
-                input_precision="ieee",
-            )
-        k = tl.reshape(acc, [BLOCK_T, BLOCK_R, BLOCK_G])
+    if HAS_ROT and (GROUP or BLOCK_G > 128):
+        k = _rotated_heads(k_ptr, rot_ptr, b, pos, t_ok, sk_b, sk_l, sk_h, sk_d, s_r0, s_r1,
+                           HKV, D, BLOCK_T, BLOCK_R // BLOCK_NG, BLOCK_NG * BLOCK_G, BLOCK_R,
+                           BLOCK_G)  # fmt: skip
         if HAS_OFF:
             k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
                              False, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip

@@ -40,18 +40,21 @@ def _current_device() -> int:
 def _blocks(hkv: int, g: int, ng: int, rotate: bool = False) -> tuple[int, int, int, int]:
     """``(BLOCK_NG, BLOCK_R, BLOCK_G, BLOCK_T)`` of the tile for ``hkv`` heads of ``ng`` groups of ``g``.
 
-    With ``rotate`` the tile is one ``tl.dot`` operand: at least 16 rows and 16 columns.
+    With ``rotate`` the tile's heads are one ``tl.dot`` operand: at least 16 rows (tokens x
+    heads) and 16 columns (one group per head padded to 16; several groups per head span a
+    power-of-two head_dim >= 16, the schemes' rule).
     """
     block_ng = triton.next_power_of_2(ng)
-    block_r = triton.next_power_of_2(hkv) * block_ng
+    block_h = triton.next_power_of_2(hkv)
+    block_r = block_h * block_ng
     block_g = triton.next_power_of_2(g)
-    if rotate:
+    if rotate and ng == 1:
         block_g = max(16, block_g)
     per_token = block_r * block_g
     block_t = max(1, min(16, 4096 // per_token))
     block_t = 1 << (block_t.bit_length() - 1)  # power of two
     if rotate:
-        block_t = max(block_t, triton.cdiv(16, block_r))
+        block_t = max(block_t, triton.cdiv(16, block_h))
     return block_ng, block_r, block_g, block_t
 
 
