@@ -32,7 +32,7 @@ from kvquant.errors import ScaleFormatError
 from kvquant.registry.fp4 import Fp4Layer, format_mismatch, resolve_fp4_raws
 from kvquant.registry.policy import format_layers
 from kvquant.registry.resolve import ModelScales, ScaleRecord, analyze_scales
-from kvquant.schemes import StaticScales, fp4_format
+from kvquant.schemes import KTransformScales, StaticScales, fp4_format
 from kvquant.tables import WIDTH, render_table
 from kvquant.types import LayerGeometry
 
@@ -583,7 +583,8 @@ def _format_problems(
                 f"channels, but the layer's head_dim is {geometry.head_dim_of(i)}. Fix: "
                 "'nvfp4' (blocks of 16) or 'fp8' for this layer."
             )
-        if fmt.fp8_keys and (ls.k is None or not issubclass(ls.scheme, StaticScales)):
+        static = issubclass(ls.scheme, (StaticScales, KTransformScales))  # a K transform's too
+        if fmt.fp8_keys and (ls.k is None or not static):
             problems.append(
                 f"layer {i}: kv_format 'fp8-k-nvfp4-v' stores K in FP8 with a static K scale, "
                 f"but the layer's scales resolve to {ls.granularity!r}. Fix: a checkpoint with "

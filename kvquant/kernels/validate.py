@@ -434,6 +434,13 @@ def check_fp4_pages(
         if static is not None:
             label = f"{side}_scale" if fmt is None else f"{side}_global_scale"
             _check_static_scale(op, label, static, geometry[2], device)
+    for name, tr, shape, what in (  # FP8 K in the k-transform's frame
+        ("k_offset", view.k_offset, (geometry[2], head_dim), "one offset per KV head and channel"),
+        ("k_rotation", view.k_rotation, (head_dim, head_dim), "an orthonormal [D, D] rotation"),
+    ):
+        if tr is not None:
+            check_shape(op, name, tr, shape, f"{what}, for the pages' Hkv and D")
+            check_device(op, name, tr, device, "k_pages")
     return (*geometry, head_dim)
 
 

@@ -4,8 +4,8 @@ A scheme says how stored codes turn back into numbers: :class:`PerTensorScales` 
 :class:`PerHeadScales` (static fp32 K/V scales), :class:`GroupScales` (dynamic fp32 scales per
 group of channels, computed on write) and :class:`KTransformScales` (static scales of K offset
 and rotated first), in :mod:`~kvquant.schemes.fp8`; the 4-bit :class:`Nvfp4Scales`,
-:class:`Mxfp4Scales` and :class:`Fp8KNvfp4VScales` (e2m1 codes, block scales computed on write)
-in :mod:`~kvquant.schemes.fp4`. A scheme checks its tensors once, when it is built
+:class:`Mxfp4Scales`, :class:`Fp8KNvfp4VScales` and :class:`KTransformNvfp4VScales` (FP8 K in the
+k-transform's frame) (e2m1 codes, block scales computed on write) in :mod:`~kvquant.schemes.fp4`. A scheme checks its tensors once, when it is built
 (:mod:`~kvquant.schemes.checks`); :meth:`Scheme.to` moves it without checking. Its ``name`` is
 only for messages, reports and files (:func:`scheme_class` turns a word into a class). What the
 rest of kvquant needs to know about a scheme its class says (``scale_shape``, ``group_scales``,
@@ -40,6 +40,7 @@ from kvquant.schemes.fp4 import (
     DYNAMIC_NVFP4_GLOBAL_SCALE,
     Fp4Scales,
     Fp8KNvfp4VScales,
+    KTransformNvfp4VScales,
     Mxfp4Scales,
     Nvfp4Scales,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "Fp4Scales",
     "Fp8KNvfp4VScales",
     "GroupScales",
+    "KTransformNvfp4VScales",
     "KTransformScales",
     "KernelView",
     "Mask",

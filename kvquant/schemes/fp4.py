@@ -1,20 +1,23 @@
-"""The 4-bit schemes: NVFP4 and MXFP4 K and V, and FP8 K beside NVFP4 V (block scales computed
-when tokens are written; docs/dev/fp4-formats.md)."""
+"""The 4-bit schemes: NVFP4 and MXFP4 K and V, and FP8 K (plain, or in the k-transform's frame)
+beside NVFP4 V (block scales computed when tokens are written; docs/dev/fp4-formats.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from kvquant.schemes.base import MXFP4, NVFP4, Fp4Format, KernelView, Scheme
 from kvquant.schemes.checks import check_scale_values, checked_tensor, fail, own_copy
+from kvquant.schemes.fp8 import KTransformScales
+from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = [
     "DYNAMIC_NVFP4_GLOBAL_SCALE",
     "Fp4Scales",
     "Fp8KNvfp4VScales",
+    "KTransformNvfp4VScales",
     "Mxfp4Scales",
     "Nvfp4Scales",
 ]
@@ -93,6 +96,11 @@ class Fp4Scales(Scheme):
                 f"{labels[0]} has shape {shapes[0]} and {labels[1]} {shapes[1]}; expected the "
                 f"same shape (both () or both (num_kv_heads,)). {_FP4_FIX}",
             )
+
+    @classmethod
+    def kv_format(cls) -> str:
+        """The ``kv_format`` word whose pages the scheme stores (``kvquant.patch``): its name."""
+        return cls.name
 
     @classmethod
     def slot_bytes(cls, num_kv_heads: int, head_dim: int, group_size: int | None = None) -> int:
@@ -198,3 +206,82 @@ class Fp8KNvfp4VScales(Fp4Scales):
 
     def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.k_scale, self.v_global_scale
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class KTransformNvfp4VScales(Fp4Scales):
+    """FP8 K in the k-transform's frame beside NVFP4 V: K as :class:`KTransformScales` stores
+    it (``fp8((k @ R - c) / k_scale)``, first tokens at full precision), V as
+    :class:`Fp8KNvfp4VScales` does.
+
+    Attributes:
+        head_dim: ``D``, a multiple of 16.
+        k_scale: fp32 ``[]`` or ``[Hkv]`` static scale of the transformed K.
+        v_global_scale: fp32, the shape of ``k_scale``: V's NVFP4 global scale ``g``.
+        k_offset: fp32 ``[Hkv, D]`` per-channel offset ``c`` (rotated frame), or None.
+        k_rotation: fp32 ``[D, D]`` orthonormal rotation ``R``, or None.
+        first_tokens: first visible tokens of each sequence attended from a full-precision
+            side buffer (:class:`~kvquant.schemes.FirstTokens`), ``0..MAX_FIRST_TOKENS``.
+
+    Example:
+        >>> import torch
+        >>> s = KTransformNvfp4VScales(16, torch.tensor(0.02), torch.tensor(1.0),
+        ...                            k_offset=torch.zeros(1, 16), first_tokens=1)
+        >>> s.kernel_view().k_offset.shape, s.kernel_view().v_fp4.name
+        (torch.Size([1, 16]), 'nvfp4')
+    """
+
+    k_scale: torch.Tensor | None = None
+    v_global_scale: torch.Tensor | None = None
+    k_offset: torch.Tensor | None = None
+    k_rotation: torch.Tensor | None = None
+    # a field here (keyword-only: the base's ClassVar gives it its place among the fields)
+    first_tokens: int = field(default=0, kw_only=True)  # type: ignore[misc]
+    name: ClassVar[str] = "k-transform-k-nvfp4-v"
+    v_format: ClassVar[Fp4Format | None] = NVFP4
+    transforms_keys: ClassVar[bool] = True
+
+    @classmethod
+    def kv_format(cls) -> str:
+        """``fp8-k-nvfp4-v``: the pages are that format's, K in the k-transform's frame."""
+        return Fp8KNvfp4VScales.name
+
+    def __post_init__(self) -> None:
+        self._check(("k_scale", "v_global_scale"))
+        owner = f"{self.name} scales"
+        # the k-transform's own checks of the offset and rotation (shapes, finite, orthonormal)
+        KTransformScales._check_transform(self, owner, self.k_scale)  # type: ignore[arg-type]
+        nf = self.first_tokens
+        if isinstance(nf, bool) or not isinstance(nf, int) or not 0 <= nf <= MAX_FIRST_TOKENS:
+            raise fail(
+                owner,
+                f"first_tokens is {nf!r}; expected an int from 0 to {MAX_FIRST_TOKENS}. Fix: "
+                "pass the first_tokens of the checkpoint's K transform (1 is usual).",
+            )
+        if self.dims()[1] not in (None, self.head_dim):
+            raise fail(
+                owner,
+                f"k_offset / k_rotation are for head_dim {self.dims()[1]}, the scheme's head_dim "
+                f"is {self.head_dim}; expected the same. Fix: pass the layer's K transform.",
+            )
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_scale, self.v_global_scale
+
+    @property
+    def num_kv_heads(self) -> int | None:
+        heads = super().num_kv_heads
+        if heads is None and self.k_offset is not None:
+            return int(self.k_offset.shape[0])
+        return heads
+
+    def dims(self) -> tuple[int | None, int | None]:
+        d = next(
+            (int(t.shape[-1]) for t in (self.k_rotation, self.k_offset) if t is not None), None
+        )
+        return self.num_kv_heads, self.head_dim if d is None else d
+
+    def kernel_view(self) -> KernelView:
+        return KernelView(
+            self.k_scale, self.v_global_scale, None, self.k_offset, self.k_rotation, None, NVFP4
+        )

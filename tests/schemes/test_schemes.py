@@ -211,6 +211,7 @@ def test_derived_flags_and_words() -> None:
     assert not PerHeadScales(torch.ones(H), torch.ones(H)).dynamic
     assert scheme_names() == (
         "per-tensor", "per-head", "fp32-group", "k-transform", "nvfp4", "mxfp4", "fp8-k-nvfp4-v",
+        "k-transform-k-nvfp4-v",
     )  # fmt: skip
     assert scheme_class("per-head") is PerHeadScales
     with pytest.raises(ScaleFormatError, match="scale scheme 'per-token' is unknown"):

@@ -1,14 +1,16 @@
 """Storage of the 4-bit schemes: packed e2m1 pages with block scales computed on write
-(:class:`Fp4Storage`: ``nvfp4``, ``mxfp4``), and FP8 K beside NVFP4 V
-(:class:`Fp8KNvfp4VStorage`: ``fp8-k-nvfp4-v``). The layout: :mod:`kvquant.kernels.fp4`."""
+(:class:`Fp4Storage`: ``nvfp4``, ``mxfp4``), FP8 K beside NVFP4 V (:class:`Fp8KNvfp4VStorage`:
+``fp8-k-nvfp4-v``), and FP8 K in the k-transform's frame beside NVFP4 V
+(:class:`KTransformNvfp4VStorage`). The layout: :mod:`kvquant.kernels.fp4`."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
 from kvquant.cache.storage.base import DequantArgs, PagedLayerStorage, SchemeArgs, Shape, nbytes
+from kvquant.cache.storage.k_transform import KTransformStorage
 from kvquant.errors import CacheUsageError, ScaleFormatError
 from kvquant.kernels import page_storage
 from kvquant.kernels.fp4 import dequantize_fp4, fp4_page_storage
@@ -17,6 +19,7 @@ from kvquant.schemes import (
     Fp4Format,
     Fp4Scales,
     Fp8KNvfp4VScales,
+    KTransformNvfp4VScales,
     Mxfp4Scales,
     Nvfp4Scales,
     Pages,
@@ -24,7 +27,7 @@ from kvquant.schemes import (
     scheme_class,
 )
 
-__all__ = ["Fp4Storage", "Fp8KNvfp4VStorage"]
+__all__ = ["Fp4Storage", "Fp8KNvfp4VStorage", "KTransformNvfp4VStorage"]
 
 
 def _fp32(x: Any) -> Any:
@@ -60,7 +63,7 @@ class Fp4Storage(PagedLayerStorage):
     _scheme: Fp4Scales
 
     def _configure(self, args: SchemeArgs) -> None:
-        self._refuse_transform(args)
+        self._configure_transform(args)
         if args.group_size is not None:
             raise CacheUsageError(
                 f"{self.name}: group_size={args.group_size} was given with granularity="
@@ -72,26 +75,32 @@ class Fp4Storage(PagedLayerStorage):
                 "the 4-bit formats' FP8 parts are e4m3fn. Fix: pass kv_dtype="
                 "torch.float8_e4m3fn (the default)."
             )
-        kind = scheme_class(self.granularity)
-        k, v = _fp32(args.k_scale), _fp32(args.v_scale)
         try:
-            if kind is Mxfp4Scales:
-                if k is not None or v is not None:
-                    k_name, v_name = args.scale_names
-                    raise ScaleFormatError(
-                        f"{k_name}/{v_name} were given; mxfp4 computes every scale on write. "
-                        "Fix: drop them."
-                    )
-                scheme: Fp4Scales = Mxfp4Scales(self.head_dim)
-            elif kind is Nvfp4Scales:
-                scheme = Nvfp4Scales(self.head_dim, k, v)
-            else:
-                scheme = Fp8KNvfp4VScales(self.head_dim, k, v)
+            scheme = self._new_scheme(args, _fp32(args.k_scale), _fp32(args.v_scale))
         except ScaleFormatError as err:
             raise ScaleFormatError(f"{self.name}: {err}") from err
         self._scheme = scheme.to(self.device)
         view = self._scheme.kernel_view()
         self.k_scale, self.v_scale = view.k_scale, view.v_scale
+
+    def _configure_transform(self, args: SchemeArgs) -> None:
+        """The K transform's arguments: refused (:class:`KTransformNvfp4VStorage` keeps them)."""
+        self._refuse_transform(args)
+
+    def _new_scheme(self, args: SchemeArgs, k: Any, v: Any) -> Fp4Scales:
+        """The storage's scheme from the given scales (fp32 host copies, or as given)."""
+        kind = scheme_class(self.granularity)
+        if kind is Mxfp4Scales:
+            if k is not None or v is not None:
+                k_name, v_name = args.scale_names
+                raise ScaleFormatError(
+                    f"{k_name}/{v_name} were given; mxfp4 computes every scale on write. "
+                    "Fix: drop them."
+                )
+            return Mxfp4Scales(self.head_dim)
+        if kind is Nvfp4Scales:
+            return Nvfp4Scales(self.head_dim, k, v)
+        return Fp8KNvfp4VScales(self.head_dim, k, v)
 
     def _formats(self) -> tuple[Fp4Format | None, Fp4Format | None]:
         return self._scheme.k_format, self._scheme.v_format
@@ -134,13 +143,17 @@ class Fp4Storage(PagedLayerStorage):
 
     def _dequantize(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
-        for side, fmt, g in zip("kv", self._formats(), (self.k_scale, self.v_scale), strict=True):
+        for side, fmt, a in zip("kv", self._formats(), self._dequant_args(ids), strict=True):
             pages = getattr(self, f"{side}_pages")[ids]
-            if fmt is None:
-                out.append(dequantize_pages(pages, g, None))
+            if fmt is None:  # FP8 (K in the k-transform's frame: back to the model's)
+                out.append(
+                    dequantize_pages(
+                        pages, a.static, None, k_offset=a.k_offset, k_rotation=a.k_rotation
+                    )
+                )
             else:
                 scales = getattr(self, f"{side}_block_scales")[ids]
-                out.append(dequantize_fp4(pages, scales, fmt, g))
+                out.append(dequantize_fp4(pages, scales, fmt, a.static))
         return out[0], out[1]
 
     def _scale_bytes(self) -> dict[str, int]:
@@ -161,3 +174,40 @@ class Fp8KNvfp4VStorage(Fp4Storage):
 
     schemes: ClassVar[tuple[type[Scheme], ...]] = (Fp8KNvfp4VScales,)
     pool_names: ClassVar[tuple[str, ...]] = ("k_pages", "v_pages", "v_block_scales")
+
+
+class KTransformNvfp4VStorage(Fp8KNvfp4VStorage, KTransformStorage):
+    """FP8 K pages in the k-transform's frame beside NVFP4 V pages (``k-transform-k-nvfp4-v``).
+
+    The pages and scales of :class:`Fp8KNvfp4VStorage`, K stored as ``fp8((k @ R - c) /
+    k_scale)``; the K transform's checks and its first-token side buffer are
+    :class:`~kvquant.cache.storage.k_transform.KTransformStorage`'s (``keep_first``,
+    ``first_buffer``, ...).
+
+    Attributes:
+        k_offset: fp32 ``[Hkv, D]`` on the device (the scheme's).
+        k_rotation: fp32 ``[D, D]`` on the device, or None.
+        first_tokens: first visible tokens per sequence kept at full precision.
+    """
+
+    schemes: ClassVar[tuple[type[Scheme], ...]] = (KTransformNvfp4VScales,)
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    _configure_transform = KTransformStorage._configure_transform
+    _dequant_args = KTransformStorage._dequant_args
+
+    def _configure(self, args: SchemeArgs) -> None:
+        super()._configure(args)
+        view = self._scheme.kernel_view()  # the storage's transform is the scheme's
+        self.k_offset, self.k_rotation = cast(torch.Tensor, view.k_offset), view.k_rotation
+
+    def _new_scheme(self, args: SchemeArgs, k: Any, v: Any) -> Fp4Scales:
+        offset, rotation = _fp32(args.k_offset), _fp32(args.k_rotation)
+        return KTransformNvfp4VScales(
+            self.head_dim, k, v, offset, rotation, first_tokens=self.first_tokens
+        )
+
+    def _scale_bytes(self) -> dict[str, int]:
+        transform = nbytes(self.k_offset, self.k_rotation, *self.first_tensors())
+        return super()._scale_bytes() | {"k_transform": transform}

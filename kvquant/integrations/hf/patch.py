@@ -294,7 +294,7 @@ def _check_graphs(model: nn.Module, opts: PatchOptions, sites: list[AttentionSit
 def _stored_formats(state: PatchState) -> tuple[KVFormat, ...]:
     """Each layer's format as its spec stores it (a checkpoint's 4-bit layers included)."""
     return tuple(
-        KVFormat(s.granularity) if issubclass(s.scheme, Fp4Scales) else KVFormat.FP8
+        KVFormat(s.scheme.kv_format()) if issubclass(s.scheme, Fp4Scales) else KVFormat.FP8
         for s in state.layer_specs
     )
 

@@ -29,7 +29,10 @@ from kvquant.schemes import (
     DYNAMIC_NVFP4_GLOBAL_SCALE,
     MIN_ROTATED_HEAD_DIM,
     Fp4Scales,
+    Fp8KNvfp4VScales,
     GroupScales,
+    KTransformNvfp4VScales,
+    KTransformScales,
     Mxfp4Scales,
     Nvfp4Scales,
     StaticScales,
@@ -333,12 +336,12 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
 
     ``nvfp4``: global scales :data:`~kvquant.schemes.DYNAMIC_NVFP4_GLOBAL_SCALE` (fixed, so no
     statistic, sync or first batch decides them); ``mxfp4``: no scale; ``fp8-k-nvfp4-v``: the
-    layer's static K scale and V's fixed global scale, of the K scale's shape.
+    layer's static K scale and V's fixed global scale, of the K scale's shape (a ``k-transform``
+    layer keeps its K transform: :class:`~kvquant.schemes.KTransformNvfp4VScales`).
 
     Raises:
         OptionError: a head_dim the format's block does not divide; ``fp8-k-nvfp4-v`` for a
-            layer whose resolved format has no static K scale (dynamic ``fp32-group``, or the
-            ``k-transform``).
+            layer whose resolved format has no static K scale (dynamic ``fp32-group``).
     """
     kind = cast(type[Fp4Scales], scheme_class(str(kv_format)))  # KVFormat's words name schemes
     block = max(f.block_size for f in (kind.k_format, kind.v_format) if f is not None)
@@ -348,6 +351,13 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
             f"channels, but the layer's head_dim is {spec.head_dim}. Fix: kv_format='nvfp4' "
             "(blocks of 16) or 'fp8' for this model."
         )
+    transform = issubclass(spec.scheme, KTransformScales) and spec.k_scale is not None
+    if kind is Fp8KNvfp4VScales and transform:
+        # FP8 K in the K transform's frame (its offset, rotation and first tokens), NVFP4 V
+        g = _host_scale(
+            torch.full_like(cast(torch.Tensor, spec.k_scale), DYNAMIC_NVFP4_GLOBAL_SCALE)
+        )
+        return replace(spec, scheme=KTransformNvfp4VScales, group_size=None, v_scale=g)
     plain = replace(spec, group_size=None, k_offset=None, rotation=None, first_tokens=0)
     if kind is Mxfp4Scales:
         return replace(plain, scheme=kind, k_scale=None, v_scale=None)

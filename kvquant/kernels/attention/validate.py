@@ -79,7 +79,7 @@ def _fp4_code(fmt: Fp4Format | None) -> int:
 def _check_first_tokens(
     op: str, first: object, scheme: Scheme, bsz: int, hkv: int, d: int, device: torch.device
 ) -> None:
-    """Structure of the first-token side buffer: a FirstTokens, with the k-transform scheme."""
+    """Structure of the first-token side buffer: a FirstTokens, with FP8 K of static scales."""
     if first is None:
         return
     if not isinstance(first, FirstTokens):
@@ -96,10 +96,11 @@ def _check_first_tokens(
             "Fix: pass all three (first_lens zeros where a row has none), or first=None."
         )
     view = scheme.kernel_view()
-    if view.k_fp4 is not None or view.v_fp4 is not None:
+    if view.k_fp4 is not None:  # FP8 K beside 4-bit V keeps them (k-transform-k-nvfp4-v)
         raise fail(
             f"{op}: first-token buffers (first_k / first_v) were given with the 4-bit scheme "
-            f"{scheme.name!r}; expected the k-transform format's static scales. Fix: drop first."
+            f"{scheme.name!r}; expected FP8 K with static scales (the k-transform's). Fix: drop "
+            "first."
         )
     if view.group_size is not None:
         raise fail(

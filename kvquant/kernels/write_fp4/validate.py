@@ -92,7 +92,8 @@ def write_fp4_signature(
     d = scheme.head_dim  # type: ignore[attr-defined]  # checked above
     sig = signature(
         key, value, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, slot_mapping,
-        view.k_scale, view.v_scale, d, fp4_code(view, "k"), fp4_code(view, "v"),
+        view.k_scale, view.v_scale, view.k_offset, view.k_rotation, d, fp4_code(view, "k"),
+        fp4_code(view, "v"),
     )  # fmt: skip
     if sig is None:
         return None
