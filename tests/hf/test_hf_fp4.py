@@ -221,3 +221,33 @@ def test_a_head_dim_the_block_does_not_divide_is_refused_per_format() -> None:
         fp4_spec(spec, "mxfp4")
     with pytest.raises(OptionError, match=r"block of 16 channels.*head_dim is 40"):
         fp4_spec(replace(spec, head_dim=40), "fp8-k-nvfp4-v")
+
+
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v", "fp8"])
+def test_static_scales_a_4bit_format_does_not_use_are_named_in_a_warning(
+    kv_format: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint's static FP8 scales with ``nvfp4`` / ``mxfp4`` (block scales computed on
+    write) are not used: the patch says so once; formats that use them, and a model without
+    scales, stay silent."""
+    model = _tiny()
+    layers = model.config.num_hidden_layers
+    scales = {
+        f"model.layers.{i}.self_attn.{n}": torch.tensor(0.01)
+        for i in range(layers)
+        for n in ("k_scale", "v_scale")
+    }
+    with caplog.at_level("WARNING", logger="kvquant"):
+        kvhf.patch(model, scales=scales, kv_format=kv_format, backend="torch").remove()
+        unused = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
+    if kv_format in ("nvfp4", "mxfp4"):
+        assert len(unused) == 1
+        assert f"{layers} layer(s) (first model.layers.0.self_attn)" in unused[0]
+        assert "kv_format='fp8'" in unused[0]
+    else:
+        assert unused == []
+    with caplog.at_level("WARNING", logger="kvquant"):
+        caplog.clear()
+        if kv_format != "fp8-k-nvfp4-v":  # needs a static K scale
+            kvhf.patch(model, kv_format=kv_format, backend="torch").remove()
+    assert not any("does not use" in r.getMessage() for r in caplog.records)

@@ -288,10 +288,36 @@ def layer_specs(
     declared = getattr(model_scales, "fp4_layers", None)
     if declared:
         return checkpoint_fp4_specs(specs, declared, formats)
+    _log_unused_scales(specs, formats)
     return [
         fp4_spec(spec, fmt) if fmt.four_bit else spec
         for spec, fmt in zip(specs, formats, strict=True)
     ]
+
+
+def _log_unused_scales(specs: list[LayerSpec], formats: Sequence[KVFormat]) -> None:
+    """Warn once per patch when a 4-bit format without FP8 keys leaves static scales unused.
+
+    ``nvfp4`` and ``mxfp4`` compute their block scales as tokens are written, so the static
+    FP8 scales (and a k-transform's offset and rotation) that the layers resolved to are not
+    used; the user who passed a calibrated checkpoint should hear it.
+    """
+    unused = [
+        spec.name
+        for spec, fmt in zip(specs, formats, strict=True)
+        if fmt.four_bit
+        and not fmt.fp8_keys
+        and issubclass(spec.scheme, (StaticScales, KTransformScales))
+    ]
+    if unused:
+        _logger.warning(
+            "kvquant.patch: %d layer(s) (first %s) resolved to static FP8 KV scales, which a "
+            "4-bit kv_format without FP8 keys does not use (it computes its block scales as "
+            "tokens are written). To use them: kv_format='fp8', or 'fp8-k-nvfp4-v' for FP8 "
+            "keys with them beside NVFP4 values.",
+            len(unused),
+            unused[0],
+        )
 
 
 def checkpoint_fp4_specs(
