@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -126,8 +126,20 @@ class Candidate:
                     f"Candidate {self.name!r}: FP8 K without a static K scale; expected "
                     "k_scale. Fix: build it with four_bit_candidates()."
                 )
-            k = fake_quantize_static(key, self.k_scale[layer])
-            return query.float(), k, fake_quantize_fp4(value, v_side)
+            v = fake_quantize_fp4(value, v_side)
+            if self.k_offset is None:
+                return query.float(), fake_quantize_static(key, self.k_scale[layer]), v
+            # FP8 K in the k-transform's frame; the first tokens' K and V kept exact
+            q = query.float()
+            if self.rotation is not None:
+                q = q @ self.rotation.to(q.device)
+            k = k_transform_keys(
+                key, self.k_scale[layer], self.k_offset[layer], self.rotation, self.first_tokens
+            )
+            n = min(self.first_tokens, v.shape[2])
+            if n:
+                v[:, :, :n] = value[:, :, :n].float()
+            return q, k, v
         return query.float(), fake_quantize_fp4(key, k_side), fake_quantize_fp4(value, v_side)
 
     def stored(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[Any, Any]:
@@ -332,9 +344,9 @@ def four_bit_candidates(
     """The 4-bit ``kv_format`` words as the cache would store this model's K and V.
 
     ``nvfp4`` and ``mxfp4`` (K and V 4-bit, block scales computed as tokens are written),
-    ``fp8-k-nvfp4-v`` (K in FP8 with ``result``'s static K scales, V in NVFP4), each where
-    its block divides ``head_dim``; ``fp8-k-nvfp4-v`` not beside the k-transform, whose K
-    scales apply to a transformed K that the 4-bit pages do not store.
+    ``fp8-k-nvfp4-v`` (K in FP8 with ``result``'s static K scales, V in NVFP4; beside the
+    k-transform, K in its frame with its first tokens exact, as the cache stores it), each
+    where its block divides ``head_dim``.
 
     Returns:
         ``(candidates, notes)``: notes say which were left out and why.
@@ -348,10 +360,8 @@ def four_bit_candidates(
                 f"{word} left out: its {block}-channel blocks do not divide head_dim {head_dim}"
             )
         elif fmt.fp8_keys and result.granularity == Granularity.K_TRANSFORM:
-            notes.append(
-                f"{word} left out: its FP8 K needs a static K scale, and the k-transform's "
-                "apply to a transformed K (calibrate --format per-tensor or per-head for it)"
-            )
+            kt = candidate_of(result)
+            out.append(replace(kt, name=word, static=False, v_scale=None, kv_format=word))
         elif fmt.fp8_keys:
             out.append(Candidate(word, False, k_scale=result.k_scales, kv_format=word))
         else:

@@ -213,3 +213,44 @@ def test_calibrate_refuses_a_budget_before_the_model_runs(tiny_kt: Any) -> None:
         calibrate(model, ids, window=64, progress=False, kv_budget=0.7, held_out_tokens=0)
     with pytest.raises(CalibrationError, match=r"none of which could be held out"):
         calibrate(model, ids[:1], window=64, progress=False, kv_budget=0.7)
+
+
+def test_a_k_transform_calibration_measures_fp8_k_beside_nvfp4_v_in_its_frame(
+    tiny_kt: Any, tmp_path: Path
+) -> None:
+    """With a k-transform calibration, ``fp8-k-nvfp4-v`` is measured with K in the transform's
+    frame (query rotated, first tokens exact), and a map that names it patches the written
+    checkpoint into FP8 k-transform keys beside NVFP4 values."""
+    import kvquant
+    from kvquant.calibrate import calibrate, write_calibrated_checkpoint
+    from kvquant.calibrate.evaluate import four_bit_candidates
+    from kvquant.calibrate.fp8 import fake_quantize_fp4, k_transform_keys
+
+    model, folder = tiny_kt
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 64))
+    res = calibrate(
+        model, ids, window=64, held_out_tokens=64, granularity="k-transform", progress=False,
+        kv_budget=0.8,
+    )  # fmt: skip
+    assert res.report is not None and "fp8-k-nvfp4-v" in res.report.candidates
+    cands, notes = four_bit_candidates(res, 64)
+    assert not any("fp8-k-nvfp4-v" in n for n in notes)
+    cand = next(c for c in cands if c.kv_format == "fp8-k-nvfp4-v")
+    assert cand.k_offset is not None and cand.rotation is not None and cand.first_tokens == 1
+    q, k, v = (torch.randn(1, 2, 9, 64) for _ in range(3))
+    sq, sk, sv = cand.simulate(0, q, k, v)
+    assert torch.allclose(sq, q @ cand.rotation)  # scores: q R . (k R - c) / s
+    kt = k_transform_keys(k, res.k_scales[0], res.k_offset[0], cand.rotation, 1)
+    assert torch.equal(sk, kt)
+    assert torch.equal(sv[:, :, :1], v[:, :, :1])  # the first token read exact
+    assert torch.equal(sv[:, :, 1:], fake_quantize_fp4(v, "nvfp4")[:, :, 1:])  # V per token
+    out = write_calibrated_checkpoint(folder, res, tmp_path / "out", "kvquant")
+    handle = kvquant.patch(
+        model, scales=out, kv_format={0: "fp8-k-nvfp4-v", 1: "fp8"}, backend="torch"
+    )
+    try:
+        grans = [s.granularity for s in handle.state.layer_specs]
+    finally:
+        handle.remove()
+    assert grans == ["k-transform-k-nvfp4-v", "k-transform"]
