@@ -100,12 +100,24 @@ class Candidate:
         v = fake_quantize_static(value, self.v_scale[layer])
         if self.k_offset is None:
             return query.float(), fake_quantize_static(key, self.k_scale[layer]), v
+        return self._k_transform_read(self.k_scale, self.k_offset, layer, query, key, value, v)
+
+    def _k_transform_read(
+        self,
+        k_scale: torch.Tensor,
+        k_offset: torch.Tensor,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query rotated, K in the k-transform's frame, ``v`` (V as read) with the first
+        tokens' values exact: what attention sees beside a K transform."""
         q = query.float()
         if self.rotation is not None:
             q = q @ self.rotation.to(q.device)
-        k = k_transform_keys(
-            key, self.k_scale[layer], self.k_offset[layer], self.rotation, self.first_tokens
-        )
+        k = k_transform_keys(key, k_scale[layer], k_offset[layer], self.rotation, self.first_tokens)
         n = min(self.first_tokens, v.shape[2])
         if n:
             v[:, :, :n] = value[:, :, :n].float()
@@ -129,17 +141,7 @@ class Candidate:
             v = fake_quantize_fp4(value, v_side)
             if self.k_offset is None:
                 return query.float(), fake_quantize_static(key, self.k_scale[layer]), v
-            # FP8 K in the k-transform's frame; the first tokens' K and V kept exact
-            q = query.float()
-            if self.rotation is not None:
-                q = q @ self.rotation.to(q.device)
-            k = k_transform_keys(
-                key, self.k_scale[layer], self.k_offset[layer], self.rotation, self.first_tokens
-            )
-            n = min(self.first_tokens, v.shape[2])
-            if n:
-                v[:, :, :n] = value[:, :, :n].float()
-            return q, k, v
+            return self._k_transform_read(self.k_scale, self.k_offset, layer, query, key, value, v)
         return query.float(), fake_quantize_fp4(key, k_side), fake_quantize_fp4(value, v_side)
 
     def stored(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[Any, Any]:

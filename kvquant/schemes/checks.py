@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvquant.errors import ScaleFormatError
+from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = [
     "MIN_ROTATED_HEAD_DIM",
@@ -122,3 +123,18 @@ def checked_rotation(scheme: str, rotation: object) -> torch.Tensor:
             "pass kvquant.kernels.hadamard(head_dim), or None.",
         )
     return own_copy(r)
+
+
+def check_first_tokens(scheme: str, first_tokens: object) -> None:
+    """A K transform's ``first_tokens``: an int from 0 to ``MAX_FIRST_TOKENS``.
+
+    Raises:
+        ScaleFormatError: anything else, with the fix.
+    """
+    nf = first_tokens
+    if isinstance(nf, bool) or not isinstance(nf, int) or not 0 <= nf <= MAX_FIRST_TOKENS:
+        raise fail(
+            scheme,
+            f"first_tokens is {nf!r}; expected an int from 0 to {MAX_FIRST_TOKENS}. Fix: "
+            "pass the first_tokens of the checkpoint's K transform (1 is usual).",
+        )

@@ -9,9 +9,14 @@ from typing import ClassVar
 import torch
 
 from kvquant.schemes.base import MXFP4, NVFP4, Fp4Format, KernelView, Scheme
-from kvquant.schemes.checks import check_scale_values, checked_tensor, fail, own_copy
+from kvquant.schemes.checks import (
+    check_first_tokens,
+    check_scale_values,
+    checked_tensor,
+    fail,
+    own_copy,
+)
 from kvquant.schemes.fp8 import KTransformScales
-from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = [
     "DYNAMIC_NVFP4_GLOBAL_SCALE",
@@ -251,13 +256,7 @@ class KTransformNvfp4VScales(Fp4Scales):
         owner = f"{self.name} scales"
         # the k-transform's own checks of the offset and rotation (shapes, finite, orthonormal)
         KTransformScales._check_transform(self, owner, self.k_scale)  # type: ignore[arg-type]
-        nf = self.first_tokens
-        if isinstance(nf, bool) or not isinstance(nf, int) or not 0 <= nf <= MAX_FIRST_TOKENS:
-            raise fail(
-                owner,
-                f"first_tokens is {nf!r}; expected an int from 0 to {MAX_FIRST_TOKENS}. Fix: "
-                "pass the first_tokens of the checkpoint's K transform (1 is usual).",
-            )
+        check_first_tokens(owner, self.first_tokens)
         if self.dims()[1] not in (None, self.head_dim):
             raise fail(
                 owner,

@@ -14,6 +14,7 @@ from kvquant.schemes.checks import (
     SCALE_FIX,
     TRANSFORM_FIX,
     check_finite,
+    check_first_tokens,
     check_scale_values,
     checked_rotation,
     checked_tensor,
@@ -21,7 +22,6 @@ from kvquant.schemes.checks import (
     host_copy,
     own_copy,
 )
-from kvquant.types import MAX_FIRST_TOKENS
 
 __all__ = ["GroupScales", "KTransformScales", "PerHeadScales", "PerTensorScales", "StaticScales"]
 
@@ -251,13 +251,7 @@ class KTransformScales(Scheme):
         object.__setattr__(self, "k_scale", own_copy(k))
         object.__setattr__(self, "v_scale", own_copy(v))
         self._check_transform(owner, k)
-        nf = self.first_tokens
-        if isinstance(nf, bool) or not isinstance(nf, int) or not 0 <= nf <= MAX_FIRST_TOKENS:
-            raise fail(
-                owner,
-                f"first_tokens is {nf!r}; expected an int from 0 to {MAX_FIRST_TOKENS}. Fix: "
-                "pass the first_tokens of the checkpoint's K transform (1 is usual).",
-            )
+        check_first_tokens(owner, self.first_tokens)
 
     def _check_transform(self, owner: str, k: torch.Tensor) -> None:
         """Offset ``[Hkv, D]`` and rotation ``[D, D]``: fp32, finite, orthonormal; own copies."""
