@@ -76,6 +76,32 @@ class PagedCase:
         )  # fmt: skip
 
 
+def shuffled_pages(
+    lens: list[int], page: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Block tables over shuffled pages for sequences of ``lens`` tokens.
+
+    Two pages more than the sequences need (never in a table), one unused entry per row
+    (-1), and the slot of each written token (-1 past a sequence's end).
+
+    Returns:
+        ``(block_tables int32 [B, max pages + 1], slots int64 [B, max(lens, 1)], num_pages)``.
+    """
+    bsz, lmax = len(lens), max(max(lens), 1)
+    n_pages = [(n + page - 1) // page for n in lens]
+    num_pages = sum(n_pages) + 2
+    perm = torch.randperm(num_pages, generator=gen)
+    block_tables = torch.full((bsz, max(n_pages) + 1), -1, dtype=torch.int32)
+    slots = torch.full((bsz, lmax), -1, dtype=torch.int64)
+    cursor = 0
+    for b, (n, np_) in enumerate(zip(lens, n_pages, strict=True)):
+        block_tables[b, :np_] = perm[cursor : cursor + np_].to(torch.int32)
+        cursor += np_
+        pos = torch.arange(n)
+        slots[b, :n] = block_tables[b, pos // page].long() * page + pos % page
+    return block_tables, slots, num_pages
+
+
 def negate_k_scale(scheme: Scheme, head: int) -> Scheme:
     """``scheme`` (static, per-head) with KV head ``head``'s K scale negated, not checked.
 
@@ -155,18 +181,7 @@ def build_case(
     gen = torch.Generator().manual_seed(seed)
     bsz = len(lens)
     lmax = max(max(lens), 1)
-    n_pages = [(n + page - 1) // page for n in lens]
-    num_pages = sum(n_pages) + 2
-    perm = torch.randperm(num_pages, generator=gen)
-    block_tables = torch.full((bsz, max(n_pages) + 1), -1, dtype=torch.int32)
-    cursor = 0
-    for b, n in enumerate(n_pages):
-        block_tables[b, :n] = perm[cursor : cursor + n].to(torch.int32)
-        cursor += n
-    slots = torch.full((bsz, lmax), -1, dtype=torch.int64)
-    for b, n in enumerate(lens):
-        pos = torch.arange(n)
-        slots[b, :n] = block_tables[b, pos // page].long() * page + pos % page
+    block_tables, slots, num_pages = shuffled_pages(lens, page, gen)
 
     head_gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1)
     key = torch.randn(bsz, lmax, hkv, d, generator=gen) * head_gain * value_gain

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from numerics import assert_close_rel
+from paged_cases import shuffled_pages
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels import page_storage, paged_attention, write_kv
@@ -94,17 +95,7 @@ def build(
     gen = torch.Generator().manual_seed(seed)
     bsz = len(lens)
     lmax = max(lens)
-    n_pages = [(n + page - 1) // page for n in lens]
-    num_pages = sum(n_pages) + 2
-    perm = torch.randperm(num_pages, generator=gen)
-    block_tables = torch.full((bsz, max(n_pages) + 1), -1, dtype=torch.int32)
-    slots = torch.full((bsz, lmax), -1, dtype=torch.int64)
-    cursor = 0
-    for b, (n, np_) in enumerate(zip(lens, n_pages, strict=True)):
-        block_tables[b, :np_] = perm[cursor : cursor + np_].to(torch.int32)
-        cursor += np_
-        pos = torch.arange(n)
-        slots[b, :n] = block_tables[b, pos // page].long() * page + pos % page
+    block_tables, slots, num_pages = shuffled_pages(lens, page, gen)
     gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1)
     key = torch.randn(bsz, lmax, hkv, d, generator=gen) * gain
     value = torch.randn(bsz, lmax, hkv, d, generator=gen) * gain.flip(2)

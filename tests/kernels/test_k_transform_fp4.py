@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from numerics import assert_close_rel
+from paged_cases import shuffled_pages
 
 from kvquant.errors import ScaleFormatError
 from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
@@ -112,17 +113,7 @@ def build(lens: list[int], *, hq: int, hkv: int, d: int, lq: int, kv_start: list
     """Sequences written through the reference write; first tokens kept rotated at kv_start."""
     gen = torch.Generator().manual_seed(seed)
     bsz, lmax = len(lens), max(lens)
-    n_pages = [(n + page - 1) // page for n in lens]
-    num_pages = sum(n_pages) + 2
-    perm = torch.randperm(num_pages, generator=gen)
-    block_tables = torch.full((bsz, max(n_pages) + 1), -1, dtype=torch.int32)
-    slots = torch.full((bsz, lmax), -1, dtype=torch.int64)
-    cursor = 0
-    for b, (n, np_) in enumerate(zip(lens, n_pages, strict=True)):
-        block_tables[b, :np_] = perm[cursor : cursor + np_].to(torch.int32)
-        cursor += np_
-        pos = torch.arange(n)
-        slots[b, :n] = block_tables[b, pos // page].long() * page + pos % page
+    block_tables, slots, num_pages = shuffled_pages(lens, page, gen)
     key, value = _tokens(bsz, lmax, hkv, d, gen)
     starts = torch.tensor(kv_start)
     for b, s in enumerate(kv_start):  # the sink at each row's first visible token
