@@ -229,7 +229,7 @@ def test_static_scales_a_4bit_format_does_not_use_are_named_in_a_warning(
 ) -> None:
     """A checkpoint's static FP8 scales with ``nvfp4`` / ``mxfp4`` (block scales computed on
     write) are not used: the patch says so once; formats that use them, and a model without
-    scales, stay silent."""
+    scales or with ``missing_scales="unit"``, stay silent."""
     model = _tiny()
     layers = model.config.num_hidden_layers
     scales = {
@@ -250,4 +250,6 @@ def test_static_scales_a_4bit_format_does_not_use_are_named_in_a_warning(
         caplog.clear()
         if kv_format != "fp8-k-nvfp4-v":  # needs a static K scale
             kvhf.patch(model, kv_format=kv_format, backend="torch").remove()
+        # missing_scales="unit": the 1.0 scales are nobody's, nothing to warn about
+        kvhf.patch(model, kv_format=kv_format, missing_scales="unit", backend="torch").remove()
     assert not any("does not use" in r.getMessage() for r in caplog.records)

@@ -288,25 +288,29 @@ def layer_specs(
     declared = getattr(model_scales, "fp4_layers", None)
     if declared:
         return checkpoint_fp4_specs(specs, declared, formats)
-    _log_unused_scales(specs, formats)
+    _log_unused_scales(specs, formats, [getattr(ls, "source", None) for ls in model_scales.layers])
     return [
         fp4_spec(spec, fmt) if fmt.four_bit else spec
         for spec, fmt in zip(specs, formats, strict=True)
     ]
 
 
-def _log_unused_scales(specs: list[LayerSpec], formats: Sequence[KVFormat]) -> None:
+def _log_unused_scales(
+    specs: list[LayerSpec], formats: Sequence[KVFormat], sources: Sequence[object]
+) -> None:
     """Warn once per patch when a 4-bit format without FP8 keys leaves static scales unused.
 
     ``nvfp4`` and ``mxfp4`` compute their block scales as tokens are written, so the static
     FP8 scales (and a k-transform's offset and rotation) that the layers resolved to are not
-    used; the user who passed a calibrated checkpoint should hear it.
+    used; the user who passed a calibrated checkpoint should hear it. The 1.0 scales of
+    ``missing_scales="unit"`` (``sources``: each layer's resolved source) are nobody's.
     """
     unused = [
         spec.name
-        for spec, fmt in zip(specs, formats, strict=True)
+        for spec, fmt, source in zip(specs, formats, sources, strict=True)
         if fmt.four_bit
         and not fmt.fp8_keys
+        and source != "unit"
         and issubclass(spec.scheme, (StaticScales, KTransformScales))
     ]
     if unused:
