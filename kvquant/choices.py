@@ -117,13 +117,14 @@ tests/test_schemes.py checks that they agree)."""
 
 
 class KRotation(Choice):
-    """A rotation of K before its fp32 group scales (``kvquant.patch(model, k_rotation=...)``;
-    None: K grouped as the model computes it)."""
+    """A rotation of K before its fp32 group scales or its 4-bit blocks (``kvquant.patch(model,
+    k_rotation=...)``; None: K stored as the model computes it)."""
 
     HADAMARD = "hadamard"
     """The normalised Hadamard matrix (:func:`kvquant.kernels.hadamard`; head_dim a power of two
     >= 16): K is stored as ``fp8(k @ H / s)``, each group's scale the amax of ``k @ H`` over
-    448, and the query is rotated alike, so scores are unchanged but for rounding."""
+    448 (``nvfp4`` / ``mxfp4``: the 4-bit blocks of ``k @ H``), and the query is rotated
+    alike, so scores are unchanged but for rounding."""
 
 
 class MissingScales(Choice):

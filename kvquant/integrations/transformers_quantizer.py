@@ -101,10 +101,11 @@ class KVQuantConfig(QuantizationConfigMixin):
             layer) and ``"default"`` for the layers not listed, e.g. ``{0: "fp8", -1: "fp8",
             "default": "nvfp4"}`` (saved with string keys, as JSON holds them).
         k_rotation: ``"hadamard"``: rotate K by the Hadamard matrix before its dynamic
-            ``fp32-group`` scales (:class:`~kvquant.choices.KRotation`; head_dim a power of
-            two >= 16), the query alike: more accurate than plain groups at the same size,
-            best with ``group_size=32``. Default None: K grouped as computed. Refused with
-            checkpoint (static) scales and 4-bit formats.
+            ``fp32-group`` scales or its ``nvfp4`` / ``mxfp4`` blocks
+            (:class:`~kvquant.choices.KRotation`; head_dim a power of two >= 16), the query
+            alike: more accurate than plain groups at the same size, best with
+            ``group_size=32``. Default None: K stored as computed. Refused with checkpoint
+            (static) scales of FP8 layers and with ``fp8-k-nvfp4-v``.
         **saved: keys of a saved config that are not options (``quant_method``).
 
     Raises:

@@ -10,8 +10,10 @@ import torch
 
 from kvquant.schemes.base import MXFP4, NVFP4, Fp4Format, KernelView, Scheme
 from kvquant.schemes.checks import (
+    MIN_ROTATED_HEAD_DIM,
     check_first_tokens,
     check_scale_values,
+    checked_rotation,
     checked_tensor,
     fail,
     own_copy,
@@ -102,6 +104,29 @@ class Fp4Scales(Scheme):
                 f"same shape (both () or both (num_kv_heads,)). {_FP4_FIX}",
             )
 
+    def _check_rotation(self) -> None:
+        """``k_rotation`` (NVFP4, MXFP4): None, or an orthonormal fp32 ``[D, D]`` for a
+        power-of-two ``D >= MIN_ROTATED_HEAD_DIM``; the scheme's own copy."""
+        rotation = getattr(self, "k_rotation", None)
+        if rotation is None:
+            return
+        owner, d = f"{self.name} scales", self.head_dim
+        if d < MIN_ROTATED_HEAD_DIM or d & (d - 1):
+            raise fail(
+                owner,
+                f"k_rotation was given for head_dim {d}; expected a power-of-two head_dim >= "
+                f"{MIN_ROTATED_HEAD_DIM} (the Hadamard rotation's sizes). Fix: drop k_rotation "
+                "for this model.",
+            )
+        r = checked_rotation(owner, rotation)
+        if r.shape[0] != d:
+            raise fail(
+                owner,
+                f"k_rotation has shape {tuple(r.shape)}; expected ({d}, {d}) (head_dim {d}). "
+                f"Fix: pass kvquant.kernels.hadamard({d}), or None.",
+            )
+        object.__setattr__(self, "k_rotation", r)
+
     @classmethod
     def kv_format(cls) -> str:
         """The ``kv_format`` word whose pages the scheme stores (``kvquant.patch``): its name."""
@@ -126,7 +151,8 @@ class Fp4Scales(Scheme):
 
     def kernel_view(self) -> KernelView:
         k, v = self._scales()
-        return KernelView(k, v, None, None, None, self.k_format, self.v_format)
+        rotation = getattr(self, "k_rotation", None)
+        return KernelView(k, v, None, None, rotation, self.k_format, self.v_format)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -134,14 +160,18 @@ class Nvfp4Scales(Fp4Scales):
     """NVFP4 K and V: e2m1 codes, an e4m3 scale per block of 16 (on write), an fp32 global scale.
 
     A value is ``(e2m1 * block_scale) * g``; the block scale is
-    ``e4m3(min(amax_block / (6 * g), 448))`` (docs/dev/fp4-formats.md).
+    ``e4m3(min(amax_block / (6 * g), 448))`` (docs/dev/fp4-formats.md). With ``k_rotation`` K
+    is rotated before it is quantized (``k @ R``, the query rotated alike; V as given).
 
     Attributes:
         head_dim: ``D``, a multiple of 16.
         k_global_scale: fp32 ``[]`` or ``[Hkv]``, finite, in ``[SCALE_MIN, SCALE_MAX]``: K's
             ``g`` (canonical ``amax / (6 * 448)``; :data:`DYNAMIC_NVFP4_GLOBAL_SCALE` without
-            calibration).
+            calibration; of the rotated K with ``k_rotation``).
         v_global_scale: like ``k_global_scale``, the same shape.
+        k_rotation: fp32 ``[D, D]`` orthonormal rotation ``R`` of K (e.g.
+            :func:`kvquant.kernels.hadamard`; a power-of-two ``D >= MIN_ROTATED_HEAD_DIM``), or
+            None.
 
     Example:
         >>> import torch
@@ -152,12 +182,14 @@ class Nvfp4Scales(Fp4Scales):
 
     k_global_scale: torch.Tensor | None = None
     v_global_scale: torch.Tensor | None = None
+    k_rotation: torch.Tensor | None = None
     name: ClassVar[str] = "nvfp4"
     k_format: ClassVar[Fp4Format | None] = NVFP4
     v_format: ClassVar[Fp4Format | None] = NVFP4
 
     def __post_init__(self) -> None:
         self._check(("k_global_scale", "v_global_scale"))
+        self._check_rotation()
 
     def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.k_global_scale, self.v_global_scale
@@ -168,21 +200,25 @@ class Mxfp4Scales(Fp4Scales):
     """MXFP4 K and V (OCP MX): e2m1 codes and an e8m0 power-of-two scale per block of 32.
 
     Fully dynamic: every scale is computed when a token is written, none is stored beforehand.
+    With ``k_rotation`` K is rotated before it is quantized (as :class:`Nvfp4Scales`).
 
     Attributes:
         head_dim: ``D``, a multiple of 32.
+        k_rotation: fp32 ``[D, D]`` orthonormal rotation ``R`` of K, or None.
 
     Example:
         >>> Mxfp4Scales(64).kernel_view().k_fp4.name
         'mxfp4'
     """
 
+    k_rotation: torch.Tensor | None = None
     name: ClassVar[str] = "mxfp4"
     k_format: ClassVar[Fp4Format | None] = MXFP4
     v_format: ClassVar[Fp4Format | None] = MXFP4
 
     def __post_init__(self) -> None:
         self._check((None, None))
+        self._check_rotation()
 
 
 @dataclass(frozen=True, eq=False, repr=False)

@@ -12,7 +12,7 @@ import torch
 from kvquant.cache import PageAllocator, PagedLayerStorage
 from kvquant.cache.storage import Fp4Storage, Fp8KNvfp4VStorage
 from kvquant.errors import CacheUsageError, ScaleFormatError
-from kvquant.kernels import paged_attention
+from kvquant.kernels import hadamard, paged_attention
 from kvquant.kernels.fp4 import dequantize_fp4
 from kvquant.kernels.fp8 import dequantize_pages
 from kvquant.schemes import Mask
@@ -132,6 +132,11 @@ def test_memory_bytes_count_4bit_pages_and_block_scales() -> None:
         ("nvfp4", {"group_size": 16}, CacheUsageError, "group_size=16 was given"),
         ("nvfp4", {"kv_dtype": torch.float8_e5m2}, CacheUsageError, "e4m3fn"),
         ("fp8-k-nvfp4-v", {"k_offset": torch.zeros(H, D)}, CacheUsageError, "k-transform"),
+        ("fp8-k-nvfp4-v", {"k_rotation": hadamard(D)}, CacheUsageError, "k-transform"),
+        ("nvfp4", {"k_offset": torch.zeros(H, D)}, CacheUsageError, "k-transform"),
+        ("mxfp4", {"k_rotation": torch.ones(D, D)}, ScaleFormatError, "L: mxfp4 scales: .*not "
+         "orthonormal"),
+        ("nvfp4", {"k_rotation": hadamard(32)}, ScaleFormatError, r"k_rotation has shape"),
     ],
 )  # fmt: skip
 def test_constructor_refuses_with_the_owner(
@@ -139,6 +144,42 @@ def test_constructor_refuses_with_the_owner(
 ) -> None:
     with pytest.raises(err, match=match):
         _storage(gran, name="L", **kw)
+
+
+@pytest.mark.parametrize("gran", ["nvfp4", "mxfp4"])
+def test_rotated_k_is_stored_rotated_and_read_back_in_the_models_frame(gran: str) -> None:
+    """``k_rotation``: K's pages hold the codes of ``k @ H`` (the scheme carries H, the
+    attention rotates the query), ``dense()`` rotates K back; V and the byte counts of the
+    pages are those of the unrotated storage, plus H under ``k_transform``."""
+    h = hadamard(D)
+    store, plain = _storage(gran, k_rotation=h), _storage(gran)
+    assert torch.equal(store.k_rotation.cpu(), h) and plain.k_rotation is None
+    assert torch.equal(store.scheme.kernel_view().k_rotation.cpu(), h)
+    assert "K rotated" in repr(store) and "K rotated" not in repr(plain)
+    alloc = PageAllocator(num_pages=6, page_size=PAGE)
+    kv = _fill(store, alloc, ["a"], 13, seed=2)
+    plain.write(kv[0] @ h.to(DEV), kv[1], _slots_of(alloc, 13))
+    for name in Fp4Storage.pool_names:  # the rotated K quantized as usual, V as given
+        assert torch.equal(getattr(store, name).view(torch.uint8),
+                           getattr(plain, name).view(torch.uint8)), name  # fmt: skip
+    bt, lens = alloc.block_tables(["a"]).to(DEV), alloc.seq_lens(["a"]).to(DEV)
+    k, v = store.dense(bt, 13)
+    k_rot, v_plain = plain.dense(bt, 13)
+    assert torch.allclose(k, k_rot @ h.to(DEV).T, atol=1e-5) and torch.equal(v, v_plain)
+    assert float((k - kv[0]).norm() / kv[0].norm()) < 0.2  # the model's K, 4-bit close
+    q = torch.randn(1, 13, 2 * H, D, device=DEV)
+    rotated_q = plain.attend(q @ h.to(DEV), bt, lens)
+    assert torch.allclose(store.attend(q, bt, lens), rotated_q, atol=1e-5)
+    held, before = store.memory_bytes(), plain.memory_bytes()
+    assert held["k_transform"] == D * D * 4
+    assert held["total"] == before["total"] + D * D * 4
+
+
+def _slots_of(alloc: PageAllocator, n: int) -> torch.Tensor:
+    """The slots of sequence ``"a"``'s first ``n`` tokens (already reserved)."""
+    bt = alloc.block_tables(["a"])[0].long()
+    pos = torch.arange(n)
+    return (bt[pos // PAGE] * PAGE + pos % PAGE).reshape(1, n).to(DEV)
 
 
 def test_head_dim_must_hold_whole_blocks() -> None:

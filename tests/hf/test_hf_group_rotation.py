@@ -139,8 +139,8 @@ def test_the_option_round_trips_through_a_saved_config() -> None:
          r"scale_format='per-head'; the rotation applies to the dynamic fp32-group"),
         ({"k_rotation": "hadamard", "missing_scales": "unit"}, OptionError,
          r"missing_scales='unit'"),
-        ({"k_rotation": "hadamard", "kv_format": "nvfp4"}, OptionError,
-         r"k_rotation='hadamard' with kv_format='nvfp4'"),
+        ({"k_rotation": "hadamard", "kv_format": "fp8-k-nvfp4-v"}, OptionError,
+         r"k_rotation='hadamard' with kv_format 'fp8-k-nvfp4-v'"),
     ],
 )  # fmt: skip
 def test_bad_values_and_conflicts_are_refused_when_built(

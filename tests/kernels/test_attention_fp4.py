@@ -1,5 +1,8 @@
 """Paged attention over 4-bit K and/or V pages: Triton (interpreted on CPU) vs the reference.
 
+NVFP4 and MXFP4 K may be stored rotated (``k_rotation``, the Hadamard matrix): both backends
+rotate the query alike.
+
 Each case writes fresh random K/V through ``write_kv`` (the torch reference write) into
 shuffled pages whose unwritten slots hold random bytes and NaN block-scale codes (a read past a
 sequence's end or through an unused block-table entry gives NaN), with -1 in unused
@@ -22,9 +25,9 @@ from numerics import assert_close_rel
 from paged_cases import shuffled_pages
 
 from kvquant.errors import KernelInputError
-from kvquant.kernels import page_storage, paged_attention, write_kv
+from kvquant.kernels import hadamard, page_storage, paged_attention, write_kv
 from kvquant.kernels.attention.launch import paged_attention_triton
-from kvquant.kernels.fp4 import fp4_page_storage
+from kvquant.kernels.fp4 import dequantize_fp4, fp4_page_storage
 from kvquant.schemes import (
     FirstTokens,
     Fp4Format,
@@ -61,6 +64,11 @@ def _scheme(kind: str, hkv: int, d: int, amax: tuple[torch.Tensor, torch.Tensor]
         return Nvfp4Scales(d, one, one)
     if kind == "mxfp4":
         return Mxfp4Scales(d)
+    if kind == "nvfp4-rotated":  # K stored as the 4-bit codes of k @ H, the query rotated alike
+        one = torch.tensor(1.0)
+        return Nvfp4Scales(d, one, one, hadamard(d))
+    if kind == "mxfp4-rotated":
+        return Mxfp4Scales(d, hadamard(d))
     if kind == "fp8-k-nvfp4-v":
         return Fp8KNvfp4VScales(d, k_amax / 448, v_amax / 2688)
     raise ValueError(kind)
@@ -150,6 +158,12 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
      q_lens=[12, 5]), {}),
     ("prefill-fp8-k-nvfp4-v-softcap", "fp8-k-nvfp4-v",
      dict(lens=[35], hq=8, hkv=2, d=64, lq=35, softcap=5.0), {}),
+    ("decode-nvfp4-rotated-split2", "nvfp4-rotated", dict(lens=[37, 70], hq=8, hkv=2, d=64),
+     {"num_splits": 2}),
+    ("decode-mxfp4-rotated-left-padding", "mxfp4-rotated",
+     dict(lens=[50, 41], hq=4, hkv=2, d=64, kv_start=[0, 11]), {}),
+    ("prefill-nvfp4-rotated-fp32-query-ragged", "nvfp4-rotated",
+     dict(lens=[30, 41], hq=4, hkv=1, d=32, lq=12, qdtype=torch.float32, q_lens=[12, 5]), {}),
 ]  # fmt: skip
 
 
@@ -161,13 +175,15 @@ def test_triton_matches_reference(kind: str, kw: dict[str, Any], extra: dict[str
     assert_close_rel(got, ref, rel_tol=REL_TOL)
 
 
-@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])
+@pytest.mark.parametrize(
+    "kind", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v", "nvfp4-rotated", "mxfp4-rotated"]
+)
 def test_reference_is_attention_over_the_dequantized_tokens(kind: str) -> None:
     """The 4-bit reference against SDPA over the original K/V: 4-bit error, not garbage.
 
     Measured ‖ref − sdpa‖ / ‖sdpa‖: about 0.09 (nvfp4), 0.10 (mxfp4), 0.07 (fp8-k-nvfp4-v)
-    on this problem; the bound 0.2 leaves a margin and fails for a swapped nibble order or a
-    missing block scale (errors of order 1).
+    on this problem; the bound 0.2 leaves a margin and fails for a swapped nibble order, a
+    missing block scale or a rotated K attended by an unrotated query (errors of order 1).
     """
     case = build(kind, [40], hq=4, hkv=2, d=64, lq=40, qdtype=torch.float32, seed=3)
     ref = run(case, "torch").cpu().float()
@@ -177,6 +193,31 @@ def test_reference_is_attention_over_the_dequantized_tokens(kind: str) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     rel = float((ref - sdpa.transpose(1, 2)).norm() / sdpa.norm())
     assert rel < 0.2, rel
+
+
+@pytest.mark.parametrize("kind", ["nvfp4-rotated", "mxfp4-rotated"])
+def test_rotated_scores_are_the_unrotated_scores_of_the_stored_keys(kind: str) -> None:
+    """With a K rotation the scores are ``(q H)·(k H) = q·k``: the reference over rotated pages
+    equals SDPA over the same pages read back in the model's frame (``K H^T``), with no
+    rounding between them; an unrotated query gives another output."""
+    case = build(kind, [33], hq=4, hkv=2, d=64, lq=33, qdtype=torch.float32, seed=5)
+    p, h = case.pages, hadamard(64)
+    fmt = case.scheme.k_format
+    assert fmt is not None and p.k_scales is not None and p.v_scales is not None
+    assert case.scheme.kernel_view().k_rotation is not None
+    ids = case.block_tables[0, :3].long().cpu()  # 33 tokens: three pages of 16
+    view = case.scheme.kernel_view()
+    k_rot = dequantize_fp4(p.k[ids].cpu(), p.k_scales[ids].cpu(), fmt, view.k_scale)
+    v = dequantize_fp4(p.v[ids].cpu(), p.v_scales[ids].cpu(), fmt, view.v_scale)
+    k_model, v = (x.flatten(0, 1)[:33].repeat_interleave(2, dim=1).transpose(0, 1)
+                  for x in (k_rot @ h.T, v))  # fmt: skip
+    q = case.query.cpu().float()[0].transpose(0, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k_model, v, is_causal=True)
+    ref = run(case, "torch").cpu().float()[0].transpose(0, 1)
+    assert_close_rel(ref, sdpa, rel_tol=1e-5)
+    k_as_is = k_rot.flatten(0, 1)[:33].repeat_interleave(2, dim=1).transpose(0, 1)
+    unrotated = torch.nn.functional.scaled_dot_product_attention(q, k_as_is, v, is_causal=True)
+    assert float((unrotated - ref).norm() / ref.norm()) > 0.1
 
 
 def test_a_nan_block_reaches_only_the_rows_that_see_it() -> None:

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvquant.errors import BackendError, KernelInputError
-from kvquant.kernels import page_storage, write_kv
+from kvquant.errors import BackendError, KernelInputError, ScaleFormatError
+from kvquant.kernels import hadamard, page_storage, write_kv
 from kvquant.kernels.fp4 import (
     Fp4Format,
     dequantize_fp4,
     fp4_page_storage,
+    quantize_fp4,
 )
 from kvquant.kernels.write_fp4 import write_fp4
 from kvquant.kernels.write_fp4.naive import write_fp4_reference
@@ -138,6 +139,53 @@ def test_write_matches_reference_byte_for_byte(kind: str, per_head: bool, backen
     v = value.reshape(-1, hkv, d)[keep].float()
     nan_blocks = ~torch.isfinite(v).unflatten(-1, (-1, fmt.block_size)).all(-1)
     assert torch.equal(back.isnan(), nan_blocks.repeat_interleave(fmt.block_size, dim=-1))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_rotated_k_is_stored_as_the_codes_of_the_rotated_keys(kind: str, backend: str) -> None:
+    """``k_rotation``: K's pages and block scales are those of ``k @ H`` quantized as usual
+    (byte for byte on both backends, values past the range and a NaN, which spreads over its
+    rotated token, included), V's those of the unrotated scheme; untouched slots keep their
+    poison."""
+    bsz, seq, hkv, d, num_pages, page = 2, 5, 2, 64, 4, 8
+    key, value = _new_tokens(bsz, seq, hkv, d, seed=11)
+    slots = _slots(bsz, seq, num_pages * page, seed=11)
+    plain = _scheme(kind, hkv, d, per_head=False)
+    view = plain.kernel_view()
+    h = hadamard(d).to(DEV)
+    scheme = (Nvfp4Scales(d, view.k_scale, view.v_scale, h) if kind == "nvfp4"
+              else Mxfp4Scales(d, h))  # fmt: skip
+    got = _pages(scheme, num_pages, page, hkv)
+    unrotated = _clone(got)
+    write_kv(key, value, got, slots, scheme, backend=backend)
+    write_fp4_reference(key, value, unrotated, slots, plain)
+    flat = slots.reshape(-1)
+    keep = flat >= 0
+    pg, off = flat[keep] // page, flat[keep] % page
+    fmt = scheme.k_format
+    assert fmt is not None and got.k_scales is not None
+    packed, codes = quantize_fp4(key.reshape(-1, hkv, d)[keep].float() @ h, fmt, view.k_scale)
+    assert torch.equal(got.k[pg, off], packed)
+    assert torch.equal(got.k_scales[pg, off].view(torch.uint8), codes.view(torch.uint8))
+    for name in ("v", "v_scales"):  # V as the unrotated scheme stores it; the rest untouched
+        assert torch.equal(_bytes(got)[name], _bytes(unrotated)[name]), name
+    written = torch.zeros(num_pages * page, dtype=torch.bool, device=DEV)
+    written[flat[keep]] = True
+    assert torch.equal(_bytes(got)["k"].flatten(0, 1)[~written],
+                       _bytes(unrotated)["k"].flatten(0, 1)[~written])  # fmt: skip
+
+
+def test_a_rotation_that_does_not_fit_is_refused_when_built() -> None:
+    one = torch.tensor(1.0)
+    with pytest.raises(ScaleFormatError, match="power-of-two head_dim >= 16"):
+        Nvfp4Scales(48, one, one, torch.eye(48))
+    with pytest.raises(ScaleFormatError, match=r"k_rotation has shape \(32, 32\); expected"):
+        Mxfp4Scales(64, hadamard(32))
+    with pytest.raises(ScaleFormatError, match="not orthonormal"):
+        Nvfp4Scales(32, one, one, torch.ones(32, 32))
+    assert Mxfp4Scales(64).kernel_view().k_rotation is None
+    assert Mxfp4Scales(64, hadamard(64)).kernel_view().k_rotation is not None
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])

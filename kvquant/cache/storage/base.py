@@ -106,10 +106,10 @@ class PagedLayerStorage:
         scale_names: how error messages call ``k_scale`` and ``v_scale``.
         k_offset: ``k-transform`` only: fp32 ``[Hkv, D]`` per-channel K offset
             in the rotated frame (required). Copied to fp32 on ``device`` once.
-        k_rotation: ``k-transform`` or ``fp32-group``: fp32 ``[D, D]`` orthonormal
-            rotation of K (e.g. :func:`kvquant.kernels.hadamard`; ``fp32-group``: a
-            power-of-two ``D >= 16``), or None. Checked to be orthonormal within
-            :data:`ORTHONORMAL_TOL` once.
+        k_rotation: ``k-transform``, ``fp32-group``, ``nvfp4`` or ``mxfp4``: fp32 ``[D, D]``
+            orthonormal rotation of K (e.g. :func:`kvquant.kernels.hadamard`; but for the
+            ``k-transform``, a power-of-two ``D >= 16``), or None. Checked to be orthonormal
+            within :data:`ORTHONORMAL_TOL` once.
         first_tokens: ``k-transform`` only: the first visible tokens of each
             sequence attended from a full-precision side buffer (0..1024).
         pages: pages allocated by the caller instead of by the storage (a
@@ -578,7 +578,8 @@ class PagedLayerStorage:
             format's block scales), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``, a
             4-bit format's global scales),
             ``k_transform`` (``k-transform``: offset, rotation and the first-token side
-            buffer; ``fp32-group``: its K rotation) and ``total`` (their sum).
+            buffer; ``fp32-group``, ``nvfp4``, ``mxfp4``: their K rotation) and ``total``
+            (their sum).
         """
         parts = {"pages": nbytes(self.k_pages, self.v_pages), "group_scales": 0}
         parts |= {"static_scales": 0, "k_transform": 0} | self._scale_bytes()

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar, cast
 
 import torch
@@ -40,7 +41,9 @@ def _fp32(x: Any) -> Any:
 class Fp4Storage(PagedLayerStorage):
     """Packed 4-bit K and V pages with their block scales (``nvfp4``, ``mxfp4``).
 
-    Pages are zero-filled and block scales zero (slots not yet written dequantize to 0).
+    Pages are zero-filled and block scales zero (slots not yet written dequantize to 0). With
+    ``k_rotation`` K is stored rotated (the codes of ``k @ R``, the query rotated alike);
+    :meth:`dense` reads it back in the model's frame.
 
     Attributes:
         k_pages: uint8 ``[num_pages, page_size, Hkv, D // 2]`` (two e2m1 codes per byte).
@@ -49,6 +52,8 @@ class Fp4Storage(PagedLayerStorage):
         v_block_scales: like ``k_block_scales``.
         k_scale: NVFP4's fp32 global scale of K (``[]`` or ``[Hkv]``) on the device, else None.
         v_scale: like ``k_scale`` for V.
+        k_rotation: fp32 ``[D, D]`` orthonormal K rotation on the device (the scheme's), or
+            None.
     """
 
     schemes: ClassVar[tuple[type[Scheme], ...]] = (Nvfp4Scales, Mxfp4Scales)
@@ -60,6 +65,7 @@ class Fp4Storage(PagedLayerStorage):
     v_block_scales: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+    k_rotation: torch.Tensor | None
     _scheme: Fp4Scales
 
     def _configure(self, args: SchemeArgs) -> None:
@@ -82,10 +88,13 @@ class Fp4Storage(PagedLayerStorage):
         self._scheme = scheme.to(self.device)
         view = self._scheme.kernel_view()
         self.k_scale, self.v_scale = view.k_scale, view.v_scale
+        self.k_rotation = view.k_rotation
 
     def _configure_transform(self, args: SchemeArgs) -> None:
-        """The K transform's arguments: refused (:class:`KTransformNvfp4VStorage` keeps them)."""
-        self._refuse_transform(args)
+        """The K transform's arguments: a rotation of 4-bit K (checked by the scheme), no offset
+        or first tokens (:class:`KTransformNvfp4VStorage` keeps them)."""
+        four_bit_k = getattr(scheme_class(self.granularity), "k_format", None) is not None
+        self._refuse_transform(replace(args, k_rotation=None) if four_bit_k else args)
 
     def _new_scheme(self, args: SchemeArgs, k: Any, v: Any) -> Fp4Scales:
         """The storage's scheme from the given scales (fp32 host copies, or as given)."""
@@ -97,9 +106,9 @@ class Fp4Storage(PagedLayerStorage):
                     f"{k_name}/{v_name} were given; mxfp4 computes every scale on write. "
                     "Fix: drop them."
                 )
-            return Mxfp4Scales(self.head_dim)
+            return Mxfp4Scales(self.head_dim, _fp32(args.k_rotation))
         if kind is Nvfp4Scales:
-            return Nvfp4Scales(self.head_dim, k, v)
+            return Nvfp4Scales(self.head_dim, k, v, _fp32(args.k_rotation))
         return Fp8KNvfp4VScales(self.head_dim, k, v)
 
     def _formats(self) -> tuple[Fp4Format | None, Fp4Format | None]:
@@ -139,7 +148,8 @@ class Fp4Storage(PagedLayerStorage):
         )
 
     def _dequant_args(self, ids: torch.Tensor) -> tuple[DequantArgs, DequantArgs]:
-        return DequantArgs(static=self.k_scale), DequantArgs(static=self.v_scale)
+        k = DequantArgs(static=self.k_scale, k_rotation=self.k_rotation)
+        return k, DequantArgs(static=self.v_scale)
 
     def _dequantize(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
@@ -153,12 +163,21 @@ class Fp4Storage(PagedLayerStorage):
                 )
             else:
                 scales = getattr(self, f"{side}_block_scales")[ids]
-                out.append(dequantize_fp4(pages, scales, fmt, a.static))
+                x = dequantize_fp4(pages, scales, fmt, a.static)
+                # rotated 4-bit K: back to the model's frame (R orthonormal)
+                out.append(x if a.k_rotation is None else x @ a.k_rotation.float().T)
         return out[0], out[1]
 
     def _scale_bytes(self) -> dict[str, int]:
         blocks = nbytes(getattr(self, "k_block_scales", None), self.v_block_scales)
-        return {"group_scales": blocks, "static_scales": nbytes(self.k_scale, self.v_scale)}
+        return {
+            "group_scales": blocks,
+            "static_scales": nbytes(self.k_scale, self.v_scale),
+            "k_transform": nbytes(self.k_rotation),
+        }
+
+    def _describe(self) -> str:
+        return ", K rotated" if self.k_rotation is not None else ""
 
 
 class Fp8KNvfp4VStorage(Fp4Storage):
@@ -196,6 +215,7 @@ class KTransformNvfp4VStorage(Fp8KNvfp4VStorage, KTransformStorage):
     v_scale: torch.Tensor
     _configure_transform = KTransformStorage._configure_transform
     _dequant_args = KTransformStorage._dequant_args
+    _describe = KTransformStorage._describe
 
     def _configure(self, args: SchemeArgs) -> None:
         super()._configure(args)

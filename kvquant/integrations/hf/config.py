@@ -66,7 +66,7 @@ class PatchOptions:
             per-layer map ``{layer index or "default": KVFormat}``
             (:func:`~kvquant.choices.layer_kv_formats` gives each layer's).
         k_rotation: None or ``"hadamard"`` (:class:`~kvquant.choices.KRotation`): K rotated
-            before its dynamic ``fp32-group`` scales.
+            before its dynamic ``fp32-group`` scales or its ``nvfp4`` / ``mxfp4`` blocks.
         source: a description of where the scales came from (not an option).
     """
 
@@ -223,19 +223,13 @@ def check_options(opts: PatchOptions, owner: str = "KVQuantConfig") -> None:
                 "scale blocks are fixed (16 channels for nvfp4, 32 for mxfp4). Fix: drop "
                 "group_size (it sizes the FP8 fp32-group format)."
             )
-        if opts.k_rotation is not None:
-            raise OptionError(
-                f"{owner}: k_rotation={opts.k_rotation!r} with {given}, which stores K in 4 "
-                "bits without a rotation. Fix: drop k_rotation (it rotates K before the FP8 "
-                "fp32-group format's scales)."
-            )
         if opts.scale_format != "auto":
             raise OptionError(
                 f"{owner}: scale_format={opts.scale_format!r} with {given}, "
                 "which computes its scales as tokens are written and reads none. Fix: drop "
                 "scale_format, or pass kv_format='fp8'."
             )
-    _check_k_rotation(opts, owner)
+    _check_k_rotation(opts, owner, used)
     if opts.backend not in BACKENDS:
         raise OptionError(
             f"{owner}: backend={opts.backend!r}; expected one of {BACKENDS}. "
@@ -247,8 +241,10 @@ _STATIC_FORMATS = frozenset({"per-tensor", "per-head", "k-transform"})
 """Built-in scale formats with static scales (a K rotation before group scales does not apply)."""
 
 
-def _check_k_rotation(opts: PatchOptions, owner: str) -> None:
-    """``k_rotation``: None or ``"hadamard"``, and not with a static scale format or scales."""
+def _check_k_rotation(opts: PatchOptions, owner: str, used: set[KVFormat]) -> None:
+    """``k_rotation``: None or ``"hadamard"``; not with ``fp8-k-nvfp4-v`` layers (``used``: the
+    layers' formats), nor with a static scale format or scales but where every layer is 4-bit
+    on both sides (no FP8 scale read)."""
     value = opts.k_rotation
     if value is None:
         return
@@ -262,6 +258,15 @@ def _check_k_rotation(opts: PatchOptions, owner: str) -> None:
             f"{owner}: k_rotation={value!r}; expected None or one of {KRotation.values()}. "
             "Fix: pass k_rotation='hadamard', or leave it None."
         )
+    if KVFormat.FP8_K_NVFP4_V in used:
+        raise OptionError(
+            f"{owner}: k_rotation={value!r} with kv_format 'fp8-k-nvfp4-v', whose FP8 K has a "
+            "static scale calibrated on K as the model computes it (a rotated K would need its "
+            "own; a k-transform checkpoint brings its rotation with it). Fix: drop k_rotation, "
+            "or pass kv_format='nvfp4' (4-bit K, rotated without calibration)."
+        )
+    if used <= {KVFormat.NVFP4, KVFormat.MXFP4}:
+        return
     fmt = opts.scale_format
     if isinstance(fmt, str) and fmt in _STATIC_FORMATS:
         raise OptionError(

@@ -345,6 +345,8 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
         if any(f.fp8_keys for f in formats):
             kv += f"; FP8 scales from {source}"
         kv += ")"
+        if opts.k_rotation is not None:
+            kv += f", K rotated ({opts.k_rotation}) before its groups or blocks"
     if getattr(state.model_scales, "fp4_layers", None):
         kv = (
             f"KV formats {describe_layer_formats(_stored_formats(state))} (the checkpoint's "

@@ -273,26 +273,35 @@ def layer_specs(
     A 4-bit format replaces its layer's FP8 format (:func:`fp4_spec`); a per-layer map gives
     each layer its own (:func:`~kvquant.choices.layer_kv_formats`); a checkpoint that declares
     4-bit layers gives them its formats and global scales (:func:`checkpoint_fp4_specs`).
-    ``k_rotation`` (``"hadamard"``) rotates K before the ``fp32-group`` layers' scales.
+    ``k_rotation`` (``"hadamard"``) rotates K before the ``fp32-group`` layers' scales and
+    the ``nvfp4`` / ``mxfp4`` layers' blocks.
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
         OptionError: a map that does not fit the model's layers; ``fp8-k-nvfp4-v`` for a
-            layer without static K scales; ``k_rotation`` for a layer whose scales resolved
-            to a static format, or whose head_dim is not a power of two >= 16.
+            layer without static K scales; ``k_rotation`` for an FP8 layer whose scales
+            resolved to a static format, an ``fp8-k-nvfp4-v`` layer, a checkpoint's 4-bit
+            layers, or a head_dim that is not a power of two >= 16.
     """
     specs = _fp8_specs(sites, geometry, model_scales)
-    if k_rotation is not None:
-        specs = [_rotated_spec(spec, str(k_rotation)) for spec in specs]
     formats = layer_kv_formats(kv_format, len(specs), "kvquant.patch")
     declared = getattr(model_scales, "fp4_layers", None)
     if declared:
+        if k_rotation is not None:
+            raise OptionError(
+                f"kvquant.patch: k_rotation={str(k_rotation)!r} with a checkpoint whose layers "
+                "are stored in 4 bits with its own calibrated global scales (of K as the model "
+                "computes it, not rotated). Fix: drop k_rotation."
+            )
         return checkpoint_fp4_specs(specs, declared, formats)
     _log_unused_scales(specs, formats, [getattr(ls, "source", None) for ls in model_scales.layers])
-    return [
+    specs = [
         fp4_spec(spec, fmt) if fmt.four_bit else spec
         for spec, fmt in zip(specs, formats, strict=True)
     ]
+    if k_rotation is not None:
+        specs = [_rotated_spec(spec, str(k_rotation)) for spec in specs]
+    return specs
 
 
 def _log_unused_scales(
@@ -406,13 +415,22 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
 
 
 def _rotated_spec(spec: LayerSpec, k_rotation: str) -> LayerSpec:
-    """``spec`` of an ``fp32-group`` layer with K rotated before its group scales.
+    """``spec`` of an ``fp32-group``, ``nvfp4`` or ``mxfp4`` layer with K rotated before its
+    group scales or 4-bit blocks.
 
     Raises:
-        OptionError: the layer's scales resolved to a static format, or its head_dim is not a
-            power of two >= 16 (a Hadamard rotation of K in the kernels' 16-channel slices).
+        OptionError: an FP8 layer whose scales resolved to a static format, an
+            ``fp8-k-nvfp4-v`` layer (refused earlier by the options' check), or a head_dim
+            that is not a power of two >= 16 (a Hadamard rotation of K in the kernels'
+            16-channel slices).
     """
-    if spec.scheme is not GroupScales:
+    if issubclass(spec.scheme, Fp4Scales) and spec.scheme.k_format is None:
+        raise OptionError(
+            f"{spec.name}: k_rotation={k_rotation!r} with kv_format 'fp8-k-nvfp4-v', whose FP8 K "
+            "has a static scale of K as the model computes it. Fix: drop k_rotation, or pass "
+            "kv_format='nvfp4'."
+        )
+    if spec.scheme not in (GroupScales, Nvfp4Scales, Mxfp4Scales):
         raise OptionError(
             f"{spec.name}: k_rotation={k_rotation!r} rotates K before the dynamic fp32-group "
             f"scales, but the layer's scales resolved to {spec.granularity!r} (the "
