@@ -223,8 +223,8 @@ def test_cli_json_of_the_report(tiny_kt: Any, tmp_path: Path, capsys: Any) -> No
 
 def test_cli_kv_budget_prints_a_per_layer_map(tiny_kt: Any, tmp_path: Path, capsys: Any) -> None:
     """--kv-budget: the map with its reasons and kv_format= in text and JSON; bad budgets are
-    usage errors (exit 2) before anything is written; the k-transform leaves out FP8 K +
-    NVFP4 V and says why."""
+    usage errors (exit 2) before anything is written; the k-transform measures FP8 K (in its
+    frame) + NVFP4 V among the per-layer formats."""
     from kvquant.choices import layer_kv_formats
     from kvquant.cli import main
 
@@ -250,7 +250,8 @@ def test_cli_kv_budget_prints_a_per_layer_map(tiny_kt: Any, tmp_path: Path, caps
     payload = json.loads(capsys.readouterr().out)
     proposal = payload["kv_format_map"]
     assert proposal["fp8_scheme"] == "k-transform" and proposal["fraction_of_fp8"] <= 0.6
-    assert proposal["notes"] and proposal["notes"][0].startswith("fp8-k-nvfp4-v left out")
+    assert not any(note.startswith("fp8-k-nvfp4-v") for note in proposal["notes"])
+    assert all("fp8-k-nvfp4-v" in lay["errors"] for lay in proposal["layers"])  # measured
     formats = layer_kv_formats(proposal["kv_format"], 2, "test")
     assert list(formats) == [lay["kv_format"] for lay in proposal["layers"]]
     assert all(lay["reason"] for lay in proposal["layers"])
