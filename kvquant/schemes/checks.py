@@ -138,3 +138,29 @@ def check_first_tokens(scheme: str, first_tokens: object) -> None:
             f"first_tokens is {nf!r}; expected an int from 0 to {MAX_FIRST_TOKENS}. Fix: "
             "pass the first_tokens of the checkpoint's K transform (1 is usual).",
         )
+
+
+def checked_head_rotation(scheme: str, rotation: object, head_dim: int) -> torch.Tensor:
+    """A dynamic format's K rotation for ``head_dim``: :func:`checked_rotation` of shape
+    ``[head_dim, head_dim]``, with ``head_dim`` a power of two >= :data:`MIN_ROTATED_HEAD_DIM`.
+
+    Raises:
+        ScaleFormatError: another head_dim or shape, or a rotation :func:`checked_rotation`
+            refuses.
+    """
+    d = head_dim
+    if d < MIN_ROTATED_HEAD_DIM or d & (d - 1):
+        raise fail(
+            scheme,
+            f"k_rotation was given for head_dim {d}; expected a power-of-two head_dim >= "
+            f"{MIN_ROTATED_HEAD_DIM} (the Hadamard matrix's sizes; the kernels rotate K in "
+            "slices of 16 channels). Fix: drop k_rotation for this model.",
+        )
+    r = checked_rotation(scheme, rotation)
+    if r.shape[0] != d:
+        raise fail(
+            scheme,
+            f"k_rotation has shape {tuple(r.shape)}; expected ({d}, {d}) (head_dim {d}). "
+            f"Fix: pass kvquant.kernels.hadamard({d}), or None.",
+        )
+    return r

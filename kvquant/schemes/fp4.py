@@ -10,10 +10,9 @@ import torch
 
 from kvquant.schemes.base import MXFP4, NVFP4, Fp4Format, KernelView, Scheme
 from kvquant.schemes.checks import (
-    MIN_ROTATED_HEAD_DIM,
     check_first_tokens,
     check_scale_values,
-    checked_rotation,
+    checked_head_rotation,
     checked_tensor,
     fail,
     own_copy,
@@ -108,24 +107,9 @@ class Fp4Scales(Scheme):
         """``k_rotation`` (NVFP4, MXFP4): None, or an orthonormal fp32 ``[D, D]`` for a
         power-of-two ``D >= MIN_ROTATED_HEAD_DIM``; the scheme's own copy."""
         rotation = getattr(self, "k_rotation", None)
-        if rotation is None:
-            return
-        owner, d = f"{self.name} scales", self.head_dim
-        if d < MIN_ROTATED_HEAD_DIM or d & (d - 1):
-            raise fail(
-                owner,
-                f"k_rotation was given for head_dim {d}; expected a power-of-two head_dim >= "
-                f"{MIN_ROTATED_HEAD_DIM} (the Hadamard rotation's sizes). Fix: drop k_rotation "
-                "for this model.",
-            )
-        r = checked_rotation(owner, rotation)
-        if r.shape[0] != d:
-            raise fail(
-                owner,
-                f"k_rotation has shape {tuple(r.shape)}; expected ({d}, {d}) (head_dim {d}). "
-                f"Fix: pass kvquant.kernels.hadamard({d}), or None.",
-            )
-        object.__setattr__(self, "k_rotation", r)
+        if rotation is not None:
+            r = checked_head_rotation(f"{self.name} scales", rotation, self.head_dim)
+            object.__setattr__(self, "k_rotation", r)
 
     @classmethod
     def kv_format(cls) -> str:

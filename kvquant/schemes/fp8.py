@@ -10,12 +10,12 @@ import torch
 
 from kvquant.schemes.base import KernelView, Scheme
 from kvquant.schemes.checks import (
-    MIN_ROTATED_HEAD_DIM,
     SCALE_FIX,
     TRANSFORM_FIX,
     check_finite,
     check_first_tokens,
     check_scale_values,
+    checked_head_rotation,
     checked_rotation,
     checked_tensor,
     fail,
@@ -155,22 +155,7 @@ class GroupScales(Scheme):
                 f"divides the head dim (e.g. one of {divisors}).",
             )
         if self.k_rotation is not None:
-            owner = "fp32-group scales"
-            if d < MIN_ROTATED_HEAD_DIM or d & (d - 1):
-                raise fail(
-                    owner,
-                    f"k_rotation was given for head_dim {d}; expected a power-of-two head_dim "
-                    f">= {MIN_ROTATED_HEAD_DIM} (the kernels rotate K in slices of 16 channels "
-                    "and store its groups as power-of-two tiles). Fix: drop k_rotation for this "
-                    "model.",
-                )
-            r = checked_rotation(owner, self.k_rotation)
-            if r.shape[0] != d:
-                raise fail(
-                    owner,
-                    f"k_rotation has shape {tuple(r.shape)}; expected ({d}, {d}) (head_dim "
-                    f"{d}). Fix: pass kvquant.kernels.hadamard({d}), or None.",
-                )
+            r = checked_head_rotation("fp32-group scales", self.k_rotation, d)
             object.__setattr__(self, "k_rotation", r)
 
     @classmethod

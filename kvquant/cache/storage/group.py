@@ -4,7 +4,7 @@ of K as given or rotated (``k_rotation``)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -78,10 +78,11 @@ class GroupStorage(PagedLayerStorage):
             )
         host = rotation.detach().to(device="cpu")
         try:
-            checked = GroupScales(self.head_dim, self.group_size, host).k_rotation
+            checked = cast(
+                torch.Tensor, GroupScales(self.head_dim, self.group_size, host).k_rotation
+            )
         except KVQuantError as err:
             raise ScaleFormatError(f"{self.name}: {err}") from None
-        assert checked is not None
         if self.device.type == "cpu":
             return checked
         # no stream sync from pinned memory (kvquant.patch pins what it passes)
