@@ -17,10 +17,13 @@ transformers = pytest.importorskip("transformers")
 HKV, D = 2, 16
 
 
-def biased_llama(seed: int = 0) -> Any:
-    """A tiny fp32 Llama whose k_proj has a large bias (keys with near-constant channels)."""
+def biased_llama(seed: int = 0, head_dim: int | None = None) -> Any:
+    """A tiny fp32 Llama (of ``head_dim``, or the tiny default) whose k_proj has a large bias
+    (keys with near-constant channels)."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON, attention_bias=True))
+    dims = {} if head_dim is None else {"head_dim": head_dim}
+    cfg = transformers.LlamaConfig(**_COMMON, **dims, attention_bias=True)
+    model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.k_proj.bias.normal_(0.0, 4.0)

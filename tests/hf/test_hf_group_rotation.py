@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import hf_kt
 import pytest
 import torch
 from hf_steps import min_cosine, step_logits
-from hf_tiny import _COMMON, VOCAB, build, prompt
+from hf_tiny import VOCAB, build, prompt
 
 import kvquant
 import kvquant.integrations.hf as kvhf
@@ -30,16 +31,8 @@ D = 64
 
 
 def biased_llama(seed: int = 0, head_dim: int = D) -> Any:
-    """A tiny fp32 Llama of ``head_dim`` whose k_proj has a large bias (near-constant channels)."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**_COMMON, head_dim=head_dim, attention_bias=True)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.k_proj.bias.normal_(0.0, 4.0)
-    model.eval()
-    model.set_attn_implementation("sdpa")
-    return model
+    """:func:`hf_kt.biased_llama` at this file's head_dim."""
+    return hf_kt.biased_llama(seed, head_dim)
 
 
 def _round(x: torch.Tensor, group: int) -> torch.Tensor:
