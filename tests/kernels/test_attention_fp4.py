@@ -128,6 +128,10 @@ def build(
     )
 
 
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.cpu()
+
+
 def run(case: Case, backend: str, **extra: Any) -> torch.Tensor:
     out = torch.full_like(case.query, float("nan"))
     fn = paged_attention_triton if extra else paged_attention
@@ -207,8 +211,8 @@ def test_rotated_scores_are_the_unrotated_scores_of_the_stored_keys(kind: str) -
     assert case.scheme.kernel_view().k_rotation is not None
     ids = case.block_tables[0, :3].long().cpu()  # 33 tokens: three pages of 16
     view = case.scheme.kernel_view()
-    k_rot = dequantize_fp4(p.k[ids].cpu(), p.k_scales[ids].cpu(), fmt, view.k_scale)
-    v = dequantize_fp4(p.v[ids].cpu(), p.v_scales[ids].cpu(), fmt, view.v_scale)
+    k_rot = dequantize_fp4(p.k[ids].cpu(), p.k_scales[ids].cpu(), fmt, _cpu(view.k_scale))
+    v = dequantize_fp4(p.v[ids].cpu(), p.v_scales[ids].cpu(), fmt, _cpu(view.v_scale))
     k_model, v = (x.flatten(0, 1)[:33].repeat_interleave(2, dim=1).transpose(0, 1)
                   for x in (k_rot @ h.T, v))  # fmt: skip
     q = case.query.cpu().float()[0].transpose(0, 1)
