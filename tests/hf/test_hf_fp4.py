@@ -169,12 +169,19 @@ def test_static_decode_step_equals_the_eager_one(kv_format: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4", "fp8-k-nvfp4-v"])
-def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
+@pytest.mark.parametrize(
+    ("kv_format", "k_rotation"),
+    [("nvfp4", None), ("mxfp4", None), ("fp8-k-nvfp4-v", None), ("nvfp4", "hadamard"),
+     ("mxfp4", "hadamard")],
+)  # fmt: skip
+def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str, k_rotation: str | None) -> None:
     """On CUDA (bf16, Triton, decode graphs and the compiled step on by default): logits
-    close to the torch backend's and to eager decoding's over every common prefix."""
+    close to the torch backend's and to eager decoding's over every common prefix; also with
+    rotated 4-bit keys."""
     ids, mask = (t.cuda() for t in prompt(batch=2, length=10, pad=(3,)))
-    extra = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
+    extra: dict[str, Any] = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
+    if k_rotation is not None:
+        extra["k_rotation"] = k_rotation
     outs = []
     for opts in ({"cuda_graphs": False, "backend": "torch"}, {"cuda_graphs": False}, {}):
         model = _tiny().to("cuda", torch.bfloat16)
