@@ -17,7 +17,8 @@ OUT=${OUT:-./step_round_out}
 PARTS=${PARTS:-tests,hf,phases,bench,e2e,capacity}
 part() { [[ ",$PARTS," == *",$1,"* ]]; }
 fp4=(tests/kernels/test_write_fp4.py tests/kernels/test_attention_fp4.py tests/kernels/test_fp4_codec.py
-     tests/kernels/test_fp4_triton.py tests/cache/test_storage_fp4.py tests/schemes/test_schemes.py tests/hf/test_hf_fp4.py)
+     tests/kernels/test_fp4_triton.py tests/kernels/test_k_transform_fp4.py tests/cache/test_storage_fp4.py
+     tests/schemes/test_schemes.py tests/hf/test_hf_fp4.py tests/hf/test_hf_fp4_rotation.py)
 part tests && timeout "${KERNEL_TIMEOUT:-170}" python3 -m pytest -q -rfE --tb=short --show-capture=no -m gpu -n 8 \
   tests/gpu tests/kernels -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 part tests && tail -n 2 "$OUT/gpu_tests.log"
