@@ -5,9 +5,11 @@ uint8, element ``2i`` in the low nibble (ModelOpt's order). NVFP4: blocks of 16
 along head_dim, an e4m3fn block scale and an fp32 global scale ``g`` (kvquant's canonical
 meaning: ``x = (e2m1 * block_scale) * g``, ``g = amax / (6 * 448)``). MXFP4: blocks of 32, an
 e8m0 exponent code ``E`` (``x = e2m1 * 2^(E - 127)``). Pages ``[num_pages, page_size, Hkv,
-D // 2]`` uint8, block scales ``[num_pages, page_size, Hkv, D // block]``. A block holding a
-non-finite value stores the NaN scale code (dequantizes to NaN, like an FP8 group scale).
-Rounding and saturation rules: docs/dev/fp4-formats.md. The formats themselves
+D // 2]`` uint8, block scales ``[num_pages, page_size, Hkv, D // block]``. Each block keeps the
+better of two block scales (:func:`quantize_fp4`: the block maximum mapped to e2m1's 6 or 4 for
+NVFP4, the OCP exponent or the next one for MXFP4). A block holding a non-finite value stores
+the NaN scale code (dequantizes to NaN, like an FP8 group scale). Rounding, saturation and the
+choice of scale: docs/dev/fp4-formats.md. The formats themselves
 (:class:`~kvquant.schemes.Fp4Format`, :data:`NVFP4`, :data:`MXFP4`) live in :mod:`kvquant.schemes`.
 """
 
@@ -116,22 +118,71 @@ def _per_head(global_scale: torch.Tensor) -> torch.Tensor:
     return g.reshape(-1, 1) if g.dim() else g
 
 
-def nvfp4_block_scales(amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """NVFP4 block scales (e4m3fn) ``e4m3(min(amax / (g * 6), 448))`` of block maxima ``amax``.
+def nvfp4_block_scales(
+    amax: torch.Tensor, global_scale: torch.Tensor, top: float = E2M1_MAX
+) -> torch.Tensor:
+    """NVFP4 block scales (e4m3fn) ``e4m3(min(amax / (g * top), 448))`` of block maxima ``amax``.
 
-    ``global_scale`` broadcasts against ``amax`` (``[..., Hkv, NB]`` with ``g [Hkv, 1]``).
+    ``top`` is the e2m1 value the block maximum maps to: 6 (e2m1's largest, the classic rule)
+    or 4 (finer steps near the top of the block; :func:`quantize_fp4` keeps the better of the
+    two). ``global_scale`` broadcasts against ``amax`` (``[..., Hkv, NB]`` with ``g [Hkv, 1]``).
     """
-    t = amax / (global_scale * E2M1_MAX)
+    t = amax / (global_scale * top)
     return e4m3_encode(t)
 
 
 def mxfp4_exponents(amax: torch.Tensor) -> torch.Tensor:
     """MXFP4 e8m0 codes ``E = floor(log2(amax)) - 2 + 127`` (OCP), clamped to ``[1, 254]``.
 
-    Read from amax's fp32 exponent field; zero and subnormal maxima get ``E = 1``.
+    Read from amax's fp32 exponent field; zero and subnormal maxima get ``E = 1``. The OCP
+    rule's exponent; :func:`quantize_fp4` may store ``E + 1`` instead.
     """
     field = (amax.float().view(torch.int32) >> 23) & 0xFF
     return (field - 2).clamp(1, 254).to(torch.uint8)
+
+
+_ERROR_FRACTION_BITS = 20
+"""Fixed-point resolution of a block's rounding error, in units of its block scale."""
+
+_ERROR_CLAMP = 8.0
+"""Errors (in units of the block scale) are clamped here before the fixed point (no overflow)."""
+
+
+def _candidate(xb: torch.Tensor, denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e2m1 codes of blocks ``xb [..., NB, B]`` under the scales ``denom [..., NB]`` (0: all
+    zero codes) and each block's squared rounding error in units of its scale, in fixed point.
+
+    The error of an element is ``min(| |y| - |e2m1(y)| |, 8)`` with ``y = x / denom``,
+    truncated to a multiple of ``2^-20``; the block's is the int64 sum of the squares of those
+    integers (exact, so any summation order gives it: the Triton write computes the same).
+    """
+    d = denom[..., None]
+    y = torch.where(d > 0, xb / torch.where(d > 0, d, 1.0), 0.0)
+    codes = e2m1_encode(y)
+    r = (y.abs() - e2m1_decode(codes & 0x7)).abs().clamp(max=_ERROR_CLAMP)
+    fixed = (r * float(1 << _ERROR_FRACTION_BITS)).to(torch.int64)
+    return codes, (fixed * fixed).sum(dim=-1)
+
+
+def _e4m3_mantissa_exponent(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M, p)`` with e4m3 value ``M * 2^(p - 10)`` (int64) of non-negative e4m3fn codes."""
+    c = codes.view(torch.uint8).to(torch.int64)
+    field, mantissa = c >> 3, c & 7
+    return torch.where(field > 0, mantissa + 8, mantissa), field.clamp(min=1)
+
+
+def _second_is_better(
+    err_a: torch.Tensor,
+    m_a: torch.Tensor,
+    p_a: torch.Tensor,
+    err_b: torch.Tensor,
+    m_b: torch.Tensor,
+    p_b: torch.Tensor,
+) -> torch.Tensor:
+    """Whether scale ``b = m_b * 2^p_b`` has a strictly lower squared error than ``a = m_a *
+    2^p_a`` (``p_b >= p_a``), errors in units of their scales: ``err_b * b^2 < err_a * a^2``
+    in int64 (exact; a tie keeps ``a``)."""
+    return ((err_b * m_b * m_b) << (2 * (p_b - p_a))) < err_a * m_a * m_a
 
 
 def quantize_fp4(
@@ -139,10 +190,15 @@ def quantize_fp4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., Hkv, D]`` to packed e2m1 codes and block scales.
 
-    NVFP4: block scale ``s = e4m3(min(amax_b / (g * 6), 448))``, codes
-    ``e2m1(x / (s * g))`` (all zero where ``s`` is 0). MXFP4: ``E`` from
-    :func:`mxfp4_exponents`, codes ``e2m1(x / 2^(E - 127))``. A block holding a
-    non-finite value gets the NaN scale code and zero codes.
+    Each block keeps the better of two candidate scales: the one whose codes reconstruct it
+    with the lower squared error (a tie, the first). NVFP4: ``s6 = e4m3(min(amax_b / (g * 6),
+    448))`` (the block maximum at e2m1's 6) or ``s4 = e4m3(min(amax_b / (g * 4), 448))`` (at 4:
+    finer steps for the block's large values), codes ``e2m1(x / (s * g))`` (all zero where
+    ``s * g`` is 0). MXFP4: ``E`` of :func:`mxfp4_exponents` (OCP: values in ``(6, 8) *
+    2^(E - 127)`` saturate at 6) or ``min(E + 1, 254)`` (none saturate, coarser steps), codes
+    ``e2m1(x / 2^(E - 127))``. The error is measured in fixed point (:func:`_candidate`), so
+    the Triton write makes the same choice. A block holding a non-finite value gets the NaN
+    scale code and zero codes.
 
     Args:
         x: ``[..., Hkv, D]`` any float dtype, ``D`` a multiple of the block size.
@@ -155,19 +211,34 @@ def quantize_fp4(
     """
     xb = _blocks(x, fmt)  # [..., Hkv, NB, B]
     finite = torch.isfinite(xb).all(dim=-1)
-    amax = torch.where(finite, xb.abs().amax(dim=-1), 0.0)
+    xb = torch.where(finite[..., None], xb, 0.0)  # a non-finite block: zeros, then the NaN code
+    amax = xb.abs().amax(dim=-1)
     if fmt.global_scale:
         if global_scale is None:
             raise KernelInputError(f"{fmt.name}: needs a global scale; got None.")
         g = _per_head(global_scale)
-        scales = nvfp4_block_scales(amax, g)
-        denom = scales.float() * g
-        y = torch.where(denom[..., None] > 0, xb / denom[..., None], 0.0)
-        codes = scales.view(torch.uint8)
+        s6 = nvfp4_block_scales(amax, g, E2M1_MAX)
+        s4 = nvfp4_block_scales(amax, g, 4.0)
+        denom6, denom4 = s6.float() * g, s4.float() * g
+        values_a, err6 = _candidate(xb, denom6)
+        values_b, err4 = _candidate(xb, denom4)
+        m6, p6 = _e4m3_mantissa_exponent(s6)
+        m4, p4 = _e4m3_mantissa_exponent(s4)
+        # s6 * g of 0 reconstructs zeros: s4 is better as soon as one of its codes is not 0
+        take = _second_is_better(err6, m6, p6, err4, m4, p4) | (
+            (denom6 == 0) & (values_b != 0).any(dim=-1)
+        )
+        codes = torch.where(take, s4.view(torch.uint8), s6.view(torch.uint8))
     else:
-        codes = mxfp4_exponents(amax)
-        y = xb / e8m0_decode(codes)[..., None]
-    values = torch.where(finite[..., None], e2m1_encode(y), 0)
+        e_ocp = mxfp4_exponents(amax).to(torch.int64)
+        e_up = (e_ocp + 1).clamp(max=254)
+        values_a, err_ocp = _candidate(xb, e8m0_decode(e_ocp))
+        values_b, err_up = _candidate(xb, e8m0_decode(e_up))
+        one = torch.ones_like(e_ocp)
+        take = _second_is_better(err_ocp, one, e_ocp, err_up, one, e_up)
+        codes = torch.where(take, e_up, e_ocp)
+    values = torch.where(take[..., None], values_b, values_a)
+    values = torch.where(finite[..., None], values, 0)
     codes = torch.where(finite, codes, fmt.nan_scale_code).to(torch.uint8)
     return pack_e2m1(values.flatten(-2)), codes.view(fmt.scale_dtype)
 

@@ -9,7 +9,7 @@ Users: :mod:`kvquant.kernels.write_fp4.kernel`, :mod:`kvquant.kernels.attention.
 import triton
 import triton.language as tl
 
-__all__ = ["e2m1_code", "e4m3_code", "e4m3_value", "e8m0_value"]
+__all__ = ["e2m1_code", "e2m1_magnitude", "e4m3_code", "e4m3_value", "e8m0_value"]
 
 
 @triton.jit
@@ -20,6 +20,15 @@ def e2m1_code(y):
     code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
     code += (a > 5.0).to(tl.int32)
     return tl.where((y < 0.0) & (code > 0), code | 8, code)
+
+
+@triton.jit
+def e2m1_magnitude(code):
+    """fp32 magnitude of e2m1 codes (int32; the sign bit ignored): constants, never a product."""
+    m = code & 7
+    v = tl.where(m == 7, 6.0, tl.where(m == 6, 4.0, tl.where(m == 5, 3.0, 2.0)))
+    v = tl.where(m == 3, 1.5, tl.where(m == 2, 1.0, tl.where(m == 1, 0.5, v)))
+    return tl.where(m == 0, 0.0, v)
 
 
 @triton.jit

@@ -26,7 +26,13 @@ from kvquant.kernels.fp4 import (
     e8m0_decode,
     quantize_fp4,
 )
-from kvquant.kernels.fp4_triton import e2m1_code, e4m3_code, e4m3_value, e8m0_value
+from kvquant.kernels.fp4_triton import (
+    e2m1_code,
+    e2m1_magnitude,
+    e4m3_code,
+    e4m3_value,
+    e8m0_value,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the tile's decodes: portable Triton everywhere, inline PTX on CUDA devices of sm_89 and newer
@@ -45,11 +51,12 @@ def _codes_kernel(x_ptr, e2m1_ptr, e4m3_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _values_kernel(code_ptr, e4m3_ptr, e8m0_ptr, BLOCK: tl.constexpr):
+def _values_kernel(code_ptr, e4m3_ptr, e8m0_ptr, e2m1_ptr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     c = tl.load(code_ptr + i)
     tl.store(e4m3_ptr + i, e4m3_value(c & 0x7F))
     tl.store(e8m0_ptr + i, e8m0_value(c))
+    tl.store(e2m1_ptr + i, e2m1_magnitude(c))
 
 
 def _e4m3_probe_points() -> torch.Tensor:
@@ -79,8 +86,9 @@ def test_encoders_match_torch_on_sweeps_ties_and_every_e4m3_neighbour() -> None:
 
 def test_decoders_match_torch_for_every_code() -> None:
     codes = torch.arange(256, dtype=torch.int32)
-    e4m3, e8m0 = (torch.empty(256, device=DEV) for _ in range(2))
-    _values_kernel[(1,)](codes.to(DEV), e4m3, e8m0, BLOCK=256)
+    e4m3, e8m0, e2m1 = (torch.empty(256, device=DEV) for _ in range(3))
+    _values_kernel[(1,)](codes.to(DEV), e4m3, e8m0, e2m1, BLOCK=256)
+    assert torch.equal(e2m1.cpu(), e2m1_decode((codes & 0xF).to(torch.uint8)).abs())
     want = (codes & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn).float()
     assert torch.equal(torch.nan_to_num(e4m3.cpu(), 7.0), torch.nan_to_num(want, 7.0))
     assert torch.equal(e4m3.cpu().isnan(), want.isnan())

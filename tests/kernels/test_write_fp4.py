@@ -3,7 +3,8 @@
 The kernel computes every code with integer and compare operations, so it must match the
 reference byte for byte (pages and block scales; an FP8 K side too) on every backend: fresh
 random data with values past the calibrated range and non-finite values, shuffled and skipped
-slots, strided inputs. Slots that are not written must keep their poison (random bytes, NaN
+slots, strided inputs; each block's choice between its two candidate scales on hand-built
+blocks whose choice is known. Slots that are not written must keep their poison (random bytes, NaN
 scale codes); a refused call must leave every written tensor as it was. ``write_kv`` routes a
 4-bit scheme to the same write.
 """
@@ -139,6 +140,76 @@ def test_write_matches_reference_byte_for_byte(kind: str, per_head: bool, backen
     v = value.reshape(-1, hkv, d)[keep].float()
     nan_blocks = ~torch.isfinite(v).unflatten(-1, (-1, fmt.block_size)).all(-1)
     assert torch.equal(back.isnan(), nan_blocks.repeat_interleave(fmt.block_size, dim=-1))
+
+
+# blocks whose two candidate scales differ in a known way (NVFP4 with g = 1: the scale of the
+# maximum at 6 or at 4; MXFP4: the OCP exponent or the next), each padded with zeros, and the
+# scale code each format stores for them (None: not pinned)
+HARD_BLOCKS: list[tuple[list[float], int | None, int | None]] = [
+    ([4, 3, -2, 1.5, 1, 0.5, -4], 0x38, None),  # on e2m1's grid below 4: NVFP4 maps 4 to 4 (1.0)
+    ([7.5] * 16, None, 128),  # in (6, 8): MXFP4 takes E + 1
+    ([6, -3, 1.5], 0x38, 127),  # exact under both NVFP4 scales: a tie keeps the classic one
+    ([2.8 * 2.0**-9, 1e-5], 0x01, None),  # NVFP4's classic scale rounds to 0, 2^-9 does not
+    ([4.2 * 448, 4 * 448, 3 * 448, 2 * 448, 448], 0x7E, None),  # the other clamps at 448
+    ([7.0, 0.5, 0.25], None, 127),  # MXFP4: E + 1 would zero the small values
+    ([], 0x00, 1),  # all zero
+    ([1.0, float("nan")], 0x7F, 255),  # non-finite: the NaN scale code
+    ([float("-inf"), 2.0], 0x7F, 255),
+]
+
+
+def _hard_tokens(hkv: int, d: int, seed: int) -> torch.Tensor:
+    """``[1, L, Hkv, D]`` fp32: token ``t``'s first block (head 0) is ``HARD_BLOCKS[t]``, every
+    other block random with a magnitude from e4m3's subnormal scales to past the 448 clamp."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(HARD_BLOCKS) + 23
+    x = torch.randn(1, n, hkv, d // 16, 16, generator=gen)
+    x = (x * 2.0 ** (torch.rand(1, n, hkv, d // 16, 1, generator=gen) * 30 - 18)).flatten(-2)
+    for t, (values, _, _) in enumerate(HARD_BLOCKS):
+        x[0, t, 0, :32] = 0.0
+        x[0, t, 0, : len(values)] = torch.tensor(values)
+    return x.to(DEV)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    ("kind", "per_head"), KINDS, ids=[f"{k}-{'per-head' if p else 'per-tensor'}" for k, p in KINDS]
+)
+def test_block_scale_choice_matches_reference_on_hard_blocks(
+    kind: str, per_head: bool, backend: str
+) -> None:
+    """Each 4-bit block keeps the better of its two candidate scales, byte for byte with the
+    reference on both backends: hand-built blocks with known choices (ties, a classic scale
+    of 0, the 448 clamp, zero and non-finite blocks) beside random ones."""
+    hkv, d, num_pages, page = 2, 64, 4, 8
+    seed = hash((kind, per_head, backend, "hard")) % 2**31
+    key = _hard_tokens(hkv, d, seed)
+    value = _hard_tokens(hkv, d, seed + 1)
+    n = key.shape[1]
+    g = torch.tensor([1.0, 2.0**-7] if per_head else 1.0, device=DEV)
+    scheme: Fp4Scales
+    if kind == "nvfp4":
+        scheme = Nvfp4Scales(d, g, g)
+    elif kind == "mxfp4":
+        scheme = Mxfp4Scales(d)
+    else:
+        scheme = Fp8KNvfp4VScales(d, g * 4, g)
+    slots = torch.randperm(num_pages * page, generator=torch.Generator().manual_seed(seed))
+    slots = slots[:n].reshape(1, n).to(DEV)
+    got = _pages(scheme, num_pages, page, hkv)
+    want = _clone(got)
+    write_kv(key, value, got, slots, scheme, backend=backend)
+    write_fp4_reference(key, value, want, slots, scheme)
+    for name, x in _bytes(want).items():
+        assert torch.equal(_bytes(got)[name], x), name
+    fmt = scheme.v_format
+    assert fmt is not None and got.v_scales is not None
+    flat = slots.reshape(-1)
+    first = got.v_scales.view(torch.uint8)[flat // page, flat % page, 0, 0]  # head 0, block 0
+    for t, (_, nvfp4_code, mxfp4_code) in enumerate(HARD_BLOCKS):
+        code = nvfp4_code if fmt.global_scale else mxfp4_code
+        if code is not None:
+            assert int(first[t]) == code, (t, int(first[t]), code)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

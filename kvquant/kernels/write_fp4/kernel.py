@@ -3,16 +3,17 @@
 One launch writes K and V: each program takes ``BLOCK_T`` tokens and all their (head, block)
 rows, loaded as the even and odd elements of each block (``[T, R, BLOCK // 2]`` each) so that a
 pair packs into one byte without a reshape. ``K_FMT`` / ``V_FMT`` pick each side's format: 0
-FP8 with a static scale (ModelOpt's FP8 K beside NVFP4 V), 1 NVFP4, 2 MXFP4. Every code comes
-from integer and compare operations (:mod:`kvquant.kernels.fp4_triton`), never an fp8 cast:
-bit for bit the reference :func:`~kvquant.kernels.write_fp4.naive.write_fp4_reference` on CPU
+FP8 with a static scale (ModelOpt's FP8 K beside NVFP4 V), 1 NVFP4, 2 MXFP4. A 4-bit block
+keeps the better of two block scales, compared by an exact integer sum of fixed-point errors.
+Every code comes from integer and compare operations (:mod:`kvquant.kernels.fp4_triton`), never
+an fp8 cast: bit for bit the reference :func:`~kvquant.kernels.write_fp4.naive.write_fp4_reference` on CPU
 and GPU. Launcher: :mod:`kvquant.kernels.write_fp4.launch`; the codes: docs/dev/fp4-formats.md.
 """
 
 import triton
 import triton.language as tl
 
-from kvquant.kernels.fp4_triton import e2m1_code, e4m3_code, e4m3_value
+from kvquant.kernels.fp4_triton import e2m1_code, e2m1_magnitude, e4m3_code, e4m3_value
 
 __all__ = ["write_fp4_kernel"]
 
@@ -27,13 +28,48 @@ def _fp8_code(x, s):
 
 
 @triton.jit
+def _candidate(xe, xo, denom):
+    """e2m1 codes of the tiles under block scales ``denom [T, R]`` (0: zero codes) and each
+    block's squared error in units of its scale: int64 sums of the errors' squares in fixed
+    point (``min(| |y| - |e2m1(y)| |, 8)`` truncated to a multiple of ``2^-20``), exact in any
+    summation order, so the choice is :func:`~kvquant.kernels.fp4.quantize_fp4`'s."""
+    ok = denom[:, :, None] > 0.0
+    safe = tl.where(denom > 0.0, denom, 1.0)[:, :, None]
+    ye = tl.where(ok, tl.math.div_rn(xe, safe), 0.0)
+    yo = tl.where(ok, tl.math.div_rn(xo, safe), 0.0)
+    ce = e2m1_code(ye)
+    co = e2m1_code(yo)
+    re = tl.minimum(tl.abs(tl.abs(ye) - e2m1_magnitude(ce)), 8.0)
+    ro = tl.minimum(tl.abs(tl.abs(yo) - e2m1_magnitude(co)), 8.0)
+    fe = (re * 1048576.0).to(tl.int64)
+    fo = (ro * 1048576.0).to(tl.int64)
+    return ce, co, tl.sum(fe * fe, axis=2) + tl.sum(fo * fo, axis=2)
+
+
+@triton.jit
+def _second_is_better(err_a, m_a, p_a, err_b, m_b, p_b):
+    """``err_b * b^2 < err_a * a^2`` for scales ``a = m_a * 2^p_a <= b = m_b * 2^p_b`` (int64)."""
+    mb = m_b.to(tl.int64)
+    ma = m_a.to(tl.int64)
+    return ((err_b * mb * mb) << (2 * (p_b - p_a)).to(tl.int64)) < err_a * ma * ma
+
+
+@triton.jit
+def _e4m3_mantissa(code):
+    """``M`` of e4m3 value ``M * 2^(p - 10)`` (int32 code)."""
+    return tl.where((code >> 3) > 0, (code & 7) + 8, code & 7)
+
+
+@triton.jit
 def _quantize_store(
     xe, xo, pages_ptr, p_off, d_step, mask, scales_ptr, s_off, s_mask, g, FMT: tl.constexpr
 ):
     """Quantize one ``[T, R, BLOCK // 2]`` pair of tiles (even, odd elements) and store it.
 
     ``FMT`` 0: FP8 bytes at ``p_off`` (even) and ``p_off + d_step`` (odd), ``g`` the static
-    scale; 1: NVFP4 (``g`` the global scale), 2: MXFP4, packed bytes at ``p_off``.
+    scale; 1: NVFP4 (``g`` the global scale), 2: MXFP4, packed bytes at ``p_off``. A 4-bit
+    block keeps the better of two scales (NVFP4: the maximum at e2m1's 6 or 4; MXFP4: the OCP
+    exponent or the next), as :func:`~kvquant.kernels.fp4.quantize_fp4` does.
     """
     if FMT == 0:
         s = g[None, :, None]
@@ -47,21 +83,35 @@ def _quantize_store(
         xo = tl.where(ok[:, :, None], xo, 0.0)
         amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))
         if FMT == 1:
-            t = tl.minimum(tl.math.div_rn(amax, g[None, :] * 6.0), 448.0)
-            code = e4m3_code(t)
-            denom = e4m3_value(code) * g[None, :]
-            safe = tl.where(denom > 0.0, denom, 1.0)[:, :, None]
-            ye = tl.where(denom[:, :, None] > 0.0, tl.math.div_rn(xe, safe), 0.0)
-            yo = tl.where(denom[:, :, None] > 0.0, tl.math.div_rn(xo, safe), 0.0)
-            code = tl.where(ok, code, 0x7F)
+            code_a = e4m3_code(tl.minimum(tl.math.div_rn(amax, g[None, :] * 6.0), 448.0))
+            code_b = e4m3_code(tl.minimum(tl.math.div_rn(amax, g[None, :] * 4.0), 448.0))
+            denom_a = e4m3_value(code_a) * g[None, :]
+            ce_a, co_a, err_a = _candidate(xe, xo, denom_a)
+            ce_b, co_b, err_b = _candidate(xe, xo, e4m3_value(code_b) * g[None, :])
+            p_a = tl.maximum(code_a >> 3, 1)
+            p_b = tl.maximum(code_b >> 3, 1)
+            m_a = _e4m3_mantissa(code_a)
+            m_b = _e4m3_mantissa(code_b)
+            take = _second_is_better(err_a, m_a, p_a, err_b, m_b, p_b)
+            # a zero scale reconstructs zeros: the other is better once one of its codes is not 0
+            nonzero_b = tl.max(ce_b | co_b, axis=2) > 0
+            take = take | ((denom_a == 0.0) & nonzero_b)
+            nan_code = 0x7F
         else:
             field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-            code = tl.minimum(tl.maximum(field - 2, 1), 254)
-            scale = (code << 23).to(tl.float32, bitcast=True)[:, :, None]
-            ye = tl.math.div_rn(xe, scale)
-            yo = tl.math.div_rn(xo, scale)
-            code = tl.where(ok, code, 255)
-        byte = e2m1_code(ye) | (e2m1_code(yo) << 4)
+            code_a = tl.minimum(tl.maximum(field - 2, 1), 254)
+            code_b = tl.minimum(code_a + 1, 254)
+            scale_a = (code_a << 23).to(tl.float32, bitcast=True)
+            scale_b = (code_b << 23).to(tl.float32, bitcast=True)
+            ce_a, co_a, err_a = _candidate(xe, xo, scale_a)
+            ce_b, co_b, err_b = _candidate(xe, xo, scale_b)
+            one = code_a * 0 + 1
+            take = _second_is_better(err_a, one, code_a, err_b, one, code_b)
+            nan_code = 255
+        code = tl.where(ok, tl.where(take, code_b, code_a), nan_code)
+        ce = tl.where(take[:, :, None], ce_b, ce_a)
+        co = tl.where(take[:, :, None], co_b, co_a)
+        byte = ce | (co << 4)
         byte = tl.where(ok[:, :, None], byte, 0)
         tl.store(pages_ptr + p_off, byte.to(tl.uint8), mask=mask)
         tl.store(scales_ptr + s_off, code.to(tl.uint8), mask=s_mask)
