@@ -109,6 +109,25 @@ KINDS = [
 ]
 
 
+def _written_like_the_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    scheme: Fp4Scales,
+    geometry: tuple[int, int, int],
+    backend: str,
+) -> Pages:
+    """Poisoned pages written by ``write_kv`` on ``backend``, checked byte for byte against the
+    reference's write of the same tokens; returns them."""
+    got = _pages(scheme, *geometry)
+    want = _clone(got)
+    write_kv(key, value, got, slots, scheme, backend=backend)
+    write_fp4_reference(key, value, want, slots, scheme)
+    for name, x in _bytes(want).items():
+        assert torch.equal(_bytes(got)[name], x), name
+    return got
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize(
     ("kind", "per_head"), KINDS, ids=[f"{k}-{'per-head' if p else 'per-tensor'}" for k, p in KINDS]
@@ -119,12 +138,7 @@ def test_write_matches_reference_byte_for_byte(kind: str, per_head: bool, backen
     key, value = _new_tokens(bsz, seq, hkv, d, seed)
     slots = _slots(bsz, seq, num_pages * page, seed)
     scheme = _scheme(kind, hkv, d, per_head)
-    got = _pages(scheme, num_pages, page, hkv)
-    want = _clone(got)
-    write_kv(key, value, got, slots, scheme, backend=backend)
-    write_fp4_reference(key, value, want, slots, scheme)
-    for name, x in _bytes(want).items():
-        assert torch.equal(_bytes(got)[name], x), name
+    got = _written_like_the_reference(key, value, slots, scheme, (num_pages, page, hkv), backend)
     # slots never written keep their poison: NaN scale codes
     written = torch.zeros(num_pages * page, dtype=torch.bool)
     written[slots[slots >= 0].cpu()] = True
@@ -196,12 +210,7 @@ def test_block_scale_choice_matches_reference_on_hard_blocks(
         scheme = Fp8KNvfp4VScales(d, g * 4, g)
     slots = torch.randperm(num_pages * page, generator=torch.Generator().manual_seed(seed))
     slots = slots[:n].reshape(1, n).to(DEV)
-    got = _pages(scheme, num_pages, page, hkv)
-    want = _clone(got)
-    write_kv(key, value, got, slots, scheme, backend=backend)
-    write_fp4_reference(key, value, want, slots, scheme)
-    for name, x in _bytes(want).items():
-        assert torch.equal(_bytes(got)[name], x), name
+    got = _written_like_the_reference(key, value, slots, scheme, (num_pages, page, hkv), backend)
     fmt = scheme.v_format
     assert fmt is not None and got.v_scales is not None
     flat = slots.reshape(-1)
