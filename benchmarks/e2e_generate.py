@@ -39,7 +39,8 @@ Arms:
 * ``kvquant-eager``: per-tensor scales, ``cuda_graphs=False``;
 * ``kvquant-nvfp4`` and ``kvquant-mxfp4`` (opt-in, ``--arms`` / ``--capacity-arms``):
   ``kvquant.patch(model, kv_format="nvfp4")`` (or ``"mxfp4"``): 4-bit pages, block scales
-  computed as tokens are written, nothing else;
+  computed as tokens are written, nothing else; ``kvquant-nvfp4-rotk`` (opt-in) the same
+  with ``k_rotation="hadamard"`` (rotated 4-bit keys);
 * ``kvquant-g32``, ``kvquant-rotk32`` and ``kvquant-rotk64`` (opt-in, ``--arms`` /
   ``--capacity-arms``): the ``kvquant-fp32-group`` arm (no scales) with ``group_size=32``,
   with ``group_size=32, k_rotation="hadamard"`` (Hadamard-rotated keys) and with
@@ -114,6 +115,7 @@ CAPACITY_ARMS = (
     "kvquant-rowgroups",
     "kvquant-nvfp4",
     "kvquant-mxfp4",
+    "kvquant-nvfp4-rotk",
     "kvquant-g32",
     "kvquant-rotk32",
     "kvquant-rotk64",
@@ -125,7 +127,13 @@ GROUP_ARMS: dict[str, dict[str, Any]] = {
     "kvquant-rotk64": {"k_rotation": "hadamard"},
 }
 """The fp32-group arms beside ``kvquant-fp32-group`` (no scales): their patch options."""
-OPT_IN_ARMS = ("kvquant-rowgroups", "kvquant-nvfp4", "kvquant-mxfp4", *GROUP_ARMS)
+FP4_ARMS: dict[str, dict[str, Any]] = {
+    "kvquant-nvfp4": {"kv_format": "nvfp4"},
+    "kvquant-mxfp4": {"kv_format": "mxfp4"},
+    "kvquant-nvfp4-rotk": {"kv_format": "nvfp4", "k_rotation": "hadamard"},
+}
+"""The 4-bit arms (no scales): their patch options."""
+OPT_IN_ARMS = ("kvquant-rowgroups", *FP4_ARMS, *GROUP_ARMS)
 """Arms a shape runs only when ``--arms`` names them."""
 ROWGROUP_TOKENS = 16384
 """``prefill_tokens`` of the ``kvquant-rowgroups`` arm."""
@@ -385,8 +393,8 @@ class Arm:
             self.handle = kvquant.patch(self.model, **GROUP_ARMS[self.name], **kw)
         elif self.name == "kvquant-eager":
             self.handle = kvquant.patch(self.model, scales=self.scales, cuda_graphs=False, **kw)
-        elif self.name in ("kvquant-nvfp4", "kvquant-mxfp4"):
-            self.handle = kvquant.patch(self.model, kv_format=self.name.split("-")[1], **kw)
+        elif self.name in FP4_ARMS:
+            self.handle = kvquant.patch(self.model, **FP4_ARMS[self.name], **kw)
         elif self.name == "kvquant-rowgroups":
             self.handle = kvquant.patch(
                 self.model, scales=self.scales, prefill_tokens=ROWGROUP_TOKENS, **kw
