@@ -206,36 +206,41 @@ def _formats(runs: dict[str, Any]) -> list[str]:
     return [k for k, r in runs.items() if r.get("scale_factor", 1.0) == 1.0]
 
 
-def _statistics(model: Any, tokenizer: Any) -> tuple[Any, tuple[str, ...]]:
-    """``kvquant.calibrate.collect_statistics`` on the calibration texts, and their names."""
+def _statistics(model: Any, tokenizer: Any, max_tokens: int | None) -> tuple[Any, tuple[str, ...]]:
+    """``kvquant.calibrate.collect_statistics`` on the calibration texts (each whole, or its
+    first ``max_tokens`` tokens), and their names."""
     from benchmarks.harness.texts import calibration_texts
     from kvquant.calibrate import collect_statistics
 
     texts = calibration_texts()
+    inputs = [
+        t.text if max_tokens is None else A.tokenize(tokenizer, t.text, max_tokens)[0]
+        for t in texts
+    ]
     stats = collect_statistics(
-        model, [t.text for t in texts], tokenizer=tokenizer, objective="attention", progress=False
+        model, inputs, tokenizer=tokenizer, objective="attention", progress=False
     )
     return stats, tuple(t.name for t in texts)
 
 
-def _k_transform(model: Any, tokenizer: Any) -> A.KTransformScales:
+def _k_transform(model: Any, tokenizer: Any, max_tokens: int | None) -> A.KTransformScales:
     """The k-transform (Hadamard) of ``kvquant.calibrate`` on the calibration texts."""
     from kvquant.calibrate import choose_k_transform
 
-    stats, names = _statistics(model, tokenizer)
+    stats, names = _statistics(model, tokenizer, max_tokens)
     return A.KTransformScales.from_result(
         choose_k_transform(stats, rotation="hadamard", texts=names)
     )
 
 
 def _kvquant_calibrated(
-    model: Any, tokenizer: Any
+    model: Any, tokenizer: Any, max_tokens: int | None
 ) -> tuple[dict[str, A.CalibratedScales], dict[str, A.KTransformScales]]:
     """Per-head scales (both objectives) and the k-transform (Hadamard, offset only)
     from ``kvquant.calibrate`` on the calibration texts."""
     from kvquant.calibrate import FP8_E4M3_MAX, choose_k_transform, choose_scales
 
-    stats, names = _statistics(model, tokenizer)
+    stats, names = _statistics(model, tokenizer, max_tokens)
     out = {}
     for objective in ("mse", "attention"):
         res = choose_scales(stats, "per-head", objective=objective, texts=names)
@@ -272,7 +277,7 @@ def _measure_static(args: argparse.Namespace, bench: _Bench, scales: A.Calibrate
 
 
 def _measure_calibrated(args: argparse.Namespace, bench: _Bench, tokenizer: Any) -> None:
-    per_head, transforms = _kvquant_calibrated(bench.model, tokenizer)
+    per_head, transforms = _kvquant_calibrated(bench.model, tokenizer, args.statistics_tokens)
     for objective, calibrated in per_head.items():
         hidden, sec = _run(bench.model, bench.ids, "per-head", calibrated)
         bench.record(
@@ -318,7 +323,7 @@ def _measure_fp4(
     """The k-transform alone and the 4-bit formats of :func:`fp4_formats`, when asked."""
     if not {"k-transform", "fp4"} & set(args.sections):
         return
-    kt = _k_transform(bench.model, tokenizer)
+    kt = _k_transform(bench.model, tokenizer, args.statistics_tokens)
     if "k-transform" in args.sections:
         hidden, sec = _run(bench.model, bench.ids, KT, kt)
         bench.record(KT_LABEL, hidden, sec, format=KT, rotation="hadamard")
@@ -410,6 +415,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "per-channel mean offset of K (Hadamard-rotated, or not: offset-only), first token "
             "of each window left out and attended exactly, K scale = amax of k R - c / 448 per "
             "head, V per-head (mse clipping search)",
+            **(
+                {"statistics_tokens_per_text": args.statistics_tokens}
+                if args.statistics_tokens is not None
+                else {}
+            ),
         },
         "evaluation": {
             "window_tokens": args.window,
@@ -631,6 +641,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
     parser.add_argument("--windows-per-text", type=int, default=3)
     parser.add_argument("--calibration-tokens", type=int, default=4096, help="per calibration text")
+    parser.add_argument(
+        "--statistics-tokens",
+        type=int,
+        default=None,
+        help="kvquant calibrate's statistics (the calibrated rows, the k-transform): the first "
+        "this many tokens of each calibration text (default: every token)",
+    )
     parser.add_argument("--block", type=int, default=64, help="bootstrap block (positions)")
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)

@@ -13,29 +13,98 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# Under pytest-xdist the workers share the cores: each gets its share of threads (set before
+# torch, numpy or an OpenMP runtime is loaded; test subprocesses inherit it). Two workers
+# with two OpenMP threads each on two cores spin on each other's barriers and run torch's
+# CPU ops several times slower than one thread each. (A thread count can move a float
+# result in its last bits, as another machine's can; the tests' thresholds allow for that.)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_name, str(max(1, _cpus() // _WORKERS)))
+
+import torch  # noqa: E402  (after the thread settings above)
+
+if _WORKERS > 1:  # also when a plugin imported torch first
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
 
 HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``gpu`` when no CUDA device is present."""
+    """Skip tests marked ``gpu`` when no CUDA device is present; under pytest-xdist, run the
+    tests marked ``slow`` first.
+
+    The workers take the test modules in collection order: a slow test collected near the end
+    would leave the other workers idle while it runs. Every worker sorts the same way
+    (stable), so their collections agree, as xdist requires.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: "slow" not in item.keywords)
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` (pyproject.toml's addopts): one pytest-xdist worker per CPU, at most 8 (each
+    imports torch and transformers, and a real-model test holds SmolLM2 in fp32).
+
+    One process (0) on a machine with a CUDA GPU, whose tests share the device and measure
+    its memory and speed, and on a single CPU; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides.
+    """
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return 0 if HAS_CUDA or _cpus() < 2 else min(_cpus(), 8)
+
+
+_TERMINAL_VARIABLES = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller: hand each worker this process's ``COLUMNS`` and ``LINES``.
+
+    The workers are started with the process environment, where GNU readline (which pytest's
+    capture plugin imports at start-up) has set ``COLUMNS`` and ``LINES``: the terminal's
+    size, or 80 and 24 when stdin is no terminal. ``os.environ`` here does not show them, so
+    the reports would be laid out for a pipe in one process and for 80 columns in a worker.
+    """
+    node.workerinput["kvquant_terminal"] = {k: os.environ.get(k) for k in _TERMINAL_VARIABLES}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker takes the controller's ``COLUMNS`` and ``LINES`` (set or unset)."""
+    terminal = getattr(config, "workerinput", {}).get("kvquant_terminal")
+    for name, value in (terminal or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
