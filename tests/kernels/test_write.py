@@ -461,3 +461,56 @@ def test_write_k_transform_matches_reference(
     if nan_row >= 0:
         stored = kp[nan_row // page, nan_row % page, 0].float()
         assert bool(stored.isnan().all() if rot is not None else stored[3].isnan())
+
+
+def test_tokens_per_program_fills_the_gpu_for_small_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode step's write (one token per sequence) gets one token per program on a GPU of
+    132 multiprocessors; a long prompt keeps the tile's count; a CPU keeps it always."""
+    from kvquant.kernels.write import launch
+
+    monkeypatch.setattr(launch, "device_sm_count", lambda device: 132)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert launch.tokens_per_program(8, 16, gpu) == 1
+    assert launch.tokens_per_program(8, 64, gpu) == 1
+    assert launch.tokens_per_program(8, 1056, gpu) == 4
+    assert launch.tokens_per_program(8, 8192, gpu) == 8
+    assert launch.tokens_per_program(8, 16, gpu, least=2) == 2  # a rotation's 16 dot rows
+    assert launch.tokens_per_program(8, 16, cpu) == 8
+
+
+@pytest.mark.parametrize("mode", ["per-tensor", "group32", "k-transform"])
+def test_write_with_one_token_per_program_matches_reference(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton write with the fewest tokens per program (a decode step's on a GPU) stores
+    what the reference stores."""
+    from kvquant.kernels.write import launch
+
+    monkeypatch.setattr(launch, "tokens_per_program", lambda t, n, device, least=1: least)
+    torch.manual_seed(hash(mode) % 2**31)
+    bsz, seq, hkv, d, num_pages, page = 3, 1, 2, 64, 4, 16
+    key = torch.randn(bsz, seq, hkv, d, device=DEV) * 4
+    value = (torch.randn(bsz, seq, hkv, d, device=DEV) * 6).to(torch.bfloat16)
+    kp, vp = _poisoned_cache_pages((num_pages, page, hkv, d), torch.float8_e4m3fn, DEV)
+    slots = _shuffled_slots(bsz, seq, num_pages * page, skip=1).to(DEV)
+    if mode == "k-transform":
+        scheme: Scheme = KTransformScales(
+            torch.full((hkv,), 0.03, device=DEV),
+            torch.full((hkv,), 0.02, device=DEV),
+            torch.randn(hkv, d, device=DEV),
+            hadamard(d, device=DEV),
+        )
+        groups: tuple[torch.Tensor, ...] = ()
+    else:
+        scheme, groups = _make_scales(mode, hkv, d, num_pages, page, DEV)
+    pages = Pages(kp, vp, *groups)
+    ref = _clone(pages)
+    write_kv(key, value, pages, slots, scheme, backend="triton")
+    write_kv_reference(key, value, ref, slots, scheme)
+    exact = HAS_CUDA and mode != "k-transform"
+    n_k = assert_codes_match(pages.k, ref.k, exact=exact, what="k_pages")
+    n_v = assert_codes_match(pages.v, ref.v, exact=HAS_CUDA, what="v_pages")
+    assert n_k + n_v <= 0.1 * 2 * int((slots >= 0).sum()) * hkv * d
+    _assert_same_group_scales(pages, ref)

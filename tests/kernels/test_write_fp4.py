@@ -383,3 +383,20 @@ def test_gpu_write_matches_reference_at_model_sizes(kind: str) -> None:
     write_fp4_reference(key, value, want, slots, scheme)
     for name, x in _bytes(want).items():
         assert torch.equal(_bytes(got)[name], x), name
+
+
+@pytest.mark.parametrize(("kind", "per_head"), [("nvfp4", False), ("fp8-k-nvfp4-v", True)])
+def test_write_with_one_token_per_program_matches_reference(
+    kind: str, per_head: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 4-bit write with one token per program (a decode step's on a GPU) stores what the
+    reference stores, byte for byte."""
+    from kvquant.kernels.write_fp4 import launch
+
+    monkeypatch.setattr(launch, "tokens_per_program", lambda t, n, device, least=1: least)
+    bsz, seq, hkv, d, num_pages, page = 2, 3, 2, 64, 4, 8
+    seed = hash((kind, per_head, "one-token")) % 2**31
+    key, value = _new_tokens(bsz, seq, hkv, d, seed)
+    slots = _slots(bsz, seq, num_pages * page, seed)
+    scheme = _scheme(kind, hkv, d, per_head)
+    _written_like_the_reference(key, value, slots, scheme, (num_pages, page, hkv), "triton")

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from kvquant.errors import KernelInputError
+from kvquant.kernels.attention.tuning import device_sm_count
 from kvquant.kernels.write.kernel import write_kv_kernel
 from kvquant.schemes import KernelView, Pages, Scheme
 
@@ -56,6 +57,26 @@ def _blocks(hkv: int, g: int, ng: int, rotate: bool = False) -> tuple[int, int, 
     if rotate:
         block_t = max(block_t, triton.cdiv(16, block_h))
     return block_ng, block_r, block_g, block_t
+
+
+def tokens_per_program(
+    tile_tokens: int, n_tokens: int, device: torch.device, least: int = 1
+) -> int:
+    """Tokens per program of a write: the tile's, fewer when the write is too small to fill the
+    GPU (a decode step writes one token per sequence).
+
+    On a CUDA device the count is capped so that the write has at least twice as many
+    programs as the device has multiprocessors (a power of two, at least ``least``); elsewhere
+    (the Triton interpreter, one program at a time) the tile's count stands.
+
+    Example:
+        >>> tokens_per_program(8, 16, torch.device("cpu"))
+        8
+    """
+    if device.type != "cuda":
+        return tile_tokens
+    cap = max(1, n_tokens // (2 * device_sm_count(device)))
+    return max(least, min(tile_tokens, 1 << (cap.bit_length() - 1)))
 
 
 def _static_stride(s: torch.Tensor) -> int:
@@ -139,6 +160,9 @@ def write_kv_triton(
     ng, g = scales.ng, d // scales.ng
     rot_arg, off_arg, rot_strides, off_strides = _transform_args(view, k_pages)
     block_ng, block_r, block_g, block_t = _blocks(hkv, g, ng, k_rotation is not None)
+    # a rotated K is one tl.dot operand: at least 16 rows of (token, head)
+    least = triton.cdiv(16, triton.next_power_of_2(hkv)) if k_rotation is not None else 1
+    block_t = tokens_per_program(block_t, n_tokens, key.device, least)
     grid = (triton.cdiv(n_tokens, block_t),)
     fp8_max = _FP8_MAX[k_pages.dtype]
     dev = key.device

@@ -16,6 +16,7 @@ import triton
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels.fp8 import transform_keys
+from kvquant.kernels.write.launch import tokens_per_program
 from kvquant.kernels.write_fp4.kernel import write_fp4_kernel
 from kvquant.kernels.write_fp4.validate import fp4_code
 from kvquant.schemes import Pages, Scheme
@@ -68,6 +69,7 @@ def write_fp4_triton(
     num_pages, page_size = kp.shape[0], kp.shape[1]
     nb = d // fmt.block_size
     block_nb, block_r, block_t = _tile(hkv, nb, fmt.block_size)
+    block_t = tokens_per_program(block_t, n_tokens, key.device)
     # an FP8 side has no block scales: its pages stand in (never read or written)
     ks = pages.k_scales.view(torch.uint8) if pages.k_scales is not None else kp
     vs = pages.v_scales.view(torch.uint8) if pages.v_scales is not None else vp
