@@ -11,7 +11,8 @@ Measures, in one run (notes §6 protocol):
 * split-count and tile sweeps on a few decode shapes;
 * prefill/extend: chunk C causal over a paged prefix P vs SDPA (bf16, K/V expanded,
   ``causal_lower_right``), FLOP/s over visible keys only;
-* the write kernel for one decode step at B32 x 16k, when ``kvquant.kernels.write_kv`` exists;
+* the write kernel for one decode step (B32 x 16k at 32/8/128, B16 x 8k and B64 x 2k at
+  32/8/64), when ``kvquant.kernels.write_kv`` exists; ``--only-write`` runs just that section;
 * the ``k-transform`` format (``per-head-kt``: per-head scales, K offset, Hadamard rotation
   and one first token from the side buffer) beside ``per-head`` on the same cache: decode
   B32 x 16k and B16 x 8k at 32/8/128 and 9/3/64 (eager and CUDA-graph replay), and chunk
@@ -524,37 +525,54 @@ def run_k_transform(results: dict[str, Any], deadline: float, ablation: bool = F
         del p
 
 
-def run_write(results: dict[str, Any]) -> None:
-    """One decode step's write (B32, 32/8/128, per-tensor) vs that step's decode time."""
+WRITE_SHAPES = [(32, 16384, 32, 8, 128), (16, 8192, 32, 8, 64), (64, 2048, 32, 8, 64)]
+"""Decode steps whose write is timed: (B, ctx, Hq, Hkv, D); the last two are Llama-3.2-1B's
+B16 x 8k and B64 x 2k of the end-to-end benchmark."""
+
+
+def run_write(results: dict[str, Any], shapes: list[tuple[int, ...]] | None = None) -> None:
+    """One decode step's write (per-tensor) vs that step's decode time, per shape of
+    :data:`WRITE_SHAPES` (``results["write"]``: the first shape's, ``results["writes"]``: all)."""
     try:
         from kvquant.kernels import write_kv
     except ImportError as exc:
         results["write"] = {"skipped": f"kvquant.kernels.write_kv not importable: {exc}"}
         return
-    p = Problem(32, 16384, 32, 8, 128)
-    f = p.fmt("per-tensor")
-    key = torch.randn(32, 1, 8, 128, device=DEV, dtype=torch.bfloat16)
-    val = torch.randn(32, 1, 8, 128, device=DEV, dtype=torch.bfloat16)
-    # overwrite the last slot of each sequence (a valid slot of its last page)
-    last_page = p.block_tables[:, -1].long()
-    slots = (last_page * p.page + p.page - 1).view(32, 1)
-    w = kernel_inputs(f, {})
-    try:
-        t_w = bench(lambda: write_kv(key, val, w["pages"], slots, w["scheme"]))
-    except Exception as exc:
-        results["write"] = {"error": f"{type(exc).__name__}: {exc}"}
-        return
-    t_d = bench(lambda: run_kvquant(p, f, p.q))
-    results["write"] = {"write_ms": t_w, "decode_ms": t_d, "write_over_decode": t_w / t_d}
-    try:
-        g_w = bench_graph(lambda: write_kv(key, val, w["pages"], slots, w["scheme"]))
-        g_d = bench_graph(lambda: run_kvquant(p, f, p.q))
-        results["write"].update(
-            {"graph_write_ms": g_w, "graph_decode_ms": g_d, "graph_write_over_decode": g_w / g_d}
-        )
-    except Exception as exc:  # e.g. a host sync inside write_kv breaks capture
-        results["write"]["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    print(json.dumps(results["write"]), flush=True)
+    results["writes"] = []
+    for bsz, ctx, hq, hkv, d in shapes or WRITE_SHAPES:
+        p = Problem(bsz, ctx, hq, hkv, d)
+        f = p.fmt("per-tensor")
+        key = torch.randn(bsz, 1, hkv, d, device=DEV, dtype=torch.bfloat16)
+        val = torch.randn(bsz, 1, hkv, d, device=DEV, dtype=torch.bfloat16)
+        # overwrite the last slot of each sequence (a valid slot of its last page)
+        last_page = p.block_tables[:, -1].long()
+        slots = (last_page * p.page + p.page - 1).view(bsz, 1)
+        w = kernel_inputs(f, {})
+        row: dict[str, Any] = {"shape": f"{hq}/{hkv}/{d} B{bsz}x{ctx}"}
+        try:
+            t_w = bench(lambda: write_kv(key, val, w["pages"], slots, w["scheme"]))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            results["writes"].append(row)
+            continue
+        t_d = bench(lambda: run_kvquant(p, f, p.q))
+        row.update({"write_ms": t_w, "decode_ms": t_d, "write_over_decode": t_w / t_d})
+        try:
+            g_w = bench_graph(lambda: write_kv(key, val, w["pages"], slots, w["scheme"]))
+            g_d = bench_graph(lambda: run_kvquant(p, f, p.q))
+            row.update(
+                {
+                    "graph_write_ms": g_w,
+                    "graph_decode_ms": g_d,
+                    "graph_write_over_decode": g_w / g_d,
+                }
+            )
+        except Exception as exc:  # e.g. a host sync inside write_kv breaks capture
+            row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        results["writes"].append(row)
+        print(json.dumps(row), flush=True)
+        del p, f, w
+    results["write"] = results["writes"][0]
 
 
 def plot(results: dict[str, Any], out: Path) -> None:
@@ -609,6 +627,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter script check")
     ap.add_argument("--only-kt", action="store_true", help="only the k-transform section")
+    ap.add_argument("--only-write", action="store_true", help="only the write section")
     ap.add_argument(
         "--kt-ablation",
         action="store_true",
@@ -647,6 +666,11 @@ def main() -> None:
         "skipped": [],
     }
     print(json.dumps(results["bandwidth"]), flush=True)
+    if args.only_write:
+        run_write(results)
+        results["elapsed_s"] = time.time() - start
+        save(results, args.out)
+        return
     if args.only_kt:
         run_k_transform(results, deadline, args.kt_ablation)
         results["elapsed_s"] = time.time() - start

@@ -10,7 +10,8 @@ change give a copy that defines its kernels itself (e.g. one from before they mo
 Prints the best configuration per shape and writes everything to ``--out/tune.json``.
 
 ``--graph`` times CUDA-graph replays (device time without host gaps), ``--auto-splits``
-keeps only the launcher's split choice.
+keeps only the launcher's split choice, ``--shapes`` names the shapes (``Hq/Hkv/D/B/ctx/FMT``,
+comma-separated) instead of :data:`SHAPES`.
 
 Usage (H200)::
 
@@ -135,6 +136,14 @@ def launch(mod: Any, p: ba.Problem, f: dict[str, Any], **kw: Any) -> torch.Tenso
     )  # fmt: skip
 
 
+def _parse_shape(text: str) -> tuple[Any, ...]:
+    """``Hq/Hkv/D/B/ctx/FMT[+FMT...]`` -> a :data:`SHAPES` entry."""
+    *dims, formats = text.split("/")
+    if len(dims) != 5:
+        raise SystemExit(f"--shapes: {text!r}; expected Hq/Hkv/D/B/ctx/FMT[+FMT...]")
+    return (*(int(x) for x in dims), formats.split("+"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
@@ -150,8 +159,16 @@ def main() -> None:
     ap.add_argument(
         "--auto-splits", action="store_true", help="only the launcher's own split count"
     )
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated Hq/Hkv/D/B/ctx/FMT[+FMT...] instead of SHAPES, "
+        "e.g. 32/8/64/16/8192/per-tensor",
+    )
     args = ap.parse_args()
     global SHAPES, CONFIGS, SPLITS
+    if args.shapes:
+        SHAPES = [_parse_shape(s) for s in args.shapes.split(",")]
     if args.smoke:
         ba.DEV, ba.SMOKE = "cpu", True
         SHAPES = [(8, 2, 64, 2, 256, ["per-tensor", "group64"])]
