@@ -224,7 +224,8 @@ def paged_attn_kernel(
     q_ptrs += d_q[None, :] * s_q[3]
     # with a K rotation the query tile is rotated into the pages' frame in fp32, then cast like
     # any query tile (folded group scales: each row copy keeps its group's rotated columns);
-    # with an offset c (static scales), qc = q'·c per row (raw units)
+    # with an offset c (static scales), qc = q'·c per row (raw units). A decode launch gets its
+    # query rotated by the launcher instead (fp32, no rot_ptr: one product for every program)
     qc = 0.0
     if HAS_ROT:
         # q @ R over RK-column slices of the query (RK rows of R at a time in registers), one
@@ -247,10 +248,12 @@ def paged_attn_kernel(
             qc = tl.sum(q32 * off_c[None, :], 1)
         q = q32.to(tl.float16)
     else:
-        q = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0).to(tl.float16)
+        q_in = tl.load(q_ptrs, mask=ok_x[:, None] & in_copy, other=0.0)
         if HAS_OFF:
+            # from the query as given (fp32 when the launcher rotated a decode query first)
             off_c = tl.load(off_ptr + kvh * HEAD_D + d_q)
-            qc = tl.sum(q.to(tl.float32) * off_c[None, :], 1)
+            qc = tl.sum(q_in.to(tl.float32) * off_c[None, :], 1)
+        q = q_in.to(tl.float16)
     n_first = 0
     if HAS_FIRST:
         # first tokens: keys kv0 .. kv0 + n_first - 1 come from the side buffer (split 0)
