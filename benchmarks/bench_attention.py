@@ -197,6 +197,11 @@ KT_KEYS = ("k_offset", "k_rotation", "first_k", "first_v", "first_lens")
 _MASK_KEYS = ("causal", "window", "softcap", "kv_start", "q_lens", "sinks")
 
 
+_SCHEME = "_scheme"
+"""Key of a format's scheme in its dict, built by the first :func:`kernel_inputs` call (a
+scheme reads its scales on the host when built: not inside a CUDA-graph capture)."""
+
+
 def kernel_inputs(f: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
     """One format's tensors as the kernels take them: ``pages``, ``scheme``, ``mask``, ``first``.
 
@@ -206,6 +211,10 @@ def kernel_inputs(f: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
     d = f["k_pages"].shape[-1]
     kg = f.get("k_group_scales")
     pages = Pages(f["k_pages"], f["v_pages"], kg, f.get("v_group_scales"))
+    first = FirstTokens(f["first_k"], f["first_v"], f["first_lens"]) if "first_k" in f else None
+    mask = Mask(**{k: kw.pop(k) for k in _MASK_KEYS if k in kw})
+    if _SCHEME in f:
+        return {"pages": pages, "scheme": f[_SCHEME], "mask": mask, "first": first}
     scheme: Scheme
     if kg is not None:
         scheme = GroupScales(d, d // kg.shape[-1], f.get("k_rotation"))
@@ -218,8 +227,7 @@ def kernel_inputs(f: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
         scheme = PerHeadScales(f["k_scale"], f["v_scale"])
     else:
         scheme = PerTensorScales(f["k_scale"], f["v_scale"])
-    first = FirstTokens(f["first_k"], f["first_v"], f["first_lens"]) if "first_k" in f else None
-    mask = Mask(**{k: kw.pop(k) for k in _MASK_KEYS if k in kw})
+    f[_SCHEME] = scheme  # built once: a scheme checks its scales on the host
     return {"pages": pages, "scheme": scheme, "mask": mask, "first": first}
 
 
