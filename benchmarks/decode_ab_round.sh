@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# One H200 round for the cache write's tokens per program, this tree against an earlier one.
+# One H200 round comparing this tree's decode with an earlier kvquant's, in one device call.
 # Prepare the earlier tree first (ignored by git: name it in the device tool's carry, ["_prev"]):
 #   rm -rf _prev && mkdir _prev && git archive <rev> kvquant | tar -x -C _prev
-# Parts (PARTS, comma-separated, default all):
+# Parts (PARTS, comma-separated, default tests,write,tune,e2e):
 #   tests  the write kernels' tests on CUDA and the decode-graph GPU tests
 #   write  one decode step's write in isolation (bench_attention --only-write), after and before
 #   tune   the decode split/tile sweep of Llama-3.2-1B's B16 x 8k and B64 x 2k (graph replay)
-#   e2e    the e2e decode step, after / before alternating, FP8 and NVFP4 arms (E2E_ROUNDS)
-# Usage (device tool, repo root):  PARTS=tests,write,tune bash benchmarks/write_ab_round.sh
+#   kt     the k-transform beside per-head scales (bench_attention --only-kt), after and before
+#   e2e    the e2e decode step, after / before alternating (E2E_ROUNDS times), arms E2E_ARMS
+#          (default kvquant,kvquant-nvfp4) at shapes E2E_SHAPES (default b16x8k,b64x2k)
+# Usage (device tool, repo root):  PARTS=tests,write,tune bash benchmarks/decode_ab_round.sh
 set -u
-OUT=${OUT:-./write_ab_out}
+OUT=${OUT:-./decode_ab_out}
 PARTS=${PARTS:-tests,write,tune,e2e}
 E2E_ROUNDS=${E2E_ROUNDS:-1}
+E2E_ARMS=${E2E_ARMS:-kvquant,kvquant-nvfp4}
+E2E_SHAPES=${E2E_SHAPES:-b16x8k,b64x2k}
 . "$(dirname "$0")/round_env.sh"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 if has tests; then
@@ -32,11 +36,17 @@ if has tune; then
     --shapes 32/8/64/16/8192/per-tensor,32/8/64/64/2048/per-tensor --out "$OUT/tune" 2>&1 \
     | grep '"best"' | cut -c1-400
 fi
+if has kt; then
+  timeout 120 python3 benchmarks/bench_attention.py --only-kt --out "$OUT/kt_after" 2>&1 \
+    | grep "^k-transform"
+  PYTHONPATH=_prev:. timeout 120 python3 benchmarks/bench_attention.py --only-kt \
+    --out "$OUT/kt_before" 2>&1 | grep "^k-transform"
+fi
 if has e2e; then
   for i in $(seq 1 "$E2E_ROUNDS"); do
-    timeout 200 python3 benchmarks/e2e_generate.py --shapes b16x8k,b64x2k \
-      --arms kvquant,kvquant-nvfp4 --repeats 3 --out "$OUT/e2e_after_$i.json" 2>&1 | tail -n 2
-    PYTHONPATH=_prev:. timeout 200 python3 benchmarks/e2e_generate.py --shapes b16x8k,b64x2k \
-      --arms kvquant,kvquant-nvfp4 --repeats 3 --out "$OUT/e2e_before_$i.json" 2>&1 | tail -n 2
+    timeout 200 python3 benchmarks/e2e_generate.py --shapes "$E2E_SHAPES" --arms "$E2E_ARMS" \
+      --repeats 3 --out "$OUT/e2e_after_$i.json" 2>&1 | tail -n 2
+    PYTHONPATH=_prev:. timeout 200 python3 benchmarks/e2e_generate.py --shapes "$E2E_SHAPES" \
+      --arms "$E2E_ARMS" --repeats 3 --out "$OUT/e2e_before_$i.json" 2>&1 | tail -n 2
   done
 fi
