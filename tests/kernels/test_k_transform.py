@@ -379,6 +379,31 @@ def test_triton_matches_reference(case_kw: dict[str, Any], extra: dict[str, Any]
     assert_close_rel(_triton(case, **extra), ref, rel_tol=REL_TOL, name=str(case_kw))
 
 
+DECODE_ROTATED = [
+    c
+    for c in KT_CASES
+    if c[0].startswith("decode") and c[1].get("k_transform") in ("rotation", "both")
+]
+
+
+@pytest.mark.parametrize("first_outside", [True, False], ids=["query-rotated-first", "in-kernel"])
+@pytest.mark.parametrize(
+    "case_kw, extra", [c[1:] for c in DECODE_ROTATED], ids=[c[0] for c in DECODE_ROTATED]
+)
+def test_decode_query_rotation_before_or_in_the_kernel(
+    case_kw: dict[str, Any], extra: dict[str, Any], first_outside: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A decode launch rotates its query before the kernel (many sequences) or in each program
+    (few): both match the reference."""
+    from kvquant.kernels.attention import launch
+
+    monkeypatch.setattr(launch, "rotates_query_first", lambda n, pairs, device: first_outside)
+    kw = {"granularity": "per-head", **case_kw}
+    case = build_case(**kw, seed=len(kw["lens"]) * 7 + kw["hq"])
+    assert_close_rel(_triton(case, **extra), case.reference(), rel_tol=REL_TOL, name=str(case_kw))
+
+
 # where the first tokens are attended: split 0 (the launcher's one way since the split merge's
 # FIRST_SPLIT="merge" was retired: docs/dev/kernels.md)
 FIRST_WHERE: list[dict[str, str]] = [{}]
@@ -544,3 +569,15 @@ def test_retired_or_unknown_config_key_is_refused(key: str) -> None:
     case = _kt_case()
     with pytest.raises(KernelInputError, match=rf"config has keys \['{key}'\], expected only"):
         _triton(case, config={key: 1})
+
+
+def test_decode_rotates_the_query_first_with_two_pairs_per_multiprocessor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvquant.kernels.attention import launch
+
+    monkeypatch.setattr(launch, "device_sm_count", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    assert launch.rotates_query_first(1, 64 * 8, gpu)  # 64 sequences, 8 KV heads
+    assert not launch.rotates_query_first(1, 32 * 8, gpu)
+    assert not launch.rotates_query_first(2, 64 * 8, gpu)  # prefill: each program rotates

@@ -322,15 +322,23 @@ class AttentionLaunch:
     rotate_query: bool = False
 
 
+def rotates_query_first(n_qblocks: int, pairs: int, device: torch.device) -> bool:
+    """Whether a launch with a K rotation gets its query rotated before the kernel
+    (:func:`_rotated_query`) rather than by each of the kernel's programs.
+
+    A decode launch (one query block) over at least two (sequence, KV head) pairs per
+    multiprocessor: there the programs' own rotations made the decode kernel 1.7 times
+    slower (64 sequences of 2048 tokens, Llama-3.2-1B, H200), while with fewer pairs the
+    extra product's launches cost more than the rotations they save.
+    """
+    return n_qblocks == 1 and pairs >= 2 * device_sm_count(device)
+
+
 def _rotated_query(query: torch.Tensor, opt: dict[str, Any]) -> torch.Tensor:
     """``query @ R`` in fp32 for a decode launch, and ``opt`` without the rotation.
 
-    In the kernel every program rotates its own query rows before its first key tile: a
-    chain of loads and products that a decode program, with few key tiles of its own,
-    waits through (at 64 sequences of 2048 tokens it made the decode kernel 1.7 times
-    slower). One product over every row before the launch costs one small launch. The
-    kernel then reads the rotated query as given: the offset's term ``q'·c`` from the fp32
-    values, the tiles from their fp16 cast, as the kernel's own rotation does.
+    The kernel then reads the rotated query as given: the offset's term ``q'·c`` from the
+    fp32 values, the tiles from their fp16 cast, as the kernel's own rotation does.
     """
     rotation = opt["k_rotation"]
     opt["k_rotation"] = None
@@ -403,7 +411,9 @@ def attention_launch(
     ng = pages.k_scales.shape[-1] if group_scales and pages.k_scales is not None else 1
     tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config, (k_fp4, v_fp4))
     n_qblocks = triton.cdiv(lq, tiles.QPB)
-    rotate_query = n_qblocks == 1 and opt["k_rotation"] is not None
+    rotate_query = opt["k_rotation"] is not None and rotates_query_first(
+        n_qblocks, bsz * hkv, query.device
+    )
     if rotate_query:  # the kernel's variant: an fp32 query, no rotation (_rotated_query)
         opt["k_rotation"] = None
         out = out if out is not None else query
