@@ -134,6 +134,29 @@ def test_greedy_generate_equals_the_simulation_and_remove_restores() -> None:
     assert torch.equal(generate(), unpatched)
 
 
+@pytest.mark.parametrize(("kv_format", "head_dim"), FORMATS, ids=[f for f, _ in FORMATS])
+def test_static_decode_step_equals_the_eager_one(kv_format: str, head_dim: int | None) -> None:
+    """cuda_graphs=True on CPU runs the decode steps through the graph runner's static
+    buffers (the path a CUDA graph captures; the scheme and side buffer as step kwargs):
+    the same tokens and logits as eager steps."""
+    ids, mask = prompt(batch=2, length=10, pad=(0, 3), seed=4)
+    outs = []
+    for graphs in (False, True):
+        model = biased_llama(head_dim=head_dim)
+        handle = kvhf.patch(model, scales=k_transform_scales(model, first_tokens=2),
+                            kv_format=kv_format, backend="torch", cuda_graphs=graphs)  # fmt: skip
+        assert (handle.state.graph_runner is not None) == graphs
+        with torch.no_grad():
+            outs.append(
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True)
+            )  # fmt: skip
+    assert outs[1].past_key_values.layers[0].storage.granularity == f"k-transform-{kv_format}"
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_decision_line_says_k_is_in_the_transforms_frame(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
