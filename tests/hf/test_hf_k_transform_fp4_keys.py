@@ -12,6 +12,7 @@ differs by the 4-bit error itself.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from test_hf_continuous_batching import alone, assert_same, cb_config, gen_confi
 
 import kvquant.integrations.hf as kvhf
 from kvquant.calibrate.fp8 import fake_quantize_fp4
-from kvquant.errors import OptionError
+from kvquant.errors import OptionError, ScaleFormatError
 from kvquant.integrations.hf import continuous
 from kvquant.kernels import hadamard
 
@@ -155,6 +156,29 @@ def test_static_decode_step_equals_the_eager_one(kv_format: str, head_dim: int |
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_format", ["nvfp4", "fp8-k-nvfp4-v"])
+def test_a_saved_patched_model_holds_the_offsets_and_is_refused_without_its_settings_file(
+    kv_format: str, tmp_path: Path
+) -> None:
+    """As with FP8 K in the k-transform's frame: the 4-bit layers hold their K offsets, so a
+    saved copy is refused (not reloaded with K scales calibrated for the transformed K and no
+    transform); the state dict round-trips; remove() drops the buffers."""
+    model = biased_llama()
+    before = sorted(name for name, _ in model.named_buffers())
+    scales = k_transform_scales(model)
+    handle = kvhf.patch(model, scales=scales, kv_format=kv_format, backend="torch")
+    held = dict(model.named_buffers())
+    offset = held["model.layers.0.self_attn.k_offset"]
+    assert torch.equal(offset, scales["model.layers.0.self_attn.k_offset"])
+    model.load_state_dict(model.state_dict())
+    model.save_pretrained(tmp_path)
+    copy = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    with pytest.raises(ScaleFormatError, match="k-offset-without-transform"):
+        kvhf.patch(copy, scales=tmp_path, kv_format=kv_format, backend="torch")
+    handle.remove()
+    assert sorted(name for name, _ in model.named_buffers()) == before
 
 
 def test_the_decision_line_says_k_is_in_the_transforms_frame(
