@@ -27,6 +27,7 @@ from kvquant.calibrate.fp8 import (
     fake_quantize_static,
     hadamard_matrix,
     k_transform_keys,
+    k_transform_keys_fp4,
     per_head_scale,
 )
 from kvquant.calibrate.k_transform import choose_k_transform, k_transform_name
@@ -70,7 +71,8 @@ class Candidate:
         rotation: fp32 [D, D] or None.
         first_tokens: positions of every window attended exactly (k-transform).
         kv_format: a 4-bit ``kv_format`` word (``"nvfp4"``, ``"mxfp4"``,
-            ``"fp8-k-nvfp4-v"``, whose FP8 K reads ``k_scale``), or None (an FP8 format).
+            ``"fp8-k-nvfp4-v"``, whose FP8 K reads ``k_scale``), or None (an FP8 format); with
+            ``k_offset`` K is in the k-transform's frame.
     """
 
     name: str
@@ -104,20 +106,26 @@ class Candidate:
 
     def _k_transform_read(
         self,
-        k_scale: torch.Tensor,
+        k_scale: torch.Tensor | None,
         k_offset: torch.Tensor,
         layer: int,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         v: torch.Tensor,
+        k_side: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The query rotated, K in the k-transform's frame, ``v`` (V as read) with the first
-        tokens' values exact: what attention sees beside a K transform."""
+        """The query rotated, K in the k-transform's frame (FP8 with ``k_scale``; without it
+        the 4-bit format ``k_side``), ``v`` (V as read) with the first tokens' values exact:
+        what attention sees beside a K transform."""
         q = query.float()
         if self.rotation is not None:
             q = q @ self.rotation.to(q.device)
-        k = k_transform_keys(key, k_scale[layer], k_offset[layer], self.rotation, self.first_tokens)
+        nf = self.first_tokens
+        if k_scale is None:
+            k = k_transform_keys_fp4(key, k_side, k_offset[layer], self.rotation, nf)
+        else:
+            k = k_transform_keys(key, k_scale[layer], k_offset[layer], self.rotation, nf)
         n = min(self.first_tokens, v.shape[2])
         if n:
             v[:, :, :n] = value[:, :, :n].float()
@@ -142,7 +150,10 @@ class Candidate:
             if self.k_offset is None:
                 return query.float(), fake_quantize_static(key, self.k_scale[layer]), v
             return self._k_transform_read(self.k_scale, self.k_offset, layer, query, key, value, v)
-        return query.float(), fake_quantize_fp4(key, k_side), fake_quantize_fp4(value, v_side)
+        v = fake_quantize_fp4(value, v_side)
+        if self.k_offset is not None:  # 4-bit K in the k-transform's frame
+            return self._k_transform_read(None, self.k_offset, layer, query, key, value, v, k_side)
+        return query.float(), fake_quantize_fp4(key, k_side), v
 
     def stored(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[Any, Any]:
         """``(k / s_k, v / s_v)`` before rounding, at the positions read from FP8 (static only)."""
@@ -346,9 +357,9 @@ def four_bit_candidates(
     """The 4-bit ``kv_format`` words as the cache would store this model's K and V.
 
     ``nvfp4`` and ``mxfp4`` (K and V 4-bit, block scales computed as tokens are written),
-    ``fp8-k-nvfp4-v`` (K in FP8 with ``result``'s static K scales, V in NVFP4; beside the
-    k-transform, K in its frame with its first tokens exact, as the cache stores it), each
-    where its block divides ``head_dim``.
+    ``fp8-k-nvfp4-v`` (K in FP8 with ``result``'s static K scales, V in NVFP4), each where its
+    block divides ``head_dim``. Beside the k-transform, K is in its frame with its first tokens
+    exact, as the cache stores it (4-bit, or FP8 with its K scales).
 
     Returns:
         ``(candidates, notes)``: notes say which were left out and why.
@@ -361,9 +372,12 @@ def four_bit_candidates(
             notes.append(
                 f"{word} left out: its {block}-channel blocks do not divide head_dim {head_dim}"
             )
-        elif fmt.fp8_keys and result.granularity == Granularity.K_TRANSFORM:
+        elif result.granularity == Granularity.K_TRANSFORM:
             kt = candidate_of(result)
-            out.append(replace(kt, name=word, static=False, v_scale=None, kv_format=word))
+            k = kt.k_scale if fmt.fp8_keys else None  # 4-bit K: block scales on write
+            out.append(
+                replace(kt, name=word, static=False, k_scale=k, v_scale=None, kv_format=word)
+            )
         elif fmt.fp8_keys:
             out.append(Candidate(word, False, k_scale=result.k_scales, kv_format=word))
         else:

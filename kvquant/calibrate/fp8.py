@@ -21,6 +21,7 @@ __all__ = [
     "fake_quantize_static",
     "hadamard_matrix",
     "k_transform_keys",
+    "k_transform_keys_fp4",
     "per_head_scale",
 ]
 
@@ -133,6 +134,40 @@ def k_transform_keys(
     s = per_head_scale(k_scale, kr)
     q = ((kr - c) / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     out = q.float() * s + c
+    n = min(first_tokens, out.shape[2])
+    if n:
+        out[:, :, :n] = kr[:, :, :n]
+    return out
+
+
+def k_transform_keys_fp4(
+    key: torch.Tensor,
+    which: str,
+    k_offset: torch.Tensor,
+    rotation: torch.Tensor | None,
+    first_tokens: int,
+) -> torch.Tensor:
+    """Keys as a 4-bit cache reads them in the k-transform's frame, in the rotated frame.
+
+    ``k' = round_4bit(k R - c) + c`` (:func:`fake_quantize_fp4`: the codes the cache's write
+    stores, NVFP4 with its calibration-free global scale); the first ``first_tokens``
+    positions (of dim 2) are ``k R`` exactly (the side buffer).
+
+    Args:
+        key: [B, Hkv, T, D] post-RoPE keys, position ``t`` at index ``t``.
+        which: ``"nvfp4"`` or ``"mxfp4"``.
+        k_offset: fp32 [Hkv, D], in the rotated frame.
+        rotation: fp32 [D, D] orthonormal, or None (identity).
+        first_tokens: positions kept exact.
+
+    Returns:
+        fp32 [B, Hkv, T, D]; pair it with the query ``q @ R``.
+    """
+    kr = key.float()
+    if rotation is not None:
+        kr = kr @ rotation.to(kr.device)
+    c = k_offset.float().to(kr.device)[None, :, None, :]
+    out = fake_quantize_fp4(kr - c, which) + c
     n = min(first_tokens, out.shape[2])
     if n:
         out[:, :, :n] = kr[:, :, :n]

@@ -67,7 +67,8 @@ def write_kv(
     ``fp8((key @ k_rotation - k_offset) / k_scale)``, clamped and NaN-marked as above; V is
     unchanged. With a 4-bit scheme (:class:`~kvquant.schemes.Fp4Scales`: NVFP4, MXFP4, FP8 K
     with NVFP4 V) a 4-bit side stores e2m1 codes and one block scale per block of head_dim,
-    computed from the token (:func:`kvquant.kernels.write_fp4.write_fp4`).
+    computed from the token (:func:`kvquant.kernels.write_fp4.write_fp4`); K in the
+    k-transform's frame is rotated and offset first there too.
 
     Every argument is validated before anything is written: a call that
     raises leaves the pages and group scales as they were.
@@ -219,7 +220,7 @@ def paged_attention(
         sm_scale: softmax scale applied to ``q·k``.
         mask: :class:`~kvquant.schemes.Mask`: ``causal``, ``window``, ``softcap``,
             ``kv_start``, ``q_lens``, ``sinks`` (default :data:`~kvquant.schemes.CAUSAL`).
-        first: the k-transform's first tokens (:class:`~kvquant.schemes.FirstTokens`), or
+        first: a K transform's first tokens (:class:`~kvquant.schemes.FirstTokens`), or
             None: keys ``kv_start[b]`` .. ``kv_start[b] + first.lens[b] - 1`` are attended from
             ``first.k[b]`` / ``first.v[b]`` (same masks) instead of their slots, which are
             never read. The Triton backend needs ``first.k`` and ``first.v`` contiguous.

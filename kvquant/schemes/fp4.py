@@ -1,5 +1,6 @@
-"""The 4-bit schemes: NVFP4 and MXFP4 K and V, and FP8 K (plain, or in the k-transform's frame)
-beside NVFP4 V (block scales computed when tokens are written; docs/dev/fp4-formats.md)."""
+"""The 4-bit schemes: NVFP4 and MXFP4 K and V (K plain, rotated, or in the k-transform's frame),
+and FP8 K (plain, or in the k-transform's frame) beside NVFP4 V (block scales computed when
+tokens are written; docs/dev/fp4-formats.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ __all__ = [
     "DYNAMIC_NVFP4_GLOBAL_SCALE",
     "Fp4Scales",
     "Fp8KNvfp4VScales",
+    "KTransformMxfp4Scales",
+    "KTransformNvfp4Scales",
     "KTransformNvfp4VScales",
     "Mxfp4Scales",
     "Nvfp4Scales",
@@ -111,6 +114,21 @@ class Fp4Scales(Scheme):
             r = checked_head_rotation(f"{self.name} scales", rotation, self.head_dim)
             object.__setattr__(self, "k_rotation", r)
 
+    def _check_k_transform(self, k: torch.Tensor | None) -> None:
+        """A K transform's fields (``k_offset``, ``k_rotation``, ``first_tokens``): the
+        k-transform's own checks (shapes, finite, orthonormal; own copies; ``k``: the scale
+        whose heads the offset must have, None: any), for the scheme's ``head_dim``."""
+        owner = f"{self.name} scales"
+        heads = k if k is not None else torch.ones(())
+        KTransformScales._check_transform(self, owner, heads)  # type: ignore[arg-type]
+        check_first_tokens(owner, self.first_tokens)
+        if self.dims()[1] not in (None, self.head_dim):
+            raise fail(
+                owner,
+                f"k_offset / k_rotation are for head_dim {self.dims()[1]}, the scheme's head_dim "
+                f"is {self.head_dim}; expected the same. Fix: pass the layer's K transform.",
+            )
+
     @classmethod
     def kv_format(cls) -> str:
         """The ``kv_format`` word whose pages the scheme stores (``kvquant.patch``): its name."""
@@ -128,15 +146,21 @@ class Fp4Scales(Scheme):
 
     @property
     def num_kv_heads(self) -> int | None:
-        return next((int(t.shape[0]) for t in self._scales() if t is not None and t.dim()), None)
+        heads = next((int(t.shape[0]) for t in self._scales() if t is not None and t.dim()), None)
+        offset = getattr(self, "k_offset", None)
+        if heads is None and offset is not None:
+            return int(offset.shape[0])
+        return heads
 
     def dims(self) -> tuple[int | None, int | None]:
-        return self.num_kv_heads, self.head_dim
+        transform = (getattr(self, "k_rotation", None), getattr(self, "k_offset", None))
+        d = next((int(t.shape[-1]) for t in transform if t is not None), None)
+        return self.num_kv_heads, self.head_dim if d is None else d
 
     def kernel_view(self) -> KernelView:
         k, v = self._scales()
-        rotation = getattr(self, "k_rotation", None)
-        return KernelView(k, v, None, None, rotation, self.k_format, self.v_format)
+        offset, rotation = getattr(self, "k_offset", None), getattr(self, "k_rotation", None)
+        return KernelView(k, v, None, offset, rotation, self.k_format, self.v_format)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -273,34 +297,92 @@ class KTransformNvfp4VScales(Fp4Scales):
 
     def __post_init__(self) -> None:
         self._check(("k_scale", "v_global_scale"))
-        owner = f"{self.name} scales"
-        # the k-transform's own checks of the offset and rotation (shapes, finite, orthonormal)
-        KTransformScales._check_transform(self, owner, self.k_scale)  # type: ignore[arg-type]
-        check_first_tokens(owner, self.first_tokens)
-        if self.dims()[1] not in (None, self.head_dim):
-            raise fail(
-                owner,
-                f"k_offset / k_rotation are for head_dim {self.dims()[1]}, the scheme's head_dim "
-                f"is {self.head_dim}; expected the same. Fix: pass the layer's K transform.",
-            )
+        self._check_k_transform(self.k_scale)
 
     def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.k_scale, self.v_global_scale
 
-    @property
-    def num_kv_heads(self) -> int | None:
-        heads = super().num_kv_heads
-        if heads is None and self.k_offset is not None:
-            return int(self.k_offset.shape[0])
-        return heads
 
-    def dims(self) -> tuple[int | None, int | None]:
-        d = next(
-            (int(t.shape[-1]) for t in (self.k_rotation, self.k_offset) if t is not None), None
-        )
-        return self.num_kv_heads, self.head_dim if d is None else d
+@dataclass(frozen=True, eq=False, repr=False)
+class KTransformNvfp4Scales(Fp4Scales):
+    """NVFP4 K in the k-transform's frame beside NVFP4 V: K stored as the NVFP4 codes of
+    ``k @ R - c`` (the query rotated alike, the offset's term ``(q @ R)·c`` added to every paged
+    key's score), the first tokens at full precision; V as :class:`Nvfp4Scales` stores it.
 
-    def kernel_view(self) -> KernelView:
-        return KernelView(
-            self.k_scale, self.v_global_scale, None, self.k_offset, self.k_rotation, None, NVFP4
-        )
+    Attributes:
+        head_dim: ``D``, a multiple of 16.
+        k_global_scale: fp32 ``[]`` or ``[Hkv]``: the global scale ``g`` of the transformed K
+            (:data:`DYNAMIC_NVFP4_GLOBAL_SCALE` without calibration).
+        v_global_scale: like ``k_global_scale``, the same shape: V's.
+        k_offset: fp32 ``[Hkv, D]`` per-channel offset ``c`` (rotated frame), or None.
+        k_rotation: fp32 ``[D, D]`` orthonormal rotation ``R``, or None.
+        first_tokens: first visible tokens of each sequence attended from a full-precision
+            side buffer (:class:`~kvquant.schemes.FirstTokens`), ``0..MAX_FIRST_TOKENS``.
+
+    Example:
+        >>> import torch
+        >>> g = torch.tensor(1.0)
+        >>> s = KTransformNvfp4Scales(16, g, g, k_offset=torch.zeros(2, 16), first_tokens=1)
+        >>> s.kernel_view().k_fp4.name, s.kernel_view().k_offset.shape, s.kv_format()
+        ('nvfp4', torch.Size([2, 16]), 'nvfp4')
+    """
+
+    k_global_scale: torch.Tensor | None = None
+    v_global_scale: torch.Tensor | None = None
+    k_offset: torch.Tensor | None = None
+    k_rotation: torch.Tensor | None = None
+    # a field here (keyword-only: the base's ClassVar gives it its place among the fields)
+    first_tokens: int = field(default=0, kw_only=True)  # type: ignore[misc]
+    name: ClassVar[str] = "k-transform-nvfp4"
+    k_format: ClassVar[Fp4Format | None] = NVFP4
+    v_format: ClassVar[Fp4Format | None] = NVFP4
+    transforms_keys: ClassVar[bool] = True
+
+    @classmethod
+    def kv_format(cls) -> str:
+        """``nvfp4``: the pages are that format's, K in the k-transform's frame."""
+        return Nvfp4Scales.name
+
+    def __post_init__(self) -> None:
+        self._check(("k_global_scale", "v_global_scale"))
+        self._check_k_transform(self.k_global_scale)
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_global_scale, self.v_global_scale
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class KTransformMxfp4Scales(Fp4Scales):
+    """MXFP4 K in the k-transform's frame beside MXFP4 V: as :class:`KTransformNvfp4Scales`,
+    with MXFP4's blocks of 32 and power-of-two block scales (no global scale).
+
+    Attributes:
+        head_dim: ``D``, a multiple of 32.
+        k_offset: fp32 ``[Hkv, D]`` per-channel offset ``c`` (rotated frame), or None.
+        k_rotation: fp32 ``[D, D]`` orthonormal rotation ``R``, or None.
+        first_tokens: first visible tokens of each sequence kept at full precision.
+
+    Example:
+        >>> import torch
+        >>> s = KTransformMxfp4Scales(32, torch.zeros(2, 32), first_tokens=1)
+        >>> s.kernel_view().k_fp4.name, s.num_kv_heads, s.kv_format()
+        ('mxfp4', 2, 'mxfp4')
+    """
+
+    k_offset: torch.Tensor | None = None
+    k_rotation: torch.Tensor | None = None
+    # a field here (keyword-only: the base's ClassVar gives it its place among the fields)
+    first_tokens: int = field(default=0, kw_only=True)  # type: ignore[misc]
+    name: ClassVar[str] = "k-transform-mxfp4"
+    k_format: ClassVar[Fp4Format | None] = MXFP4
+    v_format: ClassVar[Fp4Format | None] = MXFP4
+    transforms_keys: ClassVar[bool] = True
+
+    @classmethod
+    def kv_format(cls) -> str:
+        """``mxfp4``: the pages are that format's, K in the k-transform's frame."""
+        return Mxfp4Scales.name
+
+    def __post_init__(self) -> None:
+        self._check((None, None))
+        self._check_k_transform(None)

@@ -254,3 +254,42 @@ def test_a_k_transform_calibration_measures_fp8_k_beside_nvfp4_v_in_its_frame(
     finally:
         handle.remove()
     assert grans == ["k-transform-k-nvfp4-v", "k-transform"]
+
+
+@pytest.mark.parametrize("word", ["nvfp4", "mxfp4"])
+def test_a_k_transform_calibration_measures_4bit_k_in_its_frame(
+    tiny_kt: Any, tmp_path: Path, word: str
+) -> None:
+    """With a k-transform calibration, ``nvfp4`` / ``mxfp4`` are measured with K in the
+    transform's frame (``round_4bit(k R - c) + c``, query rotated, first tokens exact), as a
+    map that names them patches the written checkpoint."""
+    import kvquant
+    from kvquant.calibrate import calibrate, write_calibrated_checkpoint
+    from kvquant.calibrate.evaluate import four_bit_candidates
+    from kvquant.calibrate.fp8 import fake_quantize_fp4
+
+    model, folder = tiny_kt
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 64))
+    res = calibrate(
+        model, ids, window=64, held_out_tokens=64, granularity="k-transform", progress=False,
+    )  # fmt: skip
+    cands, _ = four_bit_candidates(res, 64)
+    cand = next(c for c in cands if c.kv_format == word)
+    assert cand.k_offset is not None and cand.rotation is not None and cand.first_tokens == 1
+    assert cand.k_scale is None and not cand.static
+    q, k, v = (torch.randn(1, 2, 9, 64) for _ in range(3))
+    sq, sk, sv = cand.simulate(0, q, k, v)
+    assert torch.allclose(sq, q @ cand.rotation)
+    kr, c = k @ cand.rotation, res.k_offset[0][None, :, None, :]  # type: ignore[index]
+    assert torch.equal(sk[:, :, :1], kr[:, :, :1])  # the first token read exact
+    assert torch.allclose(sk[:, :, 1:], (fake_quantize_fp4(kr - c, word) + c)[:, :, 1:])
+    assert torch.equal(sv[:, :, :1], v[:, :, :1])
+    assert torch.equal(sv[:, :, 1:], fake_quantize_fp4(v, word)[:, :, 1:])
+    out = write_calibrated_checkpoint(folder, res, tmp_path / "out", "kvquant")
+    handle = kvquant.patch(model, scales=out, kv_format={0: word, 1: "fp8"}, backend="torch")
+    try:
+        grans = [s.granularity for s in handle.state.layer_specs]
+    finally:
+        handle.remove()
+    assert grans == [f"k-transform-{word}", "k-transform"]

@@ -45,9 +45,11 @@ def unpatched_kv(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> list[Any]
 def k_transform_scales(
     model: Any, rotation: str | None = "hadamard", first_tokens: int = 1
 ) -> dict[str, Any]:
-    """A ``scales=`` mapping in kvquant's k-transform convention, calibrated on its own prompt."""
+    """A ``scales=`` mapping in kvquant's k-transform convention, calibrated on its own prompt
+    (for the model's head_dim)."""
     ids, mask = prompt(batch=2, length=24, pad=(0, 0), seed=11)
-    rot = hadamard(D) if rotation == "hadamard" else torch.eye(D)
+    d = int(model.config.head_dim)
+    rot = hadamard(d) if rotation == "hadamard" else torch.eye(d)
     out: dict[str, Any] = {}
     for i, (k, v) in enumerate(unpatched_kv(model, ids, mask)):
         k = (k.transpose(1, 2) @ rot)[:, first_tokens:]  # [B, T, Hkv, D], sink tokens apart
@@ -56,6 +58,6 @@ def k_transform_scales(
         out[f"model.layers.{i}.self_attn.v_scale"] = v.abs().amax((0, 2, 3)) / 448 * 1.25
         out[f"model.layers.{i}.self_attn.k_offset"] = offset
     out[KV_TRANSFORM_FILE] = kv_transform_config(
-        rotation=rotation, first_tokens=first_tokens, head_dim=D, num_kv_heads=HKV, num_layers=2
+        rotation=rotation, first_tokens=first_tokens, head_dim=d, num_kv_heads=HKV, num_layers=2
     )
     return out

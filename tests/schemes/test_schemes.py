@@ -16,6 +16,8 @@ from kvquant.schemes import (
     ORTHONORMAL_TOL,
     Fp8KNvfp4VScales,
     GroupScales,
+    KTransformMxfp4Scales,
+    KTransformNvfp4Scales,
     KTransformScales,
     Mxfp4Scales,
     Nvfp4Scales,
@@ -190,6 +192,10 @@ def test_to_moves_without_checking_again(monkeypatch: pytest.MonkeyPatch) -> Non
         Nvfp4Scales(D, torch.full((H,), 0.1), torch.full((H,), 0.2)),
         Mxfp4Scales(64),
         Fp8KNvfp4VScales(D, torch.tensor(0.1), torch.tensor(1.0)),
+        KTransformNvfp4Scales(
+            D, torch.tensor(1.0), torch.tensor(1.0), torch.zeros(H, D), hadamard(D), first_tokens=2
+        ),
+        KTransformMxfp4Scales(32, torch.zeros(H, 32), first_tokens=1),
     ],
     ids=lambda s: s.name,
 )
@@ -211,7 +217,7 @@ def test_derived_flags_and_words() -> None:
     assert not PerHeadScales(torch.ones(H), torch.ones(H)).dynamic
     assert scheme_names() == (
         "per-tensor", "per-head", "fp32-group", "k-transform", "nvfp4", "mxfp4", "fp8-k-nvfp4-v",
-        "k-transform-k-nvfp4-v",
+        "k-transform-k-nvfp4-v", "k-transform-nvfp4", "k-transform-mxfp4",
     )  # fmt: skip
     assert scheme_class("per-head") is PerHeadScales
     with pytest.raises(ScaleFormatError, match="scale scheme 'per-token' is unknown"):
@@ -240,6 +246,10 @@ def test_class_facts_describe_each_scheme_without_an_instance() -> None:
     assert Mxfp4Scales.slot_bytes(2, 128) == 2 * 2 * (64 + 128 // 32) == 272
     assert Fp8KNvfp4VScales.slot_bytes(2, 128) == 2 * (128 + 64 + 8) == 400
     assert Nvfp4Scales.scale_shape(3) is None and not Nvfp4Scales.transforms_keys
+    # 4-bit K in the k-transform's frame: the pages of nvfp4 / mxfp4 (the side buffer apart)
+    for kt, plain in ((KTransformNvfp4Scales, Nvfp4Scales), (KTransformMxfp4Scales, Mxfp4Scales)):
+        assert kt.transforms_keys and kt.kv_format() == plain.name
+        assert kt.slot_bytes(2, 128) == plain.slot_bytes(2, 128)
 
 
 @pytest.mark.parametrize(
@@ -256,6 +266,12 @@ def test_class_facts_describe_each_scheme_without_an_instance() -> None:
         (lambda: Nvfp4Scales(D, torch.ones(H).half(), torch.ones(H)), "dtype torch.float16"),
         (lambda: Fp8KNvfp4VScales(D, torch.tensor(-1.0), torch.tensor(1.0)),
          r"k_scale element 0 is -1.0; expected .* \(amax / 448\)"),
+        (lambda: KTransformNvfp4Scales(D, torch.ones(H), torch.ones(H), torch.zeros(3, D)),
+         r"k-transform-nvfp4 scales: k_offset has shape \(3, 16\); expected \(2, head_dim\)"),
+        (lambda: KTransformNvfp4Scales(D, torch.tensor(1.0), torch.tensor(1.0), None,
+                                       torch.ones(D, D)), "not orthonormal"),
+        (lambda: KTransformMxfp4Scales(64, torch.zeros(H, 32)), "for head_dim 32, the scheme's"),
+        (lambda: KTransformMxfp4Scales(32, first_tokens=True), "first_tokens is True"),
     ],
 )  # fmt: skip
 def test_4bit_schemes_refuse_bad_input_once_at_construction(

@@ -91,7 +91,10 @@ class PagedLayerStorage:
             ``"k-transform"`` (per-head static scales plus ``k_offset``, an
             optional ``k_rotation`` and ``first_tokens``), or a 4-bit format:
             ``"nvfp4"`` (``k_scale`` / ``v_scale`` are the global scales),
-            ``"mxfp4"`` (no scale) or ``"fp8-k-nvfp4-v"`` (FP8 K scale, V global scale).
+            ``"mxfp4"`` (no scale) or ``"fp8-k-nvfp4-v"`` (FP8 K scale, V global scale), or
+            one of them with K in the k-transform's frame (``"k-transform-nvfp4"``,
+            ``"k-transform-mxfp4"``, ``"k-transform-k-nvfp4-v"``: ``k_offset``, ``k_rotation``
+            and ``first_tokens`` as for the ``k-transform``).
         group_size: ``G`` for ``fp32-group``; must divide ``head_dim``; default
             ``min(64, head_dim)``, halved until it divides ``head_dim`` (80 -> 16). Must
             be None for static granularities.
@@ -104,13 +107,14 @@ class PagedLayerStorage:
             (``"auto"``, ``"triton"``, ``"torch"``).
         name: the owner named in error messages (e.g. a module path).
         scale_names: how error messages call ``k_scale`` and ``v_scale``.
-        k_offset: ``k-transform`` only: fp32 ``[Hkv, D]`` per-channel K offset
-            in the rotated frame (required). Copied to fp32 on ``device`` once.
+        k_offset: a K transform's (the ``k-transform`` formats): fp32 ``[Hkv, D]``
+            per-channel K offset in the rotated frame (required). Copied to fp32 on
+            ``device`` once.
         k_rotation: ``k-transform``, ``fp32-group``, ``nvfp4`` or ``mxfp4``: fp32 ``[D, D]``
             orthonormal rotation of K (e.g. :func:`kvquant.kernels.hadamard`; but for the
             ``k-transform``, a power-of-two ``D >= 16``), or None. Checked to be orthonormal
             within :data:`ORTHONORMAL_TOL` once.
-        first_tokens: ``k-transform`` only: the first visible tokens of each
+        first_tokens: a K transform's: the first visible tokens of each
             sequence attended from a full-precision side buffer (0..1024).
         pages: pages allocated by the caller instead of by the storage (a
             transformers continuous-batching cache lays every layer's pages out

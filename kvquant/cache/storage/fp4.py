@@ -1,5 +1,6 @@
 """Storage of the 4-bit schemes: packed e2m1 pages with block scales computed on write
-(:class:`Fp4Storage`: ``nvfp4``, ``mxfp4``), FP8 K beside NVFP4 V (:class:`Fp8KNvfp4VStorage`:
+(:class:`Fp4Storage`: ``nvfp4``, ``mxfp4``), the same pages with 4-bit K in the k-transform's
+frame (:class:`KTransformFp4Storage`), FP8 K beside NVFP4 V (:class:`Fp8KNvfp4VStorage`:
 ``fp8-k-nvfp4-v``), and FP8 K in the k-transform's frame beside NVFP4 V
 (:class:`KTransformNvfp4VStorage`). The layout: :mod:`kvquant.kernels.fp4`."""
 
@@ -20,6 +21,8 @@ from kvquant.schemes import (
     Fp4Format,
     Fp4Scales,
     Fp8KNvfp4VScales,
+    KTransformMxfp4Scales,
+    KTransformNvfp4Scales,
     KTransformNvfp4VScales,
     Mxfp4Scales,
     Nvfp4Scales,
@@ -28,7 +31,7 @@ from kvquant.schemes import (
     scheme_class,
 )
 
-__all__ = ["Fp4Storage", "Fp8KNvfp4VStorage", "KTransformNvfp4VStorage"]
+__all__ = ["Fp4Storage", "Fp8KNvfp4VStorage", "KTransformFp4Storage", "KTransformNvfp4VStorage"]
 
 
 def _fp32(x: Any) -> Any:
@@ -164,6 +167,8 @@ class Fp4Storage(PagedLayerStorage):
             else:
                 scales = getattr(self, f"{side}_block_scales")[ids]
                 x = dequantize_fp4(pages, scales, fmt, a.static)
+                if a.k_offset is not None:  # 4-bit K in the k-transform's frame: + c
+                    x = x + a.k_offset.float()
                 # rotated 4-bit K: back to the model's frame (R orthonormal)
                 out.append(x if a.k_rotation is None else x @ a.k_rotation.float().T)
         return out[0], out[1]
@@ -178,6 +183,59 @@ class Fp4Storage(PagedLayerStorage):
 
     def _describe(self) -> str:
         return ", K rotated" if self.k_rotation is not None else ""
+
+
+class KTransformFp4Storage(Fp4Storage, KTransformStorage):
+    """NVFP4 or MXFP4 K and V pages with K in the k-transform's frame (``k-transform-nvfp4``,
+    ``k-transform-mxfp4``).
+
+    The pages and block scales of :class:`Fp4Storage`, K stored as the 4-bit codes of
+    ``k @ R - c``; :meth:`dense` reads K back in the model's frame (``(x + c) @ R^T``, from the
+    pages). The K transform's checks and its first-token side buffer are
+    :class:`~kvquant.cache.storage.k_transform.KTransformStorage`'s (``keep_first``,
+    ``first_buffer``, ...).
+
+    Attributes:
+        k_scale: NVFP4's global scale of the transformed K on the device, else None.
+        v_scale: like ``k_scale`` for V.
+        k_offset: fp32 ``[Hkv, D]`` on the device (the scheme's).
+        k_rotation: fp32 ``[D, D]`` on the device, or None.
+        first_tokens: first visible tokens per sequence kept at full precision.
+    """
+
+    schemes: ClassVar[tuple[type[Scheme], ...]] = (KTransformNvfp4Scales, KTransformMxfp4Scales)
+
+    # NVFP4's global scales, None for MXFP4 (KTransformStorage's FP8 scales are never None)
+    k_scale: torch.Tensor | None  # type: ignore[assignment]
+    v_scale: torch.Tensor | None  # type: ignore[assignment]
+    _configure_transform = KTransformStorage._configure_transform
+    _dequant_args = KTransformStorage._dequant_args
+    _describe = KTransformStorage._describe
+
+    def _configure(self, args: SchemeArgs) -> None:
+        super()._configure(args)
+        view = self._scheme.kernel_view()  # the storage's transform is the scheme's
+        self.k_offset, self.k_rotation = cast(torch.Tensor, view.k_offset), view.k_rotation
+
+    def _new_scheme(self, args: SchemeArgs, k: Any, v: Any) -> Fp4Scales:
+        offset, rotation = _fp32(args.k_offset), _fp32(args.k_rotation)
+        if scheme_class(self.granularity) is KTransformMxfp4Scales:
+            if k is not None or v is not None:
+                k_name, v_name = args.scale_names
+                raise ScaleFormatError(
+                    f"{k_name}/{v_name} were given; {self.granularity} computes every scale on "
+                    "write. Fix: drop them."
+                )
+            return KTransformMxfp4Scales(
+                self.head_dim, offset, rotation, first_tokens=self.first_tokens
+            )
+        return KTransformNvfp4Scales(
+            self.head_dim, k, v, offset, rotation, first_tokens=self.first_tokens
+        )
+
+    def _scale_bytes(self) -> dict[str, int]:
+        transform = nbytes(self.k_offset, self.k_rotation, *self.first_tensors())
+        return super()._scale_bytes() | {"k_transform": transform}
 
 
 class Fp8KNvfp4VStorage(Fp4Storage):

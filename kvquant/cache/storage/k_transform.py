@@ -70,7 +70,7 @@ class KTransformStorage(StaticStorage):
             if t is None:
                 if label == "k_offset":
                     raise ScaleFormatError(
-                        f"{name}: granularity 'k-transform' needs k_offset, fp32 {want}; got "
+                        f"{name}: granularity {self.granularity!r} needs k_offset, fp32 {want}; got "
                         f"None. {fix}"
                     )
                 continue

@@ -344,6 +344,9 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
         kv = f"KV formats {describe_layer_formats(formats)} (4-bit scales computed on write"
         if any(f.fp8_keys for f in formats):
             kv += f"; FP8 scales from {source}"
+        four_bit = [s for s, f in zip(state.layer_specs, formats, strict=True) if f.four_bit]
+        if any(s.scheme.transforms_keys for s in four_bit):
+            kv += "; K in the k-transform's frame"
         kv += ")"
         if opts.k_rotation is not None:
             kv += f", K rotated ({opts.k_rotation}) before its groups or blocks"

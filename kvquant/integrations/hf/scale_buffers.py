@@ -70,13 +70,16 @@ def _held_specs(state: PatchState) -> list[LayerSpec]:
     """The layers' specs as their attention modules hold (and save) scales: a 4-bit layer holds
     the FP8 scales the registry resolved for it (none where they are dynamic), not its storage's
     fixed NVFP4 global scale, so that a saved model resolves the same scales for every layer
-    again, whatever format each layer stores (the saved config's ``kv_format`` says which)."""
+    again, whatever format each layer stores (the saved config's ``kv_format`` says which). A
+    4-bit layer with K in the k-transform's frame holds its offset too, as the k-transform's
+    FP8 layers do (:func:`_canonical_buffers`)."""
     held = []
     for spec, ls in zip(state.layer_specs, state.model_scales.layers, strict=True):
         if issubclass(spec.scheme, Fp4Scales):
             k = None if ls.k is None else ls.k.detach().to("cpu", torch.float32)
             v = None if ls.v is None else ls.v.detach().to("cpu", torch.float32)
-            spec = replace(spec, k_scale=k, v_scale=v, k_offset=None)
+            offset = spec.k_offset if spec.scheme.transforms_keys else None
+            spec = replace(spec, k_scale=k, v_scale=v, k_offset=offset)
         held.append(spec)
     return held
 

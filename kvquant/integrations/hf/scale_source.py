@@ -31,6 +31,8 @@ from kvquant.schemes import (
     Fp4Scales,
     Fp8KNvfp4VScales,
     GroupScales,
+    KTransformMxfp4Scales,
+    KTransformNvfp4Scales,
     KTransformNvfp4VScales,
     KTransformScales,
     Mxfp4Scales,
@@ -274,14 +276,14 @@ def layer_specs(
     each layer its own (:func:`~kvquant.choices.layer_kv_formats`); a checkpoint that declares
     4-bit layers gives them its formats and global scales (:func:`checkpoint_fp4_specs`).
     ``k_rotation`` (``"hadamard"``) rotates K before the ``fp32-group`` layers' scales and
-    the ``nvfp4`` / ``mxfp4`` layers' blocks.
+    the ``nvfp4`` / ``mxfp4`` layers' blocks (a k-transform's layers bring their own).
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
         OptionError: a map that does not fit the model's layers; ``fp8-k-nvfp4-v`` for a
             layer without static K scales; ``k_rotation`` for an FP8 layer whose scales
-            resolved to a static format, an ``fp8-k-nvfp4-v`` layer, a checkpoint's 4-bit
-            layers, or a head_dim that is not a power of two >= 16.
+            resolved to a static format, a layer of the k-transform, an ``fp8-k-nvfp4-v``
+            layer, a checkpoint's 4-bit layers, or a head_dim that is not a power of two >= 16.
     """
     specs = _fp8_specs(sites, geometry, model_scales)
     formats = layer_kv_formats(kv_format, len(specs), "kvquant.patch")
@@ -310,9 +312,10 @@ def _log_unused_scales(
     """Warn once per patch when a 4-bit format without FP8 keys leaves static scales unused.
 
     ``nvfp4`` and ``mxfp4`` compute their block scales as tokens are written, so the static
-    FP8 scales (and a k-transform's offset and rotation) that the layers resolved to are not
-    used; the user who passed a calibrated checkpoint should hear it. The 1.0 scales of
-    ``missing_scales="unit"`` (``sources``: each layer's resolved source) are nobody's.
+    FP8 scales that the layers resolved to are not used; the user who passed a calibrated
+    checkpoint should hear it. A k-transform's layers are not named: their K is stored in its
+    frame (:func:`fp4_spec`). The 1.0 scales of ``missing_scales="unit"`` (``sources``: each
+    layer's resolved source) are nobody's.
     """
     unused = [
         spec.name
@@ -320,7 +323,7 @@ def _log_unused_scales(
         if fmt.four_bit
         and not fmt.fp8_keys
         and source != "unit"
-        and issubclass(spec.scheme, (StaticScales, KTransformScales))
+        and issubclass(spec.scheme, StaticScales)
     ]
     if unused:
         _logger.warning(
@@ -375,8 +378,11 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
 
     ``nvfp4``: global scales :data:`~kvquant.schemes.DYNAMIC_NVFP4_GLOBAL_SCALE` (fixed, so no
     statistic, sync or first batch decides them); ``mxfp4``: no scale; ``fp8-k-nvfp4-v``: the
-    layer's static K scale and V's fixed global scale, of the K scale's shape (a ``k-transform``
-    layer keeps its K transform: :class:`~kvquant.schemes.KTransformNvfp4VScales`).
+    layer's static K scale and V's fixed global scale, of the K scale's shape. A ``k-transform``
+    layer keeps its K transform (rotation, offset, first tokens): K is stored in its frame,
+    4-bit (:class:`~kvquant.schemes.KTransformNvfp4Scales`,
+    :class:`~kvquant.schemes.KTransformMxfp4Scales`; its static K and V scales unused) or FP8
+    with its K scale (:class:`~kvquant.schemes.KTransformNvfp4VScales`).
 
     Raises:
         OptionError: a head_dim the format's block does not divide; ``fp8-k-nvfp4-v`` for a
@@ -397,6 +403,15 @@ def fp4_spec(spec: LayerSpec, kv_format: str) -> LayerSpec:
             torch.full_like(cast(torch.Tensor, spec.k_scale), DYNAMIC_NVFP4_GLOBAL_SCALE)
         )
         return replace(spec, scheme=KTransformNvfp4VScales, group_size=None, v_scale=g)
+    if transform:  # 4-bit K in the K transform's frame, V plain; block scales computed on write
+        if kind is Mxfp4Scales:
+            return replace(
+                spec, scheme=KTransformMxfp4Scales, group_size=None, k_scale=None, v_scale=None
+            )
+        g = _host_scale(torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE))
+        return replace(
+            spec, scheme=KTransformNvfp4Scales, group_size=None, k_scale=g, v_scale=g.clone()
+        )
     plain = replace(spec, group_size=None, k_offset=None, rotation=None, first_tokens=0)
     if kind is Mxfp4Scales:
         return replace(plain, scheme=kind, k_scale=None, v_scale=None)
@@ -419,11 +434,18 @@ def _rotated_spec(spec: LayerSpec, k_rotation: str) -> LayerSpec:
     group scales or 4-bit blocks.
 
     Raises:
-        OptionError: an FP8 layer whose scales resolved to a static format, an
-            ``fp8-k-nvfp4-v`` layer (refused earlier by the options' check), or a head_dim
-            that is not a power of two >= 16 (a Hadamard rotation of K in the kernels'
-            16-channel slices).
+        OptionError: a layer whose K is stored in the k-transform's frame (its own rotation),
+            an FP8 layer whose scales resolved to a static format, an ``fp8-k-nvfp4-v`` layer
+            (refused earlier by the options' check), or a head_dim that is not a power of two
+            >= 16 (a Hadamard rotation of K in the kernels' 16-channel slices).
     """
+    if spec.scheme.transforms_keys:
+        raise OptionError(
+            f"{spec.name}: k_rotation={k_rotation!r}, but the layer's scales resolved to the "
+            f"k-transform ({spec.granularity!r}), which stores K in its own frame: its "
+            "rotation, offset and first tokens. Fix: drop k_rotation (the k-transform's "
+            "rotation applies), or patch without the k-transform scales for a plain rotation."
+        )
     if issubclass(spec.scheme, Fp4Scales) and spec.scheme.k_format is None:
         raise OptionError(
             f"{spec.name}: k_rotation={k_rotation!r} with kv_format 'fp8-k-nvfp4-v', whose FP8 K "

@@ -7,9 +7,10 @@ int32 sequence lengths ``[B]``; the scale scheme (:mod:`kvquant.schemes`): stati
 ``[]`` or ``[Hkv]``, or group scales fp32 ``[num_pages, page_size, Hkv, D // G]`` written with
 each token. A 4-bit side (:class:`~kvquant.schemes.Fp4Scales`) stores packed e2m1 codes
 ``uint8 [num_pages, page_size, Hkv, D // 2]`` with block scales beside them, dequantized by
-:func:`kvquant.kernels.fp4.dequantize_fp4`. With the K transform the query is rotated, ``q @ R``, against the logical key
-``code * s_k + c``, and the first tokens of each sequence may come from a full-precision side
-buffer (``first.k = k @ R``, ``first.v``). No argument validation here.
+:func:`kvquant.kernels.fp4.dequantize_fp4`. With the K transform the query is rotated,
+``q @ R``, against the logical key ``code * s_k + c`` (4-bit K: its dequantized codes ``+ c``),
+and the first tokens of each sequence may come from a full-precision side buffer
+(``first.k = k @ R``, ``first.v``). No argument validation here.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def _sequence(
     b: int,
 ) -> torch.Tensor:
     """fp32 ``[n, Hkv, D]``: sequence ``b``'s first ``n`` tokens of one side, gathered, then
-    dequantized (FP8 ``code * s (+ c)``, or a 4-bit format's codes and block scales)."""
+    dequantized (FP8 ``code * s (+ c)``, or a 4-bit format's codes and block scales ``(+ c)``)."""
     codes = gather_kv(pages, block_tables, n, b)
     gathered = None if scales is None else gather_kv(scales, block_tables, n, b)
     if fmt is None:
         return dequantize_stored(codes, static, gathered, offset)
-    return dequantize_fp4(codes, gathered, fmt, static)  # type: ignore[arg-type]  # checked
+    x = dequantize_fp4(codes, gathered, fmt, static)  # type: ignore[arg-type]  # checked
+    return x if offset is None else x + offset.float()
 
 
 def paged_attention_reference(

@@ -79,7 +79,8 @@ def _fp4_code(fmt: Fp4Format | None) -> int:
 def _check_first_tokens(
     op: str, first: object, scheme: Scheme, bsz: int, hkv: int, d: int, device: torch.device
 ) -> None:
-    """Structure of the first-token side buffer: a FirstTokens, with FP8 K of static scales."""
+    """Structure of the first-token side buffer: a FirstTokens, with static FP8 K scales or a
+    scheme that stores K in the k-transform's frame (``transforms_keys``, FP8 or 4-bit K)."""
     if first is None:
         return
     if not isinstance(first, FirstTokens):
@@ -96,11 +97,12 @@ def _check_first_tokens(
             "Fix: pass all three (first_lens zeros where a row has none), or first=None."
         )
     view = scheme.kernel_view()
-    if view.k_fp4 is not None:  # FP8 K beside 4-bit V keeps them (k-transform-k-nvfp4-v)
+    if view.k_fp4 is not None and not scheme.transforms_keys:
         raise fail(
             f"{op}: first-token buffers (first_k / first_v) were given with the 4-bit scheme "
-            f"{scheme.name!r}; expected FP8 K with static scales (the k-transform's). Fix: drop "
-            "first."
+            f"{scheme.name!r}; expected a scheme whose K is in the k-transform's frame "
+            "(KTransformNvfp4Scales, KTransformMxfp4Scales) or FP8 K with static scales. Fix: "
+            "drop first, or pass the layer's K transform in the scheme."
         )
     if view.group_size is not None:
         raise fail(
@@ -471,7 +473,7 @@ def check_attention_inputs(
         sm_scale: softmax scale (a finite Python number).
         mask: a :class:`~kvquant.schemes.Mask` (int32 ``[B]`` ``q_lens`` / ``kv_start``,
             fp32 ``[Hq]`` finite ``sinks``).
-        first: a :class:`~kvquant.schemes.FirstTokens` (k-transform only), or None.
+        first: a :class:`~kvquant.schemes.FirstTokens` (a K transform's side buffer), or None.
         out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
 
     Returns:

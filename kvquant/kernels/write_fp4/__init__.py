@@ -42,8 +42,9 @@ def write_fp4(
             ``[num_pages, page_size, Hkv, D]`` and no block scales.
         slot_mapping: int64 ``[B, L]``; negative = skip, else below ``num_pages * page_size``.
         scheme: a 4-bit scheme (:class:`~kvquant.schemes.Nvfp4Scales`,
-            :class:`~kvquant.schemes.Mxfp4Scales`, :class:`~kvquant.schemes.Fp8KNvfp4VScales`),
-            its tensors on the pages' device.
+            :class:`~kvquant.schemes.Mxfp4Scales`, :class:`~kvquant.schemes.Fp8KNvfp4VScales`,
+            or one storing K in the k-transform's frame, whose K is rotated and offset first:
+            ``k @ R - c``), its tensors on the pages' device.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:

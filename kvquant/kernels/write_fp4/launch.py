@@ -1,10 +1,11 @@
 """Launcher of the 4-bit cache-write kernel (:mod:`kvquant.kernels.write_fp4.kernel`).
 
 :func:`write_fp4_triton` unpacks the scheme into the kernel's pointers and per-side formats,
-picks the tile and launches; negative slots are skipped. FP8 K in the k-transform's frame is
-rotated and offset in torch first (:func:`kvquant.kernels.fp8.transform_keys`, one ``[T, Hkv, D]
-x [D, D]`` product: the kernel's tiles hold even and odd elements apart). Arguments are
-validated by :func:`kvquant.kernels.write_fp4.write_fp4`.
+picks the tile and launches; negative slots are skipped. K in the k-transform's frame (FP8 or
+4-bit) and rotated 4-bit K are rotated and offset in torch first
+(:func:`kvquant.kernels.fp8.transform_keys`, one ``[T, Hkv, D] x [D, D]`` product: the kernel's
+tiles hold even and odd elements apart). Arguments are validated by
+:func:`kvquant.kernels.write_fp4.write_fp4`.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def write_fp4_triton(
             f"write_fp4_triton: the {scheme.name!r} scheme stores FP8 K and V. Fix: call "
             "kvquant.kernels.write_kv, which validates its arguments and picks the write."
         )
-    if view.k_offset is not None or view.k_rotation is not None:  # FP8 K (checked)
+    if view.k_offset is not None or view.k_rotation is not None:  # k @ R - c (checked)
         key = transform_keys(key, view.k_offset, view.k_rotation)
     kp, vp = pages.k.view(torch.uint8), pages.v.view(torch.uint8)
     num_pages, page_size = kp.shape[0], kp.shape[1]

@@ -1,10 +1,10 @@
 """Pure-PyTorch reference of :func:`kvquant.kernels.write_fp4.write_fp4` (its specification).
 
 Quantizes each written token of a 4-bit side with :func:`kvquant.kernels.fp4.quantize_fp4`
-(an FP8 side with :func:`kvquant.kernels.fp8.quantize_fp8` and its static scale, FP8 K in the
-k-transform's frame first rotated and offset, :func:`kvquant.kernels.fp8.transform_keys`) and
-stores its codes and block scales at its slot; negative slots are skipped. No argument
-validation.
+(an FP8 side with :func:`kvquant.kernels.fp8.quantize_fp8` and its static scale; K in the
+k-transform's frame, FP8 or 4-bit, first rotated and offset,
+:func:`kvquant.kernels.fp8.transform_keys`) and stores its codes and block scales at its slot;
+negative slots are skipped. No argument validation.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def write_fp4_reference(
     ):
         xs = x.reshape(x.shape[0] * x.shape[1], hkv, x.shape[-1])[keep]
         if codes_out is pages.k and (view.k_offset is not None or view.k_rotation is not None):
-            xs = transform_keys(xs, view.k_offset, view.k_rotation)  # FP8 K: k @ R - c
+            xs = transform_keys(xs, view.k_offset, view.k_rotation)  # k @ R - c
         if fmt is None:
             s = scale.float().reshape(-1, 1) if scale.dim() else scale.float()  # type: ignore[union-attr]
             codes_out[page, off] = quantize_fp8(xs, s, codes_out.dtype)
