@@ -18,15 +18,18 @@ PARTS=${PARTS:-tests,hf,phases,bench,e2e,capacity}
 part() { [[ ",$PARTS," == *",$1,"* ]]; }
 fp4=(tests/kernels/test_write_fp4.py tests/kernels/test_attention_fp4.py tests/kernels/test_fp4_codec.py
      tests/kernels/test_fp4_triton.py tests/kernels/test_k_transform_fp4.py tests/cache/test_storage_fp4.py
-     tests/schemes/test_schemes.py tests/hf/test_hf_fp4.py tests/hf/test_hf_fp4_rotation.py)
-part tests && timeout "${KERNEL_TIMEOUT:-170}" python3 -m pytest -q -rfE --tb=short --show-capture=no -m gpu -n 8 \
+     tests/schemes/test_schemes.py tests/hf/test_hf_fp4.py tests/hf/test_hf_fp4_rotation.py
+     tests/kernels/test_k_transform_fp4_keys.py tests/cache/test_storage_k_transform_fp4.py
+     tests/hf/test_hf_k_transform_fp4_keys.py tests/kernels/test_k_transform.py
+     tests/kernels/test_group_rotation.py tests/kernels/test_write.py)
+part tests && timeout "${KERNEL_TIMEOUT:-170}" python3 -m pytest -q -rfE --tb=short --show-capture=no -m gpu -n 8 --dist load \
   tests/gpu tests/kernels -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 part tests && tail -n 2 "$OUT/gpu_tests.log"
-part tests && timeout "${FP4_TIMEOUT:-100}" python3 -m pytest -q -rfE --tb=short --show-capture=no -n 4 "${fp4[@]}" \
+part tests && timeout "${FP4_TIMEOUT:-100}" python3 -m pytest -q -rfE --tb=short --show-capture=no -n 8 --dist load "${fp4[@]}" \
   -p no:cacheprovider > "$OUT/gpu_tests_fp4.log" 2>&1
 part tests && tail -n 2 "$OUT/gpu_tests_fp4.log"
 part hf && timeout "${HF_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=short --show-capture=no -m gpu \
-  -n 4 tests/hf tests/kernels/test_attention_fp4.py -p no:cacheprovider > "$OUT/gpu_tests_hf.log" 2>&1
+  -n 8 --dist load tests/hf -p no:cacheprovider > "$OUT/gpu_tests_hf.log" 2>&1
 part hf && tail -n 2 "$OUT/gpu_tests_hf.log"
 part phases && timeout "${PHASES_TIMEOUT:-100}" python3 benchmarks/profile_generate.py --batch 16 --prompt 8192 \
   --new 64 --phases --arms kvquant,default --out "$OUT/phases_b16x8k.txt" 2>&1 | grep "^==="
