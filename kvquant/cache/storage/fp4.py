@@ -185,7 +185,29 @@ class Fp4Storage(PagedLayerStorage):
         return ", K rotated" if self.k_rotation is not None else ""
 
 
-class KTransformFp4Storage(Fp4Storage, KTransformStorage):
+class _KTransformKeys:
+    """What the 4-bit storages with K in the k-transform's frame take from
+    :class:`~kvquant.cache.storage.k_transform.KTransformStorage`: its transform's checks,
+    dequantization arguments and description, the transform read from the scheme, and the
+    transform's bytes. Listed first among the bases (its ``_configure`` calls the storage's)."""
+
+    k_offset: torch.Tensor
+    k_rotation: torch.Tensor | None
+    _configure_transform = KTransformStorage._configure_transform
+    _dequant_args = KTransformStorage._dequant_args
+    _describe = KTransformStorage._describe
+
+    def _configure(self, args: SchemeArgs) -> None:
+        super()._configure(args)  # type: ignore[misc]
+        view = self._scheme.kernel_view()  # type: ignore[attr-defined]  # the scheme's transform
+        self.k_offset, self.k_rotation = cast(torch.Tensor, view.k_offset), view.k_rotation
+
+    def _scale_bytes(self) -> dict[str, int]:
+        transform = nbytes(self.k_offset, self.k_rotation, *self.first_tensors())  # type: ignore[attr-defined]
+        return super()._scale_bytes() | {"k_transform": transform}  # type: ignore[misc]
+
+
+class KTransformFp4Storage(_KTransformKeys, Fp4Storage, KTransformStorage):
     """NVFP4 or MXFP4 K and V pages with K in the k-transform's frame (``k-transform-nvfp4``,
     ``k-transform-mxfp4``).
 
@@ -208,14 +230,6 @@ class KTransformFp4Storage(Fp4Storage, KTransformStorage):
     # NVFP4's global scales, None for MXFP4 (KTransformStorage's FP8 scales are never None)
     k_scale: torch.Tensor | None  # type: ignore[assignment]
     v_scale: torch.Tensor | None  # type: ignore[assignment]
-    _configure_transform = KTransformStorage._configure_transform
-    _dequant_args = KTransformStorage._dequant_args
-    _describe = KTransformStorage._describe
-
-    def _configure(self, args: SchemeArgs) -> None:
-        super()._configure(args)
-        view = self._scheme.kernel_view()  # the storage's transform is the scheme's
-        self.k_offset, self.k_rotation = cast(torch.Tensor, view.k_offset), view.k_rotation
 
     def _new_scheme(self, args: SchemeArgs, k: Any, v: Any) -> Fp4Scales:
         offset, rotation = _fp32(args.k_offset), _fp32(args.k_rotation)
@@ -233,10 +247,6 @@ class KTransformFp4Storage(Fp4Storage, KTransformStorage):
             self.head_dim, k, v, offset, rotation, first_tokens=self.first_tokens
         )
 
-    def _scale_bytes(self) -> dict[str, int]:
-        transform = nbytes(self.k_offset, self.k_rotation, *self.first_tensors())
-        return super()._scale_bytes() | {"k_transform": transform}
-
 
 class Fp8KNvfp4VStorage(Fp4Storage):
     """FP8 K pages with a static scale beside NVFP4 V pages (``fp8-k-nvfp4-v``).
@@ -253,7 +263,7 @@ class Fp8KNvfp4VStorage(Fp4Storage):
     pool_names: ClassVar[tuple[str, ...]] = ("k_pages", "v_pages", "v_block_scales")
 
 
-class KTransformNvfp4VStorage(Fp8KNvfp4VStorage, KTransformStorage):
+class KTransformNvfp4VStorage(_KTransformKeys, Fp8KNvfp4VStorage, KTransformStorage):
     """FP8 K pages in the k-transform's frame beside NVFP4 V pages (``k-transform-k-nvfp4-v``).
 
     The pages and scales of :class:`Fp8KNvfp4VStorage`, K stored as ``fp8((k @ R - c) /
@@ -271,21 +281,9 @@ class KTransformNvfp4VStorage(Fp8KNvfp4VStorage, KTransformStorage):
 
     k_scale: torch.Tensor
     v_scale: torch.Tensor
-    _configure_transform = KTransformStorage._configure_transform
-    _dequant_args = KTransformStorage._dequant_args
-    _describe = KTransformStorage._describe
-
-    def _configure(self, args: SchemeArgs) -> None:
-        super()._configure(args)
-        view = self._scheme.kernel_view()  # the storage's transform is the scheme's
-        self.k_offset, self.k_rotation = cast(torch.Tensor, view.k_offset), view.k_rotation
 
     def _new_scheme(self, args: SchemeArgs, k: Any, v: Any) -> Fp4Scales:
         offset, rotation = _fp32(args.k_offset), _fp32(args.k_rotation)
         return KTransformNvfp4VScales(
             self.head_dim, k, v, offset, rotation, first_tokens=self.first_tokens
         )
-
-    def _scale_bytes(self) -> dict[str, int]:
-        transform = nbytes(self.k_offset, self.k_rotation, *self.first_tensors())
-        return super()._scale_bytes() | {"k_transform": transform}
