@@ -9,6 +9,8 @@ these; the statistics and the search use the same constants.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvquant.errors import CalibrationError
@@ -127,17 +129,9 @@ def k_transform_keys(
     Returns:
         fp32 [B, Hkv, T, D]; pair it with the query ``q @ R``.
     """
-    kr = key.float()
-    if rotation is not None:
-        kr = kr @ rotation.to(kr.device)
-    c = k_offset.float().to(kr.device)[None, :, None, :]
-    s = per_head_scale(k_scale, kr)
-    q = ((kr - c) / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    out = q.float() * s + c
-    n = min(first_tokens, out.shape[2])
-    if n:
-        out[:, :, :n] = kr[:, :, :n]
-    return out
+    return _keys_in_the_frame(
+        key, k_offset, rotation, first_tokens, lambda x: fake_quantize_static(x, k_scale)
+    )
 
 
 def k_transform_keys_fp4(
@@ -163,11 +157,24 @@ def k_transform_keys_fp4(
     Returns:
         fp32 [B, Hkv, T, D]; pair it with the query ``q @ R``.
     """
+    return _keys_in_the_frame(
+        key, k_offset, rotation, first_tokens, lambda x: fake_quantize_fp4(x, which)
+    )
+
+
+def _keys_in_the_frame(
+    key: torch.Tensor,
+    k_offset: torch.Tensor,
+    rotation: torch.Tensor | None,
+    first_tokens: int,
+    rounded: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``rounded(k R - c) + c`` in fp32, the first ``first_tokens`` positions ``k R`` exactly."""
     kr = key.float()
     if rotation is not None:
         kr = kr @ rotation.to(kr.device)
     c = k_offset.float().to(kr.device)[None, :, None, :]
-    out = fake_quantize_fp4(kr - c, which) + c
+    out = rounded(kr - c) + c
     n = min(first_tokens, out.shape[2])
     if n:
         out[:, :, :n] = kr[:, :, :n]
