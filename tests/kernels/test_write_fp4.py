@@ -87,8 +87,8 @@ def _new_tokens(bsz: int, seq: int, hkv: int, d: int, seed: int) -> tuple[torch.
     key[0, 0, 0, :3] = torch.tensor([1e3, -1e5, 7.0])  # past the calibrated range
     key[0, 1, 0, 5] = -1e-9  # rounds to -0.0 in FP8
     key[0, 1, 0, 6] = -0.0  # stays -0.0 in FP8 (the sign bit, not a comparison)
-    key[1, 1, 1, 20] = float("nan")
-    value[0, 1, 0, 33] = float("inf")
+    key[1, 1, 1, 20 % d] = float("nan")
+    value[0, 1, 0, 33 % d] = float("inf")
     key[1, 2, 0] = 0.0  # an all-zero token
     return key.to(DEV), value.to(DEV)
 
@@ -282,6 +282,16 @@ def test_odd_geometry_and_large_pages(kind: str) -> None:
     write_fp4_reference(key, value, want, slots, scheme)
     for name, x in _bytes(want).items():
         assert torch.equal(_bytes(got)[name], x), name
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "fp8-k-nvfp4-v"])
+def test_head_dim_of_one_block(kind: str) -> None:
+    """head_dim 16: one NVFP4 block (and one scale) per row, several tokens and pages."""
+    bsz, seq, hkv, d, num_pages, page = 2, 7, 2, 16, 4, 8
+    key, value = _new_tokens(bsz, seq, hkv, d, seed=21)
+    slots = _slots(bsz, seq, num_pages * page, seed=21)
+    scheme = _scheme(kind, hkv, d, per_head=True)
+    _written_like_the_reference(key, value, slots, scheme, (num_pages, page, hkv), "triton")
 
 
 def _valid(kind: str = "nvfp4") -> tuple[dict[str, Any], Fp4Scales]:

@@ -204,16 +204,29 @@ def _base_rows(x, NG: tl.constexpr, RB: tl.constexpr):
 
 
 @triton.jit
+def _dot_kt(q, k, BY_SUM: tl.constexpr):
+    """``q @ k^T`` in fp32: a tensor-core dot, or with ``BY_SUM`` the fp32 products summed
+    (4-bit K tiles of head_dim 16: on an H200 with Triton 3.6 the dot with their transposed
+    tile gave wrong scores, while the same tile stored, or used untransposed for V, was right;
+    docs/dev/fp4-formats.md)."""
+    if BY_SUM:
+        return tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+    return tl.dot(q, tl.trans(k.to(tl.float16)))
+
+
+@triton.jit
 def _qk(q, k, ks, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr, NG: tl.constexpr,
-        RB: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):  # fmt: skip
+        RB: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+        K_FP4: tl.constexpr):  # fmt: skip
     """Raw scores ``q @ (k * scales)^T`` ``[RB, BLOCK_N]`` (x 16 for dequantized group scales).
 
     With ``FOLD`` the query holds ``NG`` copies of each row, copy ``c`` zero outside
     group ``c``: the dot gives every group's partial scores, which are scaled per
     (group, key) and summed over the copies.
     """
+    BY_SUM: tl.constexpr = K_FP4 != 0 and HEAD_D < 32
     if FOLD:
-        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        s = _dot_kt(q, k, BY_SUM)
         if NG == 1:
             s = s * ks
         else:
@@ -221,7 +234,7 @@ def _qk(q, k, ks, GROUP_SCALES: tl.constexpr, FOLD: tl.constexpr, NG: tl.constex
     elif GROUP_SCALES:
         s = tl.dot(q, tl.trans(_group_dequant(k, ks, NG, BLOCK_N, HEAD_D)))
     else:
-        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        s = _dot_kt(q, k, BY_SUM)
     return s
 
 
@@ -323,7 +336,7 @@ def attn_tile(
             v = tl.where(in_range[None, :], v.to(tl.float16), 0.0)  # transposed
         else:
             v = tl.where(in_range[:, None], v.to(tl.float16), 0.0)
-    s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D)
+    s = _qk(q, k, ks, GROUP_SCALES, FOLD, NG, RB, BLOCK_N, HEAD_D, K_FP4)
     if HAS_OFF and USE_SOFTCAP:
         s = s + qcs[:, None]
     # scale of the scores in log2 units, applied after the row maximum (it is positive) and
