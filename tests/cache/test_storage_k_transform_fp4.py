@@ -123,31 +123,3 @@ def test_constructor_refuses_with_the_owner(gran: str, kw: dict[str, Any], match
     with pytest.raises(ScaleFormatError, match=match) as info:
         _storage(gran, name="L", **kw)
     assert "Fix:" in str(info.value)
-
-
-def test_nvfp4_keys_in_the_frame_are_refused_on_cuda_only() -> None:
-    """NVFP4 keys in the k-transform's frame are not served on CUDA (their GPU decode did not
-    match the reference); MXFP4 keys in the frame, and the CPU, are."""
-    from kvquant.cache.storage.fp4 import refuse_unverified_on_cuda
-    from kvquant.errors import BackendError
-    from kvquant.schemes import KTransformMxfp4Scales, KTransformNvfp4Scales
-
-    with pytest.raises(BackendError, match="not served on CUDA yet") as info:
-        refuse_unverified_on_cuda(KTransformNvfp4Scales, torch.device("cuda", 0), "here")
-    assert isinstance(info.value, RuntimeError) and "Fix:" in str(info.value)
-    refuse_unverified_on_cuda(KTransformMxfp4Scales, torch.device("cuda", 0), "here")
-    refuse_unverified_on_cuda(KTransformNvfp4Scales, torch.device("cpu"), "here")
-
-
-def test_the_cache_refuses_nvfp4_keys_in_the_frame_before_allocating(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """With the CPU taken for an unverified device, the storage refuses its first pages."""
-    from kvquant.cache.storage import fp4
-    from kvquant.errors import BackendError
-
-    monkeypatch.setattr(fp4, "UNVERIFIED_DEVICE_TYPES", (torch.device(DEV).type,))
-    args = _scales("k-transform-nvfp4") | {"k_offset": _offset(), "k_rotation": hadamard(D)}
-    with pytest.raises(BackendError, match="kvquant cache"):
-        PagedLayerStorage(6, PAGE, H, D, granularity="k-transform-nvfp4", device=DEV,
-                          backend="torch", first_tokens=1, **args)  # fmt: skip

@@ -24,7 +24,7 @@ from test_hf_continuous_batching import alone, assert_same, cb_config, gen_confi
 
 import kvquant.integrations.hf as kvhf
 from kvquant.calibrate.fp8 import fake_quantize_fp4
-from kvquant.errors import BackendError, OptionError, ScaleFormatError
+from kvquant.errors import OptionError, ScaleFormatError
 from kvquant.integrations.hf import continuous
 from kvquant.kernels import hadamard
 
@@ -241,40 +241,10 @@ def test_continuous_batching_equals_each_requests_own_generate() -> None:
     assert continuous.live_caches() == []
 
 
-def test_nvfp4_keys_in_the_frame_are_refused_where_unverified_and_leave_the_model(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On a device where NVFP4 keys in the k-transform's frame are not served (CUDA; here the
-    CPU stands in for it), the patch refuses before changing the model; MXFP4 keys patch."""
-    from kvquant.cache.storage import fp4
-
-    monkeypatch.setattr(fp4, "UNVERIFIED_DEVICE_TYPES", ("cpu",))
-    model = biased_llama()
-    hooks = len(model.model.layers[0].self_attn._forward_pre_hooks)
-    with pytest.raises(BackendError, match="not served on CUDA yet") as info:
-        kvhf.patch(model, scales=k_transform_scales(model), kv_format="nvfp4", backend="torch")
-    assert "Fix:" in str(info.value)
-    assert model.config._attn_implementation == "sdpa"
-    assert len(model.model.layers[0].self_attn._forward_pre_hooks) == hooks
-    model32 = biased_llama(head_dim=32)
-    kvhf.patch(
-        model32, scales=k_transform_scales(model32), kv_format="mxfp4", backend="torch"
-    ).remove()
-
-
 @pytest.mark.gpu
-def test_nvfp4_keys_in_the_frame_are_refused_on_gpu() -> None:
-    model = biased_llama().to(device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(BackendError, match="not served on CUDA yet"):
-        kvhf.patch(model, scales=k_transform_scales(model), kv_format="nvfp4", backend="triton")
-    assert model.config._attn_implementation == "sdpa"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("kv_format", "head_dim"), FORMATS[1:], ids=[f for f, _ in FORMATS[1:]])
+@pytest.mark.parametrize(("kv_format", "head_dim"), FORMATS, ids=[f for f, _ in FORMATS])
 def test_triton_kernels_and_cuda_graphs_on_gpu(kv_format: str, head_dim: int | None) -> None:
-    """CUDA, backend="triton", decode graphs: within the reference's logits (MXFP4 keys; NVFP4
-    keys in the frame are refused on CUDA: their run of this test did not match)."""
+    """CUDA, backend="triton", decode graphs: within the reference's logits."""
     ids, mask = prompt(batch=3, length=40, pad=(5, 0, 9), seed=3)
     ids, mask = ids.cuda(), mask.cuda()
     cont = torch.randint(3, VOCAB, (3, 24), generator=torch.Generator().manual_seed(5)).cuda()

@@ -13,7 +13,7 @@ import torch
 
 from kvquant.cache.storage.base import DequantArgs, PagedLayerStorage, SchemeArgs, Shape, nbytes
 from kvquant.cache.storage.k_transform import KTransformStorage
-from kvquant.errors import BackendError, CacheUsageError, ScaleFormatError
+from kvquant.errors import CacheUsageError, ScaleFormatError
 from kvquant.kernels import page_storage
 from kvquant.kernels.fp4 import dequantize_fp4, fp4_page_storage
 from kvquant.kernels.fp8 import dequantize_pages
@@ -185,36 +185,6 @@ class Fp4Storage(PagedLayerStorage):
         return ", K rotated" if self.k_rotation is not None else ""
 
 
-CUDA_UNVERIFIED: tuple[type[Scheme], ...] = (KTransformNvfp4Scales,)
-"""Schemes refused on CUDA devices: NVFP4 keys in the k-transform's frame. On an H200 a
-patched model's decode steps with them (CUDA graphs, compiled step, head_dim 16) gave logits
-unlike the reference path's, while the same model on the CPU and MXFP4 keys in that frame on
-the GPU matched; until the cause is found they run on the CPU only."""
-
-
-UNVERIFIED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
-"""Device types :func:`refuse_unverified_on_cuda` refuses :data:`CUDA_UNVERIFIED` schemes on."""
-
-
-def refuse_unverified_on_cuda(scheme: type[Scheme], device: torch.device, where: str) -> None:
-    """Raise for a :data:`CUDA_UNVERIFIED` scheme on a CUDA device.
-
-    Raises:
-        BackendError: NVFP4 keys in the k-transform's frame on CUDA.
-
-    Example:
-        >>> refuse_unverified_on_cuda(KTransformMxfp4Scales, torch.device("cuda"), "x")
-    """
-    if torch.device(device).type in UNVERIFIED_DEVICE_TYPES and issubclass(scheme, CUDA_UNVERIFIED):
-        raise BackendError(
-            f"{where}: NVFP4 keys in the k-transform's frame (kv_format='nvfp4' with a "
-            "k-transform calibration) are not served on CUDA yet: their decode steps on a GPU "
-            "did not match the reference. Nothing was changed. Fix: kv_format='mxfp4' or "
-            "'fp8-k-nvfp4-v' with this calibration, or kv_format='nvfp4' without it (plain "
-            "NVFP4 keys), or run the model on the CPU."
-        )
-
-
 class _KTransformKeys:
     """What the 4-bit storages with K in the k-transform's frame take from
     :class:`~kvquant.cache.storage.k_transform.KTransformStorage`: its transform's checks,
@@ -262,7 +232,6 @@ class KTransformFp4Storage(_KTransformKeys, Fp4Storage, KTransformStorage):
     v_scale: torch.Tensor | None  # type: ignore[assignment]
 
     def _new_scheme(self, args: SchemeArgs, k: Any, v: Any) -> Fp4Scales:
-        refuse_unverified_on_cuda(scheme_class(self.granularity), self.device, "kvquant cache")
         offset, rotation = _fp32(args.k_offset), _fp32(args.k_rotation)
         if scheme_class(self.granularity) is KTransformMxfp4Scales:
             if k is not None or v is not None:

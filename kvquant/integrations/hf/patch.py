@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from kvquant.cache import release_library_workspaces
-from kvquant.cache.storage.fp4 import refuse_unverified_on_cuda
 from kvquant.checkpoint.producers import NO_PRODUCER
 from kvquant.choices import KVFormat, describe_layer_formats, layer_kv_formats
 from kvquant.errors import (
@@ -199,10 +198,6 @@ def apply_patch(
     _check_graphs(model, opts, sites)
     specs = layer_specs(sites, geometry, model_scales, opts.kv_format, opts.k_rotation)
     per_rank = rank_specs(sites, specs)  # tensor parallelism: refused here, before any change
-    param = next(model.parameters(), None)
-    if param is not None:
-        for spec in specs:
-            refuse_unverified_on_cuda(spec.scheme, param.device, "kvquant.patch")
     cfg = text_config(model)
     previous = getattr(cfg, "_attn_implementation", None)
     state = PatchState(
