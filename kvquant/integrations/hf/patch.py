@@ -260,8 +260,7 @@ def apply_patch(
     if set(formats) != {KVFormat.FP8} and param is not None and param.is_cuda:
         _logger.warning(
             "kvquant.patch: kv_format %s is experimental on CUDA: 4-bit decode is slower than "
-            "FP8's and not every GPU test of the 4-bit path passes yet. Fix: kv_format='fp8' "
-            "(the default) for speed.",
+            "FP8's. Fix: kv_format='fp8' (the default) for speed.",
             describe_layer_formats(formats),
         )
     return handle
