@@ -329,6 +329,8 @@ def _measure_fp4(
         bench.record(KT_LABEL, hidden, sec, format=KT, rotation="hadamard")
     if "fp4" in args.sections and static is not None:
         for fmt in fp4_formats(static, kt):
+            if args.fp4_rows and fmt.label not in args.fp4_rows:
+                continue
             hidden, sec = _run(bench.model, bench.ids, "fp4", fmt)
             bench.record(
                 fmt.label,
@@ -684,6 +686,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --rejudge: widen the band with this table's (same evaluation tokens)",
     )
     parser.add_argument(
+        "--fp4-rows",
+        default="",
+        metavar="LABEL;LABEL",
+        help="with --sections fp4: only these rows (their labels, ';'-separated, e.g. "
+        "'fp8-k-nvfp4-v (K k-transform)'); default: every row",
+    )
+    parser.add_argument(
         "--no-calibrated",
         dest="calibrated",
         action="store_false",
@@ -692,6 +701,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     args.sections = tuple(x for x in args.sections.split(",") if x)
+    args.fp4_rows = tuple(x for x in args.fp4_rows.split(";") if x)
+    placeholder: Any = object()  # the labels depend on the rows' flags only
+    rows = {fmt.label for fmt in fp4_formats(placeholder, placeholder)}
+    if set(args.fp4_rows) - rows:
+        parser.error(
+            f"--fp4-rows {sorted(set(args.fp4_rows) - rows)} unknown; rows: {sorted(rows)}"
+        )
     unknown = set(args.sections) - set(SECTIONS)
     args.factors = tuple(float(f) for f in args.jitter_factors.split(","))
     if unknown or not args.factors or args.factors[0] != 1.0:

@@ -117,7 +117,9 @@ def fp4_kv(
     ``fp8-k-nvfp4-v``: keys ``fp8(clamp(k / s_k)) * s_k`` with the layer's static scale, or the
     k-transform's FP8 keys and rotated query (its first tokens exact). Values: ``round_fp4(v R)``
     with ``rotate_v`` (``R^T`` returned, to apply to SDPA's output), else ``round_fp4(v)``
-    (NVFP4 for ``fp8-k-nvfp4-v``). Every position is rounded, the first included.
+    (NVFP4 for ``fp8-k-nvfp4-v``). Every position is rounded, the first included, but in a
+    k-transform's frame: there the first ``first_tokens`` values are exact, as the cache keeps
+    them (beside their keys, in its side buffer).
 
     Args:
         fmt: the format.
@@ -161,6 +163,9 @@ def fp4_kv(
     else:
         k_hat = round_fp4(k, fmt.kv_format)
     v_hat = round_fp4(v, v_side)
+    if kt is not None:  # the cache's side buffer holds the first tokens' V exactly too
+        n = min(kt.first_tokens, v.shape[2])
+        v_hat[:, :, :n] = v[:, :, :n]
     back = rot.T if (fmt.rotate_v and rot is not None) else None
     return q.to(query.dtype), k_hat.to(key.dtype), v_hat.to(value.dtype), back
 
