@@ -30,7 +30,9 @@ token at full precision, smaller groups for K (:data:`DYNAMIC`, simulated by
 
 4-bit formats (``--sections k-transform,fp4``): ``kvquant.patch(model, kv_format=...)``'s
 NVFP4, MXFP4 and FP8 K beside NVFP4 V, plain and with a fixed Hadamard rotation of K (and V)
-(:func:`fp4_formats`, simulated by ``simulate_fp8_kv(mode="fp4")``), beside the k-transform.
+(:func:`fp4_formats`, simulated by ``simulate_fp8_kv(mode="fp4")``), beside the k-transform;
+and three rows of a format the cache does not store yet: each position's newest 16 keys and
+values read exactly (``recent-16``).
 
 **Scale-jitter control.** Multiplying a set of static scales by 1.01 ... 1.10
 changes neither clipping (the scales only grow) nor the size of FP8's relative
@@ -125,6 +127,10 @@ def fp4_formats(static: A.CalibratedScales, kt: A.KTransformScales) -> tuple[Fp4
         Fp4KV("fp8-k-nvfp4-v", k_scales=static),
         Fp4KV("fp8-k-nvfp4-v", k_transform=kt),
         Fp4KV("fp8-k-nvfp4-v", rotate_v=True, k_transform=kt),
+        # the newest 16 tokens of each position exact (not stored by kvquant's cache yet)
+        Fp4KV("nvfp4", rotate_k=True, rotate_v=True, recent_tokens=16),
+        Fp4KV("nvfp4", k_transform=kt, recent_tokens=16),
+        Fp4KV("fp8-k-nvfp4-v", k_transform=kt, recent_tokens=16),
     )
 
 

@@ -18,7 +18,7 @@ import torch
 
 from kvquant.errors import CalibrationError, OptionError
 
-__all__ = ["FP4_KV_FORMATS", "Fp4KV", "fp4_attention", "fp4_kv", "round_fp4"]
+__all__ = ["FP4_KV_FORMATS", "Fp4KV", "exact_kv", "fp4_attention", "fp4_kv", "round_fp4"]
 
 FP4_KV_FORMATS = ("nvfp4", "mxfp4", "fp8-k-nvfp4-v")
 """The 4-bit ``kv_format`` words of ``kvquant.patch``."""
@@ -38,6 +38,10 @@ class Fp4KV:
             keys are rounded in: ``k R - c`` (its rotation and offset), its first tokens exact;
             FP8 with its K scales for ``fp8-k-nvfp4-v``, the 4-bit format otherwise.
         k_granularity: ``"per-tensor"`` or ``"per-head"``: how ``k_scales`` are read.
+        recent_tokens: each query position's last ``recent_tokens`` keys and values (itself
+            included) read exactly, the older ones rounded: what a cache keeping the newest
+            tokens at full precision beside its pages would give a decode step (kvquant's cache
+            does not do this yet).
     """
 
     kv_format: str
@@ -46,6 +50,7 @@ class Fp4KV:
     k_scales: Any = None
     k_transform: Any = None
     k_granularity: str = "per-tensor"
+    recent_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_format not in FP4_KV_FORMATS:
@@ -61,6 +66,11 @@ class Fp4KV:
                 f"k_transform={self.k_transform is not None}; expected exactly one of them for "
                 "'fp8-k-nvfp4-v' (its FP8 K side), and no k_scales for the 4-bit-K formats. "
                 "Fix: pass the FP8 K side there only."
+            )
+        if self.recent_tokens < 0:
+            raise OptionError(
+                f"Fp4KV: recent_tokens={self.recent_tokens}; expected 0 or more. Fix: pass a "
+                "count of tokens."
             )
         if self.rotate_k and (fp8_k or self.k_transform is not None):
             raise OptionError(
@@ -80,7 +90,8 @@ class Fp4KV:
             k = f" (K {self.k_granularity} amax / 448)"
         else:
             k = ""
-        return f"{self.kv_format}{rot}{k}"
+        recent = f" recent-{self.recent_tokens}" if self.recent_tokens else ""
+        return f"{self.kv_format}{rot}{k}{recent}"
 
 
 def round_fp4(x: torch.Tensor, which: str) -> torch.Tensor:
@@ -170,6 +181,53 @@ def fp4_kv(
     return q.to(query.dtype), k_hat.to(key.dtype), v_hat.to(value.dtype), back
 
 
+def exact_kv(
+    fmt: Fp4KV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unrounded keys and values in the frame :func:`fp4_kv` rounds them in (fp32): ``k R``
+    (``rotate_k``) or ``k R_t`` (a k-transform's rotation, the offset added back as ``fp4_kv``
+    does), else ``k``; ``v R`` with ``rotate_v``, else ``v``."""
+    d = key.shape[-1]
+    k, v = key.float(), value.float()
+    kt = fmt.k_transform
+    if kt is not None and kt.rotation is not None:
+        k = k @ kt.rotation.to(k.device)
+    elif fmt.rotate_k:
+        k = k @ _hadamard(d, k.device)
+    if fmt.rotate_v:
+        v = v @ _hadamard(d, v.device)
+    return k, v
+
+
+def _recent_window_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    rounded: tuple[torch.Tensor, torch.Tensor],
+    exact: tuple[torch.Tensor, torch.Tensor],
+    recent: int,
+    back: torch.Tensor | None,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention (fp32, eager) in which query position ``t`` reads keys and values
+    ``t - recent + 1 .. t`` from ``exact`` and the older ones from ``rounded`` (``[B, Hkv, S,
+    D]``, the query ``[B, Hq, T, D]`` at the last ``T`` positions; no padding)."""
+    rep = query.shape[1] // rounded[0].shape[1]
+    (kr, vr), (ke, ve) = (
+        (x.float().repeat_interleave(rep, 1) for x in p) for p in (rounded, exact)
+    )
+    t_len, s_len = query.shape[2], kr.shape[2]
+    t = torch.arange(t_len, device=query.device)[:, None] + (s_len - t_len)
+    s = torch.arange(s_len, device=query.device)[None, :]
+    near = (t - s < recent) & (s <= t)
+    q = query.float()
+    scores = torch.where(near, q @ ke.transpose(-1, -2), q @ kr.transpose(-1, -2))
+    scores = (scores * float(module.scaling)).masked_fill(s > t, float("-inf"))
+    p = scores.softmax(-1)
+    out = (p * near) @ ve + (p * ~near) @ vr
+    if back is not None:
+        out = out @ back.to(out.device)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
 def fp4_attention(
     fmt: object,
     module: torch.nn.Module,
@@ -192,5 +250,8 @@ def fp4_attention(
             "Fix: pass scales=Fp4KV(...)."
         )
     layer = int(getattr(module, "layer_idx", 0))
-    query, key, value, back = fp4_kv(fmt, layer, query, key, value)
-    return sdpa_rotated_back(module, query, key, value, attention_mask, back, **kwargs)
+    q, k, v, back = fp4_kv(fmt, layer, query, key, value)
+    if fmt.recent_tokens:
+        exact = exact_kv(fmt, query, key, value)
+        return _recent_window_attention(module, q, (k, v), exact, fmt.recent_tokens, back)
+    return sdpa_rotated_back(module, q, k, v, attention_mask, back, **kwargs)

@@ -200,3 +200,43 @@ def test_fp4_labels_and_refusals() -> None:
     with pytest.raises(KVQuantError, match="needs an Fp4KV"):
         with E.simulate_fp8_kv(model, "fp4", static):
             E.teacher_forced(model, _ids())
+
+
+def test_recent_window_reads_the_newest_tokens_exactly() -> None:
+    """``recent_tokens``: a window covering every position is the unrounded model (rotated
+    frames included); a window of 0 is the plain row; in between, each position's nearest keys
+    are exact and the NLL lies between the two."""
+    model, ids = _tiny_llama(), _ids()
+    with E.simulate_fp8_kv(model, "none"):
+        ref = E.teacher_forced(model, ids)
+    nll = {}
+    for n in (0, 8, ids.shape[1]):
+        fmt = F.Fp4KV("nvfp4", rotate_k=True, rotate_v=True, recent_tokens=n)
+        assert fmt.label == "nvfp4 rot-KV" + (f" recent-{n}" if n else "")
+        with E.simulate_fp8_kv(model, "fp4", fmt):
+            got = E.teacher_forced(model, ids)
+        nll[n] = float((got.nll - ref.nll).abs().mean())
+        if n == ids.shape[1]:
+            assert torch.equal(got.argmax, ref.argmax) and nll[n] < 1e-4
+    with E.simulate_fp8_kv(model, "fp4", F.Fp4KV("nvfp4", rotate_k=True, rotate_v=True)):
+        plain = E.teacher_forced(model, ids)
+    assert nll[0] == float((plain.nll - ref.nll).abs().mean())
+    assert nll[ids.shape[1]] < nll[8] < nll[0], nll
+    with pytest.raises(KVQuantError, match="recent_tokens=-1"):
+        F.Fp4KV("nvfp4", recent_tokens=-1)
+
+
+def test_recent_window_attention_by_hand() -> None:
+    """One query at the last position, window 2: the last two keys exact, the rest rounded."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 1, 32, generator=g)
+    k, v = (torch.randn(1, 1, 5, 32, generator=g) for _ in range(2))
+    fmt = F.Fp4KV("nvfp4", recent_tokens=2)
+    _, kq, vq, _ = F.fp4_kv(fmt, 0, q, k, v)
+    module = torch.nn.Module()
+    module.scaling = 32**-0.5  # type: ignore[assignment]
+    out, _ = F.fp4_attention(fmt, module, q, k, v, None)
+    kk = torch.cat([kq[:, :, :3], k[:, :, 3:]], 2).repeat_interleave(2, 1)
+    vv = torch.cat([vq[:, :, :3], v[:, :, 3:]], 2).repeat_interleave(2, 1)
+    want = ((q @ kk.transpose(-1, -2)) * 32**-0.5).softmax(-1) @ vv
+    assert torch.allclose(out, want.transpose(1, 2), atol=1e-6)
