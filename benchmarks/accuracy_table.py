@@ -346,6 +346,7 @@ def _measure_fp4(
                 rotate_k=fmt.rotate_k,
                 rotate_v=fmt.rotate_v,
                 k_transform=fmt.k_transform is not None,
+                recent_tokens=fmt.recent_tokens,
             )
 
 

@@ -84,7 +84,7 @@ def test_accuracy_table_fp4_sections(smollm2_dir: Path, tmp_path: Path) -> None:
     assert payload["calibration"]["statistics_tokens_per_text"] == 256
     runs = payload["runs"]
     fp4 = {k: r for k, r in runs.items() if r["format"] != "k-transform"}
-    assert next(iter(runs)) == KT_LABEL and len(fp4) == 9
+    assert next(iter(runs)) == KT_LABEL and len(fp4) == 12
     assert {r["format"] for r in fp4.values()} == {"nvfp4", "mxfp4", "fp8-k-nvfp4-v"}
     assert "fp4" in payload["method"] and payload["jitter"] == {}
     assert runs["nvfp4 rot-KV"]["rotate_v"] and runs["nvfp4 (K k-transform)"]["k_transform"]
@@ -92,8 +92,25 @@ def test_accuracy_table_fp4_sections(smollm2_dir: Path, tmp_path: Path) -> None:
     # k-transform 0.0029 nats, the 4-bit rows 0.0115 to 0.21; with the statistics of every
     # calibration token, k-transform 0.0026 and the 4-bit rows from 0.0125)
     kt_kl = runs[KT_LABEL]["pooled"]["kl_mean"]
+    recent = {k: r for k, r in fp4.items() if r["recent_tokens"]}
+    assert sorted(recent) == [
+        "fp8-k-nvfp4-v (K k-transform) recent-16",
+        "nvfp4 (K k-transform) recent-16",
+        "nvfp4 rot-KV recent-16",
+    ]
     for label, run in fp4.items():
-        assert kt_kl < run["pooled"]["kl_mean"] < 1, label
+        if label in recent:  # the newest 16 of 64 positions exact: below the row without
+            plain = runs[label.removesuffix(" recent-16")]["pooled"]["kl_mean"]
+            assert 0 < run["pooled"]["kl_mean"] < plain, label
+        else:
+            assert kt_kl < run["pooled"]["kl_mean"] < 1, label
+    # --fp4-rows: those rows only; an unknown label is refused before any work
+    assert main([*argv, "--statistics-tokens", "64", "--resamples", "5",
+                 "--fp4-rows", "nvfp4;mxfp4 rot-KV"]) == 0  # fmt: skip
+    rows = json.loads(out.read_text(encoding="utf-8"))["runs"]
+    assert [k for k, r in rows.items() if r["format"] != "k-transform"] == ["nvfp4", "mxfp4 rot-KV"]
+    with pytest.raises(SystemExit):
+        main([*argv, "--fp4-rows", "nvfp4 rot-V"])
 
 
 def _pooled(kl: float, top1: float) -> dict[str, object]:
