@@ -242,6 +242,17 @@ def test_a_nan_block_reaches_only_the_rows_that_see_it() -> None:
         assert out[0].isnan().any() and not out[1].isnan().any(), backend
 
 
+def test_tiles_of_16_keys_are_refused_with_4bit_pages() -> None:
+    """A ``BLOCK_N`` override under 32 with a 4-bit side is refused (16-key tiles of 4-bit
+    pages gave wrong attention on an H200); FP8 pages keep taking it."""
+    case = build("fp8-k-nvfp4-v", [20], hq=2, hkv=1, d=64)
+    with pytest.raises(KernelInputError, match="BLOCK_N=16 with 4-bit pages") as info:
+        run(case, "triton", config={"BLOCK_N": 16})
+    assert "Fix:" in str(info.value)
+    got = run(case, "triton", config={"BLOCK_N": 32})
+    assert_close_rel(got, run(case, "torch"), rel_tol=REL_TOL)
+
+
 def test_4bit_pages_are_checked_against_the_scheme() -> None:
     case = build("mxfp4", [20], hq=2, hkv=1, d=64)
     p = case.pages

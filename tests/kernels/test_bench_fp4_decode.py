@@ -26,13 +26,13 @@ def _load() -> ModuleType:
 def test_smoke_run_checks_every_format_and_writes_the_bytes(tmp_path: Path) -> None:
     bench = _load()
     out = tmp_path / "fp4.json"
-    assert bench.main(["--out", str(out), "--smoke", "--configs", "16,1,3"]) == 0
+    assert bench.main(["--out", str(out), "--smoke", "--configs", "32,1,3"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     for name in bench.FORMATS:
         assert 0.0 <= row[name]["rel_err"] <= bench.REL_TOL
     # a tile override, checked against the reference for every 4-bit format
     for name in bench.FORMATS[1:]:
-        assert 0.0 <= row[name]["configs"]["16,1,3"]["rel_err"] <= bench.REL_TOL
+        assert 0.0 <= row[name]["configs"]["32,1,3"]["rel_err"] <= bench.REL_TOL
     # 4-bit sides: half a byte per element plus a scale byte per block (16 or 32 channels)
     assert row["nvfp4"]["bytes_x_fp8"] == pytest.approx((16 + 2) / 32, rel=0.02)
     assert row["mxfp4"]["bytes_x_fp8"] == pytest.approx((32 + 2) / 64, rel=0.02)

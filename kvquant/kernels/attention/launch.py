@@ -185,7 +185,15 @@ def _tiles(
         fold_groups=ng if fold else 0,
         fp4=fp4,
     )
-    return tiles.replace(config), fold
+    tiles = tiles.replace(config)
+    if any(fp4) and tiles.BLOCK_N < 32:
+        raise KernelInputError(
+            f"paged_attention_triton: config BLOCK_N={tiles.BLOCK_N} with 4-bit pages; "
+            "expected 32 or more (on an H200, tiles of 16 keys read from 4-bit pages gave "
+            "wrong attention: docs/dev/fp4-formats.md). Fix: BLOCK_N=32 or more, or leave "
+            "BLOCK_N to the launcher."
+        )
+    return tiles, fold
 
 
 def _kernel_args(
