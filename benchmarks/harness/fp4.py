@@ -142,12 +142,10 @@ def fp4_kv(
         or None.
     """
     d = key.shape[-1]
-    rot = _hadamard(d, key.device) if (fmt.rotate_k or fmt.rotate_v) else None
-    q, k, v = query.float(), key.float(), value.float()
-    if fmt.rotate_k and rot is not None:
-        q, k = q @ rot, k @ rot
-    if fmt.rotate_v and rot is not None:
-        v = v @ rot
+    q = query.float()
+    if fmt.rotate_k:
+        q = q @ _hadamard(d, q.device)
+    k, v = exact_kv(fmt, key, value)
     fp8_k = fmt.kv_format == "fp8-k-nvfp4-v"
     v_side = "nvfp4" if fp8_k else fmt.kv_format
     kt = fmt.k_transform
@@ -161,11 +159,10 @@ def fp4_kv(
                 key, kt.k_scale[layer], kt.k_offset[layer], kt.rotation, kt.first_tokens
             )
         else:
-            kr = k @ kt.rotation.to(k.device) if kt.rotation is not None else k
             c = kt.k_offset[layer].to(k.device)[None, :, None, :]
-            k_hat = round_fp4(kr - c, fmt.kv_format) + c
+            k_hat = round_fp4(k - c, fmt.kv_format) + c
             n = min(kt.first_tokens, k.shape[2])
-            k_hat[:, :, :n] = kr[:, :, :n]
+            k_hat[:, :, :n] = k[:, :, :n]
     elif fp8_k:
         from benchmarks.harness.accuracy import fake_quantize_kv
 
@@ -177,16 +174,16 @@ def fp4_kv(
     if kt is not None:  # the cache's side buffer holds the first tokens' V exactly too
         n = min(kt.first_tokens, v.shape[2])
         v_hat[:, :, :n] = v[:, :, :n]
-    back = rot.T if (fmt.rotate_v and rot is not None) else None
+    back = _hadamard(d, v.device).T if fmt.rotate_v else None
     return q.to(query.dtype), k_hat.to(key.dtype), v_hat.to(value.dtype), back
 
 
 def exact_kv(
-    fmt: Fp4KV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    fmt: Fp4KV, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The unrounded keys and values in the frame :func:`fp4_kv` rounds them in (fp32): ``k R``
-    (``rotate_k``) or ``k R_t`` (a k-transform's rotation, the offset added back as ``fp4_kv``
-    does), else ``k``; ``v R`` with ``rotate_v``, else ``v``."""
+    (``rotate_k``) or ``k R_t`` (a k-transform's rotation, before its offset), else ``k``;
+    ``v R`` with ``rotate_v``, else ``v``."""
     d = key.shape[-1]
     k, v = key.float(), value.float()
     kt = fmt.k_transform
@@ -252,6 +249,6 @@ def fp4_attention(
     layer = int(getattr(module, "layer_idx", 0))
     q, k, v, back = fp4_kv(fmt, layer, query, key, value)
     if fmt.recent_tokens:
-        exact = exact_kv(fmt, query, key, value)
+        exact = exact_kv(fmt, key, value)
         return _recent_window_attention(module, q, (k, v), exact, fmt.recent_tokens, back)
     return sdpa_rotated_back(module, q, k, v, attention_mask, back, **kwargs)
