@@ -7,6 +7,8 @@
 #   write  one decode step's write in isolation (bench_attention --only-write), after and before
 #   tune   the decode split/tile sweep of Llama-3.2-1B's B16 x 8k and B64 x 2k (graph replay)
 #   kt     the k-transform beside per-head scales (bench_attention --only-kt), after and before
+#   fp4    decode over 4-bit pages beside FP8 (bench_fp4_decode, B32 x 16k and B16 x 8k), after
+#          and before
 #   e2e    the e2e decode step, after / before alternating (E2E_ROUNDS times), arms E2E_ARMS
 #          (default kvquant,kvquant-nvfp4) at shapes E2E_SHAPES (default b16x8k,b64x2k)
 # Usage (device tool, repo root):  PARTS=tests,write,tune bash benchmarks/decode_ab_round.sh
@@ -41,6 +43,11 @@ if has kt; then
     | grep "^k-transform"
   PYTHONPATH=_prev:. timeout 120 python3 benchmarks/bench_attention.py --only-kt \
     --out "$OUT/kt_before" 2>&1 | grep "^k-transform"
+fi
+if has fp4; then
+  timeout 150 python3 benchmarks/bench_fp4_decode.py --out "$OUT/fp4_after.json" 2>&1 | tail -n 12
+  PYTHONPATH=_prev:. timeout 150 python3 benchmarks/bench_fp4_decode.py \
+    --out "$OUT/fp4_before.json" 2>&1 | tail -n 12
 fi
 if has e2e; then
   for i in $(seq 1 "$E2E_ROUNDS"); do
