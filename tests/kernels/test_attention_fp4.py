@@ -269,6 +269,19 @@ def test_4bit_pages_are_checked_against_the_scheme() -> None:
     with pytest.raises(KernelInputError, match="reads its rows as int32 words"):
         paged_attention(case.query, Pages(odd, p.v, p.k_scales, p.v_scales), *args[2:],
                         case.scheme, sm_scale=0.1, backend="triton")  # fmt: skip
+    # block scales at an offset that is not a multiple of a token's row (two scales): the
+    # kernel reads each row as one load; the reference takes them
+    assert p.v_scales is not None
+    raw = torch.zeros(p.v_scales.numel() + 1, dtype=torch.uint8, device=p.v.device)
+    shifted = raw[1:].view(p.v_scales.shape)
+    shifted.copy_(p.v_scales.view(torch.uint8))
+    moved = Pages(p.k, p.v, p.k_scales, shifted.view(p.v_scales.dtype))
+    with pytest.raises(KernelInputError, match="reads each token's 2 block scales as one load"):
+        paged_attention(case.query, moved, *args[2:], case.scheme, sm_scale=0.1,
+                        backend="triton")  # fmt: skip
+    ref = paged_attention(case.query, p, *args[2:], case.scheme, sm_scale=0.1, backend="torch")
+    got = paged_attention(case.query, moved, *args[2:], case.scheme, sm_scale=0.1, backend="torch")
+    assert torch.equal(got, ref)
     first = FirstTokens(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64),
                         torch.zeros(1, dtype=torch.int32))  # fmt: skip
     with pytest.raises(KernelInputError, match="with the 4-bit scheme 'mxfp4'"):

@@ -345,12 +345,14 @@ def paged_attn_kernel(
     else:  # never read
         kg_base = k_base
         vg_base = v_base
+    # a 4-bit side's block scales: each row's NB bytes at a multiple of NB (the plan checks the
+    # address and strides), so that a row is one vector load
     if K_FP4 != 0:
-        kb_base = kb_ptr + kvh * s_kb[2]
+        kb_base = kb_ptr + tl.multiple_of(kvh * s_kb[2], HEAD_D // (16 if K_FP4 % 4 == 1 else 32))
     else:  # never read
         kb_base = k_base
     if V_FP4 != 0:
-        vb_base = vb_ptr + kvh * s_vb[2]
+        vb_base = vb_ptr + tl.multiple_of(kvh * s_vb[2], HEAD_D // (16 if V_FP4 % 4 == 1 else 32))
     else:  # never read
         vb_base = v_base
 
