@@ -7,7 +7,7 @@ set -u
 OUT=${OUT:-./gpu_tests_out}
 . "$(dirname "$0")/round_env.sh"
 start=$(date +%s)
-timeout "${ALL_TIMEOUT:-420}" python3 -m pytest -q -rfE --tb=short --show-capture=no -m gpu \
+timeout "${ALL_TIMEOUT:-420}" python3 -m pytest -q -rfEs --tb=short --show-capture=no -m gpu \
   -n "${WORKERS:-8}" --dist load --durations=20 -p no:cacheprovider tests \
   > "$OUT/gpu_tests_all.log" 2>&1
 echo "rc=$? wall_s=$(( $(date +%s) - start ))" >> "$OUT/gpu_tests_all.log"

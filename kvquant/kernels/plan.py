@@ -194,12 +194,12 @@ def _check_triton_attention_limits(
             )
     for side, bs, fmt in (("k_block_scales", pages.k_scales, view.k_fp4),
                           ("v_block_scales", pages.v_scales, view.v_fp4)):  # fmt: skip
-        if fmt is None or bs is None:
+        if fmt is None or bs is None or fmt.name != "nvfp4":
             continue
         row = bs.shape[-1]
         if bs.data_ptr() % row or any(st % row for st in bs.stride()[:3]):
             raise KernelInputError(
-                f"paged_attention: 4-bit {side} has strides {bs.stride()} at byte address "
+                f"paged_attention: NVFP4 {side} has strides {bs.stride()} at byte address "
                 f"{bs.data_ptr()}; the Triton kernel reads each token's {row} block scales as "
                 f"one load, so the address and the strides but the last must be multiples of "
                 f"{row}. Fix: allocate the scales with kvquant.kernels.fp4.fp4_page_storage, or "

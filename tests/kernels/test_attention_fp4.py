@@ -269,19 +269,6 @@ def test_4bit_pages_are_checked_against_the_scheme() -> None:
     with pytest.raises(KernelInputError, match="reads its rows as int32 words"):
         paged_attention(case.query, Pages(odd, p.v, p.k_scales, p.v_scales), *args[2:],
                         case.scheme, sm_scale=0.1, backend="triton")  # fmt: skip
-    # block scales at an offset that is not a multiple of a token's row (two scales): the
-    # kernel reads each row as one load; the reference takes them
-    assert p.v_scales is not None
-    raw = torch.zeros(p.v_scales.numel() + 1, dtype=torch.uint8, device=p.v.device)
-    shifted = raw[1:].view(p.v_scales.shape)
-    shifted.copy_(p.v_scales.view(torch.uint8))
-    moved = Pages(p.k, p.v, p.k_scales, shifted.view(p.v_scales.dtype))
-    with pytest.raises(KernelInputError, match="reads each token's 2 block scales as one load"):
-        paged_attention(case.query, moved, *args[2:], case.scheme, sm_scale=0.1,
-                        backend="triton")  # fmt: skip
-    ref = paged_attention(case.query, p, *args[2:], case.scheme, sm_scale=0.1, backend="torch")
-    got = paged_attention(case.query, moved, *args[2:], case.scheme, sm_scale=0.1, backend="torch")
-    assert torch.equal(got, ref)
     first = FirstTokens(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64),
                         torch.zeros(1, dtype=torch.int32))  # fmt: skip
     with pytest.raises(KernelInputError, match="with the 4-bit scheme 'mxfp4'"):
@@ -289,6 +276,36 @@ def test_4bit_pages_are_checked_against_the_scheme() -> None:
     with pytest.raises(KernelInputError, match=r"Pages\.k_scales is None"):
         paged_attention(case.query, Pages(p.k, p.v, None, p.v_scales), *args[2:], case.scheme,
                         sm_scale=0.1)  # fmt: skip
+
+
+def _shifted_block_scales(p: Pages) -> Pages:
+    """The same pages with V's block scales moved one byte off their alignment."""
+    assert p.v_scales is not None
+    raw = torch.zeros(p.v_scales.numel() + 1, dtype=torch.uint8, device=p.v.device)
+    shifted = raw[1:].view(p.v_scales.shape)
+    shifted.copy_(p.v_scales.view(torch.uint8))
+    return Pages(p.k, p.v, p.k_scales, shifted.view(p.v_scales.dtype))
+
+
+def test_misaligned_nvfp4_block_scales_are_refused_by_triton_only() -> None:
+    """The Triton kernel reads each token's NVFP4 block scales as one load: scales at an offset
+    that is not a multiple of a token's row are refused there, taken by the reference."""
+    case = build("nvfp4", [20], hq=2, hkv=1, d=64)
+    args = (case.query, _shifted_block_scales(case.pages), case.block_tables, case.seq_lens,
+            case.scheme)  # fmt: skip
+    with pytest.raises(KernelInputError, match="reads each token's 4 block scales as one load"):
+        paged_attention(*args, sm_scale=0.1, backend="triton")
+    ref = paged_attention(case.query, case.pages, *args[2:], sm_scale=0.1, backend="torch")
+    assert torch.equal(paged_attention(*args, sm_scale=0.1, backend="torch"), ref)
+
+
+def test_misaligned_mxfp4_block_scales_are_taken() -> None:
+    """MXFP4's block-scale rows are read without an alignment assumption."""
+    case = build("mxfp4", [20], hq=2, hkv=1, d=64)
+    args = (case.query, _shifted_block_scales(case.pages), case.block_tables, case.seq_lens,
+            case.scheme)  # fmt: skip
+    got = paged_attention(*args, sm_scale=0.1, backend="triton")
+    assert_close_rel(got, paged_attention(*args, sm_scale=0.1, backend="torch"), rel_tol=REL_TOL)
 
 
 @pytest.mark.gpu

@@ -105,8 +105,8 @@ def load_fp4_tile(
             (offsets and strides of rows multiples of 4 bytes).
         scales_ptr: block scales ``[num_pages, page_size, Hkv, D // BLOCK]`` as uint8 codes.
         row: ``[BLOCK_N]`` offsets of each row's first word (int32 elements).
-        scale_row: ``[BLOCK_N]`` element offsets of each row's first block scale, multiples
-            of ``D // BLOCK`` (as ``scales_ptr``'s address).
+        scale_row: ``[BLOCK_N]`` element offsets of each row's first block scale; for NVFP4
+            multiples of ``D // BLOCK`` (as ``scales_ptr``'s address).
         row_ok: ``[BLOCK_N]`` mask (other rows read as zeros).
         D: head_dim.
         BLOCK: 16 (NVFP4) or 32 (MXFP4).
@@ -120,8 +120,12 @@ def load_fp4_tile(
     # a row's D // 8 words, one contiguous load
     w = tl.load(words_ptr + row[:, None] + tl.arange(0, D // 8)[None, :], mask=ok, other=0)
     # one block scale per block, decoded once, to fp16
-    # (rows at multiples of NB bytes from an address aligned alike: one vector load per row)
-    sc_row = tl.multiple_of(scale_row, NB)
+    # (NVFP4's rows at multiples of NB bytes from an address aligned alike: one vector load per
+    # row; MXFP4's are left unhinted, as the kernel's base)
+    if NVFP4:
+        sc_row = tl.multiple_of(scale_row, NB)
+    else:
+        sc_row = scale_row
     sc = tl.load(scales_ptr + sc_row[:, None] + tl.arange(0, NB)[None, :], mask=ok, other=0)
     if NVFP4:
         # e4m3 to fp16 is exact: by the GPU's conversion with PTX, else from the code's bits

@@ -345,14 +345,19 @@ def paged_attn_kernel(
     else:  # never read
         kg_base = k_base
         vg_base = v_base
-    # a 4-bit side's block scales: each row's NB bytes at a multiple of NB (the plan checks the
-    # address and strides), so that a row is one vector load
-    if K_FP4 != 0:
-        kb_base = kb_ptr + tl.multiple_of(kvh * s_kb[2], HEAD_D // (16 if K_FP4 % 4 == 1 else 32))
+    # an NVFP4 side's block scales: each row's HEAD_D // 16 bytes at a multiple of that (the plan
+    # checks the address and strides), so that a row is one vector load; MXFP4's rows are left
+    # unhinted (the hint costs its decode registers and occupancy)
+    if K_FP4 % 4 == 1:
+        kb_base = kb_ptr + tl.multiple_of(kvh * s_kb[2], HEAD_D // 16)
+    elif K_FP4 != 0:
+        kb_base = kb_ptr + kvh * s_kb[2]
     else:  # never read
         kb_base = k_base
-    if V_FP4 != 0:
-        vb_base = vb_ptr + tl.multiple_of(kvh * s_vb[2], HEAD_D // (16 if V_FP4 % 4 == 1 else 32))
+    if V_FP4 % 4 == 1:
+        vb_base = vb_ptr + tl.multiple_of(kvh * s_vb[2], HEAD_D // 16)
+    elif V_FP4 != 0:
+        vb_base = vb_ptr + kvh * s_vb[2]
     else:  # never read
         vb_base = v_base
 
