@@ -194,7 +194,7 @@ def _check_triton_attention_limits(
             )
     for side, bs, fmt in (("k_block_scales", pages.k_scales, view.k_fp4),
                           ("v_block_scales", pages.v_scales, view.v_fp4)):  # fmt: skip
-        if fmt is None or bs is None or fmt.name != "nvfp4":
+        if fmt is None or bs is None or fmt.block_size != 16:  # NVFP4 sides only
             continue
         row = bs.shape[-1]
         if bs.data_ptr() % row or any(st % row for st in bs.stride()[:3]):
