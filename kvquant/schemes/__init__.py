@@ -47,7 +47,7 @@ from kvquant.schemes.fp4 import (
     Mxfp4Scales,
     Nvfp4Scales,
 )
-from kvquant.schemes.values import CAUSAL, FirstTokens, Mask, Pages
+from kvquant.schemes.values import CAUSAL, FirstTokens, Mask, Pages, RecentTokens
 
 __all__ = [
     "CAUSAL",
@@ -75,6 +75,7 @@ __all__ = [
     "Pages",
     "PerHeadScales",
     "PerTensorScales",
+    "RecentTokens",
     "Scheme",
     "StaticScales",
     "fp4_format",

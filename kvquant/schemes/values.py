@@ -78,3 +78,21 @@ class FirstTokens:
     k: torch.Tensor
     v: torch.Tensor
     lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RecentTokens:
+    """A full-precision ring of each sequence's newest tokens, kept beside the pages.
+
+    Position ``p`` of sequence ``b`` sits at ``k[b, p % R]`` / ``v[b, p % R]``; the newest
+    ``min(R, seq_len - kv_start)`` keys of each sequence are read from here instead of their
+    slots (which still hold them, rounded).
+
+    Attributes:
+        k: ``[B, R, Hkv, D]`` fp32/fp16/bf16 keys, in the pages' frame before any offset
+            (``k @ R`` for a K rotation).
+        v: ``[B, R, Hkv, D]`` their values, as the model produced them.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor

@@ -19,7 +19,16 @@ import torch
 
 from kvquant.kernels.fp4 import dequantize_fp4
 from kvquant.kernels.fp8 import dequantize_stored, gather_kv
-from kvquant.schemes import CAUSAL, FirstTokens, Fp4Format, KernelView, Mask, Pages, Scheme
+from kvquant.schemes import (
+    CAUSAL,
+    FirstTokens,
+    Fp4Format,
+    KernelView,
+    Mask,
+    Pages,
+    RecentTokens,
+    Scheme,
+)
 
 __all__ = ["paged_attention_reference"]
 
@@ -55,6 +64,7 @@ def paged_attention_reference(
     mask: Mask = CAUSAL,
     first: FirstTokens | None = None,
     out: torch.Tensor | None = None,
+    recent: RecentTokens | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache, in fp32.
 
@@ -83,6 +93,10 @@ def paged_attention_reference(
             / ``first.v[b, i]`` instead of the pages (same visibility rules); their slots are
             never read.
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype.
+        recent: each sequence's newest tokens at full precision, or None: keys
+            ``max(kv_start[b], seq_lens[b] - R) .. seq_lens[b] - 1`` are taken from the ring
+            (position ``p`` at ``recent.k[b, p % R]``), after the first tokens (same visibility
+            rules).
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype. Rows of invalid queries, and rows
@@ -104,6 +118,8 @@ def paged_attention_reference(
             continue
         start = int(start_cpu[b])
         k, v = _keys_values(pages, view, block_tables, b, n, first, start, int(first_cpu[b]))
+        if recent is not None:
+            _overlay_recent(k, v, recent, b, n, start)
         k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[b, :nq].float()  # [nq, Hq, D]
@@ -154,6 +170,17 @@ def _keys_values(
         k[start : start + nf] = first.k[b, :nf].float()
         v[start : start + nf] = first.v[b, :nf].float()
     return k, v
+
+
+def _overlay_recent(
+    k: torch.Tensor, v: torch.Tensor, recent: RecentTokens, b: int, n: int, start: int
+) -> None:
+    """Keys and values ``max(start, n - R) .. n - 1`` of sequence ``b`` from the ring, in place
+    (``k`` in the pages' frame with the offset added back, as the ring holds it)."""
+    ring = recent.k.shape[1]
+    pos = torch.arange(max(start, n - ring), n, device=k.device)
+    k[pos] = recent.k[b, pos % ring].float()
+    v[pos] = recent.v[b, pos % ring].float()
 
 
 def _visible(mask: Mask, n: int, nq: int, start: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""The reference attention with each sequence's newest tokens read from a full-precision ring
+(:class:`~kvquant.schemes.RecentTokens`) beside 4-bit pages (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_fp4 import build
+
+from kvquant.kernels import paged_attention_reference
+from kvquant.kernels.fp4 import MXFP4, dequantize_fp4, quantize_fp4
+from kvquant.schemes import RecentTokens
+
+
+def _ring(x: torch.Tensor, lens: list[int], ring: int) -> torch.Tensor:
+    """``[B, R, Hkv, D]``: position ``p`` of row ``b`` at ``p % R`` (its newest ``R`` tokens)."""
+    out = torch.full((x.shape[0], ring, *x.shape[2:]), float("nan"))
+    for b, n in enumerate(lens):
+        for p in range(max(0, n - ring), n):
+            out[b, p % ring] = x[b, p]
+    return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Decode attention of ``q [B, 1, Hq, D]`` over each row's first ``lens[b]`` keys."""
+    rows = []
+    group = q.shape[2] // k.shape[2]
+    for b, n in enumerate(lens):
+        kb = k[b, :n].repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
+        vb = v[b, :n].repeat_interleave(group, 1).transpose(0, 1)
+        qb = q[b].float().transpose(0, 1)  # [Hq, 1, D]
+        rows.append(torch.nn.functional.scaled_dot_product_attention(qb, kb, vb).transpose(0, 1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("ring", [4, 16])
+def test_newest_tokens_come_from_the_ring(ring: int) -> None:
+    """MXFP4 pages (no global scale): keys and values rounded through the 4-bit codes, but the
+    newest ``ring`` of each row exact; a NaN-poisoned ring slot outside them is never read."""
+    lens = [37, 9]
+    case = build("mxfp4", lens, hq=4, hkv=2, d=64, seed=4)
+    key, value = case.key.float(), case.value.float()
+    rounded = [dequantize_fp4(*quantize_fp4(x, MXFP4), MXFP4) for x in (key, value)]
+    mixed = [r.clone() for r in rounded]
+    for b, n in enumerate(lens):
+        for m, x in zip(mixed, (key, value), strict=True):
+            m[b, max(0, n - ring) : n] = x[b, max(0, n - ring) : n]
+    recent = RecentTokens(_ring(key, lens, ring), _ring(value, lens, ring))
+    kw = dict(sm_scale=64**-0.5)
+    args = (case.query, case.pages, case.block_tables, case.seq_lens, case.scheme)
+    got = paged_attention_reference(*args, recent=recent, **kw).float()
+    assert torch.allclose(got, _sdpa(case.query, *mixed, lens), atol=2e-3)
+    plain = paged_attention_reference(*args, **kw).float()
+    assert torch.allclose(plain, _sdpa(case.query, *rounded, lens), atol=2e-3)
+    assert float((got - plain).abs().max()) > 0.05  # the 4-bit error of the newest tokens
+
+
+def test_a_ring_as_long_as_the_sequence_is_exact_attention() -> None:
+    lens = [20, 13]
+    case = build("nvfp4", lens, hq=4, hkv=2, d=32, seed=6)
+    key, value = case.key.float(), case.value.float()
+    recent = RecentTokens(_ring(key, lens, 32), _ring(value, lens, 32))
+    got = paged_attention_reference(
+        case.query, case.pages, case.block_tables, case.seq_lens, case.scheme,
+        sm_scale=32**-0.5, recent=recent,
+    )  # fmt: skip
+    assert torch.allclose(got.float(), _sdpa(case.query, key, value, lens), atol=2e-3)
