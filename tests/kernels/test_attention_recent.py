@@ -65,3 +65,34 @@ def test_a_ring_as_long_as_the_sequence_is_exact_attention() -> None:
         sm_scale=32**-0.5, recent=recent,
     )  # fmt: skip
     assert torch.allclose(got.float(), _sdpa(case.query, key, value, lens), atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("kind", "lq", "ring", "extra"),
+    [
+        ("mxfp4", 1, 4, {"num_splits": 2}),
+        ("nvfp4", 1, 16, {}),
+        ("fp8-k-nvfp4-v", 1, 8, {}),
+        ("nvfp4", 12, 8, {}),
+    ],
+)
+def test_triton_reads_the_ring_like_the_reference(
+    kind: str, lq: int, ring: int, extra: dict[str, int]
+) -> None:
+    """The Triton kernel (interpreter here) against the reference, a NaN-poisoned ring slot
+    outside each row's newest tokens never read; decode (split or not) and a prefill chunk."""
+    from kvquant.kernels.attention.launch import paged_attention_triton
+
+    lens = [37, 9]
+    mask = {} if lq == 1 else {"q_lens": [12, 5]}
+    case = build(kind, lens, hq=4, hkv=2, d=64, seed=7, lq=lq, **mask)
+    recent = RecentTokens(_ring(case.key, lens, ring), _ring(case.value, lens, ring))
+    args = (case.query, case.pages, case.block_tables, case.seq_lens, case.scheme)
+    kw = dict(sm_scale=64**-0.5, mask=case.mask)
+    ref = paged_attention_reference(*args, recent=recent, **kw)
+    out = torch.full_like(case.query, float("nan"))
+    got = paged_attention_triton(*args, recent=recent, out=out, **kw, **extra)
+    assert torch.isfinite(got).all()
+    assert float((got.float() - ref.float()).abs().max()) < 5e-3
+    plain = paged_attention_reference(*args, **kw)
+    assert float((got.float() - plain.float()).abs().max()) > 0.05

@@ -43,11 +43,16 @@ def _first_tokens(
     shift,
     d_q,
     d_o,
+    ring,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    RING: tl.constexpr,
 ):
     """Online-softmax steps over the first ``n_first`` keys, from the side buffer, one by one.
+
+    With ``RING`` the keys are a ring's instead (the newest tokens): key ``i`` at position
+    ``kv0 + i`` sits in slot ``(kv0 + i) % ring``, not ``i``.
 
     Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
     (sequence, KV head), keys ``row_stride`` apart. Each key's scores are one fp32 dot per
@@ -60,8 +65,11 @@ def _first_tokens(
     qf = q.to(tl.float32)
     i = 0
     while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
-        fk = tl.load(fk_row + i * row_stride + d_q).to(tl.float32)
-        fv = tl.load(fv_row + i * row_stride + d_o).to(tl.float32)
+        slot = i
+        if RING:
+            slot = (kv0 + i) % ring
+        fk = tl.load(fk_row + slot * row_stride + d_q).to(tl.float32)
+        fv = tl.load(fv_row + slot * row_stride + d_o).to(tl.float32)
         s = tl.sum(qf * fk[None, :], 1) / k_div
         s_mult = qk_scale
         if USE_SOFTCAP:
@@ -134,6 +142,9 @@ def paged_attn_kernel(
     vb_ptr,
     s_kb,
     s_vb,
+    rk_ptr,
+    rv_ptr,
+    n_recent_max,
     GROUP: tl.constexpr,
     QPB: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -174,6 +185,7 @@ def paged_attn_kernel(
     HAS_ROT: tl.constexpr = rot_ptr is not None
     HAS_OFF: tl.constexpr = off_ptr is not None
     HAS_FIRST: tl.constexpr = fk_ptr is not None
+    HAS_RECENT: tl.constexpr = rk_ptr is not None
     # keys per run of a tile inside one page: gcd(PAGE, BLOCK_N), BLOCK_N a power of two
     PAGE_POW2: tl.constexpr = PAGE & -PAGE  # the largest power of two dividing PAGE
     TP: tl.constexpr = PAGE_POW2 if PAGE_POW2 < BLOCK_N else BLOCK_N
@@ -267,9 +279,14 @@ def paged_attn_kernel(
     p_min = seq_len - q_len + t_first
     p_max = seq_len - q_len + t_last
     lo = kv0 + n_first
+    # the newest tokens: keys r_lo .. seq_len - 1 come from the ring (split 0), after the
+    # first tokens
+    r_lo = seq_len
+    if HAS_RECENT:
+        r_lo = tl.maximum(kv0 + n_first, seq_len - n_recent_max)
     if USE_WINDOW:
         lo = tl.maximum(lo, p_min - window + 1)
-    hi = seq_len
+    hi = r_lo
     if CAUSAL:
         hi = tl.minimum(hi, p_max + 1)
     hi = tl.where(t_last >= t_first, hi, lo)
@@ -371,7 +388,17 @@ def paged_attn_kernel(
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos,
             p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, shift, d_q, d_o, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+            fv_ptr + first_off, row_stride, shift, d_q, d_o, 0, CAUSAL, USE_WINDOW,
+            USE_SOFTCAP, False,
+        )  # fmt: skip
+    if HAS_RECENT:
+        row_stride = (Hq // GROUP) * HEAD_D
+        ring_off = (b.to(tl.int64) * n_recent_max * (Hq // GROUP) + kvh) * HEAD_D
+        acc, m_i, l_i = _first_tokens(
+            acc, m_i, l_i, q, tl.where(split == 0, seq_len - r_lo, 0), r_lo, seq_len, pos,
+            p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, rk_ptr + ring_off,
+            rv_ptr + ring_off, row_stride, shift, d_q, d_o, n_recent_max, CAUSAL, USE_WINDOW,
+            USE_SOFTCAP, True,
         )  # fmt: skip
 
     # the three key ranges, the masked ones with MASKED tiles

@@ -31,7 +31,7 @@ from kvquant.kernels.attention.tuning import (
     is_decode,
     programs_per_sm,
 )
-from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
+from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, RecentTokens, Scheme
 
 __all__ = [
     "CONFIG_KEYS",
@@ -231,6 +231,8 @@ def _kernel_args(
         first_k.shape[1] if first_k is not None else 0,
         kb, vb, kb.stride()[:3] if kb is not None else (0, 0, 0),
         vb.stride()[:3] if vb is not None else (0, 0, 0),
+        opt["recent_k"], opt["recent_v"],
+        opt["recent_k"].shape[1] if opt["recent_k"] is not None else 0,
     ]  # fmt: skip
 
 
@@ -365,6 +367,7 @@ def _fp4_codes(scheme: Scheme) -> tuple[int, int]:
 def _options(
     query: torch.Tensor, pages: Pages, scheme: Scheme, mask: Mask, first: FirstTokens | None,
     sm_scale: float, k_fp4: int, v_fp4: int, one: torch.Tensor | None,
+    recent: RecentTokens | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The call's tensors and options as the kernel takes them (absent ones None)."""
     view = scheme.kernel_view()
@@ -384,6 +387,8 @@ def _options(
         sinks=mask.sinks, k_offset=view.k_offset, k_rotation=view.k_rotation,
         first_k=None if first is None else first.k, first_v=None if first is None else first.v,
         first_lens=None if first is None else first.lens,
+        recent_k=None if recent is None else recent.k,
+        recent_v=None if recent is None else recent.v,
     )  # fmt: skip
 
 
@@ -459,6 +464,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     config: Mapping[str, Any] | None = None,
     launch: AttentionLaunch | None = None,
+    recent: RecentTokens | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 cache (Triton); no validation.
 
@@ -494,8 +500,9 @@ def paged_attention_triton(
             first=first, out=out, num_splits=num_splits, config=config,
         )  # fmt: skip
     opt = _options(
-        query, pages, scheme, mask, first, sm_scale, launch.k_fp4, launch.v_fp4, launch.one
-    )
+        query, pages, scheme, mask, first, sm_scale, launch.k_fp4, launch.v_fp4, launch.one,
+        recent,
+    )  # fmt: skip
     if launch.rotate_query:
         query = _rotated_query(query, opt)
     n_qblocks, num_splits, consts = launch.n_qblocks, launch.num_splits, launch.consts
