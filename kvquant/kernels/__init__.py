@@ -27,7 +27,7 @@ from kvquant.kernels.validate import check_slot_mapping_inputs
 from kvquant.kernels.write.naive import write_kv_reference as write_kv_reference
 from kvquant.kernels.write.validate import check_write_inputs as check_write_inputs
 from kvquant.kernels.write_fp4 import write_fp4 as write_fp4
-from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, Scheme
+from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, RecentTokens, Scheme
 
 __all__ = [
     "AttentionPlan",
@@ -193,6 +193,7 @@ def paged_attention(
     first: FirstTokens | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    recent: RecentTokens | None = None,
 ) -> torch.Tensor:
     """Attention of new query tokens over the paged FP8 KV cache.
 
@@ -227,6 +228,11 @@ def paged_attention(
         out: optional ``[B, Lq, Hq, D]`` output in the query dtype, any strides
             with no two elements sharing memory.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        recent: each sequence's newest tokens at full precision
+            (:class:`~kvquant.schemes.RecentTokens`, contiguous ``[B, R, Hkv, D]`` rings,
+            position ``p`` in slot ``p % R``), or None: keys ``max(kv_start[b] + first
+            tokens, seq_lens[b] - R)`` .. ``seq_lens[b] - 1`` are attended from the ring
+            (same masks) instead of their slots.
 
     Returns:
         ``[B, Lq, Hq, D]`` in the query dtype (``out`` when given).
@@ -237,9 +243,11 @@ def paged_attention(
     """
     plan = plan_attention(
         query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask, first=first,
-        out=out, backend=backend,
+        out=out, backend=backend, recent=recent,
     )  # fmt: skip
-    return plan.execute(query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out)
+    return plan.execute(
+        query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out, recent
+    )
 
 
 def compute_slot_mapping(

@@ -43,7 +43,7 @@ from kvquant.kernels.write_fp4.validate import (
     check_write_fp4_values,
     write_fp4_signature,
 )
-from kvquant.schemes import CAUSAL, FirstTokens, Fp4Scales, Mask, Pages, Scheme
+from kvquant.schemes import CAUSAL, FirstTokens, Fp4Scales, Mask, Pages, RecentTokens, Scheme
 
 if TYPE_CHECKING:
     from kvquant.kernels.attention.launch import AttentionLaunch
@@ -113,6 +113,7 @@ class AttentionPlan:
         mask: Mask = CAUSAL,
         first: FirstTokens | None = None,
         out: torch.Tensor | None = None,
+        recent: RecentTokens | None = None,
     ) -> torch.Tensor:
         """:func:`~kvquant.kernels.paged_attention` of arguments of the plan's geometry.
 
@@ -122,12 +123,12 @@ class AttentionPlan:
         """
         sig = attention_signature(
             query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
-            first=first, out=out,
+            first=first, out=out, recent=recent,
         )  # fmt: skip
         if sig is None or sig != self.signature:
             raise _mismatch("paged_attention", "plan_attention")
         return self.execute(
-            query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out
+            query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out, recent
         )
 
     def execute(
@@ -141,6 +142,7 @@ class AttentionPlan:
         mask: Mask,
         first: FirstTokens | None,
         out: torch.Tensor | None,
+        recent: RecentTokens | None = None,
     ) -> torch.Tensor:
         """:meth:`run` for arguments known to have the plan's signature (value checks, launch)."""
         check_attention_values(pages, block_tables, seq_lens, mask, first, self.geometry)
@@ -148,11 +150,11 @@ class AttentionPlan:
         if self.backend == "torch":
             return paged_attention_reference(
                 query, pages, block_tables, seq_lens, scheme, sm_scale=sm, mask=mask,
-                first=first, out=out,
+                first=first, out=out, recent=recent,
             )  # fmt: skip
         return _triton_module("attention.launch").paged_attention_triton(  # type: ignore[no-any-return]
             query, pages, block_tables, seq_lens, scheme, sm_scale=sm, mask=mask, first=first,
-            out=out, launch=self.launch,
+            out=out, launch=self.launch, recent=recent,
         )  # fmt: skip
 
 
@@ -226,10 +228,11 @@ def _build_attention(
     sig: tuple[object, ...] | None, query: torch.Tensor, pages: Pages, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scheme: Scheme, sm_scale: float, mask: Mask,
     first: FirstTokens | None, out: torch.Tensor | None, backend: str,
+    recent: RecentTokens | None = None,
 ) -> AttentionPlan:  # fmt: skip
     geo = check_attention_structure(
         query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
-        first=first, out=out,
+        first=first, out=out, recent=recent,
     )  # fmt: skip
     chosen = resolve_backend(backend, pages.k.device, "paged_attention")
     launch = None
@@ -240,7 +243,7 @@ def _build_attention(
         if geo.batch and geo.q_len:
             launch = mod.attention_launch(
                 query, pages, block_tables, seq_lens, scheme, sm_scale=float(sm_scale),
-                mask=mask, first=first, out=out,
+                mask=mask, first=first, out=out, recent=recent,
             )  # fmt: skip
     return AttentionPlan(geo, chosen, sig, launch)
 
@@ -257,6 +260,7 @@ def plan_attention(
     first: FirstTokens | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    recent: RecentTokens | None = None,
 ) -> AttentionPlan:
     """Validate :func:`~kvquant.kernels.paged_attention` arguments' structure and plan the launch.
 
@@ -270,11 +274,12 @@ def plan_attention(
     """
     sig = attention_signature(
         query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
-        first=first, out=out,
+        first=first, out=out, recent=recent,
     )  # fmt: skip
     return _build_attention(
-        sig, query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out, backend
-    )
+        sig, query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out, backend,
+        recent,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- write
@@ -462,17 +467,18 @@ class PlanCache:
         first: FirstTokens | None = None,
         out: torch.Tensor | None = None,
         backend: str = "auto",
+        recent: RecentTokens | None = None,
     ) -> AttentionPlan:
         """The plan of these arguments' signature: a kept one, or a new one (then kept)."""
         sig = attention_signature(
             query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
-            first=first, out=out,
+            first=first, out=out, recent=recent,
         )  # fmt: skip
         return self._find_or_build(  # type: ignore[no-any-return]
             self._attention, sig, backend,
             lambda: _build_attention(
                 sig, query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out,
-                backend,
+                backend, recent,
             ),
         )  # fmt: skip
 
@@ -489,14 +495,15 @@ class PlanCache:
         first: FirstTokens | None = None,
         out: torch.Tensor | None = None,
         backend: str = "auto",
+        recent: RecentTokens | None = None,
     ) -> torch.Tensor:
         """:func:`kvquant.kernels.paged_attention` through :meth:`attention_plan`."""
         plan = self.attention_plan(
             query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
-            first=first, out=out, backend=backend,
+            first=first, out=out, backend=backend, recent=recent,
         )  # fmt: skip
         return plan.execute(
-            query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out
+            query, pages, block_tables, seq_lens, scheme, sm_scale, mask, first, out, recent
         )
 
     def write_plan(

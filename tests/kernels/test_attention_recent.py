@@ -96,3 +96,49 @@ def test_triton_reads_the_ring_like_the_reference(
     assert float((got.float() - ref.float()).abs().max()) < 5e-3
     plain = paged_attention_reference(*args, **kw)
     assert float((got.float() - plain.float()).abs().max()) > 0.05
+
+
+def test_paged_attention_takes_the_ring_on_both_backends() -> None:
+    """The public entry point: plans keyed by the ring's presence; torch and Triton agree."""
+    from kvquant.kernels import paged_attention
+
+    lens = [30, 12]
+    case = build("nvfp4", lens, hq=4, hkv=2, d=64, seed=9)
+    recent = RecentTokens(_ring(case.key, lens, 8), _ring(case.value, lens, 8))
+    args = (case.query, case.pages, case.block_tables, case.seq_lens, case.scheme)
+    kw = dict(sm_scale=64**-0.5, mask=case.mask)
+    ref = paged_attention(*args, recent=recent, backend="torch", **kw)
+    got = paged_attention(*args, recent=recent, backend="triton", **kw)
+    plain = paged_attention(*args, backend="triton", **kw)
+    assert float((got.float() - ref.float()).abs().max()) < 5e-3
+    assert float((got.float() - plain.float()).abs().max()) > 0.05
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("not-a-ring", "recent is a tuple"),
+        ("shape", r"recent_v has shape"),
+        ("dtype", "recent_k has dtype"),
+        ("strides", "recent_k has strides"),
+    ],
+)
+def test_a_malformed_ring_is_refused(change: str, match: str) -> None:
+    from kvquant.errors import KernelInputError
+    from kvquant.kernels import paged_attention
+
+    case = build("nvfp4", [20], hq=2, hkv=1, d=32, seed=2)
+    k = torch.zeros(1, 4, 1, 32)
+    recent: object = RecentTokens(k, k.clone())
+    if change == "not-a-ring":
+        recent = (k, k)
+    elif change == "shape":
+        recent = RecentTokens(k, torch.zeros(1, 5, 1, 32))
+    elif change == "dtype":
+        recent = RecentTokens(k.to(torch.int32), k)
+    elif change == "strides":
+        recent = RecentTokens(torch.zeros(1, 4, 1, 64)[..., ::2], k)
+    with pytest.raises(KernelInputError, match=match) as info:
+        paged_attention(case.query, case.pages, case.block_tables, case.seq_lens, case.scheme,
+                        sm_scale=0.1, recent=recent, backend="torch")  # type: ignore[arg-type]  # fmt: skip
+    assert "Fix:" in str(info.value)

@@ -405,6 +405,7 @@ def attention_launch(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: Mapping[str, Any] | None = None,
+    recent: RecentTokens | None = None,
 ) -> AttentionLaunch:
     """The launch of :func:`paged_attention_triton` for these (validated, non-empty) arguments.
 
@@ -420,7 +421,7 @@ def attention_launch(
     one = None
     if 2 in (k_fp4, v_fp4):
         one = torch.ones((), dtype=torch.float32, device=query.device)
-    opt = _options(query, pages, scheme, mask, first, sm_scale, k_fp4, v_fp4, one)
+    opt = _options(query, pages, scheme, mask, first, sm_scale, k_fp4, v_fp4, one, recent)
     ng = pages.k_scales.shape[-1] if group_scales and pages.k_scales is not None else 1
     tiles, fold = _tiles(query, hq // hkv, ng, group_scales, config, (k_fp4, v_fp4))
     n_qblocks = triton.cdiv(lq, tiles.QPB)
@@ -497,7 +498,7 @@ def paged_attention_triton(
     if launch is None:
         launch = attention_launch(
             query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
-            first=first, out=out, num_splits=num_splits, config=config,
+            first=first, out=out, num_splits=num_splits, config=config, recent=recent,
         )  # fmt: skip
     opt = _options(
         query, pages, scheme, mask, first, sm_scale, launch.k_fp4, launch.v_fp4, launch.one,

@@ -33,7 +33,7 @@ from kvquant.kernels.validate import (
     unpack,
     value_checks_enabled,
 )
-from kvquant.schemes import FirstTokens, Fp4Format, KernelView, Mask, Pages, Scheme
+from kvquant.schemes import FirstTokens, Fp4Format, KernelView, Mask, Pages, RecentTokens, Scheme
 
 __all__ = [
     "AttentionGeometry",
@@ -125,6 +125,39 @@ def _check_first_tokens(
     check_index_vector(op, "first_lens", first.lens, bsz, device)
 
 
+def _check_recent_tokens(
+    op: str, recent: object, bsz: int, hkv: int, d: int, device: torch.device
+) -> None:
+    """Structure of the ring of the newest tokens: a RecentTokens of two contiguous
+    ``[B, R, Hkv, D]`` tensors (``R >= 1``) in the model's dtypes, on the pages' device."""
+    if recent is None:
+        return
+    if not isinstance(recent, RecentTokens):
+        raise fail(
+            f"{op}: recent is a {type(recent).__name__}; expected kvquant.schemes.RecentTokens "
+            "or None. Fix: pass RecentTokens(recent_k, recent_v)."
+        )
+    rk = require_tensor(op, "recent_k", recent.k)
+    rv = require_tensor(op, "recent_v", recent.v)
+    layout = "[batch, ring, num_kv_heads, head_dim]"
+    check_ndim(op, "recent_k", rk, 4, layout)
+    fix = "keep the newest tokens' K (the pages' frame) and V in the model dtype."
+    check_dtype(op, "recent_k", rk, INPUT_DTYPES, fix)
+    check_dtype(op, "recent_v", rv, INPUT_DTYPES, fix)
+    ring = max(int(rk.shape[1]), 1)
+    check_shape(op, "recent_k", rk, (bsz, ring, hkv, d), f"{layout} of the query and pages")
+    check_shape(op, "recent_v", rv, (bsz, ring, hkv, d), f"{layout}, the shape of recent_k")
+    check_device(op, "recent_k", rk, device, "k_pages")
+    check_device(op, "recent_v", rv, device, "k_pages")
+    for name, x in (("recent_k", rk), ("recent_v", rv)):
+        if not x.is_contiguous():
+            raise fail(
+                f"{op}: {name} has strides {x.stride()} for shape {tuple(x.shape)}; expected "
+                "it contiguous (the kernels read each slot as one row). Fix: allocate the "
+                "ring once with torch.empty(batch, ring, num_kv_heads, head_dim)."
+            )
+
+
 def _check_mask(op: str, mask: object, bsz: int, hq: int, device: torch.device) -> None:
     """The mask's options and tensors."""
     if not isinstance(mask, Mask):
@@ -195,6 +228,7 @@ def _check_attention_structure(
     mask: object,
     first: object,
     out: object,
+    recent: object = None,
 ) -> AttentionGeometry:
     """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`."""
     op = "paged_attention"
@@ -248,6 +282,7 @@ def _check_attention_structure(
             op, pages, view, geometry, device, group_scales_written=False
         )
     _check_first_tokens(op, first, scheme, bsz, hkv, d, device)
+    _check_recent_tokens(op, recent, bsz, hkv, d, device)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise fail(
             f"{op}: sm_scale is a {type(sm_scale).__name__}; expected a Python float. "
@@ -358,6 +393,7 @@ def attention_signature(
     mask: object,
     first: object = None,
     out: object = None,
+    recent: object = None,
 ) -> tuple[object, ...] | None:
     """Everything :func:`check_attention_structure` reads from the arguments, as a hashable key.
 
@@ -377,13 +413,18 @@ def attention_signature(
             return None
     elif first is not None:
         return None
+    rk = rv = None
+    if isinstance(recent, RecentTokens):
+        rk, rv = recent.k, recent.v
+    elif recent is not None:
+        return None
     head_dim = scheme.dims()[1]  # type: ignore[attr-defined]  # unpack checked it
     m = mask
     return signature(
         query, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, block_tables, seq_lens,
         sm_scale, view.k_scale, view.v_scale, view.k_offset, view.k_rotation,
         view.group_size, m.q_lens, m.kv_start, m.causal, m.softcap, m.window, m.sinks, out,
-        fk, fv, fl, _fp4_code(view.k_fp4), _fp4_code(view.v_fp4), head_dim,
+        fk, fv, fl, _fp4_code(view.k_fp4), _fp4_code(view.v_fp4), head_dim, rk, rv,
     )  # fmt: skip
 
 
@@ -398,6 +439,7 @@ def check_attention_structure(
     mask: object,
     first: object = None,
     out: object = None,
+    recent: object = None,
 ) -> AttentionGeometry:
     """Dtype, shape, device, stride and option checks of :func:`check_attention_inputs`.
 
@@ -409,7 +451,7 @@ def check_attention_structure(
     bundle, view = unpack("paged_attention", pages, scheme)
     return _check_attention_structure(
         query, bundle, block_tables, seq_lens, scheme,  # type: ignore[arg-type]  # unpack checked it
-        view, sm_scale, mask, first, out,
+        view, sm_scale, mask, first, out, recent,
     )  # fmt: skip
 
 
@@ -455,6 +497,7 @@ def check_attention_inputs(
     mask: object,
     first: object = None,
     out: object = None,
+    recent: object = None,
 ) -> AttentionGeometry:
     """Validate the arguments of :func:`kvquant.kernels.paged_attention` (every check).
 
@@ -475,6 +518,7 @@ def check_attention_inputs(
             fp32 ``[Hq]`` finite ``sinks``).
         first: a :class:`~kvquant.schemes.FirstTokens` (a K transform's side buffer), or None.
         out: ``[B, Lq, Hq, D]`` in the query dtype, or None.
+        recent: a :class:`~kvquant.schemes.RecentTokens` (the newest tokens' ring), or None.
 
     Returns:
         The call's sizes.
@@ -484,7 +528,7 @@ def check_attention_inputs(
     """
     geo = check_attention_structure(
         query, pages, block_tables, seq_lens, scheme, sm_scale=sm_scale, mask=mask,
-        first=first, out=out,
+        first=first, out=out, recent=recent,
     )  # fmt: skip
     checked = cast("tuple[Pages, torch.Tensor, torch.Tensor, Mask, FirstTokens | None]",
                    (pages, block_tables, seq_lens, mask, first))  # fmt: skip
