@@ -159,7 +159,7 @@ def compile_decode(
     values = dict(
         # pages from kvquant.kernels.page_storage: K token-major, V keys-fastest
         s_q=(hq * d, hq * d, d, 1), s_k=(page * hkv * d, hkv * d, d, 1),
-        s_v=(page * hkv * d, 1, d * page, page), s_bt=1024, s_ks=0, s_vs=0,
+        s_v=(page * hkv * d, 1, d * page, page), s_bt=1024, s_kvs=(0, 0), n_side=(0, 0),
         # group scales head-major (kvquant.kernels.group_scale_storage)
         s_kg=gs, s_vg=gs, s_kb=(0, 0, 0), s_vb=(0, 0, 0), s_o=(hq * d, hq * d, d, 1),
         Lq=2048 if prefill else 1, Hq=hq,

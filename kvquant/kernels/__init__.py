@@ -229,8 +229,8 @@ def paged_attention(
             with no two elements sharing memory.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         recent: each sequence's newest tokens at full precision
-            (:class:`~kvquant.schemes.RecentTokens`, contiguous ``[B, R, Hkv, D]`` rings,
-            position ``p`` in slot ``p % R``), or None: keys ``max(kv_start[b] + first
+            (:class:`~kvquant.schemes.RecentTokens`: K and V rings, one contiguous
+            ``[2, B, R, Hkv, D]`` tensor, position ``p`` in slot ``p % R``), or None: keys ``max(kv_start[b] + first
             tokens, seq_lens[b] - R)`` .. ``seq_lens[b] - 1`` are attended from the ring
             (same masks) instead of their slots.
 

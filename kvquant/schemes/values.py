@@ -89,10 +89,19 @@ class RecentTokens:
     slots (which still hold them, rounded).
 
     Attributes:
-        k: ``[B, R, Hkv, D]`` fp32/fp16/bf16 keys, in the pages' frame before any offset
-            (``k @ R`` for a K rotation).
-        v: ``[B, R, Hkv, D]`` their values, as the model produced them.
+        kv: ``[2, B, R, Hkv, D]`` fp32/fp16/bf16, contiguous: the keys (``kv[0]``, in the
+            pages' frame before any offset: ``k @ R`` for a K rotation) and their values
+            (``kv[1]``, as the model produced them), one allocation.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
+    kv: torch.Tensor
+
+    @property
+    def k(self) -> torch.Tensor:
+        """``[B, R, Hkv, D]`` keys (a view of ``kv``)."""
+        return self.kv[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """``[B, R, Hkv, D]`` values (a view of ``kv``)."""
+        return self.kv[1]

@@ -126,8 +126,7 @@ def paged_attn_kernel(
     s_k,
     s_v,
     s_bt,
-    s_ks,
-    s_vs,
+    s_kvs,
     s_kg,
     s_vg,
     s_o,
@@ -137,14 +136,12 @@ def paged_attn_kernel(
     fk_ptr,
     fv_ptr,
     flen_ptr,
-    n_first_max,
+    n_side,
     kb_ptr,
     vb_ptr,
     s_kb,
     s_vb,
-    rk_ptr,
-    rv_ptr,
-    n_recent_max,
+    rkv_ptr,
     GROUP: tl.constexpr,
     QPB: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -185,7 +182,10 @@ def paged_attn_kernel(
     HAS_ROT: tl.constexpr = rot_ptr is not None
     HAS_OFF: tl.constexpr = off_ptr is not None
     HAS_FIRST: tl.constexpr = fk_ptr is not None
-    HAS_RECENT: tl.constexpr = rk_ptr is not None
+    HAS_RECENT: tl.constexpr = rkv_ptr is not None
+    # the side buffers' lengths: first tokens per row, the newest tokens' ring
+    n_first_max = n_side[0]
+    n_recent_max = n_side[1]
     # keys per run of a tile inside one page: gcd(PAGE, BLOCK_N), BLOCK_N a power of two
     PAGE_POW2: tl.constexpr = PAGE & -PAGE  # the largest power of two dividing PAGE
     TP: tl.constexpr = PAGE_POW2 if PAGE_POW2 < BLOCK_N else BLOCK_N
@@ -319,8 +319,8 @@ def paged_attn_kernel(
         qk_scale = sm_scale * 0.0625
         v_mult = 0.0625
     else:
-        k_mult = tl.load(ks_ptr + kvh * s_ks)
-        v_mult = tl.load(vs_ptr + kvh * s_vs)
+        k_mult = tl.load(ks_ptr + kvh * s_kvs[0])
+        v_mult = tl.load(vs_ptr + kvh * s_kvs[1])
         # a 4-bit side's tiles are its values over 64 (NVFP4, without g) or 16 (MXFP4), exact
         # in fp16 (fp4_tile.load_fp4_tile): the factor joins the static multiplier
         if K_FP4 != 0:
@@ -394,11 +394,13 @@ def paged_attn_kernel(
     if HAS_RECENT:
         row_stride = (Hq // GROUP) * HEAD_D
         ring_off = (b.to(tl.int64) * n_recent_max * (Hq // GROUP) + kvh) * HEAD_D
+        # the values' ring follows the keys' in one allocation [2, B, R, Hkv, D]
+        v_ring = tl.num_programs(2).to(tl.int64) * n_recent_max * (Hq // GROUP) * HEAD_D
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, seq_len - r_lo, 0), r_lo, seq_len, pos,
-            p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, rk_ptr + ring_off,
-            rv_ptr + ring_off, row_stride, shift, d_q, d_o, n_recent_max, CAUSAL, USE_WINDOW,
-            USE_SOFTCAP, True,
+            p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, rkv_ptr + ring_off,
+            rkv_ptr + v_ring + ring_off, row_stride, shift, d_q, d_o, n_recent_max, CAUSAL,
+            USE_WINDOW, USE_SOFTCAP, True,
         )  # fmt: skip
 
     # the three key ranges, the masked ones with MASKED tiles

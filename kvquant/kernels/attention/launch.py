@@ -221,18 +221,18 @@ def _kernel_args(
         float(opt["sm_scale"]), float(opt["softcap"]) if opt["softcap"] > 0 else 1.0,
         int(opt["window"]), query.shape[1], query.shape[2], n_qblocks, 2,
         query.stride(), k_pages.stride(), v_pages.stride(), block_tables.stride(0),
-        ks.stride(0) if ks is not None and ks.dim() else 0,
-        vs.stride(0) if vs is not None and vs.dim() else 0,
+        (ks.stride(0) if ks is not None and ks.dim() else 0,
+         vs.stride(0) if vs is not None and vs.dim() else 0),
         kg.stride()[:3] if kg is not None else (0, 0, 0),
         vg.stride()[:3] if vg is not None else (0, 0, 0),
         out.stride(), opt["sinks"], opt["k_rotation"], opt["k_offset"],
         first_k, opt["first_v"] if first_k is not None else None,
         opt["first_lens"] if first_k is not None else None,
-        first_k.shape[1] if first_k is not None else 0,
+        (first_k.shape[1] if first_k is not None else 0,
+         opt["recent_kv"].shape[2] if opt["recent_kv"] is not None else 0),
         kb, vb, kb.stride()[:3] if kb is not None else (0, 0, 0),
         vb.stride()[:3] if vb is not None else (0, 0, 0),
-        opt["recent_k"], opt["recent_v"],
-        opt["recent_k"].shape[1] if opt["recent_k"] is not None else 0,
+        opt["recent_kv"],
     ]  # fmt: skip
 
 
@@ -387,8 +387,7 @@ def _options(
         sinks=mask.sinks, k_offset=view.k_offset, k_rotation=view.k_rotation,
         first_k=None if first is None else first.k, first_v=None if first is None else first.v,
         first_lens=None if first is None else first.lens,
-        recent_k=None if recent is None else recent.k,
-        recent_v=None if recent is None else recent.v,
+        recent_kv=None if recent is None else recent.kv,
     )  # fmt: skip
 
 

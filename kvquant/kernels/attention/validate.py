@@ -128,34 +128,29 @@ def _check_first_tokens(
 def _check_recent_tokens(
     op: str, recent: object, bsz: int, hkv: int, d: int, device: torch.device
 ) -> None:
-    """Structure of the ring of the newest tokens: a RecentTokens of two contiguous
-    ``[B, R, Hkv, D]`` tensors (``R >= 1``) in the model's dtypes, on the pages' device."""
+    """Structure of the ring of the newest tokens: a RecentTokens of one contiguous
+    ``[2, B, R, Hkv, D]`` tensor (``R >= 1``) in the model's dtypes, on the pages' device."""
     if recent is None:
         return
     if not isinstance(recent, RecentTokens):
         raise fail(
             f"{op}: recent is a {type(recent).__name__}; expected kvquant.schemes.RecentTokens "
-            "or None. Fix: pass RecentTokens(recent_k, recent_v)."
+            "or None. Fix: pass RecentTokens(recent_kv)."
         )
-    rk = require_tensor(op, "recent_k", recent.k)
-    rv = require_tensor(op, "recent_v", recent.v)
-    layout = "[batch, ring, num_kv_heads, head_dim]"
-    check_ndim(op, "recent_k", rk, 4, layout)
+    kv = require_tensor(op, "recent_kv", recent.kv)
+    layout = "[2 (K, V), batch, ring, num_kv_heads, head_dim]"
+    check_ndim(op, "recent_kv", kv, 5, layout)
     fix = "keep the newest tokens' K (the pages' frame) and V in the model dtype."
-    check_dtype(op, "recent_k", rk, INPUT_DTYPES, fix)
-    check_dtype(op, "recent_v", rv, INPUT_DTYPES, fix)
-    ring = max(int(rk.shape[1]), 1)
-    check_shape(op, "recent_k", rk, (bsz, ring, hkv, d), f"{layout} of the query and pages")
-    check_shape(op, "recent_v", rv, (bsz, ring, hkv, d), f"{layout}, the shape of recent_k")
-    check_device(op, "recent_k", rk, device, "k_pages")
-    check_device(op, "recent_v", rv, device, "k_pages")
-    for name, x in (("recent_k", rk), ("recent_v", rv)):
-        if not x.is_contiguous():
-            raise fail(
-                f"{op}: {name} has strides {x.stride()} for shape {tuple(x.shape)}; expected "
-                "it contiguous (the kernels read each slot as one row). Fix: allocate the "
-                "ring once with torch.empty(batch, ring, num_kv_heads, head_dim)."
-            )
+    check_dtype(op, "recent_kv", kv, INPUT_DTYPES, fix)
+    ring = max(int(kv.shape[2]), 1)
+    check_shape(op, "recent_kv", kv, (2, bsz, ring, hkv, d), f"{layout} of the query and pages")
+    check_device(op, "recent_kv", kv, device, "k_pages")
+    if not kv.is_contiguous():
+        raise fail(
+            f"{op}: recent_kv has strides {kv.stride()} for shape {tuple(kv.shape)}; expected "
+            "it contiguous (the kernels find the values' ring after the keys'). Fix: allocate "
+            "the ring once with torch.empty(2, batch, ring, num_kv_heads, head_dim)."
+        )
 
 
 def _check_mask(op: str, mask: object, bsz: int, hq: int, device: torch.device) -> None:
@@ -413,9 +408,9 @@ def attention_signature(
             return None
     elif first is not None:
         return None
-    rk = rv = None
+    rkv = None
     if isinstance(recent, RecentTokens):
-        rk, rv = recent.k, recent.v
+        rkv = recent.kv
     elif recent is not None:
         return None
     head_dim = scheme.dims()[1]  # type: ignore[attr-defined]  # unpack checked it
@@ -424,7 +419,7 @@ def attention_signature(
         query, bundle.k, bundle.v, bundle.k_scales, bundle.v_scales, block_tables, seq_lens,
         sm_scale, view.k_scale, view.v_scale, view.k_offset, view.k_rotation,
         view.group_size, m.q_lens, m.kv_start, m.causal, m.softcap, m.window, m.sinks, out,
-        fk, fv, fl, _fp4_code(view.k_fp4), _fp4_code(view.v_fp4), head_dim, rk, rv,
+        fk, fv, fl, _fp4_code(view.k_fp4), _fp4_code(view.v_fp4), head_dim, rkv,
     )  # fmt: skip
 
 
