@@ -230,7 +230,7 @@ def paged_attention(
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         recent: each sequence's newest tokens at full precision
             (:class:`~kvquant.schemes.RecentTokens`: K and V rings, one contiguous
-            ``[2, B, R, Hkv, D]`` tensor, position ``p`` in slot ``p % R``), or None: keys ``max(kv_start[b] + first
+            ``[B, 2, R, Hkv, D]`` tensor, position ``p`` in slot ``p % R``), or None: keys ``max(kv_start[b] + first
             tokens, seq_lens[b] - R)`` .. ``seq_lens[b] - 1`` are attended from the ring
             (same masks) instead of their slots.
 

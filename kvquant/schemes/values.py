@@ -89,9 +89,10 @@ class RecentTokens:
     slots (which still hold them, rounded).
 
     Attributes:
-        kv: ``[2, B, R, Hkv, D]`` fp32/fp16/bf16, contiguous: the keys (``kv[0]``, in the
-            pages' frame before any offset: ``k @ R`` for a K rotation) and their values
-            (``kv[1]``, as the model produced them), one allocation.
+        kv: ``[B, 2, R, Hkv, D]`` fp32/fp16/bf16, contiguous: each sequence's keys
+            (``kv[:, 0]``, in the pages' frame before any offset: ``k @ R`` for a K rotation)
+            then its values (``kv[:, 1]``, as the model produced them), one allocation (a slice
+            of rows is one too).
     """
 
     kv: torch.Tensor
@@ -99,9 +100,9 @@ class RecentTokens:
     @property
     def k(self) -> torch.Tensor:
         """``[B, R, Hkv, D]`` keys (a view of ``kv``)."""
-        return self.kv[0]
+        return self.kv[:, 0]
 
     @property
     def v(self) -> torch.Tensor:
         """``[B, R, Hkv, D]`` values (a view of ``kv``)."""
-        return self.kv[1]
+        return self.kv[:, 1]

@@ -393,9 +393,9 @@ def paged_attn_kernel(
         )  # fmt: skip
     if HAS_RECENT:
         row_stride = (Hq // GROUP) * HEAD_D
-        ring_off = (b.to(tl.int64) * n_recent_max * (Hq // GROUP) + kvh) * HEAD_D
-        # the values' ring follows the keys' in one allocation [2, B, R, Hkv, D]
-        v_ring = tl.num_programs(2).to(tl.int64) * n_recent_max * (Hq // GROUP) * HEAD_D
+        # [B, 2, R, Hkv, D]: a sequence's keys' ring, then its values'
+        v_ring = n_recent_max * row_stride
+        ring_off = b.to(tl.int64) * 2 * v_ring + kvh * HEAD_D
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, seq_len - r_lo, 0), r_lo, seq_len, pos,
             p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, rkv_ptr + ring_off,

@@ -129,7 +129,7 @@ def _check_recent_tokens(
     op: str, recent: object, bsz: int, hkv: int, d: int, device: torch.device
 ) -> None:
     """Structure of the ring of the newest tokens: a RecentTokens of one contiguous
-    ``[2, B, R, Hkv, D]`` tensor (``R >= 1``) in the model's dtypes, on the pages' device."""
+    ``[B, 2, R, Hkv, D]`` tensor (``R >= 1``) in the model's dtypes, on the pages' device."""
     if recent is None:
         return
     if not isinstance(recent, RecentTokens):
@@ -138,18 +138,18 @@ def _check_recent_tokens(
             "or None. Fix: pass RecentTokens(recent_kv)."
         )
     kv = require_tensor(op, "recent_kv", recent.kv)
-    layout = "[2 (K, V), batch, ring, num_kv_heads, head_dim]"
+    layout = "[batch, 2 (K, V), ring, num_kv_heads, head_dim]"
     check_ndim(op, "recent_kv", kv, 5, layout)
     fix = "keep the newest tokens' K (the pages' frame) and V in the model dtype."
     check_dtype(op, "recent_kv", kv, INPUT_DTYPES, fix)
     ring = max(int(kv.shape[2]), 1)
-    check_shape(op, "recent_kv", kv, (2, bsz, ring, hkv, d), f"{layout} of the query and pages")
+    check_shape(op, "recent_kv", kv, (bsz, 2, ring, hkv, d), f"{layout} of the query and pages")
     check_device(op, "recent_kv", kv, device, "k_pages")
     if not kv.is_contiguous():
         raise fail(
             f"{op}: recent_kv has strides {kv.stride()} for shape {tuple(kv.shape)}; expected "
-            "it contiguous (the kernels find the values' ring after the keys'). Fix: allocate "
-            "the ring once with torch.empty(2, batch, ring, num_kv_heads, head_dim)."
+            "it contiguous (the kernels find each sequence's values' ring after its keys'). Fix: allocate "
+            "the ring once with torch.empty(batch, 2, ring, num_kv_heads, head_dim)."
         )
 
 
