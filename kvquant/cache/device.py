@@ -53,7 +53,8 @@ def release_cached_blocks(device: torch.device | None) -> None:
 
 def total_memory_bytes(storages: Iterable[PagedLayerStorage]) -> dict[str, int]:
     """:meth:`PagedLayerStorage.memory_bytes` summed over ``storages`` (same keys)."""
-    total = dict.fromkeys(("pages", "group_scales", "static_scales", "k_transform", "total"), 0)
+    keys = ("pages", "group_scales", "recent", "static_scales", "k_transform", "total")
+    total = dict.fromkeys(keys, 0)
     for storage in storages:
         for key, value in storage.memory_bytes().items():
             total[key] += value

@@ -405,6 +405,7 @@ def test_layer_storage_dense_copy_pages_and_accounting() -> None:
     assert m == {
         "pages": 2 * 6 * page * hkv * d,
         "group_scales": 2 * 6 * page * hkv * 2 * 4,
+        "recent": 0,
         "static_scales": 0,
         "k_transform": 0,
         "total": 2 * 6 * page * hkv * (d + 8),

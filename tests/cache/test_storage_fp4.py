@@ -115,7 +115,7 @@ def test_memory_bytes_count_4bit_pages_and_block_scales() -> None:
     slots = 6 * PAGE * H
     nv = _storage("nvfp4").memory_bytes()
     assert nv == {"pages": 2 * slots * D // 2, "group_scales": 2 * slots * D // 16,
-                  "static_scales": 8, "k_transform": 0, "total": 2 * slots * 36 + 8}  # fmt: skip
+                  "recent": 0, "static_scales": 8, "k_transform": 0, "total": 2 * slots * 36 + 8}  # fmt: skip
     mx = _storage("mxfp4").memory_bytes()
     assert (mx["pages"], mx["group_scales"], mx["static_scales"]) == (slots * D, slots * 4, 0)
     mixed = _storage("fp8-k-nvfp4-v").memory_bytes()

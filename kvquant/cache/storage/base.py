@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvquant.cache.allocator import MAX_PAGE_SIZE, MAX_PAGES, page_ids, positive_int
+from kvquant.cache.storage.recent import RecentRing, check_recent_tokens
 from kvquant.errors import CacheCapacityError, CacheUsageError
 from kvquant.kernels import PlanCache, page_storage
 from kvquant.kernels.backend import BACKENDS
@@ -116,6 +117,9 @@ class PagedLayerStorage:
             within :data:`ORTHONORMAL_TOL` once.
         first_tokens: a K transform's: the first visible tokens of each
             sequence attended from a full-precision side buffer (0..1024).
+        recent_tokens: each sequence's newest tokens attended at full precision from a ring
+            beside the pages (0..1024; 0: none), any scheme: every token is still written
+            to the pages, and :meth:`keep_recent` copies the newest into the ring.
         pages: pages allocated by the caller instead of by the storage (a
             transformers continuous-batching cache lays every layer's pages out
             inside one buffer): ``{"k_pages": ..., "v_pages": ...}`` plus
@@ -135,6 +139,8 @@ class PagedLayerStorage:
         first_tokens: first visible tokens per sequence kept at full precision (a
             side buffer that only the ``k-transform`` keeps; 0 for the others).
         external: whether the pages belong to the caller (``pages=``).
+        recent: the ring of the newest tokens (:class:`~kvquant.cache.storage.recent.RecentRing`),
+            or None (``recent_tokens=0``).
 
     The scheme's own attributes (``k_scale`` / ``v_scale``, ``group_size`` and the
     group scales, the K transform and its first-token side buffer) are on the
@@ -219,6 +225,7 @@ class PagedLayerStorage:
         first_tokens: int = 0,
         pages: dict[str, torch.Tensor] | None = None,
         plans: PlanCache | None = None,
+        recent_tokens: int = 0,
     ) -> None:
         self.name = name
         self.plans = plans if plans is not None else PlanCache()
@@ -245,6 +252,12 @@ class PagedLayerStorage:
         self.kv_dtype = kv_dtype
         self.backend = backend
         self.device = torch.device(device)
+        n_recent = check_recent_tokens(recent_tokens, name)
+        self.recent = (
+            RecentRing(n_recent, self.num_kv_heads, self.head_dim, self.device, name)
+            if n_recent
+            else None
+        )
         self._configure(
             SchemeArgs(
                 group_size, k_scale, v_scale, k_offset, k_rotation, first_tokens, scale_names
@@ -401,10 +414,74 @@ class PagedLayerStorage:
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         if first is None:
             first = self.first_buffer(mask.get("kv_start"), rows)
+        recent = None if self.recent is None else self.recent.buffer(rows)
         return self.plans.paged_attention(
             query, self.pages, block_tables, seq_lens, self.scheme, sm_scale=scale,
-            mask=Mask(**mask), first=first, out=out, backend=self.backend,
+            mask=Mask(**mask), first=first, out=out, backend=self.backend, recent=recent,
         )  # fmt: skip
+
+    # ------------------------------------ the newest tokens (recent_tokens > 0)
+    def key_rotation(self) -> torch.Tensor | None:
+        """fp32 ``[D, D]`` the rotation K is stored under (the pages' frame), or None."""
+        rotation = getattr(self, "k_rotation", None)
+        return rotation if isinstance(rotation, torch.Tensor) else None
+
+    def keep_recent(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        start: int | torch.Tensor,
+        rows: tuple[int, int] | None = None,
+        batch: int | None = None,
+    ) -> None:
+        """Copy the newest of new tokens into the ring (none kept: nothing to do).
+
+        Args:
+            key: ``[B, L, Hkv, D]`` the keys of positions ``start .. start + L - 1``.
+            value: ``[B, L, Hkv, D]``.
+            start: the position of the first of them: an int, or (a decode step in a CUDA
+                graph, ``L == 1``) an int64 ``[1]`` device tensor.
+            rows: ``(r0, r1)``: the rows given are rows ``r0 .. r1 - 1`` of a batch of
+                ``batch`` rows (a row group); None: the batch.
+            batch: the batch's rows when ``rows`` is given.
+        """
+        if self.recent is None:
+            return
+        if isinstance(start, torch.Tensor):
+            self.recent.keep_at(key, value, start, self.key_rotation())
+        else:
+            self.recent.keep(key, value, start, self.key_rotation(), rows, batch)
+
+    def recent_kv(self) -> torch.Tensor | None:
+        """The ring ``[B, 2, R, Hkv, D]`` (None: none kept, or not filled yet)."""
+        return None if self.recent is None else self.recent.kv
+
+    def reorder_recent(self, rows: torch.Tensor) -> None:
+        """Beam search: row ``b`` of the ring takes row ``rows[b]``."""
+        if self.recent is not None:
+            self.recent.reorder(rows)
+
+    def truncate_recent(self, tokens: int, stored: int, block_tables: torch.Tensor) -> None:
+        """Forget positions ``>= tokens`` of the ``stored`` ones (crop, rollback): the ring
+        then holds the newest before ``tokens``, read back from the pages where it had
+        overwritten them (rounded, as the attention would read them from the pages)."""
+        if self.recent is None:
+            return
+
+        def read(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # only the pages that hold positions lo .. hi - 1
+            ps = self.page_size
+            p0, p1 = lo // ps, -(-hi // ps)
+            table = block_tables[:, p0:p1]
+            ids = page_ids(
+                f"{self.name}.truncate_recent", "block_tables", table.reshape(-1),
+                self.num_pages, self.device,
+            )  # fmt: skip
+            shape = (table.shape[0], (p1 - p0) * ps, self.num_kv_heads, self.head_dim)
+            k, v = (x.reshape(shape)[:, lo - p0 * ps : hi - p0 * ps] for x in self._dequantize(ids))
+            return k, v
+
+        self.recent.truncate(tokens, stored, read, self.key_rotation())
 
     # --------------------------------- first tokens (kept by the k-transform only)
     def first_buffer(
@@ -579,13 +656,15 @@ class PagedLayerStorage:
         Returns:
             ``pages`` (FP8 or packed 4-bit K and V pages), ``group_scales`` (the scales
             stored per token beside the pages: fp32 groups of ``fp32-group``, a 4-bit
-            format's block scales), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``, a
+            format's block scales), ``recent`` (the ring of the newest tokens at full
+            precision, ``recent_tokens``), ``static_scales`` (fp32 ``k_scale`` / ``v_scale``, a
             4-bit format's global scales),
             ``k_transform`` (``k-transform``: offset, rotation and the first-token side
             buffer; ``fp32-group``, ``nvfp4``, ``mxfp4``: their K rotation) and ``total``
             (their sum).
         """
         parts = {"pages": nbytes(self.k_pages, self.v_pages), "group_scales": 0}
+        parts["recent"] = 0 if self.recent is None else nbytes(self.recent.kv)
         parts |= {"static_scales": 0, "k_transform": 0} | self._scale_bytes()
         return parts | {"total": sum(parts.values())}
 

@@ -1,0 +1,186 @@
+"""The newest tokens of each sequence at full precision beside the pages (:class:`RecentRing`).
+
+Every token is still written to the pages; the ring keeps a copy of each sequence's newest
+``R`` keys and values as the model produced them, position ``p`` in slot ``p % R`` of one
+``[B, 2, R, Hkv, D]`` tensor (:class:`~kvquant.schemes.RecentTokens`), and the attention
+reads those keys from the ring instead of their rounded slots. The ring is allocated once per
+batch and written in place, so a CUDA graph captured on it stays valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvquant.errors import CacheUsageError
+from kvquant.schemes import RecentTokens
+
+__all__ = ["MAX_RECENT_TOKENS", "RecentRing", "check_recent_tokens", "write_ring"]
+
+MAX_RECENT_TOKENS = 1024
+"""The largest ring (tokens per sequence) a storage keeps."""
+
+
+def check_recent_tokens(value: object, owner: str) -> int:
+    """``value`` as the ring's length (0: none).
+
+    Raises:
+        CacheUsageError: not an int from 0 to :data:`MAX_RECENT_TOKENS`.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CacheUsageError(
+            f"{owner}: recent_tokens is {value!r}; expected an int from 0 to "
+            f"{MAX_RECENT_TOKENS}. Fix: pass e.g. recent_tokens=16, or 0 for none."
+        )
+    if not 0 <= value <= MAX_RECENT_TOKENS:
+        raise CacheUsageError(
+            f"{owner}: recent_tokens is {value}; expected 0..{MAX_RECENT_TOKENS}. Fix: pass "
+            "e.g. recent_tokens=16, or 0 for none."
+        )
+    return value
+
+
+def write_ring(
+    ring: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    rotation: torch.Tensor | None,
+) -> None:
+    """Tokens ``[B, L, Hkv, D]`` into slots ``slots`` (int64 ``[L]``) of ``ring``
+    ``[B, 2, R, Hkv, D]``, in place; keys rotated by ``rotation`` (fp32 ``[D, D]``) if given."""
+    if rotation is not None:
+        key = key.float() @ rotation
+    ring[:, 0].index_copy_(1, slots, key.to(device=ring.device, dtype=ring.dtype))
+    ring[:, 1].index_copy_(1, slots, value.to(device=ring.device, dtype=ring.dtype))
+
+
+class RecentRing:
+    """The ring of one layer's newest ``length`` tokens per sequence.
+
+    Attributes:
+        length: ``R``, tokens per sequence.
+        kv: ``[B, 2, R, Hkv, D]`` in the keys' dtype, allocated by the first :meth:`keep`
+            (None before): keys in the pages' frame before any offset (``k @ rotation``),
+            values as given.
+    """
+
+    def __init__(
+        self, length: int, num_kv_heads: int, head_dim: int, device: torch.device, name: str
+    ) -> None:
+        self.length = length
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = device
+        self.name = name
+        self.kv: torch.Tensor | None = None
+
+    def buffer(self, rows: tuple[int, int] | None = None) -> RecentTokens | None:
+        """The ring of all rows, or of rows ``r0 .. r1 - 1`` (a row group); None before filled."""
+        if self.kv is None:
+            return None
+        return RecentTokens(self.kv if rows is None else self.kv[rows[0] : rows[1]])
+
+    def _rows(
+        self, bsz: int, dtype: torch.dtype, rows: tuple[int, int] | None, batch: int | None
+    ) -> torch.Tensor:
+        """The ring's rows for a call of ``bsz`` rows (allocating the batch's ring first)."""
+        total = bsz if rows is None or batch is None else int(batch)
+        r0, r1 = (0, bsz) if rows is None else rows
+        if r1 - r0 != bsz or not 0 <= r0 < r1 <= total:
+            raise CacheUsageError(
+                f"{self.name}: recent tokens for rows {rows} of a batch of {total} with keys of "
+                f"{bsz} rows; expected a range of {bsz} rows inside the batch."
+            )
+        kv = self.kv
+        if kv is None or kv.shape[0] != total or kv.dtype != dtype:
+            shape = (total, 2, self.length, self.num_kv_heads, self.head_dim)
+            kv = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv = kv
+        return kv if (r0, r1) == (0, total) else kv[r0:r1]
+
+    def _check(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        bsz, n = int(key.shape[0]), int(key.shape[1])
+        want = (bsz, n, self.num_kv_heads, self.head_dim)
+        if tuple(key.shape) != want or tuple(value.shape) != want:
+            raise CacheUsageError(
+                f"{self.name}: recent tokens: key {tuple(key.shape)} and value "
+                f"{tuple(value.shape)}; expected {want}."
+            )
+
+    def keep(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        start: int,
+        rotation: torch.Tensor | None,
+        rows: tuple[int, int] | None = None,
+        batch: int | None = None,
+    ) -> None:
+        """Copy the newest of positions ``start .. start + L - 1`` into the ring.
+
+        Args:
+            key: ``[B, L, Hkv, D]``.
+            value: ``[B, L, Hkv, D]``.
+            start: the position of the first of them.
+            rotation: fp32 ``[D, D]`` the pages' K rotation, or None.
+            rows: ``(r0, r1)``: the ``B`` rows given are rows ``r0 .. r1 - 1`` of a batch
+                of ``batch`` rows (a row group); None: the call's rows are the batch.
+            batch: the batch's rows when ``rows`` is given.
+
+        Raises:
+            CacheUsageError: shapes that do not match, or rows outside the batch.
+        """
+        self._check(key, value)
+        n = int(key.shape[1])
+        ring = self._rows(int(key.shape[0]), key.dtype, rows, batch)
+        m = min(n, self.length)
+        if m == 0:
+            return
+        pos = torch.arange(start + n - m, start + n, device=self.device)
+        write_ring(ring, key[:, n - m :], value[:, n - m :], pos % self.length, rotation)
+
+    def keep_at(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        pos: torch.Tensor,
+        rotation: torch.Tensor | None,
+    ) -> None:
+        """A decode step's token (``[B, 1, Hkv, D]``) at the device position ``pos`` (int64
+        ``[1]``), without a sync (a CUDA graph replays it); the ring must exist."""
+        self._check(key, value)
+        if self.kv is None or self.kv.shape[0] != key.shape[0]:
+            raise CacheUsageError(
+                f"{self.name}: a decode step's recent tokens before the ring of its batch was "
+                "filled. Fix: run the prompt through the cache first (generate does)."
+            )
+        write_ring(self.kv, key, value, torch.remainder(pos, self.length), rotation)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam search: row ``b`` takes row ``rows[b]`` (in place)."""
+        if self.kv is not None:
+            self.kv.copy_(self.kv.index_select(0, rows.to(device=self.device, dtype=torch.long)))
+
+    def truncate(
+        self,
+        tokens: int,
+        stored: int,
+        read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+        rotation: torch.Tensor | None,
+    ) -> None:
+        """Forget positions ``>= tokens`` of ``stored`` (crop, rollback).
+
+        The ring must then hold positions ``tokens - R .. tokens - 1``; those older than
+        the ring held (``< stored - R``) were overwritten, and are read back from the pages
+        by ``read(lo, hi)`` (``[B, hi - lo, Hkv, D]`` keys and values of positions
+        ``lo .. hi - 1``, rounded as the pages hold them).
+        """
+        if self.kv is None or tokens >= stored:
+            return
+        lo, hi = max(tokens - self.length, 0), min(tokens, max(stored - self.length, 0))
+        if hi > lo:
+            k, v = read(lo, hi)
+            pos = torch.arange(lo, hi, device=self.device)
+            write_ring(self.kv, k, v, pos % self.length, rotation)
