@@ -106,6 +106,12 @@ class KVQuantConfig(QuantizationConfigMixin):
             alike: more accurate than plain groups at the same size, best with
             ``group_size=32``. Default None: K stored as computed. Refused with checkpoint
             (static) scales of FP8 layers and with ``fp8-k-nvfp4-v``.
+        recent_tokens: how many of each sequence's newest tokens the attention reads at full
+            precision, from a ring kept beside the pages (every format; 0..1024). Each token
+            is still stored in the pages; the ring costs ``recent_tokens`` tokens per
+            sequence and layer in the model's dtype. Most useful with the 4-bit formats,
+            whose error falls most on the newest tokens. Default 0: none. Not served by
+            transformers' continuous batching (refused with the fix).
         **saved: keys of a saved config that are not options (``quant_method``).
 
     Raises:
@@ -135,6 +141,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         prefill_tokens: int | str | None = "auto",
         kv_format: str | Mapping[int | str, str] = "fp8",
         k_rotation: str | None = None,
+        recent_tokens: int = 0,
         **saved: Any,
     ) -> None:
         from kvquant.integrations.hf.config import (
@@ -161,6 +168,7 @@ class KVQuantConfig(QuantizationConfigMixin):
         self.prefill_tokens = prefill_tokens
         self.kv_format = coerce_kv_format(kv_format)
         self.k_rotation = k_rotation
+        self.recent_tokens = recent_tokens
         self.options()  # checks every value
 
     def options(self, source: str = "") -> PatchOptions:
@@ -289,7 +297,9 @@ class KVQuantizer(HfQuantizer):
         layer_kv_formats(opts.kv_format, len(sites), "KVQuantConfig")  # before the weights load
         model_scales = resolve(raw, geometry, opts, ctx)
         if opts.k_rotation is not None:  # layers it does not fit: refused before the weights load
-            layer_specs(sites, geometry, model_scales, opts.kv_format, opts.k_rotation)
+            layer_specs(
+                sites, geometry, model_scales, opts.kv_format, opts.k_rotation, opts.recent_tokens
+            )
         self._resolved = (opts, geometry, model_scales, raw, ctx)
         for r in (*raw, *offsets):
             mod_path, _, attr = r.name.rpartition(".")

@@ -14,7 +14,7 @@ from kvquant.schemes import RecentTokens
 
 def _ring(x: torch.Tensor, lens: list[int], ring: int) -> torch.Tensor:
     """``[B, R, Hkv, D]``: position ``p`` of row ``b`` at ``p % R`` (its newest ``R`` tokens)."""
-    out = torch.full((x.shape[0], ring, *x.shape[2:]), float("nan"))
+    out = torch.full((x.shape[0], ring, *x.shape[2:]), float("nan"), dtype=x.dtype, device=x.device)
     for b, n in enumerate(lens):
         for p in range(max(0, n - ring), n):
             out[b, p % ring] = x[b, p]
@@ -45,7 +45,9 @@ def test_newest_tokens_come_from_the_ring(ring: int) -> None:
     for b, n in enumerate(lens):
         for m, x in zip(mixed, (key, value), strict=True):
             m[b, max(0, n - ring) : n] = x[b, max(0, n - ring) : n]
-    recent = RecentTokens(torch.stack(dim=1, tensors=(_ring(key, lens, ring), _ring(value, lens, ring))))
+    recent = RecentTokens(
+        torch.stack(dim=1, tensors=(_ring(key, lens, ring), _ring(value, lens, ring)))
+    )
     kw = dict(sm_scale=64**-0.5)
     args = (case.query, case.pages, case.block_tables, case.seq_lens, case.scheme)
     got = paged_attention_reference(*args, recent=recent, **kw).float()
@@ -59,7 +61,9 @@ def test_a_ring_as_long_as_the_sequence_is_exact_attention() -> None:
     lens = [20, 13]
     case = build("nvfp4", lens, hq=4, hkv=2, d=32, seed=6)
     key, value = case.key.float(), case.value.float()
-    recent = RecentTokens(torch.stack(dim=1, tensors=(_ring(key, lens, 32), _ring(value, lens, 32))))
+    recent = RecentTokens(
+        torch.stack(dim=1, tensors=(_ring(key, lens, 32), _ring(value, lens, 32)))
+    )
     got = paged_attention_reference(
         case.query, case.pages, case.block_tables, case.seq_lens, case.scheme,
         sm_scale=32**-0.5, recent=recent,
@@ -86,7 +90,9 @@ def test_triton_reads_the_ring_like_the_reference(
     lens = [37, 9]
     mask = {} if lq == 1 else {"q_lens": [12, 5]}
     case = build(kind, lens, hq=4, hkv=2, d=64, seed=7, lq=lq, **mask)
-    recent = RecentTokens(torch.stack(dim=1, tensors=(_ring(case.key, lens, ring), _ring(case.value, lens, ring))))
+    recent = RecentTokens(
+        torch.stack(dim=1, tensors=(_ring(case.key, lens, ring), _ring(case.value, lens, ring)))
+    )
     args = (case.query, case.pages, case.block_tables, case.seq_lens, case.scheme)
     kw = dict(sm_scale=64**-0.5, mask=case.mask)
     ref = paged_attention_reference(*args, recent=recent, **kw)
@@ -104,7 +110,9 @@ def test_paged_attention_takes_the_ring_on_both_backends() -> None:
 
     lens = [30, 12]
     case = build("nvfp4", lens, hq=4, hkv=2, d=64, seed=9)
-    recent = RecentTokens(torch.stack(dim=1, tensors=(_ring(case.key, lens, 8), _ring(case.value, lens, 8))))
+    recent = RecentTokens(
+        torch.stack(dim=1, tensors=(_ring(case.key, lens, 8), _ring(case.value, lens, 8)))
+    )
     args = (case.query, case.pages, case.block_tables, case.seq_lens, case.scheme)
     kw = dict(sm_scale=64**-0.5, mask=case.mask)
     ref = paged_attention(*args, recent=recent, backend="torch", **kw)
@@ -128,16 +136,17 @@ def test_a_malformed_ring_is_refused(change: str, match: str) -> None:
     from kvquant.kernels import paged_attention
 
     case = build("nvfp4", [20], hq=2, hkv=1, d=32, seed=2)
-    kv = torch.zeros(1, 2, 4, 1, 32)
+    dev = case.query.device
+    kv = torch.zeros(1, 2, 4, 1, 32, device=dev)
     recent: object = RecentTokens(kv)
     if change == "not-a-ring":
         recent = (kv[:, 0], kv[:, 1])
     elif change == "shape":
-        recent = RecentTokens(torch.zeros(1, 2, 4, 2, 32))
+        recent = RecentTokens(torch.zeros(1, 2, 4, 2, 32, device=dev))
     elif change == "dtype":
         recent = RecentTokens(kv.to(torch.int32))
     elif change == "strides":
-        recent = RecentTokens(torch.zeros(1, 2, 4, 1, 64)[..., ::2])
+        recent = RecentTokens(torch.zeros(1, 2, 4, 1, 64, device=dev)[..., ::2])
     with pytest.raises(KernelInputError, match=match) as info:
         paged_attention(case.query, case.pages, case.block_tables, case.seq_lens, case.scheme,
                         sm_scale=0.1, recent=recent, backend="torch")  # type: ignore[arg-type]  # fmt: skip

@@ -69,6 +69,8 @@ class LayerSpec:
         rotation: ``"hadamard"`` or None (``k-transform``: the K / query rotation).
         first_tokens: first visible tokens per sequence kept at full precision
             (``k-transform``), else 0.
+        recent_tokens: each sequence's newest tokens attended at full precision from a ring
+            beside the pages (the ``recent_tokens`` option), else 0.
         kv_reused: later layers attend over this layer's K/V (Gemma 4's KV
             sharing): transformers hands them what this layer's ``update()``
             returns, so it returns dense K/V instead of ``(None, None)``.
@@ -85,6 +87,7 @@ class LayerSpec:
     rotation: str | None = None
     first_tokens: int = 0
     kv_reused: bool = False
+    recent_tokens: int = 0
 
     @property
     def granularity(self) -> str:
@@ -267,6 +270,7 @@ class KVQuantLayer(CacheLayerMixin):
             k_rotation=rotation,
             first_tokens=spec.first_tokens,
             plans=self.cache.plans,
+            recent_tokens=spec.recent_tokens,
         )
         self.is_initialized = True
 
@@ -353,13 +357,17 @@ class KVQuantLayer(CacheLayerMixin):
                     f"{bsz} sequences; expected 1 token for each of {static.lens.shape[0]}."
                 )
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
-            self._storage().write(k, v, static.slots)
+            storage = self._storage()
+            storage.write(k, v, static.slots)
+            storage.keep_recent(k, v, static.pos)
             return None, None
         start = book.layer_lens[self.layer_idx]
         slots = cache.slots_for(self, bsz, new)
         if new > 0:
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
-            self._storage().write(k, v, slots)
+            storage = self._storage()
+            storage.write(k, v, slots)
+            storage.keep_recent(k, v, start, rows=book.window, batch=book.batch_size)
             if self.wants_first_tokens() and cache.attention_is_kvquant():
                 self.pending_first = (k, v, start)
         book.layer_lens[self.layer_idx] = start + new
@@ -445,6 +453,7 @@ class KVQuantLayer(CacheLayerMixin):
         src, dst = self.cache.book.beam_moves(beam_idx, self.seq_len, self.storage.device)
         self.storage.copy_pages(src, dst)
         self.storage.reorder_first(beam_idx)
+        self.storage.reorder_recent(beam_idx)
 
     def _unsupported(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(
@@ -733,6 +742,10 @@ class KVQuantCache(PoolSizing, Cache):
                 layer.pending_first = None
                 if layer.storage is not None:
                     layer.storage.truncate_first(tokens)
+                    stored = layer.seq_len
+                    if layer.storage.recent is not None and tokens < stored:
+                        table = self.book.block_table(layer.storage.device)
+                        layer.storage.truncate_recent(tokens, stored, table)
         self.book.truncate(tokens)  # a graph's static table is copied again if pages moved
         self.kv_start_memo = None
         self.decode_mask_memo = None
@@ -747,10 +760,12 @@ class KVQuantCache(PoolSizing, Cache):
 
         The sum of :meth:`kvquant.cache.PagedLayerStorage.memory_bytes` over the
         layers that have allocated their pools: FP8 pages (the whole pool,
-        written or not), fp32 group scales and static scales.
+        written or not), fp32 group scales, the rings of the newest tokens
+        (``recent_tokens``) and static scales.
 
         Returns:
-            ``pages``, ``group_scales``, ``static_scales``, ``total``.
+            ``pages``, ``group_scales``, ``recent``, ``static_scales``, ``k_transform``,
+            ``total``.
         """
         return total_memory_bytes(
             layer.storage

@@ -67,6 +67,7 @@ class PatchOptions:
             (:func:`~kvquant.choices.layer_kv_formats` gives each layer's).
         k_rotation: None or ``"hadamard"`` (:class:`~kvquant.choices.KRotation`): K rotated
             before its dynamic ``fp32-group`` scales or its ``nvfp4`` / ``mxfp4`` blocks.
+        recent_tokens: each sequence's newest tokens attended at full precision (0: none).
         source: a description of where the scales came from (not an option).
     """
 
@@ -84,6 +85,7 @@ class PatchOptions:
     prefill_tokens: int | str | None
     kv_format: str | KVFormatMap = "fp8"
     k_rotation: str | None = None
+    recent_tokens: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -230,10 +232,27 @@ def check_options(opts: PatchOptions, owner: str = "KVQuantConfig") -> None:
                 "scale_format, or pass kv_format='fp8'."
             )
     _check_k_rotation(opts, owner, used)
+    _check_recent_tokens(opts.recent_tokens, owner)
     if opts.backend not in BACKENDS:
         raise OptionError(
             f"{owner}: backend={opts.backend!r}; expected one of {BACKENDS}. "
             "Fix: pass backend='auto'."
+        )
+
+
+def _check_recent_tokens(value: object, owner: str) -> None:
+    """``recent_tokens``: an int from 0 to :data:`~kvquant.cache.storage.recent.MAX_RECENT_TOKENS`."""
+    from kvquant.cache.storage.recent import MAX_RECENT_TOKENS
+
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionTypeError(
+            f"{owner}: recent_tokens={value!r}; expected an int from 0 to {MAX_RECENT_TOKENS}. "
+            "Fix: pass e.g. recent_tokens=16, or 0 for none."
+        )
+    if not 0 <= value <= MAX_RECENT_TOKENS:
+        raise OptionError(
+            f"{owner}: recent_tokens={value}; expected 0..{MAX_RECENT_TOKENS}. Fix: pass e.g. "
+            "recent_tokens=16, or 0 for none."
         )
 
 

@@ -196,7 +196,9 @@ def apply_patch(
         OptionError: ``cuda_graphs=True`` for a model whose layers share K/V.
     """
     _check_graphs(model, opts, sites)
-    specs = layer_specs(sites, geometry, model_scales, opts.kv_format, opts.k_rotation)
+    specs = layer_specs(
+        sites, geometry, model_scales, opts.kv_format, opts.k_rotation, opts.recent_tokens
+    )
     per_rank = rank_specs(sites, specs)  # tensor parallelism: refused here, before any change
     cfg = text_config(model)
     previous = getattr(cfg, "_attn_implementation", None)
@@ -354,6 +356,8 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
             f"KV formats {describe_layer_formats(_stored_formats(state))} (the checkpoint's "
             f"NVFP4 global scales; FP8 scales from {source})"
         )
+    if opts.recent_tokens:
+        kv += f", each sequence's newest {opts.recent_tokens} tokens also at full precision"
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers{shard}, {kv}; "
         f"backend {backend}; cache: {sizing}; "
@@ -473,7 +477,14 @@ def patch(
             and opts == existing.options
             and same_specs(
                 existing.layer_specs,
-                layer_specs(sites, geometry, model_scales, opts.kv_format, opts.k_rotation),
+                layer_specs(
+                    sites,
+                    geometry,
+                    model_scales,
+                    opts.kv_format,
+                    opts.k_rotation,
+                    opts.recent_tokens,
+                ),
             )
         ):
             return _reuse(model, existing.handle)  # the same scales again (mapping or folder)

@@ -269,6 +269,7 @@ def layer_specs(
     model_scales: Any,
     kv_format: str | Mapping[int | str, str] = KVFormat.FP8,
     k_rotation: str | None = None,
+    recent_tokens: int = 0,
 ) -> list[LayerSpec]:
     """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
 
@@ -277,6 +278,7 @@ def layer_specs(
     4-bit layers gives them its formats and global scales (:func:`checkpoint_fp4_specs`).
     ``k_rotation`` (``"hadamard"``) rotates K before the ``fp32-group`` layers' scales and
     the ``nvfp4`` / ``mxfp4`` layers' blocks (a k-transform's layers bring their own).
+    ``recent_tokens`` gives every layer a ring of each sequence's newest tokens.
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
@@ -295,7 +297,8 @@ def layer_specs(
                 "are stored in 4 bits with its own calibrated global scales (of K as the model "
                 "computes it, not rotated). Fix: drop k_rotation."
             )
-        return checkpoint_fp4_specs(specs, declared, formats)
+        specs = checkpoint_fp4_specs(specs, declared, formats)
+        return [replace(spec, recent_tokens=recent_tokens) for spec in specs]
     _log_unused_scales(specs, formats, [getattr(ls, "source", None) for ls in model_scales.layers])
     specs = [
         fp4_spec(spec, fmt) if fmt.four_bit else spec
@@ -303,7 +306,7 @@ def layer_specs(
     ]
     if k_rotation is not None:
         specs = [_rotated_spec(spec, str(k_rotation)) for spec in specs]
-    return specs
+    return [replace(spec, recent_tokens=recent_tokens) for spec in specs]
 
 
 def _log_unused_scales(

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from kvquant.cache import StaticStep
+from kvquant.cache.storage.recent import write_ring
 from kvquant.errors import CacheUsageError
 from kvquant.integrations.hf.cache_layer import KVQuantLayer
 from kvquant.kernels import paged_attention, write_kv
-from kvquant.schemes import FirstTokens, Mask, Pages, Scheme
+from kvquant.schemes import FirstTokens, Mask, Pages, RecentTokens, Scheme
 
 __all__ = [
     "STEP_KWARG",
@@ -32,6 +33,7 @@ __all__ = [
     "layer_step",
     "step_attention",
     "step_attention_call",
+    "step_keep_recent",
     "step_write",
 ]
 
@@ -73,6 +75,26 @@ def step_write(
 
 @step_write.register_fake
 def _step_write_fake(*args: Any) -> None:
+    return None
+
+
+@torch.library.custom_op("kvquant::step_keep_recent", mutates_args=("recent_kv",))
+def step_keep_recent(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    recent_kv: torch.Tensor,
+    lens: torch.Tensor,
+    rotation: torch.Tensor | None,
+) -> None:
+    """Copy the step's new K/V ``[B, Hkv, 1, D]`` into the ring of the newest tokens
+    ``recent_kv [B, 2, R, Hkv, D]`` at slot ``(lens[0] - 1) % R`` (every row's new token
+    sits at the same position), keys rotated by ``rotation`` if given."""
+    slot = torch.remainder(lens[:1].to(torch.int64) - 1, recent_kv.shape[2])
+    write_ring(recent_kv, key.transpose(1, 2), value.transpose(1, 2), slot, rotation)
+
+
+@step_keep_recent.register_fake
+def _step_keep_recent_fake(*args: Any) -> None:
     return None
 
 
@@ -130,6 +152,7 @@ def step_attention(
     softcap: float,
     window: int,
     backend: str,
+    recent_kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [B, Hq, Lq, D]`` over the pages: a new ``[B, Lq, Hq, D]`` tensor.
 
@@ -138,7 +161,8 @@ def step_attention(
     ``first_start`` are the storage's first-token side buffer (``k-transform``): a row whose
     buffer was filled for another start than ``kv_start`` reads its keys from
     the pages (as :meth:`~kvquant.cache.PagedLayerStorage.first_buffer`).
-    ``sinks`` are the model's sink logits in any float dtype.
+    ``sinks`` are the model's sink logits in any float dtype. ``recent_kv`` is the ring of the
+    newest tokens (:class:`~kvquant.schemes.RecentTokens`), or None.
     """
     b, hq, lq, d = query.shape
     out = torch.empty((b, lq, hq, d), dtype=query.dtype, device=query.device)
@@ -170,6 +194,7 @@ def step_attention(
         first=first,
         out=out,
         backend=backend,
+        recent=None if recent_kv is None else RecentTokens(recent_kv),
     )
     return out
 
@@ -220,6 +245,8 @@ def layer_step(layer: KVQuantLayer, static: StaticStep) -> dict[str, Any]:
         "lens": static.lens,
         "kv_start": static.kv_start,
         "backend": storage.backend,
+        "recent_kv": storage.recent_kv(),
+        "rotation": storage.key_rotation(),
     }
 
 
@@ -266,6 +293,10 @@ def step_attention_call(
         step["scheme_tensors"],
         step["backend"],
     )
+    if step["recent_kv"] is not None:
+        torch.ops.kvquant.step_keep_recent(
+            key, value, step["recent_kv"], step["lens"], step["rotation"]
+        )
     out = torch.ops.kvquant.step_attention(
         query,
         step["k_pages"],
@@ -287,5 +318,6 @@ def step_attention_call(
         float(softcap or 0.0),
         int(sliding_window or 0),
         step["backend"],
+        step["recent_kv"],
     )
     return out, None

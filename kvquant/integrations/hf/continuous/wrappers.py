@@ -196,6 +196,14 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
             "kvquant's quantized blocks. Fix: cpu_offload_space=0 (requests that do not fit are "
             "recomputed), or transformers 5.24."
         )
+    recent = max(s.recent_tokens for s in specs)
+    if recent:
+        raise OptionError(
+            f"{name}: kvquant.patch(..., recent_tokens={recent}) keeps each sequence's newest "
+            "tokens in a ring per batch row, which transformers' continuous batching (its "
+            "requests in shared blocks) does not serve yet. Fix: patch without recent_tokens "
+            "for continuous batching, or use generate()."
+        )
     nf = max(s.first_tokens for s in specs)
     if page is not None and nf > int(page):
         raise OptionError(
