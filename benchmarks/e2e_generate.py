@@ -40,7 +40,8 @@ Arms:
 * ``kvquant-nvfp4`` and ``kvquant-mxfp4`` (opt-in, ``--arms`` / ``--capacity-arms``):
   ``kvquant.patch(model, kv_format="nvfp4")`` (or ``"mxfp4"``): 4-bit pages, block scales
   computed as tokens are written, nothing else; ``kvquant-nvfp4-rotk`` (opt-in) the same
-  with ``k_rotation="hadamard"`` (rotated 4-bit keys);
+  with ``k_rotation="hadamard"`` (rotated 4-bit keys), ``kvquant-nvfp4-recent16`` (opt-in)
+  with ``recent_tokens=16`` (each sequence's 16 newest tokens also at full precision);
 * ``kvquant-g32``, ``kvquant-rotk32`` and ``kvquant-rotk64`` (opt-in, ``--arms`` /
   ``--capacity-arms``): the ``kvquant-fp32-group`` arm (no scales) with ``group_size=32``,
   with ``group_size=32, k_rotation="hadamard"`` (Hadamard-rotated keys) and with
@@ -116,6 +117,7 @@ CAPACITY_ARMS = (
     "kvquant-nvfp4",
     "kvquant-mxfp4",
     "kvquant-nvfp4-rotk",
+    "kvquant-nvfp4-recent16",
     "kvquant-g32",
     "kvquant-rotk32",
     "kvquant-rotk64",
@@ -131,6 +133,7 @@ FP4_ARMS: dict[str, dict[str, Any]] = {
     "kvquant-nvfp4": {"kv_format": "nvfp4"},
     "kvquant-mxfp4": {"kv_format": "mxfp4"},
     "kvquant-nvfp4-rotk": {"kv_format": "nvfp4", "k_rotation": "hadamard"},
+    "kvquant-nvfp4-recent16": {"kv_format": "nvfp4", "recent_tokens": 16},
 }
 """The 4-bit arms (no scales): their patch options."""
 OPT_IN_ARMS = ("kvquant-rowgroups", *FP4_ARMS, *GROUP_ARMS)
