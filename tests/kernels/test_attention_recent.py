@@ -151,3 +151,41 @@ def test_a_malformed_ring_is_refused(change: str, match: str) -> None:
         paged_attention(case.query, case.pages, case.block_tables, case.seq_lens, case.scheme,
                         sm_scale=0.1, recent=recent, backend="torch")  # type: ignore[arg-type]  # fmt: skip
     assert "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["per-tensor", "fp32-group", "fp32-group-rotated", "k-transform"])
+def test_triton_reads_the_ring_over_fp8_pages(kind: str) -> None:
+    """FP8 pages of every scheme (static, group scales folded or not, a rotation, the
+    k-transform's offset with first tokens): the ring's keys and values join the tiles in the
+    tiles' units. The Triton kernel against the reference, NaN-filled output."""
+    from paged_cases import build_case
+
+    from kvquant.kernels.attention.launch import paged_attention_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    lens, ring = [37, 9], 8
+    kw: dict[str, object] = {"hq": 4, "hkv": 2, "d": 64, "seed": 3, "device": dev}
+    if kind.startswith("fp32-group"):
+        kw["granularity"] = "fp32-group"
+        if kind.endswith("rotated"):
+            kw["k_transform"] = "rotation"
+    elif kind == "k-transform":
+        kw |= {"granularity": "per-head", "k_transform": "both", "first_lens": [1, 1],
+               "n_first": 1}  # fmt: skip
+    case = build_case(lens, **kw)  # type: ignore[arg-type]
+    assert case.key is not None and case.value is not None
+    rot = case.scheme.kernel_view().k_rotation
+    keys = case.key.float() if rot is None else case.key.float() @ rot.float().cpu()
+    recent = RecentTokens(
+        torch.stack(
+            dim=1, tensors=(_ring(keys, lens, ring), _ring(case.value.float(), lens, ring))
+        ).to(dev)
+    )
+    ref = case.attend(paged_attention_reference, recent=recent).float()
+    out = torch.full_like(case.query, float("nan"))
+    got = case.attend(paged_attention_triton, recent=recent, out=out).float()
+    assert torch.isfinite(got).all()
+    err = float((got - ref).abs().max())
+    plain = float((case.attend(paged_attention_reference).float() - ref).abs().max())
+    assert err < 5e-3, err
+    assert plain > 3 * err, (plain, err)

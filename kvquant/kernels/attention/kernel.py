@@ -311,12 +311,16 @@ def paged_attn_kernel(
     else:
         mid = int_lo + tl.maximum(full_hi - int_lo, 0) // BLOCK_N * BLOCK_N
 
+    # k_mult / v_mult: the tiles' units (a full-precision key or value from a side buffer is
+    # divided by them to join the paged ones)
     if FOLD:
         qk_scale = sm_scale
+        k_mult = 1.0
         v_mult = 1.0
     elif GROUP_SCALES:
         # tiles were dequantized with scales x 16 (fp16-normal down to amax ~1.7e-3)
         qk_scale = sm_scale * 0.0625
+        k_mult = 0.0625
         v_mult = 0.0625
     else:
         k_mult = tl.load(ks_ptr + kvh * s_kvs[0])

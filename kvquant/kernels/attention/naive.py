@@ -179,8 +179,9 @@ def _overlay_recent(
     (``k`` in the pages' frame with the offset added back, as the ring holds it)."""
     ring = recent.k.shape[1]
     pos = torch.arange(max(start, n - ring), n, device=k.device)
-    k[pos] = recent.k[b, pos % ring].float()
-    v[pos] = recent.v[b, pos % ring].float()
+    slots = (pos % ring).to(recent.kv.device)
+    k[pos] = recent.k[b, slots].to(device=k.device, dtype=torch.float32)
+    v[pos] = recent.v[b, slots].to(device=v.device, dtype=torch.float32)
 
 
 def _visible(mask: Mask, n: int, nq: int, start: int, device: torch.device) -> torch.Tensor:
