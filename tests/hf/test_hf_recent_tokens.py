@@ -41,7 +41,7 @@ def _fake_quant(x: torch.Tensor, fmt: str, recent: int) -> torch.Tensor:
     """``[B, Hkv, T, D]`` through a 4-bit quantize-dequantize, the last ``recent`` exact."""
     t = x.transpose(1, 2).float()
     f = NVFP4 if fmt == "nvfp4" else MXFP4
-    g = torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE) if f.global_scale else None
+    g = torch.tensor(DYNAMIC_NVFP4_GLOBAL_SCALE, device=x.device) if f.global_scale else None
     back = dequantize_fp4(*quantize_fp4(t, f, g), f, g).transpose(1, 2).to(x.dtype)
     if recent:
         back[:, :, -recent:] = x[:, :, -recent:]
@@ -79,8 +79,10 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_decode_reads_the_newest_tokens_exactly(
     kv_format: str, backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = _tiny()
-    ids, mask, cont = _inputs()
+    # Triton runs on CPU tensors only in its interpreter (set when no GPU is present)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    model = _tiny().to(dev)
+    ids, mask, cont = (t.to(dev) for t in _inputs())
     caplog.set_level("INFO", logger="kvquant")
     handle = kvhf.patch(model, backend=backend, kv_format=kv_format, recent_tokens=4,
                         cuda_graphs=False)  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_fp4 import build
+from test_attention_fp4 import DEV, build
 
 from kvquant.kernels import paged_attention_reference
 from kvquant.kernels.fp4 import MXFP4, dequantize_fp4, quantize_fp4
@@ -13,17 +13,19 @@ from kvquant.schemes import RecentTokens
 
 
 def _ring(x: torch.Tensor, lens: list[int], ring: int) -> torch.Tensor:
-    """``[B, R, Hkv, D]``: position ``p`` of row ``b`` at ``p % R`` (its newest ``R`` tokens)."""
-    out = torch.full((x.shape[0], ring, *x.shape[2:]), float("nan"), dtype=x.dtype, device=x.device)
+    """``[B, R, Hkv, D]``: position ``p`` of row ``b`` at ``p % R`` (its newest ``R`` tokens), on
+    the device the cases put their pages on."""
+    out = torch.full((x.shape[0], ring, *x.shape[2:]), float("nan"), dtype=x.dtype)
     for b, n in enumerate(lens):
         for p in range(max(0, n - ring), n):
             out[b, p % ring] = x[b, p]
-    return out
+    return out.to(DEV)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """Decode attention of ``q [B, 1, Hq, D]`` over each row's first ``lens[b]`` keys."""
     rows = []
+    k, v = k.to(q.device), v.to(q.device)
     group = q.shape[2] // k.shape[2]
     for b, n in enumerate(lens):
         kb = k[b, :n].repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
@@ -153,8 +155,12 @@ def test_a_malformed_ring_is_refused(change: str, match: str) -> None:
     assert "Fix:" in str(info.value)
 
 
-@pytest.mark.parametrize("kind", ["per-tensor", "fp32-group", "fp32-group-rotated", "k-transform"])
-def test_triton_reads_the_ring_over_fp8_pages(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [("per-tensor", {}), ("fp32-group", {}), ("fp32-group", {"FOLD": True}),
+     ("fp32-group", {"FOLD": False}), ("fp32-group-rotated", {}), ("k-transform", {})],
+)  # fmt: skip
+def test_triton_reads_the_ring_over_fp8_pages(kind: str, config: dict[str, bool]) -> None:
     """FP8 pages of every scheme (static, group scales folded or not, a rotation, the
     k-transform's offset with first tokens): the ring's keys and values join the tiles in the
     tiles' units. The Triton kernel against the reference, NaN-filled output."""
@@ -162,11 +168,10 @@ def test_triton_reads_the_ring_over_fp8_pages(kind: str) -> None:
 
     from kvquant.kernels.attention.launch import paged_attention_triton
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     lens, ring = [37, 9], 8
-    kw: dict[str, object] = {"hq": 4, "hkv": 2, "d": 64, "seed": 3, "device": dev}
+    kw: dict[str, object] = {"hq": 4, "hkv": 2, "d": 64, "seed": 3, "device": DEV}
     if kind.startswith("fp32-group"):
-        kw["granularity"] = "fp32-group"
+        kw |= {"granularity": "fp32-group", "group_size": 32}  # two groups: folded, 2 copies
         if kind.endswith("rotated"):
             kw["k_transform"] = "rotation"
     elif kind == "k-transform":
@@ -175,15 +180,14 @@ def test_triton_reads_the_ring_over_fp8_pages(kind: str) -> None:
     case = build_case(lens, **kw)  # type: ignore[arg-type]
     assert case.key is not None and case.value is not None
     rot = case.scheme.kernel_view().k_rotation
-    keys = case.key.float() if rot is None else case.key.float() @ rot.float().cpu()
+    key = case.key.float()
+    keys = key if rot is None else key @ rot.float().to(key.device)
     recent = RecentTokens(
-        torch.stack(
-            dim=1, tensors=(_ring(keys, lens, ring), _ring(case.value.float(), lens, ring))
-        ).to(dev)
+        torch.stack(dim=1, tensors=(_ring(keys, lens, ring), _ring(case.value.float(), lens, ring)))
     )
     ref = case.attend(paged_attention_reference, recent=recent).float()
     out = torch.full_like(case.query, float("nan"))
-    got = case.attend(paged_attention_triton, recent=recent, out=out).float()
+    got = case.attend(paged_attention_triton, recent=recent, out=out, config=config).float()
     assert torch.isfinite(got).all()
     err = float((got - ref).abs().max())
     plain = float((case.attend(paged_attention_reference).float() - ref).abs().max())

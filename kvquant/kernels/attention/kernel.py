@@ -43,16 +43,11 @@ def _first_tokens(
     shift,
     d_q,
     d_o,
-    ring,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
-    RING: tl.constexpr,
 ):
     """Online-softmax steps over the first ``n_first`` keys, from the side buffer, one by one.
-
-    With ``RING`` the keys are a ring's instead (the newest tokens): key ``i`` at position
-    ``kv0 + i`` sits in slot ``(kv0 + i) % ring``, not ``i``.
 
     Key ``i`` sits at position ``kv0 + i``; ``fk_row`` / ``fv_row`` point at key 0 of this
     (sequence, KV head), keys ``row_stride`` apart. Each key's scores are one fp32 dot per
@@ -65,11 +60,8 @@ def _first_tokens(
     qf = q.to(tl.float32)
     i = 0
     while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
-        slot = i
-        if RING:
-            slot = (kv0 + i) % ring
-        fk = tl.load(fk_row + slot * row_stride + d_q).to(tl.float32)
-        fv = tl.load(fv_row + slot * row_stride + d_o).to(tl.float32)
+        fk = tl.load(fk_row + i * row_stride + d_q).to(tl.float32)
+        fv = tl.load(fv_row + i * row_stride + d_o).to(tl.float32)
         s = tl.sum(qf * fk[None, :], 1) / k_div
         s_mult = qk_scale
         if USE_SOFTCAP:
@@ -96,6 +88,91 @@ def _first_tokens(
         acc = acc * alpha[:, None] + p[:, None] * (fv / v_div)[None, :]
         m_i = m_new
         i += 1
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _ring_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    n,
+    r_lo,
+    ring,
+    seq_len,
+    pos,
+    p_min,
+    p_max,
+    win,
+    qk_scale,
+    softcap,
+    k_div,
+    v_div,
+    rk_row,
+    rv_row,
+    row_stride,
+    shift,
+    d_q,
+    d_o,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    XG: tl.constexpr,
+    RB: tl.constexpr,
+):
+    """Online-softmax steps over the newest ``n`` keys (positions ``r_lo ..``), from the ring,
+    16 at a time.
+
+    Key position ``j`` sits in slot ``j % ring``; ``rk_row`` / ``rv_row`` point at slot 0 of
+    this (sequence, KV head), slots ``row_stride`` apart. Scores and values join the paged
+    tiles' units as the first tokens' do (:func:`_first_tokens`; ``shift`` is ``[RB]``),
+    through fp32 dots. With
+    ``XG`` copies of each query row (folded group scales: copy ``c`` holds group ``c``'s
+    columns) the copies' partial scores are summed, and every copy accumulates the values
+    (each keeps only its group's columns at the end).
+    """
+    RT: tl.constexpr = 16
+    qf = q.to(tl.float32)
+    offs = tl.arange(0, RT)
+    i = 0
+    while i < n:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
+        j = r_lo + i + offs
+        ok = (i + offs) < n
+        slot = j % ring
+        k = tl.load(rk_row + slot[:, None] * row_stride + d_q[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(rv_row + slot[:, None] * row_stride + d_o[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(qf, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if XG > 1:
+            s = tl.sum(tl.reshape(s, [XG, RB, RT]), 0)
+        s = s / k_div
+        s_mult = qk_scale
+        if USE_SOFTCAP:
+            x = s * (qk_scale / softcap)
+            e = tl.exp(2.0 * x)
+            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+            s_mult = 1.0
+        vis = (ok & (j < seq_len))[None, :]
+        seen = ok & (j < seq_len)  # some row of the block sees the key
+        if CAUSAL:
+            vis = vis & (j[None, :] <= pos[:, None])
+            seen = seen & (j <= p_max)
+        if USE_WINDOW:
+            vis = vis & (j[None, :] > pos[:, None] - win)
+            seen = seen & (j > p_min - win)
+        v = tl.where(seen[:, None], v.to(tl.float32) / v_div, 0.0)  # 0 * NaN never reaches a row
+        s = tl.where(vis, s * s_mult - shift[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if XG > 1:
+            p = tl.reshape(tl.broadcast_to(p[None, :, :], [XG, RB, RT]), [XG * RB, RT])
+            alpha = tl.reshape(tl.broadcast_to(alpha[None, :], [XG, RB]), [XG * RB])
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        m_i = m_new
+        i += RT
     return acc, m_i, l_i
 
 
@@ -392,19 +469,19 @@ def paged_attn_kernel(
         acc, m_i, l_i = _first_tokens(
             acc, m_i, l_i, q, tl.where(split == 0, n_first, 0), kv0, seq_len, pos,
             p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
-            fv_ptr + first_off, row_stride, shift, d_q, d_o, 0, CAUSAL, USE_WINDOW,
-            USE_SOFTCAP, False,
+            fv_ptr + first_off, row_stride, shift, d_q, d_o, CAUSAL, USE_WINDOW, USE_SOFTCAP,
         )  # fmt: skip
     if HAS_RECENT:
         row_stride = (Hq // GROUP) * HEAD_D
         # [B, 2, R, Hkv, D]: a sequence's keys' ring, then its values'
         v_ring = n_recent_max * row_stride
         ring_off = b.to(tl.int64) * 2 * v_ring + kvh * HEAD_D
-        acc, m_i, l_i = _first_tokens(
-            acc, m_i, l_i, q, tl.where(split == 0, seq_len - r_lo, 0), r_lo, seq_len, pos,
-            p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, rkv_ptr + ring_off,
-            rkv_ptr + v_ring + ring_off, row_stride, shift, d_q, d_o, n_recent_max, CAUSAL,
-            USE_WINDOW, USE_SOFTCAP, True,
+        acc, m_i, l_i = _ring_tiles(
+            acc, m_i, l_i, q, tl.where(split == 0, seq_len - r_lo, 0), r_lo, n_recent_max,
+            seq_len, pos, p_min, p_max, window, qk_scale, softcap, k_mult, v_mult,
+            rkv_ptr + ring_off, rkv_ptr + v_ring + ring_off, row_stride,
+            shift + tl.zeros([RB], tl.float32), d_q, d_o,
+            CAUSAL, USE_WINDOW, USE_SOFTCAP, XG, RB,
         )  # fmt: skip
 
     # the three key ranges, the masked ones with MASKED tiles
