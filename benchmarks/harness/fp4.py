@@ -39,9 +39,8 @@ class Fp4KV:
             FP8 with its K scales for ``fp8-k-nvfp4-v``, the 4-bit format otherwise.
         k_granularity: ``"per-tensor"`` or ``"per-head"``: how ``k_scales`` are read.
         recent_tokens: each query position's last ``recent_tokens`` keys and values (itself
-            included) read exactly, the older ones rounded: what a cache keeping the newest
-            tokens at full precision beside its pages would give a decode step (kvquant's cache
-            does not do this yet).
+            included) read exactly, the older ones rounded: what kvquant's cache gives a decode
+            step with ``recent_tokens`` (the newest tokens at full precision beside the pages).
     """
 
     kv_format: str
