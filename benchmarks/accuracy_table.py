@@ -91,6 +91,9 @@ DYNAMIC = (
     DynamicFormat(k_group=32, v_group=32, rotate_k=True, first_tokens=1),
     DynamicFormat(k_group=16, v_group=64),
     DynamicFormat(k_group=16, v_group=64, rotate_k=True),
+    DynamicFormat(recent_tokens=16),
+    DynamicFormat(k_group=32, v_group=32, recent_tokens=16),
+    DynamicFormat(rotate_k=True, recent_tokens=16),
 )
 """The calibration-free formats beside plain fp32-group (:mod:`benchmarks.harness.dynamic`)."""
 
@@ -319,6 +322,8 @@ def _measure_dynamic(args: argparse.Namespace, bench: _Bench) -> None:
             )
     if "dynamic" in args.sections:
         for fmt in DYNAMIC:
+            if args.dynamic_rows and fmt.label not in args.dynamic_rows:
+                continue
             hidden, sec = _run(bench.model, bench.ids, "dynamic", fmt)
             bench.record(fmt.label, hidden, sec, format="dynamic", dynamic=asdict(fmt))
 
@@ -700,6 +705,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "'fp8-k-nvfp4-v (K k-transform)'); default: every row",
     )
     parser.add_argument(
+        "--dynamic-rows",
+        default="",
+        metavar="LABEL;LABEL",
+        help="with --sections dynamic: only these rows (their labels, ';'-separated, e.g. "
+        "'dynamic G=64 recent-16'); default: every row",
+    )
+    parser.add_argument(
         "--no-calibrated",
         dest="calibrated",
         action="store_false",
@@ -714,6 +726,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if set(args.fp4_rows) - rows:
         parser.error(
             f"--fp4-rows {sorted(set(args.fp4_rows) - rows)} unknown; rows: {sorted(rows)}"
+        )
+    args.dynamic_rows = tuple(x for x in args.dynamic_rows.split(";") if x)
+    if set(args.dynamic_rows) - {fmt.label for fmt in DYNAMIC}:
+        parser.error(
+            f"--dynamic-rows {sorted(set(args.dynamic_rows) - {f.label for f in DYNAMIC})} "
+            f"unknown; rows: {sorted(f.label for f in DYNAMIC)}"
         )
     unknown = set(args.sections) - set(SECTIONS)
     args.factors = tuple(float(f) for f in args.jitter_factors.split(","))

@@ -31,6 +31,9 @@ class DynamicFormat:
         rotate_k: keys rotated by the Hadamard matrix ``R`` before rounding (the query too).
         rotate_v: values rotated by ``R`` before rounding; the output is rotated back by ``R^T``.
         first_tokens: first positions of every sequence attended at full precision.
+        recent_tokens: each query position's last ``recent_tokens`` keys and values (itself
+            included) read exactly, the older ones rounded: what kvquant's cache gives a
+            decode step with ``recent_tokens``.
         scale_factor: every dynamic scale multiplied by it (>= 1 clips nothing: the jitter
             control of a calibration-free format).
     """
@@ -41,6 +44,7 @@ class DynamicFormat:
     rotate_v: bool = False
     first_tokens: int = 0
     scale_factor: float = 1.0
+    recent_tokens: int = 0
 
     def scaled(self, factor: float) -> DynamicFormat:
         """The same format with every dynamic scale multiplied by ``factor``."""
@@ -56,7 +60,8 @@ class DynamicFormat:
             else f"K G={self.k_group} V G={self.v_group}"
         )
         first = f" first={self.first_tokens}" if self.first_tokens else ""
-        return f"dynamic {rot}{groups}{first}"
+        recent = f" recent-{self.recent_tokens}" if self.recent_tokens else ""
+        return f"dynamic {rot}{groups}{first}{recent}"
 
 
 def round_groups(x: torch.Tensor, group_size: int, scale_factor: float = 1.0) -> torch.Tensor:
@@ -156,8 +161,25 @@ def dynamic_attention(
             f"simulated attention: mode 'dynamic' needs a DynamicFormat; got "
             f"{type(fmt).__name__}. Fix: pass scales=DynamicFormat(...)."
         )
-    query, key, value, back = dynamic_kv(fmt, query, key, value)
-    return sdpa_rotated_back(module, query, key, value, attention_mask, back, **kwargs)
+    q, k_hat, v_hat, back = dynamic_kv(fmt, query, key, value)
+    if fmt.recent_tokens:
+        from benchmarks.harness.fp4 import recent_window_attention
+
+        exact = _exact_frame(fmt, key, value)
+        return recent_window_attention(module, q, (k_hat, v_hat), exact, fmt.recent_tokens, back)
+    return sdpa_rotated_back(module, q, k_hat, v_hat, attention_mask, back, **kwargs)
+
+
+def _exact_frame(
+    fmt: DynamicFormat, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values unrounded, in the frame :func:`dynamic_kv` rounds them in (fp32)."""
+    k, v = key.float(), value.float()
+    if fmt.rotate_k or fmt.rotate_v:
+        rot = _hadamard(key.shape[-1], key.device)
+        k = k @ rot if fmt.rotate_k else k
+        v = v @ rot if fmt.rotate_v else v
+    return k, v
 
 
 def sdpa_rotated_back(

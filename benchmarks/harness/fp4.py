@@ -195,7 +195,7 @@ def exact_kv(
     return k, v
 
 
-def _recent_window_attention(
+def recent_window_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     rounded: tuple[torch.Tensor, torch.Tensor],
@@ -249,5 +249,5 @@ def fp4_attention(
     q, k, v, back = fp4_kv(fmt, layer, query, key, value)
     if fmt.recent_tokens:
         exact = exact_kv(fmt, key, value)
-        return _recent_window_attention(module, q, (k, v), exact, fmt.recent_tokens, back)
+        return recent_window_attention(module, q, (k, v), exact, fmt.recent_tokens, back)
     return sdpa_rotated_back(module, q, k, v, attention_mask, back, **kwargs)

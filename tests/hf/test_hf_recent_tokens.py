@@ -250,3 +250,22 @@ def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:
     got = generate_exactly(model, ids, mask, 12)
     steps = int((got.sequences == want.sequences).all(dim=0).long().cumprod(0).sum())
     assert steps >= ids.shape[1] + 8, (got.sequences, want.sequences)
+
+
+def test_dense_reads_take_the_newest_tokens_from_the_ring() -> None:
+    """``dense_kv`` (what a layer that reuses another's K/V, or a caller, reads): the newest
+    positions as the model produced them, the older ones rounded."""
+    from transformers import DynamicCache
+
+    model = _tiny()
+    ids, mask, cont = _inputs()
+    _, plain = step_logits(model, ids, mask, cont, cache=DynamicCache())
+    handle = kvhf.patch(model, backend="torch", kv_format="nvfp4", recent_tokens=3)
+    _, cache = step_logits(model, ids, mask, cont)
+    handle.remove()
+    # the first layer's K/V (later layers' depend on the rounded attention before them)
+    keys, values = cache.layers[0].dense_kv(torch.float32)
+    want_k, want_v = plain.layers[0].keys, plain.layers[0].values
+    torch.testing.assert_close(keys[:, :, -3:], want_k[:, :, -3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values[:, :, -3:], want_v[:, :, -3:], rtol=1e-5, atol=1e-5)
+    assert float((keys[:, :, -4] - want_k[:, :, -4]).abs().max()) > 1e-3

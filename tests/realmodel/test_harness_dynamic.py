@@ -146,3 +146,21 @@ def test_dynamic_format_labels_and_refusals() -> None:
     with pytest.raises(KVQuantError, match="needs a DynamicFormat"):
         with E.simulate_fp8_kv(model, "dynamic", scales):
             E.teacher_forced(model, _ids())
+
+
+def test_recent_window_of_dynamic_groups() -> None:
+    """``recent_tokens``: a window covering every position is the unrounded model (rotated keys
+    included); a window of 0 is the plain row; in between, the NLL lies between the two."""
+    model, ids = _tiny_llama(), _ids()
+    with E.simulate_fp8_kv(model, "none"):
+        ref = E.teacher_forced(model, ids)
+    gap = {}
+    for n in (0, 8, ids.shape[1]):
+        fmt = D.DynamicFormat(k_group=16, v_group=16, rotate_k=True, recent_tokens=n)
+        assert fmt.label == "dynamic rot-K G=16" + (f" recent-{n}" if n else "")
+        with E.simulate_fp8_kv(model, "dynamic", fmt):
+            got = E.teacher_forced(model, ids)
+        gap[n] = float((got.nll - ref.nll).abs().mean())
+        if n == ids.shape[1]:
+            assert torch.equal(got.argmax, ref.argmax) and gap[n] < 1e-4
+    assert gap[ids.shape[1]] < gap[8] < gap[0], gap

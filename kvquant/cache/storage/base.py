@@ -456,6 +456,15 @@ class PagedLayerStorage:
         """The ring ``[B, 2, R, Hkv, D]`` (None: none kept, or not filled yet)."""
         return None if self.recent is None else self.recent.kv
 
+    def overlay_recent(
+        self, keys: torch.Tensor, values: torch.Tensor, rows: tuple[int, int] | None = None
+    ) -> None:
+        """Dense keys and values ``[B, T, Hkv, D]`` of positions ``0 .. T - 1`` (as
+        :meth:`dense` reads them): the newest replaced by the ring's, as the attention reads
+        them (in place; nothing without a ring). ``rows``: the ring's rows of a row group."""
+        if self.recent is not None:
+            self.recent.overlay(keys, values, rows, self.key_rotation())
+
     def reorder_recent(self, rows: torch.Tensor) -> None:
         """Beam search: row ``b`` of the ring takes row ``rows[b]``."""
         if self.recent is not None:

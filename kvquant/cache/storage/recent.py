@@ -163,6 +163,27 @@ class RecentRing:
         if self.kv is not None:
             self.kv.copy_(self.kv.index_select(0, rows.to(device=self.device, dtype=torch.long)))
 
+    def overlay(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: tuple[int, int] | None,
+        rotation: torch.Tensor | None,
+    ) -> None:
+        """Dense ``[B, T, Hkv, D]`` keys (the model's frame) and values of positions
+        ``0 .. T - 1``: the newest ``min(R, T)`` replaced by the ring's, in place."""
+        buf = self.buffer(rows)
+        n = keys.shape[1]
+        m = min(self.length, n)
+        if buf is None or m == 0:
+            return
+        slots = torch.arange(n - m, n, device=self.device) % self.length
+        k = buf.k[:, slots].float()
+        if rotation is not None:
+            k = k @ rotation.T
+        keys[:, n - m :] = k.to(device=keys.device, dtype=keys.dtype)
+        values[:, n - m :] = buf.v[:, slots].to(device=values.device, dtype=values.dtype)
+
     def truncate(
         self,
         tokens: int,

@@ -410,9 +410,13 @@ class KVQuantLayer(CacheLayerMixin):
         return self.storage
 
     def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantize everything stored: ``([B, Hkv, seq_len, D], [B, Hkv, seq_len, D])`` in ``dtype``."""
+        """Dequantize everything stored: ``([B, Hkv, seq_len, D], [B, Hkv, seq_len, D])`` in ``dtype``
+        (with ``recent_tokens``, the newest from their full-precision ring, as kvquant's
+        attention reads them)."""
         storage = self._storage()
-        k, v = storage.dense(self.cache.book.block_table(storage.device), self.seq_len, dtype)
+        book = self.cache.book
+        k, v = storage.dense(book.block_table(storage.device), self.seq_len, dtype)
+        storage.overlay_recent(k, v, book.window)
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def memory_bytes(self) -> dict[str, int]:
