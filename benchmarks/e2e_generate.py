@@ -46,7 +46,8 @@ Arms:
   ``--capacity-arms``): the ``kvquant-fp32-group`` arm (no scales) with ``group_size=32``,
   with ``group_size=32, k_rotation="hadamard"`` (Hadamard-rotated keys) and with
   ``k_rotation="hadamard"`` alone (G=64): the decode cost of smaller groups and of the
-  rotation against today's default (docs/dev/accuracy-history.md);
+  rotation against today's default (docs/dev/accuracy-history.md); ``kvquant-recent16``
+  (opt-in) the same arm with ``recent_tokens=16``;
 * ``kvquant-rowgroups`` (opt-in, ``--arms`` / ``--capacity-arms``): the
   ``kvquant`` arm with a fixed ``prefill_tokens=16384`` in place of the default
   ``"auto"`` (which chooses the bound per call from the free memory).
@@ -121,12 +122,14 @@ CAPACITY_ARMS = (
     "kvquant-g32",
     "kvquant-rotk32",
     "kvquant-rotk64",
+    "kvquant-recent16",
 )
 DEFAULT_CAPACITY_ARMS = ("default", "kvquant", "kvquant-fp32-group")
 GROUP_ARMS: dict[str, dict[str, Any]] = {
     "kvquant-g32": {"group_size": 32},
     "kvquant-rotk32": {"group_size": 32, "k_rotation": "hadamard"},
     "kvquant-rotk64": {"k_rotation": "hadamard"},
+    "kvquant-recent16": {"recent_tokens": 16},
 }
 """The fp32-group arms beside ``kvquant-fp32-group`` (no scales): their patch options."""
 FP4_ARMS: dict[str, dict[str, Any]] = {
