@@ -74,23 +74,27 @@ def test_a_ring_as_long_as_the_sequence_is_exact_attention() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "lq", "ring", "extra"),
+    ("kind", "lq", "ring", "extra", "options"),
     [
-        ("mxfp4", 1, 4, {"num_splits": 2}),
-        ("nvfp4", 1, 16, {}),
-        ("fp8-k-nvfp4-v", 1, 8, {}),
-        ("nvfp4", 12, 8, {}),
+        ("mxfp4", 1, 4, {"num_splits": 2}, {}),
+        ("nvfp4", 1, 16, {}, {}),
+        ("fp8-k-nvfp4-v", 1, 8, {}, {}),
+        ("nvfp4", 12, 8, {}, {}),
+        ("nvfp4", 1, 24, {}, {"softcap": 5.0, "window": 20}),
+        ("mxfp4", 12, 16, {}, {"softcap": 5.0, "window": 10}),
     ],
 )
 def test_triton_reads_the_ring_like_the_reference(
-    kind: str, lq: int, ring: int, extra: dict[str, int]
+    kind: str, lq: int, ring: int, extra: dict[str, int], options: dict[str, float]
 ) -> None:
     """The Triton kernel (interpreter here) against the reference, a NaN-poisoned ring slot
-    outside each row's newest tokens never read; decode (split or not) and a prefill chunk."""
+    outside each row's newest tokens never read; decode (split or not) and a prefill chunk,
+    also with a softcap and a sliding window shorter than the ring."""
     from kvquant.kernels.attention.launch import paged_attention_triton
 
     lens = [37, 9]
-    mask = {} if lq == 1 else {"q_lens": [12, 5]}
+    mask: dict[str, object] = {} if lq == 1 else {"q_lens": [12, 5]}
+    mask |= options
     case = build(kind, lens, hq=4, hkv=2, d=64, seed=7, lq=lq, **mask)
     recent = RecentTokens(
         torch.stack(dim=1, tensors=(_ring(case.key, lens, ring), _ring(case.value, lens, ring)))

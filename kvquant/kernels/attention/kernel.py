@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvquant.kernels import specialize
-from kvquant.kernels.attention.tile import attn_tile
+from kvquant.kernels.attention.tile import attn_tile, capped_scores
 
 __all__ = ["paged_attn_kernel", "reduce_kernel"]
 
@@ -62,13 +62,9 @@ def _first_tokens(
     while i < n_first:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
         fk = tl.load(fk_row + i * row_stride + d_q).to(tl.float32)
         fv = tl.load(fv_row + i * row_stride + d_o).to(tl.float32)
-        s = tl.sum(qf * fk[None, :], 1) / k_div
-        s_mult = qk_scale
-        if USE_SOFTCAP:
-            x = s * (qk_scale / softcap)
-            e = tl.exp(2.0 * x)
-            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
-            s_mult = 1.0
+        s, s_mult = capped_scores(
+            tl.sum(qf * fk[None, :], 1) / k_div, qk_scale, softcap, USE_SOFTCAP
+        )
         j = kv0 + i
         vis = j < seq_len
         seen = vis  # some row of the block sees the key
@@ -145,13 +141,7 @@ def _ring_tiles(
         s = tl.dot(qf, tl.trans(k.to(tl.float32)), input_precision="ieee")
         if XG > 1:
             s = tl.sum(tl.reshape(s, [XG, RB, RT]), 0)
-        s = s / k_div
-        s_mult = qk_scale
-        if USE_SOFTCAP:
-            x = s * (qk_scale / softcap)
-            e = tl.exp(2.0 * x)
-            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
-            s_mult = 1.0
+        s, s_mult = capped_scores(s / k_div, qk_scale, softcap, USE_SOFTCAP)
         vis = (ok & (j < seq_len))[None, :]
         seen = ok & (j < seq_len)  # some row of the block sees the key
         if CAUSAL:

@@ -204,6 +204,19 @@ def _base_rows(x, NG: tl.constexpr, RB: tl.constexpr):
 
 
 @triton.jit
+def capped_scores(s, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """``(scores, multiplier)``: raw scores and ``qk_scale``; with ``USE_SOFTCAP`` the scores in
+    natural units capped (``softcap * tanh(x / softcap)``), in log2 units, and 1."""
+    s_mult = qk_scale
+    if USE_SOFTCAP:
+        x = s * (qk_scale / softcap)
+        e = tl.exp(2.0 * x)
+        s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+        s_mult = 1.0
+    return s, s_mult
+
+
+@triton.jit
 def _dot_kt(q, k, BY_SUM: tl.constexpr):
     """``q @ k^T`` in fp32: a tensor-core dot, or with ``BY_SUM`` the fp32 products summed
     (4-bit K tiles of head_dim 16: on an H200 with Triton 3.6 the dot with their transposed
@@ -341,13 +354,7 @@ def attn_tile(
         s = s + qcs[:, None]
     # scale of the scores in log2 units, applied after the row maximum (it is positive) and
     # joined with the exponent's subtraction in one FMA: no multiply per score
-    s_mult = qk_scale
-    if USE_SOFTCAP:
-        # scores in natural units, capped: softcap * tanh(x / softcap), then to log2 units
-        x = s * (qk_scale / softcap)
-        e = tl.exp(2.0 * x)
-        s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
-        s_mult = 1.0
+    s, s_mult = capped_scores(s, qk_scale, softcap, USE_SOFTCAP)
     if MASKED:
         vis = in_range[None, :]
         if CAUSAL:
