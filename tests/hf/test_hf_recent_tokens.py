@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_steps import generate_exactly, step_logits
+from hf_steps import cache_kwarg, generate_exactly, step_logits
 from hf_tiny import _COMMON, VOCAB, prompt
 
 import kvquant.integrations.hf as kvhf
@@ -269,3 +269,31 @@ def test_dense_reads_take_the_newest_tokens_from_the_ring() -> None:
     torch.testing.assert_close(keys[:, :, -3:], want_k[:, :, -3:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(values[:, :, -3:], want_v[:, :, -3:], rtol=1e-5, atol=1e-5)
     assert float((keys[:, :, -4] - want_k[:, :, -4]).abs().max()) > 1e-3
+
+
+def test_a_copied_cache_keeps_its_own_ring() -> None:
+    """``copy.deepcopy(cache)`` (a prompt's cache reused for two continuations): the copy's
+    ring is its own, and both continue exactly as one cache would."""
+    import copy
+
+    model = _tiny()
+    ids, mask, cont = _inputs()
+    kvhf.patch(model, backend="torch", kv_format="nvfp4", recent_tokens=3)
+    _, cache = step_logits(model, ids, mask, cont[:, :3])
+    twin = copy.deepcopy(cache)
+    ring, twin_ring = cache.layers[0].storage.recent_kv(), twin.layers[0].storage.recent_kv()
+    assert ring is not None and twin_ring is not None
+    assert twin_ring.data_ptr() != ring.data_ptr() and torch.equal(twin_ring, ring)
+    runs = []
+    for c in (cache, twin):
+        m = torch.cat([mask, torch.ones_like(cont[:, :3])], dim=1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:] + 3
+        logits = []
+        for s in range(3, cont.shape[1]):
+            m, pos = torch.cat([m, torch.ones_like(m[:, :1])], dim=1), pos + 1
+            with torch.no_grad():
+                out = model(input_ids=cont[:, s : s + 1], attention_mask=m, position_ids=pos,
+                            use_cache=True, **{cache_kwarg(model): c})  # fmt: skip
+            logits.append(out.logits[:, -1])
+        runs.append(torch.stack(logits))
+    assert torch.equal(runs[0], runs[1])
