@@ -476,9 +476,10 @@ def run_shape(
     ids = torch.randint(1, vocab, (shape["batch"], shape["prompt"]), generator=gen).to(device)
     mask = torch.ones_like(ids)
     rows = {}
-    for name in (*shape["arms"], *OPT_IN_ARMS):
-        if (args.arms and name not in args.arms) or (not args.arms and name in OPT_IN_ARMS):
-            continue
+    known = (*shape["arms"], *OPT_IN_ARMS)
+    # --arms: those arms in the order given (alternating orders shows order effects)
+    names = [a for a in args.arms if a in known] if args.arms else list(shape["arms"])
+    for name in names:
         print(f"  arm {name}", flush=True)
         rows[name] = run_arm(name, model, ids, mask, shape["new"], scales, args)
     agreement(rows)
@@ -642,7 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shapes", default="", help=f"comma list of {sorted(SHAPES)}, batch, context"
     )
-    parser.add_argument("--arms", default="", help=f"subset of {ARMS} (default all)")
+    parser.add_argument(
+        "--arms",
+        default="",
+        help=f"comma list, run in that order: a subset of {ARMS} and the opt-in arms "
+        f"{OPT_IN_ARMS} (default: each shape's own arms)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed calls after the warm-up")
     parser.add_argument("--capacity", action="store_true", help="run the capacity search")
     parser.add_argument("--budget-gb", type=float, default=24.0)

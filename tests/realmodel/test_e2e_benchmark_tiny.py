@@ -57,3 +57,15 @@ def test_e2e_generate_runs_an_opt_in_arm_only_when_named(tmp_path: Path) -> None
     assert arms["kvquant-rowgroups"]["status"] == "ok"
     with pytest.raises(SystemExit):
         bench.main([*argv, "--arms", "kvquant-nonesuch"])
+
+
+def test_e2e_generate_runs_the_named_arms_in_their_order(tmp_path: Path) -> None:
+    """``--arms`` in another order runs them in that order (order effects show when
+    alternated); the ring arm runs on CPU too."""
+    bench = _load_script()
+    out = tmp_path / "e2e.json"
+    argv = ["--tiny", "--device", "cpu", "--backend", "torch", "--repeats", "1", "--out", str(out)]
+    assert bench.main([*argv, "--arms", "kvquant-recent16,default"]) == 0
+    arms = json.loads(out.read_text())["shapes"]["tiny"]["arms"]
+    assert list(arms) == ["kvquant-recent16", "default"]
+    assert arms["kvquant-recent16"]["status"] == "ok"
