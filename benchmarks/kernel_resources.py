@@ -105,11 +105,13 @@ def _compile_sm90(
 def compile_decode(
     block_n: int, warps: int, loop_stages: int, fmt: str, *, hq: int = 32, hkv: int = 8,
     d: int = 128, page: int = 16, fold: bool = True, pdl: bool = True, prefill: bool = False,
+    recent: int = 0,
 ) -> Any:  # fmt: skip
     """Compile the split decode kernel (bf16 query) for sm_90; returns Triton's compiled kernel.
 
     With ``prefill`` the one-split prefill kernel instead: 128 query rows per program (the
-    launcher's prefill tile), no group-scale folding.
+    launcher's prefill tile), no group-scale folding. ``recent``: a bf16 ring of that many
+    newest tokens (``recent_tokens``).
     """
     kt = fmt in TRANSFORM_FORMATS
     has_rot, has_off, has_first = TRANSFORM_FORMATS.get(fmt, (False, False, False))
@@ -140,6 +142,8 @@ def compile_decode(
         pointers.update(off_ptr="*fp32")
     if has_first:
         pointers.update(fk_ptr="*bf16", fv_ptr="*bf16", flen_ptr="*i32")
+    if recent:
+        pointers.update(rkv_ptr="*bf16")
     fold = fold and group_scales and not prefill
     block_m = max(16, triton.next_power_of_2(hq // hkv) * (ng if fold else 1))
     if prefill:
@@ -159,7 +163,7 @@ def compile_decode(
     values = dict(
         # pages from kvquant.kernels.page_storage: K token-major, V keys-fastest
         s_q=(hq * d, hq * d, d, 1), s_k=(page * hkv * d, hkv * d, d, 1),
-        s_v=(page * hkv * d, 1, d * page, page), s_bt=1024, s_kvs=(0, 0), n_side=(0, 0),
+        s_v=(page * hkv * d, 1, d * page, page), s_bt=1024, s_kvs=(0, 0), n_side=(0, recent),
         # group scales head-major (kvquant.kernels.group_scale_storage)
         s_kg=gs, s_vg=gs, s_kb=(0, 0, 0), s_vb=(0, 0, 0), s_o=(hq * d, hq * d, d, 1),
         Lq=2048 if prefill else 1, Hq=hq,
@@ -292,6 +296,9 @@ def main() -> None:
     )
     ap.add_argument("--shape", default="32,8,128", help="Hq,Hkv,D of the compiled kernel")
     ap.add_argument(
+        "--recent", type=int, default=0, metavar="R", help="with a ring of the R newest tokens"
+    )
+    ap.add_argument(
         "--reduce",
         metavar="SPLITS",
         type=int,
@@ -311,9 +318,10 @@ def main() -> None:
         bn, warps, ls = (int(x) for x in parts[:3])
         fmt = parts[3] if len(parts) > 3 else "per-tensor"
         kernel = compile_decode(
-            bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold, prefill=args.prefill
+            bn, warps, ls, fmt, hq=hq, hkv=hkv, d=d, fold=not args.no_fold, prefill=args.prefill,
+            recent=args.recent,
         )  # fmt: skip
-        record = {"variant": spec, "shape": args.shape, **resources(kernel)}
+        record = {"variant": spec, "shape": args.shape, "recent": args.recent, **resources(kernel)}
         print(json.dumps(record), flush=True)
 
 
