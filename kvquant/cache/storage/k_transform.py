@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvquant.cache.storage.base import DequantArgs, SchemeArgs, nbytes
+from kvquant.cache.storage.recent import batch_rows
 from kvquant.cache.storage.static import StaticStorage
 from kvquant.errors import CacheUsageError, ScaleFormatError
 from kvquant.schemes import ORTHONORMAL_TOL, FirstTokens, KTransformScales, Scheme
@@ -197,13 +198,7 @@ class KTransformStorage(StaticStorage):
                 f"{self.name}.keep_first: key {tuple(key.shape)} and value "
                 f"{tuple(value.shape)}; expected {want}."
             )
-        total = bsz if rows is None or batch is None else int(batch)
-        r0, r1 = (0, bsz) if rows is None else rows
-        if r1 - r0 != bsz or not 0 <= r0 < r1 <= total:
-            raise CacheUsageError(
-                f"{self.name}.keep_first: rows {rows} of a batch of {total} for keys of "
-                f"{bsz} rows; expected a range of {bsz} rows inside the batch."
-            )
+        r0, r1, total = batch_rows(f"{self.name}.keep_first", bsz, rows, batch)
         dev = self.device
         fk, fv, fl, fs = self.first_k, self.first_v, self.first_lens, self.first_start
         if fk is None or fv is None or fl is None or fs is None or fk.shape[0] != total:

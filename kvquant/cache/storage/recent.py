@@ -16,7 +16,7 @@ import torch
 from kvquant.errors import CacheUsageError
 from kvquant.schemes import RecentTokens
 
-__all__ = ["MAX_RECENT_TOKENS", "RecentRing", "check_recent_tokens", "write_ring"]
+__all__ = ["MAX_RECENT_TOKENS", "RecentRing", "batch_rows", "check_recent_tokens", "write_ring"]
 
 MAX_RECENT_TOKENS = 1024
 """The largest ring (tokens per sequence) a storage keeps."""
@@ -39,6 +39,25 @@ def check_recent_tokens(value: object, owner: str) -> int:
             "e.g. recent_tokens=16, or 0 for none."
         )
     return value
+
+
+def batch_rows(
+    owner: str, bsz: int, rows: tuple[int, int] | None, batch: int | None
+) -> tuple[int, int, int]:
+    """``(r0, r1, total)``: a side buffer's rows for a call of ``bsz`` rows that are rows
+    ``rows`` of a batch of ``batch`` (a row group), or the whole batch (``rows`` None).
+
+    Raises:
+        CacheUsageError: ``rows`` is not a range of ``bsz`` rows inside the batch.
+    """
+    total = bsz if rows is None or batch is None else int(batch)
+    r0, r1 = (0, bsz) if rows is None else rows
+    if r1 - r0 != bsz or not 0 <= r0 < r1 <= total:
+        raise CacheUsageError(
+            f"{owner}: rows {rows} of a batch of {total} for keys of {bsz} rows; expected a "
+            f"range of {bsz} rows inside the batch."
+        )
+    return r0, r1, total
 
 
 def write_ring(
@@ -86,13 +105,7 @@ class RecentRing:
         self, bsz: int, dtype: torch.dtype, rows: tuple[int, int] | None, batch: int | None
     ) -> torch.Tensor:
         """The ring's rows for a call of ``bsz`` rows (allocating the batch's ring first)."""
-        total = bsz if rows is None or batch is None else int(batch)
-        r0, r1 = (0, bsz) if rows is None else rows
-        if r1 - r0 != bsz or not 0 <= r0 < r1 <= total:
-            raise CacheUsageError(
-                f"{self.name}: recent tokens for rows {rows} of a batch of {total} with keys of "
-                f"{bsz} rows; expected a range of {bsz} rows inside the batch."
-            )
+        r0, r1, total = batch_rows(f"{self.name}: recent tokens", bsz, rows, batch)
         kv = self.kv
         if kv is None or kv.shape[0] != total or kv.dtype != dtype:
             shape = (total, 2, self.length, self.num_kv_heads, self.head_dim)
