@@ -123,13 +123,13 @@ def _ring_tiles(
     Key position ``j`` sits in slot ``j % ring``; ``rk_row`` / ``rv_row`` point at slot 0 of
     this (sequence, KV head), slots ``row_stride`` apart. Scores and values join the paged
     tiles' units as the first tokens' do (:func:`_first_tokens`; ``shift`` is ``[RB]``),
-    through fp32 dots. With
+    through fp16 tensor-core dots in the keys' and values' own units (the dots' fp32 results
+    divided by ``k_div`` / ``v_div``; fp32 dots spilled registers in every program). With
     ``XG`` copies of each query row (folded group scales: copy ``c`` holds group ``c``'s
     columns) the copies' partial scores are summed, and every copy accumulates the values
     (each keeps only its group's columns at the end).
     """
     RT: tl.constexpr = 16
-    qf = q.to(tl.float32)
     offs = tl.arange(0, RT)
     i = 0
     while i < n:  # (a while loop: runtime-bound for loops crash the interpreter on numpy 2.4)
@@ -138,7 +138,7 @@ def _ring_tiles(
         slot = j % ring
         k = tl.load(rk_row + slot[:, None] * row_stride + d_q[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(rv_row + slot[:, None] * row_stride + d_o[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(qf, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k.to(tl.float16)))
         if XG > 1:
             s = tl.sum(tl.reshape(s, [XG, RB, RT]), 0)
         s, s_mult = capped_scores(s / k_div, qk_scale, softcap, USE_SOFTCAP)
@@ -150,7 +150,7 @@ def _ring_tiles(
         if USE_WINDOW:
             vis = vis & (j[None, :] > pos[:, None] - win)
             seen = seen & (j > p_min - win)
-        v = tl.where(seen[:, None], v.to(tl.float32) / v_div, 0.0)  # 0 * NaN never reaches a row
+        v = tl.where(seen[:, None], v, 0.0)  # 0 * NaN never reaches a row
         s = tl.where(vis, s * s_mult - shift[:, None], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -160,7 +160,7 @@ def _ring_tiles(
         if XG > 1:
             p = tl.reshape(tl.broadcast_to(p[None, :, :], [XG, RB, RT]), [XG * RB, RT])
             alpha = tl.reshape(tl.broadcast_to(alpha[None, :], [XG, RB]), [XG * RB])
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16)) / v_div
         m_i = m_new
         i += RT
     return acc, m_i, l_i
@@ -461,6 +461,7 @@ def paged_attn_kernel(
             p_min, p_max, window, qk_scale, softcap, k_mult, v_mult, fk_ptr + first_off,
             fv_ptr + first_off, row_stride, shift, d_q, d_o, CAUSAL, USE_WINDOW, USE_SOFTCAP,
         )  # fmt: skip
+
     if HAS_RECENT:
         row_stride = (Hq // GROUP) * HEAD_D
         # [B, 2, R, Hkv, D]: a sequence's keys' ring, then its values'
