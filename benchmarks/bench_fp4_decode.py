@@ -3,19 +3,23 @@
 For each shape (32 query / 8 KV heads, head_dim 128 by default) the same random bf16 K/V are
 written through ``kvquant.kernels.write_kv`` into shuffled pages of each format: ``fp8``
 (per-tensor static scales), ``nvfp4`` (global scale amax / 2688), ``mxfp4`` and
-``fp8-k-nvfp4-v``. Each format's Triton decode is first checked against the pure-PyTorch
+``fp8-k-nvfp4-v`` (``--formats`` also takes ``fp8-group``, dynamic fp32 scales per group of 64
+channels, the format of a model without scales). Each format's Triton decode is first checked against the pure-PyTorch
 reference over the same pages (NaN-filled output), then timed: the median of
 ``triton.testing.do_bench`` (eager, L2 flushed) and of a CUDA-graph replay. The JSON gives the
 time, the bytes read (pages, block scales, block table) per second, and each format's time
 and bytes as a fraction of FP8's. ``--configs`` also times the 4-bit formats under other tile
 configurations (``BLOCK_N,num_warps,LOOP_STAGES`` overrides of the launcher's choice), each
 checked against the reference too, under ``configs`` in each format's entry: candidates
-compared in one run.
+compared in one run. ``--recent R`` times each format again with a ring of each sequence's
+``R`` newest tokens in bf16 (``recent_tokens``), checked against the reference with the same
+ring, under ``recent`` (with ``graph_ms_x_plain``, its time over the format's without it).
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out fp4_decode.json [--shapes 32x16384,16x8192]
     PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --shapes 32x16384 --configs "64,2,3;32,1,6"
+    PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --formats fp8,fp8-group,nvfp4 --recent 16
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --smoke
 """
 
@@ -30,19 +34,22 @@ from typing import Any
 
 import torch
 
-from kvquant.kernels import page_storage, paged_attention, write_kv
+from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
 from kvquant.kernels.attention.launch import paged_attention_triton
 from kvquant.kernels.fp4 import fp4_page_storage
 from kvquant.schemes import (
     Fp8KNvfp4VScales,
+    GroupScales,
     Mxfp4Scales,
     Nvfp4Scales,
     Pages,
     PerTensorScales,
+    RecentTokens,
     Scheme,
 )
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "fp8-k-nvfp4-v")
+EXTRA_FORMATS = ("fp8-group",)
 REL_TOL = 2e-2  # bf16 queries and output against the fp32 reference
 
 
@@ -53,12 +60,18 @@ def _scheme(name: str, d: int, k_amax: torch.Tensor, v_amax: torch.Tensor) -> Sc
         return Nvfp4Scales(d, k_amax / 2688, v_amax / 2688)
     if name == "mxfp4":
         return Mxfp4Scales(d)
+    if name == "fp8-group":
+        return GroupScales(d, 64 if d % 64 == 0 else d)
     return Fp8KNvfp4VScales(d, k_amax / 448, v_amax / 2688)
 
 
 def _pages(scheme: Scheme, num_pages: int, page: int, hkv: int, d: int, dev: str) -> Pages:
     view = scheme.kernel_view()
     k8, v8 = page_storage(num_pages, page, hkv, d, device=dev)
+    if view.group_size is not None:
+        ng = d // view.group_size
+        ks = group_scale_storage(num_pages, page, hkv, ng, device=dev)
+        return Pages(k8, v8, ks, group_scale_storage(num_pages, page, hkv, ng, device=dev))
     sides: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     for fmt, fp8_pages in ((view.k_fp4, k8), (view.v_fp4, v8)):
         if fmt is None:
@@ -103,7 +116,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
 
 def run_shape(
     bsz: int, ctx: int, hq: int, hkv: int, d: int, page: int, dev: str, smoke: bool,
-    configs: tuple[str, ...] = (),
+    configs: tuple[str, ...] = (), formats: tuple[str, ...] = FORMATS, recent: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator(device="cpu").manual_seed(0)
     per_seq = -(-ctx // page)
@@ -121,7 +134,14 @@ def run_shape(
     seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
     sm = d**-0.5
     row: dict[str, Any] = {"B": bsz, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "page": page}
-    for name in FORMATS:
+    ring = None
+    if recent:  # position p of a sequence in slot p % R, as the cache keeps them
+        ring = torch.empty(bsz, 2, recent, hkv, d, dtype=torch.bfloat16, device=dev)
+        newest = torch.arange(max(0, ctx - recent), ctx, device=dev)
+        ring[:, 0, newest % recent] = key[:, newest]
+        ring[:, 1, newest % recent] = value[:, newest]
+        row["recent"] = recent
+    for name in formats:
         scheme = _scheme(name, d, k_amax, v_amax).to(dev)
         pages = _pages(scheme, num_pages, page, hkv, d, dev)
         for b0 in range(0, bsz, 4):  # a few sequences per write: bounded temporaries
@@ -156,12 +176,37 @@ def run_shape(
                 call_cfg()
                 err = _rel_err(out, ref, f"{name} B{bsz}x{ctx} config {spec}")
                 entry["configs"][spec] = {"rel_err": err, **_timed(call_cfg, smoke, nbytes)}
+        if ring is not None:
+            kept = RecentTokens(ring)
+
+            def call_ring(
+                pages: Pages = pages, scheme: Scheme = scheme, out: torch.Tensor = out,
+                kept: RecentTokens = kept,
+            ) -> Any:  # fmt: skip
+                return paged_attention(
+                    query, pages, table, seq_lens, scheme, sm_scale=sm, out=out,
+                    backend="triton", recent=kept,
+                )  # fmt: skip
+
+            out.fill_(float("nan"))
+            call_ring()
+            ref_ring = paged_attention(
+                query, pages, table, seq_lens, scheme, sm_scale=sm, backend="torch", recent=kept
+            )
+            err = _rel_err(out, ref_ring, f"{name} B{bsz}x{ctx} recent {recent}")
+            entry["recent"] = {"rel_err": err, **_timed(call_ring, smoke, nbytes)}
+            if "graph_ms" in entry:
+                entry["recent"]["graph_ms_x_plain"] = (
+                    entry["recent"]["graph_ms"] / entry["graph_ms"]
+                )
         row[name] = entry
         del pages, out, ref
         if dev == "cuda":
             torch.cuda.empty_cache()
-    base = row["fp8"]
-    for name in FORMATS[1:]:
+    base = row.get("fp8")
+    for name in formats:
+        if base is None or name == "fp8":
+            continue
         row[name]["bytes_x_fp8"] = row[name]["bytes"] / base["bytes"]
         if "ms" in base:
             for entry in (row[name], *row[name].get("configs", {}).values()):
@@ -182,7 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="';'-separated BLOCK_N,num_warps,LOOP_STAGES tile overrides also timed for 4-bit",
     )
+    ap.add_argument(
+        "--formats", default=",".join(FORMATS), help=f"comma list of {FORMATS + EXTRA_FORMATS}"
+    )
+    ap.add_argument("--recent", type=int, default=0, help="also time a ring of R newest tokens")
     args = ap.parse_args(argv)
+    formats = tuple(f for f in args.formats.split(",") if f)
+    if not formats or any(f not in FORMATS + EXTRA_FORMATS for f in formats):
+        ap.error(f"--formats: {args.formats!r}; expected names from {FORMATS + EXTRA_FORMATS}")
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -199,14 +251,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     for bsz, ctx in shapes:
         configs = tuple(c for c in args.configs.split(";") if c)
-        row = run_shape(bsz, ctx, hq, hkv, d, args.page, dev, args.smoke, configs)
+        row = run_shape(
+            bsz, ctx, hq, hkv, d, args.page, dev, args.smoke, configs, formats, args.recent
+        )
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=1))
+        keys = ("ms", "_x_fp8", "TBps", "_x_plain")
         brief = {
-            n: {k: round(v, 4) for k, v in row[n].items() if k.endswith(("ms", "_x_fp8", "TBps"))}
-            for n in FORMATS
+            n: {k: round(v, 4) for k, v in row[n].items() if k.endswith(keys)} for n in formats
         }
-        for n in FORMATS:
+        for n in formats:
+            if "recent" in row[n]:
+                brief[f"{n} recent"] = {
+                    k: round(v, 4) for k, v in row[n]["recent"].items() if k.endswith(keys)
+                }
             for spec, e in row[n].get("configs", {}).items():
                 brief[f"{n} {spec}"] = {k: round(v, 4) for k, v in e.items() if k.endswith("ms")}
         print(f"B{bsz} x {ctx}: {json.dumps(brief)}", flush=True)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One H200 round for the ring of the newest tokens (recent_tokens): its kernel tests on CUDA and
-# its GPU tests, then the decode cost of the ring beside the same format without it, the arms
-# run in both orders (E2E_ROUNDS times) since steps of one arm vary between runs.
+# its GPU tests, the attention kernel's time with and without the ring (graph replay, per format),
+# then the decode cost of the ring beside the same format without it, the arms run in both
+# orders (E2E_ROUNDS times) since steps of one arm vary between runs.
 # Usage (device tool, repo root): bash benchmarks/recent_round.sh
-# Writes under $OUT: env.log, gpu_tests_recent.log, e2e_recent_<i>_{ab,ba}.json
+# Writes under $OUT: env.log, gpu_tests_recent.log, kernel_recent.json, e2e_recent_<i>_{ab,ba}.json
 set -u
 OUT=${OUT:-./recent_round_out}
 E2E_ROUNDS=${E2E_ROUNDS:-2}
@@ -17,6 +18,8 @@ ARMS_B=${ARMS_B:-kvquant-recent16,kvquant-nvfp4-recent16}
     -m gpu tests/hf/test_hf_recent_tokens.py
 } > "$OUT/gpu_tests_recent.log" 2>&1
 grep -E "passed|failed" "$OUT/gpu_tests_recent.log"
+timeout 150 python3 benchmarks/bench_fp4_decode.py --formats fp8,fp8-group,nvfp4,fp8-k-nvfp4-v \
+  --recent 16 --shapes 32x16384,16x8192 --out "$OUT/kernel_recent.json" 2>&1 | tail -n 4
 for i in $(seq 1 "$E2E_ROUNDS"); do
   timeout 200 python3 benchmarks/e2e_generate.py --shapes b16x8k,b64x2k --arms "$ARMS_A,$ARMS_B" \
     --repeats 3 --out "$OUT/e2e_recent_${i}_ab.json" 2>&1 | tail -n 12
