@@ -18,7 +18,7 @@ timeout "${KERNEL_TIMEOUT:-120}" python3 -m pytest -q -rfE --tb=short --show-cap
   -n "${WORKERS:-8}" --dist load -p no:cacheprovider tests/kernels/test_write.py \
   tests/kernels/test_write_fp4.py tests/kernels/test_attention_fp4.py \
   tests/kernels/test_k_transform_fp4.py tests/kernels/test_k_transform_fp4_keys.py \
-  tests/kernels/test_attention_recent.py \
+  tests/kernels/test_attention_recent.py tests/kernels/test_write_recent.py \
   > "$OUT/gpu_tests_kernels_cuda.log" 2>&1
 echo "rc=$? wall_s=$(( $(date +%s) - start ))" >> "$OUT/gpu_tests_kernels_cuda.log"
 tail -n 3 "$OUT/gpu_tests_kernels_cuda.log"

@@ -13,7 +13,7 @@ ARMS_B=${ARMS_B:-kvquant-recent16,kvquant-nvfp4-recent16}
 . "$(dirname "$0")/round_env.sh"
 {
   timeout 150 python3 -m pytest -q -rfE --tb=short --show-capture=no -n 8 -p no:cacheprovider \
-    tests/kernels/test_attention_recent.py
+    tests/kernels/test_attention_recent.py tests/kernels/test_write_recent.py
   timeout 150 python3 -m pytest -q -rfE --tb=short --show-capture=no -n 4 -p no:cacheprovider \
     -m gpu tests/hf/test_hf_recent_tokens.py
 } > "$OUT/gpu_tests_recent.log" 2>&1

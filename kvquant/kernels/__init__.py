@@ -25,6 +25,7 @@ from kvquant.kernels.fp8 import hadamard
 from kvquant.kernels.plan import AttentionPlan, PlanCache, WritePlan, plan_attention, plan_write
 from kvquant.kernels.validate import check_slot_mapping_inputs
 from kvquant.kernels.write.naive import write_kv_reference as write_kv_reference
+from kvquant.kernels.write.naive import write_recent_reference as write_recent_reference
 from kvquant.kernels.write.validate import check_write_inputs as check_write_inputs
 from kvquant.kernels.write_fp4 import write_fp4 as write_fp4
 from kvquant.schemes import CAUSAL, FirstTokens, Mask, Pages, RecentTokens, Scheme
@@ -53,6 +54,8 @@ def write_kv(
     scheme: Scheme,
     *,
     backend: str = "auto",
+    recent: RecentTokens | None = None,
+    recent_start: torch.Tensor | None = None,
 ) -> None:
     """Quantize new K/V tokens to FP8 and store them into their page slots (in place).
 
@@ -68,7 +71,12 @@ def write_kv(
     unchanged. With a 4-bit scheme (:class:`~kvquant.schemes.Fp4Scales`: NVFP4, MXFP4, FP8 K
     with NVFP4 V) a 4-bit side stores e2m1 codes and one block scale per block of head_dim,
     computed from the token (:func:`kvquant.kernels.write_fp4.write_fp4`); K in the
-    k-transform's frame is rotated and offset first there too.
+    k-transform's frame is rotated and offset first there too. With ``recent`` (a ring of
+    each sequence's newest tokens, as :func:`paged_attention` reads it) the tokens are also
+    copied there at full precision: token ``l`` of sequence ``b`` to slot
+    ``(recent_start + l) % R`` of ``recent.kv[b]``, its key rotated by the scheme's K
+    rotation (no offset), its value as given (:func:`write_recent_reference`); the FP8
+    Triton kernel does it in the same launch.
 
     Every argument is validated before anything is written: a call that
     raises leaves the pages and group scales as they were.
@@ -88,6 +96,10 @@ def write_kv(
         scheme: the pages' scale scheme (:mod:`kvquant.schemes`), its tensors on the pages'
             device.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        recent: a :class:`~kvquant.schemes.RecentTokens` ring ``[B, 2, R, Hkv, D]`` with
+            ``R >= L``, written in place, or None.
+        recent_start: with ``recent``: int64 ``[1]`` on the pages' device, the position of
+            every sequence's first new token (a device tensor: a CUDA graph replays it).
 
     Raises:
         KernelInputError: a malformed argument (dtype, shape, device, strides,
@@ -107,8 +119,11 @@ def write_kv(
         >>> bool((pages.k[1, :3].float() != 0).any())
         True
     """
-    plan = plan_write(key, value, pages, slot_mapping, scheme, backend=backend)
-    plan.execute(key, value, pages, slot_mapping, scheme)
+    plan = plan_write(
+        key, value, pages, slot_mapping, scheme, backend=backend, recent=recent,
+        recent_start=recent_start,
+    )  # fmt: skip
+    plan.execute(key, value, pages, slot_mapping, scheme, recent, recent_start)
 
 
 def page_storage(

@@ -29,7 +29,8 @@ from kvquant.kernels.attention.validate import (
     check_attention_values,
 )
 from kvquant.kernels.backend import resolve_backend
-from kvquant.kernels.write.naive import write_kv_reference
+from kvquant.kernels.validate import address, check_recent_write, signature
+from kvquant.kernels.write.naive import write_kv_reference, write_recent_reference
 from kvquant.kernels.write.validate import (
     WriteGeometry,
     check_write_structure,
@@ -309,6 +310,8 @@ class WritePlan:
         pages: Pages,
         slot_mapping: torch.Tensor,
         scheme: Scheme,
+        recent: RecentTokens | None = None,
+        recent_start: torch.Tensor | None = None,
     ) -> None:
         """:func:`~kvquant.kernels.write_kv` of arguments of the plan's geometry.
 
@@ -316,11 +319,10 @@ class WritePlan:
             KernelInputError: the arguments' signature is not the plan's, or a slot beyond
                 the cache (where values are checked); nothing is written then.
         """
-        sign = write_fp4_signature if self.fp4 else write_signature
-        sig = sign(key, value, pages, slot_mapping, scheme)
+        sig = _write_sig(key, value, pages, slot_mapping, scheme, recent, recent_start)
         if sig is None or sig != self.signature:
             raise _mismatch("write_kv", "plan_write")
-        self.execute(key, value, pages, slot_mapping, scheme)
+        self.execute(key, value, pages, slot_mapping, scheme, recent, recent_start)
 
     def execute(
         self,
@@ -329,14 +331,21 @@ class WritePlan:
         pages: Pages,
         slot_mapping: torch.Tensor,
         scheme: Scheme,
+        recent: RecentTokens | None = None,
+        recent_start: torch.Tensor | None = None,
     ) -> None:
-        """:meth:`run` for arguments known to have the plan's signature (slot check, launch)."""
+        """:meth:`run` for arguments known to have the plan's signature (slot check, launch).
+
+        With ``recent`` the FP8 Triton kernel copies the tokens into the ring as it writes
+        them; every other path writes the pages, then the ring (:func:`write_recent_reference`).
+        """
         if self.fp4:
             check_write_fp4_values(pages, slot_mapping, self.geometry)  # type: ignore[arg-type]
         else:
             check_write_values(pages, slot_mapping, self.geometry)  # type: ignore[arg-type]
         if key.numel() == 0:
             return
+        ring = None if recent is None or recent_start is None else (recent, recent_start)
         if self.backend == "torch":
             reference = write_fp4_reference if self.fp4 else write_kv_reference
             reference(key, value, pages, slot_mapping, scheme)
@@ -345,17 +354,31 @@ class WritePlan:
                 key, value, pages, slot_mapping, scheme
             )
         else:
-            _triton_module("write.launch").write_kv_triton(key, value, pages, slot_mapping, scheme)
+            _triton_module("write.launch").write_kv_triton(
+                key, value, pages, slot_mapping, scheme, ring
+            )
+            return
+        if ring is not None:
+            write_recent_reference(key, value, slot_mapping, scheme, *ring)
 
 
 def _build_write(
     sig: tuple[object, ...] | None, key: torch.Tensor, value: torch.Tensor, pages: Pages,
-    slot_mapping: torch.Tensor, scheme: Scheme, backend: str,
+    slot_mapping: torch.Tensor, scheme: Scheme, backend: str, recent: object = None,
+    recent_start: object = None,
 ) -> WritePlan:  # fmt: skip
     fp4 = isinstance(scheme, Fp4Scales)
     op = "write_fp4" if fp4 else "write_kv"
     check = check_write_fp4_structure if fp4 else check_write_structure
     geo = check(key, value, pages, slot_mapping, scheme)
+    written = [
+        (name, x)
+        for name, x in (("k_pages", pages.k), ("v_pages", pages.v), ("k_scales", pages.k_scales),
+                        ("v_scales", pages.v_scales))
+        if x is not None
+    ]  # fmt: skip
+    shape = (int(key.shape[0]), int(key.shape[1]), int(key.shape[2]), int(key.shape[3]))
+    check_recent_write("write_kv", recent, recent_start, shape, pages.k.device, written)
     chosen = resolve_backend(backend, pages.k.device, op)
     if chosen == "triton":
         mod = _triton_module("write_fp4.launch" if fp4 else "write.launch")
@@ -364,10 +387,18 @@ def _build_write(
 
 
 def _write_sig(
-    key: object, value: object, pages: object, slot_mapping: object, scheme: object
-) -> tuple[object, ...] | None:
+    key: object, value: object, pages: object, slot_mapping: object, scheme: object,
+    recent: object = None, recent_start: object = None,
+) -> tuple[object, ...] | None:  # fmt: skip
     sign = write_fp4_signature if isinstance(scheme, Fp4Scales) else write_signature
-    return sign(key, value, pages, slot_mapping, scheme)
+    sig = sign(key, value, pages, slot_mapping, scheme)
+    if sig is None or (recent is None and recent_start is None):
+        return sig
+    ring = recent.kv if isinstance(recent, RecentTokens) else recent
+    extra = signature(ring, recent_start)
+    if extra is None:
+        return None
+    return (*sig, *extra, address(ring))
 
 
 def plan_write(
@@ -378,18 +409,20 @@ def plan_write(
     scheme: Scheme,
     *,
     backend: str = "auto",
+    recent: RecentTokens | None = None,
+    recent_start: torch.Tensor | None = None,
 ) -> WritePlan:
     """Validate :func:`~kvquant.kernels.write_kv` arguments' structure and plan the write.
 
     The plan's :meth:`~WritePlan.run` takes any arguments of the same signature, into the
-    same page tensors (new K/V and slots each step).
+    same page tensors (new K/V and slots each step), and the same ring if one is given.
 
     Raises:
         KernelInputError: a malformed argument.
         BackendError: the requested backend cannot run here.
     """
-    sig = _write_sig(key, value, pages, slot_mapping, scheme)
-    return _build_write(sig, key, value, pages, slot_mapping, scheme, backend)
+    sig = _write_sig(key, value, pages, slot_mapping, scheme, recent, recent_start)
+    return _build_write(sig, key, value, pages, slot_mapping, scheme, backend, recent, recent_start)
 
 
 # ---------------------------------------------------------------------- cache
@@ -515,12 +548,16 @@ class PlanCache:
         scheme: Scheme,
         *,
         backend: str = "auto",
+        recent: RecentTokens | None = None,
+        recent_start: torch.Tensor | None = None,
     ) -> WritePlan:
         """The plan of these arguments' signature: a kept one, or a new one (then kept)."""
-        sig = _write_sig(key, value, pages, slot_mapping, scheme)
+        sig = _write_sig(key, value, pages, slot_mapping, scheme, recent, recent_start)
         return self._find_or_build(  # type: ignore[no-any-return]
             self._write, sig, backend,
-            lambda: _build_write(sig, key, value, pages, slot_mapping, scheme, backend),
+            lambda: _build_write(
+                sig, key, value, pages, slot_mapping, scheme, backend, recent, recent_start
+            ),
         )  # fmt: skip
 
     def write_kv(
@@ -532,7 +569,12 @@ class PlanCache:
         scheme: Scheme,
         *,
         backend: str = "auto",
+        recent: RecentTokens | None = None,
+        recent_start: torch.Tensor | None = None,
     ) -> None:
         """:func:`kvquant.kernels.write_kv` through :meth:`write_plan`."""
-        plan = self.write_plan(key, value, pages, slot_mapping, scheme, backend=backend)
-        plan.execute(key, value, pages, slot_mapping, scheme)
+        plan = self.write_plan(
+            key, value, pages, slot_mapping, scheme, backend=backend, recent=recent,
+            recent_start=recent_start,
+        )  # fmt: skip
+        plan.execute(key, value, pages, slot_mapping, scheme, recent, recent_start)

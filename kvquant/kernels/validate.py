@@ -16,12 +16,12 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kvquant.errors import KernelInputError
-from kvquant.schemes import SCALE_MAX, SCALE_MIN, KernelView, Pages, Scheme
+from kvquant.schemes import SCALE_MAX, SCALE_MIN, KernelView, Pages, RecentTokens, Scheme
 
 __all__ = [
     "FP8_DTYPES",
@@ -30,6 +30,8 @@ __all__ = [
     "SCALE_MIN",
     "check_fp4_pages",
     "check_new_tokens",
+    "check_recent_tokens",
+    "check_recent_write",
     "check_scheme_tensors",
     "check_sink_values",
     "check_slot_mapping_inputs",
@@ -93,6 +95,72 @@ def check_new_tokens(
 
 def fail(msg: str) -> KernelInputError:
     return KernelInputError(msg)
+
+
+def check_recent_tokens(
+    op: str, recent: object, bsz: int, hkv: int, d: int, device: torch.device
+) -> None:
+    """Structure of the ring of the newest tokens: a RecentTokens of one contiguous
+    ``[B, 2, R, Hkv, D]`` tensor (``R >= 1``) in the model's dtypes, on the pages' device."""
+    if recent is None:
+        return
+    if not isinstance(recent, RecentTokens):
+        raise fail(
+            f"{op}: recent is a {type(recent).__name__}; expected kvquant.schemes.RecentTokens "
+            "or None. Fix: pass RecentTokens(recent_kv)."
+        )
+    kv = require_tensor(op, "recent_kv", recent.kv)
+    layout = "[batch, 2 (K, V), ring, num_kv_heads, head_dim]"
+    check_ndim(op, "recent_kv", kv, 5, layout)
+    fix = "keep the newest tokens' K (the pages' frame) and V in the model dtype."
+    check_dtype(op, "recent_kv", kv, INPUT_DTYPES, fix)
+    ring = max(int(kv.shape[2]), 1)
+    check_shape(op, "recent_kv", kv, (bsz, 2, ring, hkv, d), f"{layout} of the query and pages")
+    check_device(op, "recent_kv", kv, device, "k_pages")
+    if not kv.is_contiguous():
+        raise fail(
+            f"{op}: recent_kv has strides {kv.stride()} for shape {tuple(kv.shape)}; expected "
+            "it contiguous (the kernels find each sequence's values' ring after its keys'). Fix: allocate "
+            "the ring once with torch.empty(batch, 2, ring, num_kv_heads, head_dim)."
+        )
+
+
+def check_recent_write(
+    op: str,
+    recent: object,
+    recent_start: object,
+    new_tokens: tuple[int, int, int, int],
+    device: torch.device,
+    written: list[tuple[str, Any]],
+) -> None:
+    """A write's ring of the newest tokens (``recent``) and the position of its first new token
+    (``recent_start``, int64 ``[1]`` on the pages' device): both or neither; the ring holds at
+    least the ``L`` new tokens of ``new_tokens`` ``(B, L, Hkv, D)`` (each its own slot) and
+    shares no memory with the ``written`` tensors."""
+    if recent is None and recent_start is None:
+        return
+    if recent is None or recent_start is None:
+        given, missing = ("recent", "recent_start") if recent_start is None else (
+            "recent_start", "recent")  # fmt: skip
+        raise fail(
+            f"{op}: {given} was given without {missing}; expected both (a ring and the position "
+            f"of the first new token) or neither. Fix: pass {missing} too, or drop {given}."
+        )
+    bsz, seq, hkv, d = new_tokens
+    check_recent_tokens(op, recent, bsz, hkv, d, device)
+    kv = cast(RecentTokens, recent).kv
+    if int(kv.shape[2]) < seq:
+        raise fail(
+            f"{op}: {seq} new tokens per sequence for a ring of {int(kv.shape[2])} newest "
+            f"tokens; expected at most {int(kv.shape[2])} (each new token takes its own slot of "
+            "the ring). Fix: write longer runs without recent and copy their newest tokens into "
+            "the ring separately."
+        )
+    start = require_tensor(op, "recent_start", recent_start)
+    check_dtype(op, "recent_start", start, (torch.int64,), "pass an int64 [1] tensor.")
+    check_shape(op, "recent_start", start, (1,), "[1]: the position of every row's first new token")
+    check_device(op, "recent_start", start, device, "k_pages")
+    check_disjoint(op, [*written, ("recent_kv", kv)])
 
 
 def require_tensor(op: str, name: str, x: object) -> torch.Tensor:

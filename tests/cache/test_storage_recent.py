@@ -94,16 +94,29 @@ def test_row_groups_fill_their_rows_of_the_batch_ring() -> None:
         store.keep_recent(k[:2], v[:2], 0, rows=(2, 4), batch=3)
 
 
-def test_a_decode_step_at_a_device_position() -> None:
-    store, alloc = _storage(ring=3), PageAllocator(16, 4)
+@pytest.mark.parametrize("granularity", ["fp32-group", "per-tensor"])
+def test_a_decode_step_at_a_device_position(granularity: str) -> None:
+    """A decode step's write (its position a device tensor) keeps the token in the ring in the
+    same call; the other slots keep their tokens; the pages get the token too."""
+    scales = {"k_scale": torch.tensor(0.05), "v_scale": torch.tensor(0.05)}
+    kw = scales if granularity == "per-tensor" else {}
+    store, alloc = _storage(granularity, ring=3, **kw), PageAllocator(16, 4)
     _fill(store, alloc, [4])
-    k, v = _kv(2, 1, seed=9)
-    store.keep_recent(k, v, torch.tensor([4]))
     ring = store.recent_kv()
-    assert ring is not None and torch.equal(ring[:, 0, 4 % 3], k[:, 0])
-    fresh = _storage(ring=3)
+    assert ring is not None
+    before = ring.clone()
+    k, v = _kv(2, 1, seed=9)
+    slots = alloc.reserve([0, 1], 1)
+    store.write(k, v, slots, step_pos=torch.tensor([4]))
+    assert torch.equal(ring[:, 0, 4 % 3], k[:, 0]) and torch.equal(ring[:, 1, 4 % 3], v[:, 0])
+    others = [s for s in range(3) if s != 4 % 3]
+    assert torch.equal(ring[:, :, others], before[:, :, others])
+    dense_k, dense_v = store.dense(alloc.block_tables([0, 1]), 5)
+    torch.testing.assert_close(dense_k[:, 4], k[:, 0], rtol=0.07, atol=0.05)
+    torch.testing.assert_close(dense_v[:, 4], v[:, 0], rtol=0.07, atol=0.05)
+    fresh = _storage(granularity, ring=3, **kw)
     with pytest.raises(CacheUsageError, match="before the ring of its batch was filled"):
-        fresh.keep_recent(k, v, torch.tensor([0]))
+        fresh.write(k, v, slots, step_pos=torch.tensor([0]))
 
 
 def test_truncate_reads_overwritten_positions_back_from_the_pages() -> None:

@@ -366,7 +366,13 @@ class PagedLayerStorage:
         )
 
     # ------------------------------------------------------------- kernels
-    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        step_pos: torch.Tensor | None = None,
+    ) -> None:
         """Quantize new K/V into the pages (:func:`kvquant.kernels.write_kv`).
 
         All inputs are validated before anything is written (the structure once per plan,
@@ -377,8 +383,21 @@ class PagedLayerStorage:
             value: ``[B, L, Hkv, D]`` fp32/fp16/bf16, any strides.
             slot_mapping: int64 ``[B, L]`` (e.g. from :meth:`PageAllocator.reserve`);
                 negative slots are skipped.
+            step_pos: a decode step's position (int64 ``[1]`` on the device, ``L == 1``): the
+                same write also keeps the token in the ring of the newest tokens, if this
+                storage keeps one (the FP8 kernel in the same launch; no sync). Other writes
+                keep their newest tokens with :meth:`keep_recent`.
+
+        Raises:
+            CacheUsageError: ``step_pos`` before the ring of this batch was filled.
         """
-        self.plans.write_kv(key, value, self.pages, slot_mapping, self.scheme, backend=self.backend)
+        recent = None
+        if step_pos is not None and self.recent is not None:
+            recent = self.recent.step_buffer(key, value)
+        self.plans.write_kv(
+            key, value, self.pages, slot_mapping, self.scheme, backend=self.backend,
+            recent=recent, recent_start=None if recent is None else step_pos,
+        )  # fmt: skip
 
     def attend(
         self,
@@ -430,26 +449,22 @@ class PagedLayerStorage:
         self,
         key: torch.Tensor,
         value: torch.Tensor,
-        start: int | torch.Tensor,
+        start: int,
         rows: tuple[int, int] | None = None,
         batch: int | None = None,
     ) -> None:
-        """Copy the newest of new tokens into the ring (none kept: nothing to do).
+        """Copy the newest of new tokens into the ring (none kept: nothing to do); a decode
+        step's write keeps its token itself (:meth:`write`'s ``step_pos``).
 
         Args:
             key: ``[B, L, Hkv, D]`` the keys of positions ``start .. start + L - 1``.
             value: ``[B, L, Hkv, D]``.
-            start: the position of the first of them: an int, or (a decode step in a CUDA
-                graph, ``L == 1``) an int64 ``[1]`` device tensor.
+            start: the position of the first of them.
             rows: ``(r0, r1)``: the rows given are rows ``r0 .. r1 - 1`` of a batch of
                 ``batch`` rows (a row group); None: the batch.
             batch: the batch's rows when ``rows`` is given.
         """
-        if self.recent is None:
-            return
-        if isinstance(start, torch.Tensor):
-            self.recent.keep_at(key, value, start, self.key_rotation())
-        else:
+        if self.recent is not None:
             self.recent.keep(key, value, start, self.key_rotation(), rows, batch)
 
     def recent_kv(self) -> torch.Tensor | None:

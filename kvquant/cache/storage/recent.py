@@ -154,22 +154,20 @@ class RecentRing:
         pos = torch.arange(start + n - m, start + n, device=self.device)
         write_ring(ring, key[:, n - m :], value[:, n - m :], pos % self.length, rotation)
 
-    def keep_at(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        pos: torch.Tensor,
-        rotation: torch.Tensor | None,
-    ) -> None:
-        """A decode step's token (``[B, 1, Hkv, D]``) at the device position ``pos`` (int64
-        ``[1]``), without a sync (a CUDA graph replays it); the ring must exist."""
+    def step_buffer(self, key: torch.Tensor, value: torch.Tensor) -> RecentTokens:
+        """The ring a decode step's write (``[B, 1, Hkv, D]``, :func:`kvquant.kernels.write_kv`'s
+        ``recent``) copies its tokens into; the ring of the batch must exist.
+
+        Raises:
+            CacheUsageError: shapes that do not match, or no ring of this batch yet.
+        """
         self._check(key, value)
         if self.kv is None or self.kv.shape[0] != key.shape[0]:
             raise CacheUsageError(
                 f"{self.name}: a decode step's recent tokens before the ring of its batch was "
                 "filled. Fix: run the prompt through the cache first (generate does)."
             )
-        write_ring(self.kv, key, value, torch.remainder(pos, self.length), rotation)
+        return RecentTokens(self.kv)
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search: row ``b`` takes row ``rows[b]`` (in place)."""

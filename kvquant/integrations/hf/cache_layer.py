@@ -358,8 +358,7 @@ class KVQuantLayer(CacheLayerMixin):
                 )
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
             storage = self._storage()
-            storage.write(k, v, static.slots)
-            storage.keep_recent(k, v, static.pos)
+            storage.write(k, v, static.slots, step_pos=static.pos)
             return None, None
         start = book.layer_lens[self.layer_idx]
         slots = cache.slots_for(self, bsz, new)

@@ -1,6 +1,7 @@
 """kvquant's decode-step write and attention as PyTorch custom ops, for compiled decode steps.
 
-``kvquant::step_write`` stores the new token's K/V at the static step's slots;
+``kvquant::step_write`` stores the new token's K/V at the static step's slots (and, with
+``recent_tokens``, in the ring of the newest tokens);
 ``kvquant::step_attention`` attends the query over the pages and returns the
 output. They take only tensors and plain scalars (one :func:`layer_step`
 dictionary per layer, passed as the keyword :data:`STEP_KWARG`; the scale scheme flattened by
@@ -21,7 +22,6 @@ import torch
 from torch import nn
 
 from kvquant.cache import StaticStep
-from kvquant.cache.storage.recent import write_ring
 from kvquant.errors import CacheUsageError
 from kvquant.integrations.hf.cache_layer import KVQuantLayer
 from kvquant.kernels import paged_attention, write_kv
@@ -33,14 +33,13 @@ __all__ = [
     "layer_step",
     "step_attention",
     "step_attention_call",
-    "step_keep_recent",
     "step_write",
 ]
 
 STEP_KWARG = "kvquant_step"
 """Keyword argument of a decoder layer in a compiled decode step: its :func:`layer_step`."""
 
-_MUTATED = ("k_pages", "v_pages", "k_group_scales", "v_group_scales")
+_MUTATED = ("k_pages", "v_pages", "k_group_scales", "v_group_scales", "recent_kv")
 
 
 @torch.library.custom_op("kvquant::step_write", mutates_args=_MUTATED)
@@ -56,13 +55,18 @@ def step_write(
     scheme_ints: list[int],
     scheme_tensors: list[torch.Tensor | None],
     backend: str,
+    recent_kv: torch.Tensor | None = None,
+    pos: torch.Tensor | None = None,
 ) -> None:
     """Store the step's new K/V ``[B, Hkv, 1, D]`` (the attention module's layout) at ``slots``.
 
     :func:`kvquant.kernels.write_kv` on ``key.transpose(1, 2)`` and ``value.transpose(1, 2)``;
     the pages and group scales are the :class:`~kvquant.schemes.Pages`, the ``scheme_*``
-    arguments the layer's flattened scheme (:meth:`~kvquant.schemes.Scheme.flatten`).
+    arguments the layer's flattened scheme (:meth:`~kvquant.schemes.Scheme.flatten`). With
+    ``recent_kv`` (the ring of the newest tokens ``[B, 2, R, Hkv, D]``) and ``pos`` (the
+    static step's int64 ``[1]`` position) the same write keeps the token in the ring.
     """
+    recent = None if recent_kv is None or pos is None else RecentTokens(recent_kv)
     write_kv(
         key.transpose(1, 2),
         value.transpose(1, 2),
@@ -70,31 +74,13 @@ def step_write(
         slots,
         Scheme.unflatten(scheme_name, scheme_ints, scheme_tensors),
         backend=backend,
+        recent=recent,
+        recent_start=None if recent is None else pos,
     )
 
 
 @step_write.register_fake
 def _step_write_fake(*args: Any) -> None:
-    return None
-
-
-@torch.library.custom_op("kvquant::step_keep_recent", mutates_args=("recent_kv",))
-def step_keep_recent(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    recent_kv: torch.Tensor,
-    lens: torch.Tensor,
-    rotation: torch.Tensor | None,
-) -> None:
-    """Copy the step's new K/V ``[B, Hkv, 1, D]`` into the ring of the newest tokens
-    ``recent_kv [B, 2, R, Hkv, D]`` at slot ``(lens[0] - 1) % R`` (every row's new token
-    sits at the same position), keys rotated by ``rotation`` if given."""
-    slot = torch.remainder(lens[:1].to(torch.int64) - 1, recent_kv.shape[2])
-    write_ring(recent_kv, key.transpose(1, 2), value.transpose(1, 2), slot, rotation)
-
-
-@step_keep_recent.register_fake
-def _step_keep_recent_fake(*args: Any) -> None:
     return None
 
 
@@ -246,7 +232,7 @@ def layer_step(layer: KVQuantLayer, static: StaticStep) -> dict[str, Any]:
         "kv_start": static.kv_start,
         "backend": storage.backend,
         "recent_kv": storage.recent_kv(),
-        "rotation": storage.key_rotation(),
+        "pos": static.pos,
     }
 
 
@@ -292,11 +278,9 @@ def step_attention_call(
         step["scheme_ints"],
         step["scheme_tensors"],
         step["backend"],
+        step["recent_kv"],
+        step["pos"],
     )
-    if step["recent_kv"] is not None:
-        torch.ops.kvquant.step_keep_recent(
-            key, value, step["recent_kv"], step["lens"], step["rotation"]
-        )
     out = torch.ops.kvquant.step_attention(
         query,
         step["k_pages"],

@@ -23,6 +23,7 @@ from kvquant.kernels.validate import (
     check_index_vector,
     check_ndim,
     check_pages,
+    check_recent_tokens,
     check_scheme_tensors,
     check_shape,
     check_sink_values,
@@ -123,34 +124,6 @@ def _check_first_tokens(
     check_device(op, "first_k", fk, device, "k_pages")
     check_device(op, "first_v", fv, device, "k_pages")
     check_index_vector(op, "first_lens", first.lens, bsz, device)
-
-
-def _check_recent_tokens(
-    op: str, recent: object, bsz: int, hkv: int, d: int, device: torch.device
-) -> None:
-    """Structure of the ring of the newest tokens: a RecentTokens of one contiguous
-    ``[B, 2, R, Hkv, D]`` tensor (``R >= 1``) in the model's dtypes, on the pages' device."""
-    if recent is None:
-        return
-    if not isinstance(recent, RecentTokens):
-        raise fail(
-            f"{op}: recent is a {type(recent).__name__}; expected kvquant.schemes.RecentTokens "
-            "or None. Fix: pass RecentTokens(recent_kv)."
-        )
-    kv = require_tensor(op, "recent_kv", recent.kv)
-    layout = "[batch, 2 (K, V), ring, num_kv_heads, head_dim]"
-    check_ndim(op, "recent_kv", kv, 5, layout)
-    fix = "keep the newest tokens' K (the pages' frame) and V in the model dtype."
-    check_dtype(op, "recent_kv", kv, INPUT_DTYPES, fix)
-    ring = max(int(kv.shape[2]), 1)
-    check_shape(op, "recent_kv", kv, (bsz, 2, ring, hkv, d), f"{layout} of the query and pages")
-    check_device(op, "recent_kv", kv, device, "k_pages")
-    if not kv.is_contiguous():
-        raise fail(
-            f"{op}: recent_kv has strides {kv.stride()} for shape {tuple(kv.shape)}; expected "
-            "it contiguous (the kernels find each sequence's values' ring after its keys'). Fix: allocate "
-            "the ring once with torch.empty(batch, 2, ring, num_kv_heads, head_dim)."
-        )
 
 
 def _check_mask(op: str, mask: object, bsz: int, hq: int, device: torch.device) -> None:
@@ -277,7 +250,7 @@ def _check_attention_structure(
             op, pages, view, geometry, device, group_scales_written=False
         )
     _check_first_tokens(op, first, scheme, bsz, hkv, d, device)
-    _check_recent_tokens(op, recent, bsz, hkv, d, device)
+    check_recent_tokens(op, recent, bsz, hkv, d, device)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise fail(
             f"{op}: sm_scale is a {type(sm_scale).__name__}; expected a Python float. "

@@ -6,7 +6,9 @@ elements of a group; one group per head with static scales). Dynamic fp32-group 
 computed from the tile (``amax / fp8_max``) and stored beside the slot; the static K
 transform rotates K (one fp32 ``tl.dot``, ``input_precision="ieee"``) and subtracts the
 offset first; fp32-group scales with a K rotation rotate whole heads (16-channel slices of K
-times slices of R) before the groups' amax. Semantics, bit for bit on a GPU: :func:`kvquant.kernels.write_kv_reference`;
+times slices of R) before the groups' amax. With ``HAS_RING`` the tile is also stored at full
+precision into the ring of each sequence's newest tokens (K after the rotation, before the
+offset). Semantics, bit for bit on a GPU: :func:`kvquant.kernels.write_kv_reference`;
 launcher: :mod:`kvquant.kernels.write.launch`; details: docs/dev/kernels.md.
 """
 
@@ -148,6 +150,8 @@ def write_kv_kernel(
     vg_ptr,
     rot_ptr,
     off_ptr,
+    ring_ptr,
+    rstart_ptr,
     n_tokens,
     seq_len,
     num_slots,
@@ -182,6 +186,11 @@ def write_kv_kernel(
     s_r1,
     s_o0,
     s_o1,
+    ring_len,
+    sr_b,
+    sr_kv,
+    sr_s,
+    sr_h,
     HKV: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
@@ -194,6 +203,7 @@ def write_kv_kernel(
     FP8_MAX: tl.constexpr,
     HAS_ROT: tl.constexpr,
     HAS_OFF: tl.constexpr,
+    HAS_RING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
@@ -221,19 +231,24 @@ def write_kv_kernel(
     vg_off = (pg * svg_p + tk * svg_t)[:, None] + (h * svg_h + g)[None, :]
     group_mask = t_ok[:, None] & r_ok[None, :]
 
+    if HAS_RING:  # slot (start + l) % R of the sequence's ring; contiguous head dim
+        r_slot = (tl.load(rstart_ptr) + pos) % ring_len
+        r_off = (b * sr_b + r_slot * sr_s)[:, None, None] + (h[:, None] * sr_h + d)[None, :, :]
     k_row = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h)[None, :, :]
     if HAS_ROT and (GROUP or BLOCK_G > 128):
         k = _rotated_heads(k_ptr, rot_ptr, b, pos, t_ok, sk_b, sk_l, sk_h, sk_d, s_r0, s_r1,
                            HKV, D, BLOCK_T, BLOCK_R // BLOCK_NG, BLOCK_NG * BLOCK_G, BLOCK_R,
                            BLOCK_G)  # fmt: skip
-        if HAS_OFF:
-            k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
-                             False, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
     else:
         k = tl.load(k_ptr + k_row + (d * sk_d)[None, :, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_ROT or HAS_OFF:
+        if HAS_ROT:
             k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
-                             HAS_ROT, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
+                             HAS_ROT, False, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
+    if HAS_RING:
+        tl.store(ring_ptr + r_off, k.to(ring_ptr.dtype.element_ty), mask=mask)
+    if HAS_OFF:
+        k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
+                         False, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
     _quantize_tile(
         k,
         kp_ptr,
@@ -249,8 +264,11 @@ def write_kv_kernel(
         FP8_MAX,
     )
     v_off = (b * sv_b + pos * sv_l)[:, None, None] + (h[:, None] * sv_h + d * sv_d)[None, :, :]
+    v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
+    if HAS_RING:
+        tl.store(ring_ptr + sr_kv + r_off, v.to(ring_ptr.dtype.element_ty), mask=mask)
     _quantize_tile(
-        tl.load(v_ptr + v_off, mask=mask, other=0.0).to(tl.float32),
+        v.to(tl.float32),
         vp_ptr,
         vp_off,
         mask,

@@ -16,7 +16,7 @@ import triton
 from kvquant.errors import KernelInputError
 from kvquant.kernels.attention.tuning import device_sm_count
 from kvquant.kernels.write.kernel import write_kv_kernel
-from kvquant.schemes import KernelView, Pages, Scheme
+from kvquant.schemes import KernelView, Pages, RecentTokens, Scheme
 
 __all__ = ["is_interpreted", "write_kv_triton"]
 
@@ -134,6 +134,7 @@ def write_kv_triton(
     pages: Pages,
     slot_mapping: torch.Tensor,
     scheme: Scheme,
+    ring: tuple[RecentTokens, torch.Tensor] | None = None,
 ) -> None:
     """Launch the fused K/V write (no validation: call :func:`kvquant.kernels.write_kv`).
 
@@ -147,6 +148,9 @@ def write_kv_triton(
             ``[num_pages, page_size, Hkv, D // G]``, last dimension contiguous.
         slot_mapping: int64 ``[B, L]``, any strides.
         scheme: the pages' scale scheme (offset and rotation any strides).
+        ring: the ring of the newest tokens (contiguous ``[B, 2, R, Hkv, D]``, ``R >= L``) and
+            the int64 ``[1]`` position of the first new token, both written by the launch
+            (:func:`~kvquant.kernels.write_kv`'s ``recent`` and ``recent_start``); or None.
     """
     bsz, seq, hkv, d = key.shape
     n_tokens = bsz * seq
@@ -165,6 +169,12 @@ def write_kv_triton(
     block_t = tokens_per_program(block_t, n_tokens, key.device, least)
     grid = (triton.cdiv(n_tokens, block_t),)
     fp8_max = _FP8_MAX[k_pages.dtype]
+    if ring is not None:
+        ring_kv, ring_start = ring[0].kv, ring[1]
+        ring_len = int(ring_kv.shape[2])
+        ring_strides = (ring_kv.stride(0), ring_kv.stride(1), ring_kv.stride(2), ring_kv.stride(3))
+    else:
+        ring_kv, ring_start, ring_len, ring_strides = k_pages, slot_mapping, 1, (0, 0, 0, 0)
     dev = key.device
     # Triton launches on the current CUDA device: switch only when the tensors are elsewhere.
     switch = dev.type == "cuda" and dev.index is not None and dev.index != _current_device()
@@ -178,6 +188,8 @@ def write_kv_triton(
             *scales.pointers,
             rot_arg,
             off_arg,
+            ring_kv,
+            ring_start,
             n_tokens,
             seq,
             num_pages * page_size,
@@ -191,6 +203,8 @@ def write_kv_triton(
             *scales.group_strides,
             *rot_strides,
             *off_strides,
+            ring_len,
+            *ring_strides,
             HKV=hkv,
             D=d,
             G=g,
@@ -203,5 +217,6 @@ def write_kv_triton(
             FP8_MAX=fp8_max,
             HAS_ROT=k_rotation is not None,
             HAS_OFF=view.k_offset is not None,
+            HAS_RING=ring is not None,
             num_warps=4,
         )

@@ -10,9 +10,9 @@ import torch
 
 from kvquant.errors import KernelInputError
 from kvquant.kernels.fp8 import fp8_max, quantize_fp8, transform_keys
-from kvquant.schemes import Pages, Scheme
+from kvquant.schemes import Pages, RecentTokens, Scheme
 
-__all__ = ["write_kv_reference"]
+__all__ = ["write_kv_reference", "write_recent_reference"]
 
 
 def _group_scales(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -84,3 +84,40 @@ def write_kv_reference(
                 "kvquant.kernels.write_kv, which validates its arguments."
             )
         codes_out[page, off] = codes
+
+
+def write_recent_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scheme: Scheme,
+    recent: RecentTokens,
+    recent_start: torch.Tensor,
+) -> None:
+    """Copy the new tokens into the ring of the newest tokens (in place), as
+    :func:`kvquant.kernels.write_kv` does with ``recent``.
+
+    Token ``l`` of sequence ``b`` sits at position ``recent_start + l`` and goes to slot
+    ``(recent_start + l) % R`` of ``recent.kv[b]``: its key in the pages' frame before any
+    offset (``key @ k_rotation`` for a scheme that rotates K), its value as given, both in the
+    ring's dtype. Tokens whose ``slot_mapping`` is negative are not stored there either.
+
+    Args:
+        key: ``[B, L, Hkv, D]`` (``L <= R``).
+        value: ``[B, L, Hkv, D]``.
+        slot_mapping: int64 ``[B, L]``.
+        scheme: the pages' scale scheme (its K rotation, if any).
+        recent: the ring ``[B, 2, R, Hkv, D]``.
+        recent_start: int64 ``[1]``, the position of every sequence's first new token.
+    """
+    ring = recent.kv
+    bsz, seq = int(key.shape[0]), int(key.shape[1])
+    rotation = scheme.kernel_view().k_rotation
+    keys = key.float() @ rotation.float() if rotation is not None else key
+    pos = recent_start.reshape(1, 1) + torch.arange(seq, device=ring.device).reshape(1, seq)
+    ring_slot = torch.remainder(pos, ring.shape[2]).expand(bsz, seq)
+    rows = torch.arange(bsz, device=ring.device).reshape(bsz, 1).expand(bsz, seq)
+    keep = slot_mapping >= 0
+    rows, ring_slot = rows[keep], ring_slot[keep]
+    ring[:, 0][rows, ring_slot] = keys[keep].to(ring.dtype)
+    ring[:, 1][rows, ring_slot] = value[keep].to(ring.dtype)
