@@ -100,7 +100,8 @@ def write_recent_reference(
     Token ``l`` of sequence ``b`` sits at position ``recent_start + l`` and goes to slot
     ``(recent_start + l) % R`` of ``recent.kv[b]``: its key in the pages' frame before any
     offset (``key @ k_rotation`` for a scheme that rotates K), its value as given, both in the
-    ring's dtype. Tokens whose ``slot_mapping`` is negative are not stored there either.
+    ring's dtype. Tokens whose ``slot_mapping`` is negative are not stored there either. No
+    value is read on the host (a CUDA graph captures it).
 
     Args:
         key: ``[B, L, Hkv, D]`` (``L <= R``).
@@ -117,7 +118,7 @@ def write_recent_reference(
     pos = recent_start.reshape(1, 1) + torch.arange(seq, device=ring.device).reshape(1, seq)
     ring_slot = torch.remainder(pos, ring.shape[2]).expand(bsz, seq)
     rows = torch.arange(bsz, device=ring.device).reshape(bsz, 1).expand(bsz, seq)
-    keep = slot_mapping >= 0
-    rows, ring_slot = rows[keep], ring_slot[keep]
-    ring[:, 0][rows, ring_slot] = keys[keep].to(ring.dtype)
-    ring[:, 1][rows, ring_slot] = value[keep].to(ring.dtype)
+    keep = (slot_mapping >= 0).reshape(bsz, seq, 1, 1)
+    for side, x in ((ring[:, 0], keys), (ring[:, 1], value)):
+        # a skipped token's slot gets its own value back (L <= R: no slot is written twice)
+        side[rows, ring_slot] = torch.where(keep, x.to(ring.dtype), side[rows, ring_slot])
