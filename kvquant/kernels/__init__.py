@@ -75,8 +75,8 @@ def write_kv(
     each sequence's newest tokens, as :func:`paged_attention` reads it) the tokens are also
     copied there at full precision: token ``l`` of sequence ``b`` to slot
     ``(recent_start + l) % R`` of ``recent.kv[b]``, its key rotated by the scheme's K
-    rotation (no offset), its value as given (:func:`write_recent_reference`); the FP8
-    Triton kernel does it in the same launch.
+    rotation (no offset), its value as given, whatever its slot (:func:`write_recent_reference`);
+    the FP8 Triton kernel does it in the same launch.
 
     Every argument is validated before anything is written: a call that
     raises leaves the pages and group scales as they were.

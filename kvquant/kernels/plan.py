@@ -359,7 +359,7 @@ class WritePlan:
             )
             return
         if ring is not None:
-            write_recent_reference(key, value, slot_mapping, scheme, *ring)
+            write_recent_reference(key, value, scheme, *ring)
 
 
 def _build_write(

@@ -207,11 +207,15 @@ def write_kv_kernel(
 ):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
-    t_ok = t < n_tokens
+    tok_ok = t < n_tokens
     b = t // seq_len
     pos = t % seq_len
-    slot = tl.load(slot_ptr + b * ss_b + pos * ss_l, mask=t_ok, other=-1)  # int64 [T]
-    t_ok = t_ok & (slot >= 0) & (slot < num_slots)
+    slot = tl.load(slot_ptr + b * ss_b + pos * ss_l, mask=tok_ok, other=-1)  # int64 [T]
+    t_ok = tok_ok & (slot >= 0) & (slot < num_slots)
+    if HAS_RING:  # the ring takes every token, whatever its slot
+        load_ok = tok_ok
+    else:
+        load_ok = t_ok
 
     r = tl.arange(0, BLOCK_R)  # (head, group) rows
     h = r // BLOCK_NG
@@ -221,6 +225,7 @@ def write_kv_kernel(
     d = g[:, None] * G + e[None, :]  # [R, G]
     rd_ok = r_ok[:, None] & (e < G)[None, :]
     mask = t_ok[:, None, None] & rd_ok[None, :, :]
+    lmask = load_ok[:, None, None] & rd_ok[None, :, :]
 
     # pages and group scales: any strides (the cache stores V keys-fastest, scales head-major)
     pg = slot // page_size
@@ -236,16 +241,16 @@ def write_kv_kernel(
         r_off = (b * sr_b + r_slot * sr_s)[:, None, None] + (h[:, None] * sr_h + d)[None, :, :]
     k_row = (b * sk_b + pos * sk_l)[:, None, None] + (h[:, None] * sk_h)[None, :, :]
     if HAS_ROT and (GROUP or BLOCK_G > 128):
-        k = _rotated_heads(k_ptr, rot_ptr, b, pos, t_ok, sk_b, sk_l, sk_h, sk_d, s_r0, s_r1,
+        k = _rotated_heads(k_ptr, rot_ptr, b, pos, load_ok, sk_b, sk_l, sk_h, sk_d, s_r0, s_r1,
                            HKV, D, BLOCK_T, BLOCK_R // BLOCK_NG, BLOCK_NG * BLOCK_G, BLOCK_R,
                            BLOCK_G)  # fmt: skip
     else:
-        k = tl.load(k_ptr + k_row + (d * sk_d)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + k_row + (d * sk_d)[None, :, :], mask=lmask, other=0.0).to(tl.float32)
         if HAS_ROT:
             k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
                              HAS_ROT, False, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
     if HAS_RING:
-        tl.store(ring_ptr + r_off, k.to(ring_ptr.dtype.element_ty), mask=mask)
+        tl.store(ring_ptr + r_off, k.to(ring_ptr.dtype.element_ty), mask=lmask)
     if HAS_OFF:
         k = _transform_k(k, rot_ptr, off_ptr, h, d, rd_ok, s_r0, s_r1, s_o0, s_o1,
                          False, HAS_OFF, BLOCK_T, BLOCK_R, BLOCK_G, D)  # fmt: skip
@@ -264,9 +269,9 @@ def write_kv_kernel(
         FP8_MAX,
     )
     v_off = (b * sv_b + pos * sv_l)[:, None, None] + (h[:, None] * sv_h + d * sv_d)[None, :, :]
-    v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
+    v = tl.load(v_ptr + v_off, mask=lmask, other=0.0)
     if HAS_RING:
-        tl.store(ring_ptr + sr_kv + r_off, v.to(ring_ptr.dtype.element_ty), mask=mask)
+        tl.store(ring_ptr + sr_kv + r_off, v.to(ring_ptr.dtype.element_ty), mask=lmask)
     _quantize_tile(
         v.to(tl.float32),
         vp_ptr,

@@ -89,7 +89,6 @@ def write_kv_reference(
 def write_recent_reference(
     key: torch.Tensor,
     value: torch.Tensor,
-    slot_mapping: torch.Tensor,
     scheme: Scheme,
     recent: RecentTokens,
     recent_start: torch.Tensor,
@@ -100,25 +99,22 @@ def write_recent_reference(
     Token ``l`` of sequence ``b`` sits at position ``recent_start + l`` and goes to slot
     ``(recent_start + l) % R`` of ``recent.kv[b]``: its key in the pages' frame before any
     offset (``key @ k_rotation`` for a scheme that rotates K), its value as given, both in the
-    ring's dtype. Tokens whose ``slot_mapping`` is negative are not stored there either. No
-    value is read on the host (a CUDA graph captures it).
+    ring's dtype; every token, whatever its slot in the pages (a negative one skips only the
+    pages). No value is read on the host (a CUDA graph captures it): for a decode step's one
+    token, three small kernels.
 
     Args:
         key: ``[B, L, Hkv, D]`` (``L <= R``).
         value: ``[B, L, Hkv, D]``.
-        slot_mapping: int64 ``[B, L]``.
         scheme: the pages' scale scheme (its K rotation, if any).
         recent: the ring ``[B, 2, R, Hkv, D]``.
         recent_start: int64 ``[1]``, the position of every sequence's first new token.
     """
     ring = recent.kv
-    bsz, seq = int(key.shape[0]), int(key.shape[1])
+    seq = int(key.shape[1])
     rotation = scheme.kernel_view().k_rotation
     keys = key.float() @ rotation.float() if rotation is not None else key
-    pos = recent_start.reshape(1, 1) + torch.arange(seq, device=ring.device).reshape(1, seq)
-    ring_slot = torch.remainder(pos, ring.shape[2]).expand(bsz, seq)
-    rows = torch.arange(bsz, device=ring.device).reshape(bsz, 1).expand(bsz, seq)
-    keep = (slot_mapping >= 0).reshape(bsz, seq, 1, 1)
-    for side, x in ((ring[:, 0], keys), (ring[:, 1], value)):
-        # a skipped token's slot gets its own value back (L <= R: no slot is written twice)
-        side[rows, ring_slot] = torch.where(keep, x.to(ring.dtype), side[rows, ring_slot])
+    pos = recent_start if seq == 1 else recent_start + torch.arange(seq, device=ring.device)
+    ring_slot = torch.remainder(pos, ring.shape[2])  # distinct: L <= R
+    ring[:, 0].index_copy_(1, ring_slot, keys.to(ring.dtype))
+    ring[:, 1].index_copy_(1, ring_slot, value.to(ring.dtype))
