@@ -31,8 +31,9 @@ token at full precision, smaller groups for K (:data:`DYNAMIC`, simulated by
 4-bit formats (``--sections k-transform,fp4``): ``kvquant.patch(model, kv_format=...)``'s
 NVFP4, MXFP4 and FP8 K beside NVFP4 V, plain and with a fixed Hadamard rotation of K (and V)
 (:func:`fp4_formats`, simulated by ``simulate_fp8_kv(mode="fp4")``), beside the k-transform;
-and three rows of a format the cache does not store yet: each position's newest 16 keys and
-values read exactly (``recent-16``).
+three of them with each position's newest 16 keys and values read exactly (``recent-16``,
+``kvquant.patch(model, recent_tokens=16)``). ``--sections recent``: the static FP8 formats
+(per-tensor, per-head, the k-transform) with the newest 16 exact (:data:`RECENT_ROWS`).
 
 **Scale-jitter control.** Multiplying a set of static scales by 1.01 ... 1.10
 changes neither clipping (the scales only grow) nor the size of FP8's relative
@@ -106,12 +107,21 @@ SECTIONS = (
     "dynamic",
     "k-transform",
     "fp4",
+    "recent",
 )
 """Parts of the table ``--sections`` picks: the static families, ``kvquant calibrate``'s
 formats (per-head both objectives, the k-transform family and offset only), fp32-group
 (G = 64 and 32), fp32-group G = 64's scale-jitter family, the calibration-free
-:data:`DYNAMIC`, the k-transform alone (Hadamard, unjittered) and the 4-bit formats
-(:func:`fp4_formats`). The default (the first four) is the committed table's."""
+:data:`DYNAMIC`, the k-transform alone (Hadamard, unjittered), the 4-bit formats
+(:func:`fp4_formats`) and the static formats with each position's newest
+:data:`RECENT` tokens exact (:data:`RECENT_ROWS`). The default (the first four) is the
+committed table's."""
+RECENT = 16
+"""``recent_tokens`` of the ``recent`` section's rows."""
+RECENT_ROWS = ("per-tensor", "per-head", KT)
+"""The static formats the ``recent`` section runs with the newest :data:`RECENT` tokens exact
+(per-tensor and per-head from the calibration texts' amax, the k-transform of
+``kvquant calibrate`` with the Hadamard rotation)."""
 
 
 def fp4_formats(static: A.CalibratedScales, kt: A.KTransformScales) -> tuple[Fp4KV, ...]:
@@ -130,7 +140,7 @@ def fp4_formats(static: A.CalibratedScales, kt: A.KTransformScales) -> tuple[Fp4
         Fp4KV("fp8-k-nvfp4-v", k_scales=static),
         Fp4KV("fp8-k-nvfp4-v", k_transform=kt),
         Fp4KV("fp8-k-nvfp4-v", rotate_v=True, k_transform=kt),
-        # the newest 16 tokens of each position exact (not stored by kvquant's cache yet)
+        # the newest 16 tokens of each position exact (``recent_tokens=16``)
         Fp4KV("nvfp4", rotate_k=True, rotate_v=True, recent_tokens=16),
         Fp4KV("nvfp4", k_transform=kt, recent_tokens=16),
         Fp4KV("fp8-k-nvfp4-v", k_transform=kt, recent_tokens=16),
@@ -191,11 +201,12 @@ def _windows(
 
 
 def _run(
-    model: Any, ids: torch.Tensor, mode: str, scales: Any = None, group: int | None = None
-) -> tuple[torch.Tensor, float]:
+    model: Any, ids: torch.Tensor, mode: str, scales: Any = None, group: int | None = None,
+    recent: int = 0,
+) -> tuple[torch.Tensor, float]:  # fmt: skip
     """Decoder hidden states of one simulated run, and its wall time."""
     t0 = time.perf_counter()
-    with A.simulate_fp8_kv(model, mode, scales, group_size=group):
+    with A.simulate_fp8_kv(model, mode, scales, group_size=group, recent_tokens=recent):
         hidden = M.decoder_hidden(model, ids)
     return hidden, time.perf_counter() - t0
 
@@ -355,6 +366,21 @@ def _measure_fp4(
             )
 
 
+def _measure_recent(
+    args: argparse.Namespace, bench: _Bench, static: A.CalibratedScales | None, tokenizer: Any
+) -> None:
+    """The static formats of :data:`RECENT_ROWS` with each position's newest tokens exact."""
+    if "recent" not in args.sections or static is None:
+        return
+    for mode in RECENT_ROWS:
+        scales = (
+            _k_transform(bench.model, tokenizer, args.statistics_tokens) if mode == KT else static
+        )
+        hidden, sec = _run(bench.model, bench.ids, mode, scales, recent=RECENT)
+        label = f"{KT_LABEL if mode == KT else mode} recent-{RECENT}"
+        bench.record(label, hidden, sec, format=mode, recent_tokens=RECENT)
+
+
 class _Bench:
     """The evaluation tokens, the reference run and every run recorded so far."""
 
@@ -396,13 +422,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     bench = _Bench(args, model, ids, window_texts)
     layout, runs, boots = bench.layout, bench.runs, bench.boots
     scales = None
-    if {*STATIC, "fp4"} & set(args.sections):  # amax of the calibration texts
+    if {*STATIC, "fp4", "recent"} & set(args.sections):  # amax of the calibration texts
         scales, calib_used = _calibrate(model, tokenizer, args.calibration_tokens)
         _measure_static(args, bench, scales)
     if args.calibrated and "calibrated" in args.sections:
         _measure_calibrated(args, bench, tokenizer)
     _measure_dynamic(args, bench)
     _measure_fp4(args, bench, scales, tokenizer)
+    _measure_recent(args, bench, scales, tokenizer)
 
     jitter, band, comparisons = jitter_control(runs, boots)
     return {

@@ -278,6 +278,7 @@ def _simulated_attention(
     fresh = key.shape[2] == query.shape[2]  # no cached prefix: the keys are this call's own
     if spec is not None and spec.mode != "none" and not (spec.exact_prompt and fresh):
         layer = int(getattr(module, "layer_idx", 0))
+        exact = (key.float(), value.float())
         if spec.mode == "capture":
             k_amax = key.detach().float().abs().amax(dim=(0, 2, 3))
             v_amax = value.detach().float().abs().amax(dim=(0, 2, 3))
@@ -306,6 +307,16 @@ def _simulated_attention(
             k_s, v_s = spec.scales.layer(layer, spec.mode)
             key = fake_quantize_kv(key, k_s)
             value = fake_quantize_kv(value, v_s)
+        if spec.recent_tokens and spec.mode != "capture":
+            from benchmarks.harness.fp4 import recent_window_attention
+
+            kt = spec.scales if spec.mode == "k-transform" else None
+            rotation = getattr(kt, "rotation", None)
+            if rotation is not None:  # the ring holds keys in the transform's frame, no offset
+                exact = (exact[0] @ rotation.to(exact[0].device), exact[1])
+            return recent_window_attention(
+                module, query, (key, value), exact, spec.recent_tokens, None
+            )
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -339,6 +350,7 @@ class _SimSpec:
     scales: CalibratedScales | KTransformScales | DynamicFormat | Fp4KV | None = None
     group_size: int | None = None
     exact_prompt: bool = False
+    recent_tokens: int = 0
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -369,6 +381,7 @@ def simulate_fp8_kv(
     *,
     group_size: int | None = None,
     exact_prompt: bool = False,
+    recent_tokens: int = 0,
 ) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Route the model's attention through simulated FP8 K/V rounding for a ``with`` block.
 
@@ -408,6 +421,12 @@ def simulate_fp8_kv(
         exact_prompt: leave a call with no cached prefix unrounded, as kvquant does
             (a prompt attends over its own K/V; later calls read every key from
             FP8). Without it every call rounds.
+        recent_tokens: with ``"per-tensor"``, ``"per-head"``, ``"fp32-group"`` or
+            ``"k-transform"``: each query position reads its last ``recent_tokens`` keys and
+            values unrounded (keys in the k-transform's rotated frame, without its offset),
+            the older ones rounded, as a decode step of a cache patched with
+            ``recent_tokens`` does (eager fp32 attention, no padding; ``"dynamic"`` and
+            ``"fp4"`` take it from their format).
 
     Yields:
         In ``"capture"`` mode, a dict filled during forwards: layer ->
@@ -431,7 +450,16 @@ def simulate_fp8_kv(
     hf_model: Any = model
     config = hf_model.config
     previous = config._attn_implementation
-    spec = _SimSpec(mode=mode, scales=scales, group_size=group_size, exact_prompt=exact_prompt)
+    if recent_tokens and mode not in ("per-tensor", "per-head", "fp32-group", "k-transform"):
+        raise OptionError(
+            f"simulate_fp8_kv: recent_tokens={recent_tokens} with mode {mode!r}; expected one "
+            "of 'per-tensor', 'per-head', 'fp32-group', 'k-transform'. Fix: pass it in the "
+            "DynamicFormat / Fp4KV of the other modes."
+        )
+    spec = _SimSpec(
+        mode=mode, scales=scales, group_size=group_size, exact_prompt=exact_prompt,
+        recent_tokens=recent_tokens,
+    )  # fmt: skip
     mods = _attention_modules(model)
     hf_model.set_attn_implementation(SIMULATED_ATTENTION)
     try:

@@ -164,3 +164,33 @@ def test_recent_window_of_dynamic_groups() -> None:
         if n == ids.shape[1]:
             assert torch.equal(got.argmax, ref.argmax) and gap[n] < 1e-4
     assert gap[ids.shape[1]] < gap[8] < gap[0], gap
+
+
+@pytest.mark.parametrize("mode", ["per-tensor", "per-head", "k-transform"])
+def test_recent_window_of_static_formats(mode: str) -> None:
+    """``simulate_fp8_kv(..., recent_tokens=n)`` for static scales: a window covering every
+    position is the unrounded model (the k-transform's rotated frame included); a window of 0
+    is the plain row; in between, the NLL gap lies between the two."""
+    model, ids = _tiny_llama(), _ids()
+    with E.simulate_fp8_kv(model, "none"):
+        ref = E.teacher_forced(model, ids)
+    with E.simulate_fp8_kv(model, "capture") as captured:
+        E.teacher_forced(model, ids)
+    k_amax = torch.stack([captured[i][0] for i in range(3)])
+    v_amax = torch.stack([captured[i][1] for i in range(3)])
+    scales: Any = E.CalibratedScales(k_amax=k_amax / 8, v_amax=v_amax / 8, num_tokens=40)
+    if mode == "k-transform":  # coarse scales, an offset and the rotation, no exact first token
+        scales = E.KTransformScales(
+            k_amax / 448 * 8, v_amax / 448 * 8, torch.randn(3, 2, 16), hadamard(16), 0
+        )
+    gap = {}
+    for n in (0, 8, ids.shape[1]):
+        with E.simulate_fp8_kv(model, mode, scales, recent_tokens=n):
+            got = E.teacher_forced(model, ids)
+        gap[n] = float((got.nll - ref.nll).abs().mean())
+        if n == ids.shape[1]:
+            assert torch.equal(got.argmax, ref.argmax) and gap[n] < 1e-4
+    assert gap[ids.shape[1]] < gap[8] < gap[0], gap
+    with pytest.raises(KVQuantError, match="recent_tokens=4 with mode 'dynamic'"):
+        with E.simulate_fp8_kv(model, "dynamic", recent_tokens=4):
+            pass
