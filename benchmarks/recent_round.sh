@@ -28,8 +28,8 @@ grep -E "passed|failed" "$OUT/gpu_tests_recent.log"
 timeout 150 python3 benchmarks/bench_fp4_decode.py --formats fp8,fp8-group,nvfp4,fp8-k-nvfp4-v \
   --recent 16 --shapes 32x16384,16x8192 --out "$OUT/kernel_recent.json" 2>&1 | tail -n 4
 for i in $(seq 1 "$E2E_ROUNDS"); do
-  timeout 200 python3 benchmarks/e2e_generate.py --shapes b16x8k,b64x2k --arms "$ARMS_A,$ARMS_B" \
+  timeout 200 python3 benchmarks/e2e_generate.py --shapes "${SHAPES:-b16x8k,b64x2k}" --arms "$ARMS_A,$ARMS_B" \
     --repeats 3 --out "$OUT/e2e_recent_${i}_ab.json" 2>&1 | tail -n 12
-  timeout 200 python3 benchmarks/e2e_generate.py --shapes b16x8k,b64x2k --arms "$ARMS_B,$ARMS_A" \
+  timeout 200 python3 benchmarks/e2e_generate.py --shapes "${SHAPES:-b16x8k,b64x2k}" --arms "$ARMS_B,$ARMS_A" \
     --repeats 3 --out "$OUT/e2e_recent_${i}_ba.json" 2>&1 | tail -n 12
 done
