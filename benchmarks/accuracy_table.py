@@ -117,11 +117,11 @@ formats (per-head both objectives, the k-transform family and offset only), fp32
 :data:`RECENT` tokens exact (:data:`RECENT_ROWS`). The default (the first four) is the
 committed table's."""
 RECENT = 16
-"""``recent_tokens`` of the ``recent`` section's rows."""
-RECENT_ROWS = ("per-tensor", "per-head", KT)
-"""The static formats the ``recent`` section runs with the newest :data:`RECENT` tokens exact
-(per-tensor and per-head from the calibration texts' amax, the k-transform of
-``kvquant calibrate`` with the Hadamard rotation)."""
+"""``recent_tokens`` of the ``recent`` section's rows (``--recent-tokens``)."""
+RECENT_ROWS = ("per-tensor", "per-head", GROUP_FAMILY, KT)
+"""The formats the ``recent`` section runs with each position's newest tokens exact
+(per-tensor and per-head from the calibration texts' amax, fp32-group G = 64, the
+k-transform of ``kvquant calibrate`` with the Hadamard rotation; ``--recent-rows``)."""
 
 
 def fp4_formats(static: A.CalibratedScales, kt: A.KTransformScales) -> tuple[Fp4KV, ...]:
@@ -369,16 +369,20 @@ def _measure_fp4(
 def _measure_recent(
     args: argparse.Namespace, bench: _Bench, static: A.CalibratedScales | None, tokenizer: Any
 ) -> None:
-    """The static formats of :data:`RECENT_ROWS` with each position's newest tokens exact."""
+    """The formats of :data:`RECENT_ROWS` with each position's newest tokens exact."""
     if "recent" not in args.sections or static is None:
         return
-    for mode in RECENT_ROWS:
-        scales = (
-            _k_transform(bench.model, tokenizer, args.statistics_tokens) if mode == KT else static
-        )
-        hidden, sec = _run(bench.model, bench.ids, mode, scales, recent=RECENT)
-        label = f"{KT_LABEL if mode == KT else mode} recent-{RECENT}"
-        bench.record(label, hidden, sec, format=mode, recent_tokens=RECENT)
+    n = args.recent_tokens
+    for mode in args.recent_rows or RECENT_ROWS:
+        scales: Any = static
+        if mode == KT:
+            scales = _k_transform(bench.model, tokenizer, args.statistics_tokens)
+        elif mode == GROUP_FAMILY:
+            scales = None
+        group = GROUPS[0] if mode == GROUP_FAMILY else None
+        hidden, sec = _run(bench.model, bench.ids, mode, scales, group=group, recent=n)
+        name = {KT: KT_LABEL, GROUP_FAMILY: f"fp32-group G={GROUPS[0]}"}.get(mode, mode)
+        bench.record(f"{name} recent-{n}", hidden, sec, format=mode, recent_tokens=n)
 
 
 class _Bench:
@@ -739,6 +743,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "'dynamic G=64 recent-16'); default: every row",
     )
     parser.add_argument(
+        "--recent-tokens",
+        type=int,
+        default=RECENT,
+        help=f"with --sections recent: the newest tokens read exactly (default {RECENT})",
+    )
+    parser.add_argument(
+        "--recent-rows",
+        default="",
+        metavar="FORMAT,FORMAT",
+        help=f"with --sections recent: only these of {RECENT_ROWS}; default: every one",
+    )
+    parser.add_argument(
         "--no-calibrated",
         dest="calibrated",
         action="store_false",
@@ -759,6 +775,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"--dynamic-rows {sorted(set(args.dynamic_rows) - {f.label for f in DYNAMIC})} "
             f"unknown; rows: {sorted(f.label for f in DYNAMIC)}"
+        )
+    args.recent_rows = tuple(x for x in args.recent_rows.split(",") if x)
+    if set(args.recent_rows) - set(RECENT_ROWS) or args.recent_tokens < 1:
+        parser.error(
+            f"--recent-rows {args.recent_rows} / --recent-tokens {args.recent_tokens}: expected "
+            f"formats from {RECENT_ROWS} and at least 1 token"
         )
     unknown = set(args.sections) - set(SECTIONS)
     args.factors = tuple(float(f) for f in args.jitter_factors.split(","))
