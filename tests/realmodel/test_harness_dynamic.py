@@ -148,17 +148,15 @@ def test_dynamic_format_labels_and_refusals() -> None:
             E.teacher_forced(model, _ids())
 
 
-def test_recent_window_of_dynamic_groups() -> None:
-    """``recent_tokens``: a window covering every position is the unrounded model (rotated keys
-    included); a window of 0 is the plain row; in between, the NLL lies between the two."""
-    model, ids = _tiny_llama(), _ids()
+def _assert_window_orders(model: Any, ids: torch.Tensor, simulate: Any) -> None:
+    """``simulate(n)`` (a ``simulate_fp8_kv`` context with the newest ``n`` tokens exact): a
+    window covering every position is the unrounded model; a window of 0 is the plain row; in
+    between, the NLL gap to the unrounded model lies between the two."""
     with E.simulate_fp8_kv(model, "none"):
         ref = E.teacher_forced(model, ids)
     gap = {}
     for n in (0, 8, ids.shape[1]):
-        fmt = D.DynamicFormat(k_group=16, v_group=16, rotate_k=True, recent_tokens=n)
-        assert fmt.label == "dynamic rot-K G=16" + (f" recent-{n}" if n else "")
-        with E.simulate_fp8_kv(model, "dynamic", fmt):
+        with simulate(n):
             got = E.teacher_forced(model, ids)
         gap[n] = float((got.nll - ref.nll).abs().mean())
         if n == ids.shape[1]:
@@ -166,14 +164,24 @@ def test_recent_window_of_dynamic_groups() -> None:
     assert gap[ids.shape[1]] < gap[8] < gap[0], gap
 
 
+def test_recent_window_of_dynamic_groups() -> None:
+    """``recent_tokens`` in a dynamic format (rotated keys included): see
+    :func:`_assert_window_orders`."""
+    model, ids = _tiny_llama(), _ids()
+
+    def simulate(n: int) -> Any:
+        fmt = D.DynamicFormat(k_group=16, v_group=16, rotate_k=True, recent_tokens=n)
+        assert fmt.label == "dynamic rot-K G=16" + (f" recent-{n}" if n else "")
+        return E.simulate_fp8_kv(model, "dynamic", fmt)
+
+    _assert_window_orders(model, ids, simulate)
+
+
 @pytest.mark.parametrize("mode", ["per-tensor", "per-head", "k-transform"])
 def test_recent_window_of_static_formats(mode: str) -> None:
-    """``simulate_fp8_kv(..., recent_tokens=n)`` for static scales: a window covering every
-    position is the unrounded model (the k-transform's rotated frame included); a window of 0
-    is the plain row; in between, the NLL gap lies between the two."""
+    """``simulate_fp8_kv(..., recent_tokens=n)`` for static scales (the k-transform's rotated
+    frame included): see :func:`_assert_window_orders`."""
     model, ids = _tiny_llama(), _ids()
-    with E.simulate_fp8_kv(model, "none"):
-        ref = E.teacher_forced(model, ids)
     with E.simulate_fp8_kv(model, "capture") as captured:
         E.teacher_forced(model, ids)
     k_amax = torch.stack([captured[i][0] for i in range(3)])
@@ -183,14 +191,9 @@ def test_recent_window_of_static_formats(mode: str) -> None:
         scales = E.KTransformScales(
             k_amax / 448 * 8, v_amax / 448 * 8, torch.randn(3, 2, 16), hadamard(16), 0
         )
-    gap = {}
-    for n in (0, 8, ids.shape[1]):
-        with E.simulate_fp8_kv(model, mode, scales, recent_tokens=n):
-            got = E.teacher_forced(model, ids)
-        gap[n] = float((got.nll - ref.nll).abs().mean())
-        if n == ids.shape[1]:
-            assert torch.equal(got.argmax, ref.argmax) and gap[n] < 1e-4
-    assert gap[ids.shape[1]] < gap[8] < gap[0], gap
+    _assert_window_orders(
+        model, ids, lambda n: E.simulate_fp8_kv(model, mode, scales, recent_tokens=n)
+    )
     with pytest.raises(KVQuantError, match="recent_tokens=4 with mode 'dynamic'"):
         with E.simulate_fp8_kv(model, "dynamic", recent_tokens=4):
             pass

@@ -14,9 +14,10 @@ from collections.abc import Callable
 import torch
 
 from kvquant.errors import CacheUsageError
+from kvquant.kernels.write.naive import ring_copy
 from kvquant.schemes import RecentTokens
 
-__all__ = ["MAX_RECENT_TOKENS", "RecentRing", "batch_rows", "check_recent_tokens", "write_ring"]
+__all__ = ["MAX_RECENT_TOKENS", "RecentRing", "batch_rows", "check_recent_tokens"]
 
 MAX_RECENT_TOKENS = 1024
 """The largest ring (tokens per sequence) a storage keeps."""
@@ -58,21 +59,6 @@ def batch_rows(
             f"range of {bsz} rows inside the batch."
         )
     return r0, r1, total
-
-
-def write_ring(
-    ring: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slots: torch.Tensor,
-    rotation: torch.Tensor | None,
-) -> None:
-    """Tokens ``[B, L, Hkv, D]`` into slots ``slots`` (int64 ``[L]``) of ``ring``
-    ``[B, 2, R, Hkv, D]``, in place; keys rotated by ``rotation`` (fp32 ``[D, D]``) if given."""
-    if rotation is not None:
-        key = key.float() @ rotation
-    ring[:, 0].index_copy_(1, slots, key.to(device=ring.device, dtype=ring.dtype))
-    ring[:, 1].index_copy_(1, slots, value.to(device=ring.device, dtype=ring.dtype))
 
 
 class RecentRing:
@@ -152,7 +138,7 @@ class RecentRing:
         if m == 0:
             return
         pos = torch.arange(start + n - m, start + n, device=self.device)
-        write_ring(ring, key[:, n - m :], value[:, n - m :], pos % self.length, rotation)
+        ring_copy(ring, key[:, n - m :], value[:, n - m :], pos % self.length, rotation)
 
     def step_buffer(self, key: torch.Tensor, value: torch.Tensor) -> RecentTokens:
         """The ring a decode step's write (``[B, 1, Hkv, D]``, :func:`kvquant.kernels.write_kv`'s
@@ -215,4 +201,4 @@ class RecentRing:
         if hi > lo:
             k, v = read(lo, hi)
             pos = torch.arange(lo, hi, device=self.device)
-            write_ring(self.kv, k, v, pos % self.length, rotation)
+            ring_copy(self.kv, k, v, pos % self.length, rotation)

@@ -12,7 +12,7 @@ from kvquant.errors import KernelInputError
 from kvquant.kernels.fp8 import fp8_max, quantize_fp8, transform_keys
 from kvquant.schemes import Pages, RecentTokens, Scheme
 
-__all__ = ["write_kv_reference", "write_recent_reference"]
+__all__ = ["ring_copy", "write_kv_reference", "write_recent_reference"]
 
 
 def _group_scales(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -86,6 +86,22 @@ def write_kv_reference(
         codes_out[page, off] = codes
 
 
+def ring_copy(
+    ring: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    rotation: torch.Tensor | None,
+) -> None:
+    """Tokens ``[B, L, Hkv, D]`` into slots ``slots`` (int64 ``[L]``, distinct) of ``ring``
+    ``[B, 2, R, Hkv, D]``, in place, in the ring's dtype; keys rotated by ``rotation`` (fp32
+    ``[D, D]``) if given. No value is read on the host (a CUDA graph captures it)."""
+    if rotation is not None:
+        key = key.float() @ rotation.float()
+    ring[:, 0].index_copy_(1, slots, key.to(device=ring.device, dtype=ring.dtype))
+    ring[:, 1].index_copy_(1, slots, value.to(device=ring.device, dtype=ring.dtype))
+
+
 def write_recent_reference(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -112,9 +128,6 @@ def write_recent_reference(
     """
     ring = recent.kv
     seq = int(key.shape[1])
-    rotation = scheme.kernel_view().k_rotation
-    keys = key.float() @ rotation.float() if rotation is not None else key
     pos = recent_start if seq == 1 else recent_start + torch.arange(seq, device=ring.device)
-    ring_slot = torch.remainder(pos, ring.shape[2])  # distinct: L <= R
-    ring[:, 0].index_copy_(1, ring_slot, keys.to(ring.dtype))
-    ring[:, 1].index_copy_(1, ring_slot, value.to(ring.dtype))
+    slots = torch.remainder(pos, ring.shape[2])  # distinct: L <= R
+    ring_copy(ring, key, value, slots, scheme.kernel_view().k_rotation)
