@@ -14,12 +14,20 @@ checked against the reference too, under ``configs`` in each format's entry: can
 compared in one run. ``--recent R`` times each format again with a ring of each sequence's
 ``R`` newest tokens in bf16 (``recent_tokens``), checked against the reference with the same
 ring, under ``recent`` (with ``graph_ms_x_plain``, its time over the format's without it).
+Every entry records the split count the launcher chose (``launcher_splits``). ``--table-pages N``
+gives each sequence's block table ``N`` columns (at least the context's pages; the columns past
+it point at a spare page the kernel never reads), as a cache whose pools grew with headroom
+before its decode graph was captured holds them: the launcher sizes its split count from the
+table's width. ``--splits`` also times each format (and its ring) with forced split counts,
+under ``splits``, each checked against the reference first.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out fp4_decode.json [--shapes 32x16384,16x8192]
     PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --shapes 32x16384 --configs "64,2,3;32,1,6"
     PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --formats fp8,fp8-group,nvfp4 --recent 16
+    PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --heads 32,8,64 --shapes 64x2080 \
+        --table-pages 193 --splits 1,2,3,5,8,17
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_fp4_decode.py --out x.json --smoke
 """
 
@@ -35,7 +43,7 @@ from typing import Any
 import torch
 
 from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
-from kvquant.kernels.attention.launch import paged_attention_triton
+from kvquant.kernels.attention.launch import attention_launch, paged_attention_triton
 from kvquant.kernels.fp4 import fp4_page_storage
 from kvquant.schemes import (
     Fp8KNvfp4VScales,
@@ -114,15 +122,40 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
     return err
 
 
+def _splits_timed(
+    call: Any, out: torch.Tensor, ref: torch.Tensor, splits: tuple[int, ...], smoke: bool,
+    nbytes: int, what: str,
+) -> dict[str, Any]:  # fmt: skip
+    """``call(num_splits=s)`` for each forced split count: checked against ``ref``, then timed."""
+    timed: dict[str, Any] = {}
+    for s in splits:
+
+        def forced(s: int = s) -> Any:
+            return call(num_splits=s)
+
+        out.fill_(float("nan"))
+        forced()
+        err = _rel_err(out, ref, f"{what} splits {s}")
+        timed[str(s)] = {"rel_err": err, **_timed(forced, smoke, nbytes)}
+    return timed
+
+
 def run_shape(
     bsz: int, ctx: int, hq: int, hkv: int, d: int, page: int, dev: str, smoke: bool,
     configs: tuple[str, ...] = (), formats: tuple[str, ...] = FORMATS, recent: int = 0,
+    table_pages: int = 0, splits: tuple[int, ...] = (),
 ) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator(device="cpu").manual_seed(0)
     per_seq = -(-ctx // page)
+    if table_pages and table_pages < per_seq:
+        raise SystemExit(f"--table-pages {table_pages}: fewer than the {per_seq} pages of {ctx}")
     num_pages = bsz * per_seq + 1
-    perm = torch.randperm(num_pages, generator=gen)[: bsz * per_seq]
-    table = perm.view(bsz, per_seq).to(torch.int32).to(dev)
+    perm = torch.randperm(num_pages, generator=gen)
+    table = perm[: bsz * per_seq].view(bsz, per_seq)
+    if table_pages > per_seq:  # columns past the context: the spare page, never read
+        spare = perm[-1:].expand(bsz, table_pages - per_seq)
+        table = torch.cat([table, spare], dim=1)
+    table = table.to(torch.int32).contiguous().to(dev)
     pos = torch.arange(ctx)
     slots = (table.long().cpu()[:, pos // page] * page + pos % page).to(dev)
     gain = torch.linspace(0.5, 3.0, hkv).view(1, 1, hkv, 1).to(dev)
@@ -133,7 +166,10 @@ def run_shape(
     query = torch.randn(bsz, 1, hq, d, generator=gen).to(dev).to(qdtype)
     seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
     sm = d**-0.5
-    row: dict[str, Any] = {"B": bsz, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "page": page}
+    row: dict[str, Any] = {
+        "B": bsz, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "page": page,
+        "table_pages": int(table.shape[1]),
+    }  # fmt: skip
     ring = None
     if recent:  # position p of a sequence in slot p % R, as the cache keeps them
         ring = torch.empty(bsz, 2, recent, hkv, d, dtype=torch.bfloat16, device=dev)
@@ -159,6 +195,23 @@ def run_shape(
         err = _rel_err(out, ref, f"{name} B{bsz}x{ctx}")
         nbytes = _read_bytes(pages, bsz * per_seq, num_pages, table)
         entry: dict[str, Any] = {"rel_err": err, "bytes": nbytes, **_timed(call, smoke, nbytes)}
+        entry["launcher_splits"] = attention_launch(
+            query, pages, table, seq_lens, scheme, sm_scale=sm, out=out
+        ).num_splits
+
+        def call_split(
+            num_splits: int, pages: Pages = pages, scheme: Scheme = scheme,
+            out: torch.Tensor = out, recent: RecentTokens | None = None,
+        ) -> Any:  # fmt: skip
+            return paged_attention_triton(
+                query, pages, table, seq_lens, scheme, sm_scale=sm, out=out,
+                num_splits=num_splits, recent=recent,
+            )  # fmt: skip
+
+        if splits:
+            entry["splits"] = _splits_timed(
+                call_split, out, ref, splits, smoke, nbytes, f"{name} B{bsz}x{ctx}"
+            )
         if name != "fp8" and configs:
             entry["configs"] = {}
             for spec in configs:
@@ -195,6 +248,18 @@ def run_shape(
             )
             err = _rel_err(out, ref_ring, f"{name} B{bsz}x{ctx} recent {recent}")
             entry["recent"] = {"rel_err": err, **_timed(call_ring, smoke, nbytes)}
+            entry["recent"]["launcher_splits"] = attention_launch(
+                query, pages, table, seq_lens, scheme, sm_scale=sm, out=out, recent=kept
+            ).num_splits
+            if splits:
+
+                def ring_split(num_splits: int, kept: RecentTokens = kept) -> Any:
+                    return call_split(num_splits, recent=kept)
+
+                entry["recent"]["splits"] = _splits_timed(
+                    ring_split, out, ref_ring, splits, smoke, nbytes,
+                    f"{name} B{bsz}x{ctx} recent {recent}",
+                )  # fmt: skip
             if "graph_ms" in entry:
                 entry["recent"]["graph_ms_x_plain"] = (
                     entry["recent"]["graph_ms"] / entry["graph_ms"]
@@ -231,11 +296,21 @@ def main(argv: list[str] | None = None) -> int:
         "--formats", default=",".join(FORMATS), help=f"comma list of {FORMATS + EXTRA_FORMATS}"
     )
     ap.add_argument("--recent", type=int, default=0, help="also time a ring of R newest tokens")
+    ap.add_argument(
+        "--table-pages",
+        type=int,
+        default=0,
+        help="block-table columns per sequence (default: the context's pages)",
+    )
+    ap.add_argument("--splits", default="", help="comma list of split counts also timed (forced)")
     args = ap.parse_args(argv)
     formats = tuple(f for f in args.formats.split(",") if f)
     if not formats or any(f not in FORMATS + EXTRA_FORMATS for f in formats):
         ap.error(f"--formats: {args.formats!r}; expected names from {FORMATS + EXTRA_FORMATS}")
     hq, hkv, d = (int(x) for x in args.heads.split(","))
+    splits = tuple(int(x) for x in args.splits.split(",") if x)
+    if any(s < 1 for s in splits):
+        ap.error(f"--splits: {args.splits!r}; expected positive counts")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.smoke:
@@ -252,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     for bsz, ctx in shapes:
         configs = tuple(c for c in args.configs.split(";") if c)
         row = run_shape(
-            bsz, ctx, hq, hkv, d, args.page, dev, args.smoke, configs, formats, args.recent
-        )
+            bsz, ctx, hq, hkv, d, args.page, dev, args.smoke, configs, formats, args.recent,
+            args.table_pages, splits,
+        )  # fmt: skip
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=1))
         keys = ("ms", "_x_fp8", "TBps", "_x_plain")
@@ -267,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
                 }
             for spec, e in row[n].get("configs", {}).items():
                 brief[f"{n} {spec}"] = {k: round(v, 4) for k, v in e.items() if k.endswith("ms")}
+            for part, e in (("", row[n]), (" recent", row[n].get("recent", {}))):
+                if "launcher_splits" in e:
+                    brief[f"{n}{part} launcher_splits"] = e["launcher_splits"]
+                for s, t in e.get("splits", {}).items():
+                    brief[f"{n}{part} splits {s}"] = {
+                        k: round(v, 4) for k, v in t.items() if k.endswith("ms")
+                    }
         print(f"B{bsz} x {ctx}: {json.dumps(brief)}", flush=True)
     return 0
 

@@ -367,14 +367,57 @@ class _Record(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+class _LaunchLog:
+    """The decode attention launches kvquant's kernel plans choose while an arm runs.
+
+    Wraps ``kvquant.kernels.attention.launch.attention_launch`` (what a plan calls when it is
+    built) and keeps, per geometry of a one-token query, the split count and tile: the split
+    count follows the block table's width, which grows with the cache's pools.
+    """
+
+    def __init__(self) -> None:
+        self.launches: dict[str, dict[str, Any]] = {}
+        self._module: Any = None
+        self._original: Any = None
+
+    def install(self) -> None:
+        from kvquant.kernels.attention import launch as module
+
+        original = module.attention_launch
+
+        def recorded(query: Any, pages: Any, block_tables: Any, *a: Any, **kw: Any) -> Any:
+            launch = original(query, pages, block_tables, *a, **kw)
+            if query.shape[1] == 1:
+                key = f"B{query.shape[0]} table {block_tables.shape[1] * pages.k.shape[1]} keys"
+                if kw.get("recent") is not None:
+                    key += " recent"
+                self.launches[key] = {
+                    "num_splits": launch.num_splits,
+                    "BLOCK_N": launch.tiles.BLOCK_N,
+                    "num_warps": launch.tiles.num_warps,
+                }
+            return launch
+
+        self._module, self._original = module, original
+        module.attention_launch = recorded
+
+    def remove(self) -> None:
+        if self._module is not None:
+            self._module.attention_launch = self._original
+            self._module = None
+
+
 class Arm:
-    """Sets a model up for one arm and undoes it; ``warnings`` holds what kvquant warned."""
+    """Sets a model up for one arm and undoes it; ``warnings`` holds what kvquant warned,
+    ``launches`` the decode attention launches its plans chose (:class:`_LaunchLog`)."""
 
     def __init__(self, name: str, model: Any, scales: dict[str, torch.Tensor], backend: str):
         self.name, self.model, self.scales, self.backend = name, model, scales, backend
         self.handle: Any = None
         self._record = _Record()
         self.warnings = self._record.messages
+        self._launch_log = _LaunchLog()
+        self.launches = self._launch_log.launches
         self.device = next(model.parameters()).device
         self.before: int | None = None
         self.left_after_remove: int | None = None
@@ -407,6 +450,7 @@ class Arm:
             )
         else:
             raise ValueError(f"unknown arm {self.name!r}")
+        self._launch_log.install()
         return {}
 
     def stats(self) -> dict[str, Any] | None:
@@ -415,6 +459,7 @@ class Arm:
 
     def __exit__(self, *exc: object) -> None:
         logging.getLogger("kvquant").removeHandler(self._record)
+        self._launch_log.remove()
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -446,6 +491,8 @@ def run_arm(
                 row["graph_stats"] = stats
             if arm.warnings:  # e.g. a decode-graph capture that failed and fell back
                 row["kvquant_warnings"] = list(arm.warnings)
+            if arm.launches:
+                row["decode_attention_launches"] = dict(arm.launches)
     except Exception as err:  # a benchmark records a failed arm and goes on
         row = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
         traceback.print_exc()

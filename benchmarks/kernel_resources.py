@@ -18,6 +18,12 @@ Usage (must run without ``TRITON_INTERPRET``)::
     python3 benchmarks/kernel_resources.py                 # default variants
     python3 benchmarks/kernel_resources.py --variant 64,2,6 --variant 64,2,6,group64
     python3 benchmarks/kernel_resources.py --variant 64,2,6,nvfp4 --variant 64,2,6,mxfp4
+    python3 benchmarks/kernel_resources.py --shape 32,8,64 --variant 64,2,6,group64 \
+        --splits-at 64x2048,64x3088
+
+``--splits-at BxKEYS,...`` adds the split count the launcher would choose on an H200 (132
+SMs) for ``B`` sequences and a block table of ``KEYS`` key slots: ``choose_num_splits`` with
+the residency ``programs_per_sm`` gives for the compiled registers and shared memory.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from triton.compiler import ASTSource
 
 from kvquant.kernels import specialize
 from kvquant.kernels.attention import kernel as at
+from kvquant.kernels.attention.tuning import choose_num_splits, programs_per_sm
 
 PTX_OPS = ("ld.shared.b8", "ldmatrix", "cp.async.cg", "cp.async.ca", "mma.sync", "griddepcontrol")
 FORMATS = {"per-tensor": (False, 1), "group64": (True, 2), "group128": (True, 1)}
@@ -54,6 +61,7 @@ TRANSFORM_FORMATS = {
 # 4-bit formats: (K_FP4, V_FP4), 0 FP8, 1 NVFP4, 2 MXFP4 (per-tensor static scales otherwise)
 FP4_FORMATS = {"nvfp4": (1, 1), "mxfp4": (2, 2), "fp8-k-nvfp4-v": (0, 1)}
 DEFAULT_VARIANTS = ["64,2,6", "64,2,6,group64", "64,2,6,group128", "128,4,5", "64,2,9"]
+H200_SMS = 132
 
 
 def _compile_sm90(
@@ -282,6 +290,23 @@ def resources(kernel: Any) -> dict[str, Any]:
     }
 
 
+def splits_at(
+    record: dict[str, Any], at: list[tuple[int, int]], hkv: int, num_warps: int, block_n: int
+) -> dict[str, Any]:
+    """The H200 residency of a compiled variant and the launcher's split count for each
+    ``(batch, table keys)`` of ``at``."""
+    pps = programs_per_sm(record["registers"], num_warps, record["shared_bytes"])
+    return {
+        "programs_per_sm": pps,
+        "splits_at": {
+            f"{b}x{keys}": choose_num_splits(
+                b * hkv, keys, H200_SMS, programs_per_sm=pps, block_n=block_n
+            )
+            for b, keys in at
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
@@ -305,7 +330,14 @@ def main() -> None:
         default=0,
         help="the split merge of SPLITS partials instead",
     )
+    ap.add_argument(
+        "--splits-at",
+        default="",
+        metavar="BxKEYS,...",
+        help="also the launcher's split count for B sequences and tables of KEYS key slots",
+    )
     args = ap.parse_args()
+    at = [(int(b), int(k)) for b, k in (s.split("x") for s in args.splits_at.split(",") if s)]
     hq, hkv, d = (int(x) for x in args.shape.split(","))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this tool compiles for sm_90")
@@ -322,6 +354,8 @@ def main() -> None:
             recent=args.recent,
         )  # fmt: skip
         record = {"variant": spec, "shape": args.shape, "recent": args.recent, **resources(kernel)}
+        if at and not args.prefill:
+            record |= splits_at(record, at, hkv, warps, bn)
         print(json.dumps(record), flush=True)
 
 

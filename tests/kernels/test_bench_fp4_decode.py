@@ -37,3 +37,21 @@ def test_smoke_run_checks_every_format_and_writes_the_bytes(tmp_path: Path) -> N
     assert row["nvfp4"]["bytes_x_fp8"] == pytest.approx((16 + 2) / 32, rel=0.02)
     assert row["mxfp4"]["bytes_x_fp8"] == pytest.approx((32 + 2) / 64, rel=0.02)
     assert row["fp8-k-nvfp4-v"]["bytes_x_fp8"] == pytest.approx((1 + 18 / 32) / 2, rel=0.02)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU interpreter's")
+def test_smoke_run_with_a_wide_table_checks_forced_splits(tmp_path: Path) -> None:
+    bench = _load()
+    out = tmp_path / "splits.json"
+    argv = ["--out", str(out), "--smoke", "--formats", "fp8,nvfp4", "--recent", "4"]
+    assert bench.main([*argv, "--table-pages", "5", "--splits", "1,3"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["table_pages"] == 5  # 40 tokens fill 3 pages; 2 more columns
+    for name in ("fp8", "nvfp4"):
+        for entry in (row[name], row[name]["recent"]):
+            assert entry["launcher_splits"] >= 1
+            assert sorted(entry["splits"]) == ["1", "3"]
+            for forced in entry["splits"].values():
+                assert 0.0 <= forced["rel_err"] <= bench.REL_TOL
+    with pytest.raises(SystemExit, match="fewer than the 3 pages"):
+        bench.main([*argv, "--table-pages", "2"])

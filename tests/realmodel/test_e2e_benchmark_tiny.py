@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -69,3 +70,32 @@ def test_e2e_generate_runs_the_named_arms_in_their_order(tmp_path: Path) -> None
     arms = json.loads(out.read_text())["shapes"]["tiny"]["arms"]
     assert list(arms) == ["kvquant-recent16", "default"]
     assert arms["kvquant-recent16"]["status"] == "ok"
+
+
+def test_e2e_generate_records_the_decode_launches_plans_choose() -> None:
+    """The arm's launch log keeps each one-token launch's split count by table width and
+    puts the launcher back when removed."""
+    from kvquant.kernels import page_storage, paged_attention
+    from kvquant.kernels.attention import launch as module
+    from kvquant.schemes import Pages, PerTensorScales
+
+    bench = _load_script()
+    original = module.attention_launch
+    log = bench._LaunchLog()
+    log.install()
+    try:
+        k, v = page_storage(6, 16, 2, 32)
+        k.zero_(), v.zero_()
+        pages = Pages(k, v)
+        table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+        lens = torch.tensor([20, 33], dtype=torch.int32)
+        scheme = PerTensorScales(torch.tensor(0.5), torch.tensor(0.5))
+        for lq in (1, 3):
+            query = torch.randn(2, lq, 4, 32, dtype=torch.float16)
+            paged_attention(query, pages, table, lens, scheme, sm_scale=0.2, backend="triton")
+    finally:
+        log.remove()
+    assert module.attention_launch is original
+    (entry,) = log.launches.items()  # the 3-token query is not a decode launch
+    assert entry[0] == "B2 table 48 keys"
+    assert entry[1]["num_splits"] >= 1 and entry[1]["BLOCK_N"] > 0

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One H200 round on the decode kernel's split count where a cache meets it: the launcher sizes
+# the split count from the block table's width, and a cache whose pools grew with headroom
+# before its decode graph was captured has tables about 1.5x the length it holds (B64 x 2k:
+# 193 pages for about 2100 keys). Offline, the rule then gives 17 splits at that width for the
+# fp32-group and NVFP4 kernels (6 programs per SM) where the kernel benchmark's exact tables
+# got 3, and jumps between 2 and 43 for neighbouring widths (docs/dev/kernels.md, "Split count
+# at a cache's table widths").
+# Parts (PARTS, default "sweep e2e"):
+#   sweep: the attention alone at the e2e geometries with the launcher's split count and forced
+#          ones, with and without a ring of 16 (bench_fp4_decode.py --table-pages --splits);
+#   e2e:   the B64 x 2k decode step, fp32-group with and without recent_tokens=16, both orders,
+#          each arm's decode launches (split counts) recorded in its JSON;
+#   profile: the kernels of both arms' B64 x 2k steps (profile_generate.py --kernels).
+# Usage (device tool, repo root): PARTS="sweep e2e" bash benchmarks/splits_round.sh
+# Writes under $OUT: env.log, splits_b64.json, splits_b16.json, e2e_b64_{ab,ba}.json,
+# profile_b64.txt
+set -u
+OUT=${OUT:-./splits_round_out}
+PARTS=${PARTS:-sweep e2e}
+. "$(dirname "$0")/round_env.sh"
+for part in $PARTS; do
+  case $part in
+    sweep)
+      # B64 x 2080 keys in a 193-page table (the e2e's after its headroom growth), then
+      # B16 x 8224 keys in a 769-page table; Llama-3.2-1B heads
+      timeout 240 python3 benchmarks/bench_fp4_decode.py --heads 32,8,64 \
+        --formats fp8,fp8-group,nvfp4 --recent 16 --shapes 64x2080 --table-pages 193 \
+        --splits 1,2,3,4,6,8,12,17 --out "$OUT/splits_b64.json" 2>&1 | tail -n 2
+      timeout 200 python3 benchmarks/bench_fp4_decode.py --heads 32,8,64 \
+        --formats fp8,fp8-group,nvfp4 --recent 16 --shapes 16x8224 --table-pages 769 \
+        --splits 2,4,6,8,12 --out "$OUT/splits_b16.json" 2>&1 | tail -n 2
+      ;;
+    e2e)
+      timeout 200 python3 benchmarks/e2e_generate.py --shapes b64x2k --repeats 3 \
+        --arms kvquant-fp32-group,kvquant-recent16 --out "$OUT/e2e_b64_ab.json" 2>&1 | tail -n 6
+      timeout 200 python3 benchmarks/e2e_generate.py --shapes b64x2k --repeats 3 \
+        --arms kvquant-recent16,kvquant-fp32-group --out "$OUT/e2e_b64_ba.json" 2>&1 | tail -n 6
+      ;;
+    profile)
+      timeout 200 python3 benchmarks/profile_generate.py --batch 64 --prompt 2048 --new 32 \
+        --kernels --arms kvquant-fp32-group,kvquant-recent16 --out "$OUT/profile_b64.txt" 2>&1 |
+        tail -n 3
+      ;;
+    *)
+      echo "unknown part $part (sweep, e2e, profile)"
+      ;;
+  esac
+done
