@@ -9,12 +9,15 @@
 # Parts (PARTS, default "sweep e2e"):
 #   sweep: the attention alone at the e2e geometries with the launcher's split count and forced
 #          ones, with and without a ring of 16 (bench_fp4_decode.py --table-pages --splits);
+#   shapes: forced split counts at the kernel tables' shapes (32/8/128 B32 x 16k, B8 x 1k,
+#          B1 x 32k): whether fewer splits than the wave rule's do as well wherever the
+#          (sequence, KV head) pairs alone already fill the GPU's bandwidth;
 #   e2e:   the B64 x 2k decode step, fp32-group with and without recent_tokens=16, both orders,
 #          each arm's decode launches (split counts) recorded in its JSON;
 #   profile: the kernels of both arms' B64 x 2k steps (profile_generate.py --kernels).
 # Usage (device tool, repo root): PARTS="sweep e2e" bash benchmarks/splits_round.sh
-# Writes under $OUT: env.log, splits_b64.json, splits_b16.json, e2e_b64_{ab,ba}.json,
-# profile_b64.txt
+# Writes under $OUT: env.log, splits_b64.json, splits_b16.json, splits_shapes.json,
+# e2e_b64_{ab,ba}.json, profile_b64.txt
 set -u
 OUT=${OUT:-./splits_round_out}
 PARTS=${PARTS:-sweep e2e}
@@ -31,6 +34,11 @@ for part in $PARTS; do
         --formats fp8,fp8-group,nvfp4 --recent 16 --shapes 16x8224 --table-pages 769 \
         --splits 2,4,6,8,12 --out "$OUT/splits_b16.json" 2>&1 | tail -n 2
       ;;
+    shapes)
+      timeout 300 python3 benchmarks/bench_fp4_decode.py --heads 32,8,128 --formats fp8,fp8-group \
+        --shapes 32x16384,8x1024,1x32768 --splits 1,2,4,8,16,32 \
+        --out "$OUT/splits_shapes.json" 2>&1 | tail -n 3
+      ;;
     e2e)
       timeout 200 python3 benchmarks/e2e_generate.py --shapes b64x2k --repeats 3 \
         --arms kvquant-fp32-group,kvquant-recent16 --out "$OUT/e2e_b64_ab.json" 2>&1 | tail -n 6
@@ -43,7 +51,7 @@ for part in $PARTS; do
         tail -n 3
       ;;
     *)
-      echo "unknown part $part (sweep, e2e, profile)"
+      echo "unknown part $part (sweep, shapes, e2e, profile)"
       ;;
   esac
 done
