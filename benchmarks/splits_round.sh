@@ -12,12 +12,15 @@
 #   shapes: forced split counts at the kernel tables' shapes (32/8/128 B32 x 16k, B8 x 1k,
 #          B1 x 32k): whether fewer splits than the wave rule's do as well wherever the
 #          (sequence, KV head) pairs alone already fill the GPU's bandwidth;
+#   kt:    forced split counts for per-head and the k-transform at the shapes where the
+#          k-transform costs most (9/3/64 and 32/8/128 B16 x 8k, 9/3/64 B32 x 16k): each program
+#          pays the transform's prologue once, so fewer, longer splits may close the gap;
 #   e2e:   the B64 x 2k decode step, fp32-group with and without recent_tokens=16, both orders,
 #          each arm's decode launches (split counts) recorded in its JSON;
 #   profile: the kernels of both arms' B64 x 2k steps (profile_generate.py --kernels).
 # Usage (device tool, repo root): PARTS="sweep e2e" bash benchmarks/splits_round.sh
 # Writes under $OUT: env.log, splits_b64.json, splits_b16.json, splits_shapes.json,
-# e2e_b64_{ab,ba}.json, profile_b64.txt
+# kt/tune.json, e2e_b64_{ab,ba}.json, profile_b64.txt
 set -u
 OUT=${OUT:-./splits_round_out}
 PARTS=${PARTS:-sweep e2e}
@@ -39,6 +42,11 @@ for part in $PARTS; do
         --shapes 32x16384,8x1024,1x32768 --splits 1,2,4,8,16,32 \
         --out "$OUT/splits_shapes.json" 2>&1 | tail -n 3
       ;;
+    kt)
+      timeout 300 python3 benchmarks/tune_decode.py --graph --no-configs --budget-s 280 \
+        --shapes 9/3/64/16/8192/per-head+per-head-kt,32/8/128/16/8192/per-head+per-head-kt,9/3/64/32/16384/per-head+per-head-kt \
+        --out "$OUT/kt" 2>&1 | grep -v '^{"shape".*"fmt"' | tail -n 2
+      ;;
     e2e)
       timeout 200 python3 benchmarks/e2e_generate.py --shapes b64x2k --repeats 3 \
         --arms kvquant-fp32-group,kvquant-recent16 --out "$OUT/e2e_b64_ab.json" 2>&1 | tail -n 6
@@ -51,7 +59,7 @@ for part in $PARTS; do
         tail -n 3
       ;;
     *)
-      echo "unknown part $part (sweep, shapes, e2e, profile)"
+      echo "unknown part $part (sweep, shapes, kt, e2e, profile)"
       ;;
   esac
 done

@@ -10,13 +10,16 @@ change give a copy that defines its kernels itself (e.g. one from before they mo
 Prints the best configuration per shape and writes everything to ``--out/tune.json``.
 
 ``--graph`` times CUDA-graph replays (device time without host gaps), ``--auto-splits``
-keeps only the launcher's split choice, ``--shapes`` names the shapes (``Hq/Hkv/D/B/ctx/FMT``,
-comma-separated) instead of :data:`SHAPES`.
+keeps only the launcher's split choice, ``--no-configs`` only the launcher's tile (the split
+counts swept alone), ``--shapes`` names the shapes (``Hq/Hkv/D/B/ctx/FMT``, comma-separated)
+instead of :data:`SHAPES`.
 
 Usage (H200)::
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py --out results/ [--baseline old.py]
     PYTHONPATH=. python3 benchmarks/tune_decode.py --out results/ --graph --auto-splits
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --out results/ --graph --no-configs \
+        --shapes 9/3/64/16/8192/per-head+per-head-kt
 """
 
 from __future__ import annotations
@@ -160,6 +163,11 @@ def main() -> None:
         "--auto-splits", action="store_true", help="only the launcher's own split count"
     )
     ap.add_argument(
+        "--no-configs",
+        action="store_true",
+        help="only the launcher's own tile configuration (sweep the split counts alone)",
+    )
+    ap.add_argument(
         "--shapes",
         default=None,
         help="comma-separated Hq/Hkv/D/B/ctx/FMT[+FMT...] instead of SHAPES, "
@@ -175,6 +183,8 @@ def main() -> None:
         CONFIGS, SPLITS = [(32, 4, 2, 3)], [None, 2]
     if args.auto_splits:
         SPLITS = [None]
+    if args.no_configs:
+        CONFIGS = []
     timer = ba.bench_graph if args.graph and not args.smoke else ba.bench
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s
