@@ -35,7 +35,7 @@ for part in $PARTS; do
         --splits 1,2,3,4,6,8,12,17 --out "$OUT/splits_b64.json" 2>&1 | tail -n 2
       timeout 200 python3 benchmarks/bench_fp4_decode.py --heads 32,8,64 \
         --formats fp8,fp8-group,nvfp4 --recent 16 --shapes 16x8224 --table-pages 769 \
-        --splits 2,4,6,8,12 --out "$OUT/splits_b16.json" 2>&1 | tail -n 2
+        --splits 1,2,3,4,6,8,12 --out "$OUT/splits_b16.json" 2>&1 | tail -n 2
       ;;
     shapes)
       timeout 300 python3 benchmarks/bench_fp4_decode.py --heads 32,8,128 --formats fp8,fp8-group \
