@@ -19,6 +19,8 @@
 #          each arm's decode launches (split counts) recorded in its JSON;
 #   profile: the kernels of both arms' B64 x 2k steps (profile_generate.py --kernels).
 # Usage (device tool, repo root): PARTS="sweep e2e" bash benchmarks/splits_round.sh
+# Then, anywhere: python benchmarks/split_rules.py OUT/splits_*.json OUT/kt/tune.json ranks the
+# launcher's split counts and candidate rules' against the best forced ones.
 # Writes under $OUT: env.log, splits_b64.json, splits_b16.json, splits_shapes.json,
 # kt/tune.json, e2e_b64_{ab,ba}.json, profile_b64.txt
 set -u

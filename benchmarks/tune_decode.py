@@ -139,6 +139,17 @@ def launch(mod: Any, p: ba.Problem, f: dict[str, Any], **kw: Any) -> torch.Tenso
     )  # fmt: skip
 
 
+def launcher_splits(mod: Any, p: ba.Problem, f: dict[str, Any], cfg: dict[str, int]) -> int:
+    """The split count ``mod``'s launcher chooses for problem ``p`` in format ``f``."""
+    x = ba.kernel_inputs(f, {})
+    return int(
+        mod.attention_launch(
+            p.q, x["pages"], p.block_tables, p.seq_lens, x["scheme"], sm_scale=p.sm_scale,
+            mask=x["mask"], first=x["first"], config=cfg or None,
+        ).num_splits
+    )  # fmt: skip
+
+
 def _parse_shape(text: str) -> tuple[Any, ...]:
     """``Hq/Hkv/D/B/ctx/FMT[+FMT...]`` -> a :data:`SHAPES` entry."""
     *dims, formats = text.split("/")
@@ -244,6 +255,8 @@ def main() -> None:
                             "impl": impl_name, "config": cfg, "splits": s, "ms": t,
                             "TBps": nbytes / t / 1e9, "vs_sdpa": row["sdpa_ms"] / t,
                         })  # fmt: skip
+                        if s is None and hasattr(mod, "attention_launch"):
+                            runs[-1]["launcher_splits"] = launcher_splits(mod, p, f, cfg)
             err = ba.check(p, f, p.q)
             good = [r for r in runs if "ms" in r and r["ms"] == r["ms"]]
             best = min(good, key=lambda r: r["ms"]) if good else None
