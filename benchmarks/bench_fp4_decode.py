@@ -14,7 +14,9 @@ checked against the reference too, under ``configs`` in each format's entry: can
 compared in one run. ``--recent R`` times each format again with a ring of each sequence's
 ``R`` newest tokens in bf16 (``recent_tokens``), checked against the reference with the same
 ring, under ``recent`` (with ``graph_ms_x_plain``, its time over the format's without it).
-Every entry records the split count the launcher chose (``launcher_splits``). ``--table-pages N``
+Every entry records the split count the launcher chose (``launcher_splits``), and on a GPU each
+row the registers, warps and shared memory of every split-kernel variant compiled so far
+(``split_kernel_use``: what the launcher's residency, and so its split count, came from). ``--table-pages N``
 gives each sequence's block table ``N`` columns (at least the context's pages; the columns past
 it point at a spare page the kernel never reads), as a cache whose pools grew with headroom
 before its decode graph was captured holds them: the launcher sizes its split count from the
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from kvquant.kernels import group_scale_storage, page_storage, paged_attention, write_kv
+from kvquant.kernels.attention import launch as attention_launcher
 from kvquant.kernels.attention.launch import attention_launch, paged_attention_triton
 from kvquant.kernels.fp4 import fp4_page_storage
 from kvquant.schemes import (
@@ -138,6 +141,20 @@ def _splits_timed(
         err = _rel_err(out, ref, f"{what} splits {s}")
         timed[str(s)] = {"rel_err": err, **_timed(forced, smoke, nbytes)}
     return timed
+
+
+def split_kernel_use() -> list[dict[str, Any]]:
+    """Registers, warps and shared memory of each split decode kernel the launcher compiled
+    (its residency's inputs), with the variant's constexprs and pointer dtypes."""
+    out = []
+    for key, (regs, warps, shared) in attention_launcher._KERNEL_USE.items():
+        _device, dtypes, *consts = key
+        out.append({
+            "registers": regs, "warps": warps, "shared_bytes": shared,
+            "consts": {str(k): v for k, v in consts if isinstance(v, (bool, int, float, str))},
+            "pointers": [None if t is None else str(t) for t in dtypes],
+        })  # fmt: skip
+    return out
 
 
 def run_shape(
@@ -268,6 +285,8 @@ def run_shape(
         del pages, out, ref
         if dev == "cuda":
             torch.cuda.empty_cache()
+    if dev == "cuda":
+        row["split_kernel_use"] = split_kernel_use()
     base = row.get("fp8")
     for name in formats:
         if base is None or name == "fp8":

@@ -329,9 +329,52 @@ def test_split_count_heuristic() -> None:
     assert choose_num_splits(8, 300, 132, block_n=128) == 3  # at most one split per tile
     # 9/3/64, B32: 3 programs per SM -> 4 splits (384 <= 396 slots), not 5 (1.2 waves)
     assert choose_num_splits(96, 16384, 132, programs_per_sm=3) == 4
-    assert choose_num_splits(96, 16384, 132) == 8  # 2 per SM: 768 programs, 3 waves of 264
+    # 2 per SM: 5 splits (480 programs, 0.9 of a wave), not 8 (768: three waves of 264)
+    assert choose_num_splits(96, 16384, 132) == 5
     # 32/8/64 B16 x 1k at 3 per SM: 3 splits (balance 8 / 9 tiles) beat 2 (0.65 of a wave)
     assert choose_num_splits(128, 1024, 132, programs_per_sm=3) == 3
+
+
+def test_split_count_stays_within_two_waves_and_steady_over_table_widths() -> None:
+    """B64 x 8 KV heads at 6 programs per SM (fp32-group / NVFP4 decode, head_dim 64): the
+    same 3 splits for every table width of a 2k context and its growth headroom, where the
+    unbounded rule jumped between 3 and 55 (17 at the 3088 key slots of a cache's tables)."""
+    widths = range(2048, 4224, 16)
+    counts = {choose_num_splits(512, w, 132, programs_per_sm=6, block_n=64) for w in widths}
+    assert counts == {3}
+    for programs, pps in ((512, 8), (256, 5), (384, 6), (128, 6), (1024, 4)):
+        slots = 132 * pps
+        for w in range(1024, 16384, 48):
+            s = choose_num_splits(programs, w, 132, programs_per_sm=pps, block_n=64)
+            assert programs * s <= max(programs, 2 * slots), (programs, pps, w, s)
+
+
+def test_split_count_bound_changes_only_counts_beyond_two_waves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the wave-and-balance rule alone makes at most two waves, the bound keeps its count."""
+    from kvquant.kernels.attention import tuning
+
+    grid = [
+        (programs, w, pps)
+        for programs in (8, 24, 48, 96, 128, 256, 512)
+        for pps in (2, 5, 8)
+        for w in range(256, 40000, 1552)
+    ]
+    bounded = {
+        g: choose_num_splits(g[0], g[1], 132, programs_per_sm=g[2], block_n=64) for g in grid
+    }
+    choose_num_splits.cache_clear()
+    monkeypatch.setattr(tuning, "MAX_SPLIT_WAVES", 10**9)
+    try:
+        for (programs, w, pps), s in bounded.items():
+            free = choose_num_splits(programs, w, 132, programs_per_sm=pps, block_n=64)
+            if programs * free <= 2 * 132 * pps:
+                assert s == free, (programs, w, pps, s, free)
+            else:
+                assert s < free and programs * s <= max(programs, 2 * 132 * pps)
+    finally:
+        choose_num_splits.cache_clear()
 
 
 def test_programs_per_sm() -> None:

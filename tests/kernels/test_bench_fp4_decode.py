@@ -55,3 +55,18 @@ def test_smoke_run_with_a_wide_table_checks_forced_splits(tmp_path: Path) -> Non
                 assert 0.0 <= forced["rel_err"] <= bench.REL_TOL
     with pytest.raises(SystemExit, match="fewer than the 3 pages"):
         bench.main([*argv, "--table-pages", "2"])
+
+
+def test_split_kernel_use_lists_each_compiled_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The residency inputs the launcher memoised, per variant (filled on a GPU only)."""
+    bench = _load()
+    key = (torch.device("cuda", 0), (torch.bfloat16, None), ("BLOCK_N", 64), ("PDL", True))
+    monkeypatch.setattr(bench.attention_launcher, "_KERNEL_USE", {key: (168, 2, 22624)})
+    (use,) = bench.split_kernel_use()
+    assert use == {
+        "registers": 168,
+        "warps": 2,
+        "shared_bytes": 22624,
+        "consts": {"BLOCK_N": 64, "PDL": True},
+        "pointers": ["torch.bfloat16", None],
+    }

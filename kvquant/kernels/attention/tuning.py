@@ -19,6 +19,9 @@ __all__ = ["Tiles", "choose_config", "choose_num_splits", "programs_per_sm"]
 
 FOLD_MAX_ROWS = 32
 
+MAX_SPLIT_WAVES = 2
+"""The most waves of resident programs a split count may make (:func:`choose_num_splits`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
@@ -136,9 +139,15 @@ def choose_num_splits(
     efficiency ``wave(s) * balance(s)``: ``wave(s) = programs * s / (ceil(programs * s /
     slots) * slots)`` (a partial wave costs as much as a full one) and ``balance(s) = tiles /
     (s * ceil(tiles / s))`` (the kernel gives each split ``ceil(tiles / s)`` whole tiles, so the
-    longest split sets the time). The smallest ``s`` within 95 % of the best efficiency wins.
-    With wave efficiency alone, B1 x 32k took 28 splits of 10 tiles where 32 splits of 8 do;
-    and short contexts stayed unsplit (measurements: ``docs/dev/kernels.md``, tuning).
+    longest split sets the time). The smallest ``s`` within 95 % of the best efficiency wins,
+    among the counts that make at most :data:`MAX_SPLIT_WAVES` waves (else the most efficient
+    of those). With wave efficiency alone, B1 x 32k took 28 splits of 10 tiles where 32 splits
+    of 8 do; and short contexts stayed unsplit (measurements: ``docs/dev/kernels.md``, tuning).
+    Without the wave bound, where many programs fill the GPU already, a large count that
+    happens to fill its last wave exactly (B64 x 8 KV heads: 17 to 43 splits of one or two
+    tiles, 8,704 and more programs) beat every small one, and the count jumped with the table's
+    width; but every program pays the kernel's prologue and the merge reads every split, and a
+    memory-bound program of a partial wave streams faster than a full wave's.
 
     Args:
         programs: programs without splitting (``B * Hkv * query blocks``).
@@ -152,14 +161,17 @@ def choose_num_splits(
     """
     slots = max(1, programs_per_sm) * num_sms
     tiles = max(1, triton.cdiv(max_keys, max(1, block_n)))
-    cap = max(1, min(64, tiles))
+    top = max(1, min(64, tiles))
+    cap = max(1, min(top, MAX_SPLIT_WAVES * slots // max(1, programs)))
 
     def efficiency(s: int) -> float:
         n = programs * s
         return n / (triton.cdiv(n, slots) * slots) * tiles / (s * triton.cdiv(tiles, s))
 
-    best = max(efficiency(s) for s in range(1, cap + 1))
-    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.95 * best)
+    best = max(efficiency(s) for s in range(1, top + 1))
+    within = [efficiency(s) for s in range(1, cap + 1)]
+    good = [s for s, e in enumerate(within, 1) if e >= 0.95 * best]
+    return good[0] if good else within.index(max(within)) + 1
 
 
 def programs_per_sm(
