@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fp4_decode.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvquant_bench_fp4_decode", SCRIPT)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_script
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU interpreter's")
 def test_smoke_run_checks_every_format_and_writes_the_bytes(tmp_path: Path) -> None:
-    bench = _load()
+    bench = load_script("bench_fp4_decode")
     out = tmp_path / "fp4.json"
     assert bench.main(["--out", str(out), "--smoke", "--configs", "32,1,3"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
@@ -41,7 +29,7 @@ def test_smoke_run_checks_every_format_and_writes_the_bytes(tmp_path: Path) -> N
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU interpreter's")
 def test_smoke_run_with_a_wide_table_checks_forced_splits(tmp_path: Path) -> None:
-    bench = _load()
+    bench = load_script("bench_fp4_decode")
     out = tmp_path / "splits.json"
     argv = ["--out", str(out), "--smoke", "--formats", "fp8,nvfp4", "--recent", "4"]
     assert bench.main([*argv, "--table-pages", "5", "--splits", "1,3"]) == 0
@@ -59,7 +47,7 @@ def test_smoke_run_with_a_wide_table_checks_forced_splits(tmp_path: Path) -> Non
 
 def test_split_kernel_use_lists_each_compiled_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """The residency inputs the launcher memoised, per variant (filled on a GPU only)."""
-    bench = _load()
+    bench = load_script("bench_fp4_decode")
     key = (torch.device("cuda", 0), (torch.bfloat16, None), ("BLOCK_N", 64), ("PDL", True))
     monkeypatch.setattr(bench.attention_launcher, "_KERNEL_USE", {key: (168, 2, 22624)})
     (use,) = bench.split_kernel_use()

@@ -3,25 +3,11 @@ launcher's choice and each candidate rule's against the best count timed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "split_rules.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvquant_split_rules", SCRIPT)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_script
 
 
 def _bench_json() -> dict:
@@ -55,7 +41,7 @@ def _tune_json() -> dict:
 
 
 def test_rules_are_ranked_against_the_best_forced_count(tmp_path: Path) -> None:
-    rules = _load()
+    rules = load_script("split_rules")
     bench, tune = tmp_path / "b.json", tmp_path / "t.json"
     bench.write_text(json.dumps(_bench_json()))
     tune.write_text(json.dumps(_tune_json()))
@@ -78,7 +64,7 @@ def test_rules_are_ranked_against_the_best_forced_count(tmp_path: Path) -> None:
 
 
 def test_files_without_forced_counts_are_refused(tmp_path: Path) -> None:
-    rules = _load()
+    rules = load_script("split_rules")
     empty = tmp_path / "e.json"
     empty.write_text(json.dumps({"rows": [{"B": 1, "ctx": 16, "hq": 4, "hkv": 2, "d": 32}]}))
     with pytest.raises(SystemExit, match="no forced split counts"):

@@ -3,23 +3,13 @@ time to first token over every request, censored where a cut run stopped before 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "continuous_batching.py"
-
-
-def _load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvquant_bench_continuous_batching", SCRIPT)
-    assert spec is not None and spec.loader is not None  # the file ships with the repo
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_script
 
 
 def _mode(tok_s: float, in_flight: int, ttft: float, at_most: float | None = None) -> dict:
@@ -35,7 +25,7 @@ def _mode(tok_s: float, in_flight: int, ttft: float, at_most: float | None = Non
 
 
 def test_a_cut_reference_bounds_the_tokens_per_second_ratio_from_below() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     rows = [
         {"arm": "sdpa", "modes": [_mode(60.0, 100, 10.0, at_most=400.0)]},
         {"arm": "kvquant", "modes": [_mode(1600.0, 190, 12.0)]},
@@ -46,7 +36,7 @@ def test_a_cut_reference_bounds_the_tokens_per_second_ratio_from_below() -> None
 
 
 def test_a_complete_reference_gives_no_bound() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     rows = [
         {"arm": "sdpa", "modes": [_mode(600.0, 100, 1.0)]},
         {"arm": "kvquant", "modes": [_mode(900.0, 190, 1.0)]},
@@ -55,7 +45,7 @@ def test_a_complete_reference_gives_no_bound() -> None:
 
 
 def test_a_cut_reference_bounds_the_ttft_ratio_from_above() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     ref = {**_mode(60.0, 100, 0.0), "ttft_finished_only_median_s": 15.0}
     del ref["ttft_median_s"]
     ref["ttft_median_s_at_least"] = 40.0
@@ -71,7 +61,7 @@ def test_a_cut_reference_bounds_the_ttft_ratio_from_above() -> None:
 
 
 def test_order_statistic_exact_when_every_bound_lies_above_it() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     observed, bounds = [3.0, 1.0, 2.0], [5.0, 4.0]
     assert bench.order_statistic(observed, bounds, 1) == (1.0, True)
     assert bench.order_statistic(observed, bounds, 3) == (3.0, True)
@@ -82,7 +72,7 @@ def test_order_statistic_exact_when_every_bound_lies_above_it() -> None:
 
 
 def test_order_statistic_a_lower_bound_when_a_censored_value_may_come_first() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     # a request added late: stopped 0.5 s after it arrived, it could still come before 2.0
     value, exact = bench.order_statistic([1.0, 2.0, 3.0], [0.5], 2)
     assert not exact
@@ -91,7 +81,7 @@ def test_order_statistic_a_lower_bound_when_a_censored_value_may_come_first() ->
 
 
 def test_censored_ttft_all_observed_matches_the_plain_statistics() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     values = [0.4, 0.1, 0.3, 0.2, 0.9, 0.5]
     got = bench.censored_ttft(values, [])
     assert got["ttft_median_s"] == pytest.approx(statistics.median(values))
@@ -101,7 +91,7 @@ def test_censored_ttft_all_observed_matches_the_plain_statistics() -> None:
 
 
 def test_censored_ttft_exact_median_bounded_p95() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     # 5 of 8 requests got a first token by the stop; the 3 others waited at least 10 s
     got = bench.censored_ttft([1.0, 2.0, 3.0, 4.0, 5.0], [10.0, 10.0, 10.0])
     assert got["ttft_median_s"] == pytest.approx(4.5)  # 4th and 5th values, both seen
@@ -111,7 +101,7 @@ def test_censored_ttft_exact_median_bounded_p95() -> None:
 
 
 def test_censored_ttft_median_only_bounded_when_fewer_than_half_observed() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     got = bench.censored_ttft([1.0, 2.0], [6.0, 8.0, 9.0])
     assert got["ttft_median_s_at_least"] == pytest.approx(6.0)
     assert "ttft_median_s" not in got
@@ -119,7 +109,7 @@ def test_censored_ttft_median_only_bounded_when_fewer_than_half_observed() -> No
 
 
 def test_censored_ttft_none_observed_and_no_requests() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     got = bench.censored_ttft([], [3.0, 1.0])
     assert got["ttft_median_s_at_least"] == pytest.approx(2.0)  # mean of the two bounds
     assert got["ttft_p95_s_at_least"] == pytest.approx(3.0)
@@ -132,7 +122,7 @@ def _state(rid: str, created: float, stamps: list[float]) -> SimpleNamespace:
 
 
 def test_first_tokens_keeps_a_request_recomputed_after_eviction() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     taken: list[str] = []
     scheduler = SimpleNamespace(add_waiting_request=lambda s: taken.append(s.request_id))
     manager = SimpleNamespace(batch_processor=SimpleNamespace(scheduler=scheduler))
@@ -153,7 +143,7 @@ def test_first_tokens_keeps_a_request_recomputed_after_eviction() -> None:
 
 
 def test_first_tokens_without_the_scheduler_hook_says_so() -> None:
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     tracker = bench.FirstTokens(SimpleNamespace(batch_processor=None))
     assert tracker.note is not None
     result = SimpleNamespace(timestamps=[2.0], created_time=1.0)
@@ -168,7 +158,7 @@ def test_a_tiny_cpu_run_cut_by_its_timeout_records_first_tokens_of_unfinished_re
     arm: str, tmp_path: Path
 ) -> None:
     pytest.importorskip("transformers")
-    bench = _load_script()
+    bench = load_script("continuous_batching")
     out = tmp_path / "cb.json"
     # 12 requests of 900 new tokens, stopped after 2 s: none can finish (the SDPA arm's cache
     # holds 4 of them at once, kvquant's all 12), and the first ones have their first token

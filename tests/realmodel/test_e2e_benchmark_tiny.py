@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_script
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_generate.py"
-
-
-def _load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvquant_bench_e2e_generate", SCRIPT)
-    assert spec is not None and spec.loader is not None  # the file ships with the repo
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_e2e_generate_tiny_cpu(tmp_path: Path) -> None:
-    bench = _load_script()
+    bench = load_script("e2e_generate")
     out = tmp_path / "e2e.json"
     argv = ["--tiny", "--device", "cpu", "--backend", "torch", "--repeats", "1", "--out", str(out)]
     assert bench.main(argv) == 0
@@ -49,7 +39,7 @@ def test_e2e_generate_tiny_cpu(tmp_path: Path) -> None:
 
 
 def test_e2e_generate_runs_an_opt_in_arm_only_when_named(tmp_path: Path) -> None:
-    bench = _load_script()
+    bench = load_script("e2e_generate")
     out = tmp_path / "e2e.json"
     argv = ["--tiny", "--device", "cpu", "--backend", "torch", "--repeats", "1", "--out", str(out)]
     assert bench.main([*argv, "--arms", "default,kvquant-rowgroups"]) == 0
@@ -63,7 +53,7 @@ def test_e2e_generate_runs_an_opt_in_arm_only_when_named(tmp_path: Path) -> None
 def test_e2e_generate_runs_the_named_arms_in_their_order(tmp_path: Path) -> None:
     """``--arms`` in another order runs them in that order (order effects show when
     alternated); the ring arm runs on CPU too."""
-    bench = _load_script()
+    bench = load_script("e2e_generate")
     out = tmp_path / "e2e.json"
     argv = ["--tiny", "--device", "cpu", "--backend", "torch", "--repeats", "1", "--out", str(out)]
     assert bench.main([*argv, "--arms", "kvquant-recent16,default"]) == 0
@@ -79,7 +69,7 @@ def test_e2e_generate_records_the_decode_launches_plans_choose() -> None:
     from kvquant.kernels.attention import launch as module
     from kvquant.schemes import Pages, PerTensorScales
 
-    bench = _load_script()
+    bench = load_script("e2e_generate")
     original = module.attention_launch
     log = bench._LaunchLog()
     log.install()

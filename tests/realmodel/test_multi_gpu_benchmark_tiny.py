@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,26 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_script, script_path
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "multi_gpu.py"
+SCRIPT = script_path("multi_gpu")
 SMALL = ["--shape", "tiny", "--device", "cpu", "--backend", "torch", "--batch", "2"]
 SMALL += ["--prompt", "16", "--new", "4", "--repeats", "1"]
 
 
-def _load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvquant_bench_multi_gpu", SCRIPT)
-    assert spec is not None and spec.loader is not None  # the file ships with the repo
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_multi_gpu_benchmark_tiny_cpu(tmp_path: Path) -> None:
-    bench = _load_script()
+    bench = load_script("multi_gpu")
     ckpt = str(tmp_path / "ckpt")
     assert bench.main(["make", "--dir", ckpt, "--shape", "tiny"]) == 0
     assert (
