@@ -702,6 +702,111 @@ def test_the_step_plan_gives_long_chunks_a_launch_of_their_own() -> None:
     assert plan.launches[1].block_tables.tolist() == [[5, 6, 7]]
 
 
+def _reference_plan(
+    cu_q: list[int], cu_k: list[int], read: list[int], write: list[int], ps: int, nf: int
+) -> dict[str, Any]:
+    """The plan's contents request by request, from their definitions."""
+    rows, offset = [], 0  # (first query token, queries, cached before, tokens after, page offset)
+    for b in range(len(cu_q) - 1):
+        q_len, kv_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if q_len > 0:
+            rows.append((cu_q[b], q_len, kv_len - q_len, kv_len, offset))
+            offset += -(-kv_len // ps)
+    first_block = [read[r[4]] if read else write[r[0]] // ps for r in rows]
+    writes = [
+        (r[0] + p - r[2], first_block[i], p)
+        for i, r in enumerate(rows)
+        for p in range(r[2], min(r[2] + r[1], nf))
+    ]
+    paged = [i for i, r in enumerate(rows) if r[2] > 0]
+    groups = [paged] if paged else []
+    longest = max((rows[i][1] for i in paged), default=1)
+    if longest > 1 and len(paged) * longest > 2 * sum(rows[i][1] for i in paged):
+        groups = [g for g in ([i for i in paged if rows[i][1] == 1], [i for i in paged if rows[i][1] > 1]) if g]  # fmt: skip
+    launches = []
+    for g in groups:
+        lq = max(rows[i][1] for i in g)
+        width = max(-(-rows[i][3] // ps) for i in g)
+        launches.append({
+            "gather": [[rows[i][0] + min(j, rows[i][1] - 1) for j in range(lq)] for i in g],
+            "valid": [n * lq + j for n, i in enumerate(g) for j in range(rows[i][1])],
+            "tokens": [rows[i][0] + j for i in g for j in range(rows[i][1])],
+            "block_tables": [
+                [read[rows[i][4] + min(j, -(-rows[i][3] // ps) - 1)] for j in range(width)]
+                for i in g
+            ],
+            "seq_lens": [rows[i][3] for i in g],
+            "q_lens": [rows[i][1] for i in g],
+            "first_pages": [first_block[i] for i in g] if nf else None,
+            "first_lens": [min(nf, rows[i][3]) for i in g] if nf else None,
+        })  # fmt: skip
+    fresh = [(r[0], r[1]) for r in rows if r[2] == 0]
+    return {"fresh": fresh, "writes": writes if nf else [], "launches": launches}
+
+
+def test_the_step_plan_matches_its_definition_on_random_batches() -> None:
+    """Random mixes of prompts, decode steps, chunks and requests without queries, page sizes
+    and first tokens: every index vector of the plan, its dtypes, and the padding rules."""
+    gen = torch.Generator().manual_seed(3)
+
+    def pick(options: list[int]) -> int:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    checked = 0
+    for _ in range(300):
+        ps, nf = pick([1, 2, 4, 16]), pick([0, 0, 1, 3])
+        cu_q, cu_k = [0], [0]
+        prompts_only = pick([0, 0, 0, 1]) == 1
+        for _ in range(pick([1, 2, 3, 5, 8])):
+            q_len = pick([0, 1, 1, 1, 2, 5, 9])
+            past = 0 if prompts_only else pick([0, 0, 1, 3, 7, 20])
+            cu_q.append(cu_q[-1] + q_len)
+            cu_k.append(cu_k[-1] + past + q_len)
+        if cu_q[-1] == 0:
+            continue
+        pages = sum(
+            -(-(cu_k[b + 1] - cu_k[b]) // ps) for b in range(len(cu_q) - 1) if cu_q[b + 1] > cu_q[b]
+        )
+        read = [100 + 3 * i for i in range(pages)] if not prompts_only else []
+        write = [int(x) for x in torch.randint(0, 999, (cu_q[-1],), generator=gen)]
+        layout = continuous.BlockLayout(1, ps, 1, 16, first_tokens=nf)
+        plan = continuous.build_plan(_kwargs(cu_q, cu_k, write, read), layout)
+        want = _reference_plan(cu_q, cu_k, read, write, ps, nf)
+        assert plan.tokens == cu_q[-1] and plan.slots.tolist() == [write]
+        assert plan.fresh == want["fresh"]
+        if want["writes"]:
+            assert plan.first_writes is not None
+            assert [t.tolist() for t in plan.first_writes] == [
+                list(c) for c in zip(*want["writes"], strict=True)
+            ]
+        else:
+            assert plan.first_writes is None
+        assert len(plan.launches) == len(want["launches"])
+        for launch, expect in zip(plan.launches, want["launches"], strict=True):
+            every = all(q == len(expect["gather"][0]) for q in expect["q_lens"])
+            assert launch.gather.dtype == torch.long and launch.tokens.dtype == torch.long
+            assert launch.gather.tolist() == expect["gather"]
+            assert launch.tokens.tolist() == expect["tokens"]
+            assert launch.block_tables.dtype == torch.int32
+            assert launch.block_tables.tolist() == expect["block_tables"]
+            assert launch.seq_lens.dtype == torch.int32
+            assert launch.seq_lens.tolist() == expect["seq_lens"]
+            if every:
+                assert launch.valid is None and launch.q_lens is None
+            else:
+                assert launch.valid.tolist() == expect["valid"]
+                assert launch.q_lens.dtype == torch.int32
+                assert launch.q_lens.tolist() == expect["q_lens"]
+            if nf:
+                assert launch.first_pages.tolist() == expect["first_pages"]
+                assert launch.first_lens.dtype == torch.int32
+                assert launch.first_lens.tolist() == expect["first_lens"]
+            else:
+                assert launch.first_pages is None and launch.first_lens is None
+            checked += 1
+    assert checked > 100  # most batches had paged requests
+
+
 def test_a_plan_that_does_not_match_the_batch_is_refused() -> None:
     layout = continuous.BlockLayout(num_layers=1, page_size=16, num_kv_heads=1, head_dim=16)
     with pytest.raises(BatchingError, match="write slots"):

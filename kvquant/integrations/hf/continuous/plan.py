@@ -21,11 +21,6 @@ __all__ = [
 # ---------------------------------------------------------------------- step plan
 
 
-_Row = tuple[int, int, int, int, int, int]
-"""A request of the step: (batch row, first query token, query length, tokens cached
-before the step, tokens after it, offset of its page ids in the read index)."""
-
-
 @dataclass
 class _Launch:
     """One paged-attention launch over some rows of the step."""
@@ -78,12 +73,69 @@ def _cu_lens(kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
     return both[:n], both[n:]
 
 
+@dataclass
+class _Rows:
+    """The step's requests with queries, in batch order, as host int64 vectors.
+
+    Attributes:
+        q0: each request's first query token in the packed batch.
+        q_len: its query tokens.
+        kv_len: its tokens after the step.
+        past: its tokens cached before the step.
+        pages: its pages after the step.
+        offset: where its page ids start in the read index.
+    """
+
+    q0: torch.Tensor
+    q_len: torch.Tensor
+    kv_len: torch.Tensor
+    past: torch.Tensor
+    pages: torch.Tensor
+    offset: torch.Tensor
+
+
+def _rows(cu_q: list[int], cu_k: list[int], ps: int) -> _Rows:
+    """The requests of the step that have query tokens (a request with none holds no pages in
+    the read index)."""
+    q, k = torch.tensor(cu_q, dtype=torch.long), torch.tensor(cu_k, dtype=torch.long)
+    keep = (q[1:] - q[:-1] > 0).nonzero().flatten()
+    q_len = (q[1:] - q[:-1]).index_select(0, keep)
+    kv_len = (k[1:] - k[:-1]).index_select(0, keep)
+    pages = -(-kv_len // ps)
+    offset = torch.cumsum(pages, 0) - pages
+    return _Rows(q[:-1].index_select(0, keep), q_len, kv_len, kv_len - q_len, pages, offset)
+
+
+class _Transfer:
+    """Host int64 vectors bound for the device, sent in one copy per dtype (:meth:`send`)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[torch.dtype, list[torch.Tensor]] = {torch.long: [], torch.int32: []}
+
+    def add(self, t: torch.Tensor, dtype: torch.dtype = torch.long) -> int:
+        """Queue ``t``; its handle for :meth:`send`'s result."""
+        self._parts[dtype].append(t.reshape(-1))
+        return len(self._parts[dtype]) - 1
+
+    def send(self, device: torch.device) -> dict[torch.dtype, list[torch.Tensor]]:
+        """The queued vectors on ``device``, per dtype in the order added (views of one copy)."""
+        out: dict[torch.dtype, list[torch.Tensor]] = {}
+        for dtype, parts in self._parts.items():
+            if not parts:
+                out[dtype] = []
+                continue
+            flat = torch.cat(parts).to(dtype).to(device)
+            out[dtype] = list(flat.split([p.numel() for p in parts]))
+        return out
+
+
 def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
     """The :class:`StepPlan` of a forward from transformers' batching keywords.
 
     Reads ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (to the host, once), the first
     group's ``write_index`` (kvquant slots) and ``read_index`` (each request's page
-    ids, in batch order).
+    ids, in batch order). The plan's index vectors are computed on the host and reach the
+    device in one copy per dtype.
 
     Raises:
         BatchingError: the keywords do not describe a batch of this cache.
@@ -100,44 +152,33 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
             f"{total} query tokens. Fix: run the batching cache without CUDA graphs or input "
             "padding (use_cuda_graph=False)."
         )
-    rows: list[_Row] = []
-    offset = 0
-    for b in range(len(cu_q) - 1):
-        q_len, kv_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        if q_len <= 0:
-            continue
-        rows.append((b, cu_q[b], q_len, kv_len - q_len, kv_len, offset))
-        offset += -(-kv_len // ps)
-    paged = [r for r in rows if r[3] > 0]
-    if paged and read_index.numel() != offset:
+    rows = _rows(cu_q, cu_k, ps)
+    paged = (rows.past > 0).nonzero().flatten()
+    held = int(rows.pages.sum())
+    if paged.numel() and read_index.numel() != held:
         raise BatchingError(
             f"kvquant's continuous-batching step: {read_index.numel()} page ids read for "
-            f"requests holding {offset} pages. Fix: report this with the transformers version."
+            f"requests holding {held} pages. Fix: report this with the transformers version."
         )
-    fresh = [(r[1], r[2]) for r in rows if r[3] == 0]
-    first_block = None  # k-transform: the first block of every request (its first tokens)
-    first_writes = None
-    if nf and rows:
+    is_fresh = rows.past == 0
+    fresh = list(zip(rows.q0[is_fresh].tolist(), rows.q_len[is_fresh].tolist(), strict=True))
+    send = _Transfer()
+    first = _first_tokens(rows, nf, read_index.numel() > 0, send)
+    groups = [(g, _launch_parts(rows, g, nf, send)) for g in _launch_groups(rows, paged)]
+    sent = send.send(device)
+    first_block = first_writes = None
+    if first is not None:
+        # k-transform: the first block of every request (its first tokens)
+        at_first, writes = first
+        at = sent[torch.long][at_first]
         if read_index.numel():
-            idx = torch.tensor([r[5] for r in rows], dtype=torch.long).to(device)
-            first_block = read_index.index_select(0, idx).long()
+            first_block = read_index.index_select(0, at).long()
         else:  # only prompts: each one's first slot is written now
-            idx = torch.tensor([r[1] for r in rows], dtype=torch.long).to(device)
-            first_block = write_index.index_select(0, idx).long() // ps
-        tok, row, pos = [], [], []
-        for i, r in enumerate(rows):
-            for p in range(r[3], min(r[3] + r[2], nf)):
-                tok.append(r[1] + p - r[3])
-                row.append(i)
-                pos.append(p)
-        if tok:
-            host = torch.tensor([tok, row, pos], dtype=torch.long).to(device)
-            first_writes = (host[0], first_block.index_select(0, host[1]), host[2])
-    position = {r[0]: i for i, r in enumerate(rows)}
-    launches = [
-        _launch(group, read_index, ps, nf, first_block, position, device)
-        for group in _launch_groups(paged)
-    ]
+            first_block = write_index.index_select(0, at).long() // ps
+        if writes is not None:
+            tok, row, pos = (sent[torch.long][h] for h in writes)
+            first_writes = (tok, first_block.index_select(0, row), pos)
+    launches = [_launch(parts, sent, read_index, first_block) for _g, parts in groups]
     return StepPlan(
         tokens=total,
         slots=write_index.reshape(1, -1),
@@ -147,56 +188,104 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
     )
 
 
-def _launch_groups(paged: list[_Row]) -> list[list[_Row]]:
+def _first_tokens(
+    rows: _Rows, nf: int, read: bool, send: _Transfer
+) -> tuple[int, tuple[int, int, int] | None] | None:
+    """``k-transform``: handles of each request's first-block index (its first page's place in
+    the read index, or its first token's in the write index when nothing is read) and of the
+    ``(token, request, position)`` vectors of the new tokens among the first ``nf``; None
+    without first tokens."""
+    if not nf or not rows.q0.numel():
+        return None
+    at_first = send.add(rows.offset if read else rows.q0)
+    counts = (torch.clamp(rows.past + rows.q_len, max=nf) - rows.past).clamp(min=0)
+    n = int(counts.sum())
+    if n == 0:
+        return at_first, None
+    row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    within = torch.arange(n) - (torch.cumsum(counts, 0) - counts).index_select(0, row)
+    tok = rows.q0.index_select(0, row) + within
+    pos = rows.past.index_select(0, row) + within
+    return at_first, (send.add(tok), send.add(row), send.add(pos))
+
+
+def _launch_groups(rows: _Rows, paged: torch.Tensor) -> list[torch.Tensor]:
     """The paged rows in one launch, or two (one-token rows, longer rows) when padding the
     one-token rows to the longest query would more than double the launch's query slots."""
-    if not paged:
+    if not paged.numel():
         return []
-    longest = max(r[2] for r in paged)
-    queries = sum(r[2] for r in paged)
-    if longest == 1 or len(paged) * longest <= 2 * queries:
+    q_len = rows.q_len.index_select(0, paged)
+    longest, queries = int(q_len.max()), int(q_len.sum())
+    if longest == 1 or paged.numel() * longest <= 2 * queries:
         return [paged]
-    return [g for g in ([r for r in paged if r[2] == 1], [r for r in paged if r[2] > 1]) if g]
+    return [g for g in (paged[q_len == 1], paged[q_len > 1]) if g.numel()]
+
+
+@dataclass
+class _LaunchParts:
+    """Handles of one launch's vectors in a :class:`_Transfer` and its shape."""
+
+    rows: int
+    lq: int
+    width: int
+    gather: int
+    valid: int | None
+    tokens: int
+    table: int
+    seq_lens: int
+    q_lens: int | None
+    first_at: int | None
+    first_lens: int | None
+
+
+def _launch_parts(rows: _Rows, idx: torch.Tensor, nf: int, send: _Transfer) -> _LaunchParts:
+    """A launch over requests ``idx``: query slots ``[Bp, Lq]`` (the last query repeated in a
+    shorter row's padding), its pages ``[Bp, P]`` (the last page repeated), queued on ``send``."""
+    q0, q_len = rows.q0.index_select(0, idx), rows.q_len.index_select(0, idx)
+    kv_len, pages = rows.kv_len.index_select(0, idx), rows.pages.index_select(0, idx)
+    lq, width = int(q_len.max()), int(pages.max())
+    j = torch.arange(lq)
+    gather = q0[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
+    real = j[None, :] < q_len[:, None]
+    every = bool(real.all())
+    table = rows.offset.index_select(0, idx)[:, None] + torch.minimum(
+        torch.arange(width)[None, :], pages[:, None] - 1
+    )
+    first = nf > 0
+    return _LaunchParts(
+        rows=int(idx.numel()),
+        lq=lq,
+        width=width,
+        gather=send.add(gather),
+        valid=None if every else send.add(real.reshape(-1).nonzero().flatten()),
+        tokens=send.add(gather[real]),
+        table=send.add(table),
+        seq_lens=send.add(kv_len, torch.int32),
+        q_lens=None if every else send.add(q_len, torch.int32),
+        first_at=send.add(idx) if first else None,
+        first_lens=send.add(torch.clamp(kv_len, max=nf), torch.int32) if first else None,
+    )
 
 
 def _launch(
-    rows: list[_Row],
+    parts: _LaunchParts,
+    sent: dict[torch.dtype, list[torch.Tensor]],
     read_index: torch.Tensor,
-    ps: int,
-    nf: int,
     first_block: torch.Tensor | None,
-    position: dict[int, int],
-    device: torch.device,
 ) -> _Launch:
-    lq = max(r[2] for r in rows)
-    width = max(-(-r[4] // ps) for r in rows)
-    gather: list[list[int]] = []
-    table: list[list[int]] = []
-    valid: list[int] = []
-    tokens: list[int] = []
-    for i, (_b, q0, q_len, _past, kv_len, off) in enumerate(rows):
-        gather.append([q0 + min(j, q_len - 1) for j in range(lq)])
-        valid.extend(i * lq + j for j in range(q_len))
-        tokens.extend(range(q0, q0 + q_len))
-        n_pages = -(-kv_len // ps)
-        table.append([off + min(j, n_pages - 1) for j in range(width)])
-    long = torch.long
-    block_tables = read_index.index_select(
-        0, torch.tensor(table, dtype=long).reshape(-1).to(device)
-    )
+    i64, i32 = sent[torch.long], sent[torch.int32]
+    block_tables = read_index.index_select(0, i64[parts.table])
     first_pages = first_lens = None
-    if nf and first_block is not None:
-        at = torch.tensor([position[r[0]] for r in rows], dtype=long).to(device)
-        first_pages = first_block.index_select(0, at)
-        first_lens = torch.tensor([min(nf, r[4]) for r in rows], dtype=torch.int32).to(device)
-    every = all(r[2] == lq for r in rows)
+    if first_block is not None and parts.first_at is not None and parts.first_lens is not None:
+        first_pages = first_block.index_select(0, i64[parts.first_at])
+        first_lens = i32[parts.first_lens]
     return _Launch(
-        gather=torch.tensor(gather, dtype=long).to(device),
-        valid=None if every else torch.tensor(valid, dtype=long).to(device),
-        tokens=torch.tensor(tokens, dtype=long).to(device),
-        block_tables=block_tables.view(len(rows), width).to(torch.int32),
-        seq_lens=torch.tensor([r[4] for r in rows], dtype=torch.int32).to(device),
-        q_lens=None if every else torch.tensor([r[2] for r in rows], dtype=torch.int32).to(device),
+        gather=i64[parts.gather].view(parts.rows, parts.lq),
+        valid=None if parts.valid is None else i64[parts.valid],
+        tokens=i64[parts.tokens],
+        block_tables=block_tables.view(parts.rows, parts.width).to(torch.int32),
+        seq_lens=i32[parts.seq_lens],
+        q_lens=None if parts.q_lens is None else i32[parts.q_lens],
         first_pages=first_pages,
         first_lens=first_lens,
     )
