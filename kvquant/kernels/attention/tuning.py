@@ -144,9 +144,9 @@ def choose_num_splits(
     of those). With wave efficiency alone, B1 x 32k took 28 splits of 10 tiles where 32 splits
     of 8 do; and short contexts stayed unsplit (measurements: ``docs/dev/kernels.md``, tuning).
     Without the wave bound, where many programs fill the GPU already, a large count that
-    happens to fill its last wave exactly (B64 x 8 KV heads: 17 to 43 splits of one or two
-    tiles, 8,704 and more programs) beat every small one, and the count jumped with the table's
-    width; but every program pays the kernel's prologue and the merge reads every split, and a
+    happens to fill its last wave exactly (B64 x 8 KV heads at 6 programs per SM: 17 to 43
+    splits of one or two tiles, 8,704 and more programs) beat every small one, and the count
+    jumped with the table's width; but every program pays the kernel's prologue and the merge reads every split, and a
     memory-bound program of a partial wave streams faster than a full wave's.
 
     Args:
