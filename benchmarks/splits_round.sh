@@ -2,11 +2,11 @@
 # One H200 round on the decode kernel's split count where a cache meets it: the launcher sizes
 # the split count from the block table's width, and a cache whose pools grew with headroom
 # before its decode graph was captured has tables about 1.5x the length it holds (B64 x 2k:
-# 193 pages for about 2100 keys). Offline, the rule then gives 17 splits at that width for the
-# fp32-group and NVFP4 kernels (6 programs per SM) where the kernel benchmark's exact tables
-# got 3, and jumps between 2 and 43 for neighbouring widths (docs/dev/kernels.md, "Split count
-# at a cache's table widths").
-# Parts (PARTS, default "sweep e2e"):
+# 193 pages for about 2100 keys). Before the two-wave bound (06db936) the rule gave NVFP4 17
+# splits at that width where the kernel benchmark's exact tables got 3, and jumped between 2
+# and 55 for neighbouring widths (offline; docs/dev/kernels.md, "Split count at a cache's
+# table widths"). This round times the launcher's counts (now bounded) against forced ones.
+# Parts (PARTS, default "sweep shapes kt"):
 #   sweep: the attention alone at the e2e geometries with the launcher's split count and forced
 #          ones, with and without a ring of 16 (bench_fp4_decode.py --table-pages --splits);
 #   shapes: forced split counts at the kernel tables' shapes (32/8/128 B32 x 16k, B8 x 1k,
@@ -18,14 +18,14 @@
 #   e2e:   the B64 x 2k decode step, fp32-group with and without recent_tokens=16, both orders,
 #          each arm's decode launches (split counts) recorded in its JSON;
 #   profile: the kernels of both arms' B64 x 2k steps (profile_generate.py --kernels).
-# Usage (device tool, repo root): PARTS="sweep e2e" bash benchmarks/splits_round.sh
+# Usage (device tool, repo root): PARTS="sweep shapes kt" bash benchmarks/splits_round.sh
 # Then, anywhere: python benchmarks/split_rules.py OUT/splits_*.json OUT/kt/tune.json ranks the
 # launcher's split counts and candidate rules' against the best forced ones.
 # Writes under $OUT: env.log, splits_b64.json, splits_b16.json, splits_shapes.json,
 # kt/tune.json, e2e_b64_{ab,ba}.json, profile_b64.txt
 set -u
 OUT=${OUT:-./splits_round_out}
-PARTS=${PARTS:-sweep e2e}
+PARTS=${PARTS:-sweep shapes kt}
 . "$(dirname "$0")/round_env.sh"
 for part in $PARTS; do
   case $part in
