@@ -56,8 +56,8 @@ class StepPlan:
     first_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
-def _cu_lens(kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """Host copies of the step's cumulative query and key lengths (one sync)."""
+def _cu_lens(kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host int64 copies of the step's cumulative query and key lengths (one sync)."""
     cu_q = kwargs.get("cu_seq_lens_q")
     cu_k = kwargs.get("cu_seq_lens_k")
     if isinstance(cu_k, dict):
@@ -68,7 +68,7 @@ def _cu_lens(kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
             "transformers (a forward of the batching cache outside transformers' batching loop?). "
             "Fix: use the cache only through generate_batch / the ContinuousBatchingManager."
         )
-    both = torch.cat([cu_q.reshape(-1).long(), cu_k.reshape(-1).long()]).tolist()
+    both = torch.cat([cu_q.reshape(-1).long(), cu_k.reshape(-1).long()]).cpu()
     n = cu_q.numel()
     return both[:n], both[n:]
 
@@ -94,12 +94,12 @@ class _Rows:
     offset: torch.Tensor
 
 
-def _rows(cu_q: list[int], cu_k: list[int], ps: int) -> _Rows:
+def _rows(q: torch.Tensor, k: torch.Tensor, ps: int) -> _Rows:
     """The requests of the step that have query tokens (a request with none holds no pages in
     the read index)."""
-    q, k = torch.tensor(cu_q, dtype=torch.long), torch.tensor(cu_k, dtype=torch.long)
-    keep = (q[1:] - q[:-1] > 0).nonzero().flatten()
-    q_len = (q[1:] - q[:-1]).index_select(0, keep)
+    q_lens = q[1:] - q[:-1]
+    keep = (q_lens > 0).nonzero().flatten()
+    q_len = q_lens.index_select(0, keep)
     kv_len = (k[1:] - k[:-1]).index_select(0, keep)
     pages = -(-kv_len // ps)
     offset = torch.cumsum(pages, 0) - pages
@@ -145,7 +145,7 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
     read_index = kwargs["read_index"][0]
     device = write_index.device
     ps, nf = layout.page_size, layout.first_tokens
-    total = cu_q[-1]
+    total = int(cu_q[-1])
     if write_index.numel() != total:
         raise BatchingError(
             f"kvquant's continuous-batching step: {write_index.numel()} write slots for "
