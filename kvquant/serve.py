@@ -7,6 +7,8 @@ server (transformers' ``Serve``: ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``, ``/health``) with continuous batching on, and applies
 :func:`kvquant.patch` to the model the server loads, before it serves anything:
 every request runs on kvquant's FP8 pages (:mod:`kvquant.integrations.hf.continuous`).
+From transformers 5.25 on the server loads its model in a process of its own; the model is
+patched there (:mod:`kvquant.integrations.hf.serving`).
 
 The server needs transformers' serving extras (FastAPI, Uvicorn, pydantic, the
 ``openai`` package): ``pip install "transformers[serving]"``.
@@ -14,9 +16,11 @@ The server needs transformers' serving extras (FastAPI, Uvicorn, pydantic, the
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from kvquant.errors import BackendError
+from kvquant import errors
+from kvquant.errors import BackendError, OptionError
 
 __all__ = ["serve"]
 
@@ -60,14 +64,18 @@ def serve(
         max_memory_percent: the share of free device memory the cache may take.
         log_level: transformers' log level.
         non_blocking: return once the server listens, serving from a thread
-            (``server.kill_server()`` stops it); else block until it stops.
+            (``server.kill_server()`` stops it); else block until it stops. transformers
+            5.25's server cannot run from a thread: there it is refused.
 
     Returns:
         transformers' ``Serve`` object.
 
     Raises:
         BackendError: transformers' serving extras are not installed.
-        KVQuantError: :func:`kvquant.patch` refused the model or its scales.
+        OptionError: ``non_blocking=True`` with transformers 5.25.
+        KVQuantError: :func:`kvquant.patch` refused the model or its scales (from 5.25 on
+            it patches the model in the process transformers loads it in, and its error is
+            raised here again).
     """
     from transformers.utils.import_utils import is_serve_available
 
@@ -76,10 +84,7 @@ def serve(
             "kvquant serve runs transformers' server, which needs FastAPI, Uvicorn, pydantic and "
             'the openai package. Fix: pip install "transformers[serving]".'
         )
-    from transformers.cli.serve import Serve
-    from transformers.cli.serving import model_manager
-
-    from kvquant.integrations.hf import patch
+    from kvquant.integrations.hf import compat
 
     options: dict[str, Any] = {
         "scales": scales,
@@ -87,6 +92,57 @@ def serve(
         "missing_scales": missing_scales,
         "backend": backend,
     }
+    settings: dict[str, Any] = {
+        "force_model": model,
+        "continuous_batching": True,
+        "device": device,
+        "dtype": dtype,
+        "host": host,
+        "port": port,
+        "log_level": log_level,
+    }
+    cb: dict[str, Any] = {
+        "cb_block_size": page_size,
+        "cb_num_blocks": num_blocks,
+        "cb_max_batch_tokens": max_batch_tokens,
+        "cb_max_memory_percent": max_memory_percent,
+    }
+    settings.update({k: v for k, v in cb.items() if v is not None})
+    if compat.serve_loads_in_engine_process():
+        return _serve_from_engine_process(settings, options, non_blocking)
+    return _serve_in_process(settings, options, non_blocking)
+
+
+def _serve_from_engine_process(
+    settings: dict[str, Any], options: dict[str, Any], non_blocking: bool
+) -> Any:
+    """transformers 5.25 on: the server loads its model in a process of its own, patched there
+    by the loader it is handed; the server always blocks."""
+
+    if non_blocking:
+        raise OptionError(
+            "kvquant serve: non_blocking=True needs transformers < 5.25, whose server can run "
+            "from a thread; the installed release's server runs in the calling thread until it "
+            "stops. Fix: run the server in a process of its own (python -m kvquant serve MODEL, "
+            "or multiprocessing), or call serve(...) without non_blocking."
+        )
+    from kvquant.integrations.hf.serving import PatchingServe
+
+    try:
+        return PatchingServe(patch_options=options, **settings)
+    except RuntimeError as exc:  # the model's process reports a failed load as a RuntimeError
+        reraise_from_model_process(exc)
+        raise
+
+
+def _serve_in_process(settings: dict[str, Any], options: dict[str, Any], non_blocking: bool) -> Any:
+    """transformers 5.17 to 5.24: the server loads its model in its own process, through
+    ``ModelManager._load_model``, wrapped here for that one load."""
+    from transformers.cli import serve as hf_serve
+    from transformers.cli.serving import model_manager
+
+    from kvquant.integrations.hf import patch
+
     manager_cls: Any = model_manager.ModelManager
     original = manager_cls._load_model
 
@@ -99,24 +155,26 @@ def serve(
         return loaded
 
     manager_cls._load_model = load_patched
-    cb: dict[str, Any] = {
-        "cb_block_size": page_size,
-        "cb_num_blocks": num_blocks,
-        "cb_max_batch_tokens": max_batch_tokens,
-        "cb_max_memory_percent": max_memory_percent,
-    }
     try:
-        return Serve(
-            force_model=model,
-            continuous_batching=True,
-            device=device,
-            dtype=dtype,
-            host=host,
-            port=port,
-            log_level=log_level,
-            non_blocking=non_blocking,
-            **{k: v for k, v in cb.items() if v is not None},
-        )
+        serve_cls: Any = hf_serve.Serve  # its keywords differ between releases
+        return serve_cls(non_blocking=non_blocking, **settings)
     finally:
         if manager_cls._load_model is load_patched:
             manager_cls._load_model = original
+
+
+_CHILD_ERROR = re.compile(r"^([A-Za-z]+Error): (.*)$", re.DOTALL)
+
+
+def reraise_from_model_process(exc: RuntimeError) -> None:
+    """Raise the kvquant error the model's process reported, if ``exc`` carries one.
+
+    The engine reports a failed load as ``RuntimeError("<ErrorClass>: <message>")``; when the
+    class is one of kvquant's (the patch refused the model or its scales), the same error is
+    raised here, in the caller's process, from ``exc``. Anything else returns.
+    """
+    found = _CHILD_ERROR.match(str(exc))
+    if found is None or found.group(1) not in errors.__all__:
+        return
+    cls = getattr(errors, found.group(1))
+    raise cls(found.group(2)) from exc

@@ -160,3 +160,53 @@ def test_kvquant_serve_answers_concurrent_chats_like_generate(tmp_path: Path) ->
     assert contents != [_expected(folder, q, n, patched=False)[0] for q, n in QUESTIONS]
     assert again[0] == 200
     assert again[1]["choices"] == answers[1][1]["choices"]
+
+
+def test_kvquant_serve_reports_a_refused_checkpoint_as_kvquant_s_error(tmp_path: Path) -> None:
+    """A checkpoint whose KV scales kvquant refuses: ``kvquant serve`` exits with the refusal
+    code and kvquant's own error, also where transformers loads the model in a process of
+    its own (5.25), which reports a failed load as a plain ``RuntimeError``."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _checkpoint(tmp_path / "tiny")
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(-48.0)
+    weights.unlink()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    options = "--host 127.0.0.1 --device cpu --backend torch --page-size 16 --num-blocks 64"
+    command = [sys.executable, "-m", "kvquant", "serve", str(folder), *options.split()]
+    command += ["--port", str(_free_port()), "--json"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-4000:]
+    payload = json.loads(done.stdout)
+    assert payload["error"] == "ScaleFormatError", payload
+    assert "model.layers.1" in payload["message"] and "Fix" in payload["message"], payload
+
+
+def test_serve_refuses_non_blocking_where_the_server_cannot_run_from_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers 5.25's server runs in the calling thread: ``non_blocking=True`` is refused
+    before anything starts, naming the fix."""
+    from kvquant.errors import OptionError
+    from kvquant.integrations.hf import compat
+    from kvquant.serve import serve
+
+    monkeypatch.setattr(compat, "serve_loads_in_engine_process", lambda: True)
+    with pytest.raises(OptionError, match="Fix: run the server in a process of its own"):
+        serve("no/such-model", non_blocking=True)
+
+
+def test_only_kvquant_s_errors_are_raised_again_from_the_model_s_process() -> None:
+    """The model's process reports a failed load as ``RuntimeError("<Class>: <message>")``:
+    kvquant's classes come back as themselves, anything else is left to the caller."""
+    from kvquant.errors import CacheUsageError
+    from kvquant.serve import reraise_from_model_process
+
+    report = RuntimeError("CacheUsageError: layer 3: bad\nFix: this.")
+    with pytest.raises(CacheUsageError, match=r"^layer 3: bad\nFix: this\.$") as raised:
+        reraise_from_model_process(report)
+    assert raised.value.__cause__ is report
+    for other in ("OSError: no such file", "ValueError: nope", "the process stopped"):
+        assert reraise_from_model_process(RuntimeError(other)) is None

@@ -1,9 +1,10 @@
-"""What differs between the transformers releases kvquant supports (5.17 and 5.24), decided here.
+"""What differs between the transformers releases kvquant supports (5.17 to 5.25), decided here.
 
 Every other module of the integration asks this one instead of testing a version, a
 signature or an attribute itself: the keyword a forward takes its cache under, the
 cache compressed-tensors wraps, what ``DynamicCache.crop(n)`` means for a positive ``n``,
-which continuous-batching cache code is installed and the names of its config and helpers.
+which continuous-batching cache code is installed and the names of its config and helpers,
+where transformers' server loads its model.
 Each function says which release does what. Imports torch and transformers only; design:
 docs/dev/patch.md (transformers versions).
 """
@@ -30,6 +31,7 @@ __all__ = [
     "call_cache",
     "full_attention_groups",
     "memory_breakdown",
+    "serve_loads_in_engine_process",
     "swaps_batching_caches_to_cpu",
     "unwrap_cache",
 ]
@@ -143,3 +145,13 @@ def memory_breakdown() -> Callable[[], Any]:
             get_device_and_memory_breakdown,
         )
     return get_device_and_memory_breakdown
+
+
+def serve_loads_in_engine_process() -> bool:
+    """Whether transformers' server loads its model in a spawned process of its own, through a
+    pickled ``ModelLoader``, and runs blocking with no ``non_blocking`` (5.25), rather than in
+    the server's process through ``ModelManager._load_model`` (5.17, 5.24). Needs the serving
+    extras."""
+    from transformers.cli.serving import model_manager
+
+    return hasattr(model_manager, "ModelLoader")
