@@ -5,7 +5,7 @@ request alone: the same FP8 arithmetic (a prompt attends at full precision, ever
 later token over the FP8 pages). The static scales are coarse (the keys and values
 land among FP8's subnormals), so FP8 visibly changes the tokens: each case also
 checks that some request differs from the unpatched model, so that the equality
-says something. Runs on transformers 5.17 and 5.24 (CI runs ``tests/hf`` on both).
+says something. Runs on transformers 5.17, 5.24 and 5.25 (CI runs ``tests/hf`` on each).
 """
 
 from __future__ import annotations
@@ -96,15 +96,16 @@ def tiny(seed: int = 0) -> Any:
     return model.eval()
 
 
-def models(fmt: str, device: str = "cpu") -> tuple[Any, Any, Any]:
+def models(fmt: str, device: str = "cpu", **patch_kw: Any) -> tuple[Any, Any, Any]:
     """(patched model, its handle, the same model unpatched) on ``device``: the torch reference
     backend on CPU; on CUDA the Triton kernels, and eager decode steps for ``generate`` (no
     decode graph: the batch runs the same kernels eagerly). The 4-bit formats patch
     :func:`tiny` with ``kv_format`` (``fp8-k-nvfp4-v`` takes the unit FP8 K scale: the tiny
-    model's checkpoint has none)."""
+    model's checkpoint has none). ``patch_kw``: more options of the patch."""
     opts: dict[str, Any] = (
         {"backend": "torch"} if device == "cpu" else {"backend": "auto", "cuda_graphs": False}
     )
+    opts.update(patch_kw)
     if fmt in FOUR_BIT:
         model, ref = tiny().to(device), tiny().to(device)
         unit = {"missing_scales": "unit"} if fmt == "fp8-k-nvfp4-v" else {}
@@ -222,6 +223,33 @@ def test_generate_batch_equals_each_requests_own_generate(
     assert continuous.live_caches() == []
 
 
+@pytest.mark.parametrize("fmt", ["per-tensor", "fp32-group", "k-transform", "rotated-k", "nvfp4"])
+def test_the_newest_tokens_at_full_precision_under_continuous_batching(fmt: str) -> None:
+    """``recent_tokens=8`` with blocks of 16: each block keeps the ring of its newest tokens, and
+    every request equals its own ``generate`` with the same ring (prompts shorter than the
+    ring, ending mid-block and on a block's end; a ring spanning two blocks), which differs
+    from the same patch without the ring."""
+    model, handle, _ = models(fmt, recent_tokens=8)
+    assert all(s.recent_tokens == 8 for s in handle.state.layer_specs)
+    reqs = prompts((3, 9, 16, 17, 30, 12), seed=5)
+    out = model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    without, _, _ = models(fmt)
+    assert_fp8_visible(got, [alone(without, ids) for ids in reqs])
+    assert continuous.live_caches() == []
+
+
+def test_a_ring_that_does_not_divide_the_block_is_refused_before_any_thread_starts() -> None:
+    model, _, _ = models("per-tensor", recent_tokens=12)
+    with pytest.raises(OptionError, match=r"must divide the block size.*recent_tokens=8"):
+        model.generate_batch(
+            prompts(), generation_config=gen_config(), continuous_batching_config=cb_config()
+        )
+
+
 def test_paged_generate_equals_generate() -> None:
     model, _, ref = models("per-tensor")
     reqs = prompts((11, 11, 11), seed=3)
@@ -332,15 +360,18 @@ def test_sampling_with_a_seed() -> None:
     assert batch(100) != first
 
 
+@pytest.mark.parametrize("recent", [0, 8])
 def test_a_shared_prefix_reads_the_first_requests_fp8_blocks(
-    monkeypatch: pytest.MonkeyPatch,
+    recent: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefix sharing: B's prompt starts with A's first two full blocks, reused from A.
 
     B then attends over those blocks in FP8, exactly as the patched model does when it
     continues from a cache that holds the prefix (not as ``generate`` on B alone,
-    which attends over its whole prompt at full precision)."""
-    model, handle, _ = models("per-tensor")
+    which attends over its whole prompt at full precision). With a ring of 8 newest
+    tokens per block, B's newest 8 start inside the second shared block: they come from
+    the ring A's prompt left in that block."""
+    model, handle, _ = models("per-tensor", recent_tokens=recent)
     matched: list[int] = []
     cls = cb_caches._cache_class()
     original = cls.search_prefix_match
@@ -353,7 +384,7 @@ def test_a_shared_prefix_reads_the_first_requests_fp8_blocks(
 
     monkeypatch.setattr(cls, "search_prefix_match", search)
     a, tail = prompts((40, 7), seed=13)
-    b = a[:35] + tail  # 2 full blocks of 16 shared, then B's own tokens
+    b = a[:33] + tail[:2]  # 2 full blocks of 16 shared, then B's own tokens
     manager = model.init_continuous_batching(
         generation_config=gen_config(max_new_tokens=8), continuous_batching_config=cb_config()
     )
@@ -394,11 +425,13 @@ def _continued(model: Any, handle: Any, ids: list[int], cached: int, **kw: Any) 
     return toks, lps
 
 
-def test_num_return_sequences_copies_the_fp8_blocks() -> None:
+@pytest.mark.parametrize("recent", [0, 8])
+def test_num_return_sequences_copies_the_fp8_blocks(recent: int) -> None:
     """Parallel sampling: transformers prefills the prompt but its last token, then forks the
-    request (copying the FP8 blocks the copies do not share); each copy's last prompt token
-    attends over the FP8 pages. With ``top_k=1`` every copy draws the same tokens."""
-    model, handle, _ = models("per-tensor")
+    request (copying the FP8 blocks the copies do not share, their rings of newest tokens
+    with them); each copy's last prompt token attends over the FP8 pages. With ``top_k=1``
+    every copy draws the same tokens."""
+    model, handle, _ = models("per-tensor", recent_tokens=recent)
     reqs = prompts((21, 40), seed=17)
     greedy = {"do_sample": True, "top_k": 1}
     out = model.generate_batch(
@@ -703,9 +736,10 @@ def test_the_step_plan_gives_long_chunks_a_launch_of_their_own() -> None:
 
 
 def _reference_plan(
-    cu_q: list[int], cu_k: list[int], read: list[int], write: list[int], ps: int, nf: int
+    cu_q: list[int], cu_k: list[int], read: list[int], write: list[int], ps: int, nf: int, ring: int
 ) -> dict[str, Any]:
-    """The plan's contents request by request, from their definitions."""
+    """The plan's contents request by request, from their definitions (``ring``: tokens of the
+    ring each block keeps of its newest tokens)."""
     rows, offset = [], 0  # (first query token, queries, cached before, tokens after, page offset)
     for b in range(len(cu_q) - 1):
         q_len, kv_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
@@ -718,6 +752,19 @@ def _reference_plan(
         for i, r in enumerate(rows)
         for p in range(r[2], min(r[2] + r[1], nf))
     ]
+    # the ring: a new token stays if no newer token of the step lands in its block's slot
+    ring_writes = [
+        (r[0] + p - r[2], write[r[0] + p - r[2]] // ps, p % ring)
+        for r in rows
+        for p in range(r[2], r[3])
+        if ring and p > min(r[3] - 1, p // ps * ps + ps - 1) - ring
+    ]
+
+    def ring_blocks(r: tuple[int, ...]) -> list[int]:
+        """Slot s: the block of the newest position < kv_len that is s mod ring (or of 0)."""
+        newest = {p % ring: p for p in range(r[3] - ring, r[3])}
+        return [read[r[4] + max(newest[s], 0) // ps] for s in range(ring)]
+
     paged = [i for i, r in enumerate(rows) if r[2] > 0]
     groups = [paged] if paged else []
     longest = max((rows[i][1] for i in paged), default=1)
@@ -739,22 +786,30 @@ def _reference_plan(
             "q_lens": [rows[i][1] for i in g],
             "first_pages": [first_block[i] for i in g] if nf else None,
             "first_lens": [min(nf, rows[i][3]) for i in g] if nf else None,
+            "recent_blocks": [ring_blocks(rows[i]) for i in g] if ring else None,
         })  # fmt: skip
     fresh = [(r[0], r[1]) for r in rows if r[2] == 0]
-    return {"fresh": fresh, "writes": writes if nf else [], "launches": launches}
+    return {
+        "fresh": fresh,
+        "writes": writes if nf else [],
+        "ring_writes": ring_writes,
+        "launches": launches,
+    }
 
 
 def test_the_step_plan_matches_its_definition_on_random_batches() -> None:
-    """Random mixes of prompts, decode steps, chunks and requests without queries, page sizes
-    and first tokens: every index vector of the plan, its dtypes, and the padding rules."""
+    """Random mixes of prompts, decode steps, chunks and requests without queries, page sizes,
+    first tokens and rings of newest tokens: every index vector of the plan, its dtypes, and
+    the padding rules."""
     gen = torch.Generator().manual_seed(3)
 
     def pick(options: list[int]) -> int:
         return options[int(torch.randint(len(options), (1,), generator=gen))]
 
-    checked = 0
+    checked = rings = 0
     for _ in range(300):
         ps, nf = pick([1, 2, 4, 16]), pick([0, 0, 1, 3])
+        ring = pick([0, 0] + [r for r in (1, 2, 4, 8) if ps % r == 0])
         cu_q, cu_k = [0], [0]
         prompts_only = pick([0, 0, 0, 1]) == 1
         for _ in range(pick([1, 2, 3, 5, 8])):
@@ -769,9 +824,9 @@ def test_the_step_plan_matches_its_definition_on_random_batches() -> None:
         )
         read = [100 + 3 * i for i in range(pages)] if not prompts_only else []
         write = [int(x) for x in torch.randint(0, 999, (cu_q[-1],), generator=gen)]
-        layout = continuous.BlockLayout(1, ps, 1, 16, first_tokens=nf)
+        layout = continuous.BlockLayout(1, ps, 1, 16, first_tokens=nf, recent_tokens=ring)
         plan = continuous.build_plan(_kwargs(cu_q, cu_k, write, read), layout)
-        want = _reference_plan(cu_q, cu_k, read, write, ps, nf)
+        want = _reference_plan(cu_q, cu_k, read, write, ps, nf, ring)
         assert plan.tokens == cu_q[-1] and plan.slots.tolist() == [write]
         assert plan.fresh == want["fresh"]
         if want["writes"]:
@@ -781,6 +836,14 @@ def test_the_step_plan_matches_its_definition_on_random_batches() -> None:
             ]
         else:
             assert plan.first_writes is None
+        if want["ring_writes"]:
+            assert plan.recent_writes is not None
+            assert [t.tolist() for t in plan.recent_writes] == [
+                list(c) for c in zip(*want["ring_writes"], strict=True)
+            ]
+            rings += 1
+        else:
+            assert plan.recent_writes is None
         assert len(plan.launches) == len(want["launches"])
         for launch, expect in zip(plan.launches, want["launches"], strict=True):
             every = all(q == len(expect["gather"][0]) for q in expect["q_lens"])
@@ -803,8 +866,14 @@ def test_the_step_plan_matches_its_definition_on_random_batches() -> None:
                 assert launch.first_lens.tolist() == expect["first_lens"]
             else:
                 assert launch.first_pages is None and launch.first_lens is None
+            if ring:
+                assert launch.recent_blocks.dtype == torch.long
+                assert launch.recent_blocks.tolist() == expect["recent_blocks"]
+            else:
+                assert launch.recent_blocks is None
             checked += 1
     assert checked > 100  # most batches had paged requests
+    assert rings > 50
 
 
 def test_a_plan_that_does_not_match_the_batch_is_refused() -> None:
@@ -818,8 +887,10 @@ def test_a_plan_that_does_not_match_the_batch_is_refused() -> None:
 def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None:
     layout = continuous.BlockLayout(
         num_layers=2, page_size=4, num_kv_heads=2, head_dim=16, n_groups=2, first_tokens=1,
-        side_dtype=torch.float32,
+        recent_tokens=2, side_dtype=torch.float32,
     )  # fmt: skip
+    assert {"recent_k", "recent_v"} <= set(layout.views(torch.zeros(layout.bytes_per_block,
+        dtype=torch.uint8), 0, 1))  # fmt: skip
     blocks = 3
     buffer = torch.zeros(blocks * layout.bytes_per_block, dtype=torch.uint8)
     owner = torch.full((buffer.numel(),), -1)
@@ -838,7 +909,11 @@ def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None
                 owner[idx] = layer * 10 + i
     storage = PagedLayerStorage(
         blocks, 4, 2, 16, granularity="fp32-group", group_size=8, backend="torch",
-        pages={k: v for k, v in layout.views(buffer, 1, blocks).items() if not k.startswith("first")},
+        pages={
+            k: v
+            for k, v in layout.views(buffer, 1, blocks).items()
+            if not k.startswith(("first", "recent"))
+        },
     )  # fmt: skip
     k = torch.randn(1, 5, 2, 16)
     storage.write(k, k, torch.tensor([[0, 1, 2, 3, 4]]))
@@ -846,6 +921,17 @@ def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None
     assert float((got - k).abs().max()) <= float(k.abs().max()) / 8  # FP8 of the same keys
     assert bool((buffer.view(-1, layout.bytes_per_block)[:, : layout.bytes_per_page] == 0).all())
     assert math.isclose(layout.bytes_per_block % 128, 0)
+
+
+def test_the_ring_adds_its_keys_and_values_to_each_block() -> None:
+    """Blocks of 256 tokens at 8 KV heads of 64 in a bf16 model: a ring of 16 adds 16 keys and
+    16 values in bf16 per layer, an eighth of the FP8 pages' bytes."""
+    plain = continuous.BlockLayout(num_layers=16, page_size=256, num_kv_heads=8, head_dim=64)
+    ring = continuous.BlockLayout(
+        num_layers=16, page_size=256, num_kv_heads=8, head_dim=64, recent_tokens=16
+    )
+    assert ring.bytes_per_page - plain.bytes_per_page == 2 * 16 * 8 * 64 * 2
+    assert ring.bytes_per_block / plain.bytes_per_block == 1.125
 
 
 @pytest.mark.parametrize("fmt", ["fp32-group", "rotated-k"])
@@ -899,6 +985,24 @@ def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
     got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
     assert_same(got, [alone(model, ids) for ids in reqs])
     assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
+    assert continuous.live_caches() == []
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["fp32-group", "k-transform", "nvfp4"])
+def test_gpu_the_newest_tokens_at_full_precision_under_continuous_batching(fmt: str) -> None:
+    """CUDA, Triton kernels, ``recent_tokens=8`` in blocks of 16: each launch reads its rows'
+    rings gathered from their blocks; every request equals its own ``generate`` with the ring."""
+    model, _, _ = models(fmt, "cuda", recent_tokens=8)
+    reqs = prompts((3, 9, 16, 17, 30, 12), seed=5)
+    out = model.generate_batch(
+        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    without, _, _ = models(fmt, "cuda")
+    assert_fp8_visible(got, [alone(without, ids) for ids in reqs])
     assert continuous.live_caches() == []
 
 

@@ -4,7 +4,7 @@ torch backend): ``nvfp4``, ``mxfp4`` and ``fp8-k-nvfp4-v``.
 As in ``test_hf_continuous_batching`` (whose helpers these tests use): every request of a
 batch must equal the patched model's own ``generate`` for that request alone (a prompt attends
 at full precision, every later token over the 4-bit pages), and some request must differ from
-the unpatched model, so that the equality says something. Runs on transformers 5.17 and 5.24.
+the unpatched model, so that the equality says something. Runs on transformers 5.17, 5.24 and 5.25.
 """
 
 from __future__ import annotations

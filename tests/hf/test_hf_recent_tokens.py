@@ -212,17 +212,6 @@ def test_options_are_checked() -> None:
     assert "recent_tokens=16" in repr(cfg)
 
 
-def test_continuous_batching_refuses_the_ring() -> None:
-    model = _tiny()
-    kvhf.patch(model, backend="torch", kv_format="nvfp4", recent_tokens=4)
-    page = "page_size" if hasattr(transformers.ContinuousBatchingConfig(), "page_size") else (
-        "block_size")  # fmt: skip
-    cfg = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, **{page: 16})
-    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False)
-    with pytest.raises(OptionError, match=r"recent_tokens=4.*Fix: patch without recent_tokens"):
-        model.generate_batch([[5, 6, 7]], generation_config=gen, continuous_batching_config=cfg)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["nvfp4", "fp8-k-nvfp4-v", "fp8"])
 def test_gpu_generate_with_graphs_and_compiled_step(kv_format: str) -> None:

@@ -17,7 +17,7 @@ from kvquant.kernels import PlanCache, page_storage
 from kvquant.kernels.backend import BACKENDS
 from kvquant.kernels.fp8 import dequantize_pages
 from kvquant.kernels.validate import FP8_DTYPES
-from kvquant.schemes import FirstTokens, Mask, Pages, Scheme, scheme_names
+from kvquant.schemes import FirstTokens, Mask, Pages, RecentTokens, Scheme, scheme_names
 
 __all__ = ["DequantArgs", "PagedLayerStorage", "SchemeArgs", "granularities", "nbytes"]
 
@@ -409,6 +409,7 @@ class PagedLayerStorage:
         rows: tuple[int, int] | None = None,
         out: torch.Tensor | None = None,
         first: FirstTokens | None = None,
+        recent: RecentTokens | None = None,
         **mask: Any,
     ) -> torch.Tensor:
         """Attention of ``query`` over the pages (:func:`kvquant.kernels.paged_attention`).
@@ -424,6 +425,8 @@ class PagedLayerStorage:
             first: first tokens of the call's rows (a caller's own side buffer), or None:
                 with a K transform, the storage's side buffer once :meth:`keep_first` filled it
                 (for the rows whose ``first_start`` is the call's ``kv_start``).
+            recent: the newest tokens of the call's rows (a caller's own ring), or None:
+                the storage's ring where it keeps one.
             **mask: the :class:`~kvquant.schemes.Mask` fields (``q_lens``, ``kv_start``,
                 ``causal``, ``softcap``, ``window``, ``sinks``).
 
@@ -433,7 +436,8 @@ class PagedLayerStorage:
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         if first is None:
             first = self.first_buffer(mask.get("kv_start"), rows)
-        recent = None if self.recent is None else self.recent.buffer(rows)
+        if recent is None and self.recent is not None:
+            recent = self.recent.buffer(rows)
         return self.plans.paged_attention(
             query, self.pages, block_tables, seq_lens, self.scheme, sm_scale=scale,
             mask=Mask(**mask), first=first, out=out, backend=self.backend, recent=recent,

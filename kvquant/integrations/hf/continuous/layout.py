@@ -1,6 +1,6 @@
 """How one block of kvquant's continuous-batching cache is laid out: every layer's K and V pages
-(FP8, or packed 4-bit codes with their block scales) and, per format, group scales or
-full-precision first tokens, at aligned offsets.
+(FP8, or packed 4-bit codes with their block scales) and, per format, group scales,
+full-precision first tokens or the ring of the newest tokens, at aligned offsets.
 
 See :mod:`kvquant.integrations.hf.continuous` and the developer docs (``docs/dev/continuous-batching.md``).
 """
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvquant.errors import (
+    OptionError,
     UnsupportedModelError,
 )
 from kvquant.schemes import Fp4Format, Fp4Scales
@@ -23,6 +24,7 @@ __all__ = [
     "FULL_ATTENTION",
     "PAGED_NAME",
     "BlockLayout",
+    "check_recent_fits",
     "layout_for",
 ]
 
@@ -55,7 +57,11 @@ class BlockLayout:
     for a 4-bit side its block scales (K's, then V's), for ``fp32-group`` the fp32 K
     and V group scales (head-major ``[Hkv, page_size, D // G]``), and for
     ``k-transform`` the first tokens' keys and values ``[first_tokens, Hkv, D]`` in
-    the model's dtype (meaningful in a request's first block only). An FP8 K page is
+    the model's dtype (meaningful in a request's first block only), and with
+    ``recent_tokens = R`` the block's ring: keys (in the pages' frame, before any offset)
+    and values ``[R, Hkv, D]`` in the model's dtype, position ``p`` of the block in slot
+    ``p % R``, so that it holds the block's newest ``R`` tokens (``R`` divides the page
+    size; a request's newest ``R`` lie in its last one or two blocks). An FP8 K page is
     ``[page_size, Hkv, D]`` (head dim fastest), an FP8 V page keys-fastest
     (``[Hkv, D, page_size]`` in memory); a 4-bit page is the packed e2m1 codes
     ``uint8 [page_size, Hkv, D // 2]`` and its block scales ``[page_size, Hkv,
@@ -74,7 +80,8 @@ class BlockLayout:
         head_dim: ``D`` (every layer).
         n_groups: ``D // G`` for ``fp32-group``, else 0.
         first_tokens: ``k-transform``'s first tokens kept at full precision, else 0.
-        side_dtype: the dtype of those first tokens (the model's).
+        recent_tokens: ``R``, the ring's tokens per block (the patch's ``recent_tokens``), or 0.
+        side_dtype: the dtype of those first tokens and of the ring (the model's).
         k_fp4: K's 4-bit format (:data:`~kvquant.schemes.NVFP4`,
             :data:`~kvquant.schemes.MXFP4`), None for FP8 K.
         v_fp4: like ``k_fp4`` for V.
@@ -86,6 +93,7 @@ class BlockLayout:
     head_dim: int
     n_groups: int = 0
     first_tokens: int = 0
+    recent_tokens: int = 0
     side_dtype: torch.dtype = torch.bfloat16
     k_fp4: Fp4Format | None = None
     v_fp4: Fp4Format | None = None
@@ -110,7 +118,8 @@ class BlockLayout:
         k_codes, k_blocks = self._page_bytes(self.k_fp4)
         v_codes, v_blocks = self._page_bytes(self.v_fp4)
         scales = 4 * self.page_size * self.num_kv_heads * self.n_groups
-        side = self.first_tokens * self.num_kv_heads * self.head_dim * self.side_dtype.itemsize
+        row = self.num_kv_heads * self.head_dim * self.side_dtype.itemsize
+        side, ring = self.first_tokens * row, self.recent_tokens * row
         out: dict[str, int] = {}
         pos = 0
         for name, size in (
@@ -122,6 +131,8 @@ class BlockLayout:
             ("v_group_scales", scales),
             ("first_k", side),
             ("first_v", side),
+            ("recent_k", ring),
+            ("recent_v", ring),
         ):
             if size:
                 out[name] = pos
@@ -160,7 +171,8 @@ class BlockLayout:
             D // block]`` in the format's scale dtype; where the layout has them
             ``k_group_scales`` / ``v_group_scales`` fp32
             ``[num_blocks, page_size, Hkv, D // G]`` and ``first_k`` / ``first_v``
-            ``[num_blocks, first_tokens, Hkv, D]`` in ``side_dtype``.
+            ``[num_blocks, first_tokens, Hkv, D]`` in ``side_dtype``, and ``recent_k`` /
+            ``recent_v`` ``[num_blocks, recent_tokens, Hkv, D]`` likewise.
         """
         ps, hkv, d, ng, nf = (
             self.page_size,
@@ -199,16 +211,38 @@ class BlockLayout:
                     (block // 4, ng, ps * ng, 1),
                     (base + off[name]) // 4,
                 )
-        if nf:
-            side = buffer.view(self.side_dtype)
-            isz = self.side_dtype.itemsize
-            for name in ("first_k", "first_v"):
+        side = buffer.view(self.side_dtype)
+        isz = self.side_dtype.itemsize
+        for names, n in (
+            (("first_k", "first_v"), nf),
+            (("recent_k", "recent_v"), self.recent_tokens),
+        ):
+            for name in names if n else ():
                 out[name] = side.as_strided(
-                    (num_blocks, nf, hkv, d),
+                    (num_blocks, n, hkv, d),
                     (block // isz, hkv * d, d, 1),
                     (base + off[name]) // isz,
                 )
         return out
+
+
+def check_recent_fits(specs: list[Any], page_size: int, owner: str) -> int:
+    """The ring's tokens per block (the patch's ``recent_tokens``; 0: none), checked to divide
+    ``page_size``: each block keeps the ring of its own newest tokens.
+
+    Raises:
+        OptionError: a ring longer than a block, or one that does not divide it.
+    """
+    recent = max(int(s.recent_tokens) for s in specs)
+    if recent and (recent > page_size or page_size % recent):
+        fits = max(r for r in range(1, min(recent, page_size) + 1) if page_size % r == 0)
+        raise OptionError(
+            f"{owner}: kvquant.patch(..., recent_tokens={recent}) with continuous-batching "
+            f"blocks of {page_size} tokens; each block keeps a ring of its newest tokens, so "
+            f"the ring must divide the block size. Fix: a page size that is a multiple of "
+            f"{recent}, or recent_tokens={fits}."
+        )
+    return recent
 
 
 def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLayout:
@@ -218,11 +252,15 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
     formats (``nvfp4``, ``mxfp4``, ``fp8-k-nvfp4-v``) their packed codes and block scales.
 
     Raises:
+        OptionError: a ring of newest tokens that does not divide ``page_size``.
         UnsupportedModelError: layers of different KV heads, head dims or formats (a
             per-layer map mixing formats among them), or layers that share K/V.
     """
     first = specs[0]
-    keys = {(s.num_kv_heads, s.head_dim, s.scheme, s.group_size, s.first_tokens) for s in specs}
+    keys = {
+        (s.num_kv_heads, s.head_dim, s.scheme, s.group_size, s.first_tokens, s.recent_tokens)
+        for s in specs
+    }
     if len(keys) != 1 or any(s.kv_reused for s in specs):
         kinds = sorted({f"{s.granularity} Hkv={s.num_kv_heads} D={s.head_dim}" for s in specs})
         reused = [s.name for s in specs if s.kv_reused]
@@ -233,7 +271,8 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
         raise UnsupportedModelError(
             f"{first.name}: kvquant's continuous-batching cache lays every layer out alike in "
             f"one block; in this model {' and '.join(found)}. Expected every layer with the "
-            "same KV heads, head dim and KV format (group size and first tokens included), "
+            "same KV heads, head dim and KV format (group size, first and recent tokens "
+            "included), "
             "none attending over another's K/V. Fix: run generate() per request (kvquant's "
             "cache serves it), patch every layer with one kv_format, or handle.remove() for "
             "transformers' own batching."
@@ -249,6 +288,7 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
         head_dim=first.head_dim,
         n_groups=first.scheme.group_scales(first.head_dim, first.group_size),
         first_tokens=first.first_tokens,
+        recent_tokens=check_recent_fits(specs, page_size, first.name),
         side_dtype=dtype
         if dtype in (torch.float32, torch.float16, torch.bfloat16)
         else torch.float32,

@@ -33,6 +33,7 @@ class _Launch:
     q_lens: torch.Tensor | None  # int32 [Bp], None when every row has Lq queries
     first_pages: torch.Tensor | None  # int64 [Bp]: each row's first block (k-transform)
     first_lens: torch.Tensor | None  # int32 [Bp]
+    recent_blocks: torch.Tensor | None  # int64 [Bp, R]: the block of each ring slot's position
 
 
 @dataclass
@@ -47,6 +48,9 @@ class StepPlan:
         launches: the paged-attention launches of the other requests.
         first_writes: ``k-transform``: ``(token rows, first blocks, positions)`` of
             the new tokens that are among their request's first tokens, or None.
+        recent_writes: with a ring of ``R`` newest tokens per block: ``(token rows,
+            blocks, ring slots)`` of the new tokens that stay in their block's ring (the
+            newest ``R`` each block gets in this step), or None.
     """
 
     tokens: int
@@ -54,6 +58,7 @@ class StepPlan:
     fresh: list[tuple[int, int]]
     launches: list[_Launch]
     first_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    recent_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _cu_lens(kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +169,11 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
     fresh = list(zip(rows.q0[is_fresh].tolist(), rows.q_len[is_fresh].tolist(), strict=True))
     send = _Transfer()
     first = _first_tokens(rows, nf, read_index.numel() > 0, send)
-    groups = [(g, _launch_parts(rows, g, nf, send)) for g in _launch_groups(rows, paged)]
+    recent = _recent_writes(rows, ps, layout.recent_tokens, send)
+    groups = [
+        (g, _launch_parts(rows, g, nf, layout.recent_tokens, ps, send))
+        for g in _launch_groups(rows, paged)
+    ]
     sent = send.send(device)
     first_block = first_writes = None
     if first is not None:
@@ -178,6 +187,11 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
         if writes is not None:
             tok, row, pos = (sent[torch.long][h] for h in writes)
             first_writes = (tok, first_block.index_select(0, row), pos)
+    recent_writes = None
+    if recent is not None:
+        tok, slot = (sent[torch.long][h] for h in recent)
+        blocks = write_index.reshape(-1).index_select(0, tok).long() // ps
+        recent_writes = (tok, blocks, slot)
     launches = [_launch(parts, sent, read_index, first_block) for _g, parts in groups]
     return StepPlan(
         tokens=total,
@@ -185,7 +199,25 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
         fresh=fresh,
         launches=launches,
         first_writes=first_writes,
+        recent_writes=recent_writes,
     )
+
+
+def _recent_writes(rows: _Rows, ps: int, ring: int, send: _Transfer) -> tuple[int, int] | None:
+    """With a ring of ``ring`` tokens per block: handles of the ``(token row, ring slot)``
+    vectors of the step's new tokens that stay in their block's ring (those with no newer
+    token of the step at the same slot of the same block); None without a ring."""
+    if not ring or not rows.q0.numel():
+        return None
+    row = torch.repeat_interleave(torch.arange(rows.q_len.numel()), rows.q_len)
+    within = torch.arange(row.numel()) - (torch.cumsum(rows.q_len, 0) - rows.q_len).index_select(
+        0, row
+    )
+    pos = rows.past.index_select(0, row) + within
+    newest = torch.minimum(rows.kv_len.index_select(0, row) - 1, (pos // ps) * ps + ps - 1)
+    kept = (pos > newest - ring).nonzero().flatten()
+    tok = rows.q0.index_select(0, row).index_select(0, kept) + within.index_select(0, kept)
+    return send.add(tok), send.add(pos.index_select(0, kept) % ring)
 
 
 def _first_tokens(
@@ -236,11 +268,18 @@ class _LaunchParts:
     q_lens: int | None
     first_at: int | None
     first_lens: int | None
+    recent_at: int | None
+    ring: int
 
 
-def _launch_parts(rows: _Rows, idx: torch.Tensor, nf: int, send: _Transfer) -> _LaunchParts:
+def _launch_parts(
+    rows: _Rows, idx: torch.Tensor, nf: int, ring: int, ps: int, send: _Transfer
+) -> _LaunchParts:
     """A launch over requests ``idx``: query slots ``[Bp, Lq]`` (the last query repeated in a
-    shorter row's padding), its pages ``[Bp, P]`` (the last page repeated), queued on ``send``."""
+    shorter row's padding), its pages ``[Bp, P]`` (the last page repeated), and with a ring of
+    ``ring`` tokens per block, the page of each ring slot ``s``'s position (the newest
+    ``p < kv_len`` with ``p % ring == s``; clamped to 0 where the request is shorter than the
+    ring), queued on ``send``."""
     q0, q_len = rows.q0.index_select(0, idx), rows.q_len.index_select(0, idx)
     kv_len, pages = rows.kv_len.index_select(0, idx), rows.pages.index_select(0, idx)
     lq, width = int(q_len.max()), int(pages.max())
@@ -252,6 +291,12 @@ def _launch_parts(rows: _Rows, idx: torch.Tensor, nf: int, send: _Transfer) -> _
         torch.arange(width)[None, :], pages[:, None] - 1
     )
     first = nf > 0
+    recent_at = None
+    if ring:
+        oldest = kv_len[:, None] - ring
+        pos = oldest + torch.remainder(torch.arange(ring)[None, :] - oldest, ring)
+        page = rows.offset.index_select(0, idx)[:, None] + pos.clamp(min=0) // ps
+        recent_at = send.add(page)
     return _LaunchParts(
         rows=int(idx.numel()),
         lq=lq,
@@ -264,6 +309,8 @@ def _launch_parts(rows: _Rows, idx: torch.Tensor, nf: int, send: _Transfer) -> _
         q_lens=None if every else send.add(q_len, torch.int32),
         first_at=send.add(idx) if first else None,
         first_lens=send.add(torch.clamp(kv_len, max=nf), torch.int32) if first else None,
+        recent_at=recent_at,
+        ring=ring,
     )
 
 
@@ -279,6 +326,10 @@ def _launch(
     if first_block is not None and parts.first_at is not None and parts.first_lens is not None:
         first_pages = first_block.index_select(0, i64[parts.first_at])
         first_lens = i32[parts.first_lens]
+    recent_blocks = None
+    if parts.recent_at is not None:
+        at = i64[parts.recent_at]
+        recent_blocks = read_index.index_select(0, at).long().view(parts.rows, parts.ring)
     return _Launch(
         gather=i64[parts.gather].view(parts.rows, parts.lq),
         valid=None if parts.valid is None else i64[parts.valid],
@@ -288,4 +339,5 @@ def _launch(
         q_lens=None if parts.q_lens is None else i32[parts.q_lens],
         first_pages=first_pages,
         first_lens=first_lens,
+        recent_blocks=recent_blocks,
     )

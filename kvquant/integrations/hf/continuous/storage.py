@@ -20,7 +20,7 @@ from kvquant.errors import (
 from kvquant.integrations.hf.compat import memory_breakdown
 from kvquant.integrations.hf.continuous.layout import BlockLayout
 from kvquant.integrations.hf.continuous.plan import StepPlan, build_plan
-from kvquant.schemes import FirstTokens
+from kvquant.schemes import FirstTokens, RecentTokens
 
 __all__ = [
     "LIVE_CACHES",
@@ -79,6 +79,8 @@ class BatchingStorage:
         layers: one :class:`PagedLayerStorage` per layer, its pages views of ``buffer``.
         first: ``k-transform``: per layer, the ``(first_k, first_v)`` views
             ``[num_blocks, first_tokens, Hkv, D]``; else empty.
+        recent: with a ring of newest tokens, per layer, the ``(recent_k, recent_v)``
+            views ``[num_blocks, R, Hkv, D]`` (each block's ring); else empty.
         plan: the :class:`StepPlan` of the forward in progress (None between forwards).
     """
 
@@ -94,12 +96,13 @@ class BatchingStorage:
         self.layout = layout
         self.layers: list[PagedLayerStorage] = []
         self.first: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.recent: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.plan: StepPlan | None = None
         plans = kernels.PlanCache()  # the layers' kernel plans (shared: see PlanCache)
         device = buffer.device
         for i, spec in enumerate(specs):
             views = layout.views(buffer, i, num_blocks)
-            pages = {k: v for k, v in views.items() if not k.startswith("first")}
+            pages = {k: v for k, v in views.items() if not k.startswith(("first", "recent"))}
             rotation = None
             if spec.rotation == "hadamard":
                 rotation = kernels.hadamard(spec.head_dim)
@@ -125,6 +128,8 @@ class BatchingStorage:
             )
             if layout.first_tokens:
                 self.first.append((views["first_k"], views["first_v"]))
+            if layout.recent_tokens:
+                self.recent.append((views["recent_k"], views["recent_v"]))
 
     def begin(self, kwargs: dict[str, Any]) -> None:
         """Build the plan of the forward that starts (the decoder's pre-hook calls this)."""
@@ -139,6 +144,7 @@ class BatchingStorage:
         self.buffer = None
         self.layers = []
         self.first = []
+        self.recent = []
         self.plan = None
 
     def write(
@@ -166,15 +172,18 @@ class BatchingStorage:
         storage = self.layers[layer_idx]
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
         storage.write(k, v, plan.slots)
-        if plan.first_writes is not None and self.first:
-            tok, blocks, pos = plan.first_writes
-            side_k, side_v = self.first[layer_idx]
+        rotation = storage.scheme.kernel_view().k_rotation
+        # full-precision copies beside the pages: the k-transform's first tokens, the ring
+        for writes, sides in ((plan.first_writes, self.first), (plan.recent_writes, self.recent)):
+            if writes is None or not sides:
+                continue
+            tok, blocks, at = writes
+            side_k, side_v = sides[layer_idx]
             kf = k[0].index_select(0, tok)
-            rotation = storage.scheme.kernel_view().k_rotation
-            if rotation is not None:
+            if rotation is not None:  # keys in the pages' frame, before any offset
                 kf = kf.float() @ rotation
-            side_k[blocks, pos] = kf.to(side_k.dtype)
-            side_v[blocks, pos] = v[0].index_select(0, tok).to(side_v.dtype)
+            side_k[blocks, at] = kf.to(side_k.dtype)
+            side_v[blocks, at] = v[0].index_select(0, tok).to(side_v.dtype)
         return LayerStep(self, layer_idx, plan)
 
 
@@ -248,6 +257,15 @@ class LayerStep:
                     side_k.index_select(0, launch.first_pages),
                     side_v.index_select(0, launch.first_pages),
                     launch.first_lens,
+                )
+            if launch.recent_blocks is not None and self.storage.recent:
+                # each row's ring: slot s from the block that holds its newest position = s mod R
+                ring_k, ring_v = self.storage.recent[self.layer_idx]
+                slot = torch.arange(ring_k.shape[1], device=ring_k.device)
+                options["recent"] = RecentTokens(
+                    torch.stack(
+                        (ring_k[launch.recent_blocks, slot], ring_v[launch.recent_blocks, slot]), 1
+                    )
                 )
             res = storage.attend(
                 q,

@@ -165,7 +165,8 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
         raise UnsupportedModelError(VERSION_MESSAGE)
     specs = list(state.layer_specs)
     page = batching_page_size(cb_config, kind)
-    layout_for(specs, page or 16, torch.float32)
+    # the layout's checks (a page size left to transformers' default is checked with the cache)
+    layout_for(specs, page or max([16, *(s.recent_tokens for s in specs)]), torch.float32)
     from transformers.generation.continuous_batching import cache as cbc
 
     groups: Any = cbc.group_layers_by_attn_type(state.text_config)
@@ -195,14 +196,6 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
             "on transformers 5.17 the CPU swap pool copies caches in the model's dtype, not "
             "kvquant's quantized blocks. Fix: cpu_offload_space=0 (requests that do not fit are "
             "recomputed), or transformers 5.24."
-        )
-    recent = max(s.recent_tokens for s in specs)
-    if recent:
-        raise OptionError(
-            f"{name}: kvquant.patch(..., recent_tokens={recent}) keeps each sequence's newest "
-            "tokens in a ring per batch row, which transformers' continuous batching (its "
-            "requests in shared blocks) does not serve yet. Fix: patch without recent_tokens "
-            "for continuous batching, or use generate()."
         )
     nf = max(s.first_tokens for s in specs)
     if page is not None and nf > int(page):
