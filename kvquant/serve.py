@@ -36,6 +36,8 @@ def serve(
     scale_format: str = "auto",
     missing_scales: str = "dynamic",
     backend: str = "auto",
+    kv_format: str = "fp8",
+    recent_tokens: int = 0,
     page_size: int | None = None,
     num_blocks: int | None = None,
     max_batch_tokens: int | None = None,
@@ -57,6 +59,10 @@ def serve(
         scale_format: :func:`kvquant.patch`'s ``scale_format``.
         missing_scales: :func:`kvquant.patch`'s ``missing_scales``.
         backend: kernel backend (``auto``: Triton on CUDA, the torch reference on CPU).
+        kv_format: :func:`kvquant.patch`'s ``kv_format`` (``fp8``, or a 4-bit format:
+            ``nvfp4``, ``mxfp4``, ``fp8-k-nvfp4-v``).
+        recent_tokens: :func:`kvquant.patch`'s ``recent_tokens`` (a divisor of the
+            page size).
         page_size: tokens per block of the batching cache (transformers' default: 256).
         num_blocks: the cache's budget, in blocks of the model's dtype (the FP8
             cache holds about twice as many); None: sized from free memory.
@@ -91,6 +97,8 @@ def serve(
         "scale_format": scale_format,
         "missing_scales": missing_scales,
         "backend": backend,
+        "kv_format": kv_format,
+        "recent_tokens": recent_tokens,
     }
     settings: dict[str, Any] = {
         "force_model": model,

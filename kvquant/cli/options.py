@@ -1,7 +1,8 @@
 """The scale and kernel options subcommands share: each flag declared once, built into one value.
 
 ``--scale-format``, ``--missing-scales``, ``--missing-kv``, ``--group-size``,
-``--rope-policy`` and ``--backend`` are the options of :class:`~kvquant.KVQuantConfig`
+``--rope-policy``, ``--backend`` and ``--recent-tokens`` are the options of
+:class:`~kvquant.KVQuantConfig`
 (and, the first five, of :class:`~kvquant.registry.options.ResolveOptions`) under the
 same names. A subcommand adds the ones it takes (:func:`add_option_flags`: choices from
 the typed choices of :mod:`kvquant.choices`) and builds its value from what was given
@@ -79,6 +80,12 @@ OPTION_FLAGS: dict[str, OptionFlag] = {
             "kernels: auto (default; Triton on CUDA, the PyTorch reference elsewhere), "
             "triton or torch",
             Backend,
+        ),
+        OptionFlag(
+            "recent_tokens",
+            "each sequence's newest tokens also kept at full precision: 0 (default; none) "
+            "or a count, e.g. 16",
+            type=int,
         ),
     )
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import TextIO
 
+from kvquant.choices import KVFormat
 from kvquant.cli.common import DTYPES, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, fail
 from kvquant.cli.options import add_option_flags, config_from_args
 from kvquant.errors import KVQuantError
@@ -25,7 +26,7 @@ DESCRIPTION = (
     "kvquant's FP8 pages. Needs transformers' serving extras."
 )
 
-OPTIONS = ("scale_format", "missing_scales", "backend")
+OPTIONS = ("scale_format", "missing_scales", "backend", "recent_tokens")
 """The shared option flags serve takes (options of the patch the served model gets)."""
 
 
@@ -45,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a checkpoint folder holding the KV scales (default: the model's own)",
     )
     add_option_flags(parser, OPTIONS)
+    parser.add_argument(
+        "--kv-format",
+        choices=KVFormat.values(),
+        default=None,
+        help="how the cache stores K and V: fp8 (default), or a 4-bit format: nvfp4, mxfp4, "
+        "fp8-k-nvfp4-v (one format for every layer under continuous batching)",
+    )
     parser.add_argument(
         "--page-size", type=int, default=None, help="tokens per cache block (transformers: 256)"
     )
@@ -70,7 +78,8 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from kvquant.serve import serve
 
     try:
-        config = config_from_args(args, KVQuantConfig)
+        kv_format = {} if args.kv_format is None else {"kv_format": args.kv_format}
+        config = config_from_args(args, lambda **given: KVQuantConfig(**given, **kv_format))
         serve(
             args.model,
             host=args.host,
@@ -81,6 +90,8 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             scale_format=config.scale_format,
             missing_scales=config.missing_scales,
             backend=config.backend,
+            kv_format=config.kv_format,
+            recent_tokens=config.recent_tokens,
             page_size=args.page_size,
             num_blocks=args.num_blocks,
             max_batch_tokens=args.max_batch_tokens,

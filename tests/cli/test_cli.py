@@ -7,6 +7,7 @@ import io
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -237,6 +238,23 @@ def test_serve_without_the_serving_extras_is_a_usage_error(
     payload = json.loads(capsys.readouterr().out)
     assert payload["error"] == "BackendError" and payload["command"] == "serve"
     assert 'pip install "transformers[serving]"' in payload["message"]
+
+
+def test_serve_hands_the_patch_its_kv_format_and_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-format and --recent-tokens reach kvquant.serve.serve (which patches with them); a
+    word outside the formats or a negative ring is a usage error before anything starts."""
+    pytest.importorskip("transformers")
+    import kvquant.serve
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(kvquant.serve, "serve", lambda model, **kw: seen.update(kw, model=model))
+    assert main(["serve", "m", "--kv-format", "nvfp4", "--recent-tokens", "16"]) == 0
+    assert (seen["model"], seen["kv_format"], seen["recent_tokens"]) == ("m", "nvfp4", 16)
+    seen.clear()
+    assert main(["serve", "m"]) == 0
+    assert (seen["kv_format"], seen["recent_tokens"]) == ("fp8", 0)
+    assert main(["serve", "m", "--kv-format", "int4"]) == 2
+    assert main(["serve", "m", "--recent-tokens", "-1", "--json"]) == 2
 
 
 def _per_head(tmp_path: Path, layers: int = 30) -> Path:

@@ -83,14 +83,15 @@ def _post(url: str, body: Any, timeout: float = 120) -> tuple[int, dict[str, Any
 
 
 def _expected(
-    folder: Path, question: str, max_tokens: int, patched: bool = True
+    folder: Path, question: str, max_tokens: int, patched: bool = True, recent: int = 0
 ) -> tuple[str, int]:
     """The patched model's own greedy ``generate`` for the conversation, decoded as the server
-    does (``patched=False``: the same model without kvquant)."""
+    does (``patched=False``: the same model without kvquant; ``recent``: the patch's
+    ``recent_tokens``)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     model.eval()
-    if patched:
-        kvhf.patch(model, backend="torch")  # the checkpoint's own scales, as the server finds them
+    if patched:  # the checkpoint's own scales, as the server finds them
+        kvhf.patch(model, backend="torch", recent_tokens=recent)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": [{"type": "text", "text": question}]}]
     ids = tok.apply_chat_template(
@@ -102,11 +103,14 @@ def _expected(
     return tok.decode(new, skip_special_tokens=True), len(new)
 
 
-def test_kvquant_serve_answers_concurrent_chats_like_generate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recent", [0, 4])
+def test_kvquant_serve_answers_concurrent_chats_like_generate(tmp_path: Path, recent: int) -> None:
+    """``recent``: ``--recent-tokens`` (each request's newest tokens also at full precision)."""
     folder = _checkpoint(tmp_path / "tiny")
     port = _free_port()
     log = (tmp_path / "server.log").open("w")
     options = "--host 127.0.0.1 --device cpu --backend torch --page-size 16 --num-blocks 64"
+    options += f" --recent-tokens {recent}"
     command = [sys.executable, "-m", "kvquant", "serve", str(folder), *options.split()]
     command += ["--max-batch-tokens", "256", "--port", str(port)]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -152,12 +156,14 @@ def test_kvquant_serve_answers_concurrent_chats_like_generate(tmp_path: Path) ->
     assert "kvquant: continuous-batching cache of" in server_log  # the FP8 cache served them
     for (question, max_tokens), (status, body) in zip(QUESTIONS, answers, strict=True):
         assert status == 200, body
-        text, count = _expected(folder, question, max_tokens)
+        text, count = _expected(folder, question, max_tokens, recent=recent)
         assert body["choices"][0]["message"]["content"] == text
         assert body["usage"]["completion_tokens"] == count
     # FP8 changed some answer, so the equality above is not the unpatched model's
     contents = [body["choices"][0]["message"]["content"] for _, body in answers]
     assert contents != [_expected(folder, q, n, patched=False)[0] for q, n in QUESTIONS]
+    if recent:  # the ring changed some answer too
+        assert contents != [_expected(folder, q, n)[0] for q, n in QUESTIONS]
     assert again[0] == 200
     assert again[1]["choices"] == answers[1][1]["choices"]
 
