@@ -71,7 +71,7 @@ def _import(name: str) -> object:
     except ImportError as exc:
         missing = (getattr(exc, "name", None) or "").split(".")[0]
         if missing in _OPTIONAL:
-            pytest.skip(f"{name} needs {missing}, which is not installed")
+            pytest.skip(f"{name} cannot be imported here: {exc}")
         raise
 
 

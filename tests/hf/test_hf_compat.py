@@ -1,7 +1,7 @@
-"""kvquant.integrations.hf.compat decides what differs between transformers 5.17 and 5.24.
+"""kvquant.integrations.hf.compat decides what differs between transformers 5.17, 5.24 and 5.25.
 
 Each decision is checked against what the installed release is known to do (CI runs this
-folder on both), so a function that answers for the wrong release fails here.
+folder on each), so a function that answers for the wrong release fails here.
 """
 
 from __future__ import annotations
@@ -19,8 +19,14 @@ from kvquant.integrations.hf import compat
 RELEASE = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2])
 
 KNOWN: dict[tuple[int, ...], dict[str, Any]] = {
-    (5, 17): {"keyword": "past_key_values", "flavour": "groups", "crop_keeps": True},
-    (5, 24): {"keyword": "cache", "flavour": "allocators", "crop_keeps": False},
+    (5, 17): {
+        "keyword": "past_key_values",
+        "flavour": "groups",
+        "crop_keeps": True,
+        "engine": False,
+    },
+    (5, 24): {"keyword": "cache", "flavour": "allocators", "crop_keeps": False, "engine": False},
+    (5, 25): {"keyword": "cache", "flavour": "allocators", "crop_keeps": False, "engine": True},
 }
 
 
@@ -33,6 +39,10 @@ def test_decisions_are_the_installed_releases() -> None:
     assert compat.POSITIVE_CROP_KEEPS is want["crop_keeps"]
     total = compat.memory_breakdown()()[1]
     assert isinstance(total, int) and total > 0
+    from transformers.utils.import_utils import is_serve_available
+
+    if is_serve_available():  # the test extras install the serving extras
+        assert compat.serve_loads_in_engine_process() is want["engine"]
 
 
 def test_cache_of_a_call_prefers_the_newer_keyword() -> None:
