@@ -40,7 +40,9 @@ in a child process and writes one JSON):
 * ``kvquant``: ``kvquant.patch(model, scales=per_tensor)``: per-tensor scales
   calibrated on one random prompt (as a checkpoint would ship them);
 * ``kvquant-dynamic``: ``kvquant.patch(model)`` without scales (dynamic
-  ``fp32-group`` scales).
+  ``fp32-group`` scales);
+* on request (``--arms``): ``kvquant-nvfp4`` (``kv_format="nvfp4"``: 4-bit pages) and
+  ``kvquant-recent16`` (``kvquant-dynamic`` with ``recent_tokens=16``).
 
 Usage (H200, repository root, PYTHONPATH=.)::
 
@@ -74,6 +76,15 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ARMS = ("sdpa", "flash_attention_2", "kvquant", "kvquant-dynamic")
+"""The arms a run drives by default."""
+
+PATCH_ARMS: dict[str, dict[str, Any]] = {
+    "kvquant": {},  # per-tensor scales calibrated on random tokens
+    "kvquant-dynamic": {},  # no scales: dynamic fp32-group
+    "kvquant-nvfp4": {"kv_format": "nvfp4"},
+    "kvquant-recent16": {"recent_tokens": 16},  # dynamic fp32-group, the 16 newest exact
+}
+"""Each kvquant arm's patch options (``--arms`` may name any)."""
 
 FULL = {"requests": 256, "prompt": (256, 8192), "new": (128, 512), "budget_gb": 16.0, "rate": 4.0}
 QUICK = {"requests": 32, "prompt": (256, 1024), "new": (32, 64), "budget_gb": 0.25, "rate": 16.0}
@@ -346,7 +357,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
             g = torch.Generator().manual_seed(1)
             calib = torch.randint(1, model.config.vocab_size, (1, 512), generator=g).to(device)
             scales = calibrate_per_tensor(model, calib)
-        handle = kvquant.patch(model, scales=scales, backend=args.backend)
+        handle = kvquant.patch(model, scales=scales, backend=args.backend, **PATCH_ARMS[arm])
         row["granularity"] = sorted({s.granularity for s in handle.state.layer_specs})
     reqs = workload(args, model.config.vocab_size)
     config, sizing = cb_config(args, model)
@@ -451,8 +462,14 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON output path")
-    parser.add_argument("--arm", choices=ARMS, default=None, help="run one arm in this process")
-    parser.add_argument("--arms", default=",".join(ARMS), help="arms the driver runs")
+    parser.add_argument(
+        "--arm", choices=[*ARMS[:2], *PATCH_ARMS], default=None, help="run one arm in this process"
+    )
+    parser.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"arms the driver runs (default {','.join(ARMS)}; also {','.join(PATCH_ARMS)})",
+    )
     parser.add_argument("--quick", action="store_true", help="a ~2 minute H200 run")
     parser.add_argument("--tiny", action="store_true", help="tiny model, CPU smoke run")
     parser.add_argument("--requests", type=int, default=None)
