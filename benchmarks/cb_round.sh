@@ -6,6 +6,7 @@
 #   medium: 96 requests (prompts 256-4096, 64-256 new), a 2 GiB budget, sdpa and kvquant (~4 min)
 #   full:   256 requests (prompts 256-8192, 128-512 new), a 16 GiB cache budget
 #   full40: the full workload with a 40 GiB budget
+# CB_ARMS=a,b,... picks the arms of every run (e.g. sdpa,kvquant-dynamic,kvquant-nvfp4,kvquant-recent16).
 # Writes under $OUT: env.log, gpu_tests_cb.log, cb_<name>.json, cb.log
 set -u
 OUT=${OUT:-./cb_round_out}
@@ -25,6 +26,7 @@ for r in "${runs[@]}"; do
     full40) args=(--budget-gb 40) ;;
     *) echo "unknown run $r"; continue ;;
   esac
+  [ -n "${CB_ARMS:-}" ] && args+=(--arms "$CB_ARMS")
   timeout "${RUN_TIMEOUT:-580}" python3 benchmarks/continuous_batching.py "${args[@]}" \
     --out "$OUT/cb_$r.json" 2>&1 | tee -a "$OUT/cb.log" | grep -E '^(arm|  )'
 done
