@@ -153,13 +153,17 @@ def test_what_the_rotation_does_not_apply_to_is_refused_before_any_change(
     assert _state(model) == before
 
 
-def test_continuous_batching_equals_each_requests_own_generate() -> None:
+@pytest.mark.parametrize("recent", [0, 8])
+def test_continuous_batching_equals_each_requests_own_generate(recent: int) -> None:
     """transformers' paged ``generate`` over rotated NVFP4 pages: every request's tokens those
-    of the patched model's own ``generate``."""
+    of the patched model's own ``generate`` (also with a ring of 8 newest tokens, which holds
+    the keys rotated)."""
     from test_hf_continuous_batching import alone, cb_config, gen_config, prompts, tokens
 
     model = biased_llama()
-    kvhf.patch(model, kv_format="nvfp4", k_rotation="hadamard", backend="torch")
+    kvhf.patch(
+        model, kv_format="nvfp4", k_rotation="hadamard", backend="torch", recent_tokens=recent
+    )
     reqs = prompts((11, 11, 11), seed=3)
     out = model.generate(torch.tensor(reqs), generation_config=gen_config(),
                          cache_implementation="paged",

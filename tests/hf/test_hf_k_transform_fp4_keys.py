@@ -229,9 +229,14 @@ def test_k_rotation_beside_the_transform_is_refused_before_any_change() -> None:
     kvhf.patch(model, kv_format="nvfp4", k_rotation="hadamard", backend="torch").remove()
 
 
-def test_continuous_batching_equals_each_requests_own_generate() -> None:
+@pytest.mark.parametrize("recent", [0, 8])
+def test_continuous_batching_equals_each_requests_own_generate(recent: int) -> None:
+    """Also with a ring of 8 newest tokens (keys in the transform's frame, before its offset)."""
     model = biased_llama()
-    kvhf.patch(model, scales=k_transform_scales(model), kv_format="nvfp4", backend="torch")
+    kvhf.patch(
+        model, scales=k_transform_scales(model), kv_format="nvfp4", backend="torch",
+        recent_tokens=recent,
+    )  # fmt: skip
     reqs = prompts((3, 9, 17, 30))
     out = model.generate_batch(
         reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
