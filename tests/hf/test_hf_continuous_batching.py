@@ -932,6 +932,8 @@ def test_the_ring_adds_its_keys_and_values_to_each_block() -> None:
     )
     assert ring.bytes_per_page - plain.bytes_per_page == 2 * 16 * 8 * 64 * 2
     assert ring.bytes_per_block / plain.bytes_per_block == 1.125
+    assert ring.ring_note == ", each with a ring of its 16 newest tokens (11% of its bytes)"
+    assert plain.ring_note == ""
 
 
 @pytest.mark.parametrize("fmt", ["fp32-group", "rotated-k"])

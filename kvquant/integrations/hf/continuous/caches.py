@@ -279,11 +279,12 @@ def _allocator_cache_class() -> type:
             self.kvq = BatchingStorage(self.cache_tensor, layout, specs, total_blocks, backend)
             LIVE_CACHES.add(self)
             _logger.info(
-                "kvquant: continuous-batching cache of %d %s blocks of %d tokens (%d bytes), "
+                "kvquant: continuous-batching cache of %d %s blocks of %d tokens%s (%d bytes), "
                 "%d tokens per step",
                 self.num_blocks,
                 layout.pages_name,
                 layout.page_size,
+                layout.ring_note,
                 non_trash,
                 tokens,
             )
@@ -388,11 +389,12 @@ def _group_cache_class() -> type:
             self._block_table_key = None  # type: ignore[assignment]
             LIVE_CACHES.add(self)
             _logger.info(
-                "kvquant: continuous-batching cache of %d %s blocks of %d tokens (%d bytes), "
+                "kvquant: continuous-batching cache of %d %s blocks of %d tokens%s (%d bytes), "
                 "%d tokens per step",
                 blocks,
                 layout.pages_name,
                 self.block_size,
+                layout.ring_note,
                 total * layout.bytes_per_block,
                 tokens,
             )

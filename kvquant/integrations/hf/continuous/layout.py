@@ -141,6 +141,16 @@ class BlockLayout:
         return out
 
     @property
+    def ring_note(self) -> str:
+        """For messages: ``", each with a ring of its R newest tokens (x % of its bytes)"``, or
+        ``""`` without a ring."""
+        if not self.recent_tokens:
+            return ""
+        off = self.offsets
+        share = (off["recent_v"] - off["recent_k"]) * 2 / self.bytes_per_page
+        return f", each with a ring of its {self.recent_tokens} newest tokens ({share:.0%} of its bytes)"
+
+    @property
     def bytes_per_page(self) -> int:
         """Bytes of one layer's share of a block (all its parts)."""
         return self.offsets["end"]
