@@ -279,13 +279,13 @@ def _allocator_cache_class() -> type:
             self.kvq = BatchingStorage(self.cache_tensor, layout, specs, total_blocks, backend)
             LIVE_CACHES.add(self)
             _logger.info(
-                "kvquant: continuous-batching cache of %d %s blocks of %d tokens%s (%d bytes), "
+                "kvquant: continuous-batching cache of %d %s blocks of %d tokens (%d bytes)%s, "
                 "%d tokens per step",
                 self.num_blocks,
                 layout.pages_name,
                 layout.page_size,
-                layout.ring_note,
                 non_trash,
+                layout.ring_note,
                 tokens,
             )
 
@@ -389,13 +389,13 @@ def _group_cache_class() -> type:
             self._block_table_key = None  # type: ignore[assignment]
             LIVE_CACHES.add(self)
             _logger.info(
-                "kvquant: continuous-batching cache of %d %s blocks of %d tokens%s (%d bytes), "
+                "kvquant: continuous-batching cache of %d %s blocks of %d tokens (%d bytes)%s, "
                 "%d tokens per step",
                 blocks,
                 layout.pages_name,
                 self.block_size,
-                layout.ring_note,
                 total * layout.bytes_per_block,
+                layout.ring_note,
                 tokens,
             )
 
