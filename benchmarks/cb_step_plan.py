@@ -6,12 +6,13 @@ and for the others the paged-attention launches' query slots, block tables and l
 device waits for that plan, so its host time adds to every step. This times it for synthetic
 steps of Llama-3.2-1B's cache geometry (8 KV heads, head_dim 64, 256-token blocks): ``N``
 requests decoding one token each at random lengths of 256 to 8192, with and without a few
-512-token prompt chunks, with and without the k-transform's first tokens. The median of
+512-token prompt chunks, with and without the k-transform's first tokens, and with
+``--recent R`` also with a ring of ``R`` newest tokens per block. The median of
 ``--repeats`` calls per step; no GPU needed (the plan's host part is the same).
 
 Usage::
 
-    python benchmarks/cb_step_plan.py [--repeats 50] [--json out.json]
+    python benchmarks/cb_step_plan.py [--repeats 50] [--recent 16] [--json out.json]
     PYTHONPATH=_prev:. python benchmarks/cb_step_plan.py   # an earlier kvquant in _prev/
 """
 
@@ -62,10 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--recent", type=int, default=0, help="also time a ring of this many tokens")
     args = ap.parse_args(argv)
     rows = []
-    for first in (0, 16):
-        layout = BlockLayout(16, PAGE, 8, 64, first_tokens=first)
+    cases = [(first, 0) for first in (0, 16)]
+    if args.recent:
+        cases += [(first, args.recent) for first in (0, 16)]
+    for first, recent in cases:
+        layout = BlockLayout(16, PAGE, 8, 64, first_tokens=first, recent_tokens=recent)
         for decoding, chunks in STEPS:
             kw = step_kwargs(decoding, chunks)
             build_plan(kw, layout)  # first call: imports, allocator warm-up
@@ -78,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
                 "decoding": decoding,
                 "chunks": chunks,
                 "first_tokens": first,
+                "recent_tokens": recent,
                 "median_ms": statistics.median(times) * 1e3,
             }
             rows.append(row)
             print(
-                f"{decoding} decoding + {chunks} chunks, first tokens {first}: "
+                f"{decoding} decoding + {chunks} chunks, first tokens {first}, ring {recent}: "
                 f"{row['median_ms']:.3f} ms"
             )
     if args.json is not None:

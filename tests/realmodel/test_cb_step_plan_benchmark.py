@@ -15,11 +15,13 @@ def test_step_plan_benchmark_times_each_step(
     bench = load_script("cb_step_plan")
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     out = tmp_path / "plan.json"
-    assert bench.main(["--repeats", "2", "--json", str(out)]) == 0
+    assert bench.main(["--repeats", "2", "--recent", "8", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["kvquant"] == "kvquant"  # this checkout's, not an earlier copy's
-    steps = {(r["decoding"], r["chunks"], r["first_tokens"]) for r in data["rows"]}
-    assert steps == {(d, c, f) for d, c in bench.STEPS for f in (0, 16)}
+    steps = {
+        (r["decoding"], r["chunks"], r["first_tokens"], r["recent_tokens"]) for r in data["rows"]
+    }
+    assert steps == {(d, c, f, r) for d, c in bench.STEPS for f in (0, 16) for r in (0, 8)}
     assert all(r["median_ms"] > 0 for r in data["rows"])
     # the synthetic step: one query per decoding request, 512 per chunk, pages in read order
     kw = bench.step_kwargs(3, 1)
