@@ -6,7 +6,8 @@ no way to take a patched model or kvquant's quantization config (its
 server (transformers' ``Serve``: ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``, ``/health``) with continuous batching on, and applies
 :func:`kvquant.patch` to the model the server loads, before it serves anything:
-every request runs on kvquant's FP8 pages (:mod:`kvquant.integrations.hf.continuous`).
+every request runs on kvquant's FP8 pages, or 4-bit ones with ``kv_format``
+(:mod:`kvquant.integrations.hf.continuous`).
 From transformers 5.25 on the server loads its model in a process of its own; the model is
 patched there (:mod:`kvquant.integrations.hf.serving`).
 

@@ -23,7 +23,7 @@ HELP = "serve a model on kvquant's FP8 cache with transformers' OpenAI-compatibl
 DESCRIPTION = (
     "Run transformers' server (/v1/chat/completions, /v1/completions, /v1/models, /health) "
     "with continuous batching, the model patched by kvquant.patch: every request runs on "
-    "kvquant's FP8 pages. Needs transformers' serving extras."
+    "kvquant's FP8 pages (or 4-bit ones with --kv-format). Needs transformers' serving extras."
 )
 
 OPTIONS = ("scale_format", "missing_scales", "backend", "recent_tokens")
