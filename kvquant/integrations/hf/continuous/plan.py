@@ -209,15 +209,19 @@ def _recent_writes(rows: _Rows, ps: int, ring: int, send: _Transfer) -> tuple[in
     token of the step at the same slot of the same block); None without a ring."""
     if not ring or not rows.q0.numel():
         return None
-    row = torch.repeat_interleave(torch.arange(rows.q_len.numel()), rows.q_len)
-    within = torch.arange(row.numel()) - (torch.cumsum(rows.q_len, 0) - rows.q_len).index_select(
-        0, row
-    )
+    row, within = _expand(rows.q_len)
     pos = rows.past.index_select(0, row) + within
     newest = torch.minimum(rows.kv_len.index_select(0, row) - 1, (pos // ps) * ps + ps - 1)
     kept = (pos > newest - ring).nonzero().flatten()
     tok = rows.q0.index_select(0, row).index_select(0, kept) + within.index_select(0, kept)
     return send.add(tok), send.add(pos.index_select(0, kept) % ring)
+
+
+def _expand(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row, within)`` of ``counts.sum()`` items, ``counts[r]`` of them for row ``r``: each
+    item's row and its index among its row's items."""
+    row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return row, torch.arange(row.numel()) - (torch.cumsum(counts, 0) - counts).index_select(0, row)
 
 
 def _first_tokens(
@@ -234,8 +238,7 @@ def _first_tokens(
     n = int(counts.sum())
     if n == 0:
         return at_first, None
-    row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    within = torch.arange(n) - (torch.cumsum(counts, 0) - counts).index_select(0, row)
+    row, within = _expand(counts)
     tok = rows.q0.index_select(0, row) + within
     pos = rows.past.index_select(0, row) + within
     return at_first, (send.add(tok), send.add(row), send.add(pos))
