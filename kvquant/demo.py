@@ -323,16 +323,24 @@ def _generate_story(ctx: DemoContext) -> None:
         f"lowest per-step logit cosine {cos:.5f}"
     )
 
-    pool = cache.memory_bytes()["total"]
+    held = cache.memory_bytes()
+    ring, pool = held["recent"], held["total"] - held["recent"]
     slots = sum(layer.storage.num_pages * layer.storage.page_size for layer in cache.layers)
     tokens = int(ref_cache.layers[0].keys.shape[2])
     stored = tokens * ids.shape[0] * len(cache.layers)  # token slots in use, all layers
     fp8 = pool * stored // slots
     bf16 = sum(2 * layer.keys.numel() * 2 for layer in ref_cache.layers)
+    newest = cache.layers[0].storage.recent
     ctx.say(
         f"  KV memory for {ids.shape[0]} x {tokens} tokens: {fp8:,} bytes in FP8 pages "
         f"(scales included) vs {bf16:,} bytes in a bf16 DynamicCache ({fp8 / bf16:.0%}); "
         f"the page pool reserves {pool:,} bytes up front"
+        + (
+            f", and each sequence's {newest.length} newest tokens are also kept at full "
+            f"precision ({ring:,} bytes in all, however long the sequences grow)"
+            if newest is not None
+            else ""
+        )
     )
     handle.remove()
     after = _greedy(model, ids)
@@ -342,6 +350,7 @@ def _generate_story(ctx: DemoContext) -> None:
         "min_logit_cosine": cos,
         "fp8_bytes": fp8,
         "bf16_bytes": bf16,
+        "recent_bytes": ring,
         "restored": same,
     }
     ctx.say(f"  handle.remove(): tokens identical to before patching: {same}")

@@ -45,6 +45,11 @@ class OptionFlag:
         return "--" + self.name.replace("_", "-")
 
 
+def recent_tokens_arg(text: str) -> int | str:
+    """``--recent-tokens``' value: ``auto`` or a count (argparse reports anything else)."""
+    return "auto" if text == "auto" else int(text)
+
+
 OPTION_FLAGS: dict[str, OptionFlag] = {
     f.name: f
     for f in (
@@ -83,9 +88,10 @@ OPTION_FLAGS: dict[str, OptionFlag] = {
         ),
         OptionFlag(
             "recent_tokens",
-            "each sequence's newest tokens also kept at full precision: 0 (default; none) "
-            "or a count, e.g. 16",
-            type=int,
+            "each sequence's newest tokens also kept at full precision: auto (default; 16, "
+            "under continuous batching at most the largest divisor of the page size), a "
+            "count, or 0 for none",
+            type=recent_tokens_arg,
         ),
     )
 }

@@ -252,9 +252,12 @@ def test_serve_hands_the_patch_its_kv_format_and_ring(monkeypatch: pytest.Monkey
     assert (seen["model"], seen["kv_format"], seen["recent_tokens"]) == ("m", "nvfp4", 16)
     seen.clear()
     assert main(["serve", "m"]) == 0
-    assert (seen["kv_format"], seen["recent_tokens"]) == ("fp8", 0)
+    assert (seen["kv_format"], seen["recent_tokens"]) == ("fp8", "auto")
+    assert main(["serve", "m", "--recent-tokens", "auto"]) == 0 and seen["recent_tokens"] == "auto"
+    assert main(["serve", "m", "--recent-tokens", "0"]) == 0 and seen["recent_tokens"] == 0
     assert main(["serve", "m", "--kv-format", "int4"]) == 2
     assert main(["serve", "m", "--recent-tokens", "-1", "--json"]) == 2
+    assert main(["serve", "m", "--recent-tokens", "some"]) == 2
 
 
 def _per_head(tmp_path: Path, layers: int = 30) -> Path:

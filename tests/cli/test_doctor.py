@@ -341,6 +341,7 @@ def test_demo_runs_and_tells_the_story(tmp_path: Path) -> None:
     assert gen["min_logit_cosine"] >= 0.999
     assert gen["token_agreement"] >= 0.9
     assert gen["fp8_bytes"] / gen["bf16_bytes"] <= 0.52
+    assert gen["recent_bytes"] > 0 and "16 newest tokens are also kept" in " ".join(text.split())
     assert gen["restored"] is True
     assert gen["load_time_granularity"] == "per-tensor"
     # the checkpoints it wrote are real transformers checkpoints with weights

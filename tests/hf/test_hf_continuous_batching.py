@@ -101,10 +101,13 @@ def models(fmt: str, device: str = "cpu", **patch_kw: Any) -> tuple[Any, Any, An
     backend on CPU; on CUDA the Triton kernels, and eager decode steps for ``generate`` (no
     decode graph: the batch runs the same kernels eagerly). The 4-bit formats patch
     :func:`tiny` with ``kv_format`` (``fp8-k-nvfp4-v`` takes the unit FP8 K scale: the tiny
-    model's checkpoint has none). ``patch_kw``: more options of the patch."""
+    model's checkpoint has none). ``patch_kw``: more options of the patch; without
+    ``recent_tokens`` none (the ring of the newest tokens would hold most of these short
+    requests exactly: its own tests pass it)."""
     opts: dict[str, Any] = (
         {"backend": "torch"} if device == "cpu" else {"backend": "auto", "cuda_graphs": False}
     )
+    opts["recent_tokens"] = 0
     opts.update(patch_kw)
     if fmt in FOUR_BIT:
         model, ref = tiny().to(device), tiny().to(device)
@@ -237,7 +240,7 @@ def test_the_newest_tokens_at_full_precision_under_continuous_batching(fmt: str)
     )
     got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
     assert_same(got, [alone(model, ids) for ids in reqs])
-    without, _, _ = models(fmt)
+    without, _, _ = models(fmt, recent_tokens=0)
     assert_fp8_visible(got, [alone(without, ids) for ids in reqs])
     assert continuous.live_caches() == []
 
@@ -248,6 +251,31 @@ def test_a_ring_that_does_not_divide_the_block_is_refused_before_any_thread_star
         model.generate_batch(
             prompts(), generation_config=gen_config(), continuous_batching_config=cb_config()
         )
+
+
+def test_the_default_ring_shortens_to_a_block_it_does_not_divide(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``recent_tokens="auto"`` (the default: 16) with blocks of 12 tokens: each block keeps a
+    ring of 12, the largest divisor (where an explicit 16 is refused), said in the cache's log
+    line; every request equals its own ``generate`` with ``recent_tokens=12``, which differs
+    from the default's 16."""
+    model, handle, _ = models("per-tensor", recent_tokens="auto")
+    assert all(s.recent_tokens == 16 for s in handle.state.layer_specs)
+    reqs = prompts((3, 9, 17, 30), seed=5)
+    with caplog.at_level("INFO", logger="kvquant"):
+        out = model.generate_batch(
+            reqs,
+            generation_config=gen_config(),
+            continuous_batching_config=cb_config(page=12),
+            warmup=False,
+        )
+    assert "ring of its 12 newest tokens" in caplog.text
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    twelve, _, _ = models("per-tensor", recent_tokens=12)
+    assert_same(got, [alone(twelve, ids) for ids in reqs])
+    assert_fp8_visible(got, [alone(model, ids) for ids in reqs])
+    assert continuous.live_caches() == []
 
 
 def test_paged_generate_equals_generate() -> None:

@@ -82,7 +82,9 @@ def test_patched_decode_matches_a_quantize_dequantize_simulation(
     plain, _ = step_logits(model, ids, mask, cont)
     # fp8-k-nvfp4-v needs static K scales: unit scales (tiny K is well inside FP8's range)
     extra = {"missing_scales": "unit"} if kv_format == "fp8-k-nvfp4-v" else {}
-    handle = kvhf.patch(model, backend=backend, kv_format=kv_format, cuda_graphs=False, **extra)
+    handle = kvhf.patch(
+        model, backend=backend, kv_format=kv_format, cuda_graphs=False, recent_tokens=0, **extra
+    )
     got, cache = step_logits(model, ids, mask, cont)
     assert isinstance(cache, KVQuantCache)
     layer = cache.layers[0]

@@ -120,7 +120,7 @@ def test_patch_serves_the_checkpoint_formats_with_its_global_scales(
     ids, mask = prompt(batch=2, length=10, pad=(3,))
     cont = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
     plain, _ = step_logits(model, ids, mask, cont)
-    handle = kvhf.patch(model, scales=root, backend=backend, cuda_graphs=False)
+    handle = kvhf.patch(model, scales=root, backend=backend, cuda_graphs=False, recent_tokens=0)
     got, cache = step_logits(model, ids, mask, cont)
     assert isinstance(cache, KVQuantCache)
     _check_storage(cache, case)

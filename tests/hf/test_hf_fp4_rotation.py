@@ -80,7 +80,7 @@ def test_logits_equal_simulated_rotated_4bit_rounding(fmt: str, backend: str) ->
     plain = _simulated(model, ids, mask, cont, fmt, rotate=False)
     model = model.to(dev)
     handle = kvhf.patch(model, kv_format=fmt, k_rotation="hadamard", backend=backend,
-                        cuda_graphs=False)  # fmt: skip
+                        cuda_graphs=False, recent_tokens=0)  # fmt: skip
     got, cache = step_logits(model, *(t.to(dev) for t in (ids, mask, cont)))
     got = got.cpu()
     storage = cache.layers[0].storage

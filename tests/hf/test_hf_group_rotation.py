@@ -77,7 +77,9 @@ def test_logits_equal_simulated_rotated_rounding(group: int) -> None:
     model = biased_llama()
     rotated = _simulated_logits(model, ids, mask, cont, group, rotate=True)
     plain = _simulated_logits(model, ids, mask, cont, group, rotate=False)
-    handle = kvhf.patch(model, group_size=group, k_rotation="hadamard", backend="torch")
+    handle = kvhf.patch(
+        model, group_size=group, k_rotation="hadamard", backend="torch", recent_tokens=0
+    )
     assert handle.scales.granularity == "fp32-group"
     got, cache = step_logits(model, ids, mask, cont, cache=None)
     storage = cache.layers[0].storage

@@ -88,7 +88,7 @@ def test_decode_matches_a_simulation_of_4bit_k_in_the_transforms_frame(
     ids, mask = prompt(batch=2, length=10, pad=(0, 3), seed=1)
     cont = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     plain, _ = step_logits(model, ids, mask, cont)
-    handle = kvhf.patch(model, scales=scales, kv_format=kv_format, backend=backend)
+    handle = kvhf.patch(model, scales=scales, kv_format=kv_format, backend=backend, recent_tokens=0)
     got, cache = step_logits(model, ids, mask, cont)
     storage = cache.layers[0].storage
     assert type(storage).__name__ == "KTransformFp4Storage"
@@ -121,7 +121,9 @@ def test_greedy_generate_equals_the_simulation_and_remove_restores() -> None:
 
     unpatched = generate()
     sim = _simulated(model, "nvfp4", scales, 1, generate)
-    handle = kvhf.patch(model, scales=scales, kv_format="nvfp4", backend="torch", page_size=4)
+    handle = kvhf.patch(
+        model, scales=scales, kv_format="nvfp4", backend="torch", page_size=4, recent_tokens=0
+    )
     assert handle.scales.granularity == "k-transform"
     assert [s.granularity for s in handle.state.layer_specs] == ["k-transform-nvfp4"] * 2
     with torch.no_grad():

@@ -19,6 +19,7 @@ from hf_tiny import build, prompt
 
 import kvquant.integrations.hf as kvhf
 from kvquant.cache import PagedLayerStorage
+from kvquant.cache.storage.recent import AUTO_RECENT_TOKENS
 from kvquant.errors import CacheCapacityError
 from kvquant.integrations.hf.cache_layer import KVQuantCache, KVQuantLayer
 
@@ -164,11 +165,14 @@ def _bf16_dynamic_bytes(model: Any, batch: int, tokens: int) -> int:
 def test_pools_hold_no_more_than_bf16_plus_one_page(
     fmt: str, page_size: int, prompt_len: int, new: int
 ) -> None:
-    """After a batched generate: bytes <= the bf16 DynamicCache's + one page per sequence and layer.
+    """After a batched generate: bytes <= the bf16 DynamicCache's + one page per sequence and
+    layer + the default ring of the newest tokens.
 
-    Pages and their group scales together (``memory_bytes()["total"]``, static scales
-    included); the allowance is one page of K and one of V, with its group scales, per
-    sequence and layer (the last page, partly filled).
+    Pages and their group scales together (``memory_bytes()["total"]``, static scales and the
+    rings included); the allowance is one page of K and one of V, with its group scales, per
+    sequence and layer (the last page, partly filled), and the ring ``recent_tokens="auto"``
+    keeps: 16 keys and values per sequence and layer in the model's dtype, counted here from
+    the model's shapes (at Llama-3.2-1B's, 32 KB per sequence and layer in bf16).
     """
     batch = 8
     model = build("llama")
@@ -190,8 +194,14 @@ def test_pools_hold_no_more_than_bf16_plus_one_page(
     layer_pages = cache.layers[0].storage.num_pages
     per_page = (held["pages"] + held["group_scales"]) // (layer_pages * len(cache.layers))
     allowance = batch * len(cache.layers) * per_page  # K and V pages of one slot range
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    ring = len(cache.layers) * batch * 2 * AUTO_RECENT_TOKENS * cfg.num_key_value_heads
+    ring *= head_dim * itemsize
+    assert held["recent"] == ring, (held, ring)
     dense = _bf16_dynamic_bytes(model, batch, stored)
-    assert held["total"] <= dense + allowance, (held, dense, allowance)
+    assert held["total"] <= dense + allowance + ring, (held, dense, allowance, ring)
 
 
 def _decode_past_the_prompt_pages(model: Any, handle: Any) -> KVQuantCache:

@@ -78,7 +78,12 @@ def test_static_scales_of_each_layer_equal_simulated_rounding(granularity: str) 
     ref, _ = step_logits(model, ids, mask, cont)
     scales = calibrate(model, ids, mask, granularity)
     handle = kvhf.patch(
-        model, scales=scales, scale_format=granularity, backend="torch", page_size=4
+        model,
+        scales=scales,
+        scale_format=granularity,
+        backend="torch",
+        page_size=4,
+        recent_tokens=0,  # the simulation rounds every key
     )
     specs = handle.state.layer_specs
     assert [(s.num_kv_heads, s.head_dim) for s in specs] == [(2, 16), (1, 32)]
@@ -197,7 +202,7 @@ def test_kv_sharing_layers_read_their_source_layer() -> None:
         sim, _ = step_logits(model, ids, mask, cont)
         sim_chunked = generate_exactly(model, ids, mask, 6, prefill_chunk_size=4)
         sim_beams = generate_exactly(model, ids, mask, 6, num_beams=3)
-    handle = kvhf.patch(model, backend="torch", page_size=4, group_size=16)
+    handle = kvhf.patch(model, backend="torch", page_size=4, group_size=16, recent_tokens=0)
     assert [s.kv_source for s in handle.state.sites] == [None, None, 0, 1]
     assert [s.kv_reused for s in handle.state.layer_specs] == [True, True, False, False]
     assert handle.state.graph_runner is None  # no CUDA-graph step for shared K/V

@@ -292,8 +292,9 @@ def test_memory_bytes_counts_pages_and_scales(tiny_llama: Any) -> None:
         tiny_llama(input_ids=ids, attention_mask=mask, **{cache_kwarg(tiny_llama): cache})
     slots, hkv, d = 5 * 4, 2, 16  # tiny Llama: 2 KV heads of 16; fp32-group with G = 16
     per_layer = {"pages": 2 * slots * hkv * d, "group_scales": 2 * slots * hkv * 4}
-    per_layer |= {"recent": 0, "static_scales": 0, "k_transform": 0}
-    per_layer["total"] = per_layer["pages"] + per_layer["group_scales"]
+    # the default ring: 16 fp32 keys and values per sequence (2 sequences)
+    per_layer |= {"recent": 2 * 2 * 16 * hkv * d * 4, "static_scales": 0, "k_transform": 0}
+    per_layer["total"] = per_layer["pages"] + per_layer["group_scales"] + per_layer["recent"]
     assert [layer.memory_bytes() for layer in cache.layers] == [per_layer] * 2
     assert cache.memory_bytes() == {k: 2 * n for k, n in per_layer.items()}
     layer = cache.layers[1]

@@ -109,7 +109,7 @@ def test_a_ring_longer_than_the_sequence_gives_the_unpatched_logits() -> None:
     handle = kvhf.patch(model, backend="torch", kv_format="nvfp4", recent_tokens=32)
     got, _ = step_logits(model, ids, mask, cont)
     handle.remove()
-    handle = kvhf.patch(model, backend="torch", kv_format="nvfp4")
+    handle = kvhf.patch(model, backend="torch", kv_format="nvfp4", recent_tokens=0)
     without, _ = step_logits(model, ids, mask, cont)
     handle.remove()
     torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
@@ -204,12 +204,29 @@ def test_options_are_checked() -> None:
     with pytest.raises(OptionError, match=r"recent_tokens=-1; expected 0\.\.1024") as info:
         kvhf.patch(model, recent_tokens=-1)
     assert "Fix:" in str(info.value)
-    with pytest.raises(OptionTypeError, match="recent_tokens='8'; expected an int"):
+    with pytest.raises(OptionTypeError, match="recent_tokens='8'; expected 'auto' or an int"):
         kvhf.patch(model, recent_tokens="8")
     assert model.config._attn_implementation == "sdpa"
     cfg = kvhf.KVQuantConfig(kv_format="nvfp4", recent_tokens=16)
     assert cfg.to_dict()["recent_tokens"] == 16
     assert "recent_tokens=16" in repr(cfg)
+    assert kvhf.KVQuantConfig().to_dict()["recent_tokens"] == "auto"
+
+
+@pytest.mark.parametrize(("option", "ring"), [({}, 16), ({"recent_tokens": "auto"}, 16),
+                                               ({"recent_tokens": 0}, 0),
+                                               ({"recent_tokens": 5}, 5)])  # fmt: skip
+def test_the_default_keeps_the_16_newest_tokens(option: dict[str, Any], ring: int) -> None:
+    """``recent_tokens="auto"``, the default, is a ring of 16 in every layer; the cache's
+    storage keeps it; an int is taken as given."""
+    model = _tiny()
+    handle = kvhf.patch(model, backend="torch", **option)
+    assert [s.recent_tokens for s in handle.state.layer_specs] == [ring] * 2
+    ids, mask = prompt(batch=2, length=6, pad=(0, 0))
+    _, cache = step_logits(model, ids, mask, ids[:, :1])
+    storages = [layer.storage for layer in cache.layers]
+    assert [0 if st.recent is None else st.recent.length for st in storages] == [ring] * 2
+    handle.remove()
 
 
 @pytest.mark.gpu

@@ -146,11 +146,16 @@ def test_kvquant_equals_simulation_on_four_layers(smol: Smol, mode: str) -> None
     if mode == "fp32-group":
         # scales={}: no stored scales (else patch reads the 30-layer folder of name_or_path)
         handle = kvquant.patch(
-            model, scales={}, scale_format="fp32-group", group_size=64, backend="torch"
+            model,
+            scales={},
+            scale_format="fp32-group",
+            group_size=64,
+            backend="torch",
+            recent_tokens=0,
         )
     else:
         mapping = _truncated_mapping(sub, layers, per_head=mode == "per-head")
-        handle = kvquant.patch(model, scales=mapping, backend="torch")
+        handle = kvquant.patch(model, scales=mapping, backend="torch", recent_tokens=0)
     try:
         resolved = handle.scales
         real = E.teacher_forced(

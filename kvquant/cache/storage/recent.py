@@ -17,10 +17,27 @@ from kvquant.errors import CacheUsageError
 from kvquant.kernels.write.naive import ring_copy
 from kvquant.schemes import RecentTokens
 
-__all__ = ["MAX_RECENT_TOKENS", "RecentRing", "batch_rows", "check_recent_tokens"]
+__all__ = [
+    "AUTO_RECENT_TOKENS",
+    "MAX_RECENT_TOKENS",
+    "RecentRing",
+    "batch_rows",
+    "check_recent_tokens",
+    "recent_tokens_of",
+]
 
 MAX_RECENT_TOKENS = 1024
 """The largest ring (tokens per sequence) a storage keeps."""
+
+AUTO_RECENT_TOKENS = 16
+"""The ring's length that ``recent_tokens="auto"`` (the default) gives: most of the accuracy
+a longer ring buys, for 16 tokens per sequence and layer in the model's dtype."""
+
+
+def recent_tokens_of(value: int | str) -> int:
+    """The ring's length an option value asks for: ``"auto"`` gives
+    :data:`AUTO_RECENT_TOKENS`, an int itself (the option is checked before)."""
+    return AUTO_RECENT_TOKENS if isinstance(value, str) and value == "auto" else int(value)
 
 
 def check_recent_tokens(value: object, owner: str) -> int:

@@ -67,7 +67,9 @@ class PatchOptions:
             (:func:`~kvquant.choices.layer_kv_formats` gives each layer's).
         k_rotation: None or ``"hadamard"`` (:class:`~kvquant.choices.KRotation`): K rotated
             before its dynamic ``fp32-group`` scales or its ``nvfp4`` / ``mxfp4`` blocks.
-        recent_tokens: each sequence's newest tokens attended at full precision (0: none).
+        recent_tokens: each sequence's newest tokens attended at full precision: ``"auto"``
+            (:data:`~kvquant.cache.storage.recent.AUTO_RECENT_TOKENS`; under continuous
+            batching at most the largest divisor of the block size), an int, or 0 for none.
         source: a description of where the scales came from (not an option).
     """
 
@@ -85,7 +87,7 @@ class PatchOptions:
     prefill_tokens: int | str | None
     kv_format: str | KVFormatMap = "fp8"
     k_rotation: str | None = None
-    recent_tokens: int = 0
+    recent_tokens: int | str = "auto"
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -241,13 +243,17 @@ def check_options(opts: PatchOptions, owner: str = "KVQuantConfig") -> None:
 
 
 def _check_recent_tokens(value: object, owner: str) -> None:
-    """``recent_tokens``: an int from 0 to :data:`~kvquant.cache.storage.recent.MAX_RECENT_TOKENS`."""
+    """``recent_tokens``: ``"auto"`` or an int from 0 to
+    :data:`~kvquant.cache.storage.recent.MAX_RECENT_TOKENS`."""
     from kvquant.cache.storage.recent import MAX_RECENT_TOKENS
 
+    if isinstance(value, str) and value == "auto":
+        return
     if isinstance(value, bool) or not isinstance(value, int):
         raise OptionTypeError(
-            f"{owner}: recent_tokens={value!r}; expected an int from 0 to {MAX_RECENT_TOKENS}. "
-            "Fix: pass e.g. recent_tokens=16, or 0 for none."
+            f"{owner}: recent_tokens={value!r}; expected 'auto' or an int from 0 to "
+            f"{MAX_RECENT_TOKENS}. Fix: pass recent_tokens='auto' (the default), e.g. 16, or "
+            "0 for none."
         )
     if not 0 <= value <= MAX_RECENT_TOKENS:
         raise OptionError(

@@ -356,8 +356,9 @@ def _decision_line(model: nn.Module, state: PatchState) -> str:
             f"KV formats {describe_layer_formats(_stored_formats(state))} (the checkpoint's "
             f"NVFP4 global scales; FP8 scales from {source})"
         )
-    if opts.recent_tokens:
-        kv += f", each sequence's newest {opts.recent_tokens} tokens also at full precision"
+    recent = state.layer_specs[0].recent_tokens if state.layer_specs else 0
+    if recent:
+        kv += f", each sequence's newest {recent} tokens also at full precision"
     return (
         f"kvquant.patch: {state.model_name}, {len(state.layer_specs)} layers{shard}, {kv}; "
         f"backend {backend}; cache: {sizing}; "

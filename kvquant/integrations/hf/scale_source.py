@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kvquant.cache.storage.recent import recent_tokens_of
 from kvquant.choices import KVFormat, layer_kv_formats
 from kvquant.errors import (
     OptionError,
@@ -269,7 +270,7 @@ def layer_specs(
     model_scales: Any,
     kv_format: str | Mapping[int | str, str] = KVFormat.FP8,
     k_rotation: str | None = None,
-    recent_tokens: int = 0,
+    recent_tokens: int | str = 0,
 ) -> list[LayerSpec]:
     """One :class:`LayerSpec` per attention layer: the resolved scales, in ``kv_format``.
 
@@ -278,7 +279,8 @@ def layer_specs(
     4-bit layers gives them its formats and global scales (:func:`checkpoint_fp4_specs`).
     ``k_rotation`` (``"hadamard"``) rotates K before the ``fp32-group`` layers' scales and
     the ``nvfp4`` / ``mxfp4`` layers' blocks (a k-transform's layers bring their own).
-    ``recent_tokens`` gives every layer a ring of each sequence's newest tokens.
+    ``recent_tokens`` gives every layer a ring of each sequence's newest tokens (``"auto"``:
+    :data:`~kvquant.cache.storage.recent.AUTO_RECENT_TOKENS`).
 
     Raises:
         UnsupportedModelError: the registry resolved another number of layers.
@@ -287,6 +289,7 @@ def layer_specs(
             resolved to a static format, a layer of the k-transform, an ``fp8-k-nvfp4-v``
             layer, a checkpoint's 4-bit layers, or a head_dim that is not a power of two >= 16.
     """
+    recent = recent_tokens_of(recent_tokens)
     specs = _fp8_specs(sites, geometry, model_scales)
     formats = layer_kv_formats(kv_format, len(specs), "kvquant.patch")
     declared = getattr(model_scales, "fp4_layers", None)
@@ -298,7 +301,7 @@ def layer_specs(
                 "computes it, not rotated). Fix: drop k_rotation."
             )
         specs = checkpoint_fp4_specs(specs, declared, formats)
-        return [replace(spec, recent_tokens=recent_tokens) for spec in specs]
+        return [replace(spec, recent_tokens=recent) for spec in specs]
     _log_unused_scales(specs, formats, [getattr(ls, "source", None) for ls in model_scales.layers])
     specs = [
         fp4_spec(spec, fmt) if fmt.four_bit else spec
@@ -306,7 +309,7 @@ def layer_specs(
     ]
     if k_rotation is not None:
         specs = [_rotated_spec(spec, str(k_rotation)) for spec in specs]
-    return [replace(spec, recent_tokens=recent_tokens) for spec in specs]
+    return [replace(spec, recent_tokens=recent) for spec in specs]
 
 
 def _log_unused_scales(

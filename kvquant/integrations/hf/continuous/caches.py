@@ -111,11 +111,13 @@ def _uninstall_factory() -> None:
         continuous_api.PagedAttentionCache = current.original  # type: ignore[misc, assignment]
 
 
-def _specs_and_backend(config: Any) -> tuple[list[Any], str]:
+def _specs_and_backend(config: Any) -> tuple[list[Any], str, bool]:
+    """The patch's layer specs, backend, and whether its ``recent_tokens`` is ``"auto"``."""
     state = _state_for(config)
     if state is None:  # pragma: no cover - the factory checked
         raise BatchingError("kvquant's batching cache was built for a model that is not patched.")
-    return list(state.layer_specs), str(state.options.backend)
+    auto = state.options.recent_tokens == "auto"
+    return list(state.layer_specs), str(state.options.backend), auto
 
 
 def _refuse_tp(helper: Any) -> None:
@@ -246,14 +248,14 @@ def _allocator_cache_class() -> type:
             model_supports_logits_to_keep: bool = False,
         ) -> None:
             cb = continuous_batching_config
-            specs, backend = _specs_and_backend(config)
+            specs, backend, auto_recent = _specs_and_backend(config)
             _refuse_tp(distributed_helper)
             groups = cbc.group_layers_by_attn_type(config)
             refuse_sliding(groups)
             layers = groups[FULL_ATTENTION]
             self.config, self.dtype, self.device = config, dtype, device
             self.max_blocks_per_request = 0
-            layout = layout_for(specs, int(cb.page_size), dtype)
+            layout = layout_for(specs, int(cb.page_size), dtype, auto_recent)
             allocator = block_allocator(0, layers, layout, bool(cb.allow_block_sharing))
             self.cache_allocators = {FULL_ATTENTION: allocator}
             self.layer_to_allocator = dict.fromkeys(layers, allocator)
@@ -340,12 +342,12 @@ def _group_cache_class() -> type:
             dtype: torch.dtype = torch.float16,
         ) -> None:
             cb = continuous_batching_config
-            specs, backend = _specs_and_backend(config)
+            specs, backend, auto_recent = _specs_and_backend(config)
             _refuse_tp(distributed_helper)
             layer_groups, group_types = cbc.group_layers_by_attn_type(config)
             refuse_sliding(group_types)
             self.config, self.dtype, self.device = config, dtype, device
-            layout = layout_for(specs, int(cb.block_size), dtype)
+            layout = layout_for(specs, int(cb.block_size), dtype, auto_recent)
             self.num_key_value_heads, self.head_dim = layout.num_kv_heads, layout.head_dim
             self.block_size = layout.page_size
             least = int(getattr(cbc.PagedAttentionCache, "_min_block_size", 4))

@@ -236,33 +236,43 @@ class BlockLayout:
         return out
 
 
-def check_recent_fits(specs: list[Any], page_size: int, owner: str) -> int:
+def check_recent_fits(specs: list[Any], page_size: int, owner: str, auto: bool = False) -> int:
     """The ring's tokens per block (the patch's ``recent_tokens``; 0: none), checked to divide
-    ``page_size``: each block keeps the ring of its own newest tokens.
+    ``page_size``: each block keeps the ring of its own newest tokens. With ``auto`` (the
+    patch's ``recent_tokens="auto"``) a ring that does not divide the block is shortened to
+    the largest divisor that does (the cache's log line gives the ring's length).
 
     Raises:
-        OptionError: a ring longer than a block, or one that does not divide it.
+        OptionError: a ring longer than a block, or one that does not divide it (not
+            ``auto``).
     """
     recent = max(int(s.recent_tokens) for s in specs)
     if recent and (recent > page_size or page_size % recent):
         fits = max(r for r in range(1, min(recent, page_size) + 1) if page_size % r == 0)
+        if auto:
+            return fits
         raise OptionError(
             f"{owner}: kvquant.patch(..., recent_tokens={recent}) with continuous-batching "
             f"blocks of {page_size} tokens; each block keeps a ring of its newest tokens, so "
             f"the ring must divide the block size. Fix: a page size that is a multiple of "
-            f"{recent}, or recent_tokens={fits}."
+            f"{recent}, recent_tokens={fits}, or recent_tokens='auto'."
         )
     return recent
 
 
-def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLayout:
+def layout_for(
+    specs: list[Any], page_size: int, dtype: torch.dtype, auto_recent: bool = False
+) -> BlockLayout:
     """The :class:`BlockLayout` of a patched model's layer specs (checked to be uniform).
 
     FP8 formats lay out FP8 pages (and their group scales or first tokens); the 4-bit
     formats (``nvfp4``, ``mxfp4``, ``fp8-k-nvfp4-v``) their packed codes and block scales.
 
+    ``auto_recent``: the patch's ``recent_tokens`` is ``"auto"`` (:func:`check_recent_fits`).
+
     Raises:
-        OptionError: a ring of newest tokens that does not divide ``page_size``.
+        OptionError: a ring of newest tokens that does not divide ``page_size`` (not
+            ``auto_recent``).
         UnsupportedModelError: layers of different KV heads, head dims or formats (a
             per-layer map mixing formats among them), or layers that share K/V.
     """
@@ -298,7 +308,7 @@ def layout_for(specs: list[Any], page_size: int, dtype: torch.dtype) -> BlockLay
         head_dim=first.head_dim,
         n_groups=first.scheme.group_scales(first.head_dim, first.group_size),
         first_tokens=first.first_tokens,
-        recent_tokens=check_recent_fits(specs, page_size, first.name),
+        recent_tokens=check_recent_fits(specs, page_size, first.name, auto_recent),
         side_dtype=dtype
         if dtype in (torch.float32, torch.float16, torch.bfloat16)
         else torch.float32,

@@ -166,7 +166,10 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
     specs = list(state.layer_specs)
     page = batching_page_size(cb_config, kind)
     # the layout's checks (a page size left to transformers' default is checked with the cache)
-    layout_for(specs, page or max([16, *(s.recent_tokens for s in specs)]), torch.float32)
+    auto_recent = state.options.recent_tokens == "auto"
+    layout_for(
+        specs, page or max([16, *(s.recent_tokens for s in specs)]), torch.float32, auto_recent
+    )
     from transformers.generation.continuous_batching import cache as cbc
 
     groups: Any = cbc.group_layers_by_attn_type(state.text_config)
