@@ -40,14 +40,15 @@ Arms:
 * ``kvquant-nvfp4`` and ``kvquant-mxfp4`` (opt-in, ``--arms`` / ``--capacity-arms``):
   ``kvquant.patch(model, kv_format="nvfp4")`` (or ``"mxfp4"``): 4-bit pages, block scales
   computed as tokens are written, nothing else; ``kvquant-nvfp4-rotk`` (opt-in) the same
-  with ``k_rotation="hadamard"`` (rotated 4-bit keys), ``kvquant-nvfp4-recent16`` (opt-in)
-  with ``recent_tokens=16`` (each sequence's 16 newest tokens also at full precision);
+  with ``k_rotation="hadamard"`` (rotated 4-bit keys), ``kvquant-nvfp4-recent0`` (opt-in)
+  with ``recent_tokens=0`` (no ring of each sequence's 16 newest tokens at full precision,
+  which every other kvquant arm keeps by default);
 * ``kvquant-g32``, ``kvquant-rotk32`` and ``kvquant-rotk64`` (opt-in, ``--arms`` /
   ``--capacity-arms``): the ``kvquant-fp32-group`` arm (no scales) with ``group_size=32``,
   with ``group_size=32, k_rotation="hadamard"`` (Hadamard-rotated keys) and with
   ``k_rotation="hadamard"`` alone (G=64): the decode cost of smaller groups and of the
-  rotation against today's default (docs/dev/accuracy-history.md); ``kvquant-recent16``
-  (opt-in) the same arm with ``recent_tokens=16``;
+  rotation against today's default (docs/dev/accuracy-history.md); ``kvquant-recent0``
+  (opt-in) the same arm with ``recent_tokens=0`` (what the ring costs);
 * ``kvquant-rowgroups`` (opt-in, ``--arms`` / ``--capacity-arms``): the
   ``kvquant`` arm with a fixed ``prefill_tokens=16384`` in place of the default
   ``"auto"`` (which chooses the bound per call from the free memory).
@@ -118,25 +119,25 @@ CAPACITY_ARMS = (
     "kvquant-nvfp4",
     "kvquant-mxfp4",
     "kvquant-nvfp4-rotk",
-    "kvquant-nvfp4-recent16",
+    "kvquant-nvfp4-recent0",
     "kvquant-g32",
     "kvquant-rotk32",
     "kvquant-rotk64",
-    "kvquant-recent16",
+    "kvquant-recent0",
 )
 DEFAULT_CAPACITY_ARMS = ("default", "kvquant", "kvquant-fp32-group")
 GROUP_ARMS: dict[str, dict[str, Any]] = {
     "kvquant-g32": {"group_size": 32},
     "kvquant-rotk32": {"group_size": 32, "k_rotation": "hadamard"},
     "kvquant-rotk64": {"k_rotation": "hadamard"},
-    "kvquant-recent16": {"recent_tokens": 16},
+    "kvquant-recent0": {"recent_tokens": 0},
 }
 """The fp32-group arms beside ``kvquant-fp32-group`` (no scales): their patch options."""
 FP4_ARMS: dict[str, dict[str, Any]] = {
     "kvquant-nvfp4": {"kv_format": "nvfp4"},
     "kvquant-mxfp4": {"kv_format": "mxfp4"},
     "kvquant-nvfp4-rotk": {"kv_format": "nvfp4", "k_rotation": "hadamard"},
-    "kvquant-nvfp4-recent16": {"kv_format": "nvfp4", "recent_tokens": 16},
+    "kvquant-nvfp4-recent0": {"kv_format": "nvfp4", "recent_tokens": 0},
 }
 """The 4-bit arms (no scales): their patch options."""
 OPT_IN_ARMS = ("kvquant-rowgroups", *FP4_ARMS, *GROUP_ARMS)

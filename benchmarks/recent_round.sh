@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-./recent_round_out}
 E2E_ROUNDS=${E2E_ROUNDS:-2}
 ARMS_A=${ARMS_A:-kvquant-fp32-group,kvquant-nvfp4}
-ARMS_B=${ARMS_B:-kvquant-recent16,kvquant-nvfp4-recent16}
+ARMS_B=${ARMS_B:-kvquant-recent0,kvquant-nvfp4-recent0}
 . "$(dirname "$0")/round_env.sh"
 if [ "${PROFILE:-0}" = 1 ]; then
   timeout 200 python3 benchmarks/profile_generate.py --batch 64 --prompt 2048 --new 32 --kernels \

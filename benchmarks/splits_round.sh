@@ -51,13 +51,13 @@ for part in $PARTS; do
       ;;
     e2e)
       timeout 200 python3 benchmarks/e2e_generate.py --shapes b64x2k --repeats 3 \
-        --arms kvquant-fp32-group,kvquant-recent16 --out "$OUT/e2e_b64_ab.json" 2>&1 | tail -n 6
+        --arms kvquant-fp32-group,kvquant-recent0 --out "$OUT/e2e_b64_ab.json" 2>&1 | tail -n 6
       timeout 200 python3 benchmarks/e2e_generate.py --shapes b64x2k --repeats 3 \
-        --arms kvquant-recent16,kvquant-fp32-group --out "$OUT/e2e_b64_ba.json" 2>&1 | tail -n 6
+        --arms kvquant-recent0,kvquant-fp32-group --out "$OUT/e2e_b64_ba.json" 2>&1 | tail -n 6
       ;;
     profile)
       timeout 200 python3 benchmarks/profile_generate.py --batch 64 --prompt 2048 --new 32 \
-        --kernels --arms kvquant-fp32-group,kvquant-recent16 --out "$OUT/profile_b64.txt" 2>&1 |
+        --kernels --arms kvquant-fp32-group,kvquant-recent0 --out "$OUT/profile_b64.txt" 2>&1 |
         tail -n 3
       ;;
     *)
