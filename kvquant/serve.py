@@ -62,8 +62,8 @@ def serve(
         backend: kernel backend (``auto``: Triton on CUDA, the torch reference on CPU).
         kv_format: :func:`kvquant.patch`'s ``kv_format`` (``fp8``, or a 4-bit format:
             ``nvfp4``, ``mxfp4``, ``fp8-k-nvfp4-v``).
-        recent_tokens: :func:`kvquant.patch`'s ``recent_tokens`` (``"auto"``: 16, or the
-            largest divisor of the page size below it; an int must divide the page size).
+        recent_tokens: :func:`kvquant.patch`'s ``recent_tokens`` (``"auto"``: none, as
+            every block would keep a ring; a count must divide the page size).
         page_size: tokens per block of the batching cache (transformers' default: 256).
         num_blocks: the cache's budget, in blocks of the model's dtype (the FP8
             cache holds about twice as many); None: sized from free memory.

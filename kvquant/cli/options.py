@@ -88,9 +88,8 @@ OPTION_FLAGS: dict[str, OptionFlag] = {
         ),
         OptionFlag(
             "recent_tokens",
-            "each sequence's newest tokens also kept at full precision: auto (default; 16, "
-            "under continuous batching at most the largest divisor of the page size), a "
-            "count, or 0 for none",
+            "each sequence's newest tokens also kept at full precision: auto (default; 16 "
+            "in generate's cache, none under continuous batching), a count, or 0 for none",
             type=recent_tokens_arg,
         ),
     )

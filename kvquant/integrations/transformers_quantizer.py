@@ -111,8 +111,8 @@ class KVQuantConfig(QuantizationConfigMixin):
             is still stored in the pages; the ring costs ``recent_tokens`` tokens per
             sequence and layer in the model's dtype. Default ``"auto"``: 16 (a quarter of
             the dynamic format's error, or less, for a decode step a few percent longer at
-            most); under continuous batching, whose blocks each keep a ring, the largest
-            divisor of the block size up to 16. 0: none.
+            most) in ``generate``'s cache; none under continuous batching, where every block
+            would keep a ring (pass a count for one there). 0: none.
         **saved: keys of a saved config that are not options (``quant_method``).
 
     Raises:

@@ -253,13 +253,10 @@ def test_a_ring_that_does_not_divide_the_block_is_refused_before_any_thread_star
         )
 
 
-def test_the_default_ring_shortens_to_a_block_it_does_not_divide(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """``recent_tokens="auto"`` (the default: 16) with blocks of 12 tokens: each block keeps a
-    ring of 12, the largest divisor (where an explicit 16 is refused), said in the cache's log
-    line; every request equals its own ``generate`` with ``recent_tokens=12``, which differs
-    from the default's 16."""
+def test_the_default_keeps_no_ring_in_the_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    """``recent_tokens="auto"`` (the default; a ring of 16 in ``generate``'s cache) keeps no
+    ring in the batching blocks (of 16 tokens here, which 16 divides): every request equals its own ``generate``
+    with ``recent_tokens=0`` and the cache's log line names no ring."""
     model, handle, _ = models("per-tensor", recent_tokens="auto")
     assert all(s.recent_tokens == 16 for s in handle.state.layer_specs)
     reqs = prompts((3, 9, 17, 30), seed=5)
@@ -267,14 +264,14 @@ def test_the_default_ring_shortens_to_a_block_it_does_not_divide(
         out = model.generate_batch(
             reqs,
             generation_config=gen_config(),
-            continuous_batching_config=cb_config(page=12),
+            continuous_batching_config=cb_config(),
             warmup=False,
         )
-    assert "ring of its 12 newest tokens" in caplog.text
+    assert "blocks of 16 tokens" in caplog.text and "each with a ring" not in caplog.text
     got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
-    twelve, _, _ = models("per-tensor", recent_tokens=12)
-    assert_same(got, [alone(twelve, ids) for ids in reqs])
-    assert_fp8_visible(got, [alone(model, ids) for ids in reqs])
+    without, _, _ = models("per-tensor", recent_tokens=0)
+    assert_same(got, [alone(without, ids) for ids in reqs])
+    assert_fp8_visible(got, [alone(model, ids) for ids in reqs])  # generate keeps its 16
     assert continuous.live_caches() == []
 
 

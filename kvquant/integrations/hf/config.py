@@ -68,8 +68,8 @@ class PatchOptions:
         k_rotation: None or ``"hadamard"`` (:class:`~kvquant.choices.KRotation`): K rotated
             before its dynamic ``fp32-group`` scales or its ``nvfp4`` / ``mxfp4`` blocks.
         recent_tokens: each sequence's newest tokens attended at full precision: ``"auto"``
-            (:data:`~kvquant.cache.storage.recent.AUTO_RECENT_TOKENS`; under continuous
-            batching at most the largest divisor of the block size), an int, or 0 for none.
+            (:data:`~kvquant.cache.storage.recent.AUTO_RECENT_TOKENS`; none under continuous
+            batching, whose every block would keep a ring), an int, or 0 for none.
         source: a description of where the scales came from (not an option).
     """
 

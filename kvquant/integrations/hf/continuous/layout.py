@@ -239,23 +239,23 @@ class BlockLayout:
 def check_recent_fits(specs: list[Any], page_size: int, owner: str, auto: bool = False) -> int:
     """The ring's tokens per block (the patch's ``recent_tokens``; 0: none), checked to divide
     ``page_size``: each block keeps the ring of its own newest tokens. With ``auto`` (the
-    patch's ``recent_tokens="auto"``) a ring that does not divide the block is shortened to
-    the largest divisor that does (the cache's log line gives the ring's length).
+    patch's ``recent_tokens="auto"``, the default) none: a ring in every block would cost
+    blocks (an eighth of a 256-token FP8 block in bf16), where ``generate``'s cache keeps one
+    ring per sequence.
 
     Raises:
-        OptionError: a ring longer than a block, or one that does not divide it (not
-            ``auto``).
+        OptionError: a ring longer than a block, or one that does not divide it.
     """
+    if auto:
+        return 0
     recent = max(int(s.recent_tokens) for s in specs)
     if recent and (recent > page_size or page_size % recent):
         fits = max(r for r in range(1, min(recent, page_size) + 1) if page_size % r == 0)
-        if auto:
-            return fits
         raise OptionError(
             f"{owner}: kvquant.patch(..., recent_tokens={recent}) with continuous-batching "
             f"blocks of {page_size} tokens; each block keeps a ring of its newest tokens, so "
             f"the ring must divide the block size. Fix: a page size that is a multiple of "
-            f"{recent}, recent_tokens={fits}, or recent_tokens='auto'."
+            f"{recent}, or recent_tokens={fits}."
         )
     return recent
 
@@ -268,11 +268,11 @@ def layout_for(
     FP8 formats lay out FP8 pages (and their group scales or first tokens); the 4-bit
     formats (``nvfp4``, ``mxfp4``, ``fp8-k-nvfp4-v``) their packed codes and block scales.
 
-    ``auto_recent``: the patch's ``recent_tokens`` is ``"auto"`` (:func:`check_recent_fits`).
+    ``auto_recent``: the patch's ``recent_tokens`` is ``"auto"``: blocks without a ring
+    (:func:`check_recent_fits`).
 
     Raises:
-        OptionError: a ring of newest tokens that does not divide ``page_size`` (not
-            ``auto_recent``).
+        OptionError: a ring of newest tokens that does not divide ``page_size``.
         UnsupportedModelError: layers of different KV heads, head dims or formats (a
             per-layer map mixing formats among them), or layers that share K/V.
     """
