@@ -6,7 +6,7 @@
 #   medium: 96 requests (prompts 256-4096, 64-256 new), a 2 GiB budget, sdpa and kvquant (~4 min)
 #   full:   256 requests (prompts 256-8192, 128-512 new), a 16 GiB cache budget
 #   full40: the full workload with a 40 GiB budget
-# CB_ARMS=a,b,... picks the arms of every run (e.g. sdpa,kvquant-dynamic,kvquant-nvfp4,kvquant-recent0).
+# CB_ARMS=a,b,... picks the arms of every run (e.g. sdpa,kvquant-dynamic,kvquant-nvfp4,kvquant-recent16).
 # Writes under $OUT: env.log, gpu_tests_cb.log, cb_<name>.json, cb.log
 set -u
 OUT=${OUT:-./cb_round_out}

@@ -42,8 +42,8 @@ in a child process and writes one JSON):
 * ``kvquant-dynamic``: ``kvquant.patch(model)`` without scales (dynamic
   ``fp32-group`` scales);
 * on request (``--arms``): ``kvquant-nvfp4`` (``kv_format="nvfp4"``: 4-bit pages) and
-  ``kvquant-recent0`` (``kvquant-dynamic`` with ``recent_tokens=0``: no ring of the 16
-  newest tokens, which the other kvquant arms keep by default).
+  ``kvquant-recent16`` (``kvquant-dynamic`` with ``recent_tokens=16``: a ring of the 16
+  newest tokens in every block, which batching keeps only when asked).
 
 Usage (H200, repository root, PYTHONPATH=.)::
 
@@ -83,7 +83,7 @@ PATCH_ARMS: dict[str, dict[str, Any]] = {
     "kvquant": {},  # per-tensor scales calibrated on random tokens
     "kvquant-dynamic": {},  # no scales: dynamic fp32-group
     "kvquant-nvfp4": {"kv_format": "nvfp4"},
-    "kvquant-recent0": {"recent_tokens": 0},  # dynamic fp32-group without the default ring
+    "kvquant-recent16": {"recent_tokens": 16},  # dynamic fp32-group, the 16 newest exact
 }
 """Each kvquant arm's patch options (``--arms`` may name any)."""
 
