@@ -275,6 +275,101 @@ def test_the_default_keeps_no_ring_in_the_blocks(caplog: pytest.LogCaptureFixtur
     assert continuous.live_caches() == []
 
 
+class PlanCount:
+    """Counts the steps planned on transformers' decode path and on the host, and the
+    one-token prompts the decode path carried."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.decode = self.host = self.solo = 0
+        original = cb_storage.build_plan
+
+        def counted(kwargs: dict[str, Any], *a: Any) -> Any:
+            plan = original(kwargs, *a)
+            if plan.solo is None:
+                self.host += 1
+            else:
+                self.decode += 1
+                self.solo += int(plan.solo.sum())
+            return plan
+
+        monkeypatch.setattr(cb_storage, "build_plan", counted)
+
+
+needs_decode_path = pytest.mark.skipif(
+    FLAVOUR != "allocators", reason="transformers 5.17 has no decode path"
+)
+
+
+@needs_decode_path
+@pytest.mark.parametrize("fmt", [*FORMATS, *FOUR_BIT])
+def test_decode_steps_take_the_decode_path_and_equal_generate(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step after the prompts' is a decode-path step (one query token per request),
+    planned on the device from transformers' block table; so is the first step of one-token
+    prompts, which attend over themselves alone at full precision. Every request equals its
+    own ``generate``."""
+    model, _, _ = models(fmt)
+    for lengths in ((1, 1, 1), (3, 9, 17, 30)):
+        plans = PlanCount(monkeypatch)
+        reqs = prompts(lengths, seed=7)
+        out = model.generate_batch(
+            reqs,
+            generation_config=gen_config(),
+            continuous_batching_config=cb_config(),
+            warmup=False,
+        )
+        got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+        assert_same(got, [alone(model, ids) for ids in reqs])
+        one_token = lengths[0] == 1
+        assert (plans.host, plans.decode) == (0, NEW) if one_token else (1, NEW - 1)
+        assert plans.solo == (len(reqs) if one_token else 0)
+    assert continuous.live_caches() == []
+
+
+@needs_decode_path
+@pytest.mark.parametrize(("blocks", "host"), [(0, NEW), (1, 5)])
+def test_the_decode_path_takes_requests_within_its_blocks(
+    blocks: int, host: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_blocks_per_request=0`` keeps every step on the host plan; 1 (of 16 tokens) takes a
+    step to the decode path only while every request's new token lands in its first block
+    (prompts of 3 and 9 tokens: steps 2 to 8 on the decode path, the rest on the host). Both
+    equal ``generate``."""
+    model, _, _ = models("k-transform", recent_tokens=4)
+    plans = PlanCount(monkeypatch)
+    reqs = prompts((3, 9), seed=2)
+    out = model.generate_batch(
+        reqs,
+        generation_config=gen_config(),
+        continuous_batching_config=cb_config(max_blocks_per_request=blocks),
+        warmup=False,
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    assert (plans.host, plans.decode) == (host, NEW - host)
+
+
+def test_a_prompt_alone_is_its_value_weighted_against_the_sink() -> None:
+    """A one-token prompt on the decode path attends over its own key alone: its value, times
+    ``exp(s) / (exp(s) + exp(sink))`` where the head has a sink (``s`` its score, after any
+    softcap), as softmax over the key and the sink gives."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 8, generator=g)
+    key, value = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+    sinks = torch.randn(4, generator=g)
+    k = key[0].transpose(0, 1).repeat_interleave(2, dim=1)
+    v = value[0].transpose(0, 1).repeat_interleave(2, dim=1)
+    assert torch.equal(cb_storage._alone(q, key, value, 0.3, None, None), v)
+    for softcap in (None, 2.0):
+        score = (q * k).sum(-1) * 0.3
+        if softcap:
+            score = softcap * torch.tanh(score / softcap)
+        both = torch.softmax(torch.stack((score, sinks.expand(5, 4)), -1), -1)[..., 0]
+        got = cb_storage._alone(q, key, value, 0.3, softcap, sinks)
+        torch.testing.assert_close(got, v * both[..., None], rtol=1e-6, atol=1e-6)
+
+
 def test_paged_generate_equals_generate() -> None:
     model, _, ref = models("per-tensor")
     reqs = prompts((11, 11, 11), seed=3)
@@ -907,6 +1002,88 @@ def test_a_plan_that_does_not_match_the_batch_is_refused() -> None:
         continuous.build_plan(_kwargs([0, 2], [0, 2], [1], []), layout)
     with pytest.raises(BatchingError, match="page ids"):
         continuous.build_plan(_kwargs([0, 1], [0, 20], [3], [1]), layout)
+
+
+def test_the_decode_path_plan_equals_the_host_plan_on_random_decode_steps() -> None:
+    """transformers' decode path (5.24 and later) passes a block table instead of read and
+    write indices: the plan computed from it on the device has the host plan's write slots,
+    side writes (and sends the first-token writes a request does not make to the trash
+    block), block tables, lengths, first pages and ring blocks, for random decode steps with
+    one-token prompts among them (marked ``solo``, attended by the host plan as prompts)."""
+    gen = torch.Generator().manual_seed(11)
+
+    def pick(options: list[int]) -> int:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    solos = rings = firsts = 0
+    for _ in range(200):
+        ps, nf = pick([1, 2, 4, 16]), pick([0, 0, 1, 3])
+        ring = pick([0, 0] + [r for r in (1, 2, 4, 8) if ps % r == 0])
+        width, trash = pick([4, 8, 40]), 997
+        lens = [pick([1, 1, 2, 3, 5, 16, 17, 33]) for _ in range(pick([1, 2, 3, 6]))]
+        lens = [n for n in lens if -(-n // ps) <= width] or [1]
+        blocks, next_id, table = [], 5, torch.full((1, len(lens), width), -1, dtype=torch.int32)
+        for b, n in enumerate(lens):
+            ids = list(range(next_id, next_id + -(-n // ps)))
+            next_id += len(ids) + pick([0, 1, 3])
+            blocks.append(ids)
+            table[0, b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        cu_q = list(range(len(lens) + 1))
+        cu_k = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        write = [blocks[b][(n - 1) // ps] * ps + (n - 1) % ps for b, n in enumerate(lens)]
+        # every request's pages, prompts' included, once some request reads the cache
+        read = [i for ids in blocks for i in ids] if max(lens) > 1 else []
+        layout = continuous.BlockLayout(1, ps, 1, 16, first_tokens=nf, recent_tokens=ring)
+        host = continuous.build_plan(_kwargs(cu_q, cu_k, write, read), layout)
+        kwargs = _kwargs(cu_q, cu_k, [trash] * len(lens), [])
+        kwargs["block_table"] = table
+        dev = continuous.build_plan(kwargs, layout, trash_block=trash)
+        assert dev.tokens == len(lens) and dev.slots.tolist() == [write]
+        assert dev.solo.tolist() == [n == 1 for n in lens]
+        assert dev.fresh == [] and host.fresh == [(b, 1) for b, n in enumerate(lens) if n == 1]
+        solos += sum(n == 1 for n in lens)
+        if nf:
+            tok, blk, pos = (t.tolist() for t in dev.first_writes)
+            kept = [(t, b, p) for t, b, p in zip(tok, blk, pos, strict=True) if b != trash]
+            want = (
+                []
+                if host.first_writes is None
+                else list(zip(*(t.tolist() for t in host.first_writes), strict=True))
+            )
+            assert kept == want
+            assert all(p == 0 for b, p in zip(blk, pos, strict=True) if b == trash)
+            firsts += len(kept)
+        else:
+            assert dev.first_writes is None
+        if ring:
+            assert [t.tolist() for t in dev.recent_writes] == [
+                t.tolist() for t in host.recent_writes
+            ]
+            rings += 1
+        else:
+            assert dev.recent_writes is None
+        (launch,) = dev.launches
+        assert launch.gather.tolist() == [[b] for b in range(len(lens))]
+        assert launch.tokens.tolist() == list(range(len(lens)))
+        assert launch.valid is None and launch.q_lens is None
+        assert launch.block_tables.dtype == torch.int32 and launch.seq_lens.dtype == torch.int32
+        assert launch.seq_lens.tolist() == lens
+        assert launch.block_tables.tolist() == table[0].clamp(min=0).tolist()
+        paged = [b for b, n in enumerate(lens) if n > 1]
+        for hl in host.launches:  # the host plan's rows are the paged requests, in order
+            for i, b in enumerate(hl.tokens.tolist()):
+                assert b in paged
+                pages = -(-lens[b] // ps)
+                assert (
+                    hl.block_tables[i, :pages].tolist() == launch.block_tables[b, :pages].tolist()
+                )
+                assert int(hl.seq_lens[i]) == lens[b]
+                if nf:
+                    assert int(hl.first_pages[i]) == int(launch.first_pages[b])
+                    assert int(hl.first_lens[i]) == int(launch.first_lens[b])
+                if ring:
+                    assert hl.recent_blocks[i].tolist() == launch.recent_blocks[b].tolist()
+    assert solos > 50 and rings > 50 and firsts > 20
 
 
 def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None:

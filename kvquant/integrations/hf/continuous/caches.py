@@ -254,7 +254,8 @@ def _allocator_cache_class() -> type:
             refuse_sliding(groups)
             layers = groups[FULL_ATTENTION]
             self.config, self.dtype, self.device = config, dtype, device
-            self.max_blocks_per_request = 0
+            # transformers' decode path: its block table of each request's blocks
+            self.max_blocks_per_request = int(cb.max_blocks_per_request or 0)
             layout = layout_for(specs, int(cb.page_size), dtype, auto_recent)
             allocator = block_allocator(0, layers, layout, bool(cb.allow_block_sharing))
             self.cache_allocators = {FULL_ATTENTION: allocator}
@@ -275,10 +276,13 @@ def _allocator_cache_class() -> type:
             self.use_prefix_sharing = allocator.use_block_sharing and self.allow_block_sharing
             self.num_blocks = non_trash // allocator.bytes_per_block
             self.read_cache_limit = None
-            self.max_decode_fast_path_length = 0
+            self.max_decode_fast_path_length = layout.page_size * self.max_blocks_per_request
             self.max_tokens_read = allocator.tokens_per_page * allocator.num_blocks
             total_blocks = (self.num_sectors + 2) * blocks_per_sector
-            self.kvq = BatchingStorage(self.cache_tensor, layout, specs, total_blocks, backend)
+            trash = allocator.write_trash_index // layout.page_size
+            self.kvq = BatchingStorage(
+                self.cache_tensor, layout, specs, total_blocks, backend, trash_block=trash
+            )
             LIVE_CACHES.add(self)
             _logger.info(
                 "kvquant: continuous-batching cache of %d %s blocks of %d tokens (%d bytes)%s, "

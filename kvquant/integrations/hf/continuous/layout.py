@@ -21,6 +21,7 @@ from kvquant.schemes import Fp4Format, Fp4Scales
 __all__ = [
     "ALIGN",
     "BATCH_KWARG",
+    "DECODE_PATH_BLOCKS",
     "FULL_ATTENTION",
     "PAGED_NAME",
     "BlockLayout",
@@ -31,6 +32,13 @@ __all__ = [
 
 BATCH_KWARG = "_kvq_batch_step"
 """Keyword the batching cache's ``update`` (5.24) adds to the attention call: the layer's step."""
+
+DECODE_PATH_BLOCKS = 32
+"""Blocks per request of transformers' decode-path block table (5.24 and later; its own
+default): a step whose requests all have one query token and fewer tokens than this many
+blocks hold is planned on the device from that table
+(:func:`~kvquant.integrations.hf.continuous.plan.decode_plan`). A
+``ContinuousBatchingConfig(max_blocks_per_request=...)`` replaces it (0: no decode path)."""
 
 PAGED_NAME = "paged|kvquant"
 """kvquant's attention name while transformers 5.17 runs continuous batching."""

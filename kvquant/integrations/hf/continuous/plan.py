@@ -16,6 +16,7 @@ from kvquant.integrations.hf.continuous.layout import FULL_ATTENTION, BlockLayou
 __all__ = [
     "StepPlan",
     "build_plan",
+    "decode_plan",
 ]
 
 # ---------------------------------------------------------------------- step plan
@@ -51,6 +52,9 @@ class StepPlan:
         recent_writes: with a ring of ``R`` newest tokens per block: ``(token rows,
             blocks, ring slots)`` of the new tokens that stay in their block's ring (the
             newest ``R`` each block gets in this step), or None.
+        solo: a decode-path step (:func:`decode_plan`): bool ``[tokens]``, the requests
+            whose one query token is their whole prompt (they attend over it alone, at full
+            precision, as ``generate`` does); None for a plan of :func:`build_plan`.
     """
 
     tokens: int
@@ -59,6 +63,7 @@ class StepPlan:
     launches: list[_Launch]
     first_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     recent_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    solo: torch.Tensor | None = None
 
 
 def _cu_lens(kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,8 +139,10 @@ class _Transfer:
         return out
 
 
-def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
-    """The :class:`StepPlan` of a forward from transformers' batching keywords.
+def build_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int = 0) -> StepPlan:
+    """The :class:`StepPlan` of a forward from transformers' batching keywords: a decode-path
+    step's (:func:`decode_plan`, ``trash_block`` its write-trash block) when transformers
+    passes a ``block_table``.
 
     Reads ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (to the host, once), the first
     group's ``write_index`` (kvquant slots) and ``read_index`` (each request's page
@@ -145,6 +152,8 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
     Raises:
         BatchingError: the keywords do not describe a batch of this cache.
     """
+    if kwargs.get("block_table") is not None:
+        return decode_plan(kwargs, layout, trash_block)
     cu_q, cu_k = _cu_lens(kwargs)
     write_index = kwargs["write_index"][0]
     read_index = kwargs["read_index"][0]
@@ -200,6 +209,81 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout) -> StepPlan:
         launches=launches,
         first_writes=first_writes,
         recent_writes=recent_writes,
+    )
+
+
+def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -> StepPlan:
+    """The :class:`StepPlan` of a step on transformers' decode path (5.24 and later: every
+    request has one query token), computed on the device with no host read and shapes that
+    depend only on the number of requests.
+
+    transformers passes ``block_table`` ``int32 [groups, requests, width]`` (each request's
+    block ids, ``-1`` past its last) and ``cu_seq_lens_k`` (its tokens after the step); its
+    write and read indices are not filled. Request ``b`` of length ``n`` writes slot
+    ``table[b, (n - 1) // S] * S + (n - 1) % S``; its first tokens and its ring entries come
+    from the same table; the writes a request does not make (first tokens it is past) go to
+    ``trash_block`` (a block transformers never allocates). A request of length 1 is a one-token prompt: the launch
+    computes it over its rounded key too, and :attr:`StepPlan.solo` marks it for the
+    attention to replace by its exact value.
+
+    Raises:
+        BatchingError: the keywords do not describe a decode step of this cache.
+    """
+    table = kwargs["block_table"]
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if isinstance(cu_k, dict):
+        cu_k = cu_k.get(FULL_ATTENTION)
+    n = int(table.shape[1])
+    if not isinstance(cu_k, torch.Tensor) or cu_k.numel() != n + 1:
+        raise BatchingError(
+            f"kvquant's continuous-batching decode step: a block table of {n} requests with "
+            f"{'no' if not isinstance(cu_k, torch.Tensor) else cu_k.numel() - 1} key lengths. "
+            "Fix: report this with the transformers version."
+        )
+    ps, nf, ring = layout.page_size, layout.first_tokens, layout.recent_tokens
+    device = table.device
+    pages = table[0].long().clamp(min=0)  # [n, width]
+    kv_len = (cu_k[1:] - cu_k[:-1]).long()
+    last = (kv_len - 1).clamp(min=0)
+    rows = torch.arange(n, device=device)
+    last_block = pages.gather(1, (last // ps)[:, None]).squeeze(1)
+    trash = torch.full((n,), trash_block, dtype=torch.long, device=device)
+    first_block = first_writes = None
+    first_lens = None
+    if nf:
+        first_block = pages[:, 0]
+        first_lens = kv_len.clamp(max=nf).to(torch.int32)
+        into = last < nf
+        first_writes = (
+            rows,
+            torch.where(into, first_block, trash),
+            torch.where(into, last, torch.zeros_like(last)),
+        )
+    recent_writes = recent_blocks = None
+    if ring:
+        recent_writes = (rows, last_block, last % ring)
+        oldest = kv_len[:, None] - ring
+        pos = oldest + torch.remainder(torch.arange(ring, device=device)[None, :] - oldest, ring)
+        recent_blocks = pages.gather(1, pos.clamp(min=0) // ps)
+    launch = _Launch(
+        gather=rows.view(n, 1),
+        valid=None,
+        tokens=rows,
+        block_tables=pages.to(torch.int32),
+        seq_lens=kv_len.to(torch.int32),
+        q_lens=None,
+        first_pages=first_block,
+        first_lens=first_lens,
+        recent_blocks=recent_blocks,
+    )
+    return StepPlan(
+        tokens=n,
+        slots=(last_block * ps + last % ps).view(1, n),
+        fresh=[],
+        launches=[launch],
+        first_writes=first_writes,
+        recent_writes=recent_writes,
+        solo=kv_len == 1,
     )
 
 

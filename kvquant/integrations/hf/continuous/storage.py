@@ -74,6 +74,8 @@ class BatchingStorage:
         specs: the patch's per-layer :class:`~kvquant.integrations.hf.cache_layer.LayerSpec`.
         num_blocks: blocks in ``buffer`` (transformers' unused trash blocks included).
         backend: kernel backend of the patch.
+        trash_block: a block transformers never allocates (where a decode-path step sends the
+            side writes a request does not make).
 
     Attributes:
         layers: one :class:`PagedLayerStorage` per layer, its pages views of ``buffer``.
@@ -91,9 +93,11 @@ class BatchingStorage:
         specs: list[Any],
         num_blocks: int,
         backend: str,
+        trash_block: int = 0,
     ) -> None:
         self.buffer: torch.Tensor | None = buffer
         self.layout = layout
+        self.trash_block = trash_block
         self.layers: list[PagedLayerStorage] = []
         self.first: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.recent: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -133,7 +137,7 @@ class BatchingStorage:
 
     def begin(self, kwargs: dict[str, Any]) -> None:
         """Build the plan of the forward that starts (the decoder's pre-hook calls this)."""
-        self.plan = build_plan(kwargs, self.layout)
+        self.plan = build_plan(kwargs, self.layout, self.trash_block)
 
     def end(self) -> None:
         """Drop the plan of the forward that ended."""
@@ -281,7 +285,38 @@ class LayerStep:
             if launch.valid is not None:
                 res = res.index_select(0, launch.valid)
             out[0].index_copy_(0, launch.tokens, res)
+        if plan.solo is not None:
+            out[0] = torch.where(
+                plan.solo[:, None, None],
+                _alone(q4[0], key, value, sm_scale, softcap, sinks).to(out.dtype),
+                out[0],
+            )
         return out, None
+
+
+def _alone(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sm_scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each token's attention over its own key and value alone (a one-token prompt, at full
+    precision): its value, weighted against the head's sink where the model has sinks.
+
+    Args:
+        q: ``[T, Hq, D]``; key, value: ``[1, Hkv, T, D]`` (the step's new K/V).
+    """
+    groups = q.shape[1] // key.shape[1]
+    v = value[0].transpose(0, 1).repeat_interleave(groups, dim=1).float()  # [T, Hq, D]
+    if sinks is None:
+        return v
+    k = key[0].transpose(0, 1).repeat_interleave(groups, dim=1).float()
+    score = (q.float() * k).sum(-1) * sm_scale  # [T, Hq]
+    if softcap:
+        score = softcap * torch.tanh(score / softcap)
+    return v * torch.sigmoid(score - sinks[None, :])[..., None]
 
 
 # ---------------------------------------------------------------------- sizing

@@ -43,7 +43,7 @@ from kvquant.integrations.hf.continuous.caches import (
     register_config,
     unregister_config,
 )
-from kvquant.integrations.hf.continuous.layout import PAGED_NAME, layout_for
+from kvquant.integrations.hf.continuous.layout import DECODE_PATH_BLOCKS, PAGED_NAME, layout_for
 from kvquant.integrations.hf.continuous.storage import release
 from kvquant.integrations.hf.marks import MISSING, STATE_ATTR
 
@@ -252,6 +252,7 @@ class _InitBatching(_Bound):
         call = sig.bind(self.model, *args, **kwargs)
         cb_config = _cb_config_of(call)
         kind = check_batching(self.model, self.state, cb_config)
+        asked = getattr(cb_config, "max_blocks_per_request", None)
         register_config(self.state.text_config, self.state)
         install_factory()
         with _presented(self.model, kind) as before:
@@ -263,7 +264,11 @@ class _InitBatching(_Bound):
         resolved.use_async_batching = False
         resolved.varlen_compile_config = None
         resolved.decode_compile_config = None
-        resolved.max_blocks_per_request = 0
+        # transformers' decode path (5.24 and later): kvquant's plan reads its block table
+        if kind == "allocators":
+            resolved.max_blocks_per_request = DECODE_PATH_BLOCKS if asked is None else int(asked)
+        else:
+            resolved.max_blocks_per_request = 0
         if not isinstance(manager.__dict__.get("get_result"), _GetResult):
             manager.get_result = _GetResult(manager)
             manager.stop = _Stop(manager)
