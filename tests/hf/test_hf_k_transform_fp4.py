@@ -93,7 +93,8 @@ def test_a_layer_map_naming_fp8_k_nvfp4_v_keeps_the_transform() -> None:
 def test_continuous_batching_equals_each_requests_own_generate() -> None:
     model, ref = biased_llama(), biased_llama()
     scales = coarse_k_transform(model)
-    kvhf.patch(model, scales=scales, kv_format=KV_FORMAT, backend="torch")
+    # no ring: continuous batching keeps none by default, generate's cache 16
+    kvhf.patch(model, scales=scales, kv_format=KV_FORMAT, backend="torch", recent_tokens=0)
     reqs = prompts((3, 9, 17, 30))
     out = model.generate_batch(
         reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
