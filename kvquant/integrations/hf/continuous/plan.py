@@ -222,9 +222,9 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
     write and read indices are not filled. Request ``b`` of length ``n`` writes slot
     ``table[b, (n - 1) // S] * S + (n - 1) % S``; its first tokens and its ring entries come
     from the same table; the writes a request does not make (first tokens it is past) go to
-    ``trash_block`` (a block transformers never allocates). A request of length 1 is a one-token prompt: the launch
-    computes it over its rounded key too, and :attr:`StepPlan.solo` marks it for the
-    attention to replace by its exact value.
+    ``trash_block`` (a block transformers never allocates). A request of length 1 is a
+    one-token prompt: the launch computes it over its rounded key too, and
+    :attr:`StepPlan.solo` marks it for the attention to replace by its exact value.
 
     Raises:
         BatchingError: the keywords do not describe a decode step of this cache.
