@@ -121,7 +121,11 @@ def cb_config(args: argparse.Namespace, model: Any) -> Any:
     kw: dict[str, Any] = {page_key: page, "num_blocks": blocks}
     if args.max_batch_tokens:
         kw["max_batch_tokens"] = args.max_batch_tokens
-    return ContinuousBatchingConfig(**kw), {"page": page, "num_blocks": blocks, "bf16_block": block}
+    if args.max_blocks_per_request is not None and "max_blocks_per_request" in fields:
+        kw["max_blocks_per_request"] = args.max_blocks_per_request
+    sizing = {"page": page, "num_blocks": blocks, "bf16_block": block}
+    sizing["max_blocks_per_request"] = kw.get("max_blocks_per_request")  # None: the default
+    return ContinuousBatchingConfig(**kw), sizing
 
 
 class InFlight:
@@ -483,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-batch-tokens", type=int, default=8192, help="tokens per step, every arm (8192)"
     )
+    parser.add_argument(
+        "--max-blocks-per-request",
+        type=int,
+        default=None,
+        help="transformers' decode-path block table width, every arm (5.24+; 0: no decode "
+        "path; default: transformers' and kvquant's own)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
@@ -574,6 +585,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
     ):
         if value:
             out += [flag, str(value)]
+    if args.max_blocks_per_request is not None:  # 0 too
+        out += ["--max-blocks-per-request", str(args.max_blocks_per_request)]
     if args.tiny:
         out.append("--tiny")
     return out
