@@ -360,13 +360,13 @@ def test_a_prompt_alone_is_its_value_weighted_against_the_sink() -> None:
     sinks = torch.randn(4, generator=g)
     k = key[0].transpose(0, 1).repeat_interleave(2, dim=1)
     v = value[0].transpose(0, 1).repeat_interleave(2, dim=1)
-    assert torch.equal(cb_storage._alone(q, key, value, 0.3, None, None), v)
+    assert torch.equal(cb_storage._alone(q, key, value, 0.3, None, None).reshape(5, 4, 8), v)
     for softcap in (None, 2.0):
         score = (q * k).sum(-1) * 0.3
         if softcap:
             score = softcap * torch.tanh(score / softcap)
         both = torch.softmax(torch.stack((score, sinks.expand(5, 4)), -1), -1)[..., 0]
-        got = cb_storage._alone(q, key, value, 0.3, softcap, sinks)
+        got = cb_storage._alone(q, key, value, 0.3, softcap, sinks).reshape(5, 4, 8)
         torch.testing.assert_close(got, v * both[..., None], rtol=1e-6, atol=1e-6)
 
 

@@ -104,6 +104,12 @@ class PatchOptions:
             object.__setattr__(self, "k_rotation", coerce_choice(KRotation, self.k_rotation))
 
     @property
+    def recent_auto(self) -> bool:
+        """Whether ``recent_tokens`` is the default ``"auto"`` (continuous batching keeps no
+        ring then)."""
+        return isinstance(self.recent_tokens, str) and self.recent_tokens == "auto"
+
+    @property
     def resolve_options(self) -> ResolveOptions:
         """The registry options of this patch (what ``kvquant doctor`` resolves with)."""
         return ResolveOptions(

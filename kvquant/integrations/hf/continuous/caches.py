@@ -116,8 +116,7 @@ def _specs_and_backend(config: Any) -> tuple[list[Any], str, bool]:
     state = _state_for(config)
     if state is None:  # pragma: no cover - the factory checked
         raise BatchingError("kvquant's batching cache was built for a model that is not patched.")
-    auto = state.options.recent_tokens == "auto"
-    return list(state.layer_specs), str(state.options.backend), auto
+    return list(state.layer_specs), str(state.options.backend), state.options.recent_auto
 
 
 def _refuse_tp(helper: Any) -> None:

@@ -247,7 +247,6 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
     last = (kv_len - 1).clamp(min=0)
     rows = torch.arange(n, device=device)
     last_block = pages.gather(1, (last // ps)[:, None]).squeeze(1)
-    trash = torch.full((n,), trash_block, dtype=torch.long, device=device)
     first_block = first_writes = None
     first_lens = None
     if nf:
@@ -256,7 +255,7 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
         into = last < nf
         first_writes = (
             rows,
-            torch.where(into, first_block, trash),
+            torch.where(into, first_block, torch.full_like(first_block, trash_block)),
             torch.where(into, last, torch.zeros_like(last)),
         )
     recent_writes = recent_blocks = None

@@ -286,11 +286,9 @@ class LayerStep:
                 res = res.index_select(0, launch.valid)
             out[0].index_copy_(0, launch.tokens, res)
         if plan.solo is not None:
-            out[0] = torch.where(
-                plan.solo[:, None, None],
-                _alone(q4[0], key, value, sm_scale, softcap, sinks).to(out.dtype),
-                out[0],
-            )
+            grouped = out[0].view(plan.tokens, key.shape[1], -1, d)  # [T, Hkv, G, D]
+            alone = _alone(q4[0], key, value, sm_scale, softcap, sinks).to(out.dtype)
+            grouped.copy_(torch.where(plan.solo[:, None, None, None], alone, grouped))
         return out, None
 
 
@@ -307,16 +305,20 @@ def _alone(
 
     Args:
         q: ``[T, Hq, D]``; key, value: ``[1, Hkv, T, D]`` (the step's new K/V).
+
+    Returns:
+        ``[T, Hkv, G, D]`` (``G = Hq // Hkv`` query heads per KV head): without sinks the
+        values broadcast over the group (a view, nothing copied), else fp32.
     """
-    groups = q.shape[1] // key.shape[1]
-    v = value[0].transpose(0, 1).repeat_interleave(groups, dim=1).float()  # [T, Hq, D]
+    t, hkv, d = q.shape[0], key.shape[1], q.shape[2]
+    v = value[0].transpose(0, 1)[:, :, None, :]  # [T, Hkv, 1, D]
     if sinks is None:
-        return v
-    k = key[0].transpose(0, 1).repeat_interleave(groups, dim=1).float()
-    score = (q.float() * k).sum(-1) * sm_scale  # [T, Hq]
+        return v.expand(t, hkv, q.shape[1] // hkv, d)
+    k = key[0].transpose(0, 1)[:, :, None, :].float()
+    score = (q.view(t, hkv, -1, d).float() * k).sum(-1) * sm_scale  # [T, Hkv, G]
     if softcap:
         score = softcap * torch.tanh(score / softcap)
-    return v * torch.sigmoid(score - sinks[None, :])[..., None]
+    return v.float() * torch.sigmoid(score - sinks.view(hkv, -1))[..., None]
 
 
 # ---------------------------------------------------------------------- sizing

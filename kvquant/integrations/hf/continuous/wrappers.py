@@ -166,10 +166,8 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
     specs = list(state.layer_specs)
     page = batching_page_size(cb_config, kind)
     # the layout's checks (a page size left to transformers' default is checked with the cache)
-    auto_recent = state.options.recent_tokens == "auto"
-    layout_for(
-        specs, page or max([16, *(s.recent_tokens for s in specs)]), torch.float32, auto_recent
-    )
+    page_or_default = page or max([16, *(s.recent_tokens for s in specs)])
+    layout_for(specs, page_or_default, torch.float32, state.options.recent_auto)
     from transformers.generation.continuous_batching import cache as cbc
 
     groups: Any = cbc.group_layers_by_attn_type(state.text_config)
