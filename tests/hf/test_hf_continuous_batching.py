@@ -276,20 +276,25 @@ def test_the_default_keeps_no_ring_in_the_blocks(caplog: pytest.LogCaptureFixtur
 
 
 class PlanCount:
-    """Counts the steps planned on transformers' decode path and on the host, and the
-    one-token prompts the decode path carried."""
+    """Counts the steps planned on transformers' decode path and on the host, the one-token
+    prompts the decode path carried, the padded steps and the steps captured in CUDA graphs."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.decode = self.host = self.solo = 0
+        self.decode = self.host = self.solo = self.padded = self.captured = 0
         original = cb_storage.build_plan
 
         def counted(kwargs: dict[str, Any], *a: Any) -> Any:
             plan = original(kwargs, *a)
             if plan.solo is None:
                 self.host += 1
+                self.padded += plan.padding > 0
+            elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                self.decode += 1  # captured into a CUDA graph: no value can be read
+                self.captured += 1
             else:
                 self.decode += 1
                 self.solo += int(plan.solo.sum())
+                self.padded += bool((plan.launches[0].seq_lens == 0).any())
             return plan
 
         monkeypatch.setattr(cb_storage, "build_plan", counted)
@@ -348,6 +353,95 @@ def test_the_decode_path_takes_requests_within_its_blocks(
     got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
     assert_same(got, [alone(model, ids) for ids in reqs])
     assert (plans.host, plans.decode) == (host, NEW - host)
+
+
+def pad_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make transformers pad every step as it does for CUDA graphs (or a compiled step): it
+    captures no graph on the CPU and so pads nothing there by itself."""
+    from transformers.generation.continuous_batching import model_runner
+
+    original = model_runner.ModelRunner.__init__
+
+    def padded(runner: Any, *a: Any, **k: Any) -> None:
+        original(runner, *a, **k)
+        runner.pad_inputs = True
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", padded)
+
+
+@needs_decode_path
+@pytest.mark.parametrize("fmt", [*FORMATS, *FOUR_BIT])
+def test_padded_steps_equal_generate(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers pads the steps it replays from CUDA graphs: a prompt step to a multiple
+    of its query interval (query tokens of no request, requests with no query, trash read
+    entries), a decode step to a power of two (rows of length 0); with the decode path off
+    (``max_blocks_per_request=0``) the decode steps are padded prompt steps. The padding
+    writes no slot of a request, attends to zeros, and every request equals its own
+    ``generate``."""
+    pad_every_step(monkeypatch)
+    attend, empty = cb_storage.LayerStep.attend, torch.empty
+    outputs: list[tuple[torch.Tensor, Any]] = []
+
+    def poisoned(step: Any, *a: Any, **k: Any) -> Any:
+        """The attention with every fresh tensor NaN until written; its output kept."""
+
+        def nan_empty(*shape: Any, **kw: Any) -> torch.Tensor:
+            return empty(*shape, **kw).fill_(float("nan"))
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch, "empty", nan_empty)
+            out, weights = attend(step, *a, **k)
+        outputs.append((out.detach().clone(), step.plan))
+        return out, weights
+
+    monkeypatch.setattr(cb_storage.LayerStep, "attend", poisoned)
+    model, _, _ = models(fmt)
+    for lengths, blocks in (((1, 1, 1), None), ((3, 9, 17), None), ((3, 9, 17), 0)):
+        plans = PlanCount(monkeypatch)
+        reqs = prompts(lengths, seed=5)
+        out = model.generate_batch(
+            reqs,
+            generation_config=gen_config(),
+            continuous_batching_config=cb_config(
+                max_requests_per_batch=8, max_blocks_per_request=blocks
+            ),
+            warmup=False,
+        )
+        got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+        assert_same(got, [alone(model, ids) for ids in reqs])
+        # three requests: every step is padded (to 4 rows, or to the query interval)
+        assert plans.padded == plans.host + plans.decode == NEW
+        assert plans.decode == (0 if blocks == 0 else NEW - (lengths[0] > 1))
+        assert all(bool(out.isfinite().all()) for out, _ in outputs)
+        # query tokens of no request, rows of length 0: zeros
+        unused = [
+            out[0, plan.tokens - plan.padding :]
+            if plan.solo is None
+            else out[0, plan.launches[0].seq_lens == 0]
+            for out, plan in outputs
+        ]
+        assert sum(t.numel() for t in unused) and not any(bool(t.any()) for t in unused)
+        outputs.clear()
+    assert continuous.live_caches() == []
+
+
+@needs_decode_path
+def test_decode_graphs_asked_for_on_the_cpu_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``use_cuda_graph=(False, True)`` is taken; with no graph backend (the CPU) transformers
+    turns graphs off and kvquant keeps them off: every step runs eagerly, unpadded."""
+    model, _, _ = models("fp32-group")
+    plans = PlanCount(monkeypatch)
+    reqs = prompts((3, 9), seed=4)
+    out = model.generate_batch(
+        reqs,
+        generation_config=gen_config(),
+        continuous_batching_config=cb_config(use_cuda_graph=(False, True)),
+        warmup=False,
+    )
+    assert_same(
+        [run_of(out[f"req_{i}"]) for i in range(len(reqs))], [alone(model, i) for i in reqs]
+    )
+    assert (plans.host, plans.decode, plans.padded) == (1, NEW - 1, 0)
 
 
 def test_a_prompt_alone_is_its_value_weighted_against_the_sink() -> None:
@@ -697,7 +791,18 @@ def test_a_request_the_cache_cannot_hold_is_a_batching_error() -> None:
 @pytest.mark.parametrize(
     ("option", "match"),
     [
-        ({"use_cuda_graph": True}, "use_cuda_graph"),
+        ({"use_cuda_graph": True}, r"use_cuda_graph=\(False, True\) \(decode steps only"),
+        ({"use_cuda_graph": (True, False)}, "prompts or chunks on the host"),
+        pytest.param(
+            {"use_cuda_graph": (False, True), "max_blocks_per_request": 0},
+            "max_blocks_per_request=0 turns off",
+            marks=needs_decode_path,
+        ),
+        pytest.param(
+            {"use_cuda_graph": (False, True)},
+            "transformers 5.17 does not have",
+            marks=pytest.mark.skipif(FLAVOUR == "allocators", reason="5.24 captures them"),
+        ),
         ({"page": 4}, "page size of at least 8"),
     ],
 )
@@ -996,6 +1101,25 @@ def test_the_step_plan_matches_its_definition_on_random_batches() -> None:
     assert rings > 50
 
 
+def test_a_padded_step_plans_its_requests_and_leaves_the_padding_out() -> None:
+    """transformers pads a step (CUDA graphs) past its last request: query tokens of no request
+    writing the trash slot, requests with no query (``cu_seq_lens`` at a plateau), read-trash
+    entries past the page ids. The plan is the unpadded step's, with the padding's slots as
+    given and ``padding`` counting its query tokens."""
+    layout = continuous.BlockLayout(num_layers=1, page_size=16, num_kv_heads=1, head_dim=16)
+    trash, write = 16 * 40, [5 * 16 + 3, 8 * 16 + 1]
+    unpadded = continuous.build_plan(_kwargs([0, 1, 2], [0, 4, 18], write, [5, 7, 8]), layout)
+    cu_q, cu_k = [0, 1, 2, 2, 2], [0, 4, 18, 18, 18]
+    padded = continuous.build_plan(
+        _kwargs(cu_q, cu_k, write + [trash] * 6, [5, 7, 8] + [0] * 13), layout
+    )
+    assert (padded.tokens, padded.padding, unpadded.padding) == (8, 6, 0)
+    assert padded.slots.tolist() == [write + [trash] * 6] and padded.fresh == unpadded.fresh == []
+    (a,), (b,) = padded.launches, unpadded.launches
+    for field in ("gather", "tokens", "block_tables", "seq_lens"):
+        assert getattr(a, field).tolist() == getattr(b, field).tolist()
+
+
 def test_a_plan_that_does_not_match_the_batch_is_refused() -> None:
     layout = continuous.BlockLayout(num_layers=1, page_size=16, num_kv_heads=1, head_dim=16)
     with pytest.raises(BatchingError, match="write slots"):
@@ -1009,13 +1133,15 @@ def test_the_decode_path_plan_equals_the_host_plan_on_random_decode_steps() -> N
     write indices: the plan computed from it on the device has the host plan's write slots,
     side writes (and sends the first-token writes a request does not make to the trash
     block), block tables, lengths, first pages and ring blocks, for random decode steps with
-    one-token prompts among them (marked ``solo``, attended by the host plan as prompts)."""
+    one-token prompts among them (marked ``solo``, attended by the host plan as prompts).
+    Rows of length 0 after them (the padding of a CUDA graph's step) write no slot, send
+    their side writes to the trash block and attend over no key."""
     gen = torch.Generator().manual_seed(11)
 
     def pick(options: list[int]) -> int:
         return options[int(torch.randint(len(options), (1,), generator=gen))]
 
-    solos = rings = firsts = 0
+    solos = rings = firsts = padding = 0
     for _ in range(200):
         ps, nf = pick([1, 2, 4, 16]), pick([0, 0, 1, 3])
         ring = pick([0, 0] + [r for r in (1, 2, 4, 8) if ps % r == 0])
@@ -1035,11 +1161,29 @@ def test_the_decode_path_plan_equals_the_host_plan_on_random_decode_steps() -> N
         read = [i for ids in blocks for i in ids] if max(lens) > 1 else []
         layout = continuous.BlockLayout(1, ps, 1, 16, first_tokens=nf, recent_tokens=ring)
         host = continuous.build_plan(_kwargs(cu_q, cu_k, write, read), layout)
+        pad = pick([0, 0, 1, 3])
+        padded = torch.cat((table, torch.full((1, pad, width), -1, dtype=torch.int32)), 1)
+        kwargs = _kwargs(cu_q + cu_q[-1:] * pad, cu_k + cu_k[-1:] * pad, [trash] * len(lens), [])
+        kwargs["block_table"] = padded
+        whole = continuous.build_plan(kwargs, layout, trash_block=trash)
+        assert whole.tokens == len(lens) + pad and whole.slots.tolist() == [write + [-1] * pad]
+        assert whole.solo.tolist() == [n == 1 for n in lens] + [False] * pad
+        assert whole.launches[0].seq_lens.tolist() == lens + [0] * pad
+        for writes in (whole.first_writes, whole.recent_writes):
+            if writes is not None:
+                assert writes[1][len(lens) :].tolist() == [trash] * pad
+        padding += pad
         kwargs = _kwargs(cu_q, cu_k, [trash] * len(lens), [])
         kwargs["block_table"] = table
         dev = continuous.build_plan(kwargs, layout, trash_block=trash)
         assert dev.tokens == len(lens) and dev.slots.tolist() == [write]
         assert dev.solo.tolist() == [n == 1 for n in lens]
+        for got, want in (
+            (whole.first_writes, dev.first_writes),
+            (whole.recent_writes, dev.recent_writes),
+        ):
+            if want is not None:
+                assert [t[: len(lens)].tolist() for t in got] == [t.tolist() for t in want]
         assert dev.fresh == [] and host.fresh == [(b, 1) for b, n in enumerate(lens) if n == 1]
         solos += sum(n == 1 for n in lens)
         if nf:
@@ -1083,7 +1227,7 @@ def test_the_decode_path_plan_equals_the_host_plan_on_random_decode_steps() -> N
                     assert int(hl.first_lens[i]) == int(launch.first_lens[b])
                 if ring:
                     assert hl.recent_blocks[i].tolist() == launch.recent_blocks[b].tolist()
-    assert solos > 50 and rings > 50 and firsts > 20
+    assert solos > 50 and rings > 50 and firsts > 20 and padding > 50
 
 
 def test_block_layout_views_do_not_overlap_and_the_kernels_accept_them() -> None:
@@ -1189,6 +1333,36 @@ def test_gpu_generate_batch_equals_each_requests_own_generate(fmt: str) -> None:
     got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
     assert_same(got, [alone(model, ids) for ids in reqs])
     assert_fp8_visible(got, [alone(ref, ids) for ids in reqs])
+    assert continuous.live_caches() == []
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_decode_path
+@pytest.mark.parametrize("fmt", FORMATS + FOUR_BIT)
+def test_gpu_decode_steps_replayed_from_cuda_graphs_equal_generate(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA, ``use_cuda_graph=(False, True)``: transformers captures the decode-path steps
+    (padded to a power of two: 5 requests run 8 rows) and replays them, so kvquant plans only
+    the captured ones; every request equals its own ``generate``, and no cache outlives the
+    call."""
+    model, _, _ = models(fmt, "cuda", recent_tokens=4)
+    plans = PlanCount(monkeypatch)
+    reqs = prompts()
+    out = model.generate_batch(
+        reqs,
+        generation_config=gen_config(),
+        continuous_batching_config=cb_config(
+            use_cuda_graph=(False, True), max_requests_per_batch=8
+        ),
+        warmup=False,
+    )
+    got = [run_of(out[f"req_{i}"]) for i in range(len(reqs))]
+    assert_same(got, [alone(model, ids) for ids in reqs])
+    assert plans.host == 1 and plans.captured >= 1  # the prompt step runs eagerly
+    assert plans.decode < NEW - 1  # a replay runs no Python, so plans nothing
+    assert plans.padded == plans.host + plans.decode - plans.captured
     assert continuous.live_caches() == []
 
 

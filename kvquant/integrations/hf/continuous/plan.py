@@ -42,8 +42,8 @@ class StepPlan:
     """What one forward of a continuous batch needs, built once for every layer.
 
     Attributes:
-        tokens: query tokens of the step (the packed batch).
-        slots: int64 ``[1, tokens]``: where each new token's K/V go.
+        tokens: query tokens of the step (the packed batch, padding included).
+        slots: int64 ``[1, tokens]``: where each new token's K/V go (negative: nowhere).
         fresh: ``(start, length)`` of the requests with nothing cached before this
             step (their attention runs on their own keys at full precision).
         launches: the paged-attention launches of the other requests.
@@ -55,6 +55,8 @@ class StepPlan:
         solo: a decode-path step (:func:`decode_plan`): bool ``[tokens]``, the requests
             whose one query token is their whole prompt (they attend over it alone, at full
             precision, as ``generate`` does); None for a plan of :func:`build_plan`.
+        padding: the last query tokens that belong to no request (transformers pads a step
+            to a size it has a CUDA graph for); their attention output is zeros.
     """
 
     tokens: int
@@ -64,6 +66,7 @@ class StepPlan:
     first_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     recent_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     solo: torch.Tensor | None = None
+    padding: int = 0
 
 
 def _cu_lens(kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +150,10 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int = 0
     Reads ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (to the host, once), the first
     group's ``write_index`` (kvquant slots) and ``read_index`` (each request's page
     ids, in batch order). The plan's index vectors are computed on the host and reach the
-    device in one copy per dtype.
+    device in one copy per dtype. Padded inputs (CUDA graphs): the query tokens past the
+    last request's write to the trash slot transformers gives them and attend over nothing,
+    requests with no query token are skipped, and the read index's trash entries past the
+    requests' pages are never read.
 
     Raises:
         BatchingError: the keywords do not describe a batch of this cache.
@@ -160,16 +166,16 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int = 0
     device = write_index.device
     ps, nf = layout.page_size, layout.first_tokens
     total = int(cu_q[-1])
-    if write_index.numel() != total:
+    tokens = write_index.numel()
+    if tokens < total:
         raise BatchingError(
-            f"kvquant's continuous-batching step: {write_index.numel()} write slots for "
-            f"{total} query tokens. Fix: run the batching cache without CUDA graphs or input "
-            "padding (use_cuda_graph=False)."
+            f"kvquant's continuous-batching step: {tokens} write slots for {total} query "
+            "tokens. Fix: report this with the transformers version."
         )
     rows = _rows(cu_q, cu_k, ps)
     paged = (rows.past > 0).nonzero().flatten()
     held = int(rows.pages.sum())
-    if paged.numel() and read_index.numel() != held:
+    if paged.numel() and read_index.numel() < held:
         raise BatchingError(
             f"kvquant's continuous-batching step: {read_index.numel()} page ids read for "
             f"requests holding {held} pages. Fix: report this with the transformers version."
@@ -203,8 +209,9 @@ def build_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int = 0
         recent_writes = (tok, blocks, slot)
     launches = [_launch(parts, sent, read_index, first_block) for _g, parts in groups]
     return StepPlan(
-        tokens=total,
+        tokens=tokens,
         slots=write_index.reshape(1, -1),
+        padding=tokens - total,
         fresh=fresh,
         launches=launches,
         first_writes=first_writes,
@@ -224,7 +231,9 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
     from the same table; the writes a request does not make (first tokens it is past) go to
     ``trash_block`` (a block transformers never allocates). A request of length 1 is a
     one-token prompt: the launch computes it over its rounded key too, and
-    :attr:`StepPlan.solo` marks it for the attention to replace by its exact value.
+    :attr:`StepPlan.solo` marks it for the attention to replace by its exact value. A row of
+    length 0 pads the step to a CUDA graph's size: it writes no slot (``-1``), its side
+    writes go to ``trash_block``, and its attention over no key is zeros.
 
     Raises:
         BatchingError: the keywords do not describe a decode step of this cache.
@@ -244,23 +253,25 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
     device = table.device
     pages = table[0].long().clamp(min=0)  # [n, width]
     kv_len = (cu_k[1:] - cu_k[:-1]).long()
+    live = kv_len > 0  # padding rows (CUDA graphs) have no token
     last = (kv_len - 1).clamp(min=0)
     rows = torch.arange(n, device=device)
     last_block = pages.gather(1, (last // ps)[:, None]).squeeze(1)
+    trash = torch.full_like(last_block, trash_block)
     first_block = first_writes = None
     first_lens = None
     if nf:
         first_block = pages[:, 0]
         first_lens = kv_len.clamp(max=nf).to(torch.int32)
-        into = last < nf
+        into = live & (last < nf)
         first_writes = (
             rows,
-            torch.where(into, first_block, torch.full_like(first_block, trash_block)),
+            torch.where(into, first_block, trash),
             torch.where(into, last, torch.zeros_like(last)),
         )
     recent_writes = recent_blocks = None
     if ring:
-        recent_writes = (rows, last_block, last % ring)
+        recent_writes = (rows, torch.where(live, last_block, trash), last % ring)
         oldest = kv_len[:, None] - ring
         pos = oldest + torch.remainder(torch.arange(ring, device=device)[None, :] - oldest, ring)
         recent_blocks = pages.gather(1, pos.clamp(min=0) // ps)
@@ -277,7 +288,7 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
     )
     return StepPlan(
         tokens=n,
-        slots=(last_block * ps + last % ps).view(1, n),
+        slots=torch.where(live, last_block * ps + last % ps, -1).view(1, n),
         fresh=[],
         launches=[launch],
         first_writes=first_writes,

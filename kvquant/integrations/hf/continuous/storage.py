@@ -229,6 +229,8 @@ class LayerStep:
         plan = self.plan
         q4 = query.transpose(1, 2)  # [1, T, Hq, D]
         out = torch.empty(q4.shape, dtype=query.dtype, device=query.device)
+        if plan.padding:  # query tokens of no request
+            out[:, plan.tokens - plan.padding :].zero_()
         extra = fallback_kwargs(0.0, scaling, sliding_window, softcap, s_aux)
         for start, length in plan.fresh:
             sl = slice(start, start + length)

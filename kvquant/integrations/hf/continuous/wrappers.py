@@ -179,11 +179,26 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
         )
     name = state.model_name
     graphs = cb_config.use_cuda_graph
-    if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
+    varlen, decode = decode_graphs_asked(cb_config)
+    if varlen:
         raise OptionError(
-            f"{name}: ContinuousBatchingConfig(use_cuda_graph={graphs!r}); kvquant's batching "
-            "step plans each step on the host and is not captured in CUDA graphs. Fix: "
-            "use_cuda_graph=False (or leave it None)."
+            f"{name}: ContinuousBatchingConfig(use_cuda_graph={graphs!r}); kvquant plans steps "
+            "with prompts or chunks on the host, which no CUDA graph captures. Fix: "
+            "use_cuda_graph=(False, True) (decode steps only, transformers 5.24 or later) or "
+            "False."
+        )
+    if decode and kind != "allocators":
+        raise OptionError(
+            f"{name}: ContinuousBatchingConfig(use_cuda_graph={graphs!r}); kvquant captures "
+            "decode steps on transformers' decode path, which transformers 5.17 does not have. "
+            "Fix: use_cuda_graph=False, or transformers 5.24 or later."
+        )
+    if decode and getattr(cb_config, "max_blocks_per_request", None) == 0:
+        raise OptionError(
+            f"{name}: ContinuousBatchingConfig(use_cuda_graph={graphs!r}, "
+            "max_blocks_per_request=0); kvquant captures decode steps on transformers' decode "
+            "path, which max_blocks_per_request=0 turns off. Fix: leave max_blocks_per_request "
+            "unset (or above 0), or use_cuda_graph=False."
         )
     for field_name in ("varlen_compile_config", "decode_compile_config"):
         if getattr(cb_config, field_name, None) is not None:
@@ -205,6 +220,16 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
             f"in the request's first block of {page} tokens. Fix: a page size of at least {nf}."
         )
     return kind
+
+
+def decode_graphs_asked(cb_config: Any) -> tuple[bool, bool]:
+    """``(varlen, decode)``: the steps the user asks transformers to replay from CUDA graphs
+    (``use_cuda_graph`` True: both; None: neither, which is kvquant's default)."""
+    graphs = cb_config.use_cuda_graph
+    if graphs is None or isinstance(graphs, bool):
+        return bool(graphs), bool(graphs)
+    varlen, decode = graphs
+    return bool(varlen), bool(decode)
 
 
 @contextmanager
@@ -251,6 +276,7 @@ class _InitBatching(_Bound):
         cb_config = _cb_config_of(call)
         kind = check_batching(self.model, self.state, cb_config)
         asked = getattr(cb_config, "max_blocks_per_request", None)
+        _, decode_graphs = decode_graphs_asked(cb_config)
         register_config(self.state.text_config, self.state)
         install_factory()
         with _presented(self.model, kind) as before:
@@ -258,7 +284,9 @@ class _InitBatching(_Bound):
         if batching_attention_by_name(kind) and manager._original_attn_impl is None:
             manager._original_attn_impl = before  # the manager switches it back when it stops
         resolved = manager.continuous_batching_config
-        resolved.use_cuda_graph = (False, False)
+        # decode-path steps replay from graphs where asked and transformers has a graph
+        # backend (it resolved the option already); every other step runs eagerly
+        resolved.use_cuda_graph = (False, decode_graphs and resolved.cuda_graph_booleans[1])
         resolved.use_async_batching = False
         resolved.varlen_compile_config = None
         resolved.decode_compile_config = None
