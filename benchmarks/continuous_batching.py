@@ -17,6 +17,8 @@ budget and holds the FP8 blocks the same bytes buy (about twice as many). Every
 arm steps at most ``--max-batch-tokens`` tokens (8192, transformers 5.24's default;
 5.17 would size it from memory); the rest of transformers' configuration stays at
 its defaults for the arm (pages of 256 tokens; the flash arm may use CUDA graphs).
+``--decode-graphs`` gives kvquant's arms ``use_cuda_graph=(False, True)`` (transformers
+5.24 and later: decode steps replayed from CUDA graphs, every step padded).
 
 Per arm and mode (JSON): wall time from the first request added to the last
 result; output tokens/s (generated tokens / wall time); time to first token per
@@ -107,8 +109,9 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]
     return out
 
 
-def cb_config(args: argparse.Namespace, model: Any) -> Any:
-    """The continuous-batching config of every arm: the same cache budget in bf16 blocks."""
+def cb_config(args: argparse.Namespace, model: Any, kvquant_arm: bool = False) -> Any:
+    """The continuous-batching config of every arm: the same cache budget in bf16 blocks
+    (with ``--decode-graphs``, kvquant's arms replay decode steps from CUDA graphs)."""
     from transformers import ContinuousBatchingConfig
 
     fields = ContinuousBatchingConfig.__dataclass_fields__
@@ -123,8 +126,11 @@ def cb_config(args: argparse.Namespace, model: Any) -> Any:
         kw["max_batch_tokens"] = args.max_batch_tokens
     if args.max_blocks_per_request is not None and "max_blocks_per_request" in fields:
         kw["max_blocks_per_request"] = args.max_blocks_per_request
+    if args.decode_graphs and kvquant_arm:
+        kw["use_cuda_graph"] = (False, True)
     sizing = {"page": page, "num_blocks": blocks, "bf16_block": block}
     sizing["max_blocks_per_request"] = kw.get("max_blocks_per_request")  # None: the default
+    sizing["use_cuda_graph"] = kw.get("use_cuda_graph")  # None: transformers' default
     return ContinuousBatchingConfig(**kw), sizing
 
 
@@ -365,7 +371,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         handle = kvquant.patch(model, scales=scales, backend=args.backend, **PATCH_ARMS[arm])
         row["granularity"] = sorted({s.granularity for s in handle.state.layer_specs})
     reqs = workload(args, model.config.vocab_size)
-    config, sizing = cb_config(args, model)
+    config, sizing = cb_config(args, model, arm.startswith("kvquant"))
     row.update(sizing)
     gen = GenerationConfig(
         do_sample=False, max_new_tokens=args.new[1], eos_token_id=-1, pad_token_id=0
@@ -494,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
         help="transformers' decode-path block table width, every arm (5.24+; 0: no decode "
         "path; default: transformers' and kvquant's own)",
     )
+    parser.add_argument(
+        "--decode-graphs",
+        action="store_true",
+        help="kvquant's arms: use_cuda_graph=(False, True), decode steps replayed from CUDA "
+        "graphs (5.24+)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
@@ -587,6 +599,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.max_blocks_per_request is not None:  # 0 too
         out += ["--max-blocks-per-request", str(args.max_blocks_per_request)]
+    if args.decode_graphs:
+        out.append("--decode-graphs")
     if args.tiny:
         out.append("--tiny")
     return out
