@@ -9,9 +9,12 @@
 #   PARTS="tests cb" bash benchmarks/cb_graphs_round.sh
 # Parts (PARTS, default "tests cb"; each fits one 10-minute device call):
 #   tests: pytest -m gpu tests/hf on transformers 5.24 (8 workers on the one GPU);
-#   cb:    benchmarks/continuous_batching.py --quick, arms sdpa and kvquant-dynamic, then
+#   cb:    benchmarks/continuous_batching.py --quick, arms sdpa and kvquant-dynamic (decode
+#          steps on transformers' decode path), then kvquant-dynamic with
+#          --max-blocks-per-request 0 (every step planned on the host, as on 5.17), then
 #          kvquant-dynamic with --decode-graphs (use_cuda_graph=(False, True)).
-# Writes under $OUT: env.log, gpu_tests_hf_524.log, cb_quick_524.json, cb_quick_524_graphs.json
+# Writes under $OUT: env.log, gpu_tests_hf_524.log, cb_quick_524.json,
+# cb_quick_524_hostplan.json, cb_quick_524_graphs.json
 set -u
 OUT=${OUT:-./cb_graphs_round_out}
 PARTS=${PARTS:-tests cb}
@@ -33,6 +36,9 @@ for part in $PARTS; do
       timeout "${CB_TIMEOUT:-240}" python3 benchmarks/continuous_batching.py --quick \
         --arms sdpa,kvquant-dynamic --out "$OUT/cb_quick_524.json" 2>&1 \
         | tee -a "$OUT/cb.log" | grep -E '^(arm|  )'
+      timeout "${CB_TIMEOUT:-240}" python3 benchmarks/continuous_batching.py --quick \
+        --arms kvquant-dynamic --max-blocks-per-request 0 --out "$OUT/cb_quick_524_hostplan.json" \
+        2>&1 | tee -a "$OUT/cb.log" | grep -E '^(arm|  )'
       timeout "${CB_TIMEOUT:-240}" python3 benchmarks/continuous_batching.py --quick \
         --arms kvquant-dynamic --decode-graphs --out "$OUT/cb_quick_524_graphs.json" 2>&1 \
         | tee -a "$OUT/cb.log" | grep -E '^(arm|  )'

@@ -12,11 +12,10 @@
 #          prefill_chunk_size=2048 (each arm's result written as it ends), default, kvquant,
 #          kvquant-fp32-group;
 #   cb:     continuous batching, quick workload: sdpa, kvquant-dynamic (no ring, the default
-#          there), kvquant-recent16; then kvquant-dynamic with max_blocks_per_request=0 (every
-#          decode step planned on the host, as before the decode path).
+#          there), kvquant-recent16 (the decode path: benchmarks/cb_graphs_round.sh, on 5.24).
 # Usage (device tool, repo root): PARTS="tests b16x8k" bash benchmarks/ring_default_round.sh
 # Writes under $OUT: env.log, gpu_tests_all.log, e2e_<shape>.json, e2e_capacity.json,
-# cb_quick.json, cb_quick_hostplan.json
+# cb_quick.json
 set -u
 OUT=${OUT:-./ring_default_round_out}
 PARTS=${PARTS:-tests b16x8k}
@@ -47,9 +46,6 @@ for part in $PARTS; do
       timeout "${CB_TIMEOUT:-240}" python3 benchmarks/continuous_batching.py --quick \
         --arms sdpa,kvquant-dynamic,kvquant-recent16 --out "$OUT/cb_quick.json" 2>&1 \
         | tee -a "$OUT/cb.log" | grep -E '^(arm|  )'
-      timeout "${CB_TIMEOUT:-240}" python3 benchmarks/continuous_batching.py --quick \
-        --arms kvquant-dynamic --max-blocks-per-request 0 --out "$OUT/cb_quick_hostplan.json" \
-        2>&1 | tee -a "$OUT/cb.log" | grep -E '^(arm|  )'
       ;;
     *) echo "unknown part $part (tests, b16x8k, chat, b64x2k, capacity, cb)" ;;
   esac
