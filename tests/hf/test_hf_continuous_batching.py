@@ -793,6 +793,7 @@ def test_a_request_the_cache_cannot_hold_is_a_batching_error() -> None:
     [
         ({"use_cuda_graph": True}, r"use_cuda_graph=\(False, True\) \(decode steps only"),
         ({"use_cuda_graph": (True, False)}, "prompts or chunks on the host"),
+        ({"use_cuda_graph": (False, True, True)}, "a \\(prompt steps, decode steps\\) pair"),
         pytest.param(
             {"use_cuda_graph": (False, True), "max_blocks_per_request": 0},
             "max_blocks_per_request=0 turns off",

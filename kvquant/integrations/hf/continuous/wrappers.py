@@ -224,10 +224,20 @@ def check_batching(model: nn.Module, state: Any, cb_config: Any) -> BatchingFlav
 
 def decode_graphs_asked(cb_config: Any) -> tuple[bool, bool]:
     """``(varlen, decode)``: the steps the user asks transformers to replay from CUDA graphs
-    (``use_cuda_graph`` True: both; None: neither, which is kvquant's default)."""
+    (``use_cuda_graph`` True: both; None: neither, which is kvquant's default).
+
+    Raises:
+        OptionError: ``use_cuda_graph`` is neither None, a bool nor a pair of bools.
+    """
     graphs = cb_config.use_cuda_graph
     if graphs is None or isinstance(graphs, bool):
         return bool(graphs), bool(graphs)
+    if not isinstance(graphs, (tuple, list)) or len(graphs) != 2:
+        raise OptionError(
+            f"ContinuousBatchingConfig(use_cuda_graph={graphs!r}); expected None, a bool, or a "
+            "(prompt steps, decode steps) pair of bools. Fix: use_cuda_graph=(False, True) "
+            "for decode steps from CUDA graphs, or leave it unset."
+        )
     varlen, decode = graphs
     return bool(varlen), bool(decode)
 
