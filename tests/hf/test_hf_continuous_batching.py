@@ -1387,14 +1387,23 @@ def test_gpu_the_newest_tokens_at_full_precision_under_continuous_batching(fmt: 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_no_memory_left_after_the_manager_stops_and_after_remove() -> None:
+@pytest.mark.parametrize(
+    "graphs",
+    [None, pytest.param((False, True), marks=needs_decode_path, id="decode-graphs")],
+)
+def test_gpu_no_memory_left_after_the_manager_stops_and_after_remove(graphs: Any) -> None:
+    """Also with decode steps captured in CUDA graphs (their memory pool and the graphs die
+    with the batch processor)."""
     model, handle, _ = models("per-tensor", "cuda")
     reqs = prompts()
     alone(model, reqs[0])  # the allocator's and cuBLAS's first allocations happen here
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     model.generate_batch(
-        reqs, generation_config=gen_config(), continuous_batching_config=cb_config(), warmup=False
+        reqs,
+        generation_config=gen_config(),
+        continuous_batching_config=cb_config(use_cuda_graph=graphs),
+        warmup=False,
     )
     torch.cuda.synchronize()
     # The batching thread's cuBLAS handle got its own workspace; stopping frees it too.
