@@ -444,6 +444,43 @@ def test_decode_graphs_asked_for_on_the_cpu_run_eagerly(monkeypatch: pytest.Monk
     assert (plans.host, plans.decode, plans.padded) == (1, NEW - 1, 0)
 
 
+@needs_decode_path
+@pytest.mark.parametrize("fmt", [*FORMATS, *FOUR_BIT])
+def test_padded_chunks_equal_the_same_batch_unpadded(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts split into chunks (24 tokens a step) read the earlier chunks from the pages, so
+    they are compared with the same batch unpadded, not with ``generate``: padded steps with
+    chunks (a launch of several queries per row) give the same tokens and log-probabilities,
+    with a ring of 4 newest tokens per block."""
+    model, _, _ = models(fmt, recent_tokens=4)
+    reqs = prompts((3, 9, 30, 21), seed=8)
+    original, chunked, padded = cb_storage.build_plan, [0, 0], [0, 0]
+
+    def counted(kwargs: dict[str, Any], *a: Any) -> Any:
+        plan = original(kwargs, *a)
+        chunks = any(x.gather.shape[1] > 1 for x in plan.launches)
+        chunked[len(runs)] += chunks
+        padded[len(runs)] += chunks and plan.padding > 0
+        return plan
+
+    monkeypatch.setattr(cb_storage, "build_plan", counted)
+    runs: list[list[Run]] = []
+    for pad in (False, True):
+        if pad:
+            pad_every_step(monkeypatch)
+        out = model.generate_batch(
+            reqs,
+            generation_config=gen_config(),
+            continuous_batching_config=cb_config(max_requests_per_batch=8, max_batch_tokens=24),
+            warmup=False,
+        )
+        runs.append([run_of(out[f"req_{i}"]) for i in range(len(reqs))])
+    # the same chunk steps; padded the second time unless a step fills its 24 tokens
+    assert chunked[0] == chunked[1] and padded[1] > 0 == padded[0]
+    assert_same(runs[1], runs[0])
+
+
 def test_a_prompt_alone_is_its_value_weighted_against_the_sink() -> None:
     """A one-token prompt on the decode path attends over its own key alone: its value, times
     ``exp(s) / (exp(s) + exp(sink))`` where the head has a sink (``s`` its score, after any
