@@ -257,7 +257,6 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
     last = (kv_len - 1).clamp(min=0)
     rows = torch.arange(n, device=device)
     last_block = pages.gather(1, (last // ps)[:, None]).squeeze(1)
-    trash = torch.full_like(last_block, trash_block)
     first_block = first_writes = None
     first_lens = None
     if nf:
@@ -266,12 +265,12 @@ def decode_plan(kwargs: dict[str, Any], layout: BlockLayout, trash_block: int) -
         into = live & (last < nf)
         first_writes = (
             rows,
-            torch.where(into, first_block, trash),
-            torch.where(into, last, torch.zeros_like(last)),
+            torch.where(into, first_block, trash_block),
+            torch.where(into, last, 0),
         )
     recent_writes = recent_blocks = None
     if ring:
-        recent_writes = (rows, torch.where(live, last_block, trash), last % ring)
+        recent_writes = (rows, torch.where(live, last_block, trash_block), last % ring)
         oldest = kv_len[:, None] - ring
         pos = oldest + torch.remainder(torch.arange(ring, device=device)[None, :] - oldest, ring)
         recent_blocks = pages.gather(1, pos.clamp(min=0) // ps)
